@@ -1,0 +1,41 @@
+# Quick start: `make run` (main job) and `make test` (C++ + Python tests).
+# Both create or reuse .venv, install the pinned requirements, and build the extension.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.requirements-stamp
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export MAX_JOBS ?= 2
+ARGS ?= plan --model llama2-7b --src dp2,tp4,pp1 --dst dp4,tp1,pp2
+
+.PHONY: venv build run test test-cpp test-py bench clean
+
+venv: $(STAMP)
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# Incremental in-place build (a no-op build takes a few seconds); flock keeps parallel
+# builds of the same tree from clobbering each other.
+build: $(STAMP)
+	flock .build.lock $(PY) setup.py -q build_ext --inplace
+
+run: build
+	$(PY) -m real_py $(ARGS)
+
+test-cpp: $(STAMP)
+	mkdir -p build && cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/cmake
+	ctest --test-dir build/cmake --output-on-failure
+
+test-py: build
+	$(PY) -m pytest -q -ra tests
+
+test: test-cpp test-py
+
+bench: build
+	$(PY) bench/bench_plan.py
+
+clean:
+	rm -rf build real_py/_C*.so

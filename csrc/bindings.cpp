@@ -1,0 +1,94 @@
+// Python bindings for the torch-free C++ core (planner, search). Ops are registered separately
+// with TORCH_LIBRARY in csrc/ops/; this file only needs pybind11 and numpy, so it compiles in
+// seconds. Arrays cross the boundary as int64 numpy arrays (zero-copy on the way out).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "planner/planner.h"
+
+namespace py = pybind11;
+using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+std::vector<int64_t> to_vec(const I64& a) { return {a.data(), a.data() + a.size()}; }
+
+// Hands a vector's storage to numpy without copying.
+template <typename T>
+py::array own(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* heap = new std::vector<T>(std::move(v));
+  py::capsule free_when_done(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array(py::dtype::of<int64_t>(), shape, reinterpret_cast<int64_t*>(heap->data()),
+                   free_when_done);
+}
+
+py::array own1(std::vector<int64_t>&& v) {
+  const auto n = static_cast<py::ssize_t>(v.size());
+  return own(std::move(v), {n});
+}
+
+real_py::LayoutIn layout_from(const py::dict& d) {
+  real_py::LayoutIn l;
+  l.dp = d["dp"].cast<int64_t>();
+  l.tp = d["tp"].cast<int64_t>();
+  l.pp = d["pp"].cast<int64_t>();
+  l.grid = to_vec(d["grid"].cast<I64>());
+  l.entry_param = to_vec(d["entry_param"].cast<I64>());
+  l.entry_stage = to_vec(d["entry_stage"].cast<I64>());
+  l.entry_offset = to_vec(d["entry_offset"].cast<I64>());
+  return l;
+}
+
+// geom: [P, 4] int64 (A, D, B, kind); block_ptr: [P + 1]; blocks: [block_ptr[P]].
+py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py::dict& src,
+              const py::dict& dst, int mode, int64_t ranks_per_node, int64_t min_split_elems) {
+  if (geom.ndim() != 2 || geom.shape(1) != 4) throw std::invalid_argument("geom must be [P, 4]");
+  const auto P = geom.shape(0);
+  if (block_ptr.size() != P + 1) throw std::invalid_argument("block_ptr must be [P + 1]");
+  std::vector<real_py::ParamGeom> params(P);
+  const int64_t* g = geom.data();
+  for (py::ssize_t i = 0; i < P; ++i) {
+    auto& p = params[i];
+    p.A = g[4 * i];
+    p.D = g[4 * i + 1];
+    p.B = g[4 * i + 2];
+    p.kind = static_cast<real_py::TPKind>(g[4 * i + 3]);
+    p.blocks.assign(blocks.data() + block_ptr.data()[i], blocks.data() + block_ptr.data()[i + 1]);
+  }
+  real_py::PlanOptions opt;
+  opt.mode = static_cast<real_py::Mode>(mode);
+  opt.ranks_per_node = ranks_per_node;
+  opt.min_split_elems = min_split_elems;
+  real_py::Plan pl;
+  {
+    py::gil_scoped_release release;
+    pl = real_py::make_plan(params, layout_from(src), layout_from(dst), opt);
+  }
+  const auto nd = static_cast<py::ssize_t>(pl.descs.size());
+  py::dict out;
+  out["descs"] = own(std::move(pl.descs), {nd, 6});
+  out["msg_sender"] = own1(std::move(pl.msg_sender));
+  out["msg_recv_ptr"] = own1(std::move(pl.msg_recv_ptr));
+  out["msg_receivers"] = own1(std::move(pl.msg_receivers));
+  out["msg_desc_ptr"] = own1(std::move(pl.msg_desc_ptr));
+  out["msg_numel"] = own1(std::move(pl.msg_numel));
+  out["local_rank"] = own1(std::move(pl.local_rank));
+  out["local_desc_ptr"] = own1(std::move(pl.local_desc_ptr));
+  out["local_numel"] = own1(std::move(pl.local_numel));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "real_py C++ core: exact transfer planner (and search)";
+  static_assert(sizeof(real_py::Desc) == 6 * sizeof(int64_t), "Desc must be six packed int64");
+  m.def("plan", &plan, py::arg("geom"), py::arg("block_ptr"), py::arg("blocks"), py::arg("src"),
+        py::arg("dst"), py::arg("mode"), py::arg("ranks_per_node"), py::arg("min_split_elems"),
+        "Exact transfer plan between two layouts; returns a dict of int64 arrays.");
+}

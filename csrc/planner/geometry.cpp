@@ -1,0 +1,83 @@
+#include "planner/geometry.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace real_py {
+
+int64_t local_extent(const ParamGeom& g, int64_t tp) {
+  switch (g.kind) {
+    case TPKind::kReplicated:
+      return g.D;
+    case TPKind::kVocab:
+      return (g.D + tp - 1) / tp;
+    case TPKind::kSplit:
+      if (g.D % tp) throw std::invalid_argument("tp " + std::to_string(tp) + " does not divide " +
+                                                std::to_string(g.D));
+      return g.D / tp;
+  }
+  return 0;
+}
+
+std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k) {
+  std::vector<Segment> out;
+  if (g.kind == TPKind::kReplicated) {
+    out.push_back({0, g.D, 0});
+  } else if (g.kind == TPKind::kVocab) {
+    const int64_t ext = local_extent(g, tp);
+    const int64_t lo = std::min(g.D, k * ext), hi = std::min(g.D, (k + 1) * ext);
+    if (hi > lo) out.push_back({lo, hi, 0});
+  } else {
+    int64_t block_lo = 0, local = 0;
+    const std::vector<int64_t> one{g.D};
+    for (int64_t b : g.blocks.empty() ? one : g.blocks) {
+      if (b % tp) throw std::invalid_argument("tp " + std::to_string(tp) +
+                                              " does not divide block " + std::to_string(b));
+      const int64_t piece = b / tp;
+      out.push_back({block_lo + k * piece, block_lo + (k + 1) * piece, local});
+      local += piece;
+      block_lo += b;
+    }
+  }
+  return out;
+}
+
+Desc make_desc(const ParamGeom& g, int64_t a_lo, int64_t a_hi, int64_t lo, int64_t hi,
+               int64_t src_base, int64_t src_ext, const Segment& s, int64_t dst_base,
+               int64_t dst_ext, const Segment& d) {
+  Desc out;
+  out.src_off = src_base + (a_lo * src_ext + s.local + lo - s.lo) * g.B;
+  out.dst_off = dst_base + (a_lo * dst_ext + d.local + lo - d.lo) * g.B;
+  out.len = (hi - lo) * g.B;
+  out.n = a_hi - a_lo;
+  out.src_stride = src_ext * g.B;
+  out.dst_stride = dst_ext * g.B;
+  if (out.n > 1 && out.len == out.src_stride && out.len == out.dst_stride) {
+    out.len *= out.n;
+    out.n = 1;
+  }
+  if (out.n == 1) out.src_stride = out.dst_stride = out.len;
+  return out;
+}
+
+void append_merged(std::vector<Desc>& out, const Desc& d) {
+  if (!out.empty()) {
+    Desc& p = out.back();
+    if (p.n == 1 && d.n == 1 && p.src_off + p.len == d.src_off && p.dst_off + p.len == d.dst_off) {
+      p.len += d.len;
+      p.src_stride = p.dst_stride = p.len;
+      return;
+    }
+    const bool same_strides =
+        d.n == 1 || (d.src_stride == p.src_stride && d.dst_stride == p.dst_stride);
+    if (p.n > 1 && d.len == p.len && same_strides && d.src_off == p.src_off + p.n * p.src_stride &&
+        d.dst_off == p.dst_off + p.n * p.dst_stride) {
+      p.n += d.n;
+      return;
+    }
+  }
+  out.push_back(d);
+}
+
+}  // namespace real_py

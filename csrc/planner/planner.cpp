@@ -1,0 +1,200 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+
+namespace real_py {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void check_layout(const LayoutIn& l, size_t num_params, const char* side) {
+  const std::string s(side);
+  if (l.dp < 1 || l.tp < 1 || l.pp < 1) throw std::invalid_argument(s + ": dp, tp, pp must be >= 1");
+  if (static_cast<int64_t>(l.grid.size()) != l.dp * l.tp * l.pp)
+    throw std::invalid_argument(s + ": grid has " + str(l.grid.size()) + " ranks, expected dp*tp*pp=" +
+                                str(l.dp * l.tp * l.pp));
+  if (l.entry_param.size() != l.entry_stage.size() || l.entry_param.size() != l.entry_offset.size())
+    throw std::invalid_argument(s + ": shard entry arrays differ in length");
+  for (size_t i = 0; i < l.entry_param.size(); ++i) {
+    if (l.entry_param[i] < 0 || l.entry_param[i] >= static_cast<int64_t>(num_params))
+      throw std::invalid_argument(s + ": entry " + str(i) + " names parameter " + str(l.entry_param[i]));
+    if (l.entry_stage[i] < 0 || l.entry_stage[i] >= l.pp)
+      throw std::invalid_argument(s + ": entry " + str(i) + " names stage " + str(l.entry_stage[i]));
+  }
+  for (int64_t r : l.grid)
+    if (r < 0) throw std::invalid_argument(s + ": negative rank " + str(r));
+}
+
+struct Holder {
+  int64_t rank, offset;
+};
+
+// Chooses senders: least egress first, preferring the receiver's node when nodes are known.
+class SenderPicker {
+ public:
+  SenderPicker(int64_t num_ranks, int64_t ranks_per_node)
+      : rank_load_(num_ranks, 0), rpn_(ranks_per_node),
+        node_load_(ranks_per_node > 0 ? num_ranks / ranks_per_node + 1 : 1, 0) {}
+
+  const Holder& pick(const std::vector<Holder>& holders, int64_t receiver, int64_t numel) {
+    const Holder* best = nullptr;
+    std::tuple<int, int64_t, int64_t, int64_t> best_key;
+    for (const Holder& h : holders) {
+      int remote = 0;
+      int64_t node_load = 0;
+      if (rpn_ > 0 && receiver >= 0) {
+        remote = h.rank / rpn_ != receiver / rpn_;
+        node_load = remote ? node_load_[h.rank / rpn_] : 0;
+      }
+      auto key = std::make_tuple(remote, node_load, rank_load_[h.rank], h.rank);
+      if (!best || key < best_key) best = &h, best_key = key;
+    }
+    rank_load_[best->rank] += numel;
+    if (rpn_ > 0) node_load_[best->rank / rpn_] += numel;
+    return *best;
+  }
+
+ private:
+  std::vector<int64_t> rank_load_;
+  int64_t rpn_;
+  std::vector<int64_t> node_load_;
+};
+
+}  // namespace
+
+Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+               const PlanOptions& opt) {
+  const size_t P = params.size();
+  check_layout(src, P, "src");
+  check_layout(dst, P, "dst");
+  int64_t num_ranks = 1;
+  for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
+  for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
+
+  // Where each parameter lives: (stage, offset) per side; each source rank's position.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> src_at(P), dst_at(P);
+  for (size_t i = 0; i < src.entry_param.size(); ++i)
+    src_at[src.entry_param[i]].emplace_back(src.entry_stage[i], src.entry_offset[i]);
+  for (size_t i = 0; i < dst.entry_param.size(); ++i)
+    dst_at[dst.entry_param[i]].emplace_back(dst.entry_stage[i], dst.entry_offset[i]);
+  std::vector<int64_t> src_stage(num_ranks, -1), src_tp(num_ranks, -1);
+  for (int64_t s = 0; s < src.pp; ++s)
+    for (int64_t d = 0; d < src.dp; ++d)
+      for (int64_t t = 0; t < src.tp; ++t) {
+        const int64_t r = src.rank(s, d, t);
+        src_stage[r] = s;
+        src_tp[r] = t;
+      }
+
+  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<Desc>> messages;
+  std::map<int64_t, std::vector<Desc>> locals;
+  SenderPicker picker(num_ranks, opt.ranks_per_node);
+  std::vector<Holder> holders;
+  std::vector<int64_t> net_recv;
+  std::vector<std::vector<int64_t>> groups;
+
+  for (size_t p = 0; p < P; ++p) {
+    const ParamGeom& g = params[p];
+    if (src_at[p].empty() && !dst_at[p].empty())
+      throw std::invalid_argument("parameter " + str(p) + " is held by no source shard");
+    const bool replicated = g.kind == TPKind::kReplicated;
+    const int64_t src_ext = local_extent(g, src.tp), dst_ext = local_extent(g, dst.tp);
+    const int64_t src_groups = replicated ? 1 : src.tp;
+    std::vector<std::vector<Segment>> src_segs(src_groups);
+    for (int64_t k = 0; k < src_groups; ++k) src_segs[k] = segments(g, src.tp, k);
+
+    for (const auto& [t_stage, dst_off] : dst_at[p]) {
+      for (int64_t k2 = 0; k2 < dst.tp; ++k2) {
+        for (const Segment& ds : segments(g, dst.tp, k2)) {
+          for (int64_t k = 0; k < src_groups; ++k) {
+            for (const Segment& ss : src_segs[k]) {
+              const int64_t lo = std::max(ds.lo, ss.lo), hi = std::min(ds.hi, ss.hi);
+              if (lo >= hi) continue;
+              // Holders: every source rank (any stage holding p) with this piece.
+              holders.clear();
+              for (const auto& [s, soff] : src_at[p])
+                for (int64_t d = 0; d < src.dp; ++d)
+                  for (int64_t t = 0; t < src.tp; ++t)
+                    if (replicated || t == k) holders.push_back({src.rank(s, d, t), soff});
+              // Receivers: the dst replicas of (t_stage, k2); local when they hold the piece.
+              net_recv.clear();
+              for (int64_t d2 = 0; d2 < dst.dp; ++d2) {
+                const int64_t r = dst.rank(t_stage, d2, k2);
+                const int64_t s = src_stage[r];
+                int64_t soff = -1;
+                if (s >= 0 && (replicated || src_tp[r] == k))
+                  for (const auto& [hs, ho] : src_at[p])
+                    if (hs == s) soff = ho;
+                if (soff >= 0) {
+                  append_merged(locals[r], make_desc(g, 0, g.A, lo, hi, soff, src_ext, ss, dst_off,
+                                                     dst_ext, ds));
+                } else {
+                  net_recv.push_back(r);
+                }
+              }
+              if (net_recv.empty()) continue;
+              groups.clear();
+              if (opt.mode == Mode::kBroadcast) {
+                groups.push_back(net_recv);
+                std::sort(groups.back().begin(), groups.back().end());
+              } else {
+                for (int64_t r : net_recv) groups.push_back({r});
+              }
+              // Split big pieces so that every holder sends when holders outnumber groups.
+              const int64_t numel = g.A * (hi - lo) * g.B;
+              int64_t chunks = 1;
+              const int64_t H = static_cast<int64_t>(holders.size());
+              if (H > static_cast<int64_t>(groups.size()) && numel >= 2 * opt.min_split_elems)
+                chunks = std::min(H, numel / opt.min_split_elems);
+              const bool along_a = g.A >= chunks;
+              if (!along_a) chunks = std::min(chunks, hi - lo);
+              const int64_t extent = along_a ? g.A : hi - lo;
+              for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t c_lo = extent * c / chunks, c_hi = extent * (c + 1) / chunks;
+                const int64_t a_lo = along_a ? c_lo : 0, a_hi = along_a ? c_hi : g.A;
+                const int64_t x_lo = along_a ? lo : lo + c_lo, x_hi = along_a ? hi : lo + c_hi;
+                const int64_t chunk_numel = (a_hi - a_lo) * (x_hi - x_lo) * g.B;
+                for (const auto& group : groups) {
+                  const int64_t near = opt.mode == Mode::kP2P ? group[0] : -1;
+                  const Holder& h = picker.pick(holders, near, chunk_numel);
+                  append_merged(messages[{h.rank, group}],
+                                make_desc(g, a_lo, a_hi, x_lo, x_hi, h.offset, src_ext, ss, dst_off,
+                                          dst_ext, ds));
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  Plan plan;
+  for (const auto& [key, descs] : messages) {
+    plan.msg_sender.push_back(key.first);
+    plan.msg_receivers.insert(plan.msg_receivers.end(), key.second.begin(), key.second.end());
+    plan.msg_recv_ptr.push_back(static_cast<int64_t>(plan.msg_receivers.size()));
+    int64_t n = 0;
+    for (const Desc& d : descs) n += d.numel();
+    plan.descs.insert(plan.descs.end(), descs.begin(), descs.end());
+    plan.msg_desc_ptr.push_back(static_cast<int64_t>(plan.descs.size()));
+    plan.msg_numel.push_back(n);
+  }
+  plan.local_desc_ptr[0] = static_cast<int64_t>(plan.descs.size());  // locals follow messages
+  for (const auto& [rank, descs] : locals) {
+    plan.local_rank.push_back(rank);
+    int64_t n = 0;
+    for (const Desc& d : descs) n += d.numel();
+    plan.descs.insert(plan.descs.end(), descs.begin(), descs.end());
+    plan.local_desc_ptr.push_back(static_cast<int64_t>(plan.descs.size()));
+    plan.local_numel.push_back(n);
+  }
+  return plan;
+}
+
+}  // namespace real_py

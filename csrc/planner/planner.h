@@ -1,0 +1,53 @@
+// The exact transfer planner. Torch-free, deterministic: every rank replays it and gets the
+// same plan, so sends and receives pair up without a coordinator.
+//
+// For every destination rank, every element of its destination shard gets exactly one source:
+// itself (a local copy, when it holds the element in the source layout) or one source rank.
+// Senders are chosen to balance egress bytes over the source replicas holding the data
+// (preferring the receiver's node, then the least-loaded node, when ranks_per_node is set);
+// large pieces with more holders than receivers are split so that every holder sends.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "planner/geometry.h"
+
+namespace real_py {
+
+// One side of a reallocation, as flat arrays (built by real_py/plan.py).
+struct LayoutIn {
+  int64_t dp = 1, tp = 1, pp = 1;
+  std::vector<int64_t> grid;  // [pp][dp][tp] -> global rank
+  // Shard entries: parameter `entry_param[i]` lives on stage `entry_stage[i]` at flat
+  // offset `entry_offset[i]` (elements; the same on every tp rank of that stage).
+  std::vector<int64_t> entry_param, entry_stage, entry_offset;
+
+  int64_t rank(int64_t stage, int64_t d, int64_t t) const { return grid[(stage * dp + d) * tp + t]; }
+};
+
+enum class Mode : int { kP2P = 0, kBroadcast = 1 };
+
+struct PlanOptions {
+  Mode mode = Mode::kP2P;
+  int64_t ranks_per_node = 0;        // 0: no node awareness
+  int64_t min_split_elems = 1 << 18;  // split a piece over holders only above this size
+};
+
+// Messages in CSR form. Message m goes from msg_sender[m] to the receivers
+// msg_receivers[msg_recv_ptr[m] .. msg_recv_ptr[m+1]) (one in p2p mode) and copies
+// descs[msg_desc_ptr[m] .. msg_desc_ptr[m+1]) from the sender's source shard into every
+// receiver's destination shard (receivers of one message have identical shard layouts).
+// Local copy l moves descs[local_desc_ptr[l] .. local_desc_ptr[l+1]) within local_rank[l].
+struct Plan {
+  std::vector<int64_t> msg_sender, msg_recv_ptr{0}, msg_receivers, msg_desc_ptr{0}, msg_numel;
+  std::vector<int64_t> local_rank, local_desc_ptr{0}, local_numel;
+  std::vector<Desc> descs;
+};
+
+// Throws std::invalid_argument on inconsistent input (a parameter held by no source shard,
+// tp not dividing a block, ...).
+Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+               const PlanOptions& opt);
+
+}  // namespace real_py

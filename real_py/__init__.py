@@ -1,0 +1,12 @@
+"""real_py: parameter reallocation between arbitrary TP/PP/DP layouts for RLHF."""
+
+from .layout import Layout, ShardLayout, check_fits, shard_layout, stage_layer_ranges
+from .plan import ReallocPlan, plan_realloc
+from .shard import ModelShard, gather_full
+from .spec import ModelConfig, ModelSpec, ParamSpec, TPRule, model_spec, preset
+
+__all__ = [
+    "Layout", "ShardLayout", "check_fits", "shard_layout", "stage_layer_ranges",
+    "ReallocPlan", "plan_realloc", "ModelShard", "gather_full",
+    "ModelConfig", "ModelSpec", "ParamSpec", "TPRule", "model_spec", "preset",
+]

@@ -1,0 +1,255 @@
+"""Python front of the C++ transfer planner: `plan_realloc(model, src, dst) -> ReallocPlan`.
+
+The plan is data (int64 arrays); executing it is a loop over it (see reallocator.py).
+Descriptors are [num_descs, 6] int64 in elements: (src_off, dst_off, len, n, src_stride,
+dst_stride), n runs of len elements. A message's descriptors read the sender's source flat
+buffer and write every receiver's destination flat buffer; its packed form is the runs
+concatenated in descriptor order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import Layout, check_fits, param_stages, shard_layout
+from .spec import ModelSpec
+
+MODES = ("p2p", "broadcast")
+_KIND = {"replicated": 0, "split": 1, "vocab": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message as seen by one rank: peers are the receivers (send) or the sender (recv)."""
+
+    peers: tuple[int, ...]
+    numel: int
+    descs: np.ndarray
+    """[k, 6] int64 in flat-buffer coordinates (sender's source -> receiver's destination)."""
+
+    def pack_descs(self) -> np.ndarray:
+        """[k, 6]: source flat buffer -> packed buffer (runs concatenated)."""
+        return _to_packed(self.descs, side="pack")
+
+    def unpack_descs(self) -> np.ndarray:
+        """[k, 6]: packed buffer -> destination flat buffer."""
+        return _to_packed(self.descs, side="unpack")
+
+
+def _to_packed(descs: np.ndarray, side: str) -> np.ndarray:
+    out = descs.copy()
+    sizes = descs[:, 2] * descs[:, 3]
+    packed = np.concatenate(([0], np.cumsum(sizes)[:-1])) if len(descs) else np.zeros(0, np.int64)
+    if side == "pack":
+        out[:, 1], out[:, 5] = packed, descs[:, 2]
+    else:
+        out[:, 0], out[:, 4] = packed, descs[:, 2]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+    local: np.ndarray
+    """[k, 6] descriptors copying this rank's source shard into its destination shard."""
+
+    @property
+    def send_numel(self) -> int:
+        return sum(m.numel for m in self.sends)
+
+    @property
+    def recv_numel(self) -> int:
+        return sum(m.numel for m in self.recvs)
+
+    @property
+    def local_numel(self) -> int:
+        return int((self.local[:, 2] * self.local[:, 3]).sum())
+
+
+class ReallocPlan:
+    """An exact transfer plan. Identical on every rank that computes it with the same inputs."""
+
+    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict):
+        self.model, self.src, self.dst, self.mode = model, src, dst, mode
+        self.descs: np.ndarray = arrays["descs"]
+        self.msg_sender: np.ndarray = arrays["msg_sender"]
+        self.msg_recv_ptr: np.ndarray = arrays["msg_recv_ptr"]
+        self.msg_receivers: np.ndarray = arrays["msg_receivers"]
+        self.msg_desc_ptr: np.ndarray = arrays["msg_desc_ptr"]
+        self.msg_numel: np.ndarray = arrays["msg_numel"]
+        self.local_rank: np.ndarray = arrays["local_rank"]
+        self.local_desc_ptr: np.ndarray = arrays["local_desc_ptr"]
+        self.local_numel: np.ndarray = arrays["local_numel"]
+        for a in arrays.values():
+            a.setflags(write=False)
+        self._rank_plans: dict[int, RankPlan] = {}
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.msg_sender)
+
+    @property
+    def element_size(self) -> int:
+        return self.model.element_size
+
+    def receivers(self, m: int) -> tuple[int, ...]:
+        return tuple(int(r) for r in self.msg_receivers[self.msg_recv_ptr[m]:self.msg_recv_ptr[m + 1]])
+
+    def message_descs(self, m: int) -> np.ndarray:
+        return self.descs[self.msg_desc_ptr[m]:self.msg_desc_ptr[m + 1]]
+
+    def ranks(self) -> list[int]:
+        """Every global rank that takes part (either layout)."""
+        return sorted(set(self.src.ranks) | set(self.dst.ranks))
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """This rank's sends, receives and local copies, in the plan's global message order."""
+        if rank not in self._rank_plans:
+            sends, recvs = [], []
+            for m in range(self.num_messages):
+                receivers = self.receivers(m)
+                sender = int(self.msg_sender[m])
+                if sender == rank:
+                    sends.append(Message(receivers, int(self.msg_numel[m]), self.message_descs(m)))
+                if rank in receivers:
+                    recvs.append(Message((sender,), int(self.msg_numel[m]), self.message_descs(m)))
+            hit = np.nonzero(self.local_rank == rank)[0]
+            local = (self.descs[self.local_desc_ptr[hit[0]]:self.local_desc_ptr[hit[0] + 1]]
+                     if len(hit) else np.zeros((0, 6), np.int64))
+            self._rank_plans[rank] = RankPlan(rank, tuple(sends), tuple(recvs), local)
+        return self._rank_plans[rank]
+
+    def per_rank_bytes(self) -> dict[int, dict[str, int]]:
+        """rank -> {send, recv, local} bytes (a broadcast counts once for its sender)."""
+        es = self.element_size
+        out = {r: {"send": 0, "recv": 0, "local": 0} for r in self.ranks()}
+        for m in range(self.num_messages):
+            n = int(self.msg_numel[m]) * es
+            out[int(self.msg_sender[m])]["send"] += n
+            for r in self.receivers(m):
+                out[r]["recv"] += n
+        for r, n in zip(self.local_rank.tolist(), self.local_numel.tolist()):
+            out[r]["local"] += n * es
+        return out
+
+    def summary(self) -> dict:
+        """Bytes, messages, per-rank ingress/egress and the theoretical minimum network bytes."""
+        es = self.element_size
+        per_rank = self.per_rank_bytes()
+        recv_counts = np.diff(self.msg_recv_ptr)
+        network = int((self.msg_numel * recv_counts).sum()) * es
+        local = int(self.local_numel.sum()) * es
+        dst_data = sum(_shard_data_numel(self.model, self.dst, r)
+                       for r in self.dst.ranks) * es
+        return {
+            "model": self.model.name, "src": str(self.src), "dst": str(self.dst), "mode": self.mode,
+            "dtype": self.model.dtype,
+            "total_bytes": network + local,
+            "network_bytes": network,
+            "local_bytes": local,
+            "min_network_bytes": dst_data - local,
+            "num_messages": self.num_messages,
+            "num_descs": int(len(self.descs)),
+            "max_ingress_bytes": max((v["recv"] for v in per_rank.values()), default=0),
+            "max_egress_bytes": max((v["send"] for v in per_rank.values()), default=0),
+            "per_rank": per_rank,
+        }
+
+    def describe(self, max_ranks: int = 16) -> str:
+        """Readable summary: totals, then per-rank send/receive bytes."""
+        s = self.summary()
+        gib = 1 << 30
+        lines = [
+            f"plan {s['model']}: {s['src']} -> {s['dst']} ({s['mode']}, {s['dtype']})",
+            f"  total {s['total_bytes'] / gib:.3f} GiB = network {s['network_bytes'] / gib:.3f} GiB"
+            f" + local {s['local_bytes'] / gib:.3f} GiB",
+            f"  theoretical minimum network {s['min_network_bytes'] / gib:.3f} GiB"
+            f" ({'met' if s['min_network_bytes'] == s['network_bytes'] else 'NOT met'})",
+            f"  {s['num_messages']} messages, {s['num_descs']} descriptors",
+            f"  largest ingress {s['max_ingress_bytes'] / gib:.3f} GiB, largest egress "
+            f"{s['max_egress_bytes'] / gib:.3f} GiB (transfer-time lower bound = max / link GB/s)",
+            "  rank      send GiB   recv GiB  local GiB",
+        ]
+        for i, (r, v) in enumerate(sorted(s["per_rank"].items())):
+            if i == max_ranks:
+                lines.append(f"  ... {len(s['per_rank']) - max_ranks} more ranks")
+                break
+            lines.append(f"  {r:4d}  {v['send'] / gib:10.3f} {v['recv'] / gib:10.3f} {v['local'] / gib:10.3f}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"ReallocPlan({self.model.name}, {self.src} -> {self.dst}, {self.mode}, {self.num_messages} msgs)"
+
+
+def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:
+    """Data elements of a rank's shard (vocab and alignment padding excluded)."""
+    _, k, stage = layout.coords(rank)
+    total = 0
+    for e in shard_layout(model, layout, stage).entries:
+        p = e.param
+        if p.tp.kind == "vocab":
+            rows, ext = p.shape[p.tp.dim], e.local_shape[p.tp.dim]
+            held = min(rows, (k + 1) * ext) - min(rows, k * ext)
+            total += held * (p.numel // rows)
+        else:
+            total += e.numel
+    return total
+
+
+def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",
+                 dst_model: ModelSpec | None = None, ranks_per_node: int = 0,
+                 min_split_bytes: int = 1 << 20) -> ReallocPlan:
+    """The exact plan moving `model` from layout `src` to layout `dst` (cached on its inputs).
+
+    mode: "p2p" (one sender per receiver and piece) or "broadcast" (one sender per piece and set
+    of receivers with identical needs). dst_model: the destination side's spec, checked for
+    agreement with `model`. ranks_per_node: prefer same-node senders and balance across nodes.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {MODES}")
+    if ranks_per_node < 0:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 0")
+    if dst_model is not None and dst_model != model:
+        model.check_compatible(dst_model)
+    return _plan_cached(model, src, dst, mode, ranks_per_node, min_split_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_cached(model, src, dst, mode, ranks_per_node, min_split_bytes) -> ReallocPlan:
+    from . import _C
+
+    for side, layout in (("src", src), ("dst", dst)):
+        try:
+            check_fits(model, layout)
+        except ValueError as e:
+            raise ValueError(f"{side} layout {layout}: {e}") from None
+    geom = np.array([p.geometry() + (_KIND[p.tp.kind],) for p in model.params], np.int64).reshape(-1, 4)
+    blocks = [p.blocks if p.tp.kind == "split" else () for p in model.params]
+    block_ptr = np.concatenate(([0], np.cumsum([len(b) for b in blocks]))).astype(np.int64)
+    flat_blocks = np.array([b for bs in blocks for b in bs], np.int64)
+    arrays = _C.plan(geom, block_ptr, flat_blocks, _layout_arrays(model, src), _layout_arrays(model, dst),
+                     MODES.index(mode), ranks_per_node,
+                     max(1, min_split_bytes // model.element_size))
+    return ReallocPlan(model, src, dst, mode, arrays)
+
+
+def _layout_arrays(model: ModelSpec, layout: Layout) -> dict:
+    index = {p.name: i for i, p in enumerate(model.params)}
+    ep, es, eo = [], [], []
+    for s in range(layout.pp):
+        for e in shard_layout(model, layout, s).entries:
+            ep.append(index[e.param.name])
+            es.append(s)
+            eo.append(e.offset)
+    return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+            "grid": np.array(layout.grid(), np.int64).reshape(-1),
+            "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
+            "entry_offset": np.array(eo, np.int64)}
+
+
+__all__ = ["plan_realloc", "ReallocPlan", "RankPlan", "Message", "MODES", "param_stages"]

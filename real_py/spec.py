@@ -1,0 +1,326 @@
+"""Model description: parameter names, global shapes, dtypes, owners and TP partition rules.
+
+A `ModelSpec` is the single source of truth shared by the planner (which bytes live where),
+the shard buffers (flat-buffer offsets) and the models (parameter names and shapes).
+
+TP partition rules (`TPRule`), for a parameter viewed as [A, D, B] around its split dim:
+  replicated  every TP rank holds the whole tensor.
+  split       dim `dim` is cut into `blocks` (fused tensors: q|k|v, gate|up); each block is
+              split evenly across TP ranks; a rank's local tensor is its piece of every block,
+              concatenated in block order.
+  vocab       dim `dim` is padded up to a multiple of tp and split evenly; padding rows are
+              zero and never transferred.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+ALIGN_BYTES = 64  # every parameter starts on a 64-byte boundary of its shard's flat buffer
+
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TPRule:
+    kind: str = "replicated"
+    """One of "replicated", "split", "vocab"."""
+    dim: int = 0
+    """Tensor dim that is split (ignored for replicated)."""
+    blocks: tuple[int, ...] = ()
+    """Sizes of the fused blocks along `dim` (sum == shape[dim]); () means one block."""
+    units: tuple[tuple[str, int], ...] = ()
+    """Per block, (config name, count) that tp must divide, e.g. ("num_key_value_heads", 8)."""
+
+    def __post_init__(self):
+        if self.kind not in ("replicated", "split", "vocab"):
+            raise ValueError(f"TPRule.kind={self.kind!r}; allowed: 'replicated', 'split', 'vocab'")
+        if self.units and len(self.units) != len(self.blocks):
+            raise ValueError(f"TPRule.units has {len(self.units)} entries for {len(self.blocks)} blocks")
+
+
+REPLICATED = TPRule()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    owner: str
+    """"embed", "layer", "final_norm" or "head"."""
+    layer: int = -1
+    """Layer index for owner == "layer"."""
+    tp: TPRule = REPLICATED
+    tied_to_head: bool = False
+    """Tied input embedding: the head's pipeline stage holds a copy too."""
+
+    def __post_init__(self):
+        if self.owner not in ("embed", "layer", "final_norm", "head"):
+            raise ValueError(f"{self.name}: owner={self.owner!r}; allowed: embed, layer, final_norm, head")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"{self.name}: dtype={self.dtype!r}; allowed: {sorted(DTYPE_SIZES)}")
+        if any(s <= 0 for s in self.shape):
+            raise ValueError(f"{self.name}: shape {self.shape} has a non-positive dim")
+        if self.tp.kind != "replicated":
+            if not 0 <= self.tp.dim < len(self.shape):
+                raise ValueError(f"{self.name}: split dim {self.tp.dim} out of range for shape {self.shape}")
+            if self.tp.blocks and sum(self.tp.blocks) != self.shape[self.tp.dim]:
+                raise ValueError(
+                    f"{self.name}: blocks {self.tp.blocks} sum to {sum(self.tp.blocks)}, "
+                    f"not shape[{self.tp.dim}]={self.shape[self.tp.dim]}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.tp.blocks or (self.shape[self.tp.dim],)
+
+    def geometry(self) -> tuple[int, int, int]:
+        """(A, D, B): the tensor viewed as [A, D, B] around its split dim (D = numel if replicated)."""
+        if self.tp.kind == "replicated":
+            return 1, self.numel, 1
+        d = self.tp.dim
+        return math.prod(self.shape[:d]), self.shape[d], math.prod(self.shape[d + 1:])
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape of one TP rank's piece (identical on every TP rank; vocab includes padding)."""
+        if self.tp.kind == "replicated":
+            return self.shape
+        d, size = self.tp.dim, self.shape[self.tp.dim]
+        local = -(-size // tp) if self.tp.kind == "vocab" else size // tp
+        return self.shape[:d] + (local,) + self.shape[d + 1:]
+
+    def tp_error(self, tp: int) -> str | None:
+        """Why `tp` cannot split this parameter, or None."""
+        if self.tp.kind != "split":
+            return None
+        units = self.tp.units or tuple((f"{self.name}.shape[{self.tp.dim}]", b) for b in self.blocks)
+        for (unit, count), block in zip(units, self.blocks):
+            if count % tp or block % tp:
+                return f"tp={tp} does not divide {unit}={count}"
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """LLaMA / Qwen2 / Mistral-style decoder shape."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_hidden_layers: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Qwen2-style bias on q, k, v."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    head: str = "lm"
+    """"lm" (actor, reference) or "value" (critic, reward: a scalar per token)."""
+    dtype: str = "float32"
+    head_dim: int = 0
+    """Per-head dim; 0 means hidden_size // num_attention_heads."""
+
+    def __post_init__(self):
+        for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "num_hidden_layers"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"ModelConfig.{f}={getattr(self, f)} must be positive")
+        if self.head not in ("lm", "value"):
+            raise ValueError(f"ModelConfig.head={self.head!r}; allowed: 'lm', 'value'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not self.head_dim:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
+                                 f"num_attention_heads={self.num_attention_heads}; give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPE_SIZES)}")
+
+    @classmethod
+    def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> "ModelConfig":
+        """From an HF config dict, a config.json path, or a checkpoint directory."""
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
+                "num_hidden_layers", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
+                "max_position_embeddings", "attention_bias", "head_dim")
+        kwargs = {k: config[k] for k in keys if config.get(k) is not None}
+        kwargs["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+        if config.get("model_type") == "qwen2" and "attention_bias" not in config:
+            kwargs["attention_bias"] = True
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama2-7b": ModelConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                             num_key_value_heads=32, vocab_size=32000, num_hidden_layers=32),
+    "llama2-13b": ModelConfig(hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                              num_key_value_heads=40, vocab_size=32000, num_hidden_layers=40),
+    "codellama-34b": ModelConfig(hidden_size=8192, intermediate_size=22016, num_attention_heads=64,
+                                 num_key_value_heads=8, vocab_size=32000, num_hidden_layers=48,
+                                 rope_theta=1e6),
+    "llama2-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                              num_key_value_heads=8, vocab_size=32000, num_hidden_layers=80),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; allowed: {sorted(PRESETS)}")
+    from dataclasses import replace
+
+    return replace(PRESETS[name], **overrides)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    name: str
+    params: tuple[ParamSpec, ...]
+    """In forward key order: embedding, layers in order, final norm, head."""
+    num_layers: int
+    config: ModelConfig | None = field(default=None, compare=False)
+    """The config it was built from (None for hand-built specs); not part of equality."""
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # Specs key every plan/layout cache; hashing 700+ params per lookup dominated planning.
+        return self._hash
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.name, self.params, self.num_layers)))
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"ModelSpec {self.name}: duplicate parameter names {dup[:5]}")
+        for p in self.params:
+            if p.owner == "layer" and not 0 <= p.layer < self.num_layers:
+                raise ValueError(f"{p.name}: layer={p.layer} outside [0, {self.num_layers})")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ModelSpec {self.name}: mixed dtypes {sorted(dtypes)}; a shard's flat "
+                             "buffer holds one dtype, so cast the model to one dtype first")
+
+    @property
+    def dtype(self) -> str:
+        return self.params[0].dtype
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def tp_choices(self, limit: int = 1024) -> list[int]:
+        """Every tp in [1, limit] that splits all parameters."""
+        return [t for t in range(1, limit + 1) if all(p.tp_error(t) is None for p in self.params)]
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ValueError naming the first parameter that tp cannot split."""
+        for p in self.params:
+            why = p.tp_error(tp)
+            if why:
+                name = p.name if p.owner != "layer" else p.name.replace(f"layers.{p.layer}.", "layers.*.", 1)
+                choices = [t for t in self.tp_choices(limit=max(64, tp)) if t <= max(64, tp)]
+                raise ValueError(f"{why} of {name}; pick tp in {{{', '.join(map(str, choices))}}}")
+
+    def check_compatible(self, other: "ModelSpec") -> None:
+        """Raise ValueError if `other` disagrees on a parameter's name set, shape, dtype or rule."""
+        mine, theirs = {p.name: p for p in self.params}, {p.name: p for p in other.params}
+        if mine.keys() != theirs.keys():
+            only_a, only_b = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+            raise ValueError(f"model specs disagree on parameter names: only in src {only_a[:5]}, "
+                             f"only in dst {only_b[:5]}")
+        for name, a in mine.items():
+            b = theirs[name]
+            for attr in ("shape", "dtype", "tp", "owner", "layer", "tied_to_head"):
+                if getattr(a, attr) != getattr(b, attr):
+                    raise ValueError(f"model specs disagree on {name}.{attr}: src {getattr(a, attr)} "
+                                     f"vs dst {getattr(b, attr)}")
+
+
+def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
+    """Build the fused-parameter spec of a LLaMA-style decoder.
+
+    Parameters (H hidden, I intermediate, nh/nkv heads, hd head dim, V vocab):
+      embed_tokens.weight                   [V, H]            vocab split dim 0
+      layers.i.input_layernorm.weight       [H]               replicated
+      layers.i.self_attn.qkv_proj.weight    [(nh+2nkv)hd, H]  split dim 0, blocks q|k|v
+      layers.i.self_attn.qkv_proj.bias      [(nh+2nkv)hd]     (attention_bias only)
+      layers.i.self_attn.o_proj.weight      [H, nh*hd]        split dim 1
+      layers.i.post_attention_layernorm.w.  [H]               replicated
+      layers.i.mlp.gate_up_proj.weight      [2I, H]           split dim 0, blocks gate|up
+      layers.i.mlp.down_proj.weight         [H, I]            split dim 1
+      norm.weight                           [H]               replicated
+      lm_head.weight                        [V, H]            vocab split (untied lm head)
+      value_head.weight                     [1, H]            replicated (value head)
+    """
+    if isinstance(config, str):
+        name = name or config
+        config = preset(config)
+    c, dt = config, config.dtype
+    H, I, hd, nh, nkv, V = (c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads,
+                            c.num_key_value_heads, c.vocab_size)
+    heads = (("num_attention_heads", nh), ("num_key_value_heads", nkv), ("num_key_value_heads", nkv))
+    qkv = TPRule(kind="split", dim=0, blocks=(nh * hd, nkv * hd, nkv * hd), units=heads)
+    tied = c.tie_word_embeddings and c.head == "lm"
+    params = [ParamSpec(name="embed_tokens.weight", shape=(V, H), dtype=dt, owner="embed",
+                        tp=TPRule(kind="vocab", dim=0), tied_to_head=tied)]
+    for i in range(c.num_hidden_layers):
+        pre = f"layers.{i}."
+        lp = [
+            (pre + "input_layernorm.weight", (H,), REPLICATED),
+            (pre + "self_attn.qkv_proj.weight", ((nh + 2 * nkv) * hd, H), qkv),
+        ]
+        if c.attention_bias:
+            lp.append((pre + "self_attn.qkv_proj.bias", ((nh + 2 * nkv) * hd,), qkv))
+        lp += [
+            (pre + "self_attn.o_proj.weight", (H, nh * hd),
+             TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
+            (pre + "post_attention_layernorm.weight", (H,), REPLICATED),
+            (pre + "mlp.gate_up_proj.weight", (2 * I, H),
+             TPRule(kind="split", dim=0, blocks=(I, I),
+                    units=(("intermediate_size", I), ("intermediate_size", I)))),
+            (pre + "mlp.down_proj.weight", (H, I),
+             TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))),
+        ]
+        params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
+    params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
+    if c.head == "value":
+        params.append(ParamSpec(name="value_head.weight", shape=(1, H), dtype=dt, owner="head"))
+    elif not tied:
+        params.append(ParamSpec(name="lm_head.weight", shape=(V, H), dtype=dt, owner="head",
+                                tp=TPRule(kind="vocab", dim=0)))
+    return ModelSpec(name=name or "model", params=tuple(params), num_layers=c.num_hidden_layers, config=c)

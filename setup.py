@@ -1,0 +1,63 @@
+"""Builds real_py._C: C++ always; CUDA sources when a CUDA torch and nvcc are present.
+
+REAL_PY_CUDA=1 forces the CUDA build, REAL_PY_CUDA=0 disables it.
+Fast path for development: `python setup.py build_ext --inplace` (incremental).
+"""
+
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+
+
+def sources(*kinds):
+    out = []
+    for line in (CSRC / "sources.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].split()
+        if len(line) == 2 and line[0] in kinds:
+            out.append(str(Path("csrc") / line[1]))
+    return out
+
+
+def want_cuda():
+    flag = os.environ.get("REAL_PY_CUDA")
+    if flag is not None:
+        return flag == "1"
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def ext_modules():
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    if want_cuda():
+        nvcc = ["-O3", "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
+                "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+        return [CUDAExtension("real_py._C", sources("core", "torch", "cuda_torch", "cuda"),
+                              include_dirs=[str(CSRC)], define_macros=[("REAL_PY_WITH_CUDA", "1")],
+                              extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
+    return [CppExtension("real_py._C", sources("core", "torch"), include_dirs=[str(CSRC)],
+                         extra_compile_args=cxx)]
+
+
+def build_ext_cls():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(
+    name="real_py",
+    version="0.1.0",
+    description="Parameter reallocation between arbitrary TP/PP/DP layouts for RLHF",
+    packages=find_packages(include=["real_py", "real_py.*"]),
+    ext_modules=ext_modules(),
+    cmdclass={"build_ext": build_ext_cls()},
+    python_requires=">=3.10",
+)
