@@ -1,0 +1,28 @@
+"""Command line: `python -m real_py <command> ...`.
+
+Each command lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+COMMANDS = {
+    "plan": "real_py.cli_plan",
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m real_py",
+                                     description="Parameter reallocation for RLHF (ReaL-style).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, mod in COMMANDS.items():
+        modules[name] = importlib.import_module(mod)
+        modules[name].add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.command].run(args)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")

@@ -1,0 +1,74 @@
+"""Execution plans: for each PPO call (or any dataflow call), a set of global ranks and a layout.
+
+This is the format the search writes (`python -m real_py search --out plan.json`) and the PPO
+runtime reads. JSON form:
+
+    {"world_size": 8, "ranks_per_node": 8,
+     "calls": {"actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1}, ...}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .layout import Layout
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutionPlan:
+    world_size: int
+    calls: dict[str, Layout] = field(default_factory=dict)
+    """call name -> layout (its `ranks` are the call's mesh, global ranks)."""
+    ranks_per_node: int = 0
+    """0 means unknown / one node."""
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1")
+        for name, layout in self.calls.items():
+            bad = [r for r in layout.ranks if r >= self.world_size]
+            if bad:
+                raise ValueError(f"call {name}: ranks {bad} are outside the world of size "
+                                 f"{self.world_size}")
+
+    def uncovered_ranks(self) -> list[int]:
+        used = set()
+        for layout in self.calls.values():
+            used.update(layout.ranks)
+        return [r for r in range(self.world_size) if r not in used]
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "calls": {name: {"ranks": list(l.ranks), "dp": l.dp, "tp": l.tp, "pp": l.pp}
+                          | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
+                          for name, l in self.calls.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict | str) -> "ExecutionPlan":
+        if isinstance(data, str):
+            with open(data) as f:
+                data = json.load(f)
+        unknown = set(data) - {"world_size", "ranks_per_node", "calls"}
+        if unknown:
+            raise ValueError(f"execution plan has unknown keys {sorted(unknown)}; allowed: "
+                             "world_size, ranks_per_node, calls")
+        calls = {}
+        for name, c in data["calls"].items():
+            extra = set(c) - {"ranks", "dp", "tp", "pp", "layers_per_stage"}
+            if extra:
+                raise ValueError(f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
+                                 "pp, layers_per_stage")
+            try:
+                lps = c.get("layers_per_stage")
+                calls[name] = Layout(dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1),
+                                     ranks=tuple(c["ranks"]),
+                                     layers_per_stage=tuple(lps) if lps else None)
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"call {name}: {e}") from None
+        return cls(world_size=data["world_size"], calls=calls,
+                   ranks_per_node=data.get("ranks_per_node", 0))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)

@@ -1,0 +1,86 @@
+"""Spawn gloo ranks for tests and benchmarks: file rendezvous, a timeout, errors with the rank.
+
+    run_distributed(fn, world_size, *args, timeout=120)
+
+runs fn(rank, world_size, *args) in `world_size` fresh processes with torch.distributed
+initialized (gloo, file:// rendezvous, so no free-port races). The function must be picklable
+(module level). Returns the list of per-rank return values. A worker that raises makes the call
+raise RuntimeError with that rank's traceback; a worker still running after `timeout` seconds
+is killed and the error names the ranks that did not finish.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
+                    env: dict | None = None) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(fn, r, world_size, init_file, pg_timeout, results, args, env or {}))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            try:
+                rank, ok, val = results.get(timeout=max(0.1, min(left, 1.0)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in out and r not in errors]
+                # A process that died without reporting (killed, segfault) is an error too.
+                for r in dead:
+                    time.sleep(0.2)
+                    if r not in out and r not in errors and results.empty():
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                if time.monotonic() > deadline:
+                    break
+                continue
+            (out if ok else errors)[rank] = val
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        missing = [r for r in range(world_size) if r not in out and r not in errors]
+        if errors or missing:
+            parts = [f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                parts.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (killed)")
+            raise RuntimeError(f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}) "
+                               "failed:\n" + "\n".join(parts))
+        return [out[r] for r in range(world_size)]
