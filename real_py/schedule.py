@@ -1,0 +1,163 @@
+"""Bucket schedule: cut a plan's messages into chunks and chunks into rounds of bounded size.
+
+Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
+its descriptors without talking. In a round, the elements a rank sends plus those it receives
+stay within `bucket_elems`, so one staging buffer of that size per rank suffices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import ReallocPlan, _to_packed
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    msg: int
+    """Index of the plan message this chunk belongs to."""
+    sender: int
+    receivers: tuple[int, ...]
+    numel: int
+    descs: np.ndarray
+    """[k, 6] flat-buffer descriptors (sender's source -> receivers' destination) of this chunk."""
+
+    @property
+    def contiguous(self) -> bool:
+        """One run on both sides: sent from / received into the shard buffers without staging."""
+        return len(self.descs) == 1 and int(self.descs[0, 3]) == 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankRound:
+    """What one rank does in one round: pack sends into staging, exchange, unpack receives."""
+
+    index: int
+    sends: tuple[Chunk, ...]
+    recvs: tuple[Chunk, ...]
+    pack_descs: np.ndarray
+    """[k, 6] source flat -> staging, for the non-contiguous sends (staging offsets from 0)."""
+    unpack_descs: np.ndarray
+    """[k, 6] staging -> destination flat, for the non-contiguous receives."""
+    send_slots: tuple[int, ...]
+    """Staging offset of each send (-1: sent straight from the source buffer)."""
+    recv_slots: tuple[int, ...]
+    """Staging offset of each receive (-1: received straight into the destination buffer)."""
+    staging_numel: int
+
+
+def split_descs(descs: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Descriptors covering packed elements [lo, hi) of `descs` (runs concatenated in order)."""
+    sizes = descs[:, 2] * descs[:, 3]
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    out = []
+    for i in range(int(np.searchsorted(ends, lo, side="right")), len(descs)):
+        s, e = int(starts[i]), int(ends[i])
+        if s >= hi:
+            break
+        so, do, ln, n, ss, ds = (int(x) for x in descs[i])
+        a, b = max(lo, s) - s, min(hi, e) - s  # element range inside this descriptor
+        if a == 0 and b == e - s:
+            out.append((so, do, ln, n, ss, ds))
+            continue
+        r0, c0 = divmod(a, ln)
+        r1, c1 = divmod(b, ln)
+        if r0 == r1:  # inside one run
+            out.append((so + r0 * ss + c0, do + r0 * ds + c0, c1 - c0, 1, c1 - c0, c1 - c0))
+            continue
+        if c0:
+            out.append((so + r0 * ss + c0, do + r0 * ds + c0, ln - c0, 1, ln - c0, ln - c0))
+            r0 += 1
+        if r1 > r0:
+            full = (so + r0 * ss, do + r0 * ds, ln, r1 - r0, ss, ds)
+            out.append(full if r1 - r0 > 1 else (full[0], full[1], ln, 1, ln, ln))
+        if c1:
+            out.append((so + r1 * ss, do + r1 * ds, c1, 1, c1, c1))
+    return np.array(out, dtype=np.int64).reshape(-1, 6)
+
+
+class Schedule:
+    """Rounds of chunks for a plan and a bucket size (elements)."""
+
+    def __init__(self, plan: ReallocPlan, bucket_elems: int):
+        if bucket_elems < 2:
+            raise ValueError(f"bucket of {bucket_elems} elements is too small; need >= 2")
+        self.plan, self.bucket_elems = plan, bucket_elems
+        # A chunk counts once for its sender and once for each receiver: half a bucket each
+        # lets a rank send one chunk and receive one in the same round.
+        limit = max(1, bucket_elems // 2)
+        chunks = []
+        for m in range(plan.num_messages):
+            total = int(plan.msg_numel[m])
+            descs = plan.message_descs(m)
+            for lo in range(0, total, limit):
+                hi = min(total, lo + limit)
+                part = descs if (lo == 0 and hi == total) else split_descs(descs, lo, hi)
+                chunks.append(Chunk(m, int(plan.msg_sender[m]), plan.receivers(m), hi - lo, part))
+        # First fit: each chunk goes to the earliest round where all its ranks have room.
+        used: dict[int, list[int]] = {}
+        first_open: dict[int, int] = {}
+        self.rounds: list[list[Chunk]] = []
+        for c in chunks:
+            ranks = (c.sender,) + c.receivers
+            k = max(first_open.get(r, 0) for r in ranks)
+            while True:
+                if all(_used(used, r, k) + c.numel <= bucket_elems for r in ranks):
+                    break
+                k += 1
+            while len(self.rounds) <= k:
+                self.rounds.append([])
+            self.rounds[k].append(c)
+            for r in ranks:
+                u = used.setdefault(r, [])
+                u.extend([0] * (k + 1 - len(u)))
+                u[k] += c.numel
+                while first_open.get(r, 0) < len(u) and u[first_open.get(r, 0)] + 1 > bucket_elems:
+                    first_open[r] = first_open.get(r, 0) + 1
+        self._per_rank: dict[int, list[RankRound]] = {}
+
+    def for_rank(self, rank: int) -> list[RankRound]:
+        """This rank's rounds (only those it takes part in), in global round order."""
+        if rank not in self._per_rank:
+            out = []
+            for k, chunks in enumerate(self.rounds):
+                sends = tuple(c for c in chunks if c.sender == rank)
+                recvs = tuple(c for c in chunks if rank in c.receivers)
+                if sends or recvs:
+                    out.append(_rank_round(k, sends, recvs))
+            self._per_rank[rank] = out
+        return self._per_rank[rank]
+
+
+def _used(used: dict[int, list[int]], r: int, k: int) -> int:
+    u = used.get(r)
+    return u[k] if u is not None and k < len(u) else 0
+
+
+def _rank_round(k: int, sends: tuple[Chunk, ...], recvs: tuple[Chunk, ...]) -> RankRound:
+    off, pack, unpack, send_slots, recv_slots = 0, [], [], [], []
+    for c in sends:
+        if c.contiguous:
+            send_slots.append(-1)
+            continue
+        d = _to_packed(c.descs, "pack")
+        d[:, 1] += off
+        pack.append(d)
+        send_slots.append(off)
+        off += c.numel
+    for c in recvs:
+        if c.contiguous:
+            recv_slots.append(-1)
+            continue
+        d = _to_packed(c.descs, "unpack")
+        d[:, 0] += off
+        unpack.append(d)
+        recv_slots.append(off)
+        off += c.numel
+    empty = np.zeros((0, 6), np.int64)
+    return RankRound(k, sends, recvs, np.concatenate(pack) if pack else empty,
+                     np.concatenate(unpack) if unpack else empty, tuple(send_slots),
+                     tuple(recv_slots), off)
