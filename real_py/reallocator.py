@@ -69,7 +69,7 @@ class Reallocator:
     def _tensor(self, arr: np.ndarray, key: tuple[int, str]) -> torch.Tensor:
         t = self._descs.get(key)
         if t is None:
-            t = self._descs[key] = torch.from_numpy(np.ascontiguousarray(arr))
+            t = self._descs[key] = ops.descs_tensor(arr)
         return t
 
     def _staging(self, numel: int, like: torch.Tensor) -> torch.Tensor:

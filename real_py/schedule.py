@@ -48,10 +48,14 @@ class RankRound:
     staging_numel: int
 
 
-def split_descs(descs: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Descriptors covering packed elements [lo, hi) of `descs` (runs concatenated in order)."""
+def split_descs(descs: np.ndarray, lo: int, hi: int, ends: np.ndarray | None = None) -> np.ndarray:
+    """Descriptors covering packed elements [lo, hi) of `descs` (runs concatenated in order).
+
+    ends: np.cumsum of the descriptors' sizes, when the caller already has it.
+    """
     sizes = descs[:, 2] * descs[:, 3]
-    ends = np.cumsum(sizes)
+    if ends is None:
+        ends = np.cumsum(sizes)
     starts = ends - sizes
     out = []
     for i in range(int(np.searchsorted(ends, lo, side="right")), len(descs)):
@@ -93,48 +97,41 @@ class Schedule:
         for m in range(plan.num_messages):
             total = int(plan.msg_numel[m])
             descs = plan.message_descs(m)
+            ends = np.cumsum(descs[:, 2] * descs[:, 3]) if total > limit else None
             for lo in range(0, total, limit):
                 hi = min(total, lo + limit)
-                part = descs if (lo == 0 and hi == total) else split_descs(descs, lo, hi)
+                part = descs if (lo == 0 and hi == total) else split_descs(descs, lo, hi, ends)
                 chunks.append(Chunk(m, int(plan.msg_sender[m]), plan.receivers(m), hi - lo, part))
-        # First fit: each chunk goes to the earliest round where all its ranks have room.
-        used: dict[int, list[int]] = {}
-        first_open: dict[int, int] = {}
+        # Frontier fill: a chunk goes to the earliest round, at or after the current round of each
+        # of its ranks, where all of them have room. Linear in the number of chunks.
+        current: dict[int, int] = {}
+        used: dict[tuple[int, int], int] = {}
         self.rounds: list[list[Chunk]] = []
         for c in chunks:
             ranks = (c.sender,) + c.receivers
-            k = max(first_open.get(r, 0) for r in ranks)
-            while True:
-                if all(_used(used, r, k) + c.numel <= bucket_elems for r in ranks):
-                    break
+            k = max(current.get(r, 0) for r in ranks)
+            while any(used.get((r, k), 0) + c.numel > bucket_elems for r in ranks):
                 k += 1
             while len(self.rounds) <= k:
                 self.rounds.append([])
             self.rounds[k].append(c)
             for r in ranks:
-                u = used.setdefault(r, [])
-                u.extend([0] * (k + 1 - len(u)))
-                u[k] += c.numel
-                while first_open.get(r, 0) < len(u) and u[first_open.get(r, 0)] + 1 > bucket_elems:
-                    first_open[r] = first_open.get(r, 0) + 1
+                current[r] = k
+                used[(r, k)] = used.get((r, k), 0) + c.numel
         self._per_rank: dict[int, list[RankRound]] = {}
 
     def for_rank(self, rank: int) -> list[RankRound]:
         """This rank's rounds (only those it takes part in), in global round order."""
-        if rank not in self._per_rank:
-            out = []
+        if not self._per_rank:
+            by_rank: dict[int, dict[int, tuple[list, list]]] = {}
             for k, chunks in enumerate(self.rounds):
-                sends = tuple(c for c in chunks if c.sender == rank)
-                recvs = tuple(c for c in chunks if rank in c.receivers)
-                if sends or recvs:
-                    out.append(_rank_round(k, sends, recvs))
-            self._per_rank[rank] = out
-        return self._per_rank[rank]
-
-
-def _used(used: dict[int, list[int]], r: int, k: int) -> int:
-    u = used.get(r)
-    return u[k] if u is not None and k < len(u) else 0
+                for c in chunks:
+                    by_rank.setdefault(c.sender, {}).setdefault(k, ([], []))[0].append(c)
+                    for r in c.receivers:
+                        by_rank.setdefault(r, {}).setdefault(k, ([], []))[1].append(c)
+            self._per_rank = {r: [_rank_round(k, tuple(s), tuple(v)) for k, (s, v) in rounds.items()]
+                              for r, rounds in by_rank.items()}
+        return self._per_rank.get(rank, [])
 
 
 def _rank_round(k: int, sends: tuple[Chunk, ...], recvs: tuple[Chunk, ...]) -> RankRound:
