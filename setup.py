@@ -35,9 +35,11 @@ def want_cuda():
 def ext_modules():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # No -std flag: torch's BuildExtension adds the standard its headers need (C++20 from torch
+    # 2.13 on; torch 2.14 refuses C++17 with "#error C++20 or later compatible compiler").
+    cxx = ["-O3", "-fvisibility=hidden"]
     if want_cuda():
-        nvcc = ["-O3", "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
+        nvcc = ["-O3", "-gencode=arch=compute_80,code=sm_80",
                 "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
         return [CUDAExtension("real_py._C", sources("core", "torch", "cuda_torch", "cuda"),
                               include_dirs=[str(CSRC)], define_macros=[("REAL_PY_WITH_CUDA", "1")],

@@ -9,14 +9,17 @@ size and bytes. Writes bench/results/plan_cpu2_<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 from real_py import Layout, model_spec, plan_realloc
 from real_py import layout as layout_mod
 from real_py import plan as plan_mod
 
-from timing import write_results
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import write_results  # noqa: E402
 
 PAIRS = [
     ("dp2,tp8,pp8", "dp16,tp8,pp1", "p2p", 0),
@@ -66,9 +69,11 @@ def main():
               f"(min {r['min_network_GiB']:.1f})")
     cols = ["src", "dst", "mode", "ranks_per_node", "plan_seconds_median", "num_messages", "num_descs",
             "network_GiB", "min_network_GiB", "max_ingress_GiB", "max_egress_GiB"]
-    write_results("plan", rows, cols, title="Planning time, LLaMA-2-70B (fp32 spec) on 128 ranks",
-                  notes="Cold planning: all caches cleared before each repeat; median of "
-                        f"{args.repeats}. Goal: < 0.5 s per pair.")
+    paths = write_results("plan", "cpu2", rows, columns=cols,
+                          title="Planning time, LLaMA-2-70B (fp32 spec) on 128 ranks",
+                          notes="Cold planning: all caches cleared before each repeat; median of "
+                                f"{args.repeats}. Goal: < 0.5 s per pair.")
+    print("wrote", *paths)
 
 
 if __name__ == "__main__":

@@ -1,81 +1,130 @@
-"""Shared benchmark helpers: timing and result files with command, versions, machine and date."""
+"""Shared benchmark helpers: timing (warmup + repeats, median) and result files.
+
+    time_fn(fn, device="cpu"|"cuda", warmup=2, repeats=7) -> Timing (seconds)
+    environment() -> dict of versions, machine and date
+    write_results(theme, hardware, rows, columns=..., title=..., notes=...) ->
+        bench/results/<theme>_<hardware>_<yyyymmdd>.{json,md}
+
+CPU timing uses perf_counter around each call; CUDA timing uses CUDA events on the current
+stream (synchronized before the first and after the last event), so launch gaps count.
+Benchmarks never assert: they report.
+"""
 
 from __future__ import annotations
 
-import datetime
+import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def time_fn(fn, *, warmup: int = 1, repeats: int = 5, sync=None) -> dict:
-    """Median/min/max seconds of fn() over `repeats` runs after `warmup` runs."""
+@dataclass(frozen=True, slots=True)
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+
+    def gbps(self, nbytes: int) -> float:
+        """nbytes / median time, in GB/s (1e9 bytes)."""
+        return nbytes / self.median_s / 1e9 if self.median_s > 0 else float("inf")
+
+
+def time_fn(fn, *, device: str = "cpu", warmup: int = 2, repeats: int = 7) -> Timing:
+    """Median wall time of fn() over `repeats` calls after `warmup` untimed calls."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; allowed: 'cpu', 'cuda'")
     for _ in range(warmup):
         fn()
-    if sync:
-        sync()
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
-
-
-def hardware_tag() -> str:
-    """'cpu<cores>' here, or the GPU name (e.g. 'h200') when CUDA is available."""
-    try:
+    if device == "cuda":
         import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name().split()[-1].lower()
-    except Exception:
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return Timing(statistics.median(times), min(times), max(times), repeats)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
         pass
-    return f"cpu{os.cpu_count()}"
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), "machine": platform.machine(),
-           "cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        import torch
+    """Versions, machine and date (UTC) for a results file."""
+    import numpy
+    import torch
 
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name()
-    except Exception:
-        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+        "cuda": torch.version.cuda, "git_commit": _git_commit(),
+        "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB",
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
     return env
 
 
-def write_results(theme: str, rows: list[dict], columns: list[str], *, title: str, notes: str = "",
-                  hardware: str | None = None, extra: dict | None = None) -> Path:
-    """Write results/<theme>_<hardware>_<yyyymmdd>.{json,md}; returns the json path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    stem = RESULTS / f"{theme}_{hardware or hardware_tag()}_{now:%Y%m%d}"
-    meta = {"command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-            "date": now.isoformat(timespec="seconds"), "environment": environment()}
-    with open(f"{stem}.json", "w") as f:
-        json.dump({**meta, **(extra or {}), "rows": rows}, f, indent=1)
+def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[str], title: str,
+                  notes: str = "", out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write rows (dicts) to <theme>_<hardware>_<yyyymmdd>.json and .md; returns both paths."""
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)
+    stem = f"{theme}_{hardware}_{env['date_utc'][:10].replace('-', '')}"
+    jpath, mpath = out / f"{stem}.json", out / f"{stem}.md"
+    jpath.write_text(json.dumps({"title": title, "command": command, "environment": env,
+                                 "notes": notes, "rows": rows}, indent=1) + "\n")
 
     def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    lines = [f"# {title}", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             "Environment: " + ", ".join(f"{k} {v}" for k, v in meta["environment"].items()), ""]
-    if notes:
-        lines += [notes, ""]
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [f"# {title}", "", f"Command: `{command}`", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
-    return Path(f"{stem}.json")
+    if notes:
+        lines += ["", notes]
+    mpath.write_text("\n".join(lines) + "\n")
+    return jpath, mpath
+
+
+__all__ = ["Timing", "time_fn", "environment", "write_results", "RESULTS"]
