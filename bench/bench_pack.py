@@ -7,7 +7,9 @@ Cases (bf16, parameter subsets of llama2-70b so that each case stays a few hundr
   whole-shard    one full layer, dp2 -> dp1 at tp8: rank 0 copies its shard locally
 Source and destination use disjoint ranks, so pack times every message one source rank sends and
 unpack every message one destination rank receives (whole-shard: the local copy, via unpack).
-GB/s counts bytes read + written (2 x payload). In the same run:
+GB/s counts bytes read + written (2 x payload), from the median of `--repeats` rounds; the
+variants are timed round-robin within each round (fair under load from other processes).
+In the same run:
   torch-runs     ReaL-style interval list: one slice per run, torch.cat(out=) (pack) or copy_
   torch-strided  one as_strided view + copy_ per descriptor (best case for plain torch)
   copy_          one contiguous copy_ of the same bytes (the roofline)
@@ -29,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import time_fn, write_results  # noqa: E402
+from timing import time_interleaved, write_results  # noqa: E402
 
-from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset  # noqa: E402
+from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout  # noqa: E402
 from real_py.ops import descs_tensor, pack, unpack  # noqa: E402
 
 
@@ -92,12 +94,12 @@ def measure(jobs, nbytes: int, device: str, repeats: int) -> dict:
     a = prepared[0][0] if prepared[0][0].numel() >= numel else filled(numel, device)
     b = filled(numel, device)
     roof = lambda: b.copy_(a[:numel])  # noqa: E731
-    rows = {}
-    for name, fn in (("ours", ours), ("torch_runs", ref), ("torch_strided", strided), ("copy_", roof)):
-        rows[name] = time_fn(fn, device=device, warmup=1, repeats=repeats).gbps(2 * nbytes)
+    fns = {"ours": ours, "torch_runs": ref, "torch_strided": strided, "copy_": roof}
     if device == "cpu":
         na, nb = a[:numel].view(torch.int16).numpy(), b.view(torch.int16).numpy()
-        rows["memcpy"] = time_fn(lambda: np.copyto(nb, na), warmup=1, repeats=repeats).gbps(2 * nbytes)
+        fns["memcpy"] = lambda: np.copyto(nb, na)
+    timings = time_interleaved(fns, device=device, warmup=1, repeats=repeats)
+    rows = {name: t.gbps(2 * nbytes) for name, t in timings.items()}
     rows["runs"] = sum(len(p[5]) for p in prepared)
     return rows
 
@@ -105,7 +107,6 @@ def measure(jobs, nbytes: int, device: str, repeats: int) -> dict:
 def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
     model = subset(names, layers)
     plan = plan_realloc(model, src_l, dst_l)
-    from real_py import shard_layout
 
     def shard(layout, rank):
         return filled(shard_layout(model, layout, layout.coords(rank)[2]).numel, device)
@@ -144,8 +145,8 @@ def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--hardware", default=None, help="results tag (default: cpu2 on cpu, h200 on cuda)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hardware", default=None, help="results tag (default: cpu2 on cpu, the GPU's model on cuda)")
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -157,7 +158,8 @@ def main(argv=None):
     cols = ["case", "op", "MiB", "messages", "runs", "ours GB/s", "torch_runs GB/s", "torch_strided GB/s",
             "copy_ GB/s"] + (["memcpy GB/s"] if args.device == "cpu" else [])
     cols += ["ours/copy_", "ours/torch_runs", "ours/torch_strided"]
-    hw = args.hardware or ("cpu2" if args.device == "cpu" else "h200")
+    hw = args.hardware or ("cpu2" if args.device == "cpu" else
+                           torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0])
     notes = ("GB/s = (bytes read + bytes written) / median time; goals: ours/copy_ >= 0.8 for runs >= 4 KiB, "
              "ours/torch_runs >= 5 on row-split plans with many short runs.")
     paths = write_results("pack", hw, rows, columns=cols,
