@@ -1,5 +1,5 @@
 // Device code of the strided byte copy (see pack_kernel.h for shapes and units), kept apart from
-// the launcher so that csrc/tests/test_pack_kernel_emu.cpp can run the same code on the host
+// the launcher so that csrc/tests/test_pack_kernels.cpp can run the same code on the host
 // (threads of a block one after another) where there is no GPU.
 //
 // Work split: block b owns bytes [b*kStridedCopyBlockBytes, (b+1)*kStridedCopyBlockBytes) of the
