@@ -111,6 +111,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda, "git_commit": _git_commit(),
         "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB",
         "torch_threads": torch.get_num_threads(),
+        "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
     return env

@@ -11,10 +11,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 #include "ops/checks.h"
@@ -32,6 +34,12 @@ constexpr int64_t kTileBytes = 256 << 10;
 // 11.0 / 10.6 / 10.9. So streaming never loses on large calls and wins on KiB-sized runs.
 constexpr int64_t kStreamMinTotal = 8 << 20;
 constexpr int64_t kStreamMinRun = 1 << 10;
+// Runs up to kPrefetchMaxRun start cold: the hardware prefetcher does not follow a strided
+// source (2 KiB of every 4 KiB row: one run per page). Prefetching the run about kPrefetchBytes
+// ahead raised 2 KiB / 4 KiB-stride copies from 2.9 to 4.8-5.9 GB/s and 7 KiB / 14 KiB-stride
+// from 2.0 to 3.2-3.6 GB/s (1 thread, loaded machine, medians); longer runs stream by themselves.
+constexpr int64_t kPrefetchMaxRun = 16 << 10;
+constexpr int64_t kPrefetchBytes = 8 << 10;
 
 #if defined(__SSE2__)
 void copy_streaming(char* d, const char* s, int64_t n) {
@@ -60,7 +68,12 @@ void copy_groups(const TileList& tl, int64_t g0, int64_t g1, const char* src, ch
     char* d = dst + c.dst;
 #if defined(__SSE2__)
     if (stream && c.len >= kStreamMinRun) {
+      const int64_t ahead = c.len <= kPrefetchMaxRun ? std::max<int64_t>(1, kPrefetchBytes / c.len) : c.n;
       for (int64_t r = 0; r < c.n; ++r, s += c.src_stride, d += c.dst_stride) {
+        if (r + ahead < c.n) {
+          const char* p = s + ahead * c.src_stride;
+          for (int64_t q = 0; q < c.len; q += 64) _mm_prefetch(p + q, _MM_HINT_T0);
+        }
         copy_streaming(d, s, c.len);
       }
       continue;
