@@ -7,7 +7,9 @@ Cases (bf16, parameter subsets of llama2-70b so that each case stays a few hundr
   whole-shard    one full layer, dp2 -> dp1 at tp8: rank 0 copies its shard locally
 Source and destination use disjoint ranks, so pack times every message one source rank sends and
 unpack every message one destination rank receives (whole-shard: the local copy, via unpack).
-GB/s counts bytes read + written (2 x payload). In the same run:
+GB/s counts bytes read + written (2 x payload), from the median of `--repeats` rounds; the
+variants are timed round-robin within each round (fair under load from other processes).
+In the same run:
   torch-runs     ReaL-style interval list: one slice per run, torch.cat(out=) (pack) or copy_
   torch-strided  one as_strided view + copy_ per descriptor (best case for plain torch)
   copy_          one contiguous copy_ of the same bytes (the roofline)
@@ -29,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import time_fn, write_results  # noqa: E402
+from timing import time_interleaved, write_results  # noqa: E402
 
-from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset  # noqa: E402
+from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout  # noqa: E402
 from real_py.ops import descs_tensor, pack, unpack  # noqa: E402
 
 
@@ -89,23 +91,24 @@ def measure(jobs, nbytes: int, device: str, repeats: int) -> dict:
                    for s, _, _, t, op, r in prepared]
     strided = lambda: [torch_strided(s, d, t) for s, d, _, t, _, _ in prepared]  # noqa: E731
     numel = nbytes // 2
+    # The roofline reuses the case's buffers where they are large enough (memory is shared).
     a = prepared[0][0] if prepared[0][0].numel() >= numel else filled(numel, device)
-    b = filled(numel, device)
+    b = prepared[0][3] if prepared[0][3].numel() >= numel else filled(numel, device)
     roof = lambda: b.copy_(a[:numel])  # noqa: E731
-    rows = {}
-    for name, fn in (("ours", ours), ("torch_runs", ref), ("torch_strided", strided), ("copy_", roof)):
-        rows[name] = time_fn(fn, device=device, warmup=1, repeats=repeats).gbps(2 * nbytes)
+    fns = {"ours": ours, "torch_runs": ref, "torch_strided": strided, "copy_": roof}
     if device == "cpu":
         na, nb = a[:numel].view(torch.int16).numpy(), b.view(torch.int16).numpy()
-        rows["memcpy"] = time_fn(lambda: np.copyto(nb, na), warmup=1, repeats=repeats).gbps(2 * nbytes)
+        fns["memcpy"] = lambda: np.copyto(nb, na)
+    timings = time_interleaved(fns, device=device, warmup=1, repeats=repeats)
+    rows = {name: t.gbps(2 * nbytes) for name, t in timings.items()}
     rows["runs"] = sum(len(p[5]) for p in prepared)
+    rows["min run B"] = 2 * min((ln for p in prepared for _, _, ln in p[5]), default=0)
     return rows
 
 
 def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
     model = subset(names, layers)
     plan = plan_realloc(model, src_l, dst_l)
-    from real_py import shard_layout
 
     def shard(layout, rank):
         return filled(shard_layout(model, layout, layout.coords(rank)[2]).numel, device)
@@ -127,6 +130,7 @@ def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
         nbytes = numel * 2
         r = measure(jobs, nbytes, device, repeats)
         row = {"case": name, "op": op, "MiB": nbytes / 2**20, "messages": len(jobs), "runs": r.pop("runs"),
+               "min run B": r.pop("min run B"),
                **{f"{k} GB/s": v for k, v in r.items()}}
         row["ours/copy_"] = r["ours"] / r["copy_"]
         row["ours/torch_runs"] = r["ours"] / r["torch_runs"]
@@ -144,8 +148,8 @@ def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--hardware", default=None, help="results tag (default: cpu2 on cpu, h200 on cuda)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hardware", default=None, help="results tag (default: cpu2 on cpu, the GPU's model on cuda)")
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -154,10 +158,11 @@ def main(argv=None):
     for case in CASES:
         rows += run_case(*case, args.device, args.repeats)
         gc.collect()
-    cols = ["case", "op", "MiB", "messages", "runs", "ours GB/s", "torch_runs GB/s", "torch_strided GB/s",
+    cols = ["case", "op", "MiB", "messages", "runs", "min run B", "ours GB/s", "torch_runs GB/s", "torch_strided GB/s",
             "copy_ GB/s"] + (["memcpy GB/s"] if args.device == "cpu" else [])
     cols += ["ours/copy_", "ours/torch_runs", "ours/torch_strided"]
-    hw = args.hardware or ("cpu2" if args.device == "cpu" else "h200")
+    hw = args.hardware or ("cpu2" if args.device == "cpu" else
+                           torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0])
     notes = ("GB/s = (bytes read + bytes written) / median time; goals: ours/copy_ >= 0.8 for runs >= 4 KiB, "
              "ours/torch_runs >= 5 on row-split plans with many short runs.")
     paths = write_results("pack", hw, rows, columns=cols,

@@ -1,6 +1,7 @@
 """Shared benchmark helpers: timing (warmup + repeats, median) and result files.
 
     time_fn(fn, device="cpu"|"cuda", warmup=2, repeats=7) -> Timing (seconds)
+    time_interleaved({name: fn}, ...) -> {name: Timing}, variants timed round-robin
     environment() -> dict of versions, machine and date
     write_results(theme, hardware, rows, columns=..., title=..., notes=...) ->
         bench/results/<theme>_<hardware>_<yyyymmdd>.{json,md}
@@ -67,6 +68,19 @@ def time_fn(fn, *, device: str = "cpu", warmup: int = 2, repeats: int = 7) -> Ti
     return Timing(statistics.median(times), min(times), max(times), repeats)
 
 
+def time_interleaved(fns: dict, *, device: str = "cpu", warmup: int = 1, repeats: int = 7) -> dict:
+    """name -> Timing for several functions timed round-robin (one call of each per round), so
+    that load from other processes on a shared machine hits every variant alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(time_fn(fn, device=device, warmup=0, repeats=1).median_s)
+    return {name: Timing(statistics.median(t), min(t), max(t), repeats) for name, t in samples.items()}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -97,6 +111,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda, "git_commit": _git_commit(),
         "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB",
         "torch_threads": torch.get_num_threads(),
+        "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
     return env
@@ -127,4 +142,4 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
     return jpath, mpath
 
 
-__all__ = ["Timing", "time_fn", "environment", "write_results", "RESULTS"]
+__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "write_results", "RESULTS"]

@@ -9,8 +9,8 @@
 //                  every descriptor non-empty (len > 0, n > 0) and in bounds (checked by the host)
 //   prefix         [k + 1] int64: prefix[i] = sum over j < i of len_j * n_j; prefix[k] = total_bytes
 //   total_bytes    > 0
-// One launch of ceil(total_bytes / kStridedCopyBlockBytes) blocks: block b copies bytes
-// [b*B, (b+1)*B) of the concatenation of all runs, found by a binary search over prefix, so one
+// One launch of ceil(total_bytes / 16 KiB) blocks: block b copies bytes [b*16 KiB, (b+1)*16 KiB)
+// of the concatenation of all runs, found by a binary search over prefix, so one
 // long run and many short runs both spread over the whole GPU. Returns the launch error.
 #pragma once
 
@@ -19,8 +19,6 @@
 #include <cstdint>
 
 namespace real_py {
-
-constexpr int64_t kStridedCopyBlockBytes = 16 << 10;
 
 cudaError_t launch_strided_copy(const void* src, void* dst, const int64_t* descs,
                                 const int64_t* prefix, int64_t k, int64_t total_bytes,

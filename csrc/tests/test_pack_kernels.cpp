@@ -1,0 +1,145 @@
+// C++ tests of the torch-free pack/unpack work split: the CPU tile list (ops/tiles.h) and the CUDA
+// kernel's device code (ops/pack_kernel_impl.cuh) run on the host, one thread after another.
+// A failure points to tiles.cpp (coverage, grouping) or to the kernel's block/warp split,
+// partial-run bounds or word-size paths; the kernel cannot run here otherwise (no GPU).
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "ops/tiles.h"
+
+// Host stand-ins for the CUDA built-ins the kernel uses. Threads of a block run in order 0..255, so
+// thread 0's binary search (followed by the kernel's only __syncthreads) comes first.
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct HostDim3 { unsigned x = 0, y = 0, z = 0; };
+static HostDim3 threadIdx, blockIdx;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __syncthreads()
+using std::max;
+using std::min;
+#include "ops/pack_kernel_impl.cuh"
+
+static int failures = 0;
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond);     \
+      ++failures;                                                                \
+    }                                                                            \
+  } while (0)
+
+// Random descriptors in bytes: disjoint destination runs, sources that may overlap.
+// kind 0: short runs, 1: long runs, 2: mixed.
+static std::vector<int64_t> random_descs(std::mt19937_64& rng, int kind, int64_t* src_need,
+                                         int64_t* dst_need) {
+  const int k = 1 + rng() % 20;
+  std::vector<int64_t> d;
+  int64_t cursor = 0, need = 1;
+  for (int i = 0; i < k; ++i) {
+    const int64_t len = kind == 0 ? 1 + rng() % 300 : kind == 1 ? 4096 + rng() % 70000 : 1 + rng() % 20000;
+    const int64_t n = 1 + rng() % (kind == 1 ? 3 : 40);
+    const int64_t ds = len + rng() % 40, ss = rng() % (2 * len + 1), so = rng() % 64;
+    const int64_t doff = cursor + rng() % 40;
+    d.insert(d.end(), {so, doff, len, n, ss, ds});
+    cursor = doff + (n - 1) * ds + len;
+    need = std::max(need, so + (n - 1) * ss + len);
+  }
+  *src_need = need + 64;
+  *dst_need = cursor + 64;
+  return d;
+}
+
+static std::vector<char> reference(const std::vector<char>& src, std::vector<char> dst,
+                                   const std::vector<int64_t>& d) {
+  for (size_t i = 0; i < d.size(); i += 6) {
+    for (int64_t r = 0; r < d[i + 3]; ++r) {
+      std::memcpy(&dst[d[i + 1] + r * d[i + 5]], &src[d[i] + r * d[i + 4]], d[i + 2]);
+    }
+  }
+  return dst;
+}
+
+static void test_kernel_matches_reference() {
+  std::mt19937_64 rng(42);
+  for (int trial = 0; trial < 150; ++trial) {
+    int64_t sn, dn;
+    const auto d = random_descs(rng, trial % 3, &sn, &dn);
+    std::vector<char> src(sn), dst(dn);
+    for (auto& c : src) c = static_cast<char>(rng());
+    for (auto& c : dst) c = static_cast<char>(rng());
+    const auto want = reference(src, dst, d);
+    // Bases shifted off 16-byte alignment by different amounts: every word-size path runs.
+    std::vector<char> sbuf(sn + 32), dbuf(dn + 32);
+    auto align = [](char* p) { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15}); };
+    char* sp = align(sbuf.data()) + rng() % 16;
+    char* dp = align(dbuf.data()) + rng() % 16;
+    std::memcpy(sp, src.data(), sn);
+    std::memcpy(dp, dst.data(), dn);
+    const int64_t k = static_cast<int64_t>(d.size() / 6);
+    std::vector<int64_t> prefix{0};
+    for (int64_t i = 0; i < k; ++i) prefix.push_back(prefix.back() + d[6 * i + 2] * d[6 * i + 3]);
+    const int64_t total = prefix.back();
+    const int64_t bb = real_py::pack_detail::kStridedCopyBlockBytes;
+    for (int64_t b = 0; b < (total + bb - 1) / bb; ++b) {
+      blockIdx.x = static_cast<unsigned>(b);
+      for (unsigned t = 0; t < real_py::pack_detail::kThreads; ++t) {
+        threadIdx.x = t;
+        real_py::pack_detail::strided_copy_kernel(sp, dp, d.data(), prefix.data(), k, total);
+      }
+    }
+    CHECK(std::memcmp(dp, want.data(), dn) == 0);
+  }
+}
+
+static void test_tiles_cover_every_byte_once() {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 150; ++trial) {
+    int64_t sn, dn;
+    auto d = random_descs(rng, trial % 3, &sn, &dn);
+    d.insert(d.end(), {5, 0, 0, 3, 1, 1});  // empty descriptors vanish
+    d.insert(d.end(), {5, 0, 4, 0, 1, 1});
+    const int64_t tile = 1 + rng() % 9000;
+    const auto tl = real_py::make_tiles(d.data(), static_cast<int64_t>(d.size() / 6), 1, tile);
+    std::vector<int> hits(dn, 0);
+    std::vector<char> src(sn), got(dn, 0), want(dn, 0);
+    for (auto& c : src) c = static_cast<char>(rng());
+    want = reference(src, want, d);
+    int64_t bytes = 0;
+    for (const auto& t : tl.tiles) {
+      CHECK(t.len > 0 && t.n > 0 && (t.n == 1 || t.len * t.n <= tile || t.len < tile));
+      for (int64_t r = 0; r < t.n; ++r) {
+        for (int64_t b = 0; b < t.len; ++b) ++hits[t.dst + r * t.dst_stride + b];
+        std::memcpy(&got[t.dst + r * t.dst_stride], &src[t.src + r * t.src_stride], t.len);
+      }
+      bytes += t.len * t.n;
+    }
+    CHECK(bytes == tl.bytes);
+    CHECK(got == want);
+    for (size_t i = 0; i < d.size(); i += 6) {  // every destination byte of a run: exactly once
+      for (int64_t r = 0; r < d[i + 3]; ++r) {
+        for (int64_t b = 0; b < d[i + 2]; ++b) CHECK(hits[d[i + 1] + r * d[i + 5] + b] == 1);
+      }
+    }
+    CHECK(tl.group_ptr.front() == 0 && tl.group_ptr.back() == static_cast<int64_t>(tl.tiles.size()));
+    CHECK(std::is_sorted(tl.group_ptr.begin(), tl.group_ptr.end()));
+  }
+}
+
+int main() {
+  test_kernel_matches_reference();
+  test_tiles_cover_every_byte_once();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("test_pack_kernels: all checks passed\n");
+  return 0;
+}
