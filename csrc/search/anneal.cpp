@@ -101,20 +101,25 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
   AnnealResult res;
   res.best_cost = inf;
   res.chains.resize(nc);
+  auto random_start = [&](int k) {
+    cost[k] = inf;
+    cur[k].assign(n, 0);
+    for (int tries = 0; tries < 2000 && !std::isfinite(cost[k]); ++tries) {
+      for (int c = 0; c < n; ++c)
+        cur[k][c] = std::uniform_int_distribution<int>(0, static_cast<int>(g.options[c].size()) - 1)(rng[k]);
+      cost[k] = ev.cost(cur[k]);
+    }
+  };
   for (int k = 0; k < nc; ++k) {
     rng.emplace_back(cfg.seed * 1000003ULL + static_cast<uint64_t>(k));
-    if (!cfg.init.empty()) {
-      cur[k] = cfg.init[k % cfg.init.size()];
+    // Even chains start from the given plans, odd ones from random feasible plans: starting
+    // every chain at a baseline kept all of them in the baseline's basin.
+    if (!cfg.init.empty() && (k % 2 == 0 || nc == 1)) {
+      cur[k] = cfg.init[(k / 2) % cfg.init.size()];
       if (static_cast<int>(cur[k].size()) != n) throw std::invalid_argument("init plan needs one option per call");
       cost[k] = ev.cost(cur[k]);
     } else {
-      cost[k] = inf;
-      cur[k].assign(n, 0);
-      for (int tries = 0; tries < 2000 && !std::isfinite(cost[k]); ++tries) {
-        for (int c = 0; c < n; ++c)
-          cur[k][c] = std::uniform_int_distribution<int>(0, static_cast<int>(g.options[c].size()) - 1)(rng[k]);
-        cost[k] = ev.cost(cur[k]);
-      }
+      random_start(k);
     }
     res.chains[k].init_cost = res.chains[k].best_cost = cost[k];
     if (cost[k] < res.best_cost) res.best_cost = cost[k], res.best = cur[k];
@@ -124,6 +129,7 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
   constexpr int kBlock = 64;
   bool running = true;
   std::vector<int> prop;
+  std::vector<int64_t> last_gain(nc, 0);
   while (running) {
     running = false;
     for (int k = 0; k < nc; ++k) {
@@ -135,6 +141,12 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
         const double progress = cfg.max_steps > 0 ? static_cast<double>(st.steps) / cfg.max_steps
                                                   : std::min(1.0, elapsed() / cfg.time_budget);
         const double temp = cfg.t_start * std::exp(log_ratio * progress);
+        if (cfg.restart_steps > 0 && st.steps - last_gain[k] >= cfg.restart_steps) {
+          // Stuck: restart from a random feasible plan (multi-start within one chain).
+          random_start(k);
+          ++st.restarts;
+          last_gain[k] = st.steps;
+        }
         prop = cur[k];
         propose(g, mv, prop, rng[k]);
         ++st.steps;
@@ -154,7 +166,7 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
         if (c < cost[k]) ++st.improved;
         cur[k].swap(prop);
         cost[k] = c;
-        if (c < st.best_cost) st.best_cost = c;
+        if (c < st.best_cost) st.best_cost = c, last_gain[k] = st.steps;
         if (c < res.best_cost) res.best_cost = c, res.best = cur[k];
       }
     }

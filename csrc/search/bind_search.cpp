@@ -88,7 +88,8 @@ void bind_search(py::module_& m) {
       .def_property_readonly("realloc_calls", &rs::Evaluator::realloc_calls)
       .def("anneal",
            [](rs::Evaluator& ev, int chains, double time_budget, int64_t max_steps, double t_start,
-              double t_end, uint64_t seed, const std::vector<std::vector<int>>& init) {
+              double t_end, uint64_t seed, const std::vector<std::vector<int>>& init,
+              int64_t restart_steps) {
              if (chains < 1) throw std::invalid_argument("chains must be >= 1");
              if (!(time_budget > 0)) throw std::invalid_argument("time_budget must be > 0 seconds");
              if (!(t_start > 0 && t_end > 0)) throw std::invalid_argument("temperatures must be > 0");
@@ -100,6 +101,7 @@ void bind_search(py::module_& m) {
              cfg.t_end = t_end;
              cfg.seed = seed;
              cfg.init = init;
+             cfg.restart_steps = restart_steps;
              const rs::AnnealResult r = rs::anneal(ev, cfg);
              py::dict out;
              out["best"] = r.best;
@@ -113,6 +115,7 @@ void bind_search(py::module_& m) {
                d["accepted"] = c.accepted;
                d["improved"] = c.improved;
                d["infeasible"] = c.infeasible;
+               d["restarts"] = c.restarts;
                d["init_cost"] = c.init_cost;
                d["final_cost"] = c.final_cost;
                d["best_cost"] = c.best_cost;
@@ -122,7 +125,7 @@ void bind_search(py::module_& m) {
              return out;
            },
            py::arg("chains") = 4, py::arg("time_budget") = 10.0, py::arg("max_steps") = 0,
-           py::arg("t_start") = 0.05, py::arg("t_end") = 0.001, py::arg("seed") = 0,
-           py::arg("init") = std::vector<std::vector<int>>{},
+           py::arg("t_start") = 0.1, py::arg("t_end") = 0.001, py::arg("seed") = 0,
+           py::arg("init") = std::vector<std::vector<int>>{}, py::arg("restart_steps") = 0,
            "Simulated annealing; returns the best plan (option per call) and per-chain statistics.");
 }

@@ -77,13 +77,14 @@ struct AnnealConfig {
   int chains = 4;
   double time_budget = 10;  // seconds for all chains together
   int64_t max_steps = 0;    // per chain; 0 = only the time budget limits
-  double t_start = 0.05, t_end = 0.001;  // temperature relative to the current cost
+  double t_start = 0.1, t_end = 0.001;  // temperature relative to the current cost
+  int64_t restart_steps = 0;  // restart a chain from a random plan after this many steps without a new chain best; 0 = never
   uint64_t seed = 0;
-  std::vector<std::vector<int>> init;  // initial plans (chain i starts from init[i % size])
+  std::vector<std::vector<int>> init;  // initial plans for even chains; odd chains start at random
 };
 
 struct ChainStats {
-  int64_t steps = 0, accepted = 0, improved = 0, infeasible = 0;
+  int64_t steps = 0, accepted = 0, improved = 0, infeasible = 0, restarts = 0;
   double init_cost = 0, final_cost = 0, best_cost = 0;
 };
 

@@ -15,18 +15,19 @@ def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
     from matplotlib.patches import Patch
 
     height = max(2.5, min(0.28 * num_gpus + 1.5, 30))
+    span = max((e.end for e in events), default=1.0)
     fig, ax = plt.subplots(figsize=(13, height))
     for e in events:
         color = "#999999" if e.realloc else COLORS.get(e.call, "#333333")
         for lo, hi in e.ranks:
             ax.broken_barh([(e.start, e.end - e.start)], (lo, hi - lo), facecolors=color,
                            edgecolors="black", linewidth=0.4, hatch="//" if e.realloc else None)
-            if e.end - e.start > 0 and hi - lo >= max(1, num_gpus // 16):
+            # Label only bars wide and tall enough to hold the text.
+            if e.end - e.start > 0.045 * span and hi - lo >= max(1, num_gpus // 16):
                 short = ("R:" + e.label.split()[-1]) if e.realloc else e.call.replace("_", " ")
                 ax.text(e.start + (e.end - e.start) / 2, (lo + hi) / 2, short, ha="center", va="center",
                         fontsize=7, clip_on=True)
-    end = max((e.end for e in events), default=1.0)
-    ax.set_xlim(0, end * 1.01)
+    ax.set_xlim(0, span * 1.01)
     ax.set_ylim(num_gpus, 0)
     step = max(1, num_gpus // 16)
     ax.set_yticks([r + 0.5 for r in range(0, num_gpus, step)])

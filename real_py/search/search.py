@@ -110,7 +110,8 @@ def heuristic_baseline(prob: Problem, sym: Baseline) -> Baseline:
 
 def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
-                seed: int = 0, max_steps: int = 0, t_start: float = 0.05, t_end: float = 0.001,
+                seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
+                restart_steps: int = 200_000,
                 per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
                 models: PPOModels | None = None) -> SearchResult:
     """Search an execution plan for PPO. time_budget: seconds for everything (tables included)."""
@@ -127,7 +128,7 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     left = max(0.5, time_budget - t_tables)
     ev = prob.evaluator()
     res = ev.anneal(chains=chains, time_budget=left, max_steps=max_steps, t_start=t_start,
-                    t_end=t_end, seed=seed, init=init)
+                    t_end=t_end, seed=seed, init=init, restart_steps=restart_steps)
     if not math.isfinite(res["best_cost"]):
         raise ValueError(
             f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
