@@ -18,7 +18,7 @@ from real_py.search.graph import PPO_GRAPH
 from real_py.search.problem import Option
 from real_py.spec import ModelConfig
 
-pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(120)
 
 FAST = HardwareProfile(name="fast", peak_flops=1e12, flops_eff=1, hbm_bw=1e12, hbm_eff=1, intra_bw=1e30,
                        inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_bytes=100, mem_usable=1.0,

@@ -13,6 +13,8 @@ from real_py.search.hardware import HardwareProfile
 from real_py.search.realloc_cost import ReallocCost, canonical_meshes, transfer_time
 from real_py.spec import ModelConfig, model_spec, preset
 
+pytestmark = pytest.mark.timeout(120)
+
 TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                    vocab_size=100, num_hidden_layers=2, dtype="bfloat16")
 HW = HardwareProfile(name="t", peak_flops=1e12, flops_eff=0.5, hbm_bw=1e11, hbm_eff=0.5, intra_bw=1e10,

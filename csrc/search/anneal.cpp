@@ -3,7 +3,8 @@
 // The temperature is relative to the chain's current cost: a move that makes the plan x%
 // slower is accepted with probability exp(-(x/100) / t), t going geometrically from t_start to
 // t_end. So acceptance depends on relative change, never on the time unit (ReaL's search
-// mixed ms and us and accepted nearly every move). Chains run round-robin in blocks of steps
+// mixed ms and us and accepted nearly every move). Equivalent form used below: draw u, accept
+// iff new <= cur * (1 - t ln u); a cheap lower bound of `new` rejects most moves early. Chains run round-robin in blocks of steps
 // on one thread: the reallocation callback may call into Python.
 #include <algorithm>
 #include <chrono>
@@ -151,16 +152,21 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
         propose(g, mv, prop, rng[k]);
         ++st.steps;
         if (prop == cur[k]) continue;
-        const double c = ev.cost(prop);
-        if (!std::isfinite(c)) {
+        // Metropolis with the uniform drawn first: accept iff cost <= threshold. A lower bound
+        // above the threshold rejects without computing missing reallocations (planner calls).
+        double threshold = inf;
+        if (std::isfinite(cost[k])) {
+          const double u = std::uniform_real_distribution<double>(0, 1)(rng[k]);
+          threshold = cost[k] * (1.0 - temp * std::log(std::max(u, 1e-300)));
+        }
+        const double lb = ev.cost_bound(prop);
+        if (!std::isfinite(lb)) {
           ++st.infeasible;
           continue;
         }
-        bool accept = !std::isfinite(cost[k]) || c <= cost[k];
-        if (!accept) {
-          const double rel = (c - cost[k]) / cost[k];
-          accept = std::uniform_real_distribution<double>(0, 1)(rng[k]) < std::exp(-rel / temp);
-        }
+        if (lb > threshold) continue;
+        const double c = ev.cost(prop);
+        const bool accept = c <= threshold;
         if (!accept) continue;
         ++st.accepted;
         if (c < cost[k]) ++st.improved;

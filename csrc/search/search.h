@@ -57,9 +57,12 @@ class Evaluator {
  public:
   Evaluator(Graph g, ReallocFn realloc);
   const Graph& graph() const { return g_; }
-  // plan: one option index per call.
-  SimResult simulate(const std::vector<int>& plan, bool keep_tasks = false);
+  // plan: one option index per call. bound: reallocations not yet computed count as 0 s
+  // (never calls the callback); start times only grow with durations, so this is a lower
+  // bound of the exact cost.
+  SimResult simulate(const std::vector<int>& plan, bool keep_tasks = false, bool bound = false);
   double cost(const std::vector<int>& plan) { return simulate(plan).iter_time; }
+  double cost_bound(const std::vector<int>& plan) { return simulate(plan, false, true).iter_time; }
   double realloc_time(int call, int src, int dst);
   bool same_layout(int call_a, int opt_a, int call_b, int opt_b) const;
   int64_t realloc_calls() const { return realloc_misses_; }

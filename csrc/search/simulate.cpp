@@ -64,7 +64,7 @@ double Evaluator::transfer_time(const Option& a, const Option& b, double bytes) 
   return lat + bytes / (bw * static_cast<double>(std::min(a.size, b.size)));
 }
 
-SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks) {
+SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, bool bound) {
   const int n = static_cast<int>(g_.options.size());
   if (static_cast<int>(plan.size()) != n) throw std::invalid_argument("plan needs one option per call");
   for (int c = 0; c < n; ++c)
@@ -108,7 +108,14 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks) {
       const Option& src = g_.options[w][plan[w]];
       const Option& dst = g_.options[c][plan[c]];
       const double start = occupy(dst, occupy(src, prev_end[w]));
-      rend[c] = start + realloc_time(c, plan[w], plan[c]);
+      double dur;
+      if (bound) {
+        auto it = cache_[c].find((static_cast<int64_t>(plan[w]) << 32) | static_cast<int64_t>(plan[c]));
+        dur = it == cache_[c].end() ? 0.0 : it->second;
+      } else {
+        dur = realloc_time(c, plan[w], plan[c]);
+      }
+      rend[c] = start + dur;
       release(src, rend[c]);
       release(dst, rend[c]);
       if (keep_tasks) res.tasks.push_back({c, k, true, start, rend[c]});
