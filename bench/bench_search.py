@@ -26,7 +26,7 @@ from real_py.search import Workload, plan_search  # noqa: E402
 
 PAIRS = [("llama2-7b", "llama2-7b", 8), ("llama2-13b", "llama2-7b", 16), ("codellama-34b", "llama2-7b", 32),
          ("llama2-70b", "llama2-7b", 64), ("llama2-70b", "llama2-70b", 128)]
-LONG = [("llama2-7b", "llama2-7b", 16), ("llama2-13b", "llama2-7b", 32), ("llama2-70b", "llama2-7b", 64)]
+LONG = [("llama2-7b", "llama2-7b", 16), ("llama2-13b", "llama2-7b", 32), ("llama2-70b", "llama2-7b", 128)]
 
 
 def settings(quick: bool):
@@ -36,7 +36,7 @@ def settings(quick: bool):
             out.append(("standard", a, c, n, Workload(batch_size=512, prompt_len=128, gen_len=g)))
     for a, c, n in LONG:
         out.append(("long-context", a, c, n, Workload(batch_size=64, prompt_len=8192, gen_len=384,
-                                                      micro_tokens=32768)))
+                                                      micro_tokens=8192)))
     return out[:2] if quick else out
 
 
@@ -52,12 +52,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "search_cpu2_20261202"))
     args = ap.parse_args()
+    args.load_start = os.getloadavg()
     rows = []
     for theme, actor, critic, n, wl in settings(args.quick):
         budget = args.big_budget if n == 128 and critic == "llama2-70b" else args.budget
         t0 = time.perf_counter()
-        res = plan_search(actor, critic, num_gpus=n, hardware=args.hardware, workload=wl, time_budget=budget,
-                          chains=4, seed=0)
+        try:
+            res = plan_search(actor, critic, num_gpus=n, hardware=args.hardware, workload=wl,
+                              time_budget=budget, chains=4, seed=0)
+        except ValueError as e:
+            rows.append({"theme": theme, "actor": actor, "critic": critic, "gpus": n, "prompt_len": wl.prompt_len,
+                         "gen_len": wl.gen_len, "batch_size": wl.batch_size, "error": str(e)})
+            print(f"{theme:12s} {actor}+{critic} {n:3d} gpus: {e}", flush=True)
+            continue
         took = time.perf_counter() - t0
         sym, heu = res.baselines["symmetric"], res.baselines["heuristic"]
         sim = res.simulate()
@@ -90,9 +97,10 @@ def write(args, rows) -> None:
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (cpu2, shared)", "python": platform.python_version(),
             "numpy": numpy.__version__, "torch": torch.__version__, "commit": commit,
-            "hardware_profile": args.hardware, "note": "all iteration times are estimates of the cost model"}
-    std = [r for r in rows if r["theme"] == "standard"]
-    long = [r for r in rows if r["theme"] == "long-context"]
+            "hardware_profile": args.hardware, "note": "all iteration times are estimates of the cost model",
+            "loadavg_start": args.load_start, "loadavg_end": os.getloadavg()}
+    std = [r for r in rows if r["theme"] == "standard" and "error" not in r]
+    long = [r for r in rows if r["theme"] == "long-context" and "error" not in r]
     summary = {}
     for name, rs in (("standard", std), ("long-context", long)):
         if rs:
@@ -104,10 +112,17 @@ def write(args, rows) -> None:
     lines = [f"# Plan search vs baselines (estimated, {args.hardware})", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; "
              f"python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}; commit {commit}.  ",
-             "All times are seconds per PPO iteration ESTIMATED by real_py.search (not measured).", "",
+             "All times are seconds per PPO iteration ESTIMATED by real_py.search (not measured).  ",
+             f"Machine load average (1, 5, 15 min) at start {tuple(round(x, 1) for x in args.load_start)}, at end "
+             f"{tuple(round(x, 1) for x in meta['loadavg_end'])}: the search is time-budgeted, so a loaded "
+             "machine explores fewer plans.", "",
              "| setting | actor + critic | GPUs | prompt/gen | search s | symmetric s | heuristic s | vs sym | vs heur | search wall s | searched plan (gen / train) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | {r['prompt_len']}/{r['gen_len']} | "
+                         f"infeasible: {r['error']} | | | | | | |")
+            continue
         p = r["plan"]
         lines.append(f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | {r['prompt_len']}/{r['gen_len']} | "
                      f"{r['search_s_per_iter']:.2f} | {r['symmetric_s_per_iter']:.2f} | {r['heuristic_s_per_iter']:.2f} | "

@@ -164,9 +164,27 @@ def test_unknown_hardware():
 def test_cli_writes_plan_and_png(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     rc = main(["search", "--model", "llama2-7b", "--critic", "llama2-7b", "--gpus", "16", "--hardware", "h100",
-               "--gen-len", "384", "--time-budget", "2", "--chains", "2", "--out", str(out), "--plot", str(png)])
+               "--gen-len", "384", "--time-budget", "1", "--chains", "2", "--out", str(out), "--plot", str(png)])
     assert rc == 0
     assert ExecutionPlan.from_json(str(out)).world_size == 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "symmetric" in text and "heuristic" in text and "acceptance" in text
+
+
+def test_annealing_is_independent_of_the_time_unit(prob16):
+    # ReaL's search mixed ms and us; here acceptance depends on relative change only. Times
+    # scaled by 1024 (exact in binary floating point) must give the same walk, move for move.
+    g = prob16.graph_dict()
+    scaled = dict(g, options=[o.copy() for o in g["options"]], intra_bw=g["intra_bw"] / 1024,
+                  inter_bw=g["inter_bw"] / 1024, intra_lat=g["intra_lat"] * 1024, inter_lat=g["inter_lat"] * 1024)
+    for o in scaled["options"]:
+        o[:, 5] *= 1024
+    runs = []
+    for graph, unit in ((g, 1.0), (scaled, 1024.0)):
+        ev = _C.SearchEvaluator(graph, lambda c, s, d, unit=unit: prob16.realloc_time(c, s, d) * unit)
+        runs.append(ev.anneal(chains=2, time_budget=60, max_steps=4000, seed=3))
+    a, b = runs
+    assert a["best"] == b["best"]
+    assert b["best_cost"] == a["best_cost"] * 1024
+    assert [c["accepted"] for c in a["chains"]] == [c["accepted"] for c in b["chains"]]

@@ -143,9 +143,17 @@ AnnealResult anneal(Evaluator& ev, const AnnealConfig& cfg) {
                                                   : std::min(1.0, elapsed() / cfg.time_budget);
         const double temp = cfg.t_start * std::exp(log_ratio * progress);
         if (cfg.restart_steps > 0 && st.steps - last_gain[k] >= cfg.restart_steps) {
-          // Stuck: restart from a random feasible plan (multi-start within one chain).
-          random_start(k);
-          ++st.restarts;
+          // Stuck: restart, alternately from a random feasible plan and from the best plan so
+          // far kicked by a few random moves (iterated local search); an infeasible start falls
+          // back to the best plan.
+          if (++st.restarts % 2 == 1) {
+            random_start(k);
+          } else {
+            cur[k] = res.best;
+            for (int kick = 0; kick < 3; ++kick) propose(g, mv, cur[k], rng[k]);
+            cost[k] = ev.cost(cur[k]);
+          }
+          if (!std::isfinite(cost[k])) cur[k] = res.best, cost[k] = res.best_cost;
           last_gain[k] = st.steps;
         }
         prop = cur[k];

@@ -73,7 +73,8 @@ class Evaluator {
   ReallocFn realloc_;
   std::vector<std::unordered_map<int64_t, double>> cache_;
   int64_t realloc_misses_ = 0;
-  std::vector<double> gpu_free_, persist_, transient_;
+  std::vector<double> gpu_free_, persist_, transient_;  // per device segment
+  std::vector<int64_t> cuts_;
 };
 
 struct AnnealConfig {

@@ -1,4 +1,5 @@
-// Fixed-order list scheduler over `iters` PPO iterations; mirrors real_py/search/simulate.py.
+// Fixed-order list scheduler over `iters` PPO iterations; mirrors real_py/search/simulate.py
+// (which keeps per-device state; here devices are grouped into segments, same results).
 //
 // Per iteration, tasks are placed in this order: the reallocation of every call whose layout
 // differs from its weights' training layout (in call order), then every call in call order.
@@ -76,38 +77,54 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
     const int w = g_.weight_src[c];
     copy[c] = w >= 0 && !same_layout(w, plan[w], c, plan[c]);
   }
-  std::fill(persist_.begin(), persist_.end(), 0.0);
-  std::fill(transient_.begin(), transient_.end(), 0.0);
+  // Devices covered by exactly the same meshes behave identically, so the state is kept per
+  // segment between consecutive mesh boundaries (at most 2n + 1 segments, not num_gpus).
+  cuts_.assign({0, g_.num_gpus});
+  for (int c = 0; c < n; ++c) {
+    const Option& o = g_.options[c][plan[c]];
+    cuts_.push_back(o.start);
+    cuts_.push_back(o.start + o.size);
+  }
+  std::sort(cuts_.begin(), cuts_.end());
+  const int64_t* cuts = cuts_.data();
+  const int nc = static_cast<int>(std::unique(cuts_.begin(), cuts_.end()) - cuts_.begin());
+  const int nseg = nc - 1;
+  auto seg_of = [&](int64_t r) { return static_cast<int>(std::upper_bound(cuts, cuts + nc, r) - cuts) - 1; };
+  std::vector<std::pair<int, int>> span(n);  // [first, last) segment of each call's mesh
+  for (int c = 0; c < n; ++c) {
+    const Option& o = g_.options[c][plan[c]];
+    span[c] = {seg_of(o.start), seg_of(o.start + o.size - 1) + 1};
+  }
+  std::fill(persist_.begin(), persist_.begin() + nseg, 0.0);
+  std::fill(transient_.begin(), transient_.begin() + nseg, 0.0);
   for (int c = 0; c < n; ++c) {
     const Option& o = g_.options[c][plan[c]];
     const double tr = o.transient + (copy[c] ? o.weights : 0.0);
-    for (int64_t r = o.start; r < o.start + o.size; ++r) {
-      persist_[r] += o.persist;
-      transient_[r] = std::max(transient_[r], tr);
+    for (int s = span[c].first; s < span[c].second; ++s) {
+      persist_[s] += o.persist;
+      transient_[s] = std::max(transient_[s], tr);
     }
   }
-  for (int64_t r = 0; r < g_.num_gpus; ++r) res.peak_mem = std::max(res.peak_mem, persist_[r] + transient_[r]);
+  for (int s = 0; s < nseg; ++s) res.peak_mem = std::max(res.peak_mem, persist_[s] + transient_[s]);
   if (res.peak_mem > g_.mem_limit) {
     res.iter_time = res.makespan = std::numeric_limits<double>::infinity();
     res.infeasible = "memory";
     return res;
   }
-  std::fill(gpu_free_.begin(), gpu_free_.end(), 0.0);
+  std::fill(gpu_free_.begin(), gpu_free_.begin() + nseg, 0.0);
   std::vector<double> prev_end(n, 0.0), end(n, 0.0), rend(n, 0.0);
-  auto occupy = [&](const Option& o, double t) {
-    for (int64_t r = o.start; r < o.start + o.size; ++r) t = std::max(t, gpu_free_[r]);
+  auto occupy = [&](int c, double t) {
+    for (int s = span[c].first; s < span[c].second; ++s) t = std::max(t, gpu_free_[s]);
     return t;
   };
-  auto release = [&](const Option& o, double t) {
-    for (int64_t r = o.start; r < o.start + o.size; ++r) gpu_free_[r] = t;
+  auto release = [&](int c, double t) {
+    for (int s = span[c].first; s < span[c].second; ++s) gpu_free_[s] = t;
   };
   for (int k = 0; k < g_.iters; ++k) {
     for (int c = 0; c < n; ++c) {
       if (!copy[c]) continue;
       const int w = g_.weight_src[c];
-      const Option& src = g_.options[w][plan[w]];
-      const Option& dst = g_.options[c][plan[c]];
-      const double start = occupy(dst, occupy(src, prev_end[w]));
+      const double start = occupy(c, occupy(w, prev_end[w]));
       double dur;
       if (bound) {
         auto it = cache_[c].find((static_cast<int64_t>(plan[w]) << 32) | static_cast<int64_t>(plan[c]));
@@ -116,8 +133,8 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
         dur = realloc_time(c, plan[w], plan[c]);
       }
       rend[c] = start + dur;
-      release(src, rend[c]);
-      release(dst, rend[c]);
+      release(w, rend[c]);
+      release(c, rend[c]);
       if (keep_tasks) res.tasks.push_back({c, k, true, start, rend[c]});
     }
     for (int c = 0; c < n; ++c) {
@@ -128,9 +145,9 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
         const int d = g_.deps[c][i];
         ready = std::max(ready, end[d] + transfer_time(g_.options[d][plan[d]], o, g_.dep_bytes[c][i]));
       }
-      const double start = occupy(o, ready);
+      const double start = occupy(c, ready);
       end[c] = start + o.time;
-      release(o, end[c]);
+      release(c, end[c]);
       res.makespan = std::max(res.makespan, end[c]);
       if (keep_tasks) res.tasks.push_back({c, k, false, start, end[c]});
     }

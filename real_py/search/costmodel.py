@@ -100,10 +100,10 @@ def group_link(hw: HardwareProfile, mesh: Mesh, stride: int, n: int) -> tuple[fl
     return hw.inter_bw, hw.inter_lat
 
 
-def _pipeline(hw, mesh, dp, tp, pp, tokens, micro_tokens):
+def _pipeline(pp: int, tokens: float, micro_tokens: int) -> tuple[int, float]:
+    """(micro-batches, bubble factor) of a pass over `tokens` tokens per dp replica."""
     m = max(1, math.ceil(tokens / micro_tokens))
-    bubble = (m + pp - 1) / m
-    return m, bubble
+    return m, (m + pp - 1) / m
 
 
 def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int,
@@ -123,7 +123,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     if kind == "generate":
         P, G = wl.prompt_len, wl.gen_len
         tok = seqs * P
-        m, bubble = _pipeline(hw, mesh, dp, tp, pp, tok, wl.micro_tokens)
+        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
         out["prefill"] = fwd_flops(model, tok, P / 2) / (tp * pp) / hw.flops * bubble
         out["prefill_tp"] = 2 * L / pp * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0)) * bubble \
             if tp > 1 else 0.0
@@ -141,7 +141,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         S = wl.seq_len
         steps = wl.ppo_minibatches if kind == "train" else 1
         tok = seqs * S / steps
-        m, bubble = _pipeline(hw, mesh, dp, tp, pp, tok, wl.micro_tokens)
+        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
         passes = 3 if kind == "train" else 1
         ar_per_layer = 2 * passes if kind == "train" else 2
         compute = passes * fwd_flops(model, tok, S / 2) / (tp * pp) / hw.flops

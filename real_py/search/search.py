@@ -111,7 +111,7 @@ def heuristic_baseline(prob: Problem, sym: Baseline) -> Baseline:
 def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
-                restart_steps: int = 200_000,
+                restart_steps: int = 100_000,
                 per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
                 models: PPOModels | None = None) -> SearchResult:
     """Search an execution plan for PPO. time_budget: seconds for everything (tables included)."""
