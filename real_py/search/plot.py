@@ -14,7 +14,7 @@ def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    height = max(2.5, min(0.28 * num_gpus + 1.5, 30))
+    height = max(2.5, min(0.28 * num_gpus + 1.5, 11))
     span = max((e.end for e in events), default=1.0)
     fig, ax = plt.subplots(figsize=(13, height))
     for e in events:
