@@ -11,6 +11,8 @@
 
 #include "planner/planner.h"
 
+void bind_search(pybind11::module_& m);  // csrc/search/bind_search.cpp
+
 namespace py = pybind11;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
@@ -91,4 +93,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan", &plan, py::arg("geom"), py::arg("block_ptr"), py::arg("blocks"), py::arg("src"),
         py::arg("dst"), py::arg("mode"), py::arg("ranks_per_node"), py::arg("min_split_elems"),
         "Exact transfer plan between two layouts; returns a dict of int64 arrays.");
+  bind_search(m);
 }

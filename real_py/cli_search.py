@@ -1,0 +1,79 @@
+"""`python -m real_py search`: search a PPO execution plan, compare with baselines, draw it."""
+
+from __future__ import annotations
+
+import json
+
+from .search import Workload, plan_search
+from .search.hardware import PROFILE_NAMES
+from .spec import PRESETS
+
+
+def add_parser(sub):
+    p = sub.add_parser("search", help="search a PPO execution plan with the runtime estimator")
+    p.add_argument("--model", default="llama2-7b", help=f"actor preset ({', '.join(PRESETS)})")
+    p.add_argument("--critic", default=None, help="critic preset (default: same as --model)")
+    p.add_argument("--gpus", type=int, required=True, help="number of devices")
+    p.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
+    p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=384)
+    p.add_argument("--ppo-minibatches", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--time-budget", type=float, default=30.0, help="seconds for the whole search")
+    p.add_argument("--chains", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the ExecutionPlan JSON here")
+    p.add_argument("--plot", help="write a timeline PNG here")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _fmt(layouts):
+    if not layouts:
+        return "infeasible"
+    return ", ".join(f"{n}=dp{k[1]}tp{k[2]}pp{k[3]}@{k[0].start}+{k[0].size}" for n, k in layouts.items())
+
+
+def run(args) -> int:
+    if args.gpus < 1:
+        raise ValueError(f"--gpus={args.gpus} must be >= 1")
+    wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                  ppo_minibatches=args.ppo_minibatches)
+    res = plan_search(args.model, args.critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
+                      time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype)
+    sim = res.simulate()
+    if args.out:
+        res.plan.save(args.out)
+    if args.plot:
+        from .search.plot import plot_timeline
+
+        title = (f"{args.model} actor + {args.critic or args.model} critic, {args.gpus} x {args.hardware}, "
+                 f"gen {args.gen_len}: {res.iter_time:.2f} s/iter (symmetric "
+                 f"{res.baselines['symmetric'].iter_time:.2f}, heuristic {res.baselines['heuristic'].iter_time:.2f})")
+        plot_timeline(sim.events, args.gpus, args.plot, title)
+    out = {"iter_time_s": res.iter_time, "plan": res.plan.to_json(),
+           "baselines": {k: {"iter_time_s": b.iter_time, "layouts": _fmt(b.layouts)} for k, b in res.baselines.items()},
+           "stats": res.stats}
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+        return 0
+    print(f"searched plan: {res.iter_time:.3f} s/iteration (estimated, {args.hardware})")
+    for i, name in enumerate(res.problem.names):
+        o = res.problem.options[i][res.choice[i]]
+        print(f"  {name:13s} {str(o):28s} {o.time:8.3f} s")
+    for e in sim.events:
+        if e.realloc and e.iter == 0:
+            print(f"  realloc before {e.call}: {e.end - e.start:.3f} s")
+    for k, b in res.baselines.items():
+        sp = b.iter_time / res.iter_time
+        print(f"{k:10s} {b.iter_time:8.3f} s/iteration  (search speedup {sp:.2f}x): {_fmt(b.layouts)}")
+    st = res.stats
+    acc = ", ".join(f"{c['acceptance']:.3f}" for c in st["chains"])
+    print(f"search: {st['seconds_total']:.1f} s total ({st['seconds_tables']:.1f} s tables), "
+          f"{sum(c['steps'] for c in st['chains'])} steps, acceptance per chain {acc}, "
+          f"{st['planner_calls']} planner calls")
+    if args.out:
+        print(f"plan written to {args.out}")
+    if args.plot:
+        print(f"timeline written to {args.plot}")
+    return 0

@@ -1,0 +1,105 @@
+"""The PPO dataflow graph and the candidate (mesh, strategy) options of each call.
+
+Meshes: aligned power-of-two blocks inside a node, and ranges of whole nodes. Strategies:
+(dp, tp, pp) with dp * tp * pp = mesh size, tp in ModelSpec.tp_choices() and <= ranks per
+node (tp across nodes is never competitive), pp <= layers, dp <= batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..spec import ModelConfig, ModelSpec, model_spec, preset
+from .costmodel import Mesh, Workload
+
+CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallSpec:
+    name: str
+    model: str
+    """"actor", "ref", "reward" or "critic"."""
+    kind: str
+    """"generate", "inference" or "train"."""
+    deps: tuple[str, ...] = ()
+    weight_src: str | None = None
+    """The call whose layout holds this model's weights (trainable models), else None."""
+
+
+PPO_GRAPH: tuple[CallSpec, ...] = (
+    CallSpec(name="actor_gen", model="actor", kind="generate", weight_src="actor_train"),
+    CallSpec(name="ref_inf", model="ref", kind="inference", deps=("actor_gen",)),
+    CallSpec(name="rew_inf", model="reward", kind="inference", deps=("actor_gen",)),
+    CallSpec(name="critic_inf", model="critic", kind="inference", deps=("actor_gen",),
+             weight_src="critic_train"),
+    CallSpec(name="actor_train", model="actor", kind="train",
+             deps=("actor_gen", "ref_inf", "rew_inf", "critic_inf")),
+    CallSpec(name="critic_train", model="critic", kind="train",
+             deps=("actor_gen", "ref_inf", "rew_inf", "critic_inf")),
+)
+
+
+def dep_bytes(src: str, dst: str, wl: Workload) -> float:
+    """Bytes a call reads from a dependency: int32 tokens (+ fp32 logprobs from generation to
+    the actor's training), and one fp32 per token from each inference call."""
+    tokens = wl.batch_size * wl.seq_len
+    if src == "actor_gen":
+        return tokens * (8 if dst == "actor_train" else 4)
+    return tokens * 4
+
+
+@dataclass(frozen=True, slots=True)
+class PPOModels:
+    actor: ModelSpec
+    critic: ModelSpec
+    ref: ModelSpec
+    reward: ModelSpec
+
+    def of(self, role: str) -> ModelSpec:
+        return getattr(self, role)
+
+
+def _config(name_or_cfg, dtype: str, head: str) -> ModelConfig:
+    cfg = preset(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    return replace(cfg, dtype=dtype, head=head)
+
+
+def ppo_models(actor, critic=None, dtype: str = "bfloat16") -> PPOModels:
+    """Actor and reference share the actor's shape (lm head); critic and reward the critic's
+    (value head). actor/critic: preset names or ModelConfigs."""
+    critic = actor if critic is None else critic
+    an = actor if isinstance(actor, str) else "actor"
+    cn = critic if isinstance(critic, str) else "critic"
+    a = model_spec(_config(actor, dtype, "lm"), an)
+    c = model_spec(_config(critic, dtype, "value"), cn + "-value")
+    return PPOModels(actor=a, critic=c, ref=a, reward=c)
+
+
+def cluster_meshes(num_gpus: int, rpn: int) -> list[Mesh]:
+    """Aligned power-of-two blocks inside each node, then every range of whole nodes."""
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus={num_gpus} must be >= 1")
+    node = min(num_gpus, rpn)
+    if num_gpus > rpn and num_gpus % rpn:
+        raise ValueError(f"num_gpus={num_gpus} is not a multiple of ranks_per_node={rpn}")
+    nodes = num_gpus // node
+    meshes = []
+    for n in range(nodes):
+        size = 1
+        while size < node:
+            meshes += [Mesh(n * node + s, size) for s in range(0, node - size + 1, size)]
+            size *= 2
+    for count in range(1, nodes + 1):
+        meshes += [Mesh(n * node, count * node) for n in range(nodes - count + 1)]
+    return meshes
+
+
+def strategies(model: ModelSpec, size: int, rpn: int, wl: Workload) -> list[tuple[int, int, int]]:
+    tps = [t for t in model.tp_choices(limit=min(size, rpn)) if size % t == 0]
+    out = []
+    for tp in tps:
+        for pp in range(1, min(size // tp, model.num_layers) + 1):
+            if (size // tp) % pp == 0 and size // (tp * pp) <= wl.batch_size:
+                out.append((size // (tp * pp), tp, pp))
+    return out

@@ -1,0 +1,85 @@
+"""Reallocation time from the exact transfer planner's per-rank bytes.
+
+The planner (real_py.plan_realloc, p2p mode, ranks_per_node given so it prefers same-node
+senders) says which bytes each rank sends and receives. A rank's NVLink and its NIC work in
+parallel, so its time is the largest of its four byte counts over their link bandwidths
+(intra send, intra receive, inter send, inter receive), plus its local copy (read + write at
+memory bandwidth) and one latency per message; the reallocation takes as long as its slowest
+rank. Costs are cached per (model, src layout, dst layout) after moving both meshes to a
+canonical position: whole-node shifts, and closing the gap between two meshes on different
+nodes, change no rank's byte counts or link classes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..layout import Layout
+from ..plan import plan_realloc
+from ..spec import ModelSpec
+from .costmodel import Mesh
+from .hardware import HardwareProfile
+
+
+def canonical_meshes(a: Mesh, b: Mesh, rpn: int) -> tuple[Mesh, Mesh]:
+    """Equivalent placement of two meshes: lowest node first, no empty nodes between them."""
+    shift = min(a.start, b.start) // rpn * rpn
+    a, b = Mesh(a.start - shift, a.size), Mesh(b.start - shift, b.size)
+    first, second = (a, b) if a.start <= b.start else (b, a)
+    first_last_node = (first.start + first.size - 1) // rpn
+    if second.start // rpn > first_last_node + 1:
+        moved = Mesh((first_last_node + 1) * rpn + second.start % rpn, second.size)
+        a, b = (first, moved) if first is a else (moved, first)
+    return a, b
+
+
+class ReallocCost:
+    """Seconds to move a model between two layouts on a given hardware profile (cached)."""
+
+    def __init__(self, hw: HardwareProfile):
+        self.hw = hw
+        self.rpn = hw.ranks_per_node
+        self._cache: dict[tuple, float] = {}
+        self.planner_calls = 0
+
+    def time(self, model: ModelSpec, src: tuple[Mesh, int, int, int], dst: tuple[Mesh, int, int, int]) -> float:
+        """src/dst: (mesh, dp, tp, pp). Zero when the layouts are identical."""
+        if src == dst:
+            return 0.0
+        sm, dm = canonical_meshes(src[0], dst[0], self.rpn)
+        key = (model, sm, src[1:], dm, dst[1:])
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._compute(model, sm, src[1:], dm, dst[1:])
+        return hit
+
+    def _compute(self, model, sm, s, dm, d) -> float:
+        self.planner_calls += 1
+        src = Layout(dp=s[0], tp=s[1], pp=s[2], ranks=sm.ranks)
+        dst = Layout(dp=d[0], tp=d[1], pp=d[2], ranks=dm.ranks)
+        plan = plan_realloc(model, src, dst, mode="p2p", ranks_per_node=self.rpn)
+        return transfer_time(plan, self.hw)
+
+
+def transfer_time(plan, hw: HardwareProfile) -> float:
+    """Slowest rank's time for an exact plan (see the module docstring)."""
+    rpn, es = hw.ranks_per_node, plan.element_size
+    world = max(plan.ranks()) + 1
+    counts = np.diff(plan.msg_recv_ptr)
+    senders = np.repeat(plan.msg_sender, counts)
+    receivers = plan.msg_receivers
+    nbytes = np.repeat(plan.msg_numel, counts).astype(np.float64) * es
+    inter = senders // rpn != receivers // rpn
+    link = np.zeros((4, world))
+    np.add.at(link[0], senders[~inter], nbytes[~inter])
+    np.add.at(link[1], receivers[~inter], nbytes[~inter])
+    np.add.at(link[2], senders[inter], nbytes[inter])
+    np.add.at(link[3], receivers[inter], nbytes[inter])
+    link[:2] /= hw.intra_bw
+    link[2:] /= hw.inter_bw
+    msgs = np.bincount(senders, minlength=world) + np.bincount(receivers, minlength=world)
+    local = np.zeros(world)
+    np.add.at(local, plan.local_rank, plan.local_numel.astype(np.float64) * es)
+    lat = hw.inter_lat if inter.any() else hw.intra_lat
+    per_rank = link.max(axis=0) + 2 * local / hw.mem_bw + msgs * lat
+    return float(per_rank.max()) if world else 0.0

@@ -1,0 +1,166 @@
+"""Plan search entry points: `plan_search` (annealing in C++), the two baselines, `estimate`.
+
+Baselines, evaluated with the same estimator:
+- symmetric: every call on all devices with one (dp, tp, pp) valid for all four models
+  (what Megatron-based systems such as DeepSpeed-Chat/OpenRLHF colocated do); the fastest
+  feasible one. No reallocation is ever needed.
+- heuristic (ReaL-style hand tuning): training keeps the symmetric best layout; then, one call
+  at a time in graph order, generation and each inference call move to the fastest layout
+  on all devices with pp = 1 (any dp x tp; pipelining hurts decoding), the actor and critic
+  weights being reallocated there. It is what an engineer tuning each call's (dp, tp) by hand
+  on a colocated cluster does, and is never slower than the symmetric plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..execplan import ExecutionPlan
+from .costmodel import Mesh, Workload
+from .graph import PPOModels, ppo_models, strategies
+from .hardware import HardwareProfile, get_profile
+from .problem import GiB, Problem, layouts_from_plan
+from .simulate import SimResult, simulate
+
+
+@dataclass(slots=True)
+class Baseline:
+    name: str
+    layouts: dict | None
+    iter_time: float
+    peak_mem: float
+
+
+@dataclass(slots=True)
+class SearchResult:
+    plan: ExecutionPlan
+    iter_time: float
+    """Estimated seconds per PPO iteration."""
+    choice: list
+    problem: Problem
+    baselines: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+    def speedup(self, baseline: str) -> float:
+        return self.baselines[baseline].iter_time / self.iter_time
+
+    def simulate(self) -> SimResult:
+        return simulate(self.problem, self.choice)
+
+
+def _full(models: PPOModels, hw, n, wl):
+    """(dp, tp, pp) on all n devices valid for every model, and the pp=1 ones per model."""
+    rpn = min(hw.ranks_per_node, n)
+    per_model = {r: strategies(models.of(r), n, rpn, wl) for r in ("actor", "critic", "ref", "reward")}
+    common = sorted(set.intersection(*(set(v) for v in per_model.values())))
+    return common, per_model
+
+
+def baseline_layouts(models, hw, n, wl) -> dict:
+    """Every layout a baseline may use, per call (added to the search's candidates)."""
+    common, per_model = _full(models, hw, n, wl)
+    full = Mesh(0, n)
+    from .graph import PPO_GRAPH
+
+    out = {}
+    for c in PPO_GRAPH:
+        keys = {(full,) + s for s in common}
+        if c.kind != "train":
+            keys |= {(full,) + s for s in per_model[c.model] if s[2] == 1}
+        out[c.name] = sorted(keys, key=lambda k: k[1:])
+    return out
+
+
+def symmetric_baseline(prob: Problem) -> Baseline:
+    common, _ = _full(prob.models, prob.hw, prob.num_gpus, prob.wl)
+    ev, full = prob.evaluator(), Mesh(0, prob.num_gpus)
+    best = Baseline("symmetric", None, math.inf, math.inf)
+    least_mem = math.inf
+    for s in common:
+        layouts = {name: (full,) + s for name in prob.names}
+        r = ev.simulate(prob.choice(layouts))
+        least_mem = min(least_mem, r["peak_mem"])
+        if r["iter_time"] < best.iter_time:
+            best = Baseline("symmetric", layouts, r["iter_time"], r["peak_mem"])
+    best.peak_mem = best.peak_mem if best.layouts else least_mem
+    return best
+
+
+def heuristic_baseline(prob: Problem, sym: Baseline) -> Baseline:
+    if sym.layouts is None:
+        return Baseline("heuristic", None, math.inf, sym.peak_mem)
+    ev, full = prob.evaluator(), Mesh(0, prob.num_gpus)
+    layouts = dict(sym.layouts)
+    r = ev.simulate(prob.choice(layouts))
+    # Greedy, one call at a time in graph order: the fastest full-cluster pp=1 layout.
+    for c in prob.calls:
+        if c.kind == "train":
+            continue
+        for key in prob.index[prob.names.index(c.name)]:
+            if key[0] != full or key[3] != 1:
+                continue
+            trial = dict(layouts, **{c.name: key})
+            rt = ev.simulate(prob.choice(trial))
+            if rt["iter_time"] < r["iter_time"]:
+                layouts, r = trial, rt
+    return Baseline("heuristic", layouts, r["iter_time"], r["peak_mem"])
+
+
+def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
+                workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
+                seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
+                restart_steps: int = 100_000,
+                per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
+                models: PPOModels | None = None) -> SearchResult:
+    """Search an execution plan for PPO. time_budget: seconds for everything (tables included)."""
+    t0 = time.perf_counter()
+    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
+    wl = workload or Workload()
+    models = models or ppo_models(actor, critic, dtype)
+    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh,
+                   extra=baseline_layouts(models, hw, num_gpus, wl))
+    sym = symmetric_baseline(prob)
+    heu = heuristic_baseline(prob, sym)
+    t_tables = time.perf_counter() - t0
+    init = [prob.choice(b.layouts) for b in (heu, sym) if b.layouts and math.isfinite(b.iter_time)]
+    left = max(0.5, time_budget - t_tables)
+    ev = prob.evaluator()
+    res = ev.anneal(chains=chains, time_budget=left, max_steps=max_steps, t_start=t_start,
+                    t_end=t_end, seed=seed, init=init, restart_steps=restart_steps)
+    if not math.isfinite(res["best_cost"]):
+        raise ValueError(
+            f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
+            f"{hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the smallest per-device memory "
+            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB")
+    chains_out = res["chains"]
+    for st in chains_out:
+        st["acceptance"] = st["accepted"] / max(1, st["steps"])
+    stats = {"seconds_total": time.perf_counter() - t0, "seconds_tables": t_tables,
+             "seconds_anneal": res["seconds"], "options": [len(o) for o in prob.options],
+             "planner_calls": prob.realloc_cost.planner_calls, "realloc_pairs": res["realloc_calls"],
+             "chains": chains_out}
+    return SearchResult(prob.execution_plan(res["best"]), res["best_cost"], list(res["best"]), prob,
+                        {"symmetric": sym, "heuristic": heu}, stats)
+
+
+def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",
+             workload: Workload | None = None, iters: int = 3, dtype: str = "bfloat16",
+             models: PPOModels | None = None) -> dict:
+    """Estimated seconds per iteration of a given plan, with per-call and reallocation times.
+
+    For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
+    runs, hardware="cpu" (calibrated on this machine) and dtype of its parameters.
+    """
+    hw = get_profile(hardware) if isinstance(hardware, str) else hardware
+    wl = workload or Workload()
+    models = models or ppo_models(actor, critic, dtype)
+    prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan))
+    r = simulate(prob, [0] * len(prob.calls))
+    calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
+                    "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}
+    reallocs = {e.call: e.end - e.start for e in r.events if e.realloc and e.iter == 0}
+    return {"iter_time": r.iter_time, "makespan": r.makespan, "peak_mem_bytes": r.peak_mem,
+            "feasible": not r.infeasible, "calls": calls, "realloc_seconds": reallocs,
+            "events": r.events}

@@ -1,0 +1,109 @@
+"""Python simulator of one or more PPO iterations: the same rules as csrc/search/simulate.cpp,
+plus a timeline of events for pictures and debugging.
+
+Rules (seconds, bytes):
+- Memory: per device, the persistent bytes of every chosen option on it (training state,
+  frozen weights) plus the largest transient bytes of any call on it (activations, KV cache,
+  and a reallocated weight copy when the call's layout differs from its weights' training
+  layout) must fit the usable memory; otherwise the plan is infeasible (time = inf).
+- Per iteration, tasks are placed in a fixed order: first the reallocation of each call whose
+  layout differs from its training layout (it reads the previous iteration's trained weights
+  and occupies the devices of both layouts), then the calls in graph order. A task starts when
+  its inputs are ready (dependencies ended + data transfer) and all of its devices are free.
+  Calls on disjoint meshes therefore overlap; calls sharing a device are serialized.
+- Iteration time = makespan of `iters` iterations / iters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    ranks: tuple[tuple[int, int], ...]
+    """Device ranges [lo, hi) the task occupies."""
+    start: float
+    end: float
+    label: str
+    call: str
+    iter: int
+    realloc: bool
+
+
+@dataclass(slots=True)
+class SimResult:
+    iter_time: float
+    makespan: float
+    peak_mem: float
+    infeasible: str = ""
+    events: list[Event] = field(default_factory=list)
+
+
+def _transfer(a, b, nbytes, prob) -> float:
+    if a.mesh.start == b.mesh.start and a.mesh.size == b.mesh.size:
+        return 0.0
+    rpn, hw = prob.rpn, prob.hw
+    lo = min(a.mesh.start, b.mesh.start)
+    hi = max(a.mesh.start + a.mesh.size, b.mesh.start + b.mesh.size) - 1
+    one = lo // rpn == hi // rpn
+    bw, lat = (hw.intra_bw, hw.intra_lat) if one else (hw.inter_bw, hw.inter_lat)
+    return lat + nbytes / (bw * float(min(a.mesh.size, b.mesh.size)))
+
+
+def simulate(prob, choice, iters: int | None = None) -> SimResult:
+    """prob: a Problem; choice: one option index per call."""
+    from .graph import dep_bytes
+
+    iters = prob.iters if iters is None else iters
+    calls, n = prob.calls, len(prob.calls)
+    pos = {c.name: i for i, c in enumerate(calls)}
+    opts = [prob.options[i][choice[i]] for i in range(n)]
+    wsrc = [pos[c.weight_src] if c.weight_src else -1 for c in calls]
+    copy = [w >= 0 and opts[w].key != opts[c].key for c, w in enumerate(wsrc)]
+    persist = [0.0] * prob.num_gpus
+    transient = [0.0] * prob.num_gpus
+    for c, o in enumerate(opts):
+        tr = o.transient + (o.weights if copy[c] else 0.0)
+        for r in o.mesh.ranks:
+            persist[r] += o.persist
+            transient[r] = max(transient[r], tr)
+    peak = max(p + t for p, t in zip(persist, transient))
+    if peak > prob.hw.mem_limit:
+        return SimResult(math.inf, math.inf, peak, "memory")
+    free = [0.0] * prob.num_gpus
+    prev_end, end, rend = [0.0] * n, [0.0] * n, [0.0] * n
+    events, makespan = [], 0.0
+
+    def occupy(o, t):
+        return max([t] + free[o.mesh.start:o.mesh.start + o.mesh.size])
+
+    def release(o, t):
+        free[o.mesh.start:o.mesh.start + o.mesh.size] = [t] * o.mesh.size
+
+    for k in range(iters):
+        for c in range(n):
+            if not copy[c]:
+                continue
+            w = wsrc[c]
+            start = occupy(opts[c], occupy(opts[w], prev_end[w]))
+            rend[c] = start + prob.realloc_time(c, choice[w], choice[c])
+            release(opts[w], rend[c])
+            release(opts[c], rend[c])
+            ranks = tuple(sorted({(o.mesh.start, o.mesh.start + o.mesh.size) for o in (opts[w], opts[c])}))
+            events.append(Event(ranks, start, rend[c], f"realloc {calls[c].model}", calls[c].name, k, True))
+        for c in range(n):
+            o, w = opts[c], wsrc[c]
+            ready = rend[c] if copy[c] else (prev_end[w] if w >= 0 else 0.0)
+            for d in calls[c].deps:
+                i = pos[d]
+                ready = max(ready, end[i] + _transfer(opts[i], o, dep_bytes(d, calls[c].name, prob.wl), prob))
+            start = occupy(o, ready)
+            end[c] = start + o.time
+            release(o, end[c])
+            makespan = max(makespan, end[c])
+            events.append(Event(((o.mesh.start, o.mesh.start + o.mesh.size),), start, end[c],
+                                calls[c].name, calls[c].name, k, False))
+        prev_end = list(end)
+    return SimResult(makespan / iters, makespan, peak, "", events)

@@ -1,0 +1,138 @@
+# Checks the search's cost model pieces (FLOPs, collectives, decode roofline, memory, reallocation
+# time, hardware profiles) against hand-computed values; a failure points to real_py/search/costmodel.py,
+# realloc_cost.py or hardware.py (formula or unit error: every time is in seconds).
+from dataclasses import replace
+
+import pytest
+
+from real_py.layout import Layout
+from real_py.plan import plan_realloc
+from real_py.search import Mesh, Workload, call_memory, call_time, get_profile
+from real_py.search.costmodel import allreduce_time, fwd_flops, group_link, matmul_params
+from real_py.search.hardware import HardwareProfile
+from real_py.search.realloc_cost import ReallocCost, canonical_meshes, transfer_time
+from real_py.spec import ModelConfig, model_spec, preset
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                   vocab_size=100, num_hidden_layers=2, dtype="bfloat16")
+HW = HardwareProfile(name="t", peak_flops=1e12, flops_eff=0.5, hbm_bw=1e11, hbm_eff=0.5, intra_bw=1e10,
+                     inter_bw=1e9, intra_lat=1e-5, inter_lat=2e-5, mem_bytes=1e10, ranks_per_node=4)
+
+
+def tiny():
+    return model_spec(TINY, "tiny")
+
+
+def test_param_and_flop_counts():
+    m = tiny()
+    # embed 6400; per layer norms 128 + qkv 12288 + o 4096 + gate_up 16384 + down 8192; norm 64; head 6400
+    assert m.numel == 6400 + 2 * 41088 + 64 + 6400
+    assert matmul_params(m) == m.numel - 6400
+    assert fwd_flops(m, 10, 8) == 10 * (2 * 88640 + 4 * 2 * 8 * 64)
+
+
+def test_allreduce_and_links():
+    assert allreduce_time(1e9, 1, 1e10, 1e-5) == 0.0
+    assert allreduce_time(1e9, 4, 1e10, 1e-5) == pytest.approx(1e-5 + 1.5 * 0.1)
+    # 8 ranks on 2 nodes of 4: tp=2 groups stay inside a node, dp=4 with stride 2 crosses nodes.
+    mesh = Mesh(0, 8)
+    assert group_link(HW, mesh, 1, 2) == (1e10, 1e-5)
+    assert group_link(HW, mesh, 2, 4) == (1e9, 2e-5)
+    assert group_link(HW, Mesh(4, 4), 1, 4) == (1e10, 1e-5)
+
+
+def test_inference_time_by_hand():
+    m, wl = tiny(), Workload(batch_size=8, prompt_len=12, gen_len=4, micro_tokens=1 << 20)
+    t = call_time("inference", m, Mesh(0, 2), 1, 2, 1, HW, wl)
+    tok = 8 * 16
+    compute = tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11
+    tp = 2 * 2 * (1e-5 + 0.5 * 2 * tok * 64 * 2 / 1e10)  # 2 all-reduces x 2 layers, one micro-batch
+    assert t["compute"] == pytest.approx(compute)
+    assert t["tp"] == pytest.approx(tp)
+    assert t["total"] == pytest.approx(compute + tp)
+
+
+def test_decode_is_memory_bound_by_hand():
+    m, wl = tiny(), Workload(batch_size=2, prompt_len=6, gen_len=4, micro_tokens=1 << 20)
+    t = call_time("generate", m, Mesh(0, 1), 1, 1, 1, HW, wl)
+    ctx = 6 + 2
+    kv = 2 * ctx * 2 * 2 * 64 * 2  # seqs * ctx * layers * (k, v) * kv dim * bytes
+    step_mem = (m.numel * 2 + kv) / 5e10
+    step_flops = 2 * (2 * 88640 + 4 * 2 * ctx * 64) / 5e11
+    assert t["decode"] == pytest.approx(4 * max(step_mem, step_flops))
+    assert t["prefill"] == pytest.approx(2 * 6 * (2 * 88640 + 4 * 2 * 3 * 64) / 5e11)
+
+
+def test_train_terms_by_hand():
+    m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16)
+    t = call_time("train", m, Mesh(0, 4), 2, 1, 2, HW, wl)
+    tok = 8 / 2 * 16 / 2  # per replica per optimizer step
+    mb = 2  # micro-batches of 16 tokens
+    bubble = (mb + 1) / mb
+    assert t["compute"] == pytest.approx(2 * 3 * tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11 * bubble)
+    local = m.numel / 2
+    assert t["dp"] == pytest.approx(2 * (1e-5 + 0.5 * 2 * local * 2 / 1e10))
+    assert t["optimizer"] == pytest.approx(2 * local / 2 * (24 + 6) / 5e10)
+    # pp=2: (m + pp - 2) = 2 hops forward and backward per step, stride dp*tp = 2 inside the node.
+    assert t["pp"] == pytest.approx(2 * 2 * 2 * (1e-5 + 16 * 64 * 2 / 1e10))
+
+
+def test_memory_by_hand():
+    m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16)
+    mem = call_memory("train", m, 2, 1, 2, wl)
+    assert mem["persist"] == pytest.approx(m.numel / 2 * (4 + 6))
+    assert mem["weights"] == pytest.approx(m.numel / 2 * 2)
+    g = call_memory("generate", m, 2, 2, 1, wl)
+    assert g["transient"] == pytest.approx(4 * 16 * 2 * 2 * 64 * 2 / 2 + 4 * 100 * 4 / 2)
+
+
+def test_seconds_for_a_known_workload():
+    # 7B training, 512 x 512 tokens on 8 H100 at 50% MFU: 6 * 6.7e9 * 262144 / (8 * 494.5e12) ~ 2.7 s.
+    m = model_spec(replace(preset("llama2-7b"), dtype="bfloat16"), "7b")
+    t = call_time("train", m, Mesh(0, 8), 8, 1, 1, get_profile("h100"), Workload(prompt_len=256, gen_len=256))
+    assert 2.0 < t["compute"] < 3.5
+    assert 2.0 < t["total"] < 5.0
+
+
+def test_unknown_profile_lists_choices():
+    with pytest.raises(ValueError, match="a100, h100, h200, cpu"):
+        get_profile("tpu-v5")
+    assert get_profile("H100-80G").name == "h100"
+
+
+def test_transfer_time_by_hand():
+    m = tiny()
+    plan = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(1,)), ranks_per_node=4)
+    nbytes = m.numel * 2
+    n = plan.num_messages
+    # sender and receiver each handle n messages over NVLink
+    assert transfer_time(plan, HW) == pytest.approx(nbytes / 1e10 + n * 1e-5)
+    plan = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(4,)), ranks_per_node=4)
+    assert transfer_time(plan, HW) == pytest.approx(nbytes / 1e9 + plan.num_messages * 2e-5)
+    same = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(0,)), ranks_per_node=4)
+    assert transfer_time(same, HW) == pytest.approx(2 * nbytes / 5e10)  # local copy, read + write
+
+
+@pytest.mark.parametrize("a,b", [((8, 4), (20, 2)), ((0, 8), (24, 8)), ((4, 4), (6, 2)), ((16, 8), (4, 4))])
+def test_canonical_placement_keeps_the_cost(a, b):
+    m = tiny()
+    a, b = Mesh(*a), Mesh(*b)
+    ca, cb = canonical_meshes(a, b, 4)
+    assert ca.size == a.size and cb.size == b.size and min(ca.start, cb.start) < 4
+    direct = transfer_time(plan_realloc(m, Layout(dp=a.size, ranks=a.ranks), Layout(tp=2, dp=b.size // 2, ranks=b.ranks),
+                                        ranks_per_node=4), HW)
+    rc = ReallocCost(HW)
+    assert rc.time(m, (a, a.size, 1, 1), (b, b.size // 2, 2, 1)) == pytest.approx(direct)
+
+
+def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
+    from real_py.search.hardware import cpu_profile
+
+    p = cpu_profile(refresh=True)
+    assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7
+    assert 0 < p.intra_lat < 0.1
+    assert (tmp_path / "cpu_profile.json").exists()
+    assert get_profile("cpu") == p  # read back from the cache file
