@@ -10,6 +10,7 @@ import importlib
 
 COMMANDS = {
     "plan": "real_py.cli_plan",
+    "train": "real_py.cli_train",
 }
 
 

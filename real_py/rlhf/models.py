@@ -1,0 +1,123 @@
+"""The four PPO models on this rank: initial weights, shards per layout, weight reallocation.
+
+A trainable model (actor, critic) keeps its shard and optimizer in the layout of its train call.
+Before another call of the same model with a different layout, `Models.realloc` moves its weights
+into that layout with the planner and the reallocator (plan and reallocator cached per layout
+pair); the runtime drops the copy after the call. Frozen models (ref, reward) are built directly
+in the layout of their only call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..engines import Engine, OptimConfig
+from ..plan import plan_realloc
+from ..reallocator import Reallocator
+from ..shard import ModelShard
+from ..spec import ModelConfig, model_spec, torch_dtype
+from ..transport import TransferError, Transport
+
+REALLOC_TAG = 1 << 20
+"""gloo tag of reallocation messages (dataflow pushes use tags below the number of calls)."""
+
+
+class P2PTransport(Transport):
+    """torch.distributed isend/irecv on the default group, every wait with a timeout."""
+
+    name = "torch-p2p"
+
+    def __init__(self, timeout_s: float):
+        self.rank = dist.get_rank()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def exchange(self, sends, recvs, step: str) -> None:
+        works = []
+        for receivers, t in sends:
+            for r in receivers:
+                works.append((dist.isend(t.contiguous(), r, tag=REALLOC_TAG), f"send to rank {r}"))
+        for s, buf in recvs:
+            works.append((dist.irecv(buf, s, tag=REALLOC_TAG), f"receive from rank {s}"))
+        for w, what in works:
+            try:
+                w.wait(self.timeout)
+            except RuntimeError as e:
+                raise TransferError(f"rank {self.rank}: {step}: {what} failed or timed out: {e}") from None
+
+
+def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Full random weights: N(0, 0.02) matrices, unit norms (same on every rank for a seed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for p in model_spec(config).params:
+        if p.name.endswith("norm.weight"):
+            out[p.name] = torch.ones(p.shape)
+        else:
+            out[p.name] = torch.randn(p.shape, generator=g) * 0.02
+    return {k: v.to(torch_dtype(config.dtype)) for k, v in out.items()}
+
+
+class Models:
+    def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
+                 lrs: dict[str, float], max_grad_norm: float, timeout_s: float, rule_reward: bool):
+        self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.rank = dist.get_rank()
+        self.transport = P2PTransport(timeout_s)
+        self.specs = {m: model_spec(c, name=m) for m, c in configs.items()}
+        self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
+        self.engines: dict[str, Engine | None] = {}
+        self._reallocators: dict = {}
+        inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
+        for m, calls in graph.models().items():
+            if m == "reward" and rule_reward:
+                continue
+            home = graph.train_call(m) or calls[0]
+            if len(calls) > 1 and not graph.calls[home].trains:
+                raise ValueError(f"model {m} has several calls {calls} but none trains; give each "
+                                 "frozen model one call")
+            self.home[m] = home
+            layout, g = plan.calls[home], groups[home]
+            if not g.member:
+                self.engines[m] = None
+                continue
+            shard = ModelShard.from_full(self.specs[m], layout, self.rank, init_weights(configs[m], inits[m]))
+            optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm)
+                     if graph.calls[home].trains else None)
+            self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+
+    def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
+        """The engine to run `call` with (reallocating if needed) and the reallocation stats.
+
+        Every rank of the world calls this for every call in the global order; ranks outside
+        both the home and the call layout return at once.
+        """
+        c = self.graph.calls[call]
+        home = self.home.get(c.model)
+        if home is None:
+            return None, None
+        src, dst = self.plan.calls[home], self.plan.calls[call]
+        if src == dst:
+            return self.engines[c.model], None
+        if self.rank not in src.ranks and self.rank not in dst.ranks:
+            return None, None
+        key = (c.model, call)
+        if key not in self._reallocators:
+            rplan = plan_realloc(self.specs[c.model], src, dst)
+            self._reallocators[key] = Reallocator(rplan, self.transport)
+        realloc = self._reallocators[key]
+        home_engine = self.engines[c.model]
+        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank)
+                     if self.rank in dst.ranks else None)
+        t0 = time.perf_counter()
+        stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
+        stats["seconds"] = time.perf_counter() - t0
+        if dst_shard is None:
+            return None, stats
+        return Engine(self.configs[c.model], dst, self.groups[call], dst_shard), stats
+
+
+__all__ = ["Models", "P2PTransport", "init_weights", "REALLOC_TAG"]
