@@ -110,6 +110,7 @@ class Runtime:
                 r_sec[model] = max(r_sec.get(model, 0.0), sec)
                 r_bytes += nbytes
             d_bytes += pushed
+        calls = {n: calls[n] for n in self.graph.order if n in calls}
         return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
                 "realloc_bytes": r_bytes, "data_bytes": d_bytes, "events": events, "store": store}
 
