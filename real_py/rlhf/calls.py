@@ -22,7 +22,7 @@ def _add(rt, sums, name: str, value: float, count: float) -> None:
 
 
 def run_call(rt, call, g, engine, store, sums, step: int) -> None:
-    rows = dp_rows(g.layout, g.dp_rank, rt.B)
+    rows = dp_rows(g.layout, g.dp_rank, rt.B, rt.mini_batches.get(call.name, 1))
     reporter = g.tp_rank == 0 and g.is_last_stage
     cfg = rt.cfg
     if call.kind == "generate":
@@ -84,7 +84,7 @@ def _advantages(rt, call, g, d: dict) -> dict:
 def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
     pc = rt.cfg.ppo
     keys = [k for k in call.reads]
-    d = {k: store.rows(k, rows).clone() for k in keys}
+    d = {k: store.rows(k, rows) for k in keys}
     d = _advantages(rt, call, g, d)
     critic = call.kind == "train_critic"
     if reporter and not critic:

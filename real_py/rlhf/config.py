@@ -66,6 +66,7 @@ class PPOConfig:
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
     max_grad_norm: float = 1.0
+    adam_eps: float = 1e-8
     group_size: int = 2
     """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
     whiten_advantages: bool = True

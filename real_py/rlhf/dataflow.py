@@ -29,13 +29,22 @@ def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
             "ref_logp": ((T - 1,), f32), "scores": ((), f32), "values": ((T,), f32)}
 
 
-def dp_rows(layout, dp_rank: int, B: int) -> range:
-    per = B // layout.dp
-    return range(dp_rank * per, (dp_rank + 1) * per)
+def dp_rows(layout, dp_rank: int, B: int, mini_batches: int = 1) -> list[int]:
+    """Global rows of DP rank `dp_rank`: its 1/dp share of each of the `mini_batches` contiguous
+    mini-batches, in mini-batch order (so a train call's global mini-batch j is the same rows
+    whatever its dp; with mini_batches=1 a contiguous block)."""
+    per, out = B // mini_batches, []
+    for j in range(mini_batches):
+        share = per // layout.dp
+        lo = j * per + dp_rank * share
+        out += range(lo, lo + share)
+    return out
 
 
-def push_plan(graph, plan, call: str, B: int) -> dict[tuple[int, int], list[tuple[str, tuple[int, ...]]]]:
-    """(sender, receiver) -> [(key, rows)] for the keys `call` writes; deterministic order."""
+def push_plan(graph, plan, call: str, B: int, mini_batches: dict[str, int]
+              ) -> dict[tuple[int, int], list[tuple[str, tuple[int, ...]]]]:
+    """(sender, receiver) -> [(key, rows)] for the keys `call` writes; deterministic order.
+    mini_batches: call -> mini-batches of its row split (1 when absent)."""
     src = plan.calls[call]
     writes = graph.calls[call].writes
     need: dict[tuple[int, str], set[int]] = {}
@@ -45,13 +54,13 @@ def push_plan(graph, plan, call: str, B: int) -> dict[tuple[int, int], list[tupl
             continue
         layout = plan.calls[c]
         for r in layout.ranks:
-            rows = dp_rows(layout, layout.coords(r)[0], B)
+            rows = dp_rows(layout, layout.coords(r)[0], B, mini_batches.get(c, 1))
             for k in keys:
                 need.setdefault((r, k), set()).update(rows)
     msgs: dict[tuple[int, int], list] = {}
     for (r, k), rows in sorted(need.items()):
         for d in range(src.dp):
-            mine = sorted(set(dp_rows(src, d, B)) & rows)
+            mine = sorted(set(dp_rows(src, d, B, mini_batches.get(call, 1))) & rows)
             if not mine:
                 continue
             holders = [src.rank(d, t, p) for p in range(src.pp) for t in range(src.tp)]
@@ -67,17 +76,16 @@ class Store:
         self.schema, self.B = schema, B
         self.data = {k: torch.zeros((B,) + shape, dtype=dt) for k, (shape, dt) in schema.items()}
 
-    def write(self, key: str, rows: range, value: torch.Tensor) -> None:
+    def write(self, key: str, rows: list[int], value: torch.Tensor) -> None:
         t = self.data[key]
         v = value.to(t.dtype)
         if v.dim() == 2 and v.shape[1] < t.shape[1]:
-            t[rows.start:rows.stop].zero_()
-            t[rows.start:rows.stop, :v.shape[1]] = v
-        else:
-            t[rows.start:rows.stop] = v
+            v = torch.cat([v, v.new_zeros(v.shape[0], t.shape[1] - v.shape[1])], 1)
+        t[list(rows)] = v
 
-    def rows(self, key: str, rows: range) -> torch.Tensor:
-        return self.data[key][rows.start:rows.stop]
+    def rows(self, key: str, rows: list[int]) -> torch.Tensor:
+        """A copy of the rows, in the given order."""
+        return self.data[key][list(rows)]
 
     def pack(self, parts) -> torch.Tensor:
         return torch.cat([self.data[k][list(rows)].contiguous().view(torch.uint8).reshape(-1)

@@ -63,7 +63,7 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
-                 lrs: dict[str, float], max_grad_norm: float, timeout_s: float, rule_reward: bool):
+                 lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
         self.transport = P2PTransport(timeout_s)
@@ -85,7 +85,7 @@ class Models:
                 self.engines[m] = None
                 continue
             shard = ModelShard.from_full(self.specs[m], layout, self.rank, init_weights(configs[m], inits[m]))
-            optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm)
+            optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
 

@@ -85,7 +85,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), all [B, N].
     Returns (masked sum, masked count of tokens where the clipped branch was taken)."""
-    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    delta = values - old_values
+    # Inside the clip range keep `values` itself: old + (values - old) differs from values by
+    # rounding, which would count unclipped tokens as clipped depending on the layout.
+    v_clip = torch.where(delta.abs() > clip, old_values + delta.clamp(-clip, clip), values)
     l1 = (values - returns) ** 2
     l2 = (v_clip - returns) ** 2
     loss = 0.5 * torch.maximum(l1, l2)

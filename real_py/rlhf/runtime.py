@@ -58,11 +58,13 @@ class Runtime:
         rule = cfg.reward.kind == "rule"
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
-                             max_grad_norm=cfg.ppo.max_grad_norm, timeout_s=timeout_s, rule_reward=rule)
+                             max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
+                             timeout_s=timeout_s, rule_reward=rule)
         self.B = cfg.data.batch_size
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
-        self.pushes = {n: push_plan(graph, plan, n, self.B) for n in graph.order}
+        self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
+        self.pushes = {n: push_plan(graph, plan, n, self.B, self.mini_batches) for n in graph.order}
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
@@ -70,7 +72,7 @@ class Runtime:
         store = Store(self.schema, self.B)
         batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size)
         for k, v in batch.items():
-            store.write(k, range(self.B), v)
+            store.write(k, list(range(self.B)), v)
         pusher = Pusher(self.rank, self.timeout_s)
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
         events, reallocs = [], []
