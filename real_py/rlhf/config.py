@@ -92,8 +92,6 @@ class TrainConfig:
     """ModelConfig fields of the actor (the reference shares it and its initial weights)."""
     critic: dict = field(default_factory=lambda: dict(TINY, num_hidden_layers=2))
     """ModelConfig fields of the critic and reward model (head is forced to "value")."""
-    offload_frozen: bool = False
-    """Move reference / reward weights to CPU between iterations (pinned when on a GPU)."""
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
