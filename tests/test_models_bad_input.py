@@ -71,7 +71,7 @@ def _dist_cases(rank, world):
 
     expect("uses global rank 3 but the world has 2 ranks", lambda: ParallelGroups(Layout(dp=4)))
     layout = Layout(pp=2)
-    plain = ParallelGroups(layout)
+    plain = ParallelGroups(layout, tied=False)
     tied = ParallelGroups(layout, tied=True)
     shard = ModelShard.empty(model_spec(TIED), layout, rank)
     expect("tied embeddings with pp > 1 need ParallelGroups", lambda: Engine(TIED, layout, plain, shard))
