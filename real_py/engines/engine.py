@@ -130,7 +130,7 @@ class Engine:
         full = torch.zeros(B, T, self.config.vocab_size, dtype=self.dtype)
 
         def last_fn(h, mb):
-            logits = gather_from_tp(self.model.head(h), self.groups.tp_group)
+            logits = gather_from_tp(self.model.head(h), self.groups.tp_group, self.groups.tp_ranks)
             full[mb.index] = logits[..., :self.config.vocab_size]
 
         self._forward_pipeline(split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn)
