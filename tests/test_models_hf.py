@@ -135,3 +135,16 @@ def test_model_reads_the_flat_buffer_without_copies(ckpts):
         got = model.head(model(tokens, torch.arange(12).unsqueeze(0)))
         want = O.load_oracle(b)(tokens).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_multi_file_checkpoint_with_index(ckpts, tmp_path):
+    """Sharded checkpoints (model.safetensors.index.json + several files) load like single files."""
+    path = ckpts[("qwen2", False, "lm")]
+    out = str(tmp_path / "sharded")
+    O.load_oracle(path).save_pretrained(out, safe_serialization=True, max_shard_size="60KB")
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert len(files) > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    cfg = ModelConfig.from_hf(out)
+    layout = Layout(tp=2, pp=2)
+    for rank in layout.ranks:
+        assert torch.equal(load_hf_shard(out, cfg, layout, rank).flat, load_hf_shard(path, cfg, layout, rank).flat)
