@@ -46,7 +46,7 @@ def _worker(rank, world, cases, eos):
     for name, path, head in cases:
         cfg = ModelConfig.from_hf(path, head=head)
         for layout in O.LAYOUTS:
-            groups = ParallelGroups(layout, tied=cfg.tie_word_embeddings)
+            groups = ParallelGroups(layout)  # tied groups exist even for untied models
             if not groups.member:
                 continue
             shard = load_hf_shard(path, cfg, layout, rank)

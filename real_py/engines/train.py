@@ -185,7 +185,7 @@ class Trainer:
         g = self.engine.groups
         e = self.embed_entry
         embed = self.grad[e.offset:e.offset + e.numel] if e is not None else None
-        if g.tied_group is not None:
+        if embed is not None and e.param.tied_to_head and g.tied_group is not None:
             dist.all_reduce(embed, group=g.tied_group)
         if g.dp_size > 1:
             self._overlap = False
