@@ -11,7 +11,10 @@ Axes (coords from Layout.coords: dp_idx, tp_idx, pp_idx):
   tp_group   ranks sharing (dp, pp), varying tp     tensor-parallel collectives
   dp_group   ranks sharing (tp, pp), varying dp     gradient all-reduce
   pp_group   ranks sharing (dp, tp), varying pp     pipeline broadcasts (tokens, results)
-  tied_group (first stage, last stage) of one (dp, tp) pipeline, only for tied embeddings, pp > 1
+  tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings)
+
+`tied=False` skips the tied groups; like the layout list, it must be the same on every rank (the
+default, True, is always safe). `timeout_s` bounds every collective on these groups.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .layout import Layout
 
 
 class ParallelGroups:
-    def __init__(self, layout: Layout, *, tied: bool = False, timeout_s: float | None = None):
+    def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
         world = dist.get_world_size()

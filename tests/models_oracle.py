@@ -12,7 +12,9 @@ import transformers
 from real_py import Layout
 
 LAYOUTS = [Layout(dp=1, tp=1, pp=1), Layout(dp=1, tp=2, pp=1), Layout(dp=1, tp=1, pp=2),
-           Layout(dp=2, tp=2, pp=1), Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2)]
+           Layout(dp=2, tp=2, pp=1), Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2),
+           # Permuted ranks and axis order, as the PPO runtime places models on rank subsets.
+           Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp")]
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=97, num_hidden_layers=3, max_position_embeddings=64)

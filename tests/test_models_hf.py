@@ -121,3 +121,30 @@ def test_checkpoint_reads_slices_not_whole_tensors(ckpts):
         full = f.get_tensor("model.layers.0.mlp.down_proj.weight")
     assert torch.equal(ck.read("model.layers.0.mlp.down_proj.weight", 1, 48, 96), full[:, 48:96])
     assert torch.equal(ck.read("model.embed_tokens.weight", 0, 49, 97), O.load_oracle(path).model.embed_tokens.weight.detach()[49:])
+
+
+def test_model_reads_the_flat_buffer_without_copies(ckpts):
+    """A reallocation writes into shard.flat; the next forward must see it (views, not copies)."""
+    a, b = ckpts[("llama", False, "lm")], ckpts[("qwen2", False, "lm")]
+    cfg = ModelConfig.from_hf(a, attention_bias=True)  # same shapes as b, so b's buffer fits
+    shard = ModelShard.empty(model_spec(cfg), Layout(), 0)
+    model = StageModel(cfg, shard)
+    shard.flat.copy_(load_hf_shard(b, cfg, Layout(), 0).flat)
+    tokens = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        got = model.head(model(tokens, torch.arange(12).unsqueeze(0)))
+        want = O.load_oracle(b)(tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_multi_file_checkpoint_with_index(ckpts, tmp_path):
+    """Sharded checkpoints (model.safetensors.index.json + several files) load like single files."""
+    path = ckpts[("qwen2", False, "lm")]
+    out = str(tmp_path / "sharded")
+    O.load_oracle(path).save_pretrained(out, safe_serialization=True, max_shard_size="60KB")
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert len(files) > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    cfg = ModelConfig.from_hf(out)
+    layout = Layout(tp=2, pp=2)
+    for rank in layout.ranks:
+        assert torch.equal(load_hf_shard(out, cfg, layout, rank).flat, load_hf_shard(path, cfg, layout, rank).flat)

@@ -13,6 +13,9 @@ weights into `shard.flat` (a reallocation) takes effect on the next call without
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +45,18 @@ class Engine:
         self.dtype = torch_dtype(config.dtype)
         self.optim = optim
         self._trainer = None
+        self._calls = Counter()
+
+    @contextlib.contextmanager
+    def _context(self, op: str):
+        """Re-raise collective failures (gloo timeouts, peer crashes) naming rank, layout and call."""
+        self._calls[op] += 1
+        g = self.groups
+        try:
+            yield
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {g.rank} ({self.layout} dp_rank={g.dp_rank} tp_rank={g.tp_rank} "
+                               f"stage={g.stage}) failed in {op} call {self._calls[op]}: {e}") from e
 
     # -- forward-only pipeline ---------------------------------------------------------------
     def _forward_pipeline(self, mbs, last_fn):
@@ -71,6 +86,10 @@ class Engine:
                   with_entropy: bool = False) -> dict:
         """LM head: {"logprobs": [B, T-1]} (log p of tokens[:, 1:]; "entropy" [B, T-1] on request);
         value head: {"values": [B, T]}. Positions past each sequence are 0."""
+        with self._context("inference"):
+            return self._inference(tokens, lengths, micro_batches, with_entropy)
+
+    def _inference(self, tokens, lengths, micro_batches, with_entropy):
         B, T = tokens.shape
         mbs = split_micro_batches({"tokens": tokens, "lengths": lengths}, micro_batches)
         lm = self.config.head == "lm"
@@ -111,7 +130,7 @@ class Engine:
         full = torch.zeros(B, T, self.config.vocab_size, dtype=self.dtype)
 
         def last_fn(h, mb):
-            logits = gather_from_tp(self.model.head(h), self.groups.tp_group)
+            logits = gather_from_tp(self.model.head(h), self.groups.tp_group, self.groups.tp_ranks)
             full[mb.index] = logits[..., :self.config.vocab_size]
 
         self._forward_pipeline(split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn)
@@ -121,11 +140,13 @@ class Engine:
     def generate(self, prompt_tokens, prompt_lengths, seeds, **kw) -> dict:
         from .generate import generate
 
-        return generate(self, prompt_tokens, prompt_lengths, seeds, **kw)
+        with self._context("generate"):
+            return generate(self, prompt_tokens, prompt_lengths, seeds, **kw)
 
     def train_step(self, loss_fn, batch: dict, micro_batches: int = 1, **kw) -> dict:
         from .train import Trainer
 
         if self._trainer is None:
             self._trainer = Trainer(self, self.optim)
-        return self._trainer.step(loss_fn, batch, micro_batches, **kw)
+        with self._context("train_step"):
+            return self._trainer.step(loss_fn, batch, micro_batches, **kw)

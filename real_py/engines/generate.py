@@ -84,7 +84,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         h = model(inp, pos, mask, caches)
         nxt = torch.empty(B, dtype=torch.int64)
         if g.is_last_stage:
-            logits = gather_from_tp(model.head(h[:, -1]), g.tp_group)[:, :c.vocab_size]
+            logits = gather_from_tp(model.head(h[:, -1]), g.tp_group, g.tp_ranks)[:, :c.vocab_size]
             u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens])
             nxt = pick_tokens(logits.float(), u, temperature, top_p).masked_fill(done, pad_token_id)
         else:

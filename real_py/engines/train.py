@@ -2,7 +2,8 @@
 
 Gradients live in one flat buffer shaped like the shard (each Parameter's .grad is a view of it;
 autograd accumulates into an existing .grad in place), so the DP all-reduce is a few large
-bucketed collectives over that buffer, and AdamW runs elementwise on flat buffers (param,
+bucketed collectives over that buffer, launched from post-accumulate-grad hooks during the last
+micro-batch's backward so they overlap the rest of it, and AdamW runs elementwise on flat buffers (param,
 grad, exp_avg, exp_avg_sq), exactly torch.optim.AdamW's single-tensor update. Padding (alignment
 gaps, vocab padding rows) has zero gradient and stays zero.
 
@@ -63,6 +64,43 @@ class Trainer:
             if not (replicated and g.tp_rank > 0) and not head_copy:
                 self.counted.append((e.offset, e.numel))
         self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
+        self._setup_buckets()
+
+    def _setup_buckets(self):
+        """DP buckets: contiguous flat ranges in reverse forward order (the order backward makes
+        gradients). The embedding stays out: it is reduced last, after the tied-copy sum."""
+        self.buckets, self.bucket_of, names, lo, hi = [], {}, [], None, None
+        for e in reversed(self.engine.shard.shard_layout.entries):
+            if e.param.owner == "embed":
+                continue
+            names.append(e.param.name)
+            lo, hi = e.offset, hi if hi is not None else e.offset + e.numel
+            if hi - lo >= self.cfg.bucket_numel:
+                self.buckets.append((lo, hi, names))
+                names, hi = [], None
+        if names:
+            self.buckets.append((lo, hi, names))
+        for i, (_, _, ns) in enumerate(self.buckets):
+            for n in ns:
+                self.bucket_of[n] = i
+                self.engine.model.shard_params[n].register_post_accumulate_grad_hook(
+                    lambda p, n=n: self._grad_ready(n))
+        self._overlap, self._works, self.buckets_in_backward = False, [], 0
+
+    def _grad_ready(self, name: str):
+        """Post-accumulate hook: during the last backward, launch full buckets in index order
+        (the same order on every DP rank, so the collectives pair up)."""
+        if not self._overlap:
+            return
+        self._pending[self.bucket_of[name]] -= 1
+        self._launch(lambda i: self._pending[i] == 0)
+
+    def _launch(self, ready):
+        g = self.engine.groups
+        while self._next < len(self.buckets) and ready(self._next):
+            lo, hi, _ = self.buckets[self._next]
+            self._works.append(dist.all_reduce(self.grad[lo:hi], group=g.dp_group, async_op=True))
+            self._next += 1
 
     def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False) -> dict:
         eng, g = self.engine, self.engine.groups
@@ -81,7 +119,8 @@ class Trainer:
             dist.all_reduce(loss, group=g.dp_group)
         eng._bcast_from_last(loss)
         return {"loss": loss.item(), "grad_norm": norm, "lr": cfg.lr, "step": self.num_steps,
-                "micro_batches": len(mbs)}
+                "micro_batches": len(mbs), "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
+                "dp_buckets_in_backward": self.buckets_in_backward}
 
     def _one_f_one_b(self, loss_fn, mbs, with_entropy):
         eng, g, model = self.engine, self.engine.groups, self.engine.model
@@ -111,7 +150,13 @@ class Trainer:
             inputs.append(None if g.is_first_stage else x)
             outputs.append(y)
 
+        done = [0]
+
         def backward():
+            done[0] += 1
+            if done[0] == M and g.dp_size > 1:
+                self._overlap, self._next, self._works = True, 0, []
+                self._pending = [len(ns) for _, _, ns in self.buckets]
             x, y = inputs.popleft(), outputs.popleft()
             if g.is_last_stage:
                 y.backward()
@@ -138,16 +183,19 @@ class Trainer:
 
     def _reduce_grads(self):
         g = self.engine.groups
-        if g.tied_group is not None:
-            e = self.embed_entry
-            view = self.grad[e.offset:e.offset + e.numel]
-            dist.all_reduce(view, group=g.tied_group)
+        e = self.embed_entry
+        embed = self.grad[e.offset:e.offset + e.numel] if e is not None else None
+        if embed is not None and e.param.tied_to_head and g.tied_group is not None:
+            dist.all_reduce(embed, group=g.tied_group)
         if g.dp_size > 1:
-            # Separate buckets let gloo pipeline the transfers; all are launched before any wait.
-            works = [dist.all_reduce(bucket, group=g.dp_group, async_op=True)
-                     for bucket in self.grad.split(self.cfg.bucket_numel)]
-            for w in works:
+            self._overlap = False
+            self.buckets_in_backward = self._next
+            self._launch(lambda i: True)  # buckets whose params got no gradient this step
+            if embed is not None:
+                self._works.append(dist.all_reduce(embed, group=g.dp_group, async_op=True))
+            for w in self._works:
                 w.wait()
+            self._works = []
 
     def _global_norm(self) -> float:
         g = self.engine.groups

@@ -54,14 +54,19 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Concatenate the TP pieces along `dim` (no autograd; generation and tests only)."""
+def gather_from_tp(x: torch.Tensor, group, tp_ranks: tuple[int, ...], dim: int = -1) -> torch.Tensor:
+    """Concatenate the TP pieces along `dim` in TP order (no autograd; generation and tests).
+
+    tp_ranks: global ranks in TP order. new_group numbers a group's ranks in sorted global order,
+    which differs from TP order when a layout lists its ranks in another order.
+    """
     n = _size(group)
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim)
+    by_rank = dict(zip(dist.get_process_group_ranks(group), parts))
+    return torch.cat([by_rank[r] for r in tp_ranks], dim)
 
 
 class ColumnParallelLinear(nn.Module):
