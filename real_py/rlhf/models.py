@@ -1,15 +1,16 @@
 """The four PPO models on this rank: initial weights, shards per layout, weight reallocation.
 
 A trainable model (actor, critic) keeps its shard and optimizer in the layout of its train call.
-Before another call of the same model with a different layout, `Models.realloc` moves its weights
-into that layout with the planner and the reallocator (plan and reallocator cached per layout
-pair); the runtime drops the copy after the call. Frozen models (ref, reward) are built directly
-in the layout of their only call.
+Before another call of the same model with a different layout, `Models.engine_for` moves its
+weights into that layout with the planner and the reallocator (one Reallocator per (model, call),
+built by every rank at start-up since transport setup may create subgroups); the runtime drops
+the copy after the call. Reallocation runs over its own world-sized process group, so its
+messages never meet the dataflow pushes on the default group. Frozen models (ref, reward) are
+built directly in the layout of their only call.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch
@@ -20,33 +21,7 @@ from ..plan import plan_realloc
 from ..reallocator import Reallocator
 from ..shard import ModelShard
 from ..spec import ModelConfig, model_spec, torch_dtype
-from ..transport import TransferError, Transport
-
-REALLOC_TAG = 1 << 20
-"""gloo tag of reallocation messages (dataflow pushes use tags below the number of calls)."""
-
-
-class P2PTransport(Transport):
-    """torch.distributed isend/irecv on the default group, every wait with a timeout."""
-
-    name = "torch-p2p"
-
-    def __init__(self, timeout_s: float):
-        self.rank = dist.get_rank()
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-
-    def exchange(self, sends, recvs, step: str) -> None:
-        works = []
-        for receivers, t in sends:
-            for r in receivers:
-                works.append((dist.isend(t.contiguous(), r, tag=REALLOC_TAG), f"send to rank {r}"))
-        for s, buf in recvs:
-            works.append((dist.irecv(buf, s, tag=REALLOC_TAG), f"receive from rank {s}"))
-        for w, what in works:
-            try:
-                w.wait(self.timeout)
-            except RuntimeError as e:
-                raise TransferError(f"rank {self.rank}: {step}: {what} failed or timed out: {e}") from None
+from ..transport_dist import DistTransport
 
 
 def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -66,7 +41,8 @@ class Models:
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
-        self.transport = P2PTransport(timeout_s)
+        self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
+                                       timeout=timeout_s)
         self.specs = {m: model_spec(c, name=m) for m, c in configs.items()}
         self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
         self.engines: dict[str, Engine | None] = {}
@@ -88,6 +64,11 @@ class Models:
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+        for call in graph.order:
+            m = graph.calls[call].model
+            if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
+                rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call])
+                self._reallocators[(m, call)] = Reallocator(rplan, self.transport)
 
     def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
         """The engine to run `call` with (reallocating if needed) and the reallocation stats.
@@ -104,11 +85,7 @@ class Models:
             return self.engines[c.model], None
         if self.rank not in src.ranks and self.rank not in dst.ranks:
             return None, None
-        key = (c.model, call)
-        if key not in self._reallocators:
-            rplan = plan_realloc(self.specs[c.model], src, dst)
-            self._reallocators[key] = Reallocator(rplan, self.transport)
-        realloc = self._reallocators[key]
+        realloc = self._reallocators[(c.model, call)]
         home_engine = self.engines[c.model]
         dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank)
                      if self.rank in dst.ranks else None)
@@ -120,4 +97,4 @@ class Models:
         return Engine(self.configs[c.model], dst, self.groups[call], dst_shard), stats
 
 
-__all__ = ["Models", "P2PTransport", "init_weights", "REALLOC_TAG"]
+__all__ = ["Models", "init_weights"]

@@ -50,11 +50,10 @@ class Runtime:
         # new_group is collective over the world: every rank builds every call's groups, in order.
         by_layout, self.groups = {}, {}
         for n in graph.order:
-            m = graph.calls[n].model
-            key = (plan.calls[n], configs[m].tie_word_embeddings)
-            if key not in by_layout:
-                by_layout[key] = ParallelGroups(plan.calls[n], tied=key[1], timeout_s=timeout_s)
-            self.groups[n] = by_layout[key]
+            layout = plan.calls[n]
+            if layout not in by_layout:
+                by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s)
+            self.groups[n] = by_layout[layout]
         rule = cfg.reward.kind == "rule"
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
