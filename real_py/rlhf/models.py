@@ -67,7 +67,8 @@ class Models:
         for call in graph.order:
             m = graph.calls[call].model
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
-                rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call])
+                rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
+                                     ranks_per_node=plan.ranks_per_node)
                 self._reallocators[(m, call)] = Reallocator(rplan, self.transport)
 
     def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
