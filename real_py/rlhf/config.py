@@ -58,8 +58,8 @@ class PPOConfig:
     clip: float = 0.2
     """Policy ratio clip."""
     value_clip: float = 0.2
-    ppo_epochs: int = 1
-    mini_batches: int = 1
+    ppo_epochs: int = 2
+    mini_batches: int = 2
     """Mini-batches per PPO epoch (each an optimizer step)."""
     micro_batches: int = 1
     """Micro-batches per train step (pipeline schedule)."""
@@ -83,7 +83,7 @@ class RewardConfig:
 class TrainConfig:
     algo: str = "ppo"
     """A key of graph.ALGORITHMS: "ppo" or "grpo" (critic-free)."""
-    steps: int = 20
+    steps: int = 30
     seed: int = 1234
     out_dir: str = "runs/train"
     save_every: int = 10
