@@ -140,7 +140,7 @@ def test_checkpoint_from_another_model(tmp_path):
     (d / "meta.json").write_text(json.dumps(meta))
     assert checkpoint.check(cfg, str(d)) == 3
     other = CF.from_dict({"actor": dict(CF.TINY, hidden_size=32)})
-    with pytest.raises(ValueError, match="different actor"):
+    with pytest.raises(ValueError, match="different models"):
         checkpoint.check(other, str(d))
 
 

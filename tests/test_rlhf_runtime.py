@@ -152,3 +152,33 @@ def test_kill_and_resume(tmp_path):
             for k in ("flat", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(s[k], sb["models"][m][k]), (r, m, k)
             assert s["num_steps"] == sb["models"][m]["num_steps"] > 0
+
+
+def _hf_worker(rank, world, tmp):
+    from real_py.hf import save_hf
+
+    base = dict(BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()))
+    cfg = CF.from_dict(base)
+    confs = cfg.model_configs()
+    for m, seed in (("actor", cfg.seed + 1), ("critic", cfg.seed + 2), ("reward", cfg.seed + 3)):
+        save_hf(os.path.join(tmp, m), confs[m], init_weights(confs[m], seed))
+    out = []
+    for d in (base, dict(base, actor_path=os.path.join(tmp, "actor"), critic_path=os.path.join(tmp, "critic"),
+                         reward_path=os.path.join(tmp, "reward"))):
+        cfg = CF.from_dict(d)
+        plan, graph, models = CF.validate(cfg, world)
+        it = Runtime(cfg, plan, graph, models, timeout_s=60).iteration(0)
+        out.append((it["metrics"], it["store"].data["tokens"]))
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_hf_checkpoints(tmp_path):
+    """Models loaded from HF safetensors holding the random-init weights run exactly like the
+    random-init models (same tokens, same metrics); a bad path fails in validation."""
+    (m0, t0), (m1, t1) = _load(run_distributed(_hf_worker, 1, str(tmp_path), timeout=120)[0])
+    assert torch.equal(t0, t1) and m0 == m1
+    with pytest.raises(ValueError, match="config actor"):
+        CF.from_dict({"actor_path": str(tmp_path / "missing")})

@@ -11,6 +11,7 @@ is written after a barrier, so it never names a half-written checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -21,7 +22,8 @@ from ..engines.train import Trainer
 
 
 def _meta(cfg) -> dict:
-    return {"algo": cfg.algo, "seed": cfg.seed, "actor": cfg.actor, "critic": cfg.critic,
+    models = {m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}
+    return {"algo": cfg.algo, "seed": cfg.seed, "models": models, "paths": cfg.model_paths(),
             "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind}
 
 
@@ -70,7 +72,7 @@ def check(cfg, path: str) -> int:
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     mine = _meta(cfg)
-    for k in ("algo", "actor", "critic", "plan", "seed", "reward"):
+    for k in ("algo", "models", "paths", "plan", "seed", "reward"):
         if meta.get(k) != mine[k]:
             raise ValueError(f"checkpoint {path} was made with a different {k}: {meta.get(k)} vs this "
                              f"config's {mine[k]}; resume with the config that made it")

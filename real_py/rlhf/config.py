@@ -88,10 +88,18 @@ class TrainConfig:
     out_dir: str = "runs/train"
     save_every: int = 10
     """Checkpoint every N steps (and at the end); 0 disables."""
-    actor: dict = field(default_factory=lambda: dict(TINY))
-    """ModelConfig fields of the actor (the reference shares it and its initial weights)."""
-    critic: dict = field(default_factory=lambda: dict(TINY, num_hidden_layers=2))
+    actor: dict | None = None
+    """ModelConfig fields of the actor (the reference shares it and its initial weights); None:
+    a tiny random-init model, or the config of actor_path."""
+    critic: dict | None = None
     """ModelConfig fields of the critic and reward model (head is forced to "value")."""
+    actor_path: str | None = None
+    """HF checkpoint (LLaMA / Qwen2 safetensors) of the actor and reference; `actor` overrides
+    its config fields. None: random init from `seed`."""
+    critic_path: str | None = None
+    """HF checkpoint of the critic (a ...ForSequenceClassification with num_labels=1)."""
+    reward_path: str | None = None
+    """HF checkpoint of the reward model; None: random init (or critic's shape)."""
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -102,14 +110,24 @@ class TrainConfig:
 
     def model_configs(self) -> dict[str, ModelConfig]:
         out = {}
-        for name, d, head in (("actor", self.actor, "lm"), ("critic", self.critic, "value")):
+        tiny = {"actor": TINY, "critic": dict(TINY, num_hidden_layers=2)}
+        for name, d, path, head in (("actor", self.actor, self.actor_path, "lm"),
+                                    ("critic", self.critic, self.critic_path, "value"),
+                                    ("reward", self.critic, self.reward_path, "value")):
             try:
-                out[name] = ModelConfig(**{**d, "head": head})
-            except TypeError as e:
-                raise ValueError(f"config {name}: {e}; allowed: "
-                                 f"{[f.name for f in dataclasses.fields(ModelConfig)]}") from None
-        out["ref"], out["reward"] = out["actor"], out["critic"]
+                if path:
+                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head})
+                else:
+                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head})
+            except (TypeError, OSError) as e:
+                raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
+                                 f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
+        out["ref"] = out["actor"]
         return out
+
+    def model_paths(self) -> dict[str, str | None]:
+        return {"actor": self.actor_path, "ref": self.actor_path, "critic": self.critic_path,
+                "reward": self.reward_path}
 
     def execution_plan(self) -> ExecutionPlan:
         data = self.plan

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..engines import Engine, OptimConfig
+from ..hf import load_hf_shard
 from ..plan import plan_realloc
 from ..reallocator import Reallocator
 from ..shard import ModelShard
@@ -38,7 +39,8 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
-                 lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool):
+                 lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
+                 paths: dict[str, str | None]):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
@@ -60,7 +62,11 @@ class Models:
             if not g.member:
                 self.engines[m] = None
                 continue
-            shard = ModelShard.from_full(self.specs[m], layout, self.rank, init_weights(configs[m], inits[m]))
+            if paths.get(m):
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank)
+            else:
+                shard = ModelShard.from_full(self.specs[m], layout, self.rank,
+                                             init_weights(configs[m], inits[m]))
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
