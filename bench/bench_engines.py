@@ -108,7 +108,6 @@ def main(argv=None):
             raise ValueError(f"layout {text} does not use all {a.world} ranks")
     t0, load_before = time.time(), os.getloadavg()
     rows = json.loads(run_distributed(_worker, a.world, layouts, a, timeout=1200, pg_timeout=600)[0])
-    import transformers  # noqa: F401  (version only)
     meta = {"command": "python bench/bench_engines.py " + " ".join(argv or sys.argv[1:]),
             "model": {"params": model_spec(CFG).numel, **{k: getattr(CFG, k) for k in (
                 "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
