@@ -106,9 +106,8 @@ def main(argv=None):
     for text in layouts:
         if Layout.parse(text).world != a.world:
             raise ValueError(f"layout {text} does not use all {a.world} ranks")
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()
     rows = json.loads(run_distributed(_worker, a.world, layouts, a, timeout=1200, pg_timeout=600)[0])
-    import transformers  # noqa: F401  (version only)
     meta = {"command": "python bench/bench_engines.py " + " ".join(argv or sys.argv[1:]),
             "model": {"params": model_spec(CFG).numel, **{k: getattr(CFG, k) for k in (
                 "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -116,7 +115,8 @@ def main(argv=None):
             "world": a.world, "backend": "gloo", "threads_per_rank": 1,
             "machine": f"{platform.machine()} {os.cpu_count()} cores ({a.hardware}), {platform.platform()}",
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
-            "date": a.date, "wall_s": time.time() - t0, "results": rows}
+            "date": a.date, "wall_s": time.time() - t0,
+            "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()}, "results": rows}
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     base = os.path.join(os.path.dirname(__file__), "results", f"engines_{a.hardware}_{a.date}")
     with open(base + ".json", "w") as f:
@@ -126,7 +126,9 @@ def main(argv=None):
     md.write(f"Model: {meta['model']['params'] / 1e6:.1f}M params fp32 ({CFG.num_hidden_layers} layers, "
              f"hidden {CFG.hidden_size}, GQA {CFG.num_attention_heads}/{CFG.num_key_value_heads}, vocab "
              f"{CFG.vocab_size}); {a.world} gloo ranks, 1 thread each; {meta['machine']}; torch "
-             f"{torch.__version__}. Best of {a.repeats} after one warm-up.\n\n")
+             f"{torch.__version__}. Best of {a.repeats} after one warm-up. Load average (1 min) "
+             f"{load_before[0]:.1f} before, {meta['loadavg_1_5_15']['after'][0]:.1f} after: the 2 cores are "
+             "shared with other jobs, so treat the numbers as rough.\n\n")
     md.write("| layout | generate tok/s | inference tok/s | train tok/s |\n|---|---|---|---|\n")
     for r in rows:
         md.write(f"| {r['layout']} | {r['generate']['tokens_per_s']:.1f} | {r['inference']['tokens_per_s']:.1f} "
