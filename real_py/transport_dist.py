@@ -58,6 +58,7 @@ class DistTransport(Transport):
                 store = None
         self.store = store
         self._seen = self._num_reports()
+        self._reported = None
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -138,11 +139,13 @@ class DistTransport(Transport):
     # ------------------------------------------------------------------ failures
 
     def fail(self, step: str, why: str) -> None:
-        if self.store is None:
-            return
+        line = f"rank {self.rank} in {step}: {why}"
+        if self.store is None or self._reported == step:
+            return  # one line per failed step (the transport's own error reported it first)
+        self._reported = step
         try:
             n = self.store.add(self._prefix + "/n", 1)
-            self.store.set(f"{self._prefix}/{n}", f"rank {self.rank} in {step}: {why}"[:2000])
+            self.store.set(f"{self._prefix}/{n}", line[:2000])
         except Exception:  # noqa: BLE001 - reporting is best effort; the raise that follows is not
             pass
 
@@ -155,22 +158,31 @@ class DistTransport(Transport):
             return 0
 
     def reports(self) -> list[str]:
-        """Failure lines written by ranks since setup."""
+        """Failure lines written by other ranks since setup."""
         out = []
         for i in range(self._seen + 1, self._num_reports() + 1):
             key = f"{self._prefix}/{i}"
             try:
                 if self.store.check([key]):
-                    out.append(self.store.get(key).decode(errors="replace"))
+                    line = self.store.get(key).decode(errors="replace")
+                    if not line.startswith(f"rank {self.rank} in "):
+                        out.append(line)
             except Exception:  # noqa: BLE001
                 pass
         return out
 
-    def _error(self, step: str, what: str, cause=None, reports=None) -> TransferError:
-        reports = self.reports() if reports is None else reports
+    def _error(self, step: str, what: str, cause=None) -> TransferError:
+        """The TransferError for a failed op; reports it first, then gives the other ranks a
+        moment to report theirs, so that a chain of failures names the rank at its root."""
         msg = f"rank {self.rank}: {step}: {what}"
         if cause is not None:
             msg += f" failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
+        self.fail(step, f"TransferError: {msg}")
+        reports = self.reports()
+        grace = time.monotonic() + min(1.0, self.timeout / 4)
+        while not reports and self.store is not None and time.monotonic() < grace:
+            time.sleep(0.05)
+            reports = self.reports()
         if reports:
             msg += "; failures reported by other ranks: " + " | ".join(r[:400] for r in reports[:4])
         return TransferError(msg)
@@ -195,7 +207,7 @@ class _DistHandle(Handle):
                 work.wait(datetime.timedelta(seconds=left))
             except Exception as e:  # noqa: BLE001 - every failure becomes a TransferError
                 if time.monotonic() >= deadline - 0.05:
-                    raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}",
+                    raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}"
                                    ) from e
                 raise t._error(self.step, what, e) from e
 
