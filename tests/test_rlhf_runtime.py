@@ -182,3 +182,24 @@ def test_hf_checkpoints(tmp_path):
     assert torch.equal(t0, t1) and m0 == m1
     with pytest.raises(ValueError, match="config actor"):
         CF.from_dict({"actor_path": str(tmp_path / "missing")})
+
+
+def _dies_worker(rank, world):
+    cfg = CF.from_dict(dict(BASE, ppo={"adam_eps": 1e-6}))
+    plan, graph, models = CF.validate(cfg, world)
+    rt = Runtime(cfg, plan, graph, models, timeout_s=30)
+    rt.iteration(0)
+    if rank == 3:
+        os._exit(1)
+    rt.iteration(1)
+
+
+@pytest.mark.timeout(200)
+def test_dead_rank_fails_fast_with_rank_and_step():
+    """Rank 3 dies between iterations: the others must fail (not hang) with errors that name
+    their rank, the iteration and the call they were in."""
+    with pytest.raises(RuntimeError) as e:
+        run_distributed(_dies_worker, 4, timeout=150, pg_timeout=30, allow_exit=(3,))
+    msg = str(e.value)
+    for r in range(3):
+        assert f"rank {r}, step 1, call " in msg, msg[-3000:]

@@ -77,28 +77,35 @@ class Runtime:
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
         events, reallocs = [], []
         for i, name in enumerate(self.graph.order):
-            call = self.graph.calls[name]
-            engine, rstats = self.models.engine_for(name)
-            if rstats is not None:
-                reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
-            g = self.groups[name]
-            pusher.post(store, self.pushes[name], i + 1, name, sending=False)
-            if g.member:
-                pusher.wait_for(store, call.reads, step)
-                t0 = time.time()
-                try:
-                    C.run_call(self, call, g, engine, store, sums, step)
-                except Exception as e:
-                    raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
-                                       f"{type(e).__name__}: {e}") from e
-                events.append((self.rank, name, t0, time.time()))
-                pusher.post(store, self.pushes[name], i + 1, name, sending=True)
-            del engine  # a reallocated copy is dropped here; home engines stay in self.models
-        pusher.finish(store, step)
-        dist.all_reduce(sums)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (events, reallocs, pusher.bytes_sent))
+            try:
+                self._call(i, name, store, pusher, sums, events, reallocs, step)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
+                                   f"{type(e).__name__}: {e}") from e
+        try:
+            pusher.finish(store, step)
+            dist.all_reduce(sums)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (events, reallocs, pusher.bytes_sent))
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
+                               f"{type(e).__name__}: {e}") from e
         return self._summary(sums, gathered, store)
+
+    def _call(self, i, name, store, pusher, sums, events, reallocs, step) -> None:
+        call = self.graph.calls[name]
+        engine, rstats = self.models.engine_for(name)
+        if rstats is not None:
+            reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
+        g = self.groups[name]
+        pusher.post(store, self.pushes[name], i + 1, name, sending=False)
+        if g.member:
+            pusher.wait_for(store, call.reads, step)
+            t0 = time.time()
+            C.run_call(self, call, g, engine, store, sums, step)
+            events.append((self.rank, name, t0, time.time()))
+            pusher.post(store, self.pushes[name], i + 1, name, sending=True)
+        # A reallocated engine is dropped on return; home engines stay in self.models.
 
     def _summary(self, sums, gathered, store) -> dict:
         metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
