@@ -137,7 +137,7 @@ def test_kill_and_resume(tmp_path):
     resumes from A's step-1 checkpoint. B's step 2 must equal A's step 2 exactly: metrics and
     every rank's saved shards and optimizer moments."""
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("steps: 2\nsave_every: 1\nreward: {kind: rule, target_token: 7}\ngeneration: {max_new_tokens: 6}\n")
+    cfg.write_text("steps: 2\nsave_every: 1\nverify_realloc: true\nreward: {kind: rule, target_token: 7}\ngeneration: {max_new_tokens: 6}\n")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     out_a, ma = _train([], a, str(cfg))
     assert "launching 4 local gloo processes" in out_a and "step 2 |" in out_a

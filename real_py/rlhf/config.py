@@ -100,6 +100,9 @@ class TrainConfig:
     """HF checkpoint of the critic (a ...ForSequenceClassification with num_labels=1)."""
     reward_path: str | None = None
     """HF checkpoint of the reward model; None: random init (or critic's shape)."""
+    verify_realloc: bool = False
+    """Ship a checksum with every reallocation chunk and fail on a mismatch (costs a pass over the
+    bytes on both sides)."""
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)

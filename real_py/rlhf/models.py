@@ -40,7 +40,7 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
-                 paths: dict[str, str | None]):
+                 paths: dict[str, str | None], verify: bool = False):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
@@ -75,7 +75,7 @@ class Models:
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
                 rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
                                      ranks_per_node=plan.ranks_per_node)
-                self._reallocators[(m, call)] = Reallocator(rplan, self.transport)
+                self._reallocators[(m, call)] = Reallocator(rplan, self.transport, verify=verify)
 
     def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
         """The engine to run `call` with (reallocating if needed) and the reallocation stats.
