@@ -15,7 +15,7 @@ import torch.distributed as dist
 from real_py.testing import run_distributed
 from real_py.transport_dist import DistTransport
 
-from dist_cases import SPECS, check_transfer, named_pairs, random_full, shards
+from dist_cases import SPECS, check_transfer, named_pairs, random_full
 from oracle import random_layout
 
 NAMED_RUNS = (("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096), ("broadcast", 1 << 20))
