@@ -128,9 +128,7 @@ class DistTransport(Transport):
                 w = dist.broadcast(t, src=self._global[sender], group=g, async_op=True)
                 pending.append((w, f"broadcast from rank {sender} to ranks {list(receivers)}"
                                    + (" (peer rank %d)" % sender if sender != self.rank else "")))
-        except TransferError:
-            raise
-        except ValueError:
+        except (TransferError, ValueError):
             raise
         except Exception as e:  # posting failed (peer gone): same error path as a failed wait
             raise self._error(step, "posting ops", e) from e

@@ -55,25 +55,27 @@ def named_pairs(world: int) -> list[tuple[str, object, Layout, Layout]]:
     return pairs
 
 
-def shards(model, layout: Layout, rank: int, full: dict) -> ModelShard | None:
-    return ModelShard.from_full(model, layout, rank, full) if rank in layout.ranks else None
+def shards(model, layout: Layout, rank: int, full: dict, device="cpu") -> ModelShard | None:
+    return ModelShard.from_full(model, layout, rank, full, device) if rank in layout.ranks else None
 
 
 def check_transfer(transport, rank: int, model, src: Layout, dst: Layout, full: dict, *,
-                   mode: str, bucket: int, verify: bool = False, src_shard=None, what: str = ""):
+                   mode: str, bucket: int, verify: bool = False, src_shard=None, what: str = "",
+                   device="cpu"):
     """Run one transfer on every rank; assert the oracle, source intact, bytes, staging bound.
 
     Returns this rank's destination shard (None if not in dst)."""
     plan = plan_realloc(model, src, dst, mode=mode)
     tag = f"{what} {src}->{dst} {mode} bucket {bucket}: rank {rank}"
-    s = src_shard if src_shard is not None else shards(model, src, rank, full)
+    s = src_shard if src_shard is not None else shards(model, src, rank, full, device)
     before = None if s is None else s.flat.clone()
-    d = ModelShard.empty(model, dst, rank) if rank in dst.ranks else None
+    d = ModelShard.empty(model, dst, rank, device) if rank in dst.ranks else None
     sent0, recv0 = transport.sent_bytes, transport.received_bytes
     r = Reallocator(plan, transport, bucket_bytes=bucket, verify=verify)
     r.run(s, d)
     if d is not None:
-        assert torch.equal(d.flat, oracle_flat(model, dst, rank, full)), f"{tag}: differs from oracle"
+        assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), \
+            f"{tag}: differs from oracle"
     if s is not None:
         assert torch.equal(s.flat, before), f"{tag}: source shard modified"
     if r.staging is not None:

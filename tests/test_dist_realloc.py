@@ -15,7 +15,7 @@ import torch.distributed as dist
 from real_py.testing import run_distributed
 from real_py.transport_dist import DistTransport
 
-from dist_cases import SPECS, check_transfer, named_pairs, random_full, shards
+from dist_cases import SPECS, check_transfer, named_pairs, random_full
 from oracle import random_layout
 
 NAMED_RUNS = (("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096), ("broadcast", 1 << 20))
@@ -61,3 +61,25 @@ def test_layout_pairs_bitwise(world):
     out = run_distributed(_named_and_random, world, 100, timeout=240)
     assert all(o == out[0] for o in out)
     assert out[0]["random"] == 100 and out[0]["named"] == len(NAMED_RUNS) * len(named_pairs(world))
+
+
+def _nccl(rank: int, world: int) -> int:
+    torch.cuda.set_device(rank)
+    t = DistTransport(dist.new_group(backend="nccl"), timeout=60)
+    n = 0
+    for i, (name, model, src, dst) in enumerate(named_pairs(world)):
+        full = random_full(model, i)
+        for mode, bucket in NAMED_RUNS:
+            check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket,
+                           verify=bucket > 4096, what=name, device="cuda")
+            n += 1
+    return n
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank; needs 2")
+def test_nccl_named_pairs():
+    """The same transport over an NCCL group (one batch_isend_irecv = one NCCL group call)."""
+    world = min(torch.cuda.device_count(), 8)
+    world = 4 if world >= 4 else 2
+    assert run_distributed(_nccl, world, timeout=300)[0] == len(NAMED_RUNS) * len(named_pairs(world))
