@@ -25,6 +25,10 @@ from .models import Models
 
 METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
            "value_clip_frac", "entropy")
+"""Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
+response_length are means over sequences; policy_loss / value_loss means over optimizer steps
+(each the token mean of its mini-batch); clip fractions and entropy means over response tokens
+of every mini-batch pass."""
 
 
 def make_batch(cfg, step: int, vocab_size: int) -> dict[str, torch.Tensor]:
