@@ -11,8 +11,10 @@ effect the models tests note for the k_proj bias). Generated tokens are compared
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -131,27 +133,48 @@ def _train(args, out_dir, cfg_path):
         return r.stdout, [json.loads(line) for line in f]
 
 
-@pytest.mark.timeout(400)
+def _run_killed_after_step_1(out_dir, cfg_path):
+    """Start a 3-step job and SIGKILL its whole process group once step 1's checkpoint is
+    complete (out_dir/latest names it), i.e. while step 2 or 3 is running."""
+    cmd = [sys.executable, "-m", "real_py", "train", "--config", cfg_path, "--out-dir", out_dir,
+           "--no-progress", "--timeout", "120", "--steps", "3"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    latest = os.path.join(out_dir, "latest")
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(latest) and open(latest).read().strip() == "step_1"):
+            assert p.poll() is None, f"job exited with {p.returncode} before its step-1 checkpoint"
+            assert time.monotonic() < deadline, "no step-1 checkpoint within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+@pytest.mark.timeout(600)
 def test_kill_and_resume(tmp_path):
-    """Run A does 2 steps, checkpointing after each; run B is a new job (fresh processes) that
-    resumes from A's step-1 checkpoint. B's step 2 must equal A's step 2 exactly: metrics and
+    """Run A does 2 steps uninterrupted. Run B is killed (SIGKILL) after its step-1 checkpoint;
+    run C, a new job, resumes from it. C's step 2 must equal A's step 2 exactly: metrics, and
     every rank's saved shards and optimizer moments."""
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("steps: 2\nsave_every: 1\nverify_realloc: true\nreward: {kind: rule, target_token: 7}\ngeneration: {max_new_tokens: 6}\n")
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg.write_text("steps: 2\nsave_every: 1\nverify_realloc: true\nreward: {kind: rule, target_token: 7}\n"
+                   "generation: {max_new_tokens: 6}\n")
+    a, b, c = (str(tmp_path / x) for x in "abc")
     out_a, ma = _train([], a, str(cfg))
     assert "launching 4 local gloo processes" in out_a and "step 2 |" in out_a
-    out_b, mb = _train(["--resume", os.path.join(a, "step_1")], b, str(cfg))
-    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mb] == [2]
-    assert mb[0]["metrics"] == ma[1]["metrics"]
+    _run_killed_after_step_1(b, str(cfg))
+    _, mc = _train(["--resume", os.path.join(b, "step_1")], c, str(cfg))
+    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [2]
+    assert mc[0]["metrics"] == ma[1]["metrics"]
     for r in range(4):
         sa = torch.load(os.path.join(a, "step_2", f"rank{r}.pt"), weights_only=False)
-        sb = torch.load(os.path.join(b, "step_2", f"rank{r}.pt"), weights_only=False)
-        assert sa["models"].keys() == sb["models"].keys() == {"actor", "critic"}
+        sc = torch.load(os.path.join(c, "step_2", f"rank{r}.pt"), weights_only=False)
+        assert sa["models"].keys() == sc["models"].keys() == {"actor", "critic"}
         for m, s in sa["models"].items():
             for k in ("flat", "exp_avg", "exp_avg_sq"):
-                assert torch.equal(s[k], sb["models"][m][k]), (r, m, k)
-            assert s["num_steps"] == sb["models"][m]["num_steps"] > 0
+                assert torch.equal(s[k], sc["models"][m][k]), (r, m, k)
+            assert s["num_steps"] == sc["models"][m]["num_steps"] > 0
 
 
 def _hf_worker(rank, world, tmp):
