@@ -195,3 +195,15 @@ def test_push_plan_delivers_exactly_the_needed_rows(algo):
                 assert set(got) == need - held, (prod, k, r)
                 sent += len(got)
     assert sent > 0
+
+
+def test_shipped_configs():
+    """configs/*.yaml load and validate; the PPO one is the embedded default written out."""
+    ppo = CF.load(os.path.join(ROOT, "configs", "ppo_cpu4.yaml"))
+    CF.validate(ppo, 4)
+    default = CF.from_dict({})
+    assert CF.to_dict(ppo) | {"actor": None, "critic": None, "plan": None} == \
+        CF.to_dict(default) | {"plan": None}
+    assert ppo.execution_plan() == default.execution_plan()
+    assert ppo.model_configs() == CF.from_dict({}).model_configs()
+    CF.validate(CF.load(os.path.join(ROOT, "configs", "grpo_cpu4.yaml")), 4)
