@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.requirements-stamp
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
-ARGS ?= plan --model llama2-7b --src dp2,tp4,pp1 --dst dp4,tp1,pp2
+ARGS ?= train
 
 .PHONY: venv build run test test-cpp test-py bench clean
 

@@ -11,6 +11,7 @@ import importlib
 COMMANDS = {
     "plan": "real_py.cli_plan",
     "search": "real_py.cli_search",
+    "train": "real_py.cli_train",
 }
 
 

@@ -6,7 +6,8 @@ runs fn(rank, world_size, *args) in `world_size` fresh processes with torch.dist
 initialized (gloo, file:// rendezvous, so no free-port races). The function must be picklable
 (module level). Returns the list of per-rank return values. A worker that raises makes the call
 raise RuntimeError with that rank's traceback; a worker still running after `timeout` seconds
-is killed and the error names the ranks that did not finish.
+is killed and the error names the ranks that did not finish. `allow_exit`: ranks expected to die
+(fault-injection tests); their result is None if they exit without reporting.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
-                    env: dict | None = None) -> list:
+                    env: dict | None = None, allow_exit=()) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +68,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeo
                 for r in dead:
                     time.sleep(0.2)
                     if r not in out and r not in errors and results.empty():
-                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                        if r in allow_exit:
+                            out[r] = None
+                        else:
+                            errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
                 if time.monotonic() > deadline:
                     break
                 continue

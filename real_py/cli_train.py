@@ -1,0 +1,129 @@
+"""`python -m real_py train [--config cfg.yaml] [--resume [DIR]]`: the PPO job.
+
+Without RANK in the environment (not under torchrun), the command validates the config and then
+re-invokes itself under torch.distributed.run with the plan's world size on this machine
+(`--standalone --nproc-per-node=<world_size>`), so `python -m real_py train` is the whole
+command. Under torchrun (one node or many) every rank runs the SPMD loop below.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="run PPO / GRPO with per-call layouts and weight reallocation")
+    p.add_argument("--config", help="YAML config (default: the embedded CPU demo)")
+    p.add_argument("--resume", nargs="?", const="", default=None,
+                   help="resume from a checkpoint directory (default: <out_dir>/latest)")
+    p.add_argument("--steps", type=int, help="override the config's steps")
+    p.add_argument("--out-dir", help="override the config's out_dir")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any collective or transfer may wait before failing (default 300)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config(args):
+    from .rlhf import checkpoint, config
+
+    cfg = config.load(args.config)
+    if args.steps is not None:
+        cfg.steps = args.steps
+    if args.out_dir:
+        cfg.out_dir = args.out_dir
+    if cfg.steps < 1:
+        raise ValueError(f"steps={cfg.steps} must be >= 1")
+    ckpt = None
+    if args.resume is not None:
+        ckpt = checkpoint.find(args.resume or cfg.out_dir, cfg.out_dir)
+        checkpoint.check(cfg, ckpt)
+    return cfg, ckpt
+
+
+def _launch(args, world: int) -> int:
+    """Re-invoke this command under torch.distributed.run with `world` local gloo processes."""
+    argv = ["train"] + [x for k, v in (("--config", args.config), ("--steps", args.steps),
+                                         ("--out-dir", args.out_dir), ("--timeout", args.timeout))
+                        if v is not None for x in (k, str(v))]
+    if args.resume is not None:
+        argv += ["--resume"] + ([args.resume] if args.resume else [])
+    if args.no_progress:
+        argv.append("--no-progress")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "real_py"] + argv
+    print(f"launching {world} local gloo processes: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def run(args) -> int:
+    from .rlhf import config
+
+    cfg, ckpt = _config(args)
+    if "RANK" not in os.environ:
+        plan = cfg.execution_plan()
+        config.validate(cfg, plan.world_size)
+        return _launch(args, plan.world_size)
+    return _spmd(args, cfg, ckpt)
+
+
+def _line(step: int, out: dict) -> str:
+    m = out["metrics"]
+    keys = ("reward", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_length")
+    parts = [f"{k} {m[k]:.4g}" for k in keys if k in m]
+    calls = " ".join(f"{n} {s:.2f}s" for n, s in out["calls"].items())
+    re = " ".join(f"{k} {v:.3f}s" for k, v in out["realloc_seconds"].items())
+    return (f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
+            f"{out['realloc_bytes'] / 2**20:.2f} MiB")
+
+
+def _spmd(args, cfg, ckpt) -> int:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from .rlhf import checkpoint, config
+    from .rlhf.runtime import Runtime
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        plan, graph, models = config.validate(cfg, world)
+        rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
+        start = checkpoint.load(rt, ckpt) if ckpt else 0
+        if rank == 0:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            print(f"world {world}; calls in order:\n{graph.describe()}\nplan: "
+                  + ", ".join(f"{n} {plan.calls[n]} ranks {list(plan.calls[n].ranks)}" for n in graph.order),
+                  flush=True)
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train",
+                   disable=rank != 0 or args.no_progress)
+        t_all = time.perf_counter()
+        for step in bar:
+            t0 = time.perf_counter()
+            out = rt.iteration(step)
+            if rank == 0:
+                rec = {"step": step + 1, "seconds": time.perf_counter() - t0, "metrics": out["metrics"],
+                       "calls": out["calls"], "realloc_seconds": out["realloc_seconds"],
+                       "realloc_bytes": out["realloc_bytes"], "data_bytes": out["data_bytes"]}
+                with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                tqdm.write(_line(step + 1, out))
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                path = checkpoint.save(rt, cfg.out_dir, step + 1)
+                if rank == 0:
+                    tqdm.write(f"saved {path}")
+        if rank == 0:
+            print(f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; metrics in "
+                  f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0

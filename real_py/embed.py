@@ -1,0 +1,150 @@
+"""Embedding API for existing trainers: reallocate from/to per-rank dicts of local tensors or flat
+buffers, and build a Layout from a torch DeviceMesh.
+
+    realloc = Reallocator(plan, DistTransport(group), bucket_bytes=...)   # once per plan
+    new_params = reallocate_params(realloc, local_params)   # name -> local tensor, or None
+    new_flat = reallocate_flat(realloc, src_flat)            # flat shard buffer, or None
+    layout = layout_from_device_mesh(mesh)                   # mesh dims named dp / tp / pp
+
+`local_params` holds exactly the tensors real_py.shard.ModelShard.params() would hold for this
+rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
+gate|up, vocab rows padded to a multiple of tp, this pipeline stage's parameters only, a tied
+embedding copy on the last stage). The result is the same for the destination layout, as views
+into one fresh flat buffer (so it can be handed to a model without copies).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+
+from .layout import Layout, shard_layout
+from .reallocator import Reallocator, new_destination
+from .shard import ModelShard
+from .spec import torch_dtype
+
+_ROLES = ("dp", "tp", "pp")
+
+
+def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, torch.Tensor],
+                      device=None) -> ModelShard:
+    """Copy a rank's local tensors (name -> tensor) into a new flat shard buffer.
+
+    Raises ValueError naming the parameter on a missing/extra name, a wrong local shape or dtype.
+    """
+    coords = layout.coords(rank)
+    if coords is None:
+        raise ValueError(f"rank {rank} is not in layout {layout}")
+    entries = shard_layout(model, layout, coords[2]).entries
+    want = {e.param.name for e in entries}
+    missing, extra = sorted(want - params.keys()), sorted(params.keys() - want)
+    if missing or extra:
+        raise ValueError(f"rank {rank} ({layout}, stage {coords[2]}): parameter dict does not match "
+                         f"the stage's parameters: missing {missing[:5]}, unexpected {extra[:5]}")
+    dtype = torch_dtype(model.dtype)
+    for e in entries:
+        t = params[e.param.name]
+        if tuple(t.shape) != e.local_shape:
+            raise ValueError(f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
+                             f"{layout} tp rank {coords[1]} holds {e.local_shape}")
+        if t.dtype != dtype:
+            raise ValueError(f"{e.param.name}: dtype {t.dtype}, the model spec says {dtype}; cast "
+                             "the model first (reallocation moves raw bytes)")
+    if device is None:
+        device = params[entries[0].param.name].device
+    shard = ModelShard.empty(model, layout, rank, device=device)
+    views = shard.params()
+    with torch.no_grad():
+        for name, v in views.items():
+            v.copy_(params[name])
+    return shard
+
+
+def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] | None, *,
+                      device=None) -> dict[str, torch.Tensor] | None:
+    """Move local tensors from the plan's source layout to its destination layout.
+
+    params: this rank's source tensors, None if the rank holds no source shard. Returns this
+    rank's destination tensors (views of one flat buffer), None if it holds no destination shard.
+    Collective: every rank of the transport's group calls it.
+    """
+    plan, rank = realloc.plan, realloc.rank
+    src = None
+    if params is not None:
+        if rank not in plan.src.ranks:
+            raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
+        src = shard_from_params(plan.model, plan.src, rank, params, device)
+        device = device or src.flat.device
+    dst = new_destination(plan, rank, device=device or "cpu")
+    realloc.run(src, dst)
+    return None if dst is None else dst.params()
+
+
+def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
+                    dst_flat: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Move one flat shard buffer (the ModelShard.flat layout) to the destination layout.
+
+    dst_flat: a zeroed buffer to fill (reused across calls), or None to allocate one.
+    """
+    plan, rank = realloc.plan, realloc.rank
+    src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
+    if rank not in plan.dst.ranks:
+        if dst_flat is not None:
+            raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
+                             "dst_flat")
+        dst = None
+    elif dst_flat is None:
+        dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
+    else:
+        dst = ModelShard(plan.model, plan.dst, rank, dst_flat)
+    realloc.run(src, dst)
+    return None if dst is None else dst.flat
+
+
+def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
+                            layers_per_stage: tuple[int, ...] | None = None) -> Layout:
+    """The Layout a torch DeviceMesh describes (global ranks, axis order from the mesh).
+
+    axes: mesh dim name -> "dp" | "tp" | "pp"; default: the mesh dims named dp, tp, pp. A mesh
+    dim without a role must have size 1. The mesh's last dim varies fastest along its ranks,
+    which becomes the Layout's `order`. Raises ValueError saying why the two cannot agree.
+    """
+    names = mesh.mesh_dim_names
+    shape = tuple(mesh.mesh.shape)
+    if names is None:
+        raise ValueError(f"DeviceMesh of shape {shape} has no mesh_dim_names; name its dims "
+                         "(e.g. ('pp', 'dp', 'tp')) so each maps to dp, tp or pp")
+    axes = dict(axes) if axes is not None else {n: n for n in names if n in _ROLES}
+    for dim, role in axes.items():
+        if dim not in names:
+            raise ValueError(f"axes names mesh dim {dim!r}, the mesh has dims {list(names)}")
+        if role not in _ROLES:
+            raise ValueError(f"axes[{dim!r}]={role!r}; allowed roles: {_ROLES}")
+    roles = list(axes.values())
+    dup = sorted({r for r in roles if roles.count(r) > 1})
+    if dup:
+        raise ValueError(f"roles {dup} are given to several mesh dims ({axes}); a Layout has one "
+                         "dim per role (flatten the mesh dims first)")
+    sizes = {r: 1 for r in _ROLES}
+    fastest_first = []
+    for name, size in reversed(list(zip(names, shape))):
+        role = axes.get(name)
+        if role is None:
+            if size != 1:
+                raise ValueError(f"mesh dim {name!r} of size {size} is not mapped to dp, tp or pp; "
+                                 f"a reallocation layout has only those axes (pass axes=...)")
+            continue
+        sizes[role] = size
+        if size > 1:
+            fastest_first.append(role)
+    # Only axes longer than 1 fix the order; prefer the default order among those consistent.
+    order = next("-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))
+                 if [a for a in p if a in fastest_first] == fastest_first)
+    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    return Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ranks=ranks, order=order,
+                  layers_per_stage=layers_per_stage)
+
+
+__all__ = ["shard_from_params", "reallocate_params", "reallocate_flat", "layout_from_device_mesh"]

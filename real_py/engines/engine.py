@@ -1,0 +1,152 @@
+"""Engine: one rank's view of a model under one layout (generate, inference, train_step).
+
+    groups = ParallelGroups(layout)                    # collective over the whole world
+    engine = Engine(config, layout, groups, shard)     # shard: this rank's ModelShard
+    engine.inference(tokens, lengths)                  # {"logprobs": [B, T-1]} or {"values": [B, T]}
+    engine.generate(prompt_tokens, prompt_lengths, seeds, max_new_tokens=...)
+    engine.train_step(loss_fn, batch, micro_batches=2)
+
+Every rank of a DP replica (all its TP and PP ranks) calls with the same DP-local batch and gets
+the same result tensors back. The model reads the shard's flat buffer directly, so writing new
+weights into `shard.flat` (a reallocation) takes effect on the next call without a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Layout
+from ..models import StageModel
+from ..models.tp import gather_from_tp
+from ..models.vocab import vocab_parallel_logprobs
+from ..shard import ModelShard
+from ..spec import ModelConfig, model_spec, torch_dtype
+from .pipeline import P2P, split_micro_batches
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
+                 optim=None):
+        spec = model_spec(config)
+        spec.check_compatible(shard.model)
+        if shard.layout != layout or groups.layout != layout:
+            raise ValueError(f"layout mismatch: engine {layout}, shard {shard.layout}, groups {groups.layout}")
+        if not groups.member or groups.rank != shard.rank:
+            raise ValueError(f"rank {groups.rank} is not this shard's rank {shard.rank} in layout {layout}")
+        tied = any(p.tied_to_head for p in spec.params)
+        if tied and layout.pp > 1 and groups.tied_group is None:
+            raise ValueError("tied embeddings with pp > 1 need ParallelGroups(layout, tied=True)")
+        self.config, self.layout, self.groups, self.shard = config, layout, groups, shard
+        self.model = StageModel(config, shard, groups.tp_group)
+        self.dtype = torch_dtype(config.dtype)
+        self.optim = optim
+        self._trainer = None
+        self._calls = Counter()
+
+    @contextlib.contextmanager
+    def _context(self, op: str):
+        """Re-raise collective failures (gloo timeouts, peer crashes) naming rank, layout and call."""
+        self._calls[op] += 1
+        g = self.groups
+        try:
+            yield
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {g.rank} ({self.layout} dp_rank={g.dp_rank} tp_rank={g.tp_rank} "
+                               f"stage={g.stage}) failed in {op} call {self._calls[op]}: {e}") from e
+
+    # -- forward-only pipeline ---------------------------------------------------------------
+    def _forward_pipeline(self, mbs, last_fn):
+        """Run every micro-batch through the pipeline; last_fn(h, mb) on the last stage."""
+        g, p2p, outs = self.groups, P2P(self.groups), []
+        H = self.config.hidden_size
+        for mb in mbs:
+            tok = mb.data["tokens"]
+            b, n = tok.shape
+            pos = torch.arange(n).expand(b, n)
+            x = tok if g.is_first_stage else p2p.recv((b, n, H), self.dtype, g.prev_rank)
+            h = self.model(x, pos)
+            if g.is_last_stage:
+                outs.append(last_fn(h, mb))
+            else:
+                p2p.send(h, g.next_rank)
+        p2p.flush()
+        return outs
+
+    def _bcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
+        if self.groups.pp_size > 1:
+            dist.broadcast(t, self.groups.last_stage_rank, group=self.groups.pp_group)
+        return t
+
+    @torch.no_grad()
+    def inference(self, tokens: torch.Tensor, lengths: torch.Tensor, *, micro_batches: int = 1,
+                  with_entropy: bool = False) -> dict:
+        """LM head: {"logprobs": [B, T-1]} (log p of tokens[:, 1:]; "entropy" [B, T-1] on request);
+        value head: {"values": [B, T]}. Positions past each sequence are 0."""
+        with self._context("inference"):
+            return self._inference(tokens, lengths, micro_batches, with_entropy)
+
+    def _inference(self, tokens, lengths, micro_batches, with_entropy):
+        B, T = tokens.shape
+        mbs = split_micro_batches({"tokens": tokens, "lengths": lengths}, micro_batches)
+        lm = self.config.head == "lm"
+        keys = (["logprobs"] + (["entropy"] if with_entropy else [])) if lm else ["values"]
+        width = T - 1 if lm else T
+        result = {k: torch.zeros(B, width, dtype=torch.float32) for k in keys}
+
+        def last_fn(h, mb):
+            out = self.head_outputs(h, mb.data["tokens"], with_entropy)
+            for k in keys:
+                v = out[k].float()
+                result[k][mb.index, :v.shape[1]] = v
+            return None
+
+        self._forward_pipeline(mbs, last_fn)
+        for k in keys:
+            ar = torch.arange(width)
+            valid = ar < (lengths - 1 if lm else lengths).unsqueeze(1)
+            result[k] = self._bcast_from_last(result[k].masked_fill(~valid, 0.0))
+        return result
+
+    def head_outputs(self, h: torch.Tensor, tokens: torch.Tensor, with_entropy: bool) -> dict:
+        """Last stage: {"logprobs", "entropy"} [b, n-1] of tokens[:, 1:], or {"values"} [b, n]."""
+        out = self.model.head(h)
+        if self.config.head == "value":
+            return {"values": out}
+        lp, ent = vocab_parallel_logprobs(out[:, :-1], tokens[:, 1:], self.groups.tp_group,
+                                          self.groups.tp_rank, self.config.vocab_size, with_entropy)
+        return {"logprobs": lp, "entropy": ent} if with_entropy else {"logprobs": lp}
+
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, T, V] (gathered over TP; for tests and debugging, not for training)."""
+        if self.config.head != "lm":
+            raise ValueError("forward_logits needs head='lm'; use inference() for values")
+        B, T = tokens.shape
+        lengths = torch.full((B,), T, dtype=torch.int64)
+        full = torch.zeros(B, T, self.config.vocab_size, dtype=self.dtype)
+
+        def last_fn(h, mb):
+            logits = gather_from_tp(self.model.head(h), self.groups.tp_group, self.groups.tp_ranks)
+            full[mb.index] = logits[..., :self.config.vocab_size]
+
+        self._forward_pipeline(split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn)
+        return self._bcast_from_last(full)
+
+    # -- generation and training live in their own modules -----------------------------------
+    def generate(self, prompt_tokens, prompt_lengths, seeds, **kw) -> dict:
+        from .generate import generate
+
+        with self._context("generate"):
+            return generate(self, prompt_tokens, prompt_lengths, seeds, **kw)
+
+    def train_step(self, loss_fn, batch: dict, micro_batches: int = 1, **kw) -> dict:
+        from .train import Trainer
+
+        if self._trainer is None:
+            self._trainer = Trainer(self, self.optim)
+        with self._context("train_step"):
+            return self._trainer.step(loss_fn, batch, micro_batches, **kw)

@@ -1,0 +1,117 @@
+"""Autoregressive generation with a KV cache, pipelined over stages, per-sequence seeded sampling.
+
+Prompts arrive right-padded and are left-aligned internally (positions count from each prompt's
+first token; padded keys are masked), so one prefill plus one-token decode steps serve the whole
+batch. Each step runs the stages in turn (activations point to point), the last stage gathers
+the logits over TP (identical on every TP rank), picks the next tokens and broadcasts them over
+the pipeline. Sampling draws one uniform per sequence per step from that sequence's own
+torch.Generator seeded by its seed, so a sequence's tokens do not depend on the layout, the batch
+split or its neighbours. Finished sequences (EOS) emit pad_token_id until all are done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..models.tp import gather_from_tp
+from .pipeline import P2P
+
+
+def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
+                top_p: float) -> torch.Tensor:
+    """logits [B, V] float; uniforms [B] in [0, 1) or None for greedy. Returns [B] int64.
+
+    Inverse-CDF sampling over the temperature-scaled, top-p-truncated distribution (tokens sorted
+    by probability, ties by index), so one uniform decides one token.
+    """
+    if uniforms is None:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    cum = sorted_p.cumsum(-1)
+    if top_p < 1.0:
+        sorted_p = sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0)
+        cum = sorted_p.cumsum(-1)
+    target = (uniforms * cum[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cum, target, right=True).clamp(max=logits.shape[-1] - 1)
+    return order.gather(-1, idx).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
+             max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+             eos_token_id: int | None = None, pad_token_id: int = 0) -> dict:
+    """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
+
+    Returns {"tokens": [B, P' + N] right-padded prompt + generated tokens, "lengths": [B],
+    "prompt_lengths": [B], "new_tokens": [B, N]} (N <= max_new_tokens, P' = max prompt length),
+    identical on every rank of the DP replica.
+    """
+    c, g, model = engine.config, engine.groups, engine.model
+    B = prompt_tokens.shape[0]
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not greedy and (temperature <= 0 or not 0 < top_p <= 1):
+        raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1]; got {temperature}, {top_p}")
+    if prompt_lengths.shape != (B,) or seeds.shape != (B,) or int(prompt_lengths.min()) < 1:
+        raise ValueError(f"prompt_lengths and seeds must be [B={B}] with lengths >= 1")
+    P = int(prompt_lengths.max())
+    total = P + max_new_tokens
+    if total > c.max_position_embeddings:
+        raise ValueError(f"prompt {P} + max_new_tokens {max_new_tokens} exceeds "
+                         f"max_position_embeddings={c.max_position_embeddings}")
+    pad = P - prompt_lengths
+    left = torch.full((B, P), pad_token_id, dtype=torch.int64)
+    valid = torch.zeros(B, total, dtype=torch.bool)
+    for b in range(B):
+        n = int(prompt_lengths[b])
+        left[b, P - n:] = prompt_tokens[b, :n]
+        valid[b, P - n:P] = True
+    pos = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
+    # A left-padding query would see no key at all (NaN rows); let it see itself.
+    mask = torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, None, :P]
+    mask = mask | torch.eye(P, dtype=torch.bool)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    caches = model.new_caches(B, total)
+    p2p = P2P(g)
+    done = torch.zeros(B, dtype=torch.bool)
+    new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64)
+    x, steps = left, 0
+    for step in range(max_new_tokens):
+        n = x.shape[1]
+        inp = x if g.is_first_stage else p2p.recv((B, n, c.hidden_size), engine.dtype, g.prev_rank)
+        h = model(inp, pos, mask, caches)
+        nxt = torch.empty(B, dtype=torch.int64)
+        if g.is_last_stage:
+            logits = gather_from_tp(model.head(h[:, -1]), g.tp_group, g.tp_ranks)[:, :c.vocab_size]
+            u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens])
+            nxt = pick_tokens(logits.float(), u, temperature, top_p).masked_fill(done, pad_token_id)
+        else:
+            p2p.send(h, g.next_rank)
+        p2p.flush()
+        if g.pp_size > 1:
+            dist.broadcast(nxt, g.last_stage_rank, group=g.pp_group)
+        new[:, step] = nxt
+        steps = step + 1
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        if bool(done.all()):
+            break
+        valid[:, P + step] = True
+        x = nxt.unsqueeze(1)
+        pos = (prompt_lengths + step).unsqueeze(1)
+        mask = valid[:, None, None, :P + step + 1]
+    new = new[:, :steps]
+    gen_len = torch.full((B,), steps, dtype=torch.int64)
+    if eos_token_id is not None:
+        is_eos = new == eos_token_id
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, steps)
+        gen_len = first
+    out = torch.full((B, P + steps), pad_token_id, dtype=torch.int64)
+    for b in range(B):
+        n, m = int(prompt_lengths[b]), int(gen_len[b])
+        out[b, :n] = prompt_tokens[b, :n]
+        out[b, n:n + m] = new[b, :m]
+    return {"tokens": out, "lengths": prompt_lengths + gen_len, "prompt_lengths": prompt_lengths.clone(),
+            "new_tokens": new}

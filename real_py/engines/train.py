@@ -1,0 +1,220 @@
+"""train_step: 1F1B pipeline schedule, bucketed DP all-reduce, global-norm clipping, flat AdamW.
+
+Gradients live in one flat buffer shaped like the shard (each Parameter's .grad is a view of it;
+autograd accumulates into an existing .grad in place), so the DP all-reduce is a few large
+bucketed collectives over that buffer, launched from post-accumulate-grad hooks during the last
+micro-batch's backward so they overlap the rest of it, and AdamW runs elementwise on flat buffers (param,
+grad, exp_avg, exp_avg_sq), exactly torch.optim.AdamW's single-tensor update. Padding (alignment
+gaps, vocab padding rows) has zero gradient and stays zero.
+
+Objective: the step minimizes the SUM of loss_fn over every micro-batch of every DP rank
+(gradients are summed over DP, not averaged); normalize inside loss_fn (e.g. divide by the
+global token count) to get a mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .pipeline import P2P, split_micro_batches
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Decoupled weight decay applied to every parameter."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (over TP, PP, DP; replicated params once); <= 0 disables."""
+    bucket_numel: int = 1 << 22
+    """Elements per DP all-reduce bucket."""
+
+    def __post_init__(self):
+        if self.lr < 0 or self.eps <= 0 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"OptimConfig: need lr >= 0, eps > 0, betas in [0, 1); got lr={self.lr}, "
+                             f"eps={self.eps}, betas={self.betas}")
+        if self.bucket_numel < 1:
+            raise ValueError(f"OptimConfig.bucket_numel={self.bucket_numel} must be >= 1")
+
+
+class Trainer:
+    def __init__(self, engine, optim: OptimConfig | None):
+        self.engine, self.cfg = engine, optim or OptimConfig()
+        shard = engine.shard
+        flat = shard.flat
+        self.grad = torch.zeros_like(flat)
+        self.exp_avg = torch.zeros_like(flat)
+        self.exp_avg_sq = torch.zeros_like(flat)
+        self.num_steps = 0
+        g = engine.groups
+        self.counted = []  # (offset, numel) of gradients counted once in the global norm
+        for e in shard.shard_layout.entries:
+            param = engine.model.shard_params[e.param.name]
+            param.grad = self.grad[e.offset:e.offset + e.numel].view(e.local_shape)
+            replicated = e.param.tp.kind == "replicated"
+            head_copy = e.param.owner == "embed" and shard.stage != 0
+            if not (replicated and g.tp_rank > 0) and not head_copy:
+                self.counted.append((e.offset, e.numel))
+        self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
+        self._setup_buckets()
+
+    def _setup_buckets(self):
+        """DP buckets: contiguous flat ranges in reverse forward order (the order backward makes
+        gradients). The embedding stays out: it is reduced last, after the tied-copy sum."""
+        self.buckets, self.bucket_of, names, lo, hi = [], {}, [], None, None
+        for e in reversed(self.engine.shard.shard_layout.entries):
+            if e.param.owner == "embed":
+                continue
+            names.append(e.param.name)
+            lo, hi = e.offset, hi if hi is not None else e.offset + e.numel
+            if hi - lo >= self.cfg.bucket_numel:
+                self.buckets.append((lo, hi, names))
+                names, hi = [], None
+        if names:
+            self.buckets.append((lo, hi, names))
+        for i, (_, _, ns) in enumerate(self.buckets):
+            for n in ns:
+                self.bucket_of[n] = i
+                self.engine.model.shard_params[n].register_post_accumulate_grad_hook(
+                    lambda p, n=n: self._grad_ready(n))
+        self._overlap, self._works, self.buckets_in_backward = False, [], 0
+
+    def _grad_ready(self, name: str):
+        """Post-accumulate hook: during the last backward, launch full buckets in index order
+        (the same order on every DP rank, so the collectives pair up)."""
+        if not self._overlap:
+            return
+        self._pending[self.bucket_of[name]] -= 1
+        self._launch(lambda i: self._pending[i] == 0)
+
+    def _launch(self, ready):
+        g = self.engine.groups
+        while self._next < len(self.buckets) and ready(self._next):
+            lo, hi, _ = self.buckets[self._next]
+            self._works.append(dist.all_reduce(self.grad[lo:hi], group=g.dp_group, async_op=True))
+            self._next += 1
+
+    def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False) -> dict:
+        eng, g = self.engine, self.engine.groups
+        mbs = split_micro_batches(batch, micro_batches)
+        self.grad.zero_()
+        losses = self._one_f_one_b(loss_fn, mbs, with_entropy)
+        self._check_grads_in_place()
+        self._reduce_grads()
+        norm = self._global_norm()
+        cfg = self.cfg
+        if cfg.max_grad_norm > 0:
+            self.grad.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
+        self._adamw()
+        loss = torch.tensor([float(sum(losses)) if g.is_last_stage else 0.0], dtype=torch.float64)
+        if g.dp_size > 1:
+            dist.all_reduce(loss, group=g.dp_group)
+        eng._bcast_from_last(loss)
+        return {"loss": loss.item(), "grad_norm": norm, "lr": cfg.lr, "step": self.num_steps,
+                "micro_batches": len(mbs), "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
+                "dp_buckets_in_backward": self.buckets_in_backward}
+
+    def _one_f_one_b(self, loss_fn, mbs, with_entropy):
+        eng, g, model = self.engine, self.engine.groups, self.engine.model
+        p2p, H = P2P(g), eng.config.hidden_size
+        inputs, outputs, losses = deque(), deque(), []
+        M = len(mbs)
+        warmup = min(g.pp_size - g.stage - 1, M)
+
+        def forward(mb):
+            tok = mb.data["tokens"]
+            b, n = tok.shape
+            if g.is_first_stage:
+                x = tok
+            else:
+                x = p2p.recv((b, n, H), eng.dtype, g.prev_rank).requires_grad_()
+            h = model(x, torch.arange(n).expand(b, n))
+            if g.is_last_stage:
+                out = loss_fn(eng.head_outputs(h, tok, with_entropy), mb.data)
+                loss = out[0] if isinstance(out, tuple) else out
+                if loss.dim() != 0:
+                    raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+                losses.append(loss.item())
+                y = loss
+            else:
+                p2p.send(h, g.next_rank)
+                y = h
+            inputs.append(None if g.is_first_stage else x)
+            outputs.append(y)
+
+        done = [0]
+
+        def backward():
+            done[0] += 1
+            if done[0] == M and g.dp_size > 1:
+                self._overlap, self._next, self._works = True, 0, []
+                self._pending = [len(ns) for _, _, ns in self.buckets]
+            x, y = inputs.popleft(), outputs.popleft()
+            if g.is_last_stage:
+                y.backward()
+            else:
+                torch.autograd.backward(y, p2p.recv(y.shape, y.dtype, g.next_rank))
+            if x is not None:
+                p2p.send(x.grad, g.prev_rank)
+
+        for i in range(warmup):
+            forward(mbs[i])
+        for i in range(warmup, M):
+            forward(mbs[i])
+            backward()
+        for _ in range(warmup):
+            backward()
+        p2p.flush()
+        return losses
+
+    def _check_grads_in_place(self):
+        for e in self.engine.shard.shard_layout.entries:
+            grad = self.engine.model.shard_params[e.param.name].grad
+            assert grad is not None and grad.data_ptr() == self.grad[e.offset:].data_ptr(), \
+                f"{e.param.name}: autograd replaced the flat-buffer gradient view"
+
+    def _reduce_grads(self):
+        g = self.engine.groups
+        e = self.embed_entry
+        embed = self.grad[e.offset:e.offset + e.numel] if e is not None else None
+        if embed is not None and e.param.tied_to_head and g.tied_group is not None:
+            dist.all_reduce(embed, group=g.tied_group)
+        if g.dp_size > 1:
+            self._overlap = False
+            self.buckets_in_backward = self._next
+            self._launch(lambda i: True)  # buckets whose params got no gradient this step
+            if embed is not None:
+                self._works.append(dist.all_reduce(embed, group=g.dp_group, async_op=True))
+            for w in self._works:
+                w.wait()
+            self._works = []
+
+    def _global_norm(self) -> float:
+        g = self.engine.groups
+        sq = torch.zeros(1, dtype=torch.float64)
+        for off, n in self.counted:
+            sq += self.grad[off:off + n].double().pow(2).sum()
+        for group, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
+            if size > 1:
+                dist.all_reduce(sq, group=group)
+        return math.sqrt(sq.item())
+
+    @torch.no_grad()
+    def _adamw(self):
+        cfg, p, grad = self.cfg, self.engine.shard.flat, self.grad
+        self.num_steps += 1
+        b1, b2 = cfg.betas
+        p.mul_(1 - cfg.lr * cfg.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step_size = cfg.lr / (1 - b1 ** self.num_steps)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
+        p.addcdiv_(self.exp_avg, denom, value=-step_size)

@@ -1,0 +1,219 @@
+"""transformers LLaMA / Qwen2 checkpoints <-> shard buffers.
+
+    shard = load_hf_shard(path, config, layout, rank)   # reads only this rank's slices
+    full = gather_state_dict(shard, groups)             # collective; full tensors on layout.ranks[0]
+    save_hf(out_dir, config, full, hf_config=...)       # same HF names and format
+
+HF names map onto the fused spec names: q_proj|k_proj|v_proj -> qkv_proj (blocks along dim 0),
+gate_proj|up_proj -> gate_up_proj, the rest one to one under "model."; a value head is stored as
+"score.weight" [1, H] (LlamaForSequenceClassification / Qwen2ForSequenceClassification with
+num_labels=1). Every tensor the config needs is checked (presence, shape) from the safetensors
+headers before anything is read; a mismatch raises ValueError naming the tensor and the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout
+from .shard import ModelShard, gather_full
+from .spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_names(p: ParamSpec) -> list[str]:
+    """HF tensor names whose concatenation (along the split dim, in block order) is p."""
+    n = p.name
+    if n.startswith("layers."):
+        if ".qkv_proj." in n:
+            return ["model." + n.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
+        if ".gate_up_proj." in n:
+            return ["model." + n.replace("gate_up_proj", x) for x in ("gate_proj", "up_proj")]
+        return ["model." + n]
+    if n in ("embed_tokens.weight", "norm.weight"):
+        return ["model." + n]
+    if n == "value_head.weight":
+        return ["score.weight"]
+    return [n]
+
+
+def _block_shape(p: ParamSpec, j: int) -> tuple[int, ...]:
+    if p.tp.kind != "split":
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp.dim] = p.blocks[j]
+    return tuple(shape)
+
+
+class HFCheckpoint:
+    """Tensor names, shapes and lazy slices of a safetensors checkpoint directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.exists(os.path.join(self.path, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                             "(only safetensors checkpoints are supported)")
+        self._handles, self.shapes = {}, {}
+        for fn in files:
+            h = safe_open(os.path.join(self.path, fn), framework="pt")
+            for name in h.keys():
+                self._handles[name] = h
+                self.shapes[name] = tuple(h.get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int = 0, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """The tensor, or rows/cols [lo, hi) along dim 0 or 1 read from disk as a slice."""
+        sl = self._handles[name].get_slice(name)
+        if lo is None:
+            return sl[:]
+        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+    def check(self, model: ModelSpec) -> None:
+        """ValueError naming the first missing, misshapen or unexpected tensor."""
+        tied = model.config is not None and model.config.tie_word_embeddings
+        wanted = {}
+        for p in model.params:
+            for j, name in enumerate(hf_names(p)):
+                wanted[name] = _block_shape(p, j)
+        for name, shape in wanted.items():
+            if name not in self.shapes:
+                raise ValueError(f"checkpoint {self.path} has no tensor {name!r} required by the "
+                                 f"config ({len(self.shapes)} tensors present)")
+            if self.shapes[name] != shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {list(self.shapes[name])}, the "
+                                 f"config expects {list(shape)}")
+        for name in self.shapes:
+            if name in wanted or name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} is not part of the config's model "
+                             "(check num_hidden_layers, attention_bias, tie_word_embeddings, head)")
+
+
+def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu") -> ModelShard:
+    """This rank's shard of `layout`, reading only the slices it holds."""
+    model = model_spec(config)
+    ckpt = HFCheckpoint(path)
+    ckpt.check(model)
+    shard = ModelShard.empty(model, layout, rank, device)
+    tp, k = layout.tp, shard.tp_rank
+    dtype = torch_dtype(model.dtype)
+    for e in shard.shard_layout.entries:
+        p, dst = e.param, shard.view(e.param.name)
+        names = hf_names(p)
+        if p.tp.kind == "replicated":
+            dst.copy_(ckpt.read(names[0]).to(dtype))
+        elif p.tp.kind == "vocab":
+            size, local = p.shape[p.tp.dim], e.local_shape[p.tp.dim]
+            lo, hi = min(size, k * local), min(size, (k + 1) * local)
+            if hi > lo:
+                dst.narrow(p.tp.dim, 0, hi - lo).copy_(ckpt.read(names[0], p.tp.dim, lo, hi).to(dtype))
+        else:
+            off = 0
+            for name, block in zip(names, p.blocks):
+                piece = block // tp
+                dst.narrow(p.tp.dim, off, piece).copy_(
+                    ckpt.read(name, p.tp.dim, k * piece, (k + 1) * piece).to(dtype))
+                off += piece
+    return shard
+
+
+def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
+    out = {}
+    for p in model.params:
+        names = hf_names(p)
+        if len(names) == 1:
+            out[names[0]] = full[p.name].contiguous()
+        else:
+            for name, t in zip(names, full[p.name].split(list(p.blocks), p.tp.dim)):
+                out[name] = t.contiguous()
+    return out
+
+
+def hf_config_dict(config: ModelConfig, model_type: str = "llama") -> dict:
+    """A transformers config for `config` (model_type 'llama' or 'qwen2')."""
+    import transformers
+
+    if model_type not in ("llama", "qwen2"):
+        raise ValueError(f"model_type={model_type!r}; allowed: 'llama', 'qwen2'")
+    kw = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+              num_attention_heads=config.num_attention_heads,
+              num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
+              num_hidden_layers=config.num_hidden_layers, tie_word_embeddings=config.tie_word_embeddings,
+              rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+              max_position_embeddings=config.max_position_embeddings, torch_dtype=config.dtype)
+    if model_type == "llama":
+        kw.update(attention_bias=config.attention_bias, head_dim=config.head_dim)
+    elif not config.attention_bias:
+        raise ValueError("qwen2 always has q/k/v biases; use model_type='llama' for attention_bias=False")
+    if config.head == "value":
+        kw.update(num_labels=1, architectures=[f"{'Llama' if model_type == 'llama' else 'Qwen2'}"
+                                              "ForSequenceClassification"])
+    return transformers.AutoConfig.for_model(model_type, **kw).to_dict()
+
+
+def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_type: str = "llama",
+            hf_config: dict | None = None) -> None:
+    """Write model.safetensors + config.json (hf_config verbatim when given)."""
+    from safetensors.torch import save_file
+
+    model = model_spec(config)
+    missing = [p.name for p in model.params if p.name not in full]
+    if missing:
+        raise ValueError(f"save_hf: state dict lacks {missing[:5]}")
+    os.makedirs(path, exist_ok=True)
+    save_file(to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config or hf_config_dict(config, model_type), f, indent=2, default=str)
+
+
+def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | None:
+    """Collective over the layout: full tensors on layout.ranks[0], None on the other ranks.
+
+    The dp-replica-0 rank of every (stage, tp) position sends its flat buffer point to point.
+    """
+    layout, model = shard.layout, shard.model
+    dst = layout.rank(0, 0, 0)
+    if groups.rank != dst:
+        if shard.dp_rank == 0:
+            dist.send(shard.flat, dst)
+        return None
+    shards = []
+    for s in range(layout.pp):
+        for t in range(layout.tp):
+            src = layout.rank(0, t, s)
+            if src == dst:
+                shards.append(shard)
+                continue
+            other = ModelShard.empty(model, layout, src, shard.flat.device)
+            dist.recv(other.flat, src)
+            shards.append(other)
+    by_stage: dict[int, list[ModelShard]] = {}
+    for s in shards:
+        by_stage.setdefault(s.stage, []).append(s)
+    full = {}
+    for stage_shards in by_stage.values():
+        for name, t in gather_full_stage(model, stage_shards).items():
+            full.setdefault(name, t)
+    return full
+
+
+def gather_full_stage(model: ModelSpec, shards: list[ModelShard]) -> dict[str, torch.Tensor]:
+    """gather_full restricted to the parameters present in one stage's shards."""
+    names = {e.param.name for e in shards[0].shard_layout.entries}
+    sub = ModelSpec(name=model.name, params=tuple(p for p in model.params if p.name in names),
+                    num_layers=model.num_layers)
+    return gather_full(sub, shards)

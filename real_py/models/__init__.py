@@ -1,0 +1,8 @@
+"""TP/PP LLaMA / Qwen2-style decoder over shard buffers (see README.md)."""
+
+from .transformer import KVCache, StageModel
+from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp
+from .vocab import vocab_parallel_logprobs
+
+__all__ = ["KVCache", "StageModel", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "copy_to_tp", "reduce_from_tp", "vocab_parallel_logprobs"]

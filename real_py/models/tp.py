@@ -1,0 +1,109 @@
+"""Tensor-parallel building blocks with autograd-correct collectives (Megatron f/g operators).
+
+  copy_to_tp      forward identity,   backward all-reduce  (entry of a column-parallel region)
+  reduce_from_tp  forward all-reduce, backward identity    (exit of a row-parallel region)
+
+Every TP rank computes the same loss from the same replicated activations, so the backward of
+reduce_from_tp is the identity on each rank, and copy_to_tp sums the contributions that each
+rank's local weight piece made to a replicated input.
+A None group or a group of one rank makes both operators the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group, tp_ranks: tuple[int, ...], dim: int = -1) -> torch.Tensor:
+    """Concatenate the TP pieces along `dim` in TP order (no autograd; generation and tests).
+
+    tp_ranks: global ranks in TP order. new_group numbers a group's ranks in sorted global order,
+    which differs from TP order when a layout lists its ranks in another order.
+    """
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    by_rank = dict(zip(dist.get_process_group_ranks(group), parts))
+    return torch.cat([by_rank[r] for r in tp_ranks], dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T (+ b_local); W_local: [out/tp, in] (fused blocks already per-rank)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T); W_local: [out, in/tp], x_local: [..., in/tp]."""
+
+    def __init__(self, weight: nn.Parameter, group):
+        super().__init__()
+        self.weight, self.group = weight, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [tp_rank * V_local, (tp_rank + 1) * V_local) of the (zero-padded) table per rank."""
+
+    def __init__(self, weight: nn.Parameter, group, tp_rank: int):
+        super().__init__()
+        self.weight, self.group = weight, group
+        self.lo = tp_rank * weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if _size(self.group) == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.lo
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)

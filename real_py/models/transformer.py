@@ -1,0 +1,165 @@
+"""One pipeline stage of a LLaMA / Qwen2-style decoder whose parameters are shard views.
+
+    model = StageModel(config, shard, tp_group)
+    h = model(x, positions)            # x: tokens [B, T] (first stage) or hidden [B, T, H]
+    out = model.head(h)                # last stage: local logits [B, T, V/tp] or values [B, T]
+
+Every parameter is an nn.Parameter wrapping a view of `shard.flat` (no copy), so a reallocation
+that writes into the flat buffer changes what the next forward reads. Module names mirror the
+ModelSpec names (layers.3.self_attn.qkv_proj.weight ...); `model.shard_params` maps every shard
+name to its Parameter, including the tied embedding copy on the last stage.
+Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoPE with fp32
+frequencies, repeat-interleaved KV heads, SDPA with scale 1/sqrt(head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layout import stage_layer_ranges
+from ..shard import ModelShard
+from ..spec import ModelConfig
+from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+    """positions [B, T] int64 -> cos, sin [B, T, head_dim] (fp32 math, then cast)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions.device).float() / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, n, T, hd]; cos, sin [B, T, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys/values of one layer: [B, n_kv_local, max_len, hd]."""
+
+    def __init__(self, batch: int, num_kv: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(batch, num_kv, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        lo, hi = self.length, self.length + k.shape[2]
+        if hi > self.k.shape[2]:
+            raise RuntimeError(f"KV cache overflow: {hi} > max_len {self.k.shape[2]}")
+        self.k[:, :, lo:hi] = k
+        self.v[:, :, lo:hi] = v
+        self.length = hi
+        return self.k[:, :, :hi], self.v[:, :, :hi]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, p: dict, pre: str, tp: int, group):
+        super().__init__()
+        self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
+        self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group)
+        self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        q = apply_rope(q.view(B, T, self.nh, self.hd).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, self.nkv, self.hd).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, p: dict, pre: str, group):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], None, group)
+        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group):
+        super().__init__()
+        pre = f"layers.{i}."
+        self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+        self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
+        self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        self.mlp = MLP(p, pre + "mlp.", group)
+
+    def forward(self, h, cos, sin, mask, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class StageModel(nn.Module):
+    """Layers [lo, hi) of one pipeline stage, plus the embedding (first) and norm + head (last)."""
+
+    def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None):
+        super().__init__()
+        layout = shard.layout
+        self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
+        self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1
+        self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage)[shard.stage]
+        p = {name: nn.Parameter(view) for name, view in shard.params().items()}
+        self.shard_params = p
+        if self.is_first:
+            self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group)
+                                     for i in range(self.lo, self.hi)})
+        if self.is_last:
+            self.norm = RMSNorm(p["norm.weight"], config.rms_norm_eps)
+            if config.head == "value":
+                self.head_weight = p["value_head.weight"]
+            else:
+                self.head_weight = p.get("lm_head.weight", p.get("embed_tokens.weight"))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                caches: list | None = None) -> torch.Tensor:
+        """x: tokens [B, T] int64 (first stage) or hidden [B, T, H]; positions [B, T];
+        mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H]."""
+        h = self.embed_tokens(x) if self.is_first else x
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for j, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, mask, caches[j] if caches is not None else None)
+        return self.norm(h) if self.is_last else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Last stage: local logits [B, T, V_local] (lm) or values [B, T] (value head)."""
+        if self.config.head == "value":
+            return F.linear(h, self.head_weight).squeeze(-1)
+        return F.linear(copy_to_tp(h, self.tp_group), self.head_weight)
+
+    def new_caches(self, batch: int, max_len: int) -> list:
+        """One KVCache per local layer."""
+        c, w = self.config, next(iter(self.shard_params.values()))
+        return [KVCache(batch, c.num_key_value_heads // self.tp, max_len, c.head_dim, w.dtype, w.device)
+                for _ in range(self.hi - self.lo)]

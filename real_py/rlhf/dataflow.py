@@ -1,0 +1,159 @@
+"""Moving batch rows between the meshes of a producer call and its consumers, point to point.
+
+Every rank keeps a `Store`: key -> a global-batch tensor [B, *trailing] of which it fills only
+the rows it produced or received. Rows of a call with layout L are split evenly over L.dp: DP
+rank d holds rows [d * B / dp, (d + 1) * B / dp) on every one of its TP and PP ranks.
+
+After a producer call, `push_plan` (pure, identical on every rank) lists for every consumer rank
+the rows it needs of each written key, minus rows it already holds; each row comes from one rank
+of the producer replica holding it (spread over that replica's TP x PP ranks by receiver rank).
+All keys one sender sends one receiver after one call travel as ONE byte message, tagged with the
+producer's position in the global order, so messages of different calls never match each other.
+Receivers post their irecv at once and wait only before the call that reads the data: that is
+what lets calls on disjoint meshes run at the same time.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """key -> (trailing shape, dtype) for prompts of at most P tokens and sequences of T tokens."""
+    i64, f32 = torch.int64, torch.float32
+    return {"prompts": ((P,), i64), "prompt_lengths": ((), i64), "seeds": ((), i64),
+            "tokens": ((T,), i64), "lengths": ((), i64), "old_logp": ((T - 1,), f32),
+            "ref_logp": ((T - 1,), f32), "scores": ((), f32), "values": ((T,), f32)}
+
+
+def dp_rows(layout, dp_rank: int, B: int, mini_batches: int = 1) -> list[int]:
+    """Global rows of DP rank `dp_rank`: its 1/dp share of each of the `mini_batches` contiguous
+    mini-batches, in mini-batch order (so a train call's global mini-batch j is the same rows
+    whatever its dp; with mini_batches=1 a contiguous block)."""
+    per, out = B // mini_batches, []
+    for j in range(mini_batches):
+        share = per // layout.dp
+        lo = j * per + dp_rank * share
+        out += range(lo, lo + share)
+    return out
+
+
+def push_plan(graph, plan, call: str, B: int, mini_batches: dict[str, int]
+              ) -> dict[tuple[int, int], list[tuple[str, tuple[int, ...]]]]:
+    """(sender, receiver) -> [(key, rows)] for the keys `call` writes; deterministic order.
+    mini_batches: call -> mini-batches of its row split (1 when absent)."""
+    src = plan.calls[call]
+    writes = graph.calls[call].writes
+    need: dict[tuple[int, str], set[int]] = {}
+    for c in graph.order:
+        keys = [k for k in graph.calls[c].reads if k in writes]
+        if not keys:
+            continue
+        layout = plan.calls[c]
+        for r in layout.ranks:
+            rows = dp_rows(layout, layout.coords(r)[0], B, mini_batches.get(c, 1))
+            for k in keys:
+                need.setdefault((r, k), set()).update(rows)
+    msgs: dict[tuple[int, int], list] = {}
+    for (r, k), rows in sorted(need.items()):
+        for d in range(src.dp):
+            mine = sorted(set(dp_rows(src, d, B, mini_batches.get(call, 1))) & rows)
+            if not mine:
+                continue
+            holders = [src.rank(d, t, p) for p in range(src.pp) for t in range(src.tp)]
+            if r in holders:
+                continue
+            sender = holders[r % len(holders)]
+            msgs.setdefault((sender, r), []).append((k, tuple(mine)))
+    return dict(sorted(msgs.items()))
+
+
+class Store:
+    def __init__(self, schema: dict, B: int):
+        self.schema, self.B = schema, B
+        self.data = {k: torch.zeros((B,) + shape, dtype=dt) for k, (shape, dt) in schema.items()}
+
+    def write(self, key: str, rows: list[int], value: torch.Tensor) -> None:
+        t = self.data[key]
+        v = value.to(t.dtype)
+        if v.dim() == 2 and v.shape[1] < t.shape[1]:
+            v = torch.cat([v, v.new_zeros(v.shape[0], t.shape[1] - v.shape[1])], 1)
+        t[list(rows)] = v
+
+    def rows(self, key: str, rows: list[int]) -> torch.Tensor:
+        """A copy of the rows, in the given order."""
+        return self.data[key][list(rows)]
+
+    def pack(self, parts) -> torch.Tensor:
+        return torch.cat([self.data[k][list(rows)].contiguous().view(torch.uint8).reshape(-1)
+                          for k, rows in parts])
+
+    def nbytes(self, parts) -> int:
+        total = 0
+        for k, rows in parts:
+            shape, dt = self.schema[k]
+            n = len(rows)
+            for s in shape:
+                n *= s
+            total += n * torch.tensor([], dtype=dt).element_size()
+        return total
+
+    def unpack(self, parts, buf: torch.Tensor) -> None:
+        off = 0
+        for k, rows in parts:
+            t = self.data[k]
+            n = self.nbytes([(k, rows)])
+            piece = buf[off:off + n].view(t.dtype).view((len(rows),) + t.shape[1:])
+            t[list(rows)] = piece
+            off += n
+
+
+class Pusher:
+    """Posts the pushes of one iteration and waits for them with a timeout."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank, self.timeout = rank, datetime.timedelta(seconds=timeout_s)
+        self.recvs: list = []  # (work, buf, parts, sender, call)
+        self.sends: list = []  # (work, buf, receiver, call)
+        self.bytes_sent = 0
+
+    def post(self, store: Store, msgs: dict, tag: int, call: str, sending: bool) -> None:
+        """Receivers post irecv; senders (once `call` ran, sending=True) post isend."""
+        for (s, r), parts in msgs.items():
+            if r == self.rank and not sending:
+                buf = torch.empty(store.nbytes(parts), dtype=torch.uint8)
+                self.recvs.append((dist.irecv(buf, s, tag=tag), buf, parts, s, call))
+            elif s == self.rank and sending:
+                buf = store.pack(parts)
+                self.bytes_sent += buf.numel()
+                self.sends.append((dist.isend(buf, r, tag=tag), buf, r, call))
+
+    def _wait(self, work, what: str, step: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}: {what} failed or timed out after "
+                               f"{self.timeout.total_seconds():.0f} s: {e}") from None
+
+    def wait_for(self, store: Store, keys, step: int) -> None:
+        """Complete every posted receive carrying any of `keys`."""
+        keep = []
+        for work, buf, parts, s, call in self.recvs:
+            if any(k in keys for k, _ in parts):
+                self._wait(work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step)
+                store.unpack(parts, buf)
+            else:
+                keep.append((work, buf, parts, s, call))
+        self.recvs = keep
+
+    def finish(self, store: Store, step: int) -> None:
+        self.wait_for(store, set(store.schema), step)
+        for work, _, r, call in self.sends:
+            self._wait(work, f"sending rows of {call} to rank {r}", step)
+        self.sends = []
+
+
+__all__ = ["key_schema", "dp_rows", "push_plan", "Store", "Pusher"]

@@ -1,0 +1,107 @@
+"""The four PPO models on this rank: initial weights, shards per layout, weight reallocation.
+
+A trainable model (actor, critic) keeps its shard and optimizer in the layout of its train call.
+Before another call of the same model with a different layout, `Models.engine_for` moves its
+weights into that layout with the planner and the reallocator (one Reallocator per (model, call),
+built by every rank at start-up since transport setup may create subgroups); the runtime drops
+the copy after the call. Reallocation runs over its own world-sized process group, so its
+messages never meet the dataflow pushes on the default group. Frozen models (ref, reward) are
+built directly in the layout of their only call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..engines import Engine, OptimConfig
+from ..hf import load_hf_shard
+from ..plan import plan_realloc
+from ..reallocator import Reallocator
+from ..shard import ModelShard
+from ..spec import ModelConfig, model_spec, torch_dtype
+from ..transport_dist import DistTransport
+
+
+def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Full random weights: N(0, 0.02) matrices, unit norms (same on every rank for a seed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for p in model_spec(config).params:
+        if p.name.endswith("norm.weight"):
+            out[p.name] = torch.ones(p.shape)
+        else:
+            out[p.name] = torch.randn(p.shape, generator=g) * 0.02
+    return {k: v.to(torch_dtype(config.dtype)) for k, v in out.items()}
+
+
+class Models:
+    def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
+                 lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
+                 paths: dict[str, str | None], verify: bool = False):
+        self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.rank = dist.get_rank()
+        self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
+                                       timeout=timeout_s)
+        self.specs = {m: model_spec(c, name=m) for m, c in configs.items()}
+        self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
+        self.engines: dict[str, Engine | None] = {}
+        self._reallocators: dict = {}
+        inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
+        for m, calls in graph.models().items():
+            if m == "reward" and rule_reward:
+                continue
+            home = graph.train_call(m) or calls[0]
+            if len(calls) > 1 and not graph.calls[home].trains:
+                raise ValueError(f"model {m} has several calls {calls} but none trains; give each "
+                                 "frozen model one call")
+            self.home[m] = home
+            layout, g = plan.calls[home], groups[home]
+            if not g.member:
+                self.engines[m] = None
+                continue
+            if paths.get(m):
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank)
+            else:
+                shard = ModelShard.from_full(self.specs[m], layout, self.rank,
+                                             init_weights(configs[m], inits[m]))
+            optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
+                     if graph.calls[home].trains else None)
+            self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+        for call in graph.order:
+            m = graph.calls[call].model
+            if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
+                rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
+                                     ranks_per_node=plan.ranks_per_node)
+                self._reallocators[(m, call)] = Reallocator(rplan, self.transport, verify=verify)
+
+    def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
+        """The engine to run `call` with (reallocating if needed) and the reallocation stats.
+
+        Every rank of the world calls this for every call in the global order; ranks outside
+        both the home and the call layout return at once.
+        """
+        c = self.graph.calls[call]
+        home = self.home.get(c.model)
+        if home is None:
+            return None, None
+        src, dst = self.plan.calls[home], self.plan.calls[call]
+        if src == dst:
+            return self.engines[c.model], None
+        if self.rank not in src.ranks and self.rank not in dst.ranks:
+            return None, None
+        realloc = self._reallocators[(c.model, call)]
+        home_engine = self.engines[c.model]
+        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank)
+                     if self.rank in dst.ranks else None)
+        t0 = time.perf_counter()
+        stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
+        stats["seconds"] = time.perf_counter() - t0
+        if dst_shard is None:
+            return None, stats
+        return Engine(self.configs[c.model], dst, self.groups[call], dst_shard), stats
+
+
+__all__ = ["Models", "init_weights"]

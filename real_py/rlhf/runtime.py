@@ -1,0 +1,131 @@
+"""SPMD dataflow runtime: every rank walks the graph's global order and runs the calls it is in.
+
+    rt = Runtime(cfg, plan, graph, models)    # collective: groups, models (every rank, same order)
+    out = rt.iteration(step)                  # collective: one PPO (or GRPO) iteration
+
+Per call, in the global order, every rank: (1) takes part in the reallocation of the call's
+model if it is in the home or the call layout, (2) if in the call's mesh, waits for the rows the
+call reads and runs it, (3) posts the pushes of what the call wrote (receivers post irecv at
+once, senders isend after the call). Calls on disjoint meshes therefore run at the same time.
+At the end of an iteration one world all-reduce sums the metrics and one all_gather_object
+collects per-rank call timings.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelGroups
+from . import calls as C
+from .dataflow import Pusher, Store, key_schema, push_plan
+from .models import Models
+
+METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
+           "value_clip_frac", "entropy")
+"""Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
+response_length are means over sequences; policy_loss / value_loss means over optimizer steps
+(each the token mean of its mini-batch); clip fractions and entropy means over response tokens
+of every mini-batch pass."""
+
+
+def make_batch(cfg, step: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The iteration's prompts: a slice of the seeded synthetic prompt set (GRPO repeats each
+    prompt group_size times), right-padded, with a sampling seed per row."""
+    d, B = cfg.data, cfg.data.batch_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    lens = torch.randint(d.min_prompt_len, d.max_prompt_len + 1, (d.num_prompts,), generator=g)
+    toks = torch.randint(1, vocab_size, (d.num_prompts, d.max_prompt_len), generator=g)
+    toks = toks * (torch.arange(d.max_prompt_len) < lens.unsqueeze(1))
+    repeat = cfg.ppo.group_size if cfg.algo == "grpo" else 1
+    idx = (step * (B // repeat) + torch.arange(B // repeat)) % d.num_prompts
+    idx = idx.repeat_interleave(repeat)
+    seeds = cfg.seed * 1_000_003 + step * B + torch.arange(B)
+    return {"prompts": toks[idx], "prompt_lengths": lens[idx], "seeds": seeds}
+
+
+class Runtime:
+    def __init__(self, cfg, plan, graph, configs, *, timeout_s: float = 300.0):
+        self.cfg, self.plan, self.graph, self.configs = cfg, plan, graph, configs
+        self.rank = dist.get_rank()
+        self.timeout_s = timeout_s
+        # new_group is collective over the world: every rank builds every call's groups, in order.
+        by_layout, self.groups = {}, {}
+        for n in graph.order:
+            layout = plan.calls[n]
+            if layout not in by_layout:
+                by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s)
+            self.groups[n] = by_layout[layout]
+        rule = cfg.reward.kind == "rule"
+        self.models = Models(graph, plan, configs, self.groups, cfg.seed,
+                             lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
+                             max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
+                             timeout_s=timeout_s, rule_reward=rule,
+                             paths=cfg.model_paths(), verify=cfg.verify_realloc)
+        self.B = cfg.data.batch_size
+        self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        self.schema = key_schema(cfg.data.max_prompt_len, self.T)
+        self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
+        self.pushes = {n: push_plan(graph, plan, n, self.B, self.mini_batches) for n in graph.order}
+
+    def iteration(self, step: int) -> dict:
+        """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
+        "realloc_seconds", "realloc_bytes", "events" (rank, call, start, end)} on every rank."""
+        store = Store(self.schema, self.B)
+        batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size)
+        for k, v in batch.items():
+            store.write(k, list(range(self.B)), v)
+        pusher = Pusher(self.rank, self.timeout_s)
+        sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
+        events, reallocs = [], []
+        for i, name in enumerate(self.graph.order):
+            try:
+                self._call(i, name, store, pusher, sums, events, reallocs, step)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
+                                   f"{type(e).__name__}: {e}") from e
+        try:
+            pusher.finish(store, step)
+            dist.all_reduce(sums)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (events, reallocs, pusher.bytes_sent))
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
+                               f"{type(e).__name__}: {e}") from e
+        return self._summary(sums, gathered, store)
+
+    def _call(self, i, name, store, pusher, sums, events, reallocs, step) -> None:
+        call = self.graph.calls[name]
+        engine, rstats = self.models.engine_for(name)
+        if rstats is not None:
+            reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
+        g = self.groups[name]
+        pusher.post(store, self.pushes[name], i + 1, name, sending=False)
+        if g.member:
+            pusher.wait_for(store, call.reads, step)
+            t0 = time.time()
+            C.run_call(self, call, g, engine, store, sums, step)
+            events.append((self.rank, name, t0, time.time()))
+            pusher.post(store, self.pushes[name], i + 1, name, sending=True)
+        # A reallocated engine is dropped on return; home engines stay in self.models.
+
+    def _summary(self, sums, gathered, store) -> dict:
+        metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
+        calls, events = {}, []
+        r_sec, r_bytes, d_bytes = {}, 0, 0
+        for ev, rl, pushed in gathered:
+            events += ev
+            for _, name, a, b in ev:
+                calls[name] = max(calls.get(name, 0.0), b - a)
+            for model, sec, nbytes in rl:
+                r_sec[model] = max(r_sec.get(model, 0.0), sec)
+                r_bytes += nbytes
+            d_bytes += pushed
+        calls = {n: calls[n] for n in self.graph.order if n in calls}
+        return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
+                "realloc_bytes": r_bytes, "data_bytes": d_bytes, "events": events, "store": store}
+
+
+__all__ = ["Runtime", "make_batch", "METRICS"]

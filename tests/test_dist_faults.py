@@ -1,0 +1,149 @@
+"""Checks failure handling of distributed reallocation over gloo: a killed rank, a stalled rank,
+data corrupted in flight (verify=True), free_source, and the staging bound.
+
+A failure points to real_py/transport_dist.py (timeouts, error text, failure reports) or to the
+reallocator's verify / free_source / staging handling (real_py/reallocator.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from real_py import Layout, ModelShard, plan_realloc
+from real_py.reallocator import Reallocator
+from real_py.testing import run_distributed
+from real_py.transport import Handle, TransferError, Transport
+from real_py.transport_dist import DistTransport
+
+from dist_cases import TIED, random_full
+from oracle import oracle_flat
+
+SRC, DST = Layout.parse("tp2,pp2"), Layout.parse("dp4")  # every rank needs data from every other
+
+
+class Wrapped(Transport):
+    """Delegates to a real transport; `hook(i, sends, recvs)` runs before round i starts and
+    `after(i, recvs)` after it completed (fault injection)."""
+
+    def __init__(self, inner, hook=None, after=None):
+        self.inner, self.rank, self.hook, self.after, self.i = inner, inner.rank, hook, after, 0
+
+    def setup(self, plan):
+        self.inner.setup(plan)
+
+    def fail(self, step, why):
+        self.inner.fail(step, why)
+
+    def start(self, sends, recvs, step):
+        i, self.i = self.i, self.i + 1
+        if self.hook:
+            self.hook(i, sends, recvs)
+        h, after = self.inner.start(sends, recvs, step), self.after
+
+        class _H(Handle):
+            def wait(self):
+                h.wait()
+                if after:
+                    after(i, recvs)
+        return _H()
+
+
+def _faults(rank: int, world: int) -> dict:
+    full = random_full(TIED, 3)
+    t = DistTransport(dist.group.WORLD, timeout=20)
+    seen = {}
+
+    # 1. free_source: storage released after a successful transfer, result exact.
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    r = Reallocator(plan_realloc(TIED, SRC, DST), t, bucket_bytes=2048)
+    r.run(s, d, free_source=True)
+    assert s.flat.untyped_storage().nbytes() == 0, "source storage not freed"
+    assert torch.equal(d.flat, oracle_flat(TIED, DST, rank, full))
+    # Staging: one buffer of two halves, within the bucket, reused on the next run.
+    assert r.pipeline and r.staging.numel() * r.staging.element_size() <= 2048
+    staging = r.staging
+    r.run(ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank))
+    assert r.staging is staging, "staging buffer reallocated on the second run"
+
+    # 2. verify=True with a byte flipped after receiving, in rank 1's last receiving round.
+    plan = plan_realloc(TIED, SRC, DST)
+    flip = {}
+
+    def corrupt(i, recvs):
+        if i == flip.get("round"):
+            recvs[0][1].view(torch.uint8)[0] ^= 1
+            flip["peer"] = recvs[0][0]
+
+    w = Wrapped(t, after=corrupt if rank == 1 else None)
+    r = Reallocator(plan, w, bucket_bytes=2048, verify=True)
+    flip["round"] = max(i for i, rr in enumerate(r.rounds) if rr.recvs)
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    if rank == 1:
+        with pytest.raises(TransferError) as e:
+            r.run(s, d, free_source=True)
+        msg = str(e.value)
+        rr = r.rounds[flip["round"]]
+        assert f"rank 1: round {rr.index}/" in msg and "checksum mismatch" in msg, msg
+        assert f"from peer rank {flip['peer']}" in msg, msg
+        assert s.flat.untyped_storage().nbytes() > 0, "source freed although the transfer failed"
+        assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full))
+        seen["corrupt"] = msg
+    else:
+        r.run(s, d)
+        assert torch.equal(d.flat, oracle_flat(TIED, DST, rank, full))
+    dist.barrier()
+
+    # 3. A live rank that never joins: the others time out naming it (or a rank that did).
+    t2 = DistTransport(dist.group.WORLD, timeout=2)
+    r = Reallocator(plan, t2, bucket_bytes=2048)
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    if rank == 3:
+        time.sleep(6)  # past every peer's deadline, alive all along
+        return seen
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        r.run(s, d)
+    msg = str(e.value)
+    assert msg.startswith(f"rank {rank}: round ") and "peer rank 3" in msg, msg
+    assert time.monotonic() - t0 < 2 + 3, "fail-fast took longer than the timeout plus slack"
+    assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full)), "source modified"
+    seen["stalled"] = msg
+    return seen
+
+
+def test_corruption_free_source_and_stalled_peer():
+    out = run_distributed(_faults, 4, timeout=200)
+    assert "checksum mismatch" in out[1]["corrupt"]
+    assert all("peer rank 3" in out[r]["stalled"] for r in (0, 1, 2))
+
+
+def _killed(rank: int, world: int) -> str | None:
+    full = random_full(TIED, 4)
+    t = DistTransport(dist.group.WORLD, timeout=15)
+
+    def die(i, sends, recvs):
+        if i == 3:
+            os._exit(17)  # killed mid-transfer: no cleanup, sockets reset by the kernel
+
+    r = Reallocator(plan_realloc(TIED, SRC, DST), Wrapped(t, hook=die if rank == 2 else None),
+                    bucket_bytes=1024)
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    try:
+        r.run(s, d)
+    except TransferError as e:
+        msg = str(e)
+        assert msg.startswith(f"rank {rank}: round ") and "peer rank 2" in msg, msg
+        assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full)), "source modified"
+        return msg
+    raise AssertionError(f"rank {rank} finished although rank 2 died in its round 3")
+
+
+def test_killed_rank_fails_peers_naming_it():
+    out = run_distributed(_killed, 4, timeout=120, allow_exit=(2,))
+    assert out[2] is None
+    assert all("peer rank 2" in out[r] for r in (0, 1, 3))
