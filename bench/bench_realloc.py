@@ -50,13 +50,27 @@ DEFAULT_PAIRS = ["75m:dp2,tp2,pp1:dp4,tp1,pp1", "75m:dp2,tp1,pp2:dp2,tp2,pp1",
 METHODS = ("real_py", "megatron-core", "dtensor", "naive")
 
 
-def full_param(index: int, p) -> torch.Tensor:
-    """Deterministic full tensor of parameter `index`: integers below 2**24 (exact in fp32);
-    i -> i * odd mod 2**24 is a bijection, so elements within 16M of each other never repeat
-    a value and a misplaced element is caught. int32 products wrap, identically on every rank."""
-    v = torch.arange(p.numel, dtype=torch.int32)
-    v.mul_(40503).add_((index + 1) * 7919).bitwise_and_(0xFFFFFF)
-    return v.to(getattr(torch, p.dtype)).view(p.shape)
+_INDEX: list[torch.Tensor] = []
+
+
+def oracle_piece(index: int, p, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s piece of parameter `index`'s full tensor, by slicing (tp_slice).
+
+    The full tensor is v(i) = (i * 40503 + c) mod 2**24 over flat index i: integers exact in fp32,
+    and i -> i * odd mod 2**24 is a bijection, so no two elements within 16M of each other share
+    a value and a misplaced element is caught. Since v is elementwise, slicing the full index
+    tensor (a view of one cached arange) and then applying v equals slicing the full tensor,
+    at the cost of the piece only. Vocab padding rows are zero, as in a shard."""
+    if not _INDEX or _INDEX[0].numel() < p.numel:
+        _INDEX[:] = [torch.arange(p.numel, dtype=torch.int64)]
+    idx = tp_slice(p, _INDEX[0][:p.numel].view(p.shape), tp, tp_rank)
+    v = ((idx * 40503 + (index + 1) * 7919) & 0xFFFFFF).to(getattr(torch, p.dtype))
+    if p.tp.kind == "vocab":
+        d, rows = p.tp.dim, p.shape[p.tp.dim]
+        local = v.shape[d]
+        held = max(0, min(rows, (tp_rank + 1) * local) - tp_rank * local)
+        v.narrow(d, held, local - held).zero_()
+    return v
 
 
 def make_source(model, layout, rank) -> ModelShard | None:
@@ -65,8 +79,7 @@ def make_source(model, layout, rank) -> ModelShard | None:
     shard = ModelShard.empty(model, layout, rank)
     index = {p.name: i for i, p in enumerate(model.params)}
     for name, view in shard.params().items():
-        p = model.param(name)
-        view.copy_(tp_slice(p, full_param(index[name], p), layout.tp, shard.tp_rank))
+        view.copy_(oracle_piece(index[name], model.param(name), layout.tp, shard.tp_rank))
     return shard
 
 
@@ -75,12 +88,9 @@ def check_destination(model, shard) -> list[str]:
     if shard is None:
         return []
     index = {p.name: i for i, p in enumerate(model.params)}
-    bad = []
-    for name, view in shard.params().items():
-        p = model.param(name)
-        if not torch.equal(view, tp_slice(p, full_param(index[name], p), shard.layout.tp, shard.tp_rank)):
-            bad.append(name)
-    return bad
+    return [name for name, view in shard.params().items()
+            if not torch.equal(view, oracle_piece(index[name], model.param(name), shard.layout.tp,
+                                                  shard.tp_rank))]
 
 
 _T0 = time.perf_counter()
