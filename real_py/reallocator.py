@@ -2,11 +2,23 @@
 
     Reallocator(plan, transport, bucket_bytes=256 << 20).run(src_shard, dst_shard)
 
-A rank passes None for a side it does not hold (both None: nothing to do). Local pieces go
-straight from the source buffer to the destination buffer; a chunk that is one contiguous run is
-sent from / received into the shard buffers directly; everything else goes through one staging
-buffer of at most `bucket_bytes`, allocated once and reused across calls. The source shard is
-only read.
+A rank passes None for a side it does not hold (both None: nothing to do, but every rank of the
+transport's group must still construct the Reallocator, since `transport.setup(plan)` may be
+collective). Local pieces go straight from the source buffer to the destination buffer; a chunk
+that is one contiguous run is sent from / received into the shard buffers directly; everything
+else goes through one staging buffer allocated once and reused across calls.
+
+Double buffering (pipeline=True, the default): the staging buffer holds two halves; round i+1 is
+packed into one half while round i is on the wire in the other, and round i is unpacked while
+round i+1 is on the wire. Rounds are sized to half a bucket, so the staging buffer never exceeds
+`bucket_bytes` in total: peak extra memory = staging + the destination shard.
+
+verify=True: the sender computes an int64 checksum of every chunk's raw bytes before sending and
+ships it with the chunk (same receivers, same round); the receiver recomputes it after receiving
+and raises TransferError naming the chunk, the peer and the round on a mismatch.
+
+The source shard is only read; `run(..., free_source=True)` releases its storage after every
+round of this rank completed (never on failure).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from . import ops
 from .plan import ReallocPlan
 from .schedule import Schedule
 from .shard import ModelShard
-from .transport import Transport
+from .transport import TransferError, Transport
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -32,19 +44,38 @@ def _schedule(plan: ReallocPlan, bucket_elems: int) -> Schedule:
     return cache[bucket_elems]
 
 
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """[1] int64 checksum of a 1-D tensor's raw bytes (position-weighted, wrapping sums).
+
+    Computed the same way on both ends of a chunk; a flipped or moved byte changes it."""
+    b = t.view(torch.uint8)
+    words = b.view(torch.int32) if b.numel() % 4 == 0 else b
+    w = words.to(torch.int64)
+    pos = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device)
+    return (w.sum() + (w * pos).sum() * 1000003).reshape(1)
+
+
 class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool = True,
+                 verify: bool = False):
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of "
                              f"{plan.model.dtype}")
         self.plan, self.transport, self.rank = plan, transport, transport.rank
-        self.bucket_bytes = bucket_bytes
-        self.schedule = _schedule(plan, bucket_bytes // plan.element_size)
+        self.bucket_bytes, self.verify = bucket_bytes, verify
+        bucket_elems = bucket_bytes // plan.element_size
+        # Two halves of at least two elements each, else a single buffer without overlap.
+        self.pipeline = pipeline and bucket_elems // 2 >= 2
+        self.round_elems = bucket_elems // 2 if self.pipeline else bucket_elems
+        self.schedule = _schedule(plan, self.round_elems)
         self.rounds = self.schedule.for_rank(self.rank)
         self._descs: dict[tuple[int, str], torch.Tensor] = {}
         self.staging: torch.Tensor | None = None
-        """The one staging buffer this rank allocated (None until a round needs it)."""
+        """The one staging buffer this rank allocated (None until a round needs it); with
+        pipelining, two halves of `half` elements. Its size is the peak extra memory."""
+        self.half = max((r.staging_numel for r in self.rounds), default=0)
+        transport.setup(plan)
 
     def _check(self, shard: ModelShard | None, side: str) -> None:
         layout = self.plan.src if side == "source" else self.plan.dst
@@ -72,13 +103,16 @@ class Reallocator:
             t = self._descs[key] = ops.descs_tensor(arr)
         return t
 
-    def _staging(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        if self.staging is None or self.staging.numel() < numel or self.staging.device != like.device:
-            need = max(r.staging_numel for r in self.rounds)
-            self.staging = torch.empty(need, dtype=like.dtype, device=like.device)
-        return self.staging
+    def _staging_half(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        halves = 2 if self.pipeline else 1
+        if (self.staging is None or self.staging.device != like.device
+                or self.staging.dtype != like.dtype):
+            self.staging = torch.empty(halves * self.half, dtype=like.dtype, device=like.device)
+        k = i % halves
+        return self.staging[k * self.half:(k + 1) * self.half]
 
-    def run(self, src: ModelShard | None, dst: ModelShard | None) -> dict:
+    def run(self, src: ModelShard | None, dst: ModelShard | None, *,
+            free_source: bool = False) -> dict:
         """Move this rank's part of the plan; returns stats (bytes, rounds, seconds)."""
         self._check(src, "source")
         self._check(dst, "destination")
@@ -89,36 +123,74 @@ class Reallocator:
         mine = self.plan.for_rank(self.rank)
         if len(mine.local):
             ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
-        sent = received = 0
         es = self.plan.element_size
-        for rr in self.rounds:
-            like = (src or dst).flat
-            staging = self._staging(rr.staging_numel, like) if rr.staging_numel else None
-            if len(rr.pack_descs):
-                ops.pack(src.flat, self._tensor(rr.pack_descs, (rr.index, "pack")), staging)
-            sends = []
-            for c, slot in zip(rr.sends, rr.send_slots):
-                if slot < 0:
-                    off = int(c.descs[0, 0])
-                    sends.append((c.receivers, src.flat[off:off + c.numel]))
-                else:
-                    sends.append((c.receivers, staging[slot:slot + c.numel]))
-                sent += c.numel * es
-            recvs = []
-            for c, slot in zip(rr.recvs, rr.recv_slots):
-                if slot < 0:
-                    off = int(c.descs[0, 1])
-                    recvs.append((c.sender, dst.flat[off:off + c.numel]))
-                else:
-                    recvs.append((c.sender, staging[slot:slot + c.numel]))
-                received += c.numel * es
-            self.transport.exchange(sends, recvs, step=f"round {rr.index}/{len(self.schedule.rounds)}")
-            if len(rr.unpack_descs):
-                ops.unpack(staging, self._tensor(rr.unpack_descs, (rr.index, "unpack")), dst.flat)
+        sent = sum(c.numel for rr in self.rounds for c in rr.sends) * es
+        received = sum(c.numel for rr in self.rounds for c in rr.recvs) * es
+        total = len(self.schedule.rounds)
+        step = "setup"
+        try:
+            pending = None
+            for i, rr in enumerate(self.rounds):
+                step = f"round {rr.index}/{total}"
+                staging = self._staging_half(i, (src or dst).flat) if rr.staging_numel else None
+                if len(rr.pack_descs):
+                    ops.pack(src.flat, self._tensor(rr.pack_descs, (rr.index, "pack")), staging)
+                sends, recvs = self._messages(rr, src, dst, staging)
+                if pending is not None:
+                    pending[0].wait()
+                handle = self.transport.start(sends, recvs, step)
+                if pending is not None:
+                    self._finish(*pending[1:], dst)
+                pending = (handle, rr, staging, recvs, step)
+            if pending is not None:
+                step = pending[4]
+                pending[0].wait()
+                self._finish(*pending[1:], dst)
+        except BaseException as e:
+            self.transport.fail(step, f"{type(e).__name__}: {e}")
+            raise
+        if free_source and src is not None:
+            # Every send of this rank completed (waited above), so nothing reads it any more.
+            src.flat.untyped_storage().resize_(0)
         return {"rank": self.rank, "sent_bytes": sent, "received_bytes": received,
                 "local_bytes": mine.local_numel * es, "rounds": len(self.rounds),
                 "staging_bytes": 0 if self.staging is None else self.staging.numel() * es,
                 "seconds": time.perf_counter() - t0}
+
+    def _messages(self, rr, src, dst, staging):
+        sends, recvs = [], []
+        for c, slot in zip(rr.sends, rr.send_slots):
+            if slot < 0:
+                off = int(c.descs[0, 0])
+                sends.append((c.receivers, src.flat[off:off + c.numel]))
+            else:
+                sends.append((c.receivers, staging[slot:slot + c.numel]))
+        for c, slot in zip(rr.recvs, rr.recv_slots):
+            if slot < 0:
+                off = int(c.descs[0, 1])
+                recvs.append((c.sender, dst.flat[off:off + c.numel], c.receivers))
+            else:
+                recvs.append((c.sender, staging[slot:slot + c.numel], c.receivers))
+        if self.verify:
+            # Checksums travel as extra one-element messages after the data, same peers.
+            sends += [(r, checksum(t)) for r, t in sends]
+            recvs += [(s, torch.empty(1, dtype=torch.int64, device=t.device), r)
+                      for s, t, r in recvs]
+        return sends, recvs
+
+    def _finish(self, rr, staging, recvs, step, dst) -> None:
+        if self.verify:
+            n = len(recvs) // 2
+            for j, ((sender, data, _), (_, want, _)) in enumerate(zip(recvs[:n], recvs[n:])):
+                got = checksum(data)
+                if not torch.equal(got, want):
+                    c = rr.recvs[j]
+                    raise TransferError(
+                        f"rank {self.rank}: {step}: checksum mismatch on chunk {j} of the round "
+                        f"(plan message {c.msg}, {c.numel} elements) from peer rank {sender}: "
+                        f"sender computed {int(want.item())}, received data gives {int(got.item())}")
+        if len(rr.unpack_descs):
+            ops.unpack(staging, self._tensor(rr.unpack_descs, (rr.index, "unpack")), dst.flat)
 
 
 def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | None:
@@ -128,4 +200,4 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
     return ModelShard.empty(plan.model, plan.dst, rank, device=device)
 
 
-__all__ = ["Reallocator", "new_destination", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES"]

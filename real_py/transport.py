@@ -1,8 +1,12 @@
 """Transports move the chunks of one bucket round between ranks.
 
-The reallocator calls `exchange(sends, recvs, step)` once per round on every participating rank;
-a transport posts all of the round's sends and receives together (so no order can deadlock) and
-returns when they completed. Every wait has a timeout; errors name the peer and the step.
+The reallocator calls `start(sends, recvs, step) -> Handle` once per round on every participating
+rank, then `handle.wait()`; a transport posts all of the round's sends and receives together (so
+no order can deadlock). `exchange` is start + wait. At most one round is in flight per rank, so
+packing round i+1 overlaps the network part of round i. Every wait has a timeout; errors name
+this rank, the peer and the step. `setup(plan)` runs once per plan on EVERY rank of the
+transport's group (collective setup such as broadcast subgroups); `fail(step, why)` tells the
+other ranks that this one gave up, so they stop waiting on it.
 
 This module holds the interface and the in-process transport, which runs all ranks of a plan
 inside one process (one thread per rank, a message is a copy): the same reallocator code path as
@@ -20,23 +24,52 @@ import torch
 
 Sends = Sequence[tuple[tuple[int, ...], torch.Tensor]]
 """(receivers, tensor) per outgoing chunk; several receivers for a broadcast."""
-Recvs = Sequence[tuple[int, torch.Tensor]]
-"""(sender, tensor to fill) per incoming chunk."""
+Recvs = Sequence[tuple[int, torch.Tensor, tuple[int, ...]]]
+"""(sender, tensor to fill, all receivers of the chunk) per incoming chunk."""
 
 
 class TransferError(RuntimeError):
     """A transfer step failed or timed out; the message names the rank, the peer and the step."""
 
 
+class Handle:
+    """A round in flight; `wait()` returns when it completed or raises TransferError."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Handle()
+
+
 class Transport(abc.ABC):
-    """Interface: `rank`, `exchange(sends, recvs, step)`, optional `close()`."""
+    """Interface: `rank`, `start(...) -> Handle` or `exchange(...)` (implement at least one),
+    optional `setup(plan)`, `fail(step, why)`, `close()`."""
 
     rank: int
     name = "transport"
 
-    @abc.abstractmethod
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.start is Transport.start and cls.exchange is Transport.exchange:
+            raise TypeError(f"{cls.__name__} must implement start() or exchange()")
+
+    def start(self, sends: Sends, recvs: Recvs, step: str) -> Handle:
+        """Post every send and receive of one round; the handle's wait() completes them.
+
+        Default: a blocking exchange (no overlap), for transports without async sends."""
+        self.exchange(sends, recvs, step)
+        return DONE
+
     def exchange(self, sends: Sends, recvs: Recvs, step: str) -> None:
         """Post every send and receive of one round, return when all completed."""
+        self.start(sends, recvs, step).wait()
+
+    def setup(self, plan) -> None:
+        """Collective per-plan setup; called by every rank of the group with the same plan."""
+
+    def fail(self, step: str, why: str) -> None:
+        """This rank gave up during `step`; tell the peers (best effort)."""
 
     def close(self) -> None:
         pass
@@ -108,6 +141,9 @@ class InProcessTransport(Transport):
     def __init__(self, hub: InProcessHub, rank: int):
         self.hub, self.rank = hub, rank
 
+    def fail(self, step: str, why: str) -> None:
+        self.hub.fail(self.rank, f"{step}: {why}")
+
     def exchange(self, sends: Sends, recvs: Recvs, step: str) -> None:
         hub, seq = self.hub, {}
         posted = []
@@ -119,7 +155,7 @@ class InProcessTransport(Transport):
                     hub._box[key] = t
                     posted.append(key)
             hub._cv.notify_all()
-        for sender, buf in recvs:
+        for sender, buf, *_ in recvs:
             key = (sender, self.rank, step, seq.setdefault(("from", sender), 0))
             seq[("from", sender)] += 1
             with hub._cv:

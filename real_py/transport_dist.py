@@ -1,0 +1,203 @@
+"""torch.distributed transport: one batch_isend_irecv per round, broadcasts in cached subgroups.
+
+    transport = DistTransport(group, timeout=60.0)       # gloo (CPU) or NCCL (GPU) group
+    Reallocator(plan, transport, bucket_bytes=...).run(src_shard, dst_shard)
+
+Plan ranks are ranks of `group` (the same as global ranks for the world group). Every rank of
+`group` must construct the Reallocator (setup is collective: broadcast-mode plans create one
+subgroup per (sender, receivers) set, on every rank, in one sorted order, cached per transport).
+
+A round posts its single-receiver chunks as one `dist.batch_isend_irecv` (one NCCL group call)
+and then one async broadcast per multi-receiver chunk, sorted by (sender, receivers) so every
+rank issues collectives in one global order. `Handle.wait()` polls the works against a deadline
+of `timeout` seconds; a failed or late op becomes a TransferError naming this rank, the peer and
+the round. A rank that gives up writes a line to the store (the default store unless one is
+passed); a rank whose wait fails adds those lines to its error, so a chain of failures still
+names the rank that failed first.
+
+Counters: `sent_bytes` / `received_bytes` (network payload bytes; a broadcast counts once for
+its sender, as in ReallocPlan.per_rank_bytes()).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from .transport import Handle, Recvs, Sends, TransferError, Transport
+
+class DistTransport(Transport):
+    name = "torch.distributed"
+
+    def __init__(self, group, *, timeout: float = 60.0, store=None):
+        """group: an initialized ProcessGroup (dist.group.WORLD for the default one).
+
+        timeout: seconds any one round may take before TransferError. store: where failure
+        reports go (default: the default process group's store; None disables them). Reports
+        are read after a failure, to name the rank that failed first."""
+        if group is None:
+            raise ValueError("DistTransport needs an explicit process group (dist.group.WORLD for "
+                             "the default one)")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be > 0 seconds")
+        self.group, self.timeout = group, float(timeout)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.sent_bytes = self.received_bytes = 0
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self._subgroups: dict[tuple[int, ...], object] = {}
+        self._prefix = f"real_py/failures/{getattr(group, 'group_name', 'group')}"
+        if store is None:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, ValueError):
+                store = None
+        self.store = store
+        self._seen = self._num_reports()
+        self._warm = False
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, plan) -> None:
+        for r in plan.ranks():
+            if not 0 <= r < self.world:
+                raise ValueError(f"plan uses rank {r}, but the group has {self.world} ranks; plan "
+                                 "ranks are ranks of the transport's group")
+        sets = sorted({(int(plan.msg_sender[m]),) + plan.receivers(m)
+                       for m in range(plan.num_messages) if len(plan.receivers(m)) > 1})
+        whole = self.world == dist.get_world_size()
+        for s in sets:
+            key = tuple(sorted(s))
+            if key in self._subgroups:
+                continue
+            # Every rank creates every subgroup in this sorted order, so group names line up.
+            # With the whole world in `group` that is the plain new_group contract; for a
+            # smaller group the non-members of `group` cannot join, so use local sync.
+            self._subgroups[key] = dist.new_group(
+                [self._global[r] for r in key], timeout=datetime.timedelta(seconds=self.timeout),
+                backend=self.backend, use_local_synchronization=not whole)
+        if self.backend == "nccl" and not self._warm:
+            # NCCL: the first op on a communicator must involve every rank of the group.
+            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                            group=self.group)
+        self._warm = True
+        self._seen = self._num_reports()
+
+    # ------------------------------------------------------------------ rounds
+
+    def start(self, sends: Sends, recvs: Recvs, step: str) -> Handle:
+        ops, works = [], []
+        bcast = []
+        for i, (receivers, t) in enumerate(sends):
+            if self.rank in receivers:
+                raise ValueError(f"rank {self.rank}: {step}: a chunk sent to itself; local copies "
+                                 "never go through the transport")
+            self.sent_bytes += t.numel() * t.element_size()
+            if len(receivers) == 1:
+                ops.append(dist.P2POp(dist.isend, t, self._global[receivers[0]], self.group))
+                works.append(f"send to peer rank {receivers[0]}")
+            else:
+                bcast.append(((self.rank,) + tuple(receivers), 0, i, t))
+        for i, (sender, t, receivers) in enumerate(recvs):
+            self.received_bytes += t.numel() * t.element_size()
+            if len(receivers) == 1:
+                ops.append(dist.P2POp(dist.irecv, t, self._global[sender], self.group))
+                works.append(f"receive from peer rank {sender}")
+            else:
+                bcast.append(((sender,) + tuple(receivers), 1, i, t))
+        pending = []
+        try:
+            if ops:
+                got = dist.batch_isend_irecv(ops)
+                # NCCL coalesces the group into one work; gloo returns one per op.
+                if len(got) == len(ops):
+                    pending += list(zip(got, works))
+                else:
+                    pending += [(w, "; ".join(sorted(set(works)))) for w in got]
+            bcast.sort(key=lambda x: (x[0], x[1], x[2]))
+            for (sender, *receivers), _, _, t in bcast:
+                g = self._subgroups.get(tuple(sorted((sender, *receivers))))
+                if g is None:
+                    raise ValueError(f"rank {self.rank}: {step}: no subgroup for sender {sender} -> "
+                                     f"{receivers}; was transport.setup(plan) called?")
+                w = dist.broadcast(t, src=self._global[sender], group=g, async_op=True)
+                pending.append((w, f"broadcast from rank {sender} to ranks {list(receivers)}"
+                                   + (" (peer rank %d)" % sender if sender != self.rank else "")))
+        except TransferError:
+            raise
+        except ValueError:
+            raise
+        except Exception as e:  # posting failed (peer gone): same error path as a failed wait
+            raise self._error(step, "posting ops", e) from e
+        return _DistHandle(self, pending, step)
+
+    # ------------------------------------------------------------------ failures
+
+    def fail(self, step: str, why: str) -> None:
+        if self.store is None:
+            return
+        try:
+            n = self.store.add(self._prefix + "/n", 1)
+            self.store.set(f"{self._prefix}/{n}", f"rank {self.rank} in {step}: {why}"[:2000])
+        except Exception:  # noqa: BLE001 - reporting is best effort; the raise that follows is not
+            pass
+
+    def _num_reports(self) -> int:
+        if self.store is None:
+            return 0
+        try:
+            return int(self.store.add(self._prefix + "/n", 0))
+        except Exception:  # noqa: BLE001
+            return 0
+
+    def reports(self) -> list[str]:
+        """Failure lines written by ranks since setup."""
+        out = []
+        for i in range(self._seen + 1, self._num_reports() + 1):
+            key = f"{self._prefix}/{i}"
+            try:
+                if self.store.check([key]):
+                    out.append(self.store.get(key).decode(errors="replace"))
+            except Exception:  # noqa: BLE001
+                pass
+        return out
+
+    def _error(self, step: str, what: str, cause=None, reports=None) -> TransferError:
+        reports = self.reports() if reports is None else reports
+        msg = f"rank {self.rank}: {step}: {what}"
+        if cause is not None:
+            msg += f" failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
+        if reports:
+            msg += "; failures reported by other ranks: " + " | ".join(r[:400] for r in reports[:4])
+        return TransferError(msg)
+
+
+class _DistHandle(Handle):
+    def __init__(self, transport: DistTransport, pending: list, step: str):
+        self.t, self.pending, self.step = transport, pending, step
+
+    def wait(self) -> None:
+        # One blocking wait per op against the round's deadline: gloo's send/recv works never
+        # report completion to is_completed() and a timed-out gloo wait closes the pair, so
+        # polling or sliced waits are not an option. A dead peer fails the wait at once
+        # ("Connection reset/closed by peer"); a live peer that never posts, at the deadline.
+        t = self.t
+        deadline = time.monotonic() + t.timeout
+        for work, what in self.pending:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError("round deadline passed")
+                work.wait(datetime.timedelta(seconds=left))
+            except Exception as e:  # noqa: BLE001 - every failure becomes a TransferError
+                if time.monotonic() >= deadline - 0.05:
+                    raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}",
+                                   ) from e
+                raise t._error(self.step, what, e) from e
+
+
+__all__ = ["DistTransport"]
