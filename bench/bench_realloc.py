@@ -83,14 +83,13 @@ def make_source(model, layout, rank) -> ModelShard | None:
     return shard
 
 
-def check_destination(model, shard) -> list[str]:
-    """Names of destination parameters that differ from slicing the full tensors (the oracle)."""
-    if shard is None:
+def check_destination(shard, expected) -> list[str]:
+    """Names of destination parameters that differ from the oracle's shard."""
+    if shard is None or torch.equal(shard.flat, expected.flat):
         return []
-    index = {p.name: i for i, p in enumerate(model.params)}
-    return [name for name, view in shard.params().items()
-            if not torch.equal(view, oracle_piece(index[name], model.param(name), shard.layout.tp,
-                                                  shard.tp_rank))]
+    want = expected.params()
+    return [name for name, view in shard.params().items() if not torch.equal(view, want[name])] \
+        or ["(alignment padding)"]
 
 
 _T0 = time.perf_counter()
@@ -192,16 +191,23 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
     methods = build_methods(model, src, dst, src_shard, dst_shard, ctx)
     log("methods set up (plans, groups, meshes)")
     runnable = {k: m for k, m in methods.items() if not isinstance(m, str)}
+    expected = make_source(model, dst, rank)  # the oracle's destination shard
     verified = {}
     for name, m in runnable.items():
         if dst_shard is not None:
             dst_shard.flat.zero_()
         m.run()  # warmup, and the run that is verified
-        bad = check_destination(model, dst_shard)
+        bad = check_destination(dst_shard, expected)
         verified[name] = _sum(len(bad)) == 0
         log(f"{name}: warmup + verification done ({'ok' if verified[name] else 'WRONG'})")
         if bad:
             print(f"rank {rank}: {name} {src}->{dst} wrong params: {bad[:4]}", flush=True)
+    del expected
+    prof = {}
+    if "real_py" in runnable:
+        for k, v in runnable["real_py"].profile().items():
+            prof[k] = _max(v)
+        log(f"real_py phases (max over ranks, s): {prof}")
     times = {name: [] for name in runnable}
     for _ in range(repeats):
         for name, m in runnable.items():
@@ -226,7 +232,7 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
             "realpy_speedup": (t / rp) if rp else "",
         })
         if name == "real_py":
-            rows[-1]["realpy_inner_s"] = _max(m.last_stats.get("seconds", 0.0))
+            rows[-1]["realpy_profile"] = prof
     return rows
 
 
@@ -257,7 +263,7 @@ def worker(rank, world, args) -> list[dict] | None:
 def _transport_or_reason():
     """real_py's torch.distributed transport, or why the real_py column is pending."""
     try:
-        from real_py.transport import DistTransport  # lands with the `dist` branch
+        from real_py.transport_dist import DistTransport
     except ImportError:
         return "pending: real_py has no torch.distributed transport yet (dist branch not merged)"
     return DistTransport(dist.group.WORLD)
@@ -272,7 +278,7 @@ def _line(r: dict) -> str:
             f"{100 * r['frac_of_lb']:4.0f}% of LB  verified={r['verified']}")
 
 
-def _versions(ctx_ok: bool) -> dict:
+def _versions() -> dict:
     import realloc_mcore
 
     out = {}
@@ -324,7 +330,7 @@ def main():
 
     write_results("realloc", out["rows"], cols,
                   title="Parameter redistribution: real_py vs Megatron-core, DTensor, naive all-gather",
-                  notes=notes, extra={"links": links, "versions": _versions(True),
+                  notes=notes, extra={"links": links, "versions": _versions(),
                                       "load_average": load, "repeats": args.repeats})
 
 
