@@ -323,7 +323,7 @@ def main():
              "measured in this run with a plain gloo send/recv between two of its ranks; "
              f"frac_of_aggregate uses the aggregate {links['aggregate_GBps']:.2f} GB/s of all "
              "ranks exchanging at once. realpy_speedup = method seconds / real_py seconds.")
-    cols = ["model", "params_M", "src", "dst", "method", "seconds", "verified", "GBps_per_rank",
+    cols = ["model", "params_M", "src", "dst", "method", "seconds", "min_s", "max_s", "verified", "GBps_per_rank",
             "GBps_aggregate", "network_GB", "min_network_GB", "lb_seconds", "frac_of_lb",
             "frac_of_aggregate", "realpy_speedup", "note"]
     from timing import write_results
