@@ -1,7 +1,7 @@
 """Redistribution bandwidth: real_py against the baselines users would otherwise run, same run.
 
     make bench-realloc                       # installs the baselines' pins, then runs this
-    python bench/bench_realloc.py [--repeats 3] [--pairs 75m:dp2,tp2,pp1:dp4,tp1,pp1 ...]
+    python bench/bench_realloc.py [--repeats 5] [--pairs 75m:dp2,tp2,pp1:dp4,tp1,pp1 ...]
     torchrun --standalone --nproc-per-node=4 bench/bench_realloc.py   # instead of self-spawning
 
 For each (model, src layout, dst layout) on 4 gloo ranks and each method (real_py, Megatron-core
@@ -236,7 +236,7 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
     return rows
 
 
-def worker(rank, world, args) -> list[dict] | None:
+def worker(rank, world, args) -> dict | None:
     torch.set_num_threads(1)
     ctx = {"transport": _transport_or_reason()}
     try:
@@ -292,7 +292,7 @@ def _versions() -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--pairs", nargs="+", default=DEFAULT_PAIRS,
                     help=f"model:src:dst, model in {sorted(CONFIGS)}")
     ap.add_argument("--timeout", type=float, default=600)
