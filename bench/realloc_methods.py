@@ -201,10 +201,29 @@ class RealPy:
         return acc
 
 
+class GlooFloor:
+    """Not a method: the plan's messages posted as one batch_isend_irecv between preallocated
+    buffers, with no packing, no local copies and no rounds. Its time is what moving exactly
+    these bytes over gloo costs on this machine, the floor for any exact method."""
+
+    name = "gloo floor"
+
+    def __init__(self, plan, dtype):
+        mine = plan.for_rank(dist.get_rank())
+        self.ops = [(dist.isend, m.peers[0], torch.empty(m.numel, dtype=dtype)) for m in mine.sends]
+        self.ops += [(dist.irecv, m.peers[0], torch.empty(m.numel, dtype=dtype)) for m in mine.recvs]
+        self.recv_bytes = sum(m.numel for m in mine.recvs) * plan.element_size
+
+    def run(self) -> None:
+        if self.ops:
+            for w in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, peer, t in self.ops]):
+                w.wait()
+
+
 def dst_param_names(model, layout, rank) -> list[str]:
     c = layout.coords(rank)
     return [] if c is None else [e.param.name for e in shard_layout(model, layout, c[2]).entries]
 
 
-__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "dtensor_why_not", "assemble_full",
+__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "dtensor_why_not", "assemble_full",
            "dst_param_names"]
