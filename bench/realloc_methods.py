@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from real_py.layout import param_stages, shard_layout
+from real_py.layout import param_stages
 from real_py.shard import tp_slice
 
 
@@ -220,10 +220,4 @@ class GlooFloor:
                 w.wait()
 
 
-def dst_param_names(model, layout, rank) -> list[str]:
-    c = layout.coords(rank)
-    return [] if c is None else [e.param.name for e in shard_layout(model, layout, c[2]).entries]
-
-
-__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "dtensor_why_not", "assemble_full",
-           "dst_param_names"]
+__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "dtensor_why_not", "assemble_full"]
