@@ -10,6 +10,7 @@ network per run under the method's own scheme (over-sending shows up there).
   DTensorMethod   torch.distributed.tensor redistribute per tensor (per fused block), where
                   source and destination fit one device mesh
   RealPy          real_py's Reallocator over a torch.distributed transport
+  GlooFloor       not a method: the plan's messages alone over gloo (the floor for all)
   (Megatron-core lives in realloc_mcore.py.)
 """
 
