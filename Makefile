@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train
 
-.PHONY: venv build run test test-cpp test-py bench clean
+.PHONY: venv build run test test-cpp test-py bench bench-realloc clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -36,6 +36,19 @@ test: test-cpp test-py
 
 bench: build
 	$(PY) bench/bench_plan.py
+
+# Redistribution benchmark against Megatron-core / DTensor / naive all-gather (about 5 min).
+# Its baselines go under bench/.cache (git-ignored), pinned in bench/requirements-bench.txt.
+BENCH_CACHE := bench/.cache
+BENCH_PIP   := $(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade
+$(BENCH_CACHE)/.stamp: bench/requirements-bench.txt $(STAMP)
+	$(BENCH_PIP) --target $(BENCH_CACHE)/mcore --python-version 3.12 --only-binary=:all: \
+		--ignore-requires-python $$(grep -E '^megatron-core==' $<)
+	$(BENCH_PIP) --target $(BENCH_CACHE)/site $$(grep -E '^triton==' $<)
+	touch $@
+
+bench-realloc: build $(BENCH_CACHE)/.stamp
+	$(PY) bench/bench_realloc.py
 
 clean:
 	rm -rf build real_py/_C*.so
