@@ -31,6 +31,7 @@ from .transport import Handle, Recvs, Sends, TransferError, Transport
 
 class DistTransport(Transport):
     name = "torch.distributed"
+    asynchronous = True
 
     def __init__(self, group, *, timeout: float = 60.0, store=None):
         """group: an initialized ProcessGroup (dist.group.WORLD for the default one).
