@@ -178,7 +178,7 @@ class DistTransport(Transport):
             msg += f" failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
         self.fail(step, f"TransferError: {msg}")
         reports = self.reports()
-        grace = time.monotonic() + min(1.0, self.timeout / 4)
+        grace = time.monotonic() + min(2.0, self.timeout / 2)
         while not reports and self.store is not None and time.monotonic() < grace:
             time.sleep(0.05)
             reports = self.reports()
