@@ -8,9 +8,10 @@ collective). Local pieces go straight from the source buffer to the destination 
 that is one contiguous run is sent from / received into the shard buffers directly; everything
 else goes through one staging buffer allocated once and reused across calls.
 
-Double buffering (pipeline=True, the default): the staging buffer holds two halves; round i+1 is
-packed into one half while round i is on the wire in the other, and round i is unpacked while
-round i+1 is on the wire. Rounds are sized to half a bucket, so the staging buffer never exceeds
+Double buffering (pipeline=True; the default for asynchronous transports such as DistTransport,
+a blocking one like the in-process transport gains nothing from it): the staging buffer holds
+two halves; round i+1 is packed into one half while round i is on the wire in the other, and
+round i is unpacked while round i+1 is on the wire. Rounds are sized to half a bucket, so the staging buffer never exceeds
 `bucket_bytes` in total: peak extra memory = staging + the destination shard.
 
 verify=True: the sender computes an int64 checksum of every chunk's raw bytes before sending and
@@ -57,7 +58,7 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool | None = None,
                  verify: bool = False):
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of "
@@ -66,6 +67,8 @@ class Reallocator:
         self.bucket_bytes, self.verify = bucket_bytes, verify
         bucket_elems = bucket_bytes // plan.element_size
         # Two halves of at least two elements each, else a single buffer without overlap.
+        if pipeline is None:
+            pipeline = transport.asynchronous
         self.pipeline = pipeline and bucket_elems // 2 >= 2
         self.round_elems = bucket_elems // 2 if self.pipeline else bucket_elems
         self.schedule = _schedule(plan, self.round_elems)
@@ -131,17 +134,24 @@ class Reallocator:
         try:
             pending = None
             for i, rr in enumerate(self.rounds):
-                step = f"round {rr.index}/{total}"
+                step = cur = f"round {rr.index}/{total}"
                 staging = self._staging_half(i, (src or dst).flat) if rr.staging_numel else None
                 if len(rr.pack_descs):
                     ops.pack(src.flat, self._tensor(rr.pack_descs, (rr.index, "pack")), staging)
                 sends, recvs = self._messages(rr, src, dst, staging)
                 if pending is not None:
+                    step = pending[4]
                     pending[0].wait()
+                step = cur
                 handle = self.transport.start(sends, recvs, step)
                 if pending is not None:
+                    step = pending[4]
                     self._finish(*pending[1:], dst)
-                pending = (handle, rr, staging, recvs, step)
+                pending = (handle, rr, staging, recvs, cur)
+                if not self.pipeline:  # one staging buffer: finish before the next pack
+                    handle.wait()
+                    self._finish(rr, staging, recvs, cur, dst)
+                    pending = None
             if pending is not None:
                 step = pending[4]
                 pending[0].wait()

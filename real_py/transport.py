@@ -48,6 +48,8 @@ class Transport(abc.ABC):
 
     rank: int
     name = "transport"
+    asynchronous = False
+    """True when start() returns before the round completed (then double buffering pays off)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

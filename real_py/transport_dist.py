@@ -31,6 +31,7 @@ from .transport import Handle, Recvs, Sends, TransferError, Transport
 
 class DistTransport(Transport):
     name = "torch.distributed"
+    asynchronous = True
 
     def __init__(self, group, *, timeout: float = 60.0, store=None):
         """group: an initialized ProcessGroup (dist.group.WORLD for the default one).
@@ -177,7 +178,7 @@ class DistTransport(Transport):
             msg += f" failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
         self.fail(step, f"TransferError: {msg}")
         reports = self.reports()
-        grace = time.monotonic() + min(1.0, self.timeout / 4)
+        grace = time.monotonic() + min(2.0, self.timeout / 2)
         while not reports and self.store is not None and time.monotonic() < grace:
             time.sleep(0.05)
             reports = self.reports()

@@ -42,6 +42,7 @@ def _nccl():
 
 class CupyNcclTransport(Transport):
     name = "cupy-nccl"
+    asynchronous = True
 
     def __init__(self, rank: int, world_size: int, store, *, timeout: float = 60.0,
                  key: str = "real_py/nccl_unique_id", device: int | None = None):

@@ -99,18 +99,18 @@ def _faults(rank: int, world: int) -> dict:
     dist.barrier()
 
     # 3. A live rank that never joins: the others time out naming it (or a rank that did).
-    t2 = DistTransport(dist.group.WORLD, timeout=2)
+    t2 = DistTransport(dist.group.WORLD, timeout=3)
     r = Reallocator(plan, t2, bucket_bytes=2048)
     s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
     if rank == 3:
-        time.sleep(6)  # past every peer's deadline, alive all along
+        time.sleep(12)  # past every peer's deadline (and grace), alive all along
         return seen
     t0 = time.monotonic()
     with pytest.raises(TransferError) as e:
         r.run(s, d)
     msg = str(e.value)
     assert msg.startswith(f"rank {rank}: round ") and "peer rank 3" in msg, msg
-    assert time.monotonic() - t0 < 2 + 3, "fail-fast took longer than the timeout plus slack"
+    assert time.monotonic() - t0 < 3 + 8, "failing took much longer than the timeout"
     assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full)), "source modified"
     seen["stalled"] = msg
     return seen
