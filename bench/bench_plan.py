@@ -33,7 +33,7 @@ PAIRS = [
 
 def clear_caches():
     plan_mod._plan_cached.cache_clear()
-    layout_mod.shard_layout.cache_clear()
+    layout_mod._shard_layout.cache_clear()
     layout_mod.stage_layer_ranges.cache_clear()
     layout_mod._coords_table.cache_clear()
 
