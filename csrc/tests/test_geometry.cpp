@@ -9,14 +9,7 @@
 
 using namespace real_py;
 
-static int failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                     \
-    }                                                                 \
-  } while (0)
+#include "tests/check.h"
 
 static void test_split_blocks() {
   // q|k|v blocks of 8, 2, 2 rows split over tp=2: rank 1 holds [4,8) [10,11) [11,12) ... per block.

@@ -27,14 +27,7 @@ using std::max;
 using std::min;
 #include "ops/pack_kernel_impl.cuh"
 
-static int failures = 0;
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond);     \
-      ++failures;                                                                \
-    }                                                                            \
-  } while (0)
+#include "tests/check.h"
 
 // Random descriptors in bytes: disjoint destination runs, sources that may overlap.
 // kind 0: short runs, 1: long runs, 2: mixed.

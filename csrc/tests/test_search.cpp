@@ -7,14 +7,7 @@
 
 using namespace real_py::search;
 
-static int failures = 0;
-#define CHECK(cond)                                                          \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                            \
-    }                                                                        \
-  } while (0)
+#include "tests/check.h"
 #define NEAR(a, b) CHECK(std::fabs((a) - (b)) < 1e-12)
 
 // 4 GPUs: gen (weights from train), inf (reads gen), train (reads gen and inf).
