@@ -205,9 +205,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     if plan.world_size != world_size:
         raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
                          f"{world_size} ranks")
-    uncovered = plan.uncovered_ranks()
-    if uncovered:
-        raise ValueError(f"execution plan leaves ranks {uncovered} of world {world_size} without a call")
+    # Ranks without a call are allowed: they only join the world collectives (metric sums, the
+    # per-call time gather). plan_search puts every call of a small job on one rank when the
+    # communication latency outweighs the compute, and that plan is the fastest one measured.
     B = cfg.data.batch_size
     for n in graph.order:
         call, layout = graph.calls[n], plan.calls[n]

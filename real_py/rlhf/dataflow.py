@@ -106,7 +106,12 @@ class Store:
         for k, rows in parts:
             t = self.data[k]
             n = self.nbytes([(k, rows)])
-            piece = buf[off:off + n].view(t.dtype).view((len(rows),) + t.shape[1:])
+            raw = buf[off:off + n]
+            # Keys of different dtypes share one message: a piece after an odd number of int32
+            # values starts misaligned for an 8-byte dtype, and view() needs aligned storage.
+            if off % t.element_size():
+                raw = raw.clone()
+            piece = raw.view(t.dtype).view((len(rows),) + t.shape[1:])
             t[list(rows)] = piece
             off += n
 
