@@ -31,7 +31,8 @@ ONE_LAYOUT = {"world_size": 4, "calls": {n: {"ranks": [0, 1, 2, 3], "dp": 1, "tp
 def run(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
     cfg = os.path.join(tmp, f"{name}.yaml")
     with open(cfg, "w") as f:
-        yaml.safe_dump({"steps": steps, "save_every": 0} | ({"plan": plan} if plan else {}), f)
+        yaml.safe_dump({"steps": steps, "save_every": 0, "allow_idle_ranks": True}
+                       | ({"plan": plan} if plan else {}), f)
     out = os.path.join(tmp, name)
     subprocess.run([sys.executable, "-m", "real_py", "train", "--config", cfg, "--out-dir", out,
                     "--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)

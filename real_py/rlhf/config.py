@@ -110,6 +110,10 @@ class TrainConfig:
     plan: dict = field(default_factory=lambda: {"world_size": DEFAULT_PLAN["world_size"],
                                                  "calls": dict(DEFAULT_PLAN["calls"])})
     """ExecutionPlan JSON (or {"path": file.json})."""
+    allow_idle_ranks: bool = False
+    """Run a plan that leaves some ranks without a call (they only join the world collectives).
+    Off by default so that a plan that does not cover the world is caught before launch; a searched
+    plan for a small job may idle ranks on purpose."""
 
     def model_configs(self) -> dict[str, ModelConfig]:
         out = {}
@@ -205,9 +209,10 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     if plan.world_size != world_size:
         raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
                          f"{world_size} ranks")
-    # Ranks without a call are allowed: they only join the world collectives (metric sums, the
-    # per-call time gather). plan_search puts every call of a small job on one rank when the
-    # communication latency outweighs the compute, and that plan is the fastest one measured.
+    uncovered = plan.uncovered_ranks()
+    if uncovered and not cfg.allow_idle_ranks:
+        raise ValueError(f"execution plan leaves ranks {uncovered} of world {world_size} without a "
+                         "call; give them a call, or set allow_idle_ranks: true to run it anyway")
     B = cfg.data.batch_size
     for n in graph.order:
         call, layout = graph.calls[n], plan.calls[n]
