@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Layout, check_fits, param_stages, shard_layout
+from .layout import Layout, check_fits, shard_layout
 from .spec import ModelSpec
 
 MODES = ("p2p", "broadcast")
@@ -252,4 +252,4 @@ def _layout_arrays(model: ModelSpec, layout: Layout) -> dict:
             "entry_offset": np.array(eo, np.int64)}
 
 
-__all__ = ["plan_realloc", "ReallocPlan", "RankPlan", "Message", "MODES", "param_stages"]
+__all__ = ["plan_realloc", "ReallocPlan", "RankPlan", "Message", "MODES"]

@@ -134,26 +134,25 @@ class Schedule:
         return self._per_rank.get(rank, [])
 
 
+def _place(chunks: tuple[Chunk, ...], side: str, off: int) -> tuple[list, list, int]:
+    """Staging slots and packed descriptors for one side; contiguous chunks skip staging (-1)."""
+    col = 1 if side == "pack" else 0  # the descriptor column that addresses the staging buffer
+    descs, slots = [], []
+    for c in chunks:
+        if c.contiguous:
+            slots.append(-1)
+            continue
+        d = _to_packed(c.descs, side)
+        d[:, col] += off
+        descs.append(d)
+        slots.append(off)
+        off += c.numel
+    return descs, slots, off
+
+
 def _rank_round(k: int, sends: tuple[Chunk, ...], recvs: tuple[Chunk, ...]) -> RankRound:
-    off, pack, unpack, send_slots, recv_slots = 0, [], [], [], []
-    for c in sends:
-        if c.contiguous:
-            send_slots.append(-1)
-            continue
-        d = _to_packed(c.descs, "pack")
-        d[:, 1] += off
-        pack.append(d)
-        send_slots.append(off)
-        off += c.numel
-    for c in recvs:
-        if c.contiguous:
-            recv_slots.append(-1)
-            continue
-        d = _to_packed(c.descs, "unpack")
-        d[:, 0] += off
-        unpack.append(d)
-        recv_slots.append(off)
-        off += c.numel
+    pack, send_slots, off = _place(sends, "pack", 0)
+    unpack, recv_slots, off = _place(recvs, "unpack", off)
     empty = np.zeros((0, 6), np.int64)
     return RankRound(k, sends, recvs, np.concatenate(pack) if pack else empty,
                      np.concatenate(unpack) if unpack else empty, tuple(send_slots),
