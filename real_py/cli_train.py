@@ -80,8 +80,12 @@ def _line(step: int, out: dict) -> str:
     parts = [f"{k} {m[k]:.4g}" for k in keys if k in m]
     calls = " ".join(f"{n} {s:.2f}s" for n, s in out["calls"].items())
     re = " ".join(f"{k} {v:.3f}s" for k, v in out["realloc_seconds"].items())
-    return (f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
+    line = (f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
             f"{out['realloc_bytes'] / 2**20:.2f} MiB")
+    if out.get("offload_seconds"):
+        off = " ".join(f"{k} {v:.3f}s" for k, v in out["offload_seconds"].items())
+        line += f" | offload {off} {out['offload_bytes'] / 2**20:.2f} MiB"
+    return line
 
 
 def _spmd(args, cfg, ckpt) -> int:
@@ -113,7 +117,8 @@ def _spmd(args, cfg, ckpt) -> int:
             if rank == 0:
                 rec = {"step": step + 1, "seconds": time.perf_counter() - t0, "metrics": out["metrics"],
                        "calls": out["calls"], "realloc_seconds": out["realloc_seconds"],
-                       "realloc_bytes": out["realloc_bytes"], "data_bytes": out["data_bytes"]}
+                       "realloc_bytes": out["realloc_bytes"], "offload_seconds": out["offload_seconds"],
+                       "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"]}
                 with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 tqdm.write(_line(step + 1, out))

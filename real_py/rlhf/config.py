@@ -103,6 +103,11 @@ class TrainConfig:
     verify_realloc: bool = False
     """Ship a checksum with every reallocation chunk and fail on a mismatch (costs a pass over the
     bytes on both sides)."""
+    offload_frozen: bool = False
+    """Keep the frozen models' weights (reference, reward model; not a rule reward) in host memory
+    except during their call: reloaded just before it, offloaded right after it, every iteration
+    (pinned host buffer on GPU; on CPU the working buffer is freed but the copy lives in the same
+    RAM). Trainable models (actor, critic) stay in place."""
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -183,6 +188,9 @@ def to_dict(cfg: TrainConfig) -> dict:
 def _check_values(cfg: TrainConfig) -> None:
     if cfg.algo not in ALGORITHMS:
         raise ValueError(f"config algo={cfg.algo!r}; allowed: {sorted(ALGORITHMS)}")
+    for name in ("verify_realloc", "offload_frozen", "allow_idle_ranks"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"config {name}={getattr(cfg, name)!r} must be true or false")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
     d = cfg.data

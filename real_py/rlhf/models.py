@@ -6,7 +6,10 @@ weights into that layout with the planner and the reallocator (one Reallocator p
 built by every rank at start-up since transport setup may create subgroups); the runtime drops
 the copy after the call. Reallocation runs over its own world-sized process group, so its
 messages never meet the dataflow pushes on the default group. Frozen models (ref, reward) are
-built directly in the layout of their only call.
+built directly in the layout of their only call; with `offload_frozen` their weights stay in a
+host buffer (real_py.offload.HostOffload) except during that call: the runtime calls
+`reload(model)` before it and `offload(model)` after it, and `engine_for` refuses an offloaded
+model.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from ..engines import Engine, OptimConfig
 from ..hf import load_hf_shard
+from ..offload import HostOffload
 from ..plan import plan_realloc
 from ..reallocator import Reallocator
 from ..shard import ModelShard
@@ -40,7 +44,7 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
-                 paths: dict[str, str | None], verify: bool = False):
+                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
@@ -49,6 +53,7 @@ class Models:
         self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
         self.engines: dict[str, Engine | None] = {}
         self._reallocators: dict = {}
+        self.offloads: dict[str, HostOffload] = {}   # frozen model -> its offloader (holding ranks)
         inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
         for m, calls in graph.models().items():
             if m == "reward" and rule_reward:
@@ -70,6 +75,10 @@ class Models:
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+            if offload_frozen and optim is None:
+                # Off from the start: the weights are resident only during their call.
+                self.offloads[m] = HostOffload(shard.flat, name=f"{m} shard on rank {self.rank}")
+                self.offloads[m].offload()
         for call in graph.order:
             m = graph.calls[call].model
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
@@ -87,6 +96,10 @@ class Models:
         home = self.home.get(c.model)
         if home is None:
             return None, None
+        off = self.offloads.get(c.model)
+        if off is not None and off.offloaded:
+            raise RuntimeError(f"{c.model} weights are offloaded to host on rank {self.rank}; "
+                               f"call Models.reload({c.model!r}) before running {call}")
         src, dst = self.plan.calls[home], self.plan.calls[call]
         if src == dst:
             return self.engines[c.model], None
@@ -102,6 +115,18 @@ class Models:
         if dst_shard is None:
             return None, stats
         return Engine(self.configs[c.model], dst, self.groups[call], dst_shard), stats
+
+    def reload(self, model: str) -> tuple[int, float]:
+        """Bring an offloaded frozen model's weights back; (bytes, seconds); (0, 0.0) if this rank
+        holds no offloaded copy of it."""
+        off = self.offloads.get(model)
+        return off.reload() if off is not None else (0, 0.0)
+
+    def offload(self, model: str) -> tuple[int, float]:
+        """Move a frozen model's weights to its host buffer; (bytes, seconds); (0, 0.0) if this
+        rank holds no offloadable copy of it."""
+        off = self.offloads.get(model)
+        return off.offload() if off is not None else (0, 0.0)
 
 
 __all__ = ["Models", "init_weights"]

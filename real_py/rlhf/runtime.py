@@ -8,7 +8,9 @@ model if it is in the home or the call layout, (2) if in the call's mesh, waits 
 call reads and runs it, (3) posts the pushes of what the call wrote (receivers post irecv at
 once, senders isend after the call). Calls on disjoint meshes therefore run at the same time.
 At the end of an iteration one world all-reduce sums the metrics and one all_gather_object
-collects per-rank call timings.
+collects per-rank call timings. With cfg.offload_frozen, a frozen model (ref, reward) is reloaded
+from host memory before its call (before waiting for its rows, so the copy overlaps the wait)
+and offloaded right after it (after posting its pushes).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Runtime:
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
                              max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
                              timeout_s=timeout_s, rule_reward=rule,
-                             paths=cfg.model_paths(), verify=cfg.verify_realloc)
+                             paths=cfg.model_paths(), verify=cfg.verify_realloc,
+                             offload_frozen=cfg.offload_frozen)
         self.B = cfg.data.batch_size
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
@@ -72,17 +75,20 @@ class Runtime:
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
-        "realloc_seconds", "realloc_bytes", "events" (rank, call, start, end)} on every rank."""
+        "realloc_seconds" (per model: max over ranks), "realloc_bytes" (sum over ranks),
+        "offload_seconds" (per frozen model: max over ranks of reload + offload seconds; {} without
+        offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
+        "events" (rank, call, start, end), "store"} on every rank."""
         store = Store(self.schema, self.B)
         batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size)
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
         pusher = Pusher(self.rank, self.timeout_s)
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
-        events, reallocs = [], []
+        events, reallocs, offloads = [], [], []
         for i, name in enumerate(self.graph.order):
             try:
-                self._call(i, name, store, pusher, sums, events, reallocs, step)
+                self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
                                    f"{type(e).__name__}: {e}") from e
@@ -90,14 +96,17 @@ class Runtime:
             pusher.finish(store, step)
             dist.all_reduce(sums)
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (events, reallocs, pusher.bytes_sent))
+            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent))
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
         return self._summary(sums, gathered, store)
 
-    def _call(self, i, name, store, pusher, sums, events, reallocs, step) -> None:
+    def _call(self, i, name, store, pusher, sums, events, reallocs, offloads, step) -> None:
         call = self.graph.calls[name]
+        offloaded = call.model in self.models.offloads
+        if offloaded:
+            in_bytes, in_sec = self.models.reload(call.model)
         engine, rstats = self.models.engine_for(name)
         if rstats is not None:
             reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
@@ -109,23 +118,30 @@ class Runtime:
             C.run_call(self, call, g, engine, store, sums, step)
             events.append((self.rank, name, t0, time.time()))
             pusher.post(store, self.pushes[name], i + 1, name, sending=True)
+        if offloaded:
+            out_bytes, out_sec = self.models.offload(call.model)
+            offloads.append((call.model, in_sec + out_sec, in_bytes + out_bytes))
         # A reallocated engine is dropped on return; home engines stay in self.models.
 
     def _summary(self, sums, gathered, store) -> dict:
         metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
         calls, events = {}, []
-        r_sec, r_bytes, d_bytes = {}, 0, 0
-        for ev, rl, pushed in gathered:
+        r_sec, r_bytes, o_sec, o_bytes, d_bytes = {}, 0, {}, 0, 0
+        for ev, rl, ol, pushed in gathered:
             events += ev
             for _, name, a, b in ev:
                 calls[name] = max(calls.get(name, 0.0), b - a)
             for model, sec, nbytes in rl:
                 r_sec[model] = max(r_sec.get(model, 0.0), sec)
                 r_bytes += nbytes
+            for model, sec, nbytes in ol:
+                o_sec[model] = max(o_sec.get(model, 0.0), sec)
+                o_bytes += nbytes
             d_bytes += pushed
         calls = {n: calls[n] for n in self.graph.order if n in calls}
         return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
-                "realloc_bytes": r_bytes, "data_bytes": d_bytes, "events": events, "store": store}
+                "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
+                "data_bytes": d_bytes, "events": events, "store": store}
 
 
 __all__ = ["Runtime", "make_batch", "METRICS"]
