@@ -83,7 +83,8 @@ def _line(step: int, out: dict) -> str:
     line = (f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
             f"{out['realloc_bytes'] / 2**20:.2f} MiB")
     if out.get("offload_seconds"):
-        off = " ".join(f"{k} {v:.3f}s" for k, v in out["offload_seconds"].items())
+        # Milliseconds: a frozen model's copy out and back is well under a realloc's time.
+        off = " ".join(f"{k} {v * 1e3:.2f}ms" for k, v in out["offload_seconds"].items())
         line += f" | offload {off} {out['offload_bytes'] / 2**20:.2f} MiB"
     return line
 

@@ -106,9 +106,9 @@ def test_config_key_and_step_line(tmp_path):
     with pytest.raises(ValueError, match="offload_frozen='yes' must be true or false"):
         CF.from_dict({"offload_frozen": "yes"})
     out = {"metrics": {"reward": 0.5}, "calls": {"ref_inf": 0.1}, "realloc_seconds": {},
-           "realloc_bytes": 0, "offload_seconds": {"ref": 0.004, "reward": 0.002},
+           "realloc_bytes": 0, "offload_seconds": {"ref": 0.004, "reward": 0.00025},
            "offload_bytes": 3 * 2**20}
-    assert _line(1, out).endswith("| offload ref 0.004s reward 0.002s 3.00 MiB")
+    assert _line(1, out).endswith("| offload ref 4.00ms reward 0.25ms 3.00 MiB")
     assert "offload" not in _line(1, dict(out, offload_seconds={}, offload_bytes=0))
 
 
