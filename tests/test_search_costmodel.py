@@ -49,6 +49,7 @@ def test_inference_time_by_hand():
     tok = 8 * 16
     compute = tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11
     tp = 2 * 2 * (1e-5 + 0.5 * 2 * tok * 64 * 2 / 1e10)  # 2 all-reduces x 2 layers, one micro-batch
+    tp += 4 * 1e-5  # embedding and log-prob reductions of the vocab-parallel head (latency only)
     assert t["compute"] == pytest.approx(compute)
     assert t["tp"] == pytest.approx(tp)
     assert t["total"] == pytest.approx(compute + tp)
@@ -73,10 +74,78 @@ def test_train_terms_by_hand():
     bubble = (mb + 1) / mb
     assert t["compute"] == pytest.approx(2 * 3 * tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11 * bubble)
     local = m.numel / 2
-    assert t["dp"] == pytest.approx(2 * (1e-5 + 0.5 * 2 * local * 2 / 1e10))
+    # per step: gradient all-reduce + loss and token-count all-reduces (dp) + grad-norm and loss
+    # broadcast over the pipeline group
+    assert t["dp"] == pytest.approx(2 * (1e-5 + 0.5 * 2 * local * 2 / 1e10 + 2 * 1e-5 + 2 * 1e-5))
     assert t["optimizer"] == pytest.approx(2 * local / 2 * (24 + 6) / 5e10)
     # pp=2: (m + pp - 2) = 2 hops forward and backward per step, stride dp*tp = 2 inside the node.
     assert t["pp"] == pytest.approx(2 * 2 * 2 * (1e-5 + 16 * 64 * 2 / 1e10))
+
+
+def test_ppo_epochs_repeat_the_train_steps():
+    m = tiny()
+    one = call_time("train", m, Mesh(0, 2), 1, 2, 1, HW, Workload(batch_size=8, prompt_len=8, gen_len=8))
+    two = call_time("train", m, Mesh(0, 2), 1, 2, 1, HW, Workload(batch_size=8, prompt_len=8, gen_len=8,
+                                                                   ppo_epochs=2))
+    for k in one:
+        assert two[k] == pytest.approx(2 * one[k])
+
+
+# Only host overheads: compute, bandwidth and latency are free.
+FREE = dict(name="o", peak_flops=1e30, flops_eff=1.0, hbm_bw=1e30, hbm_eff=1.0, intra_bw=1e30, inter_bw=1e30,
+            intra_lat=0.0, inter_lat=0.0, mem_bytes=1e12, layer_lat=1.0, head_lat=10.0, decode_layer_lat=100.0,
+            decode_lat=1000.0, train_layer_lat=1e4, train_lat=1e5)
+
+
+def test_host_overheads_by_hand():
+    m, hw = tiny(), HardwareProfile(**FREE)
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=32)
+    # inference on pp=2: 8 seqs x 12 tokens = 96 tokens -> 3 micro-batches, bubble (3+1)/3;
+    # per micro-batch 1 layer per stage plus the head.
+    t = call_time("inference", m, Mesh(0, 2), 1, 1, 2, hw, wl)
+    assert t["overhead"] == pytest.approx(3 * (4 / 3 * 1 * 1.0 + 10.0))
+    # generate on one rank: prefill (64 tokens, 2 micro-batches) and scoring (96 tokens, 3), each
+    # micro-batch 2 layers + head; 4 decode steps of 2 layers + sampling.
+    g = call_time("generate", m, Mesh(0, 1), 1, 1, 1, hw, wl)
+    assert g["overhead"] == pytest.approx(2 * (2 + 10) + 3 * (2 + 10) + 4 * (2 * 100 + 1000))
+    # train: 4 mini-batches of 24 tokens, one micro-batch each, 2 layers + head per step.
+    tr = call_time("train", m, Mesh(0, 1), 1, 1, 1, hw, wl)
+    assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
+
+
+def test_contention_by_hand():
+    m = tiny()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    base = replace(HW, layer_lat=1e-3, head_lat=2e-3)
+    shared = replace(base, shared_cores=2, lat_contention=0.5)
+    assert shared.contention(1) == 1.0 and shared.contention(6) == 3.0 and base.contention(64) == 1.0
+    assert shared.lat_slowdown(4) == pytest.approx(1.5)
+    # 4 busy ranks on 2 cores: processor terms x2, message waits x(1 + 0.5 * (2 - 1)).
+    a = call_time("inference", m, Mesh(0, 4), 2, 2, 1, base, wl)
+    b = call_time("inference", m, Mesh(0, 4), 2, 2, 1, shared, wl)
+    assert b["compute"] == pytest.approx(2 * a["compute"]) and b["overhead"] == pytest.approx(2 * a["overhead"])
+    assert b["tp"] == pytest.approx(1.5 * a["tp"])
+    # pp=2 with one micro-batch: one stage busy at a time, so 2 busy ranks: no slow-down.
+    c = call_time("inference", m, Mesh(0, 4), 1, 2, 2, shared, wl)
+    assert c == call_time("inference", m, Mesh(0, 4), 1, 2, 2, base, wl)
+
+
+def test_tensor_parallel_host_extras_by_hand():
+    m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    hw = HardwareProfile(**FREE | dict(layer_lat=0.0, head_lat=0.0, decode_layer_lat=0.0, decode_lat=0.0,
+                                       train_layer_lat=0.0, train_lat=0.0, tp_head_lat=1.0, tp_train_lat=10.0,
+                                       tp_decode_lat=100.0))
+    assert call_time("inference", m, Mesh(0, 2), 1, 2, 1, hw, wl)["tp"] == pytest.approx(1.0)
+    assert call_time("train", m, Mesh(0, 2), 1, 2, 1, hw, wl)["tp"] == pytest.approx(4 * 10.0)
+    g = call_time("generate", m, Mesh(0, 2), 1, 2, 1, hw, wl)
+    assert (g["prefill_tp"], g["score_tp"], g["decode_tp"]) == pytest.approx((1.0, 1.0, 4 * 100.0))
+    assert call_time("inference", m, Mesh(0, 1), 1, 1, 1, hw, wl)["total"] == pytest.approx(0.0)
+
+
+def test_profile_rejects_negative_overheads():
+    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "shared_cores"):
+        with pytest.raises(ValueError, match=f):
+            replace(HW, **{f: -1})
 
 
 def test_memory_by_hand():
@@ -113,6 +182,10 @@ def test_transfer_time_by_hand():
     assert transfer_time(plan, HW) == pytest.approx(nbytes / 1e9 + plan.num_messages * 2e-5)
     same = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(0,)), ranks_per_node=4)
     assert transfer_time(same, HW) == pytest.approx(2 * nbytes / 5e10)  # local copy, read + write
+    # A fixed cost per reallocation, and both scaled when the ranks share cores.
+    slow = replace(HW, realloc_lat=1e-3, shared_cores=1, p2p_lat_ratio=0.5)
+    plan = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(1,)), ranks_per_node=4)
+    assert transfer_time(plan, slow) == pytest.approx(2 * (nbytes / 1e10 + plan.num_messages * 0.5e-5 + 1e-3))
 
 
 @pytest.mark.parametrize("a,b", [((8, 4), (20, 2)), ((0, 8), (24, 8)), ((4, 4), (6, 2)), ((16, 8), (4, 4))])
@@ -131,8 +204,10 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
     from real_py.search.hardware import cpu_profile
 
-    p = cpu_profile(refresh=True)
+    p = cpu_profile(refresh=True, reps=3)
     assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7
-    assert 0 < p.intra_lat < 0.1
+    assert 0 < p.intra_lat < 0.1 and 0 < p.p2p_lat_ratio <= 1 and p.shared_cores >= 2
+    # Running the engines always costs something per layer and per pass.
+    assert 0 < p.layer_lat < 0.1 and 0 < p.train_layer_lat < 0.1 and 0 < p.decode_layer_lat + p.decode_lat < 0.1
     assert (tmp_path / "cpu_profile.json").exists()
     assert get_profile("cpu") == p  # read back from the cache file

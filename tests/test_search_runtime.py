@@ -44,7 +44,7 @@ def test_runtime_runs_searched_plan(tmp_path):
     models = cfg.model_configs()
     p = cfg.ppo
     wl = Workload(batch_size=cfg.data.batch_size, prompt_len=cfg.data.max_prompt_len,
-                  gen_len=cfg.generation.max_new_tokens, ppo_minibatches=p.ppo_epochs * p.mini_batches)
+                  gen_len=cfg.generation.max_new_tokens, ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches)
     searched, cases = {}, {}
     for name, kw in PROFILES.items():
         hw = HardwareProfile(name=name, flops_eff=1.0, hbm_eff=1.0, mem_bytes=8e9, mem_usable=0.5,

@@ -2,7 +2,8 @@
 
 from .costmodel import Mesh, Workload, call_memory, call_time
 from .graph import CALLS, PPO_GRAPH, PPOModels, ppo_models
-from .hardware import PROFILE_NAMES, PROFILES, HardwareProfile, calibrate_cpu, get_profile
+from .calibrate import calibrate_cpu
+from .hardware import PROFILE_NAMES, PROFILES, HardwareProfile, get_profile
 from .problem import Option, Problem
 from .realloc_cost import ReallocCost
 from .search import SearchResult, estimate, heuristic_baseline, plan_search, symmetric_baseline

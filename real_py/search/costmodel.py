@@ -6,11 +6,14 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   decode     per generated token: max(compute, (weights / tp + KV cache / (tp * pp)) / HBM);
              with pp stages each reading its weights once per micro-batch and pp micro-batches,
              pipelining does not reduce the weight reads of a decode step.
-  tp         ring all-reduce: lat + 2 (n-1)/n * bytes / bw; 2 per layer forward, 4 forward+backward.
+  tp         ring all-reduce: lat + 2 (n-1)/n * bytes / bw; 2 per layer forward, 4 forward+backward,
+             plus HEAD_COLLS small ones per pass (vocab-parallel embedding and log-probs).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
              hops on the critical path.
   dp         one gradient all-reduce per optimizer step (no overlap with backward assumed).
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
+  overhead   fixed seconds per layer and per pass of one micro-batch (host-side op dispatch);
+             measured for the `cpu` profile, zero for GPUs (launches overlap device work).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
 Ranks are walked tp fastest, then dp, then pp (Layout's default order), so tp groups are
 contiguous and a group of n ranks with stride s shares a node iff s * n <= ranks_per_node.
@@ -36,12 +39,14 @@ class Workload:
     prompt_len: int = 128
     gen_len: int = 384
     ppo_minibatches: int = 4
-    """Optimizer steps per train call (one PPO epoch split into this many mini-batches)."""
+    """Optimizer steps per PPO epoch (each epoch splits the batch into this many mini-batches)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per train call."""
     micro_tokens: int = 16384
     """Tokens per micro-batch of a forward/backward pass (per dp replica)."""
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "micro_tokens"):
+        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
 
@@ -100,6 +105,14 @@ def group_link(hw: HardwareProfile, mesh: Mesh, stride: int, n: int) -> tuple[fl
     return hw.inter_bw, hw.inter_lat
 
 
+HOST_BOUND = ("prefill", "decode", "score", "compute", "optimizer", "overhead")
+"""Terms that take processor time (scaled by HardwareProfile.contention); the rest wait on
+messages (scaled by HardwareProfile.lat_slowdown)."""
+HEAD_COLLS = 4
+"""Tensor-parallel collectives per pass outside the layers: the vocab-parallel embedding and the
+log-prob reductions of the vocab-parallel head (max, log-sum-exp, target logit)."""
+
+
 def _pipeline(pp: int, tokens: float, micro_tokens: int) -> tuple[int, float]:
     """(micro-batches, bubble factor) of a pass over `tokens` tokens per dp replica."""
     m = max(1, math.ceil(tokens / micro_tokens))
@@ -108,7 +121,13 @@ def _pipeline(pp: int, tokens: float, micro_tokens: int) -> tuple[int, float]:
 
 def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int,
               hw: HardwareProfile, wl: Workload) -> dict[str, float]:
-    """Seconds per term and "total" for one call (all sequences of one iteration)."""
+    """Seconds per term and "total" for one call (all sequences of one iteration).
+
+    Terms: roofline compute ("prefill", "decode", "score", "compute", "optimizer"), collectives
+    ("*_tp", "*_pp", "tp", "dp", "pp"), and "overhead": the profile's fixed seconds per
+    layer and per pass (op dispatch), zero on the GPU profiles. A generate call also scores its
+    sequences with one forward pass ("score"), as the runtime does to get the old log-probs.
+    """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; allowed: {KINDS}")
     if dp * tp * pp != mesh.size:
@@ -117,44 +136,67 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     es, H, L = model.element_size, c.hidden_size, c.num_hidden_layers
     tp_bw, tp_lat = group_link(hw, mesh, 1, tp)
     dp_bw, dp_lat = group_link(hw, mesh, tp, dp)
-    pp_bw, pp_lat = group_link(hw, mesh, tp * dp, pp)
+    pp_bw, pp_coll_lat = group_link(hw, mesh, tp * dp, pp)
+    pp_lat = pp_coll_lat * hw.p2p_lat_ratio  # pipeline hops are point-to-point messages
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
+    S = wl.seq_len
+
+    def forward(tok: float, ctx: float, train: bool) -> dict[str, float]:
+        """One pass (forward, or forward + backward when train) over tok tokens per replica."""
+        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
+        passes = 3 if train else 1
+        k = 2 if train else 1  # forward only, or forward + backward
+        # Per layer: 2 all-reduces of the hidden states per direction, on the critical path of
+        # every micro-batch; the head's reductions carry a few floats per token (latency only).
+        tp_t = (k * 2 * L / pp * bubble * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
+                + m * (k * HEAD_COLLS * tp_lat + (hw.tp_train_lat if train else hw.tp_head_lat))) if tp > 1 else 0.0
+        hops = k * (m + pp - 2) if pp > 1 else 0
+        layer, head = (hw.train_layer_lat, hw.train_lat) if train else (hw.layer_lat, hw.head_lat)
+        return {"compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
+                "tp": tp_t,
+                "pp": hops * (pp_lat + tok / m * H * es / pp_bw),
+                "overhead": m * (bubble * L / pp * layer + head)}
+
     if kind == "generate":
         P, G = wl.prompt_len, wl.gen_len
-        tok = seqs * P
-        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
-        out["prefill"] = fwd_flops(model, tok, P / 2) / (tp * pp) / hw.flops * bubble
-        out["prefill_tp"] = 2 * L / pp * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0)) * bubble \
-            if tp > 1 else 0.0
+        pre = forward(seqs * P, P / 2, False)
+        out["prefill"], out["prefill_tp"], out["prefill_pp"] = pre["compute"], pre["tp"], pre["pp"]
         ctx = P + G / 2
         step_flops = fwd_flops(model, seqs, ctx) / (tp * pp)
         weights = model.numel * es / tp
         kv = seqs * ctx * L * 2 * c.num_key_value_heads * c.head_dim * es / (tp * pp)
         step = max(step_flops / hw.flops, (weights + kv) / hw.mem_bw)
-        step_tp = 2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat)
-        step_pp = pp * (pp_lat + seqs / pp * H * es / pp_bw) if pp > 1 else 0.0
+        # Per step: 2 all-reduces per layer and one logits all-gather (tp); one activation hop per
+        # stage and the new tokens broadcast from the last stage (pp). Stages run one after another.
+        step_tp = (2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat) + tp_lat + hw.tp_decode_lat
+                   if tp > 1 else 0.0)
+        step_pp = pp * (pp_lat + seqs / pp * H * es / pp_bw) + pp_coll_lat if pp > 1 else 0.0
         out["decode"] = G * step
         out["decode_tp"] = G * step_tp
         out["decode_pp"] = G * step_pp
+        score = forward(seqs * S, S / 2, False)
+        out["score"], out["score_tp"], out["score_pp"] = score["compute"], score["tp"], score["pp"]
+        out["overhead"] = pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
     else:
-        S = wl.seq_len
-        steps = wl.ppo_minibatches if kind == "train" else 1
-        tok = seqs * S / steps
-        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
-        passes = 3 if kind == "train" else 1
-        ar_per_layer = 2 * passes if kind == "train" else 2
-        compute = passes * fwd_flops(model, tok, S / 2) / (tp * pp) / hw.flops
-        tp_t = ar_per_layer * L / pp * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0)) \
-            if tp > 1 else 0.0
-        hops = (2 if kind == "train" else 1) * (m + pp - 2) if pp > 1 else 0
-        out["compute"] = steps * compute * bubble
-        out["tp"] = steps * tp_t * bubble
-        out["pp"] = steps * hops * (pp_lat + tok / m * H * es / pp_bw)
+        steps = wl.ppo_epochs * wl.ppo_minibatches if kind == "train" else 1
+        f = forward(seqs * S / wl.ppo_minibatches if kind == "train" else seqs * S, S / 2, kind == "train")
+        for k, v in f.items():
+            out[k] = steps * v
         if kind == "train":
             local = model.numel / (tp * pp)
-            out["dp"] = steps * allreduce_time(local * es, dp, dp_bw, dp_lat)
+            # Small collectives per optimizer step: grad-norm (tp, pp), loss and token count (dp).
+            small = (tp_lat if tp > 1 else 0.0) + (2 * pp_coll_lat if pp > 1 else 0.0) + (2 * dp_lat if dp > 1 else 0.0)
+            out["dp"] = steps * (allreduce_time(local * es, dp, dp_bw, dp_lat) + small)
             out["optimizer"] = steps * local / dp * (24 + 3 * es) / hw.mem_bw
+        elif pp > 1:
+            out["pp"] += pp_coll_lat  # results broadcast from the last stage
+    # Ranks sharing cores: the busy ones share them, which stretches what the processors do but
+    # not the wait for a message. Pipeline stages are busy together only with several
+    # micro-batches in flight (a decode step runs its stages one after another).
+    busy = dp * tp * (1 if kind == "generate" else min(pp, _pipeline(pp, seqs * S, wl.micro_tokens)[0]))
+    slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
+    out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
 

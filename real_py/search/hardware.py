@@ -5,7 +5,7 @@ values; `flops_eff` and `hbm_eff` are the fractions a good implementation reache
 large GEMMs, 0.8 of HBM bandwidth for streaming reads); link bandwidths are the values NCCL
 achieves (ring all-reduce bus bandwidth intra-node, ~92% of the NIC inter-node), per GPU and
 direction, so no extra factor applies to them. `cpu` is measured on this machine by
-`calibrate_cpu()` (matmul, memcpy, gloo send/recv between 2 spawned ranks) and cached.
+real_py.search.calibrate (the runtime's own engines and gloo, with 4 ranks busy) and cached.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass
 
 
@@ -39,11 +38,50 @@ class HardwareProfile:
     mem_usable: float = 0.9
     """Fraction of memory a plan may use (context, allocator fragmentation take the rest)."""
     ranks_per_node: int = 8
+    # Fixed host-side seconds (op dispatch) per micro-batch, on top of the roofline terms. They
+    # dominate small models run eagerly on a CPU; on GPUs launches overlap device work (and
+    # decode runs as CUDA graphs), so the GPU profiles leave them at 0.
+    layer_lat: float = 0.0
+    """Per transformer layer per forward pass (prefill, inference, scoring)."""
+    head_lat: float = 0.0
+    """Per forward pass: embedding, head, log-probs or values."""
+    decode_layer_lat: float = 0.0
+    """Per transformer layer per decode step (one token, KV cache update)."""
+    decode_lat: float = 0.0
+    """Per decode step: head on the last token and sampling."""
+    train_layer_lat: float = 0.0
+    """Per transformer layer per optimizer step of one micro-batch: forward, backward, Adam."""
+    train_lat: float = 0.0
+    """Per optimizer step of one micro-batch: embedding, head, loss, their backward, Adam."""
+    tp_head_lat: float = 0.0
+    """Per forward pass with tp > 1: host work of the vocab-parallel embedding and head beyond
+    the latency of their collectives."""
+    tp_train_lat: float = 0.0
+    """The same per optimizer step of one micro-batch (forward and backward)."""
+    tp_decode_lat: float = 0.0
+    """Per decode step with tp > 1: host work of the logits all-gather beyond its latency."""
+    realloc_lat: float = 0.0
+    """Per reallocation: planning lookup, buffer set-up, completion check."""
+    lat_contention: float = 0.0
+    """Growth of the collective latency per unit of contention above 1 (see contention())."""
+    p2p_lat_ratio: float = 1.0
+    """Latency of one point-to-point message relative to a small collective's (intra_lat and
+    inter_lat are collective latencies; gloo's all-reduce takes several round trips)."""
+    shared_cores: int = 0
+    """CPU runtime: the ranks share this many cores, so a call on n > shared_cores ranks runs
+    n / shared_cores times slower (every rank is one single-threaded process); 0: each device
+    is its own processor."""
 
     def __post_init__(self):
         for f in ("peak_flops", "flops_eff", "hbm_bw", "hbm_eff", "intra_bw", "inter_bw", "mem_bytes"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be positive")
+        for f in ("layer_lat", "head_lat", "decode_layer_lat", "decode_lat", "train_layer_lat", "train_lat",
+                  "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat", "p2p_lat_ratio", "lat_contention"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
+        if self.shared_cores < 0:
+            raise ValueError(f"HardwareProfile.shared_cores={self.shared_cores} must be >= 0")
         if self.ranks_per_node < 1:
             raise ValueError(f"HardwareProfile.ranks_per_node={self.ranks_per_node} must be >= 1")
 
@@ -56,6 +94,15 @@ class HardwareProfile:
     def mem_bw(self) -> float:
         """Achieved memory bandwidth, bytes/s."""
         return self.hbm_bw * self.hbm_eff
+
+    def contention(self, ranks: int) -> float:
+        """Slow-down of processor work when `ranks` devices are busy on `shared_cores` cores."""
+        return max(1.0, ranks / self.shared_cores) if self.shared_cores else 1.0
+
+    def lat_slowdown(self, ranks: int) -> float:
+        """Slow-down of a message's latency when `ranks` devices are busy (a peer may be waiting
+        for a core before it answers)."""
+        return 1.0 + self.lat_contention * (self.contention(ranks) - 1.0)
 
     @property
     def mem_limit(self) -> float:
@@ -94,89 +141,24 @@ def get_profile(name: str) -> HardwareProfile:
     raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
 
 
-def cpu_profile(refresh: bool = False) -> HardwareProfile:
+CACHE_VERSION = 2
+"""Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
+
+
+def cpu_profile(refresh: bool = False, reps: int = 15) -> HardwareProfile:
+    """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
+    $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure)."""
+    from .calibrate import calibrate_cpu
+
     path = _cache_path()
     if not refresh and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-        if data.get("machine") == platform.node():
+        if data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION:
             return HardwareProfile(**data["profile"])
-    prof, raw = calibrate_cpu()
+    prof, raw = calibrate_cpu(reps)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"machine": platform.node(), "measured": raw, "profile": asdict(prof)}, f, indent=1)
+        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "measured": raw,
+                   "profile": asdict(prof)}, f, indent=1)
     return prof
-
-
-def _gloo_pair(rank, world_size, nbytes, reps):
-    import torch
-    import torch.distributed as dist
-
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-    # One-byte round trips give the latency; large one-way transfers give the bandwidth.
-    tiny = torch.zeros(1)
-    for _ in range(3):
-        (dist.send if rank == 0 else dist.recv)(buf, 1 - rank)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        (dist.send if rank == 0 else dist.recv)(buf, 1 - rank)
-    dist.barrier()
-    bw_time = (time.perf_counter() - t0) / reps
-    t0 = time.perf_counter()
-    for _ in range(20):
-        if rank == 0:
-            dist.send(tiny, 1)
-            dist.recv(tiny, 1)
-        else:
-            dist.recv(tiny, 0)
-            dist.send(tiny, 0)
-    lat = (time.perf_counter() - t0) / 40
-    return bw_time, lat
-
-
-def calibrate_cpu() -> tuple[HardwareProfile, dict]:
-    """Measure this machine in a few seconds: fp32 matmul FLOP/s (one thread, as each gloo rank
-    of the CPU runtime uses one), memcpy bandwidth, gloo send/recv bandwidth and latency."""
-    import numpy as np
-    import torch
-
-    from ..testing import run_distributed
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            a @ b
-            reps += 1
-        flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    src = np.ones(64 << 20, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        np.copyto(dst, src)
-    # Bytes read + written, like the GPU HBM figures.
-    mem_bw = 2 * 5 * src.nbytes / (time.perf_counter() - t0)
-    nbytes = 32 << 20
-    res = run_distributed(_gloo_pair, 2, nbytes, 4, timeout=60)
-    bw_time = max(r[0] for r in res)
-    lat = max(r[1] for r in res)
-    net_bw = nbytes / bw_time
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        mem = 8e9
-    raw = {"matmul_flops": flops, "memcpy_bytes_per_s": mem_bw, "gloo_bytes_per_s": net_bw,
-           "gloo_latency_s": lat, "mem_bytes": mem, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    # Efficiency factors are 1: the measured numbers already are what the runtime achieves.
-    # All ranks share one machine (one "node" of up to 64 ranks; intra == inter bandwidth).
-    prof = HardwareProfile(name="cpu", peak_flops=flops, flops_eff=1.0, hbm_bw=mem_bw, hbm_eff=1.0,
-                           intra_bw=net_bw, inter_bw=net_bw, intra_lat=lat, inter_lat=lat,
-                           mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64)
-    return prof, raw

@@ -5,9 +5,9 @@ senders) says which bytes each rank sends and receives. A rank's NVLink and its 
 parallel, so its time is the largest of its four byte counts over their link bandwidths
 (intra send, intra receive, inter send, inter receive), plus its local copy (read + write at
 memory bandwidth) and one latency per message; the reallocation takes as long as its slowest
-rank. Costs are cached per (model, src layout, dst layout) after moving both meshes to a
-canonical position: whole-node shifts, and closing the gap between two meshes on different
-nodes, change no rank's byte counts or link classes.
+rank, plus the profile's fixed `realloc_lat`. Costs are cached per (model, src layout, dst
+layout) after moving both meshes to a canonical position: whole-node shifts, and closing the
+gap between two meshes on different nodes, change no rank's byte counts or link classes.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def transfer_time(plan, hw: HardwareProfile) -> float:
     msgs = np.bincount(senders, minlength=world) + np.bincount(receivers, minlength=world)
     local = np.zeros(world)
     np.add.at(local, plan.local_rank, plan.local_numel.astype(np.float64) * es)
-    lat = hw.inter_lat if inter.any() else hw.intra_lat
+    lat = (hw.inter_lat if inter.any() else hw.intra_lat) * hw.p2p_lat_ratio
     per_rank = link.max(axis=0) + 2 * local / hw.mem_bw + msgs * lat
-    return float(per_rank.max()) if world else 0.0
+    if not world:
+        return 0.0
+    return (float(per_rank.max()) + hw.realloc_lat) * hw.contention(len(plan.ranks()))

@@ -1,0 +1,304 @@
+"""The `cpu` hardware profile: measured on this machine, the way the CPU runtime uses it.
+
+    prof, raw = calibrate_cpu()      # ~25 s; hardware.cpu_profile() caches the result
+
+The CPU runtime runs one single-threaded gloo process per rank, often more ranks than cores. Like
+ReaL's profiler, which times layers on the real hardware, this times the runtime's own engines
+(real_py.engines.Engine) and transports, in 2n spawned ranks (n = cores, even, at most 4) and
+two phases:
+
+A. uncontended: n busy ranks, one per core (the others wait in a barrier):
+   - matmul FLOP/s and memcpy bandwidth per process; gloo bandwidth of 32 MiB messages and the
+     ratio of a small send's latency to a small all-reduce's, pairs of ranks at once;
+   - fixed per-layer and per-pass seconds of a small calibration model's inference, generation
+     and train steps at 1 and 5 layers (each rank its own single-rank engine): the slope over
+     layers is the per-layer cost, the rest the per-pass cost, after subtracting the roofline
+     compute;
+   - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
+     engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
+     head's;
+   - a real Reallocator over DistTransport (tp -> pp on the busy ranks) minus its planned
+     transfer time: the fixed cost per reallocation.
+B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n = cores): how
+   much the collective latency grows when busy ranks share cores (`lat_contention`; processor
+   work grows with the number of busy ranks per core, `shared_cores`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+CAL_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                 vocab_size=128, max_position_embeddings=64)
+"""The calibration model's shape (layers vary); small so that dispatch costs dominate."""
+B, T, P, G = 2, 24, 8, (2, 10)
+"""Rows, sequence length, prompt length and the two generation lengths per calibration rank."""
+LAYERS = (1, 5)
+"""Layer counts of the calibration model: the per-layer cost is the slope between them."""
+
+
+def _timed(fn, reps: int, group=None) -> float:
+    """Median of `reps` runs (what the runtime's per-step medians see); the ranks of `group`
+    (default: the world) start each run together."""
+    import torch.distributed as dist
+
+    fn()
+    ts = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _inputs(rank: int):
+    import torch
+
+    tok = torch.randint(1, CAL_MODEL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(rank))
+    return tok, torch.full((B,), T)
+
+
+def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False):
+    from ..engines import Engine, OptimConfig
+    from ..rlhf.models import init_weights
+    from ..shard import ModelShard
+    from ..spec import ModelConfig, model_spec
+
+    cfg = ModelConfig(**CAL_MODEL, num_hidden_layers=layers, head=head)
+    shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0))
+    return Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-5) if train else None)
+
+
+def _generate(eng, tok, n: int):
+    import torch
+
+    return eng.generate(tok[:, :P], torch.full((B,), P), torch.arange(B), max_new_tokens=n, greedy=False)
+
+
+def _single_rank_costs(rank: int, g, busy, reps: int) -> dict:
+    """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
+    tok, lengths = _inputs(rank)
+    out = {}
+    for head in ("lm", "value"):
+        key = "logprobs" if head == "lm" else "values"
+        for L in LAYERS:
+            eng = _engine(g.layout, g, rank, L, head, train=True)
+            out[f"{head}_inf_{L}"] = _timed(lambda: eng.inference(tok, lengths), reps, busy)
+            out[f"{head}_train_{L}"] = _timed(
+                lambda: eng.train_step(lambda o, d: o[key].sum(), {"tokens": tok, "lengths": lengths},
+                                       with_entropy=head == "lm"), reps, busy)
+            if head == "lm":
+                for n in G:
+                    out[f"gen{n}_{L}"] = _timed(lambda: _generate(eng, tok, n), reps, busy)
+    return out
+
+
+def _tp2_costs(rank: int, tg, busy, reps: int, prefix: str, train: bool) -> dict:
+    """The lm engine on this rank's tp=2 pair: inference, generation (and a train step)."""
+    tok, lengths = _inputs(rank)
+    out = {}
+    for L in LAYERS:
+        eng = _engine(tg.layout, tg, rank, L, train=train)
+        out[f"{prefix}_inf_{L}"] = _timed(lambda: eng.inference(tok, lengths), reps, busy)
+        if train:
+            out[f"{prefix}_train_{L}"] = _timed(
+                lambda: eng.train_step(lambda o, d: o["logprobs"].sum(), {"tokens": tok, "lengths": lengths},
+                                       with_entropy=True), reps, busy)
+        for n in G:
+            out[f"{prefix}_gen{n}_{L}"] = _timed(lambda: _generate(eng, tok, n), reps, busy)
+    return out
+
+
+def _comm_costs(rank: int, pair, reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    peer = rank ^ 1
+    small = torch.zeros(B * T * CAL_MODEL["hidden_size"])
+    big = torch.zeros(32 << 18)  # 32 MiB
+
+    def allreduce():
+        for _ in range(10):
+            dist.all_reduce(small, group=pair)
+
+    def send(buf, n):
+        def fn():
+            for _ in range(n):
+                (dist.send if rank % 2 == 0 else dist.recv)(buf, peer)
+        return fn
+
+    return {"allreduce_s": _timed(allreduce, reps, pair) / 10,
+            "send_s": _timed(send(small, 10), reps, pair) / 10,
+            "bw_bytes_per_s": big.numel() * 4 / _timed(send(big, 1), max(3, reps // 3), pair)}
+
+
+def _realloc_plan(n: int):
+    """The calibration reallocation: the calibration model from tp=n to pp=n on ranks 0..n-1."""
+    from ..layout import Layout
+    from ..plan import plan_realloc
+    from ..spec import ModelConfig, model_spec
+
+    spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=4))
+    ranks = tuple(range(n))
+    return plan_realloc(spec, Layout(tp=n, ranks=ranks), Layout(pp=n, ranks=ranks), ranks_per_node=n)
+
+
+def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
+    from ..reallocator import Reallocator
+    from ..rlhf.models import init_weights
+    from ..shard import ModelShard
+    from ..spec import ModelConfig
+
+    plan = _realloc_plan(n)
+    realloc = Reallocator(plan, transport)
+    a = ModelShard.from_full(plan.model, plan.src, rank,
+                             init_weights(ModelConfig(**CAL_MODEL, num_hidden_layers=4), 0))
+    b = ModelShard.empty(plan.model, plan.dst, rank)
+    return {"realloc_s": _timed(lambda: realloc.run(a, b), reps, busy)}
+
+
+def _roofline(busy) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    dist.barrier(group=busy)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:
+        a @ b
+        reps += 1
+    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    src = np.ones(32 << 20, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    dist.barrier(group=busy)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        np.copyto(dst, src)
+    # Bytes read + written, like the GPU HBM figures.
+    return {"matmul_flops": flops, "memcpy_bytes_per_s": 2 * 4 * src.nbytes / (time.perf_counter() - t0)}
+
+
+def _worker(rank: int, world: int, cores: int, reps: int) -> dict:
+    import torch.distributed as dist
+
+    from ..layout import Layout
+    from ..parallel import ParallelGroups
+    from ..transport_dist import DistTransport
+
+    # Groups first, every rank, same order (new_group is collective over the world).
+    busy = dist.new_group(list(range(cores)))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(cores)]
+    tp2 = [ParallelGroups(Layout(tp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
+    out = {}
+    if rank < cores:  # phase A: one busy rank per core
+        transport = DistTransport(busy, timeout=60)
+        out |= _roofline(busy)
+        out |= _comm_costs(rank, pairs[rank // 2], reps)
+        out |= _single_rank_costs(rank, singles[rank], busy, reps)
+        out |= _tp2_costs(rank, tp2[rank // 2], busy, reps, "tp2", train=True)
+        out |= _realloc_cost(rank, transport, cores, busy, reps)
+    dist.barrier()
+    # Phase B: every pair at once, two busy ranks per core.
+    out |= _tp2_costs(rank, tp2[rank // 2], None, reps, "tp2busy", train=False)
+    return out
+
+
+def _fit(raw: dict, prof_kw: dict) -> dict:
+    """Per-layer and per-pass seconds from the engine timings (slope over LAYERS), after removing
+    the calibration model's roofline compute (FLOPs at the measured rate)."""
+    from ..spec import ModelConfig, model_spec
+    from .costmodel import HEAD_COLLS, fwd_flops
+
+    flops, (l0, l1) = prof_kw["peak_flops"], LAYERS
+
+    def net(key: str, L: int, passes: int) -> float:
+        spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=L))
+        return max(raw[key] - passes * fwd_flops(spec, B * T, T / 2) / flops, 0.0)
+
+    def line(prefix: str, passes: int) -> tuple[float, float]:
+        """(per layer, per pass), averaged over the lm and value heads: the cost model has one."""
+        per_layer, fixed = [], []
+        for h in ("lm", "value"):
+            t0, t1 = net(f"{h}_{prefix}_{l0}", l0, passes), net(f"{h}_{prefix}_{l1}", l1, passes)
+            per_layer.append(max((t1 - t0) / (l1 - l0), 0.0))
+            fixed.append(max(t0 - l0 * per_layer[-1], 0.0))
+        return statistics.mean(per_layer), statistics.mean(fixed)
+
+    layer, head = line("inf", 1)
+    train_layer, train = line("train", 3)
+    lo, hi = G
+
+    def decode_slope(prefix: str) -> tuple[float, float]:
+        """(per layer, per step) of a decode step: generate(n) = prefill + (n - 1) decode steps;
+        the decode FLOPs are negligible here."""
+        step = {L: (raw[f"{prefix}gen{hi}_{L}"] - raw[f"{prefix}gen{lo}_{L}"]) / (hi - lo) for L in LAYERS}
+        per_layer = max((step[l1] - step[l0]) / (l1 - l0), 0.0)
+        return per_layer, max(step[l0] - l0 * per_layer, 0.0)
+
+    decode_layer, decode = decode_slope("")
+    tp_decode_layer, tp_decode = decode_slope("tp2_")
+    busy_decode_layer, _ = decode_slope("tp2busy_")
+    slope, fixed = {}, {}
+    for k in ("lm_inf", "tp2_inf", "lm_train", "tp2_train", "tp2busy_inf"):
+        slope[k] = (raw[f"{k}_{l1}"] - raw[f"{k}_{l0}"]) / (l1 - l0)
+        fixed[k] = raw[f"{k}_{l0}"] - l0 * slope[k]
+    # The tp=2 engine's extra seconds per layer over the same lm engine on one rank are its
+    # collectives: 2 all-reduces per layer in inference and decode steps, 4 in a train step
+    # (forward and backward). One latency, least squares over the three.
+    extra = [(2, slope["tp2_inf"] - slope["lm_inf"]), (2, tp_decode_layer - decode_layer),
+             (4, slope["tp2_train"] - slope["lm_train"])]
+    coll = max(sum(n * e for n, e in extra) / sum(n * n for n, _ in extra), 1e-6)
+    # Phase B: with c busy ranks per core the per-layer work takes c times as long; the rest of
+    # the growth of the tp=2 slope is the collective latency's.
+    c = prof_kw["shared_cores"] and max(1.0, raw["ranks"] / prof_kw["shared_cores"])  # phase B
+    busy_coll = statistics.mean([slope["tp2busy_inf"] - c * slope["lm_inf"],
+                                 busy_decode_layer - c * decode_layer]) / 2
+    lat_contention = max((busy_coll / coll - 1.0) / (c - 1.0), 0.0) if c > 1 else 0.0
+    # What tensor parallelism adds outside the layers beyond the collectives the cost model
+    # counts (HEAD_COLLS per pass, one all-gather per decode step): gathers of Python objects,
+    # masking and slicing of the vocab-parallel head.
+    return {"layer_lat": layer, "head_lat": head, "train_layer_lat": train_layer, "train_lat": train,
+            "decode_layer_lat": decode_layer, "decode_lat": decode, "intra_lat": coll,
+            "lat_contention": lat_contention,
+            "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
+            "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
+            "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
+
+
+def calibrate_cpu(reps: int = 15):
+    """Measure this machine (phases A and B of the module docstring); returns (profile, raw)."""
+    from ..testing import run_distributed
+    from .hardware import HardwareProfile
+    from .realloc_cost import transfer_time
+
+    cores = os.cpu_count() or 1
+    n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
+    res = run_distributed(_worker, 2 * n, n, reps, timeout=600)
+    # Slowest rank for times, slowest rank's rate for rates: what a synchronous runtime sees.
+    raw = {k: (min if k.endswith("per_s") or k == "matmul_flops" else max)(r[k] for r in res if k in r)
+           for k in res[0]}
+    raw |= {"ranks": 2 * n, "cpus": cores, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 8e9
+    # Efficiency factors are 1: the measured numbers already are what the runtime achieves.
+    # All ranks share one machine (one "node" of up to 64 ranks; intra == inter).
+    kw = dict(name="cpu", peak_flops=raw["matmul_flops"], flops_eff=1.0, hbm_bw=raw["memcpy_bytes_per_s"],
+              hbm_eff=1.0, intra_bw=raw["bw_bytes_per_s"], inter_bw=raw["bw_bytes_per_s"],
+              mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores,
+              # gloo's point-to-point message vs its all-reduce, both measured back to back.
+              p2p_lat_ratio=min(raw["send_s"] / raw["allreduce_s"], 1.0))
+    kw |= _fit(raw, kw)
+    kw["inter_lat"] = kw["intra_lat"]
+    kw["realloc_lat"] = max(raw["realloc_s"] - transfer_time(_realloc_plan(n), HardwareProfile(**kw)), 0.0)
+    raw["mem_bytes"] = mem
+    return HardwareProfile(**kw), raw
