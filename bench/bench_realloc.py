@@ -339,7 +339,7 @@ def main():
             "frac_of_aggregate", "realpy_speedup", "note"]
     from timing import write_results
 
-    write_results("realloc", out["rows"], cols,
+    write_results("realloc", "cpu2", out["rows"], columns=cols,
                   title="Parameter redistribution: real_py vs Megatron-core, DTensor, naive all-gather",
                   notes=notes, extra={"links": links, "versions": _versions(),
                                       "load_average": load, "repeats": args.repeats})

@@ -3,7 +3,7 @@
     time_fn(fn, device="cpu"|"cuda", warmup=2, repeats=7) -> Timing (seconds)
     time_interleaved({name: fn}, ...) -> {name: Timing}, variants timed round-robin
     environment() -> dict of versions, machine and date
-    write_results(theme, hardware, rows, columns=..., title=..., notes=...) ->
+    write_results(theme, hardware, rows, columns=..., title=..., notes=..., extra=...) ->
         bench/results/<theme>_<hardware>_<yyyymmdd>.{json,md}
 
 CPU timing uses perf_counter around each call; CUDA timing uses CUDA events on the current
@@ -118,8 +118,10 @@ def environment() -> dict:
 
 
 def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[str], title: str,
-                  notes: str = "", out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
-    """Write rows (dicts) to <theme>_<hardware>_<yyyymmdd>.json and .md; returns both paths."""
+                  notes: str = "", extra: dict | None = None,
+                  out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write rows (dicts) to <theme>_<hardware>_<yyyymmdd>.json and .md; returns both paths.
+    `extra` goes into the JSON only (raw figures a table would not show)."""
     out = Path(out_dir) if out_dir else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -127,7 +129,8 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
     stem = f"{theme}_{hardware}_{env['date_utc'][:10].replace('-', '')}"
     jpath, mpath = out / f"{stem}.json", out / f"{stem}.md"
     jpath.write_text(json.dumps({"title": title, "command": command, "environment": env,
-                                 "notes": notes, "rows": rows}, indent=1) + "\n")
+                                 "notes": notes, "rows": rows} | ({"extra": extra} if extra else {}),
+                                indent=1) + "\n")
 
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
