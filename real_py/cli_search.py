@@ -18,7 +18,8 @@ def add_parser(sub):
     p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=384)
-    p.add_argument("--ppo-minibatches", type=int, default=4)
+    p.add_argument("--ppo-minibatches", type=int, default=4, help="optimizer steps per PPO epoch")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the batch per train call")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds for the whole search")
     p.add_argument("--chains", type=int, default=4)
@@ -38,7 +39,7 @@ def run(args) -> int:
     if args.gpus < 1:
         raise ValueError(f"--gpus={args.gpus} must be >= 1")
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                  ppo_minibatches=args.ppo_minibatches)
+                  ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs)
     res = plan_search(args.model, args.critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype)
     sim = res.simulate()
