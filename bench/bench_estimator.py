@@ -107,7 +107,8 @@ def main() -> None:
             rows += r
             profiles.append(f"round {rnd}: " + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
                             + f"; searched plan estimated {found:.4f} s")
-    per_round = {rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd]) for rnd in range(1, args.rounds + 1)}
+    per_round = {rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd])
+                 for rnd in range(1, args.rounds + 1)}
     errs = [abs(r["rel err"]) for r in rows]
     cols = [c for c in rows[0] if c not in ("breakdown", "layouts")]
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],

@@ -10,10 +10,13 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              plus HEAD_COLLS small ones per pass (vocab-parallel embedding and log-probs).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
              hops on the critical path.
-  dp         one gradient all-reduce per optimizer step (no overlap with backward assumed).
+  dp         one gradient all-reduce per optimizer step (no overlap with backward assumed), plus
+             the small loss / token-count / grad-norm collectives of the step.
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
   overhead   fixed seconds per layer and per pass of one micro-batch (host-side op dispatch);
              measured for the `cpu` profile, zero for GPUs (launches overlap device work).
+  sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
+             waits x HardwareProfile.lat_slowdown (see calibrate.py).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
 Ranks are walked tp fastest, then dp, then pp (Layout's default order), so tp groups are
 contiguous and a group of n ranks with stride s shares a node iff s * n <= ranks_per_node.
@@ -141,6 +144,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
     S = wl.seq_len
+    pass_tokens = seqs * S / (wl.ppo_minibatches if kind == "train" else 1)  # per replica and pass
 
     def forward(tok: float, ctx: float, train: bool) -> dict[str, float]:
         """One pass (forward, or forward + backward when train) over tok tokens per replica."""
@@ -149,8 +153,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         k = 2 if train else 1  # forward only, or forward + backward
         # Per layer: 2 all-reduces of the hidden states per direction, on the critical path of
         # every micro-batch; the head's reductions carry a few floats per token (latency only).
+        head_host = hw.tp_train_lat if train else hw.tp_head_lat
         tp_t = (k * 2 * L / pp * bubble * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
-                + m * (k * HEAD_COLLS * tp_lat + (hw.tp_train_lat if train else hw.tp_head_lat))) if tp > 1 else 0.0
+                + m * (k * HEAD_COLLS * tp_lat + head_host)) if tp > 1 else 0.0
         hops = k * (m + pp - 2) if pp > 1 else 0
         layer, head = (hw.train_layer_lat, hw.train_lat) if train else (hw.layer_lat, hw.head_lat)
         return {"compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
@@ -180,21 +185,23 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         out["overhead"] = pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
     else:
         steps = wl.ppo_epochs * wl.ppo_minibatches if kind == "train" else 1
-        f = forward(seqs * S / wl.ppo_minibatches if kind == "train" else seqs * S, S / 2, kind == "train")
+        f = forward(pass_tokens, S / 2, kind == "train")
         for k, v in f.items():
             out[k] = steps * v
         if kind == "train":
             local = model.numel / (tp * pp)
             # Small collectives per optimizer step: grad-norm (tp, pp), loss and token count (dp).
-            small = (tp_lat if tp > 1 else 0.0) + (2 * pp_coll_lat if pp > 1 else 0.0) + (2 * dp_lat if dp > 1 else 0.0)
+            small = ((tp_lat if tp > 1 else 0.0) + (2 * pp_coll_lat if pp > 1 else 0.0)
+                     + (2 * dp_lat if dp > 1 else 0.0))
             out["dp"] = steps * (allreduce_time(local * es, dp, dp_bw, dp_lat) + small)
             out["optimizer"] = steps * local / dp * (24 + 3 * es) / hw.mem_bw
         elif pp > 1:
             out["pp"] += pp_coll_lat  # results broadcast from the last stage
-    # Ranks sharing cores: the busy ones share them, which stretches what the processors do but
-    # not the wait for a message. Pipeline stages are busy together only with several
-    # micro-batches in flight (a decode step runs its stages one after another).
-    busy = dp * tp * (1 if kind == "generate" else min(pp, _pipeline(pp, seqs * S, wl.micro_tokens)[0]))
+    # Ranks sharing cores (the cpu profile): the busy ones share them, which stretches what the
+    # processors do and, less, the wait for a message (a peer may wait for a core). Pipeline
+    # stages are busy together only with several micro-batches in flight; a decode step runs
+    # its stages one after another.
+    busy = dp * tp * (1 if kind == "generate" else min(pp, _pipeline(pp, pass_tokens, wl.micro_tokens)[0]))
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
     out["total"] = sum(out.values())

@@ -77,7 +77,8 @@ class HardwareProfile:
             if not getattr(self, f) > 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be positive")
         for f in ("layer_lat", "head_lat", "decode_layer_lat", "decode_lat", "train_layer_lat", "train_lat",
-                  "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat", "p2p_lat_ratio", "lat_contention"):
+                  "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat",
+                  "p2p_lat_ratio", "lat_contention"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
         if self.shared_cores < 0:
