@@ -8,15 +8,15 @@ ReaL's profiler, which times layers on the real hardware, this times the runtime
 two phases:
 
 A. uncontended: n busy ranks, one per core (the others wait in a barrier):
-   - matmul FLOP/s and memcpy bandwidth per process; gloo bandwidth of 32 MiB messages and the
-     ratio of a small send's latency to a small all-reduce's, pairs of ranks at once;
+   - matmul FLOP/s and memcpy bandwidth per process; gloo bandwidth of 32 MiB messages (and, for
+     the record, small all-reduce and send latencies back to back), pairs of ranks at once;
    - fixed per-layer and per-pass seconds of a small calibration model's inference, generation
      and train steps at 1 and 5 layers (each rank its own single-rank engine): the slope over
      layers is the per-layer cost, the rest the per-pass cost, after subtracting the roofline
      compute;
    - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
      engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
-     head's;
+     head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
    - a real Reallocator over DistTransport (tp -> pp on the busy ranks) minus its planned
      transfer time: the fixed cost per reallocation.
 B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n = cores): how
@@ -37,21 +37,27 @@ B, T, P, G = 2, 24, 8, (2, 10)
 """Rows, sequence length, prompt length and the two generation lengths per calibration rank."""
 LAYERS = (1, 5)
 """Layer counts of the calibration model: the per-layer cost is the slope between them."""
+PP_LAYERS = 4
+"""Layers of the pp=2 calibration engine (2 per stage)."""
 
 
-def _timed(fn, reps: int, group=None) -> float:
-    """Median of `reps` runs (what the runtime's per-step medians see); the ranks of `group`
-    (default: the world) start each run together."""
+def _timed(fns: dict, reps: int, group=None) -> dict[str, float]:
+    """Median seconds of each function over `reps` runs (what the runtime's per-step medians
+    see). The functions take turns, so a drift of the machine's speed (other jobs, clocks) hits
+    all of them alike instead of biasing the differences fitted below; the ranks of `group`
+    (default: the world) start every run together."""
     import torch.distributed as dist
 
-    fn()
-    ts = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    ts = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 def _inputs(rank: int):
@@ -81,35 +87,34 @@ def _generate(eng, tok, n: int):
 def _single_rank_costs(rank: int, g, busy, reps: int) -> dict:
     """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
     tok, lengths = _inputs(rank)
-    out = {}
+    fns = {}
     for head in ("lm", "value"):
         key = "logprobs" if head == "lm" else "values"
         for L in LAYERS:
             eng = _engine(g.layout, g, rank, L, head, train=True)
-            out[f"{head}_inf_{L}"] = _timed(lambda: eng.inference(tok, lengths), reps, busy)
-            out[f"{head}_train_{L}"] = _timed(
-                lambda: eng.train_step(lambda o, d: o[key].sum(), {"tokens": tok, "lengths": lengths},
-                                       with_entropy=head == "lm"), reps, busy)
+            fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
+            fns[f"{head}_train_{L}"] = lambda eng=eng, key=key, head=head: eng.train_step(
+                lambda o, d: o[key].sum(), {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
-                    out[f"gen{n}_{L}"] = _timed(lambda: _generate(eng, tok, n), reps, busy)
-    return out
+                    fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
+    return _timed(fns, reps, busy)
 
 
-def _tp2_costs(rank: int, tg, busy, reps: int, prefix: str, train: bool) -> dict:
-    """The lm engine on this rank's tp=2 pair: inference, generation (and a train step)."""
+def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool) -> dict:
+    """The lm engine on this rank's pair (tp=2 or pp=2 groups `pg`): inference, generation and
+    optionally a train step, for each layer count."""
     tok, lengths = _inputs(rank)
-    out = {}
-    for L in LAYERS:
-        eng = _engine(tg.layout, tg, rank, L, train=train)
-        out[f"{prefix}_inf_{L}"] = _timed(lambda: eng.inference(tok, lengths), reps, busy)
+    fns = {}
+    for L in layers:
+        eng = _engine(pg.layout, pg, rank, L, train=train)
+        fns[f"{prefix}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
         if train:
-            out[f"{prefix}_train_{L}"] = _timed(
-                lambda: eng.train_step(lambda o, d: o["logprobs"].sum(), {"tokens": tok, "lengths": lengths},
-                                       with_entropy=True), reps, busy)
+            fns[f"{prefix}_train_{L}"] = lambda eng=eng: eng.train_step(
+                lambda o, d: o["logprobs"].sum(), {"tokens": tok, "lengths": lengths}, with_entropy=True)
         for n in G:
-            out[f"{prefix}_gen{n}_{L}"] = _timed(lambda: _generate(eng, tok, n), reps, busy)
-    return out
+            fns[f"{prefix}_gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
+    return _timed(fns, reps, busy)
 
 
 def _comm_costs(rank: int, pair, reps: int) -> dict:
@@ -130,9 +135,9 @@ def _comm_costs(rank: int, pair, reps: int) -> dict:
                 (dist.send if rank % 2 == 0 else dist.recv)(buf, peer)
         return fn
 
-    return {"allreduce_s": _timed(allreduce, reps, pair) / 10,
-            "send_s": _timed(send(small, 10), reps, pair) / 10,
-            "bw_bytes_per_s": big.numel() * 4 / _timed(send(big, 1), max(3, reps // 3), pair)}
+    t = _timed({"allreduce": allreduce, "send": send(small, 10)}, reps, pair)
+    big_s = _timed({"big": send(big, 1)}, max(3, reps // 3), pair)["big"]
+    return {"allreduce_s": t["allreduce"] / 10, "send_s": t["send"] / 10, "bw_bytes_per_s": big.numel() * 4 / big_s}
 
 
 def _realloc_plan(n: int):
@@ -157,7 +162,7 @@ def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
     a = ModelShard.from_full(plan.model, plan.src, rank,
                              init_weights(ModelConfig(**CAL_MODEL, num_hidden_layers=4), 0))
     b = ModelShard.empty(plan.model, plan.dst, rank)
-    return {"realloc_s": _timed(lambda: realloc.run(a, b), reps, busy)}
+    return {"realloc_s": _timed({"realloc": lambda: realloc.run(a, b)}, reps, busy)["realloc"]}
 
 
 def _roofline(busy) -> dict:
@@ -197,17 +202,19 @@ def _worker(rank: int, world: int, cores: int, reps: int) -> dict:
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(cores)]
     tp2 = [ParallelGroups(Layout(tp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
+    pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, cores, 2)]
     out = {}
     if rank < cores:  # phase A: one busy rank per core
         transport = DistTransport(busy, timeout=60)
         out |= _roofline(busy)
         out |= _comm_costs(rank, pairs[rank // 2], reps)
         out |= _single_rank_costs(rank, singles[rank], busy, reps)
-        out |= _tp2_costs(rank, tp2[rank // 2], busy, reps, "tp2", train=True)
+        out |= _pair_costs(rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
+        out |= _pair_costs(rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
         out |= _realloc_cost(rank, transport, cores, busy, reps)
     dist.barrier()
     # Phase B: every pair at once, two busy ranks per core.
-    out |= _tp2_costs(rank, tp2[rank // 2], None, reps, "tp2busy", train=False)
+    out |= _pair_costs(rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
     return out
 
 
@@ -262,12 +269,19 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
     busy_coll = statistics.mean([slope["tp2busy_inf"] - c * slope["lm_inf"],
                                  busy_decode_layer - c * decode_layer]) / 2
     lat_contention = max((busy_coll / coll - 1.0) / (c - 1.0), 0.0) if c > 1 else 0.0
+    # The pp=2 engine (PP_LAYERS layers) over the same layers on one rank: per inference pass one
+    # activation hop and one result broadcast, per decode step one hop and one token broadcast.
+    Lp = PP_LAYERS
+    pp_step = (raw[f"pp2_gen{hi}_{Lp}"] - raw[f"pp2_gen{lo}_{Lp}"]) / (hi - lo)
+    pp_extra = statistics.mean([raw[f"pp2_inf_{Lp}"] - (fixed["lm_inf"] + Lp * slope["lm_inf"]),
+                                pp_step - (decode + Lp * decode_layer)])
+    p2p_ratio = max(pp_extra - coll, 0.01 * coll) / coll
     # What tensor parallelism adds outside the layers beyond the collectives the cost model
     # counts (HEAD_COLLS per pass, one all-gather per decode step): gathers of Python objects,
     # masking and slicing of the vocab-parallel head.
     return {"layer_lat": layer, "head_lat": head, "train_layer_lat": train_layer, "train_lat": train,
             "decode_layer_lat": decode_layer, "decode_lat": decode, "intra_lat": coll,
-            "lat_contention": lat_contention,
+            "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio,
             "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
             "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
             "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
@@ -294,9 +308,7 @@ def calibrate_cpu(reps: int = 15):
     # All ranks share one machine (one "node" of up to 64 ranks; intra == inter).
     kw = dict(name="cpu", peak_flops=raw["matmul_flops"], flops_eff=1.0, hbm_bw=raw["memcpy_bytes_per_s"],
               hbm_eff=1.0, intra_bw=raw["bw_bytes_per_s"], inter_bw=raw["bw_bytes_per_s"],
-              mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores,
-              # gloo's point-to-point message vs its all-reduce, both measured back to back.
-              p2p_lat_ratio=min(raw["send_s"] / raw["allreduce_s"], 1.0))
+              mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores)
     kw |= _fit(raw, kw)
     kw["inter_lat"] = kw["intra_lat"]
     kw["realloc_lat"] = max(raw["realloc_s"] - transfer_time(_realloc_plan(n), HardwareProfile(**kw)), 0.0)

@@ -172,11 +172,12 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         weights = model.numel * es / tp
         kv = seqs * ctx * L * 2 * c.num_key_value_heads * c.head_dim * es / (tp * pp)
         step = max(step_flops / hw.flops, (weights + kv) / hw.mem_bw)
-        # Per step: 2 all-reduces per layer and one logits all-gather (tp); one activation hop per
-        # stage and the new tokens broadcast from the last stage (pp). Stages run one after another.
+        # Per step: 2 all-reduces per layer and one logits all-gather (tp); an activation hop
+        # between stages and the new tokens broadcast from the last stage (pp). Stages run one
+        # after another.
         step_tp = (2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat) + tp_lat + hw.tp_decode_lat
                    if tp > 1 else 0.0)
-        step_pp = pp * (pp_lat + seqs / pp * H * es / pp_bw) + pp_coll_lat if pp > 1 else 0.0
+        step_pp = (pp - 1) * (pp_lat + seqs * H * es / pp_bw) + pp_coll_lat if pp > 1 else 0.0
         out["decode"] = G * step
         out["decode_tp"] = G * step_tp
         out["decode_pp"] = G * step_pp
