@@ -12,9 +12,10 @@ goes direct (any size); 0 or None turns the splitting off.
 
 Bounds, per rank and round: the elements it sends plus those it receives, staged or direct, stay
 within `bucket_elems` (so at most that much data is in flight per rank and round), hence its
-staging buffer (staged chunks only) never exceeds `bucket_elems` either. The NUMBER of chunks per
-round is not bounded by a count: every chunk holds >= 1 element and direct ones >= direct_min_elems
-(except the tail of a cut piece), so splitting adds at most one message per direct piece.
+staging buffer (staged chunks only) never exceeds `bucket_elems` either. The NUMBER of chunks
+(messages) per round has no separate cap: a message with k direct pieces travels in at most k + 1
+more chunks than without splitting, and a direct chunk holds >= direct_min_elems elements unless
+it is the tail of a piece cut at the round limit.
 """
 
 from __future__ import annotations
