@@ -146,12 +146,13 @@ class DTensorMethod:
 class RealPy:
     name = "real_py"
 
-    def __init__(self, model, src, dst, src_shard, dst_shard, transport):
+    def __init__(self, model, src, dst, src_shard, dst_shard, transport, **realloc_kw):
+        """realloc_kw: Reallocator options (direct_min_bytes=0: the all-staged reference row)."""
         from real_py.plan import plan_realloc
         from real_py.reallocator import Reallocator
 
         self.plan = plan_realloc(model, src, dst)
-        self.realloc = Reallocator(self.plan, transport)
+        self.realloc = Reallocator(self.plan, transport, **realloc_kw)
         self.src_shard, self.dst_shard = src_shard, dst_shard
         self.recv_bytes = self.plan.per_rank_bytes().get(dist.get_rank(), {"recv": 0})["recv"]
         self.last_stats: dict = {}

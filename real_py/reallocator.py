@@ -8,6 +8,12 @@ collective). Local pieces go straight from the source buffer to the destination 
 that is one contiguous run is sent from / received into the shard buffers directly; everything
 else goes through one staging buffer allocated once and reused across calls.
 
+direct_min_bytes (default 256 KiB; 0 or None: off): inside a message that also holds strided
+pieces, every piece that is one contiguous run on both sides and at least this big travels as its
+own chunk without staging (no pack/unpack copy, one more message per piece); see
+real_py/schedule.py. The staging bound below holds either way; direct chunks count towards the
+per-round element budget like staged ones, so the data in flight per rank stays bounded too.
+
 Double buffering (pipeline=True; the default for asynchronous transports such as DistTransport,
 a blocking one like the in-process transport gains nothing from it): the staging buffer holds
 two halves; round i+1 is packed into one half while round i is on the wire in the other, and
@@ -36,13 +42,17 @@ from .shard import ModelShard
 from .transport import TransferError, Transport
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_DIRECT_MIN_BYTES = 256 << 10
+"""Smallest contiguous piece sent without staging inside a mixed message (measured on gloo:
+below a few hundred KiB the extra message costs about what the saved copies gain)."""
 
 
-def _schedule(plan: ReallocPlan, bucket_elems: int) -> Schedule:
+def _schedule(plan: ReallocPlan, bucket_elems: int, direct_min_elems: int) -> Schedule:
     cache = plan.__dict__.setdefault("_schedules", {})
-    if bucket_elems not in cache:
-        cache[bucket_elems] = Schedule(plan, bucket_elems)
-    return cache[bucket_elems]
+    key = (bucket_elems, direct_min_elems)
+    if key not in cache:
+        cache[key] = Schedule(plan, bucket_elems, direct_min_elems)
+    return cache[key]
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
@@ -59,10 +69,13 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool | None = None,
-                 verify: bool = False):
+                 verify: bool = False, direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES):
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of "
                              f"{plan.model.dtype}")
+        if direct_min_bytes is not None and direct_min_bytes < 0:
+            raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0 (0 or None: send "
+                             "every piece of a mixed message through staging)")
         self.plan, self.transport, self.rank = plan, transport, transport.rank
         self.bucket_bytes, self.verify = bucket_bytes, verify
         bucket_elems = bucket_bytes // plan.element_size
@@ -71,7 +84,10 @@ class Reallocator:
             pipeline = transport.asynchronous
         self.pipeline = pipeline and bucket_elems // 2 >= 2
         self.round_elems = bucket_elems // 2 if self.pipeline else bucket_elems
-        self.schedule = _schedule(plan, self.round_elems)
+        # Rounded up to whole elements, so a tiny positive threshold never turns the feature off.
+        es = plan.element_size
+        self.direct_min_elems = -(-(direct_min_bytes or 0) // es)
+        self.schedule = _schedule(plan, self.round_elems, self.direct_min_elems)
         self.rounds = self.schedule.for_rank(self.rank)
         self._descs: dict[tuple[int, str], torch.Tensor] = {}
         self.staging: torch.Tensor | None = None
@@ -210,4 +226,5 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
     return ModelShard.empty(plan.model, plan.dst, rank, device=device)
 
 
-__all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES",
+           "DEFAULT_DIRECT_MIN_BYTES"]

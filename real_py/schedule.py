@@ -1,8 +1,21 @@
 """Bucket schedule: cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
-its descriptors without talking. In a round, the elements a rank sends plus those it receives
-stay within `bucket_elems`, so one staging buffer of that size per rank suffices.
+its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule.
+
+Direct chunks: with `direct_min_elems` > 0, every descriptor of a message that is ONE contiguous
+run on both sides (n == 1, or src_stride == dst_stride == len) and holds at least
+`direct_min_elems` elements becomes its own chunk(s), sent from the source shard buffer and
+received into the destination buffer without staging; the other descriptors of the message, in
+their order, are cut into staged chunks as before. A message that is one run as a whole always
+goes direct (any size); 0 or None turns the splitting off.
+
+Bounds, per rank and round: the elements it sends plus those it receives, staged or direct, stay
+within `bucket_elems` (so at most that much data is in flight per rank and round), hence its
+staging buffer (staged chunks only) never exceeds `bucket_elems` either. The NUMBER of chunks
+(messages) per round has no separate cap: a message with k direct pieces travels in at most k + 1
+more chunks than without splitting, and a direct chunk holds >= direct_min_elems elements unless
+it is the tail of a piece cut at the round limit.
 """
 
 from __future__ import annotations
@@ -27,7 +40,12 @@ class Chunk:
     @property
     def contiguous(self) -> bool:
         """One run on both sides: sent from / received into the shard buffers without staging."""
-        return len(self.descs) == 1 and int(self.descs[0, 3]) == 1
+        return len(self.descs) == 1 and _one_run(self.descs[0])
+
+
+def _one_run(d) -> bool:
+    """A descriptor whose n runs are back to back on both sides: one contiguous run."""
+    return int(d[3]) == 1 or (int(d[4]) == int(d[2]) and int(d[5]) == int(d[2]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,22 +104,22 @@ def split_descs(descs: np.ndarray, lo: int, hi: int, ends: np.ndarray | None = N
 class Schedule:
     """Rounds of chunks for a plan and a bucket size (elements)."""
 
-    def __init__(self, plan: ReallocPlan, bucket_elems: int):
+    def __init__(self, plan: ReallocPlan, bucket_elems: int, direct_min_elems: int | None = None):
         if bucket_elems < 2:
             raise ValueError(f"bucket of {bucket_elems} elements is too small; need >= 2")
+        if direct_min_elems is not None and direct_min_elems < 0:
+            raise ValueError(f"direct_min_elems={direct_min_elems} must be >= 0 (0 or None: off)")
         self.plan, self.bucket_elems = plan, bucket_elems
+        self.direct_min_elems = direct_min_elems or 0
         # A chunk counts once for its sender and once for each receiver: half a bucket each
         # lets a rank send one chunk and receive one in the same round.
         limit = max(1, bucket_elems // 2)
         chunks = []
         for m in range(plan.num_messages):
-            total = int(plan.msg_numel[m])
-            descs = plan.message_descs(m)
-            ends = np.cumsum(descs[:, 2] * descs[:, 3]) if total > limit else None
-            for lo in range(0, total, limit):
-                hi = min(total, lo + limit)
-                part = descs if (lo == 0 and hi == total) else split_descs(descs, lo, hi, ends)
-                chunks.append(Chunk(m, int(plan.msg_sender[m]), plan.receivers(m), hi - lo, part))
+            sender, receivers = int(plan.msg_sender[m]), plan.receivers(m)
+            for part, numel in _split_message(plan.message_descs(m), int(plan.msg_numel[m]),
+                                              self.direct_min_elems, limit):
+                chunks.append(Chunk(m, sender, receivers, numel, part))
         # Frontier fill: a chunk goes to the earliest round, at or after the current round of each
         # of its ranks, where all of them have room. Linear in the number of chunks.
         current: dict[int, int] = {}
@@ -132,6 +150,36 @@ class Schedule:
             self._per_rank = {r: [_rank_round(k, tuple(s), tuple(v)) for k, (s, v) in rounds.items()]
                               for r, rounds in by_rank.items()}
         return self._per_rank.get(rank, [])
+
+
+def _cut(descs: np.ndarray, total: int, limit: int) -> list[tuple[np.ndarray, int]]:
+    """`descs` (holding `total` elements) cut into (descs, numel) pieces of <= `limit` elements."""
+    if total <= limit:
+        return [(descs, total)]
+    ends = np.cumsum(descs[:, 2] * descs[:, 3])
+    return [(split_descs(descs, lo, min(total, lo + limit), ends), min(total, lo + limit) - lo)
+            for lo in range(0, total, limit)]
+
+
+def _split_message(descs: np.ndarray, total: int, direct_min: int,
+                   limit: int) -> list[tuple[np.ndarray, int]]:
+    """One message's chunk descriptors: big one-run descriptors alone (direct), the rest staged.
+
+    Order: the staged remainder's chunks first, then the direct pieces in descriptor order; only
+    the plan is read, so every rank derives the same list."""
+    if direct_min <= 0 or len(descs) <= 1:
+        return _cut(descs, total, limit)
+    sizes = descs[:, 2] * descs[:, 3]
+    one_run = (descs[:, 3] == 1) | ((descs[:, 4] == descs[:, 2]) & (descs[:, 5] == descs[:, 2]))
+    big = one_run & (sizes >= direct_min)
+    if not big.any():
+        return _cut(descs, total, limit)
+    rest = descs[~big]
+    out = _cut(rest, int(sizes[~big].sum()), limit) if len(rest) else []
+    for so, do, ln, n, _, _ in descs[big].tolist():
+        run = ln * n  # normalized to n == 1, so Chunk.contiguous sees one run
+        out += _cut(np.array([[so, do, run, 1, run, run]], dtype=np.int64), run, limit)
+    return out
 
 
 def _place(chunks: tuple[Chunk, ...], side: str, off: int) -> tuple[list, list, int]:

@@ -8,6 +8,13 @@ this rank, the peer and the step. `setup(plan)` runs once per plan on EVERY rank
 transport's group (collective setup such as broadcast subgroups); `fail(step, why)` tells the
 other ranks that this one gave up, so they stop waiting on it.
 
+Several chunks may travel between the same pair of ranks in one round (a message cut in pieces,
+big contiguous pieces sent on their own). Both ends list a round's chunks in the schedule's one
+global order, so a transport that matches messages by order per pair must post them in list
+order: the in-process transport numbers them per (sender, receiver); gloo and NCCL p2p match in
+posting order per peer (DistTransport, CupyNcclTransport post `sends` / `recvs` in list order);
+DistTransport's broadcasts are issued sorted by (sender, receivers), then list index.
+
 This module holds the interface and the in-process transport, which runs all ranks of a plan
 inside one process (one thread per rank, a message is a copy): the same reallocator code path as
 the distributed transports, fast enough to test thousands of layout pairs.

@@ -61,17 +61,18 @@ def shards(model, layout: Layout, rank: int, full: dict, device="cpu") -> ModelS
 
 def check_transfer(transport, rank: int, model, src: Layout, dst: Layout, full: dict, *,
                    mode: str, bucket: int, verify: bool = False, src_shard=None, what: str = "",
-                   device="cpu"):
+                   device="cpu", **realloc_kw):
     """Run one transfer on every rank; assert the oracle, source intact, bytes, staging bound.
 
-    Returns this rank's destination shard (None if not in dst)."""
+    realloc_kw: more Reallocator arguments (direct_min_bytes). Returns this rank's destination
+    shard (None if not in dst)."""
     plan = plan_realloc(model, src, dst, mode=mode)
     tag = f"{what} {src}->{dst} {mode} bucket {bucket}: rank {rank}"
     s = src_shard if src_shard is not None else shards(model, src, rank, full, device)
     before = None if s is None else s.flat.clone()
     d = ModelShard.empty(model, dst, rank, device) if rank in dst.ranks else None
     sent0, recv0 = transport.sent_bytes, transport.received_bytes
-    r = Reallocator(plan, transport, bucket_bytes=bucket, verify=verify)
+    r = Reallocator(plan, transport, bucket_bytes=bucket, verify=verify, **realloc_kw)
     r.run(s, d)
     if d is not None:
         assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), \
