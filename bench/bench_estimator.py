@@ -1,6 +1,6 @@
 """Runtime estimator vs the PPO runtime: measured and estimated seconds per iteration, per plan.
 
-    python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 2] [--search-budget 10]
+    python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
 
 Per round: calibrates the `cpu` hardware profile (refresh=True), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
@@ -97,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
     args = ap.parse_args()
     rows, profiles, med = [], [], statistics.median

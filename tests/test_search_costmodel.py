@@ -128,6 +128,11 @@ def test_contention_by_hand():
     # pp=2 with one micro-batch: one stage busy at a time, so 2 busy ranks: no slow-down.
     c = call_time("inference", m, Mesh(0, 4), 1, 2, 2, shared, wl)
     assert c == call_time("inference", m, Mesh(0, 4), 1, 2, 2, base, wl)
+    # ... but after the pipeline flush all 4 ranks reduce gradients and step at once.
+    tb = call_time("train", m, Mesh(0, 4), 2, 1, 2, base, wl)
+    ts = call_time("train", m, Mesh(0, 4), 2, 1, 2, shared, wl)
+    assert ts["compute"] == pytest.approx(tb["compute"]) and ts["overhead"] == pytest.approx(tb["overhead"])
+    assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(1.5 * tb["dp"])
 
 
 def test_tensor_parallel_host_extras_by_hand():

@@ -33,7 +33,7 @@ import time
 CAL_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
                  vocab_size=128, max_position_embeddings=64)
 """The calibration model's shape (layers vary); small so that dispatch costs dominate."""
-B, T, P, G = 2, 24, 8, (2, 10)
+B, T, P_LEN, G = 2, 24, 8, (2, 10)
 """Rows, sequence length, prompt length and the two generation lengths per calibration rank."""
 LAYERS = (1, 5)
 """Layer counts of the calibration model: the per-layer cost is the slope between them."""
@@ -81,7 +81,31 @@ def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: boo
 def _generate(eng, tok, n: int):
     import torch
 
-    return eng.generate(tok[:, :P], torch.full((B,), P), torch.arange(B), max_new_tokens=n, greedy=False)
+    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN), torch.arange(B), max_new_tokens=n, greedy=False)
+
+
+def _ppo_loss(head: str, tok):
+    """The runtime's train-step loss (real_py.rlhf.calls): clipped policy loss with entropy and
+    clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
+    import torch
+
+    from ..rlhf import ppo as P
+
+    g = torch.Generator().manual_seed(7)
+    n = T - 1  # log-probs of tokens 1..T-1; values of positions 0..T-2
+    mask = P.response_mask(torch.full((B,), P_LEN), torch.full((B,), T), T)
+    old, adv = torch.randn(B, n, generator=g) - 3.0, torch.randn(B, n, generator=g)
+
+    def loss_fn(out, data):
+        if head == "lm":
+            loss, nclip = P.policy_loss(out["logprobs"], old, adv, mask, 0.2)
+            float(nclip), float((out["entropy"].detach() * mask).sum()), float(mask.sum())
+        else:
+            loss, nclip = P.value_loss(out["values"][:, :-1], old, adv, mask, 0.2)
+            float(nclip), float(mask.sum())
+        return loss / float(mask.sum())
+
+    return loss_fn
 
 
 def _single_rank_costs(rank: int, g, busy, reps: int) -> dict:
@@ -89,12 +113,12 @@ def _single_rank_costs(rank: int, g, busy, reps: int) -> dict:
     tok, lengths = _inputs(rank)
     fns = {}
     for head in ("lm", "value"):
-        key = "logprobs" if head == "lm" else "values"
+        loss = _ppo_loss(head, tok)
         for L in LAYERS:
             eng = _engine(g.layout, g, rank, L, head, train=True)
             fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
-            fns[f"{head}_train_{L}"] = lambda eng=eng, key=key, head=head: eng.train_step(
-                lambda o, d: o[key].sum(), {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
+            fns[f"{head}_train_{L}"] = lambda eng=eng, loss=loss, head=head: eng.train_step(
+                loss, {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
                     fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
@@ -110,8 +134,8 @@ def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool
         eng = _engine(pg.layout, pg, rank, L, train=train)
         fns[f"{prefix}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
         if train:
-            fns[f"{prefix}_train_{L}"] = lambda eng=eng: eng.train_step(
-                lambda o, d: o["logprobs"].sum(), {"tokens": tok, "lengths": lengths}, with_entropy=True)
+            fns[f"{prefix}_train_{L}"] = lambda eng=eng, loss=_ppo_loss("lm", tok): eng.train_step(
+                loss, {"tokens": tok, "lengths": lengths}, with_entropy=True)
         for n in G:
             fns[f"{prefix}_gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
     return _timed(fns, reps, busy)

@@ -205,6 +205,10 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     busy = dp * tp * (1 if kind == "generate" else min(pp, _pipeline(pp, pass_tokens, wl.micro_tokens)[0]))
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
+    # After the pipeline flush every stage reduces its gradients and steps at the same time.
+    for k, f in (("dp", hw.lat_slowdown), ("optimizer", hw.contention)):
+        if k in out:
+            out[k] *= f(mesh.size) / f(busy)
     out["total"] = sum(out.values())
     return out
 
