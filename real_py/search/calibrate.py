@@ -214,7 +214,8 @@ def _roofline(busy) -> dict:
     return {"matmul_flops": flops, "memcpy_bytes_per_s": 2 * 4 * src.nbytes / (time.perf_counter() - t0)}
 
 
-def _worker(rank: int, world: int, cores: int, reps: int) -> dict:
+def _worker(rank: int, world: int, n: int, reps: int) -> dict:
+    """Phase A on ranks 0..n-1 (one per core), phase B on all `world` = 2n ranks."""
     import torch.distributed as dist
 
     from ..layout import Layout
@@ -222,20 +223,20 @@ def _worker(rank: int, world: int, cores: int, reps: int) -> dict:
     from ..transport_dist import DistTransport
 
     # Groups first, every rank, same order (new_group is collective over the world).
-    busy = dist.new_group(list(range(cores)))
+    busy = dist.new_group(list(range(n)))
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(cores)]
+    singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(n)]
     tp2 = [ParallelGroups(Layout(tp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
-    pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, cores, 2)]
+    pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, n, 2)]
     out = {}
-    if rank < cores:  # phase A: one busy rank per core
+    if rank < n:  # phase A: one busy rank per core
         transport = DistTransport(busy, timeout=60)
         out |= _roofline(busy)
         out |= _comm_costs(rank, pairs[rank // 2], reps)
         out |= _single_rank_costs(rank, singles[rank], busy, reps)
         out |= _pair_costs(rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
         out |= _pair_costs(rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
-        out |= _realloc_cost(rank, transport, cores, busy, reps)
+        out |= _realloc_cost(rank, transport, n, busy, reps)
     dist.barrier()
     # Phase B: every pair at once, two busy ranks per core.
     out |= _pair_costs(rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
