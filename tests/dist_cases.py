@@ -1,5 +1,6 @@
-"""Shared pieces of the multi-process reallocation tests: specs, the named layout-pair table, and
-one checked transfer (oracle comparison, source intact, byte counts, staging bound)."""
+"""Shared pieces of the reallocation tests: specs, the named layout-pair table, one case of a
+seeded random sweep, and one checked transfer (oracle comparison, source intact, byte counts,
+staging bound)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.reallocator import Reallocator
 
-from oracle import min_network_elems, oracle_flat, random_full, tiny_spec
+from oracle import min_network_elems, oracle_flat, random_full, random_layout, tiny_spec
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
          tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
@@ -53,6 +54,18 @@ def named_pairs(world: int) -> list[tuple[str, object, Layout, Layout]]:
             ("tp6->dp2tp3 padded", BF16_PAD, L("tp6"), L("dp2,tp3", (7, 6, 5, 4, 3, 2))),
         ]
     return pairs
+
+
+def random_case(rng, i: int, specs=SPECS):
+    """Case i of a seeded sweep over 8 ranks: (model, full tensors, src, dst, plan with p2p and
+    broadcast alternating, source shards, empty destination shards), shards keyed by rank."""
+    model = specs[i % len(specs)]
+    full = random_full(model, i)
+    src, dst = (random_layout(rng, 8, model.num_layers) for _ in range(2))
+    plan = plan_realloc(model, src, dst, mode=("p2p", "broadcast")[i % 2])
+    srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
+    dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
+    return model, full, src, dst, plan, srcs, dsts
 
 
 def shards(model, layout: Layout, rank: int, full: dict, device="cpu") -> ModelShard | None:

@@ -20,8 +20,8 @@ from real_py.schedule import Schedule
 from real_py.testing import run_distributed
 from real_py.transport import InProcessHub
 
-from dist_cases import L, SPECS, check_transfer, named_pairs
-from oracle import oracle_flat, random_full, random_layout
+from dist_cases import L, SPECS, check_transfer, named_pairs, random_case
+from oracle import oracle_flat, random_full
 
 # Pieces of 64K-256K fp32 elements (256 KiB - 1 MiB): the default threshold splits some of them.
 MID = model_spec(ModelConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
@@ -86,13 +86,8 @@ def test_inprocess_bitwise_with_thresholds(threshold):
     """Random pairs, both modes, small and large buckets (direct pieces cut across rounds)."""
     rng = random.Random(21)
     for i in range(50):
-        model = SPECS[i % len(SPECS)]
-        full = random_full(model, i)
-        src, dst = (random_layout(rng, 8, model.num_layers) for _ in range(2))
-        plan = plan_realloc(model, src, dst, mode=("p2p", "broadcast")[i % 2])
-        srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
+        model, full, src, dst, plan, srcs, dsts = random_case(rng, i)
         before = {r: s.flat.clone() for r, s in srcs.items()}
-        dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
         bucket = rng.choice([256, 4096, 1 << 20])
         stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket,
                                              pipeline=i % 3 == 0, verify=i % 5 == 0,

@@ -17,7 +17,8 @@ from real_py import Layout, ModelShard, plan_realloc
 from real_py.reallocator import Reallocator
 from real_py.transport import InProcessHub, InProcessTransport, TransferError
 
-from oracle import oracle_flat, random_full, random_layout, tiny_spec
+from dist_cases import random_case
+from oracle import oracle_flat, random_full, tiny_spec
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True, dtype="bfloat16"), tiny_spec(head="value")]
 
@@ -25,12 +26,7 @@ SPECS = [tiny_spec(tied=True), tiny_spec(bias=True, dtype="bfloat16"), tiny_spec
 def test_pipelined_verified_random_pairs():
     rng = random.Random(5)
     for i in range(120):
-        model = SPECS[i % len(SPECS)]
-        full = random_full(model, i)
-        src, dst = (random_layout(rng, 8, model.num_layers) for _ in range(2))
-        plan = plan_realloc(model, src, dst, mode=("p2p", "broadcast")[i % 2])
-        srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
-        dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
+        model, full, src, dst, plan, srcs, dsts = random_case(rng, i, SPECS)
         bucket = rng.choice([1024, 1 << 14, 1 << 20])
         stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket, pipeline=True,
                                              verify=True)

@@ -8,8 +8,8 @@ ReaL's profiler, which times layers on the real hardware, this times the runtime
 two phases:
 
 A. uncontended: n busy ranks, one per core (the others wait in a barrier):
-   - matmul FLOP/s and memcpy bandwidth per process; gloo bandwidth of 32 MiB messages (and, for
-     the record, small all-reduce and send latencies back to back), pairs of ranks at once;
+   - matmul FLOP/s and memcpy bandwidth per process; gloo bandwidth of 32 MiB messages, pairs of
+     ranks at once;
    - fixed per-layer and per-pass seconds of a small calibration model's inference, generation
      and train steps at 1 and 5 layers (each rank its own single-rank engine): the slope over
      layers is the per-layer cost, the rest the per-pass cost, after subtracting the roofline
@@ -141,27 +141,19 @@ def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool
     return _timed(fns, reps, busy)
 
 
-def _comm_costs(rank: int, pair, reps: int) -> dict:
+def _link_bandwidth(rank: int, pair, reps: int) -> dict:
+    """gloo bandwidth of 32 MiB messages, every pair of ranks sending at once (latencies come
+    from the engines, see _fit)."""
     import torch
     import torch.distributed as dist
 
-    peer = rank ^ 1
-    small = torch.zeros(B * T * CAL_MODEL["hidden_size"])
-    big = torch.zeros(32 << 18)  # 32 MiB
+    big = torch.zeros(32 << 18)
 
-    def allreduce():
-        for _ in range(10):
-            dist.all_reduce(small, group=pair)
+    def send():
+        (dist.send if rank % 2 == 0 else dist.recv)(big, rank ^ 1)
 
-    def send(buf, n):
-        def fn():
-            for _ in range(n):
-                (dist.send if rank % 2 == 0 else dist.recv)(buf, peer)
-        return fn
-
-    t = _timed({"allreduce": allreduce, "send": send(small, 10)}, reps, pair)
-    big_s = _timed({"big": send(big, 1)}, max(3, reps // 3), pair)["big"]
-    return {"allreduce_s": t["allreduce"] / 10, "send_s": t["send"] / 10, "bw_bytes_per_s": big.numel() * 4 / big_s}
+    seconds = _timed({"send": send}, max(3, reps // 3), pair)["send"]
+    return {"bw_bytes_per_s": big.numel() * 4 / seconds}
 
 
 def _realloc_plan(n: int):
@@ -232,7 +224,7 @@ def _worker(rank: int, world: int, n: int, reps: int) -> dict:
     if rank < n:  # phase A: one busy rank per core
         transport = DistTransport(busy, timeout=60)
         out |= _roofline(busy)
-        out |= _comm_costs(rank, pairs[rank // 2], reps)
+        out |= _link_bandwidth(rank, pairs[rank // 2], reps)
         out |= _single_rank_costs(rank, singles[rank], busy, reps)
         out |= _pair_costs(rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
         out |= _pair_costs(rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
