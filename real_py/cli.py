@@ -1,6 +1,8 @@
 """Command line: `python -m real_py <command> ...`.
 
-Each command lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`.
+Each command lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`;
+add a command with one line in COMMANDS. A ValueError from a command (bad input) prints one
+line `error: ...` and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ COMMANDS = {
     "plan": "real_py.cli_plan",
     "search": "real_py.cli_search",
     "train": "real_py.cli_train",
+    "export": "real_py.cli_export",
+    "plot": "real_py.cli_plot",
 }
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 
+from .cli_common import model_config, ranks
 from .layout import Layout
 from .plan import MODES, plan_realloc
-from .spec import PRESETS, ModelConfig, model_spec
+from .spec import PRESETS, model_spec
 
 
 def add_parser(sub):
@@ -24,17 +25,10 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _ranks(text):
-    return tuple(int(x) for x in text.split(",")) if text else None
-
-
 def run(args) -> int:
-    if args.model in PRESETS:
-        spec = model_spec(ModelConfig(**{**_asdict(PRESETS[args.model]), "dtype": args.dtype}), args.model)
-    else:
-        spec = model_spec(ModelConfig.from_hf(args.model, dtype=args.dtype), args.model)
-    src = Layout.parse(args.src, ranks=_ranks(args.src_ranks))
-    dst = Layout.parse(args.dst, ranks=_ranks(args.dst_ranks))
+    spec = model_spec(model_config(args.model, "--model", dtype=args.dtype), args.model)
+    src = Layout.parse(args.src, ranks=ranks(args.src_ranks, "--src-ranks"))
+    dst = Layout.parse(args.dst, ranks=ranks(args.dst_ranks, "--dst-ranks"))
     t0 = time.perf_counter()
     plan = plan_realloc(spec, src, dst, mode=args.mode, ranks_per_node=args.ranks_per_node)
     took = time.perf_counter() - t0
@@ -47,7 +41,3 @@ def run(args) -> int:
         print(plan.describe())
         print(f"  planned in {took * 1e3:.1f} ms")
     return 0
-
-
-def _asdict(cfg):
-    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}

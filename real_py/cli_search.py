@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .cli_common import model_config
 from .search import Workload, plan_search
 from .search.hardware import PROFILE_NAMES
 from .spec import PRESETS
@@ -11,8 +12,8 @@ from .spec import PRESETS
 
 def add_parser(sub):
     p = sub.add_parser("search", help="search a PPO execution plan with the runtime estimator")
-    p.add_argument("--model", default="llama2-7b", help=f"actor preset ({', '.join(PRESETS)})")
-    p.add_argument("--critic", default=None, help="critic preset (default: same as --model)")
+    p.add_argument("--model", default="llama2-7b", help=f"actor preset ({', '.join(PRESETS)}) or a path to an HF config.json / checkpoint dir")
+    p.add_argument("--critic", default=None, help="critic preset or HF config path (default: same as --model)")
     p.add_argument("--gpus", type=int, required=True, help="number of devices")
     p.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
     p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
@@ -38,9 +39,19 @@ def _fmt(layouts):
 def run(args) -> int:
     if args.gpus < 1:
         raise ValueError(f"--gpus={args.gpus} must be >= 1")
+    for flag, v in (("--time-budget", args.time_budget), ("--batch-size", args.batch_size),
+                    ("--prompt-len", args.prompt_len), ("--gen-len", args.gen_len),
+                    ("--ppo-minibatches", args.ppo_minibatches), ("--ppo-epochs", args.ppo_epochs),
+                    ("--chains", args.chains)):
+        if not v > 0:
+            raise ValueError(f"{flag}={v} must be > 0")
+    # Presets go by name (the plan names its models after them); an HF config becomes a ModelConfig.
+    actor = args.model if args.model in PRESETS else model_config(args.model, "--model")
+    critic = (args.critic if args.critic is None or args.critic in PRESETS
+              else model_config(args.critic, "--critic"))
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
                   ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs)
-    res = plan_search(args.model, args.critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
+    res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype)
     sim = res.simulate()
     if args.out:

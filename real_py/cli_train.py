@@ -1,4 +1,8 @@
-"""`python -m real_py train [--config cfg.yaml] [--resume [DIR]]`: the PPO job.
+"""`python -m real_py train [--config cfg.yaml] [KEY=VALUE ...] [--resume [DIR] | --overwrite]`.
+
+KEY=VALUE overrides use the config's dotted keys (`ppo.actor_lr=1e-5 plan.path=plan.json
+steps=3`); values are read as YAML and typed like the file. An out_dir that already holds a
+run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
 Without RANK in the environment (not under torchrun), the command validates the config and then
 re-invokes itself under torch.distributed.run with the plan's world size on this machine
@@ -9,7 +13,6 @@ command. Under torchrun (one node or many) every rank runs the SPMD loop below.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -19,8 +22,12 @@ import time
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="run PPO / GRPO with per-call layouts and weight reallocation")
     p.add_argument("--config", help="YAML config (default: the embedded CPU demo)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. ppo.actor_lr=1e-5 plan.path=plan.json steps=3")
     p.add_argument("--resume", nargs="?", const="", default=None,
                    help="resume from a checkpoint directory (default: <out_dir>/latest)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete what a previous run left in out_dir (metrics, checkpoints, events) first")
     p.add_argument("--steps", type=int, help="override the config's steps")
     p.add_argument("--out-dir", help="override the config's out_dir")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -31,13 +38,16 @@ def add_parser(sub) -> None:
 def _config(args):
     from .rlhf import checkpoint, config
 
-    cfg = config.load(args.config)
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
+    if args.resume is not None and args.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    d = config.apply_overrides(config.read_yaml(args.config), args.overrides)
     if args.steps is not None:
-        cfg.steps = args.steps
+        d["steps"] = args.steps
     if args.out_dir:
-        cfg.out_dir = args.out_dir
-    if cfg.steps < 1:
-        raise ValueError(f"steps={cfg.steps} must be >= 1")
+        d["out_dir"] = args.out_dir
+    cfg = config.from_dict(d)
     ckpt = None
     if args.resume is not None:
         ckpt = checkpoint.find(args.resume or cfg.out_dir, cfg.out_dir)
@@ -47,7 +57,7 @@ def _config(args):
 
 def _launch(args, world: int) -> int:
     """Re-invoke this command under torch.distributed.run with `world` local gloo processes."""
-    argv = ["train"] + [x for k, v in (("--config", args.config), ("--steps", args.steps),
+    argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
                                          ("--out-dir", args.out_dir), ("--timeout", args.timeout))
                         if v is not None for x in (k, str(v))]
     if args.resume is not None:
@@ -70,8 +80,29 @@ def run(args) -> int:
     if "RANK" not in os.environ:
         plan = cfg.execution_plan()
         config.validate(cfg, plan.world_size)
+        _protect_run_dir(cfg.out_dir, args)
         return _launch(args, plan.world_size)
     return _spmd(args, cfg, ckpt)
+
+
+def _protect_run_dir(out_dir: str, args) -> None:
+    """Refuse to mix a new run into out_dir's old one; --overwrite deletes the old run's entries
+    (only those a run writes), --resume continues it. Runs in the launcher, before any rank."""
+    import shutil
+
+    from .rlhf.observe import run_entries
+
+    old = run_entries(out_dir)
+    if not old or args.resume is not None:
+        return
+    if not args.overwrite:
+        shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
+        raise ValueError(f"out_dir {out_dir} already holds a run ({shown}); pass --resume to continue "
+                         "it, --overwrite to replace it, or --out-dir / out_dir=... for a new run")
+    for n in old:
+        path = os.path.join(out_dir, n)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    print(f"--overwrite: removed {len(old)} entries of the previous run in {out_dir}", flush=True)
 
 
 def _line(step: int, out: dict) -> str:
@@ -94,7 +125,9 @@ def _spmd(args, cfg, ckpt) -> int:
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from .cli_export import export_live
     from .rlhf import checkpoint, config
+    from .rlhf.observe import RunLog, format_summary
     from .rlhf.runtime import Runtime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -104,8 +137,9 @@ def _spmd(args, cfg, ckpt) -> int:
         plan, graph, models = config.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
         start = checkpoint.load(rt, ckpt) if ckpt else 0
+        log = None
         if rank == 0:
-            os.makedirs(cfg.out_dir, exist_ok=True)
+            log = RunLog(cfg.out_dir, wandb=cfg.wandb, config=config.to_dict(cfg))
             print(f"world {world}; calls in order:\n{graph.describe()}\nplan: "
                   + ", ".join(f"{n} {plan.calls[n]} ranks {list(plan.calls[n].ranks)}" for n in graph.order),
                   flush=True)
@@ -120,16 +154,21 @@ def _spmd(args, cfg, ckpt) -> int:
                        "calls": out["calls"], "realloc_seconds": out["realloc_seconds"],
                        "realloc_bytes": out["realloc_bytes"], "offload_seconds": out["offload_seconds"],
                        "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"]}
-                with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                log.log(rec)
                 tqdm.write(_line(step + 1, out))
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
                 path = checkpoint.save(rt, cfg.out_dir, step + 1)
                 if rank == 0:
                     tqdm.write(f"saved {path}")
+        if cfg.export == "hf":
+            written = export_live(rt, os.path.join(cfg.out_dir, "hf"))
+            if rank == 0:
+                print(f"exported {', '.join(written)}", flush=True)
         if rank == 0:
             print(f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; metrics in "
                   f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}", flush=True)
+            summary = log.close()
+            print(format_summary(summary) + f"; {os.path.join(cfg.out_dir, 'summary.json')}", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -46,15 +46,37 @@ class ExecutionPlan:
 
     @classmethod
     def from_json(cls, data: dict | str) -> "ExecutionPlan":
+        where = "execution plan"
         if isinstance(data, str):
-            with open(data) as f:
-                data = json.load(f)
+            where = f"execution plan {data}"
+            try:
+                with open(data) as f:
+                    data = json.load(f)
+            except OSError as e:
+                raise ValueError(f"{where}: {e.strerror or e}") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object with world_size and calls, got "
+                             f"{type(data).__name__}")
         unknown = set(data) - {"world_size", "ranks_per_node", "calls"}
         if unknown:
-            raise ValueError(f"execution plan has unknown keys {sorted(unknown)}; allowed: "
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: "
                              "world_size, ranks_per_node, calls")
+        missing = [k for k in ("world_size", "calls") if k not in data]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}; expected {{\"world_size\": N, \"calls\": "
+                             "{call: {\"ranks\": [...], \"dp\": .., \"tp\": .., \"pp\": ..}}}")
+        for k in ("world_size", "ranks_per_node"):
+            if k in data and (type(data[k]) is not int):
+                raise ValueError(f"{where}: {k}={data[k]!r} must be an integer")
+        if not isinstance(data["calls"], dict):
+            raise ValueError(f"{where}: calls must map call names to layouts, got "
+                             f"{type(data['calls']).__name__}")
         calls = {}
         for name, c in data["calls"].items():
+            if not isinstance(c, dict) or not isinstance(c.get("ranks"), list):
+                raise ValueError(f"{where}: call {name} must be a mapping with a list of ranks, got {c!r}")
             extra = set(c) - {"ranks", "dp", "tp", "pp", "layers_per_stage"}
             if extra:
                 raise ValueError(f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
@@ -64,7 +86,7 @@ class ExecutionPlan:
                 calls[name] = Layout(dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1),
                                      ranks=tuple(c["ranks"]),
                                      layers_per_stage=tuple(lps) if lps else None)
-            except (ValueError, KeyError) as e:
+            except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
         return cls(world_size=data["world_size"], calls=calls,
                    ranks_per_node=data.get("ranks_per_node", 0))

@@ -1,13 +1,19 @@
 """Configuration of `python -m real_py train`: dataclasses, YAML loading, the embedded default.
 
 Every section rejects unknown keys (ValueError naming the section, the key and the allowed
-keys). `validate(cfg, world_size)` checks the execution plan against the graph, the world and
-the models before any work starts.
+keys). Values are checked against the field annotations (`_coerce`: numeric strings become
+numbers, anything else of the wrong type is refused naming the dotted key), then against the
+allowed ranges (`_RANGES`). `validate(cfg, world_size)` checks the execution plan against the
+graph, the world and the models before any work starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 
 from ..execplan import ExecutionPlan
@@ -119,6 +125,12 @@ class TrainConfig:
     """Run a plan that leaves some ranks without a call (they only join the world collectives).
     Off by default so that a plan that does not cover the world is caught before launch; a searched
     plan for a small job may idle ranks on purpose."""
+    wandb: dict | None = None
+    """Weights & Biases run options passed to `wandb.init` (e.g. {project: rlhf, name: run1}); None:
+    no W&B (the package is not imported). TensorBoard events are always written to out_dir."""
+    export: typing.Literal["hf"] | None = None
+    """"hf": at the end of the run write the trained actor (and critic) as HF checkpoints to
+    <out_dir>/hf/actor and <out_dir>/hf/critic (see also `python -m real_py export`)."""
 
     def model_configs(self) -> dict[str, ModelConfig]:
         out = {}
@@ -151,7 +163,65 @@ class TrainConfig:
         return Graph(ALGORITHMS[self.algo])
 
 
-_SECTIONS = {"data": DataConfig, "generation": GenConfig, "ppo": PPOConfig, "reward": RewardConfig}
+def _describe(tp) -> str:
+    """An annotation in words, for error messages."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a mapping", list: "a list", type(None): "null"}.get(origin or tp, str(tp))
+
+
+def _coerce(value, tp, key: str):
+    """`value` as the annotation `tp` wants it, or ValueError naming the dotted `key`.
+
+    Numbers given as strings are converted (PyYAML reads `1e-5` as a string): "8" -> 8 for an
+    int, "1e-5" -> 1e-05 for a float; 2.0 is an int, 2.5 is not. Booleans are only true/false
+    (the YAML loader below does not read yes/no/on/off as booleans, so those are refused here).
+    """
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _coerce(value, a, key)
+                except ValueError:
+                    pass
+    elif origin is typing.Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ValueError(f"config {key}={value!r}; allowed: {', '.join(repr(a) for a in args)}")
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp in (int, float) and not isinstance(value, bool):
+        x = value
+        if isinstance(x, str):
+            try:
+                x = int(x.strip()) if tp is int else float(x)
+            except ValueError:
+                try:
+                    x = float(x)
+                except ValueError:
+                    pass
+        if isinstance(x, (int, float)) and not math.isnan(x):
+            if tp is float:
+                return float(x)
+            if isinstance(x, int) or x.is_integer():
+                return int(x)
+    elif tp in (str, dict, list) or origin in (dict, list):
+        if isinstance(value, origin or tp):
+            return value
+    elif isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+    else:
+        return value
+    raise ValueError(f"config {key}={value!r}: expected {_describe(tp)}")
 
 
 def _build(cls, d: dict, where: str):
@@ -161,8 +231,15 @@ def _build(cls, d: dict, where: str):
     unknown = sorted(set(d) - set(allowed))
     if unknown:
         raise ValueError(f"config {where}: unknown keys {unknown}; allowed: {allowed}")
-    kw = {k: (_build(_SECTIONS[k], v, k) if k in _SECTIONS and cls is TrainConfig else v)
-          for k, v in d.items()}
+    hints = typing.get_type_hints(cls)
+    prefix = "" if cls is TrainConfig else where + "."
+    kw = {}
+    for k, v in d.items():
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kw[k] = _build(tp, v, prefix + k)
+        else:
+            kw[k] = _coerce(v, tp, prefix + k)
     return cls(**kw)
 
 
@@ -172,25 +249,135 @@ def from_dict(d: dict | None) -> TrainConfig:
     return cfg
 
 
-def load(path: str | None) -> TrainConfig:
-    if path is None:
-        return from_dict({})
+def _yaml_loader():
+    """PyYAML's SafeLoader with YAML 1.2 booleans: only true/false (any case) are booleans, so
+    `greedy: yes` stays the string 'yes' and is refused instead of silently meaning true."""
+    import re
+
     import yaml
 
-    with open(path) as f:
-        return from_dict(yaml.safe_load(f) or {})
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    return Loader
+
+
+def read_yaml(path: str | None) -> dict:
+    """The raw mapping of a YAML config file ({} for None); ValueError naming the file otherwise."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        with open(path) as f:
+            d = yaml.load(f, Loader=_yaml_loader())
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if d is not None and not isinstance(d, dict):
+        raise ValueError(f"config file {path}: expected a mapping of keys, got {type(d).__name__}")
+    return d or {}
+
+
+def apply_overrides(d: dict, overrides) -> dict:
+    """A copy of `d` with `key.sub=value` strings applied (values read as YAML, like the file).
+
+    `plan.path=x.json` replaces the whole plan mapping (a plan file stands for the plan). Unknown
+    keys are left in for `_build` to refuse like unknown YAML keys.
+    """
+    import copy
+
+    import yaml
+
+    d = copy.deepcopy(d)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ValueError(f"override {item!r}: expected KEY=VALUE with a dotted KEY, e.g. ppo.actor_lr=1e-5")
+        try:
+            value = yaml.load(text, Loader=_yaml_loader()) if text.strip() else None
+        except yaml.YAMLError:
+            raise ValueError(f"override {item!r}: the value is not valid YAML") from None
+        if parts == ["plan", "path"]:
+            d["plan"] = {}
+        node = d
+        for i, p in enumerate(parts[:-1]):
+            if not isinstance(node.get(p), dict):
+                if node.get(p) is not None:
+                    raise ValueError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+                node[p] = {}
+            node = node[p]
+        node[parts[-1]] = value
+    return d
+
+
+def load(path: str | None, overrides=()) -> TrainConfig:
+    """The config of a YAML file (None: the embedded default) with KEY=VALUE overrides applied."""
+    return from_dict(apply_overrides(read_yaml(path), overrides))
 
 
 def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+_RANGES = (
+    # (dotted key, test, allowed range in words); types are already checked.
+    ("save_every", lambda v: v >= 0, ">= 0 (0: no checkpoints)"),
+    ("ppo.clip", lambda v: v > 0, "> 0"),
+    ("ppo.value_clip", lambda v: v > 0, "> 0"),
+    ("ppo.gamma", lambda v: 0 <= v <= 1, "[0, 1]"),
+    ("ppo.lam", lambda v: 0 <= v <= 1, "[0, 1]"),
+    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("ppo.actor_lr", lambda v: v > 0, "> 0"),
+    ("ppo.critic_lr", lambda v: v > 0, "> 0"),
+    ("ppo.max_grad_norm", lambda v: v > 0, "> 0"),
+    ("ppo.adam_eps", lambda v: v > 0, "> 0"),
+    ("ppo.group_size", lambda v: v >= 1, ">= 1"),
+    ("generation.temperature", lambda v: v > 0, "> 0"),
+    ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
+)
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def _check_values(cfg: TrainConfig) -> None:
+    for key, ok, allowed in _RANGES:
+        v = _get(cfg, key)
+        if not ok(v):
+            raise ValueError(f"config {key}={v!r} is out of range; allowed: {allowed}")
+    for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
+                      ("reward_path", cfg.reward_path)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"config {key}={path!r}: no such local file or directory; only local HF "
+                             "checkpoint directories are read (nothing is downloaded from the Hub: "
+                             "download it first, e.g. huggingface-cli download, and give its directory)")
+    if cfg.wandb is not None:
+        from .observe import wandb_available
+
+        if not wandb_available():
+            raise ValueError("config wandb is set but the wandb package is not installed; pip install "
+                             "wandb, or remove the wandb key")
+    model_hints = typing.get_type_hints(ModelConfig)
+    for name in ("actor", "critic"):
+        d = getattr(cfg, name)
+        if d:
+            # Known ModelConfig fields get the same typing as the sections; unknown ones are
+            # refused by model_configs() with the list of fields.
+            setattr(cfg, name, {k: _coerce(v, model_hints[k], f"{name}.{k}") if k in model_hints else v
+                                for k, v in d.items()})
     if cfg.algo not in ALGORITHMS:
         raise ValueError(f"config algo={cfg.algo!r}; allowed: {sorted(ALGORITHMS)}")
-    for name in ("verify_realloc", "offload_frozen", "allow_idle_ranks"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise ValueError(f"config {name}={getattr(cfg, name)!r} must be true or false")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
     d = cfg.data
@@ -203,7 +390,12 @@ def _check_values(cfg: TrainConfig) -> None:
                     ("generation.max_new_tokens", cfg.generation.max_new_tokens)):
         if v < 1:
             raise ValueError(f"config {name}={v} must be >= 1")
-    cfg.model_configs()
+    vocab = cfg.model_configs()["actor"].vocab_size
+    for key, v, used in (("generation.eos_token_id", cfg.generation.eos_token_id, True),
+                         ("reward.target_token", cfg.reward.target_token, cfg.reward.kind == "rule")):
+        if used and v is not None and not 0 <= v < vocab:
+            raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "
+                             f"(vocab_size={vocab})")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, dict]:

@@ -1,0 +1,141 @@
+"""`python -m real_py export --run runs/train [--step N] --out DIR`: trained models as HF checkpoints.
+
+Writes DIR/actor (LlamaForCausalLM layout) and DIR/critic (...ForSequenceClassification, PPO
+only) with model.safetensors + config.json, loadable by transformers' `from_pretrained`. The
+tensors are the checkpoint's shards reassembled: reading them back and slicing them into the
+train layout gives the saved rank files bit for bit.
+
+`export_live` does the same at the end of `python -m real_py train` with `export: hf` (from the
+engines in memory, a collective).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+TRAINED = ("actor", "critic")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a run's trained actor / critic as HF checkpoints")
+    p.add_argument("--run", required=True, help="run directory of `train` (its out_dir)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output directory (gets actor/ and critic/)")
+
+
+def _source_hf_config(path: str | None) -> dict | None:
+    """The config.json of the HF checkpoint a model was loaded from, to write it back verbatim."""
+    if not path:
+        return None
+    cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        return json.load(f)
+
+
+def _check_out(out: str) -> None:
+    for m in TRAINED:
+        if os.path.exists(os.path.join(out, m)):
+            raise ValueError(f"{os.path.join(out, m)} already exists; export to a new directory")
+
+
+def export_live(rt, out: str) -> list[str]:
+    """Collective over the world: gather each trained model from its train layout and write it
+    (on that layout's first rank). Returns the directories written (on every rank)."""
+    import torch.distributed as dist
+
+    from .hf import gather_state_dict, save_hf
+
+    written = []
+    paths = rt.cfg.model_paths()
+    for m in TRAINED:
+        call = rt.graph.train_call(m)
+        if call is None:
+            continue
+        path = os.path.join(out, m)
+        g = rt.groups[call]
+        if g.member:
+            full = gather_state_dict(rt.models.engines[m].shard, g)
+            if full is not None:
+                save_hf(path, rt.configs[m], full, hf_config=_source_hf_config(paths.get(m)))
+        written.append(path)
+    dist.barrier()
+    return written
+
+
+def _rank_state(step_dir: str, rank: int) -> dict:
+    import torch
+
+    path = os.path.join(step_dir, f"rank{rank}.pt")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {step_dir} has no {os.path.basename(path)}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e}") from None
+
+
+def export_checkpoint(step_dir: str, out: str) -> list[str]:
+    """Reassemble the trained models of one saved step from its rank files and write them."""
+    from .execplan import ExecutionPlan
+    from .hf import gather_full_stage, save_hf
+    from .rlhf.graph import ALGORITHMS, Graph
+    from .shard import ModelShard
+    from .spec import ModelConfig, model_spec
+
+    meta_path = os.path.join(step_dir, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {step_dir}: cannot read meta.json ({e})") from None
+    _check_out(out)
+    graph, plan = Graph(ALGORITHMS[meta["algo"]]), ExecutionPlan.from_json(meta["plan"])
+    written = []
+    for m in TRAINED:
+        call = graph.train_call(m)
+        if call is None:
+            continue
+        config = ModelConfig(**meta["models"][m])
+        spec, layout = model_spec(config, name=m), plan.calls[call]
+        by_stage: dict[int, list] = {}
+        for s in range(layout.pp):
+            for t in range(layout.tp):
+                r = layout.rank(0, t, s)
+                st = _rank_state(step_dir, r)["models"].get(m)
+                if st is None or st["layout"] != str(layout):
+                    raise ValueError(f"checkpoint {step_dir} rank {r}: no {m} shard of {layout}")
+                by_stage.setdefault(s, []).append(ModelShard(spec, layout, r, st["flat"]))
+        full = {}
+        for shards in by_stage.values():
+            for name, t in gather_full_stage(spec, shards).items():
+                full.setdefault(name, t)
+        path = os.path.join(out, m)
+        save_hf(path, config, full, hf_config=_source_hf_config(meta.get("paths", {}).get(m)))
+        written.append(path)
+    return written
+
+
+def step_dir(run: str, step: int | None) -> str:
+    if step is not None:
+        path = os.path.join(run, f"step_{step}")
+    else:
+        latest = os.path.join(run, "latest")
+        if not os.path.isfile(latest):
+            raise ValueError(f"{run}: no 'latest' checkpoint marker (not a train run directory, or no "
+                             "checkpoint saved: set save_every)")
+        with open(latest) as f:
+            path = os.path.join(run, f.read().strip())
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        have = sorted(n for n in os.listdir(run) if n.startswith("step_")) if os.path.isdir(run) else []
+        raise ValueError(f"no checkpoint at {path}; saved steps in {run}: {have or 'none'}")
+    return path
+
+
+def run(args) -> int:
+    src = step_dir(args.run, args.step)
+    for path in export_checkpoint(src, args.out):
+        print(f"exported {path} (from {src})")
+    return 0

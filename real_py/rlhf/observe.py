@@ -1,0 +1,143 @@
+"""What a training run leaves behind besides checkpoints: metrics.jsonl, TensorBoard events, an
+optional W&B run, summary.json.
+
+    <out_dir>/metrics.jsonl                one JSON record per step (rank 0)
+    <out_dir>/events.out.tfevents.*        the same scalars for TensorBoard (`tensorboard --logdir <out_dir>`)
+    <out_dir>/summary.json                 end-of-run summary (`summarize`), also printed
+
+W&B is used only when the config has `wandb: {project: ..., ...}` (passed to `wandb.init`); the
+package is imported only then. All of this runs on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "latest", "latest.tmp", "curves.png", "hf")
+"""Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
+
+
+def run_entries(out_dir: str) -> list[str]:
+    """The entries of out_dir that a previous run wrote (empty if out_dir does not exist)."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(n for n in os.listdir(out_dir)
+                  if n in RUN_FILES or n.startswith(("step_", "events.out.tfevents.")))
+
+
+def scalars(rec: dict) -> dict[str, float]:
+    """The per-step scalars of a metrics.jsonl record, by TensorBoard / W&B tag."""
+    out = {f"train/{k}": v for k, v in rec["metrics"].items()}
+    out["time/step_seconds"] = rec["seconds"]
+    out.update({f"time/call/{k}": v for k, v in rec["calls"].items()})
+    out.update({f"time/realloc/{k}": v for k, v in rec["realloc_seconds"].items()})
+    out["bytes/realloc"] = rec["realloc_bytes"]
+    out["bytes/data"] = rec["data_bytes"]
+    return out
+
+
+def wandb_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
+class RunLog:
+    """Rank 0's writer: `log(rec)` per step, `close()` at the end (returns the summary)."""
+
+    def __init__(self, out_dir: str, *, wandb: dict | None = None, config: dict | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.out_dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        self.tb = SummaryWriter(log_dir=out_dir)
+        self.wandb = None
+        if wandb is not None:
+            if not wandb_available():
+                raise ValueError("config wandb is set but the wandb package is not installed; "
+                                 "pip install wandb, or remove the wandb key")
+            import wandb as wb
+
+            self.wandb = wb.init(**{"config": config, **wandb})
+
+    def log(self, rec: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        vals = scalars(rec)
+        for tag, v in vals.items():
+            self.tb.add_scalar(tag, v, rec["step"])
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(vals, step=rec["step"])
+
+    def close(self) -> dict:
+        self.tb.close()
+        summary = summarize(read_metrics(self.out_dir))
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+        return summary
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    """metrics.jsonl records by step; a step logged twice (a resumed run redoing it) keeps the
+    later record."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{out_dir}: no metrics.jsonl (not a train run directory?)")
+    by_step = {}
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{path} line {i + 1} is not JSON") from None
+                by_step[rec["step"]] = rec
+    if not by_step:
+        raise ValueError(f"{path} has no records")
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(recs: list[dict]) -> dict:
+    """Reward and KL over the first and last window (a quarter of the steps, 1 to 10 steps),
+    seconds per step (mean, and mean without the first step, which includes warm-up), and the
+    reallocation share: sum over models of the slowest rank's reallocation seconds, over the step
+    seconds, averaged over steps."""
+    n = len(recs)
+    w = max(1, min(10, n // 4))
+    first, last = recs[:w], recs[-w:]
+
+    def metric(rs, k):
+        return _mean(r["metrics"].get(k) for r in rs)
+
+    secs = [r["seconds"] for r in recs]
+    return {
+        "steps": [recs[0]["step"], recs[-1]["step"]], "window": w,
+        "reward_first": metric(first, "reward"), "reward_last": metric(last, "reward"),
+        "kl_first": metric(first, "kl"), "kl_last": metric(last, "kl"),
+        "entropy_last": metric(last, "entropy"),
+        "seconds_per_step": _mean(secs), "seconds_per_step_after_first": _mean(secs[1:]) if n > 1 else secs[0],
+        "realloc_share": _mean(sum(r["realloc_seconds"].values()) / r["seconds"] for r in recs),
+        "realloc_bytes_per_step": _mean(r["realloc_bytes"] for r in recs),
+    }
+
+
+def format_summary(s: dict) -> str:
+    return (f"summary (steps {s['steps'][0]}-{s['steps'][1]}, window {s['window']}): reward "
+            f"{s['reward_first']:.4g} -> {s['reward_last']:.4g}, kl {s['kl_first']:.4g} -> {s['kl_last']:.4g}, "
+            f"{s['seconds_per_step']:.3f} s/step ({s['seconds_per_step_after_first']:.3f} after the first), "
+            f"reallocation {100 * s['realloc_share']:.1f}% of the step")
+
+
+__all__ = ["RunLog", "read_metrics", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
