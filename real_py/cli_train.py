@@ -40,6 +40,9 @@ def _config(args):
 
     if not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
+    if args.resume and "=" in args.resume and not os.path.exists(args.resume):
+        # `--resume ppo.clip=0.1`: argparse gave the override to --resume's optional DIR.
+        args.overrides, args.resume = args.overrides + [args.resume], ""
     if args.resume is not None and args.overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     d = config.apply_overrides(config.read_yaml(args.config), args.overrides)

@@ -54,6 +54,7 @@ TRAIN = [
     ("override-no-value", "", ["ppo.actor_lr"], "expected KEY=VALUE"),
     ("override-range", "", ["ppo.gamma=3"], "ppo.gamma=3.0 is out of range"),
     ("override-under-scalar", "", ["steps.x=1"], "steps={'x': 1}: expected an integer"),
+    ("override-after-resume", "", ["--resume", "steps=ten"], "steps='ten': expected an integer"),
     ("timeout=0", "", ["--timeout", "0"], "--timeout=0.0 must be > 0"),
     ("resume+overwrite", "", ["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
     ("existing-run", "", [], "already holds a run"),
@@ -163,6 +164,11 @@ def test_yaml_and_overrides_typed(tmp_path):
     assert cfg.actor == {"num_hidden_layers": 2}
     assert cfg.execution_plan().calls["ref_inf"].tp == 2
     CF.validate(cfg, 4)
+    # Without a plan in the file, plan.calls.* overrides edit the default plan.
+    cfg = CF.load(None, ["plan.calls.ref_inf.tp=2", "plan.calls.ref_inf.dp=1"])
+    assert cfg.execution_plan().calls["ref_inf"].tp == 2 and cfg.execution_plan().calls["actor_gen"].dp == 4
+    CF.validate(cfg, 4)
+    assert CF.DEFAULT_PLAN["calls"]["ref_inf"]["tp"] == 1
     # The file itself is untouched by overrides.
     assert "critic_lr" not in (tmp_path / "c.yaml").read_text()
 

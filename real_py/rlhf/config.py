@@ -307,6 +307,13 @@ def apply_overrides(d: dict, overrides) -> dict:
             raise ValueError(f"override {item!r}: the value is not valid YAML") from None
         if parts == ["plan", "path"]:
             d["plan"] = {}
+        elif len(parts) > 1 and parts[0] not in d:
+            # plan.calls.ref_inf.tp=2 without a plan in the file edits the default plan.
+            f = next((f for f in dataclasses.fields(TrainConfig) if f.name == parts[0]), None)
+            if f is not None and f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+                if isinstance(default, dict):
+                    d[parts[0]] = copy.deepcopy(default)
         node = d
         for i, p in enumerate(parts[:-1]):
             if not isinstance(node.get(p), dict):
