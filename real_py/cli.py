@@ -1,8 +1,8 @@
 """Command line: `python -m real_py <command> ...`.
 
 Each command lives in its own module exposing `add_parser(subparsers)` and `run(args) -> int`;
-add a command with one line in COMMANDS. A ValueError from a command (bad input) prints one
-line `error: ...` and exits with status 2, without a traceback.
+add a command with one line in COMMANDS. A ValueError or OSError from a command (bad input, a
+missing or unwritable file) prints one line `error: ...` and exits with status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         parser.exit(2, f"error: {e}\n")

@@ -178,7 +178,7 @@ def test_search_accepts_hf_config(tmp_path, capsys):
     hf = hf_config_dict(CF.from_dict({}).model_configs()["actor"])
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert main(["search", "--model", str(tmp_path / "config.json"), "--gpus", "4", "--hardware", "cpu",
-                 "--batch-size", "8", "--prompt-len", "8", "--gen-len", "8", "--time-budget", "1",
+                 "--batch-size", "8", "--prompt-len", "8", "--gen-len", "8", "--time-budget", "0.3",
                  "--chains", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["plan"]["calls"]) >= {"actor_gen", "actor_train"}

@@ -29,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     cfg = tmp / "cfg.yaml"
-    # steps: 5 in the file, steps=2 on the command line: only a override that reached the ranks
+    # steps: 5 in the file, steps=2 on the command line: only an override that reached the ranks
     # stops the run after two steps.
-    cfg.write_text("steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\n")
+    cfg.write_text("steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\nppo: {ppo_epochs: 1}\n")
     out = str(tmp / "run")
     r = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", str(cfg), "steps=2",
                         "ppo.actor_lr=2e-3", "--out-dir", out, "--no-progress", "--timeout", "120"],
