@@ -114,8 +114,9 @@ def test_tensorboard_summary_plot(run, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_run_dir_protection(run, tmp_path, capsys, monkeypatch):
-    """A finished run's directory: a plain rerun is refused with nothing changed; --overwrite
-    deletes exactly the previous run's entries (not other files) before launching."""
+    """A finished run's directory: a plain rerun is refused with nothing changed; --resume is let
+    through untouched; --overwrite deletes exactly the previous run's entries (not other files)
+    before launching."""
     _, out, _ = run
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
@@ -127,6 +128,9 @@ def test_run_dir_protection(run, tmp_path, capsys, monkeypatch):
         main(["train", "--out-dir", str(copy), "steps=2"])
     assert e.value.code == 2 and "already holds a run" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before and not launched
+    assert main(["train", "--out-dir", str(copy), "steps=3", "--resume"]) == 0 and launched == [4]
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    launched.clear()
     assert main(["train", "--out-dir", str(copy), "steps=2", "--overwrite"]) == 0 and launched == [4]
     assert sorted(os.listdir(copy)) == ["notes.txt"]
 
