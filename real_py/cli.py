@@ -12,6 +12,7 @@ COMMANDS = {
     "plan": "real_py.cli_plan",
     "search": "real_py.cli_search",
     "train": "real_py.cli_train",
+    "bench": "real_py.cli_bench",
 }
 
 
