@@ -10,7 +10,9 @@ buffers, and build a Layout from a torch DeviceMesh.
 rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
 gate|up, vocab rows padded to a multiple of tp, this pipeline stage's parameters only, a tied
 embedding copy on the last stage). The result is the same for the destination layout, as views
-into one fresh flat buffer (so it can be handed to a model without copies).
+into one fresh flat buffer (so it can be handed to a model without copies). In a dp-sharded
+layout (Layout.dp_shard) each tensor is this rank's piece: FSDP2's DTensor.to_local() for
+"dim0", a 1-D (possibly empty) range of the flat shard for "flat".
 """
 
 from __future__ import annotations

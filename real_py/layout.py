@@ -5,6 +5,10 @@ fastest when walking `ranks` (default "tp-dp-pp": tp fastest, then dp, then pp).
 (pp stage s, tp rank k) is one flat buffer holding the stage's parameters in forward key order,
 each a contiguous range starting on an ALIGN_BYTES boundary; every dp replica holds the same
 shard. Padding between parameters and vocab padding rows are zero and never transferred.
+
+With `dp_shard` "dim0" (FSDP2) or "flat" (ZeRO-3 / FSDP1) the dp replicas of a (stage, tp rank)
+each hold 1/dp of that shard instead (dp_shard_layout); such layouts are reallocation sources
+and destinations for trainers (real_py.embed), not layouts the engines run on.
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ class Layout:
         'dim0' or 'flat' (e.g. 'dp4,tp2,dim0', the form str() writes: 'dp4tp2pp1-dim0') sets
         dp_shard."""
         shard = re.findall(r"dim0|flat", text)
-        text = re.sub(r"dim0|flat", "", text)
-        found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", text))
-        rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", text)
+        axes = re.sub(r"dim0|flat", "", text)
+        found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", axes))
+        rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
         if not found or rest or len(shard) > 1:
             raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1' or "
                              "'dp4,tp2,dim0' (dp sharding: dim0 or flat)")

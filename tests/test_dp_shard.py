@@ -145,8 +145,52 @@ def test_engines_and_runtime_refuse_dp_sharded():
     from real_py.engines.engine import Engine
     from real_py.spec import ModelConfig
 
+    from real_py.hf import load_hf_shard
+
+    with pytest.raises(ValueError, match="load_hf_shard: layout dp4tp1pp1-dim0 is dp-sharded"):
+        load_hf_shard("/nonexistent", None, L("dp4,dim0"), 0)
     layout = L("dp2,flat")
     shard = ModelShard.empty(TIED, layout, 0)
     with pytest.raises(ValueError, match="Engine: layout dp2tp1pp1-flat is dp-sharded"):
         Engine(ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12,
                            num_key_value_heads=6, vocab_size=101, num_hidden_layers=4), layout, None, shard)
+
+
+class _Mesh:
+    """Stand-in with DeviceMesh's two attributes (the 4-rank test uses a real DeviceMesh)."""
+
+    def __init__(self, mesh, names):
+        self.mesh, self.mesh_dim_names = mesh, names
+
+
+def test_layout_from_fsdp_meshes():
+    from real_py.embed import layout_from_device_mesh
+
+    # FSDP2 mesh with a trivial replicate dim (HSDP of one replica): dp_shard x tp.
+    m = _Mesh(torch.arange(8).view(1, 4, 2), ("dp_replicate", "dp_shard", "tp"))
+    assert layout_from_device_mesh(m, {"dp_replicate": "dp", "dp_shard": "dp_shard", "tp": "tp"}) == \
+        Layout(dp=4, tp=2, dp_shard="dim0")
+    # 1-D FSDP mesh under another name, ZeRO-3 style flat sharding.
+    one = layout_from_device_mesh(_Mesh(torch.arange(4).flip(0), ("fsdp",)), {"fsdp": "dp_shard"},
+                                  dp_shard="flat")
+    assert one == Layout(dp=4, dp_shard="flat", ranks=(3, 2, 1, 0)), one
+    assert layout_from_device_mesh(_Mesh(torch.arange(4).view(2, 2), ("dp", "tp"))).dp_shard == "none"
+    with pytest.raises(ValueError, match=r"roles \['dp'\] are given to several mesh dims.*HSDP"):
+        layout_from_device_mesh(_Mesh(torch.arange(8).view(2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
+                                {"dp_replicate": "dp", "dp_shard": "dp_shard", "tp": "tp"})
+    with pytest.raises(ValueError, match="dp_shard='rows'"):
+        layout_from_device_mesh(_Mesh(torch.arange(2), ("dp_shard",)), dp_shard="rows")
+
+
+def test_shard_from_params_takes_fsdp_local_pieces():
+    """A trainer's FSDP2 local tensors (dim-0 pieces) become a shard; wrong piece shapes are named."""
+    from real_py.embed import shard_from_params
+
+    layout, full = L("dp4,tp2,dim0"), random_full(TIED, 1)
+    want = ModelShard.from_full(TIED, layout, 7, full)
+    got = shard_from_params(TIED, layout, 7, {k: v.clone() for k, v in want.params().items()})
+    assert torch.equal(got.flat, want.flat)
+    whole = ModelShard.from_full(TIED, L("tp2"), 1, full).params()
+    with pytest.raises(ValueError, match=r"embed_tokens.weight: local shape \(51, 24\) on rank 7, but "
+                                         r"dp4tp2pp1-dim0 tp rank 1 holds \(12, 24\)"):
+        shard_from_params(TIED, layout, 7, {**want.params(), "embed_tokens.weight": whole["embed_tokens.weight"]})
