@@ -43,6 +43,7 @@ real_py::LayoutIn layout_from(const py::dict& d) {
   l.entry_param = to_vec(d["entry_param"].cast<I64>());
   l.entry_stage = to_vec(d["entry_stage"].cast<I64>());
   l.entry_offset = to_vec(d["entry_offset"].cast<I64>());
+  if (d.contains("entry_range")) l.entry_range = to_vec(d["entry_range"].cast<I64>());
   return l;
 }
 

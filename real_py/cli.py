@@ -16,6 +16,7 @@ COMMANDS = {
     "train": "real_py.cli_train",
     "export": "real_py.cli_export",
     "plot": "real_py.cli_plot",
+    "bench": "real_py.cli_bench",
 }
 
 

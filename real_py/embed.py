@@ -10,7 +10,9 @@ buffers, and build a Layout from a torch DeviceMesh.
 rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
 gate|up, vocab rows padded to a multiple of tp, this pipeline stage's parameters only, a tied
 embedding copy on the last stage). The result is the same for the destination layout, as views
-into one fresh flat buffer (so it can be handed to a model without copies).
+into one fresh flat buffer (so it can be handed to a model without copies). In a dp-sharded
+layout (Layout.dp_shard) each tensor is this rank's piece: FSDP2's DTensor.to_local() for
+"dim0", a 1-D (possibly empty) range of the flat shard for "flat".
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import Layout, shard_layout
+from .layout import Layout, dp_shard_layout, shard_layout
 from .reallocator import Reallocator, new_destination
 from .shard import ModelShard
 from .spec import torch_dtype
 
 _ROLES = ("dp", "tp", "pp")
+_MESH_ROLES = _ROLES + ("dp_shard",)
 
 
 def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, torch.Tensor],
@@ -38,6 +41,10 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     if coords is None:
         raise ValueError(f"rank {rank} is not in layout {layout}")
     entries = shard_layout(model, layout, coords[2]).entries
+    # Local shapes: the TP-local tensor, or this dp replica's piece in a dp-sharded layout
+    # (FSDP2: the DTensor's to_local(); ZeRO-3 / flat: a 1-D range, maybe empty).
+    shapes = ({e.param.name: e.local_shape for e in entries} if layout.dp_shard == "none" else
+              {x.param.name: x.shape for x in dp_shard_layout(model, layout, coords[2], coords[0]).pieces})
     want = {e.param.name for e in entries}
     missing, extra = sorted(want - params.keys()), sorted(params.keys() - want)
     if missing or extra:
@@ -46,9 +53,9 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     dtype = torch_dtype(model.dtype)
     for e in entries:
         t = params[e.param.name]
-        if tuple(t.shape) != e.local_shape:
+        if tuple(t.shape) != shapes[e.param.name]:
             raise ValueError(f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
-                             f"{layout} tp rank {coords[1]} holds {e.local_shape}")
+                             f"{layout} tp rank {coords[1]} holds {shapes[e.param.name]}")
         if t.dtype != dtype:
             raise ValueError(f"{e.param.name}: dtype {t.dtype}, the model spec says {dtype}; cast "
                              "the model first (reallocation moves raw bytes)")
@@ -104,29 +111,41 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
 
 
 def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
-                            layers_per_stage: tuple[int, ...] | None = None) -> Layout:
+                            layers_per_stage: tuple[int, ...] | None = None,
+                            dp_shard: str | None = None) -> Layout:
     """The Layout a torch DeviceMesh describes (global ranks, axis order from the mesh).
 
-    axes: mesh dim name -> "dp" | "tp" | "pp"; default: the mesh dims named dp, tp, pp. A mesh
-    dim without a role must have size 1. The mesh's last dim varies fastest along its ranks,
-    which becomes the Layout's `order`. Raises ValueError saying why the two cannot agree.
+    axes: mesh dim name -> "dp" | "tp" | "pp" | "dp_shard"; default: the mesh dims named dp, tp,
+    pp, dp_shard. "dp_shard" is a dp axis over which parameters are sharded (an FSDP2
+    fully_shard mesh, e.g. ("dp_shard", "tp"), or a 1-D FSDP mesh passed with
+    axes={name: "dp_shard"}). A mesh dim without a role must have size 1. The mesh's last dim
+    varies fastest along its ranks, which becomes the Layout's `order`.
+    dp_shard: "dim0" (FSDP2, per-parameter Shard(0)) or "flat" (ZeRO-3 / FSDP1); default "dim0"
+    for a "dp_shard" dim, "none" for a "dp" dim. Raises ValueError saying why the two cannot agree.
     """
     names = mesh.mesh_dim_names
     shape = tuple(mesh.mesh.shape)
     if names is None:
         raise ValueError(f"DeviceMesh of shape {shape} has no mesh_dim_names; name its dims "
                          "(e.g. ('pp', 'dp', 'tp')) so each maps to dp, tp or pp")
-    axes = dict(axes) if axes is not None else {n: n for n in names if n in _ROLES}
+    axes = dict(axes) if axes is not None else {n: n for n in names if n in _MESH_ROLES}
     for dim, role in axes.items():
         if dim not in names:
             raise ValueError(f"axes names mesh dim {dim!r}, the mesh has dims {list(names)}")
-        if role not in _ROLES:
-            raise ValueError(f"axes[{dim!r}]={role!r}; allowed roles: {_ROLES}")
-    roles = list(axes.values())
+        if role not in _MESH_ROLES:
+            raise ValueError(f"axes[{dim!r}]={role!r}; allowed roles: {_MESH_ROLES}")
+    # A size-1 dim plays no role (e.g. dp_replicate=1 of an HSDP mesh that only shards).
+    size_of = dict(zip(names, shape))
+    axes = {d: r for d, r in axes.items() if size_of[d] > 1 or r not in ("dp", "dp_shard")}
+    roles = ["dp" if r == "dp_shard" else r for r in axes.values()]
     dup = sorted({r for r in roles if roles.count(r) > 1})
     if dup:
         raise ValueError(f"roles {dup} are given to several mesh dims ({axes}); a Layout has one "
-                         "dim per role (flatten the mesh dims first)")
+                         "dim per role (flatten the mesh dims first; HSDP, dp replicate x dp shard, "
+                         "is not a Layout)")
+    if dp_shard is None:
+        dp_shard = "dim0" if "dp_shard" in axes.values() else "none"
+    axes = {d: "dp" if r == "dp_shard" else r for d, r in axes.items()}
     sizes = {r: 1 for r in _ROLES}
     fastest_first = []
     for name, size in reversed(list(zip(names, shape))):
@@ -144,7 +163,7 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
                  if [a for a in p if a in fastest_first] == fastest_first)
     ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
     return Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ranks=ranks, order=order,
-                  layers_per_stage=layers_per_stage)
+                  layers_per_stage=layers_per_stage, dp_shard=dp_shard)
 
 
 __all__ = ["shard_from_params", "reallocate_params", "reallocate_flat", "layout_from_device_mesh"]

@@ -27,6 +27,11 @@ class ExecutionPlan:
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
         for name, layout in self.calls.items():
+            if layout.dp_shard != "none":
+                raise ValueError(f"call {name}: layout {layout} is dp-sharded (dp_shard="
+                                 f"{layout.dp_shard!r}); the engines and the PPO runtime run on "
+                                 "whole (stage, tp rank) shards. dp-sharded layouts are for trainers "
+                                 "embedding the reallocation (real_py.embed); use dp_shard='none'")
             bad = [r for r in layout.ranks if r >= self.world_size]
             if bad:
                 raise ValueError(f"call {name}: ranks {bad} are outside the world of size "

@@ -103,6 +103,9 @@ class HFCheckpoint:
 
 def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu") -> ModelShard:
     """This rank's shard of `layout`, reading only the slices it holds."""
+    if layout.dp_shard != "none":
+        raise ValueError(f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
+                         "without dp sharding and reallocate to it (plan_realloc)")
     model = model_spec(config)
     ckpt = HFCheckpoint(path)
     ckpt.check(model)

@@ -5,6 +5,10 @@ fastest when walking `ranks` (default "tp-dp-pp": tp fastest, then dp, then pp).
 (pp stage s, tp rank k) is one flat buffer holding the stage's parameters in forward key order,
 each a contiguous range starting on an ALIGN_BYTES boundary; every dp replica holds the same
 shard. Padding between parameters and vocab padding rows are zero and never transferred.
+
+With `dp_shard` "dim0" (FSDP2) or "flat" (ZeRO-3 / FSDP1) the dp replicas of a (stage, tp rank)
+each hold 1/dp of that shard instead (dp_shard_layout); such layouts are reallocation sources
+and destinations for trainers (real_py.embed), not layouts the engines run on.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from .spec import ALIGN_BYTES, ModelSpec, ParamSpec
 
 _AXES = ("tp", "dp", "pp")
+DP_SHARD = ("none", "dim0", "flat")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,6 +34,11 @@ class Layout:
     """Axes from fastest- to slowest-varying along `ranks`, a permutation of tp, dp, pp."""
     layers_per_stage: tuple[int, ...] | None = None
     """Explicit pipeline partition (one count per stage); None balances by parameter count."""
+    dp_shard: str = "none"
+    """Data-parallel sharding of each (stage, tp rank) shard over the dp replicas: "none" (every
+    replica holds the whole shard), "dim0" (FSDP2: each parameter's local tensor chunked along
+    dim 0 with torch.chunk semantics, padded storage) or "flat" (ZeRO-3 / FSDP1: the shard's flat
+    buffer split evenly). See dp_shard_layout. dp=1 normalizes to "none"."""
 
     def __post_init__(self):
         for axis in _AXES:
@@ -54,14 +64,25 @@ class Layout:
             if len(lps) != self.pp or min(lps) < 1:
                 raise ValueError(f"layers_per_stage={lps} must have pp={self.pp} entries, each >= 1")
             object.__setattr__(self, "layers_per_stage", lps)
+        if self.dp_shard not in DP_SHARD:
+            raise ValueError(f"Layout.dp_shard={self.dp_shard!r}; allowed: {DP_SHARD}")
+        if self.dp == 1:
+            object.__setattr__(self, "dp_shard", "none")
 
     @classmethod
     def parse(cls, text: str, **kwargs) -> "Layout":
-        """'dp2,tp4,pp1' (any order, separators optional, missing axes default to 1)."""
-        found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", text))
-        rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", text)
-        if not found or rest:
-            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1'")
+        """'dp2,tp4,pp1' (any order, separators optional, missing axes default to 1); a token
+        'dim0' or 'flat' (e.g. 'dp4,tp2,dim0', the form str() writes: 'dp4tp2pp1-dim0') sets
+        dp_shard."""
+        shard = re.findall(r"dim0|flat", text)
+        axes = re.sub(r"dim0|flat", "", text)
+        found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", axes))
+        rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
+        if not found or rest or len(shard) > 1:
+            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1' or "
+                             "'dp4,tp2,dim0' (dp sharding: dim0 or flat)")
+        if shard:
+            kwargs.setdefault("dp_shard", shard[0])
         return cls(**{k: int(v) for k, v in found.items()}, **kwargs)
 
     @property
@@ -69,7 +90,8 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+        shard = "" if self.dp_shard == "none" else f"-{self.dp_shard}"
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}{shard}"
 
     def rank(self, dp: int, tp: int, pp: int) -> int:
         """Global rank at position (dp_idx, tp_idx, pp_idx)."""
@@ -233,3 +255,75 @@ def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
         entries.append(e)
         off = -(-(off + e.numel) // align) * align
     return ShardLayout(tuple(entries), off)
+
+
+@dataclass(frozen=True, slots=True)
+class DpPiece:
+    """What a dp-sharded rank holds of one parameter: elements [lo, hi) of the (TP-local)
+    tensor, counted row-major, stored contiguously at `offset` of the rank's flat buffer."""
+
+    param: ParamSpec
+    offset: int
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    """Shape of the held piece: dim0 -> (rows, *local_shape[1:]); flat -> (hi - lo,)."""
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True, slots=True)
+class DpShardLayout:
+    """Flat-buffer layout of one dp replica's piece of a (stage, tp rank) shard."""
+
+    pieces: tuple[DpPiece, ...]
+    numel: int
+    """Buffer length in elements (FSDP2 per-parameter padding / ZeRO even split included)."""
+
+    def piece(self, name: str) -> DpPiece:
+        for e in self.pieces:
+            if e.param.name == name:
+                return e
+        raise KeyError(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def dp_shard_layout(model: ModelSpec, layout: Layout, stage: int, dp_rank: int) -> DpShardLayout:
+    """The buffer of dp replica `dp_rank` of `stage` in a dp-sharded layout.
+
+    dim0 (FSDP2 fully_shard): each parameter's local tensor of R rows is cut like
+      torch.chunk(t, dp, 0): c = ceil(R / dp) rows per piece, replica d holds rows
+      [min(R, d c), min(R, (d + 1) c)) (the last pieces may be short or empty); every piece has
+      storage for c rows (zero padding), aligned like shard entries, in the shard's entry order.
+    flat (ZeRO-3 / FSDP1): the shard's flat buffer (shard_layout, N elements) is split into
+      dp pieces of c = ceil(N / dp) elements; replica d holds [d c, (d + 1) c), the last one
+      zero-padded; each parameter's piece is its part of that range (often empty, may cut rows).
+    """
+    if layout.dp_shard == "none":
+        raise ValueError(f"layout {layout} is not dp-sharded (dp_shard='none'); use shard_layout")
+    if not 0 <= dp_rank < layout.dp:
+        raise ValueError(f"dp_rank={dp_rank} outside [0, {layout.dp}) for layout {layout}")
+    sl = shard_layout(model, layout, stage)
+    dp, pieces = layout.dp, []
+    if layout.dp_shard == "dim0":
+        align = max(1, ALIGN_BYTES // model.element_size)
+        off = 0
+        for e in sl.entries:
+            rows = e.local_shape[0]
+            row = e.numel // rows
+            c = -(-rows // dp)
+            lo, hi = min(rows, dp_rank * c), min(rows, (dp_rank + 1) * c)
+            pieces.append(DpPiece(e.param, off, lo * row, hi * row, (hi - lo,) + e.local_shape[1:]))
+            off = -(-(off + c * row) // align) * align
+        return DpShardLayout(tuple(pieces), off)
+    c = -(-sl.numel // dp)
+    start, end = dp_rank * c, (dp_rank + 1) * c
+    for e in sl.entries:
+        lo, hi = max(start, e.offset), min(end, e.offset + e.numel)
+        if hi > lo:
+            pieces.append(DpPiece(e.param, lo - start, lo - e.offset, hi - e.offset, (hi - lo,)))
+        else:
+            pieces.append(DpPiece(e.param, 0, 0, 0, (0,)))
+    return DpShardLayout(tuple(pieces), c)

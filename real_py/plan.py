@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Layout, check_fits, shard_layout
+from .layout import Layout, check_fits, dp_shard_layout, shard_layout
 from .spec import ModelSpec
 
 MODES = ("p2p", "broadcast")
@@ -188,16 +188,21 @@ class ReallocPlan:
 
 def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:
     """Data elements of a rank's shard (vocab and alignment padding excluded)."""
-    _, k, stage = layout.coords(rank)
+    d, k, stage = layout.coords(rank)
     total = 0
-    for e in shard_layout(model, layout, stage).entries:
+    entries = shard_layout(model, layout, stage).entries
+    # Local flat range held of each entry: all of it, or this dp replica's piece (same order).
+    held_ranges = ([(0, e.numel) for e in entries] if layout.dp_shard == "none" else
+                   [(x.lo, x.hi) for x in dp_shard_layout(model, layout, stage, d).pieces])
+    for e, (lo, hi) in zip(entries, held_ranges):
         p = e.param
         if p.tp.kind == "vocab":
+            # Vocab splits dim 0, so the data are the first `held` local rows.
             rows, ext = p.shape[p.tp.dim], e.local_shape[p.tp.dim]
             held = min(rows, (k + 1) * ext) - min(rows, k * ext)
-            total += held * (p.numel // rows)
+            total += max(0, min(hi, held * (p.numel // rows)) - lo)
         else:
-            total += e.numel
+            total += hi - lo
     return total
 
 
@@ -246,10 +251,19 @@ def _layout_arrays(model: ModelSpec, layout: Layout) -> dict:
             ep.append(index[e.param.name])
             es.append(s)
             eo.append(e.offset)
-    return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-            "grid": np.array(layout.grid(), np.int64).reshape(-1),
-            "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
-            "entry_offset": np.array(eo, np.int64)}
+    out = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+           "grid": np.array(layout.grid(), np.int64).reshape(-1),
+           "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
+           "entry_offset": np.array(eo, np.int64)}
+    if layout.dp_shard != "none":
+        # [num_entries, dp, 3]: (lo, hi, offset) of each dp replica's piece of each entry.
+        ranges = []
+        for s in range(layout.pp):
+            by_dp = [dp_shard_layout(model, layout, s, d).pieces for d in range(layout.dp)]
+            for pieces in zip(*by_dp):  # one entry of the stage, every dp replica
+                ranges += [(x.lo, x.hi, x.offset) for x in pieces]
+        out["entry_range"] = np.array(ranges, np.int64).reshape(-1)
+    return out
 
 
 __all__ = ["plan_realloc", "ReallocPlan", "RankPlan", "Message", "MODES"]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .layout import Layout, ShardLayout, check_fits, shard_layout
+from .layout import DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, shard_layout
 from .spec import ModelSpec, ParamSpec, torch_dtype
 
 
@@ -33,7 +33,12 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
 
 
 class ModelShard:
-    """One rank's shard: `flat` [numel] of the model dtype, and `params()` name -> view."""
+    """One rank's shard: `flat` [numel] of the model dtype, and `params()` name -> view.
+
+    In a dp-sharded layout (Layout.dp_shard "dim0" / "flat") the rank holds its dp piece of the
+    (stage, tp rank) shard: `dp_layout` describes the buffer and `params()` maps every name of
+    the stage to the held piece (FSDP2: the local rows; ZeRO / flat: a 1-D range, maybe empty).
+    """
 
     def __init__(self, model: ModelSpec, layout: Layout, rank: int, flat: torch.Tensor):
         coords = layout.coords(rank)
@@ -42,10 +47,13 @@ class ModelShard:
         self.model, self.layout, self.rank = model, layout, rank
         self.dp_rank, self.tp_rank, self.stage = coords
         self.shard_layout: ShardLayout = shard_layout(model, layout, self.stage)
+        self.dp_layout: DpShardLayout | None = (
+            None if layout.dp_shard == "none" else dp_shard_layout(model, layout, self.stage, self.dp_rank))
+        numel = (self.dp_layout or self.shard_layout).numel
         want = torch_dtype(model.dtype)
-        if flat.dim() != 1 or flat.numel() != self.shard_layout.numel or flat.dtype != want:
+        if flat.dim() != 1 or flat.numel() != numel or flat.dtype != want:
             raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be 1-D "
-                             f"{want} of {self.shard_layout.numel} elements, got "
+                             f"{want} of {numel} elements, got "
                              f"{tuple(flat.shape)} {flat.dtype}")
         if not flat.is_contiguous():
             raise ValueError("flat buffer must be contiguous")
@@ -55,10 +63,11 @@ class ModelShard:
     def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ModelShard":
         """A zeroed shard ready to receive (padding must be zero, so zeros, not empty)."""
         check_fits(model, layout)
-        stage = layout.coords(rank)
-        if stage is None:
+        coords = layout.coords(rank)
+        if coords is None:
             raise ValueError(f"rank {rank} is not in layout {layout}")
-        n = shard_layout(model, layout, stage[2]).numel
+        n = (shard_layout(model, layout, coords[2]) if layout.dp_shard == "none"
+             else dp_shard_layout(model, layout, coords[2], coords[0])).numel
         return cls(model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device))
 
     @classmethod
@@ -73,15 +82,26 @@ class ModelShard:
             full = state_dict[p.name]
             if tuple(full.shape) != p.shape:
                 raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
-            shard.view(p.name).copy_(tp_slice(p, full.to(shard.flat.dtype), layout.tp, shard.tp_rank))
+            local = tp_slice(p, full.to(shard.flat.dtype), layout.tp, shard.tp_rank)
+            if shard.dp_layout is not None:
+                piece = shard.dp_layout.piece(p.name)
+                local = local.reshape(-1)[piece.lo:piece.hi].view(piece.shape)
+            shard.view(p.name).copy_(local)
         return shard
 
     def view(self, name: str) -> torch.Tensor:
+        if self.dp_layout is not None:
+            e = self.dp_layout.piece(name)
+            return self.flat[e.offset:e.offset + e.numel].view(e.shape)
         e = self.shard_layout.entry(name)
         return self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
 
     def params(self) -> dict[str, torch.Tensor]:
-        """name -> view into `flat` with the local (TP-sliced) shape, in forward key order."""
+        """name -> view into `flat` with the local (TP-sliced) shape, in forward key order (the
+        held piece's shape in a dp-sharded layout)."""
+        if self.dp_layout is not None:
+            return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.shape)
+                    for e in self.dp_layout.pieces}
         return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
                 for e in self.shard_layout.entries}
 
@@ -91,10 +111,14 @@ class ModelShard:
 
 
 def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, torch.Tensor]:
-    """Reassemble full tensors from shards covering every (stage, tp rank) of one layout."""
+    """Reassemble full tensors from shards covering every (stage, tp rank) of one layout
+    (every (stage, tp rank, dp rank) of a dp-sharded layout)."""
     out: dict[str, torch.Tensor] = {}
     by_param: dict[str, dict[int, torch.Tensor]] = {}
     layout = None
+    shards = list(shards)
+    if shards and shards[0].layout.dp_shard != "none":
+        shards = _undo_dp_sharding(model, shards)
     for s in shards:
         layout = layout or s.layout
         for name, v in s.params().items():
@@ -116,4 +140,23 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
             blocks = [torch.cat([per_block[k][j] for k in range(layout.tp)], d)
                       for j in range(len(p.blocks))]
             out[p.name] = torch.cat(blocks, d)
+    return out
+
+
+def _undo_dp_sharding(model: ModelSpec, shards: list[ModelShard]) -> list[ModelShard]:
+    """dp-sharded shards -> one whole (stage, tp rank) shard each, in the layout without dp."""
+    layout = shards[0].layout
+    by_pos: dict[tuple[int, int], dict[int, ModelShard]] = {}
+    for s in shards:
+        by_pos.setdefault((s.stage, s.tp_rank), {})[s.dp_rank] = s
+    plain = Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage)
+    out = []
+    for (stage, k), reps in sorted(by_pos.items()):
+        if sorted(reps) != list(range(layout.dp)):
+            raise ValueError(f"gather_full: stage {stage} tp rank {k} of {layout} has pieces from dp "
+                             f"ranks {sorted(reps)}, need all of range({layout.dp})")
+        whole = ModelShard.empty(model, plain, plain.rank(0, k, stage), device=shards[0].flat.device)
+        for name, v in whole.params().items():
+            v.view(-1).copy_(torch.cat([reps[d].view(name).reshape(-1) for d in range(layout.dp)]))
+        out.append(whole)
     return out

@@ -13,7 +13,7 @@ import torch
 
 from real_py import Layout, ModelSpec, model_spec, shard_layout
 from real_py.layout import param_stages
-from real_py.spec import ModelConfig, torch_dtype
+from real_py.spec import ALIGN_BYTES, ModelConfig, torch_dtype
 
 
 def held_indices(p, tp: int, k: int) -> torch.Tensor:
@@ -43,6 +43,8 @@ def held_indices(p, tp: int, k: int) -> torch.Tensor:
 
 def oracle_flat(model: ModelSpec, layout: Layout, rank: int, full: dict) -> torch.Tensor:
     """The flat buffer `rank` must hold in `layout`, assembled from full tensors by index_select."""
+    if layout.dp_shard != "none":
+        return oracle_flat_dp(model, layout, rank, full)
     _, k, stage = layout.coords(rank)
     sl = shard_layout(model, layout, stage)
     out = torch.zeros(sl.numel, dtype=torch_dtype(model.dtype))
@@ -57,6 +59,8 @@ def oracle_flat(model: ModelSpec, layout: Layout, rank: int, full: dict) -> torc
 
 def data_mask(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
     """Bool [numel]: which flat-buffer elements of `rank` hold model data (not padding)."""
+    if layout.dp_shard != "none":
+        return index_buffer(model, layout, rank) >= 0
     _, k, stage = layout.coords(rank)
     sl = shard_layout(model, layout, stage)
     mask = torch.zeros(sl.numel, dtype=torch.bool)
@@ -67,6 +71,8 @@ def data_mask(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
 
 def min_network_elems(model: ModelSpec, src: Layout, dst: Layout) -> int:
     """Elements every destination rank needs that its own source shard does not hold."""
+    if src.dp_shard != "none" or dst.dp_shard != "none":
+        return min_network_elems_dp(model, src, dst)
     total = 0
     for r in dst.ranks:
         _, k2, s2 = dst.coords(r)
@@ -119,3 +125,72 @@ def random_layout(rng: random.Random, world: int, num_layers: int, max_ranks: in
         cuts = sorted(rng.sample(range(1, num_layers), pp - 1))
         lps = tuple(b - a for a, b in zip([0] + cuts, cuts + [num_layers]))
     return Layout(dp=dp, tp=tp, pp=pp, ranks=tuple(ranks), order=order, layers_per_stage=lps)
+
+
+# dp-sharded layouts (Layout.dp_shard "dim0" / "flat"). The buffer is described as an index
+# buffer: element i holds (parameter number << 40) + global flat index, or -1 for padding. The
+# whole (stage, tp rank) shard's index buffer comes from held_indices; the dp piece is then cut
+# with torch.chunk (dim0, FSDP2's rule) or an even split of the flat buffer (flat, ZeRO-3).
+_PID_SHIFT = 40
+
+
+def index_buffer(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
+    """int64 [numel]: which parameter element each flat-buffer element of `rank` holds (-1: none)."""
+    d, k, stage = layout.coords(rank)
+    pid = {p.name: i for i, p in enumerate(model.params)}
+    sl = shard_layout(model, layout, stage)
+    whole = torch.full((sl.numel,), -1, dtype=torch.int64)
+    for e in sl.entries:
+        h = held_indices(e.param, layout.tp, k)
+        whole[e.offset:e.offset + e.numel] = torch.where(h >= 0, (pid[e.param.name] << _PID_SHIFT) + h, -1)
+    if layout.dp_shard == "none":
+        return whole
+    if layout.dp_shard == "flat":
+        c = -(-sl.numel // layout.dp)
+        out = torch.full((c,), -1, dtype=torch.int64)
+        piece = whole[d * c:(d + 1) * c]
+        out[:piece.numel()] = piece
+        return out
+    assert layout.dp_shard == "dim0", layout.dp_shard
+    align = max(1, ALIGN_BYTES // model.element_size)
+    parts = []
+    for e in sl.entries:
+        local = whole[e.offset:e.offset + e.numel].view(e.local_shape)
+        chunks = torch.chunk(local, layout.dp, 0)
+        storage = chunks[0].numel()  # FSDP2 pads every piece to the first chunk's size
+        piece = chunks[d].reshape(-1) if d < len(chunks) else local.new_empty(0)
+        slot = torch.full((-(-storage // align) * align,), -1, dtype=torch.int64)
+        slot[:piece.numel()] = piece
+        parts.append(slot)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def oracle_flat_dp(model: ModelSpec, layout: Layout, rank: int, full: dict) -> torch.Tensor:
+    """oracle_flat for any layout (dp-sharded or not), from index_buffer."""
+    idx = index_buffer(model, layout, rank)
+    out = torch.zeros(idx.numel(), dtype=torch_dtype(model.dtype))
+    for i, p in enumerate(model.params):
+        at = (idx >= 0) & (idx >> _PID_SHIFT == i)
+        if at.any():
+            out[at] = full[p.name].reshape(-1)[idx[at] & ((1 << _PID_SHIFT) - 1)]
+    return out
+
+
+def min_network_elems_dp(model: ModelSpec, src: Layout, dst: Layout) -> int:
+    """min_network_elems for any layouts: elements a destination rank needs and does not hold."""
+    total = 0
+    for r in dst.ranks:
+        need = index_buffer(model, dst, r)
+        need = need[need >= 0]
+        if r in src.ranks:
+            need = need[~torch.isin(need, index_buffer(model, src, r))]
+        total += need.numel()
+    return total
+
+
+def random_dp_layout(rng: random.Random, world: int, num_layers: int, max_ranks: int = 8) -> Layout:
+    """random_layout, dp-sharded (dim0 or flat) two times in three when dp > 1."""
+    layout = random_layout(rng, world, num_layers, max_ranks)
+    shard = rng.choice(["none", "dim0", "flat"])
+    return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, ranks=layout.ranks, order=layout.order,
+                  layers_per_stage=layout.layers_per_stage, dp_shard=shard)

@@ -7,6 +7,8 @@
 #include <tuple>
 #include <utility>
 
+#include "planner/planner_impl.h"
+
 namespace real_py {
 namespace {
 
@@ -30,41 +32,6 @@ void check_layout(const LayoutIn& l, size_t num_params, const char* side) {
     if (r < 0) throw std::invalid_argument(s + ": negative rank " + str(r));
 }
 
-struct Holder {
-  int64_t rank, offset;
-};
-
-// Chooses senders: least egress first, preferring the receiver's node when nodes are known.
-class SenderPicker {
- public:
-  SenderPicker(int64_t num_ranks, int64_t ranks_per_node)
-      : rank_load_(num_ranks, 0), rpn_(ranks_per_node),
-        node_load_(ranks_per_node > 0 ? num_ranks / ranks_per_node + 1 : 1, 0) {}
-
-  const Holder& pick(const std::vector<Holder>& holders, int64_t receiver, int64_t numel) {
-    const Holder* best = nullptr;
-    std::tuple<int, int64_t, int64_t, int64_t> best_key;
-    for (const Holder& h : holders) {
-      int remote = 0;
-      int64_t node_load = 0;
-      if (rpn_ > 0 && receiver >= 0) {
-        remote = h.rank / rpn_ != receiver / rpn_;
-        node_load = remote ? node_load_[h.rank / rpn_] : 0;
-      }
-      auto key = std::make_tuple(remote, node_load, rank_load_[h.rank], h.rank);
-      if (!best || key < best_key) best = &h, best_key = key;
-    }
-    rank_load_[best->rank] += numel;
-    if (rpn_ > 0) node_load_[best->rank / rpn_] += numel;
-    return *best;
-  }
-
- private:
-  std::vector<int64_t> rank_load_;
-  int64_t rpn_;
-  std::vector<int64_t> node_load_;
-};
-
 }  // namespace
 
 Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
@@ -72,6 +39,7 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
   const size_t P = params.size();
   check_layout(src, P, "src");
   check_layout(dst, P, "dst");
+  if (src.dp_sharded() || dst.dp_sharded()) return make_plan_dp(params, src, dst, opt);
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
@@ -91,8 +59,8 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
         src_tp[r] = t;
       }
 
-  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<Desc>> messages;
-  std::map<int64_t, std::vector<Desc>> locals;
+  MessageMap messages;
+  LocalMap locals;
   SenderPicker picker(num_ranks, opt.ranks_per_node);
   std::vector<Holder> holders;
   std::vector<int64_t> net_recv;
@@ -174,27 +142,7 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
     }
   }
 
-  Plan plan;
-  for (const auto& [key, descs] : messages) {
-    plan.msg_sender.push_back(key.first);
-    plan.msg_receivers.insert(plan.msg_receivers.end(), key.second.begin(), key.second.end());
-    plan.msg_recv_ptr.push_back(static_cast<int64_t>(plan.msg_receivers.size()));
-    int64_t n = 0;
-    for (const Desc& d : descs) n += d.numel();
-    plan.descs.insert(plan.descs.end(), descs.begin(), descs.end());
-    plan.msg_desc_ptr.push_back(static_cast<int64_t>(plan.descs.size()));
-    plan.msg_numel.push_back(n);
-  }
-  plan.local_desc_ptr[0] = static_cast<int64_t>(plan.descs.size());  // locals follow messages
-  for (const auto& [rank, descs] : locals) {
-    plan.local_rank.push_back(rank);
-    int64_t n = 0;
-    for (const Desc& d : descs) n += d.numel();
-    plan.descs.insert(plan.descs.end(), descs.begin(), descs.end());
-    plan.local_desc_ptr.push_back(static_cast<int64_t>(plan.descs.size()));
-    plan.local_numel.push_back(n);
-  }
-  return plan;
+  return assemble_plan(messages, locals);
 }
 
 }  // namespace real_py

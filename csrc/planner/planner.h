@@ -22,6 +22,12 @@ struct LayoutIn {
   // Shard entries: parameter `entry_param[i]` lives on stage `entry_stage[i]` at flat
   // offset `entry_offset[i]` (elements; the same on every tp rank of that stage).
   std::vector<int64_t> entry_param, entry_stage, entry_offset;
+  // Data-parallel sharding (FSDP / ZeRO-3): empty, or [num_entries][dp][3] (lo, hi, offset):
+  // dp replica d of entry i holds elements [lo, hi) of the entry's local tensor (row-major
+  // flat index over [A, local_extent, B]) at flat offset `offset` of its buffer.
+  std::vector<int64_t> entry_range;
+
+  bool dp_sharded() const { return !entry_range.empty(); }
 
   int64_t rank(int64_t stage, int64_t d, int64_t t) const { return grid[(stage * dp + d) * tp + t]; }
 };
@@ -49,5 +55,9 @@ struct Plan {
 // tp not dividing a block, ...).
 Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
                const PlanOptions& opt);
+
+// The same plan when either side is dp-sharded (make_plan calls it); planner/dp_shard.cpp.
+Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+                  const PlanOptions& opt);
 
 }  // namespace real_py

@@ -31,6 +31,11 @@ from .pipeline import P2P, split_micro_batches
 class Engine:
     def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
                  optim=None):
+        if layout.dp_shard != "none":
+            raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
+                             "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
+                             "with dp_shard='none' first (dp-sharded layouts are for trainers "
+                             "embedding the reallocation, real_py.embed)")
         spec = model_spec(config)
         spec.check_compatible(shard.model)
         if shard.layout != layout or groups.layout != layout:

@@ -1,0 +1,408 @@
+"""`python -m real_py bench`: time real_py's reallocation between layouts on this cluster.
+
+    python -m real_py bench --model llama2-7b --src dp2,tp4 --dst tp8 --device cuda --out r.json
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
+
+Without RANK in the environment (not under torchrun) the command checks its arguments and
+re-invokes itself under torch.distributed.run --standalone with as many local processes as the
+layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
+--device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
+result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
+compared bit for bit with the values the source pattern implies):
+
+  seconds     median over --repeats of the slowest rank's time for one reallocation
+  GB/s/rank   network bytes / participating ranks / seconds (and the busiest receiver's rate)
+  bytes       network bytes sent against the minimum (what destinations need and do not hold)
+  % peak      the plan's messages alone, one batch_isend_irecv between preallocated buffers
+              timed in the same run (measured link peak for these bytes), over the seconds
+              above; and, with --link-gbps G, the busiest receiver's bytes at G GB/s over them.
+
+The machine is described from what the run detects (cpu count and model, GPU name, hosts, world
+size, backend). --out writes JSON; an existing file is kept unless --overwrite, and paths
+under the repository's bench/results/ (the project's own recorded results) are refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def add_parser(sub) -> None:
+    from .plan import MODES
+    from .spec import PRESETS
+
+    p = sub.add_parser("bench", help="time reallocations between layouts on this machine/cluster")
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(PRESETS)}) or a path to an HF config.json / checkpoint dir")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype")
+    p.add_argument("--src", action="append", required=True,
+                   help="source layout, e.g. dp2,tp4,pp1 (dp-sharded: dp4,tp2,dim0 or ...,flat); "
+                        "repeat for several pairs")
+    p.add_argument("--dst", action="append", required=True, help="destination layout, one per --src")
+    p.add_argument("--src-ranks", action="append",
+                   help="comma-separated global ranks of the source (one for all pairs or one per pair)")
+    p.add_argument("--dst-ranks", action="append", help="the same for the destination")
+    p.add_argument("--mode", choices=MODES, default="p2p")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per pair (median reported)")
+    p.add_argument("--bucket-mb", type=float, default=256.0, help="reallocator staging bucket, MiB")
+    p.add_argument("--link-gbps", type=float, help="stated link peak, GB/s per rank and direction")
+    p.add_argument("--out", help="write the results as JSON to this path")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--nproc", type=int,
+                   help="local processes when not under torchrun (default: ranks the layouts use)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any transfer or collective may wait before failing")
+
+
+def _ranks(text: str | None, flag: str):
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: expected comma-separated integers, e.g. 0,1,2,3") from None
+
+
+def _per_pair(values, n: int, flag: str) -> list:
+    if not values:
+        return [None] * n
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ValueError(f"{flag} given {len(values)} times for {n} pairs; give it once or once per pair")
+    return values
+
+
+def _model(args):
+    from .spec import PRESETS, ModelConfig, model_spec, preset
+
+    if args.model in PRESETS:
+        return model_spec(preset(args.model, dtype=args.dtype), args.model)
+    if not os.path.exists(args.model):
+        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                         "nor an existing HF config.json / checkpoint directory")
+    return model_spec(ModelConfig.from_hf(args.model, dtype=args.dtype), Path(args.model).stem)
+
+
+def _pairs(args, model):
+    from .layout import Layout, check_fits
+
+    if len(args.src) != len(args.dst):
+        raise ValueError(f"{len(args.src)} --src but {len(args.dst)} --dst; give one --dst per --src")
+    n = len(args.src)
+    pairs = []
+    for i, (s, d, sr, dr) in enumerate(zip(args.src, args.dst, _per_pair(args.src_ranks, n, "--src-ranks"),
+                                           _per_pair(args.dst_ranks, n, "--dst-ranks"))):
+        src = Layout.parse(s, ranks=_ranks(sr, "--src-ranks"))
+        dst = Layout.parse(d, ranks=_ranks(dr, "--dst-ranks"))
+        for flag, layout in (("--src", src), ("--dst", dst)):
+            try:
+                check_fits(model, layout)
+            except ValueError as e:
+                raise ValueError(f"pair {i} {flag} {layout}: {e}") from None
+        pairs.append((src, dst))
+    return pairs
+
+
+def _check_out(args) -> None:
+    if not args.out:
+        return
+    out = Path(args.out).resolve()
+    results = (_REPO / "bench" / "results").resolve()
+    if out == results or results in out.parents:
+        raise ValueError(f"--out {args.out} is under {results}, the project's recorded results; "
+                         "write somewhere else (e.g. --out bench_result.json)")
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: directory {out.parent} does not exist")
+
+
+def _check(args):
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats} must be >= 1")
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb={args.bucket_mb} must be > 0")
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise ValueError(f"--link-gbps={args.link_gbps} must be > 0")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout={args.timeout} must be > 0")
+    _check_out(args)
+    model = _model(args)
+    pairs = _pairs(args, model)
+    need = 1 + max(max(max(s.ranks), max(d.ranks)) for s, d in pairs)
+    return model, pairs, need
+
+
+def run(args) -> int:
+    model, pairs, need = _check(args)
+    if "RANK" not in os.environ:
+        nproc = args.nproc or need
+        if nproc < need:
+            raise ValueError(f"--nproc={nproc}, but the layouts use global ranks up to {need - 1}")
+        if args.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < nproc:
+                raise ValueError(f"--device cuda with {nproc} processes, but this machine has "
+                                 f"{torch.cuda.device_count()} GPUs")
+        return _launch(args, nproc)
+    return _spmd(args, model, pairs, need)
+
+
+def _launch(args, nproc: int) -> int:
+    argv = ["bench", "--model", args.model, "--dtype", args.dtype, "--mode", args.mode,
+            "--device", args.device, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+            "--timeout", str(args.timeout)]
+    for flag in ("src", "dst", "src_ranks", "dst_ranks"):
+        for v in getattr(args, flag) or []:
+            argv += ["--" + flag.replace("_", "-"), v]
+    if args.link_gbps is not None:
+        argv += ["--link-gbps", str(args.link_gbps)]
+    if args.out:
+        argv += ["--out", str(Path(args.out).resolve())]
+    if args.overwrite:
+        argv.append("--overwrite")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "real_py"] + argv
+    print(f"launching {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+# ---------------------------------------------------------------- workers (under torchrun)
+
+def _pattern(model, shard) -> dict:
+    """name -> the values `shard` must hold: full tensor element i of parameter j is
+    (i * 40503 + (j + 1) * 7919) mod 2**24 (exact in fp32; a bijection on i), cut like the shard."""
+    import torch
+
+    from .shard import tp_slice
+
+    out = {}
+    index = {p.name: j for j, p in enumerate(model.params)}
+    for name, view in shard.params().items():
+        p = model.param(name)
+        idx = tp_slice(p, torch.arange(p.numel, dtype=torch.int64).view(p.shape), shard.layout.tp,
+                       shard.tp_rank)
+        v = ((idx * 40503 + (index[name] + 1) * 7919) & 0xFFFFFF).to(view.dtype)
+        if p.tp.kind == "vocab":  # padding rows are zero in a shard
+            rows, local = p.shape[p.tp.dim], v.shape[p.tp.dim]
+            held = max(0, min(rows, (shard.tp_rank + 1) * local) - shard.tp_rank * local)
+            v.narrow(p.tp.dim, held, local - held).zero_()
+        if shard.dp_layout is not None:
+            piece = shard.dp_layout.piece(name)
+            v = v.reshape(-1)[piece.lo:piece.hi].view(piece.shape)
+        out[name] = v.to(view.device)
+    return out
+
+
+def _slowest(seconds: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, device) -> float:
+    """Seconds of fn() on the slowest rank (all ranks start together)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _slowest(time.perf_counter() - t0, device)
+
+
+def _floor_fn(plan, rank: int, dtype, device):
+    """The plan's messages alone (no pack/unpack): one batch_isend_irecv between preallocated
+    buffers. Broadcast messages become one send per receiver."""
+    import torch
+    import torch.distributed as dist
+
+    mine = plan.for_rank(rank)
+    ops = []
+    for m in mine.sends:
+        buf = torch.ones(m.numel, dtype=dtype, device=device)
+        ops += [dist.P2POp(dist.isend, buf, r) for r in m.peers]
+    for m in mine.recvs:
+        ops.append(dist.P2POp(dist.irecv, torch.empty(m.numel, dtype=dtype, device=device), m.peers[0]))
+
+    def fn():
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+    return fn
+
+
+def _machine(backend: str, world: int, device) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    hosts = [None] * world
+    dist.all_gather_object(hosts, platform.node())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    nodes = len(set(hosts))
+    what = gpu or f"{os.cpu_count()}-cpu {cpu}"
+    return {"label": f"{nodes} node(s), {world} {backend} ranks, {what}", "nodes": nodes, "world_size": world,
+            "backend": backend, "cpu_count": os.cpu_count(), "cpu_model": cpu, "gpu": gpu,
+            "ranks_per_node": world // nodes if world % nodes == 0 else None}
+
+
+def _bench_pair(model, src, dst, args, transport, device) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from .plan import _shard_data_numel, plan_realloc
+    from .reallocator import Reallocator
+    from .shard import ModelShard
+
+    rank = dist.get_rank()
+    plan = plan_realloc(model, src, dst, mode=args.mode)
+    s = plan.summary()
+    src_shard = dst_shard = None
+    if rank in src.ranks:
+        src_shard = ModelShard.empty(model, src, rank, device=device)
+        for name, v in _pattern(model, src_shard).items():
+            src_shard.view(name).copy_(v)
+    if rank in dst.ranks:
+        dst_shard = ModelShard.empty(model, dst, rank, device=device)
+    bucket = int(args.bucket_mb * (1 << 20))
+    # Untimed first run, verified: checksums on every chunk, then every tensor against the pattern.
+    Reallocator(plan, transport, bucket_bytes=bucket, verify=True).run(src_shard, dst_shard)
+    bad = []
+    if dst_shard is not None:
+        bad = [n for n, v in _pattern(model, dst_shard).items() if not torch.equal(dst_shard.view(n), v)]
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bad)
+    wrong = {r: b for r, b in enumerate(flags) if b}
+    if wrong:
+        raise RuntimeError(f"{src} -> {dst}: destination differs from the source pattern on ranks "
+                           f"{ {r: b[:3] for r, b in wrong.items()} }")
+    realloc = Reallocator(plan, transport, bucket_bytes=bucket)
+    realloc.run(src_shard, dst_shard)  # warm: staging allocated, descriptors cached
+    floor = _floor_fn(plan, rank, src_shard.flat.dtype if src_shard is not None else
+                      dst_shard.flat.dtype if dst_shard is not None else torch.float32, device)
+    _timed(floor, device)
+    times, floors = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine state
+        times.append(_timed(lambda: realloc.run(src_shard, dst_shard), device))
+        floors.append(_timed(floor, device))
+    sec, floor_sec = statistics.median(times), statistics.median(floors)
+    es = model.element_size
+    busiest = max((_shard_data_numel(model, dst, r) * es - s["per_rank"][r]["local"] for r in dst.ranks),
+                  default=0)
+    ranks = len(plan.ranks())
+    row = {
+        "src": str(src), "dst": str(dst), "src_ranks": list(src.ranks), "dst_ranks": list(dst.ranks),
+        "mode": args.mode, "seconds": sec, "seconds_all": times, "floor_seconds": floor_sec,
+        "network_bytes": s["network_bytes"], "min_network_bytes": s["min_network_bytes"],
+        "local_bytes": s["local_bytes"], "max_ingress_bytes": s["max_ingress_bytes"],
+        "ranks": ranks, "num_messages": s["num_messages"],
+        "gbps_per_rank": s["network_bytes"] / ranks / sec / 1e9 if sec > 0 else None,
+        "busiest_receiver_gbps": busiest / sec / 1e9 if sec > 0 else None,
+        "pct_of_measured_peak": 100.0 * floor_sec / sec if sec > 0 else None,
+        "pct_of_stated_peak": (100.0 * busiest / (args.link_gbps * 1e9) / sec
+                               if args.link_gbps and sec > 0 else None),
+        "verified": True,
+    }
+    del src_shard, dst_shard, realloc
+    return row
+
+
+def _line(r: dict) -> str:
+    stated = f" {r['pct_of_stated_peak']:5.1f}%" if r["pct_of_stated_peak"] is not None else "     -"
+    return (f"{r['src']:>18} -> {r['dst']:<18} {r['seconds']:9.4f} {r['gbps_per_rank']:9.3f} "
+            f"{r['network_bytes'] / 2**20:10.2f} {r['min_network_bytes'] / 2**20:10.2f} "
+            f"{r['pct_of_measured_peak']:6.1f}%{stated}")
+
+
+def _spmd(args, model, pairs, need: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .transport_dist import DistTransport
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world < need:
+            raise ValueError(f"the layouts use global ranks up to {need - 1}, but the world has {world}")
+        machine = _machine(backend, world, device)
+        transport = DistTransport(dist.group.WORLD, timeout=args.timeout)
+        if rank == 0:
+            print(f"{model.name} ({model.dtype}, {sum(p.numel for p in model.params) / 1e6:.1f}M params) "
+                  f"on {machine['label']}, {args.mode}, median of {args.repeats}", flush=True)
+            print(f"{'src':>18}    {'dst':<18} {'seconds':>9} {'GB/s/rank':>9} {'sent MiB':>10} "
+                  f"{'min MiB':>10} {'%meas':>7} {'%stated':>6}", flush=True)
+        rows = []
+        for src, dst in pairs:
+            row = _bench_pair(model, src, dst, args, transport, device)
+            rows.append(row)
+            if rank == 0:
+                print(_line(row), flush=True)
+        if rank == 0 and args.out:
+            import torch as _t
+
+            result = {
+                "command": "python -m real_py " + " ".join(sys.argv[1:]),
+                "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                "model": model.name, "dtype": model.dtype,
+                "num_params": sum(p.numel for p in model.params),
+                "device": args.device, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+                "link_gbps": args.link_gbps, "machine": machine,
+                "versions": {"python": platform.python_version(), "torch": _t.__version__,
+                             "cuda": _t.version.cuda, "git_commit": _git_commit()},
+                "pairs": rows,
+            }
+            out = Path(args.out)
+            if out.exists() and not args.overwrite:  # appeared while running
+                raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
+            out.write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {out}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=_REPO, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,79 @@
+"""Checks dp-sharded layouts over 4 gloo ranks: DistTransport transfers, FSDP2 DTensor Shard(0) agreement, device meshes.
+
+A failure points to the dp planner (csrc/planner/dp_shard.cpp), real_py/layout.py dp_shard_layout (if the DTensor
+comparison fails, our dim0 rule departs from FSDP2's), or real_py/embed.py layout_from_device_mesh / shard_from_params.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from real_py import Layout, ModelShard, plan_realloc
+from real_py.embed import layout_from_device_mesh, reallocate_params
+from real_py.reallocator import Reallocator
+from real_py.testing import run_distributed
+from real_py.transport_dist import DistTransport
+
+from dist_cases import check_transfer
+from oracle import oracle_flat, random_full, tiny_spec
+
+TIED, BIAS, BF16 = tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(tied=True, layers=3, vocab=97,
+                                                                         dtype="bfloat16")
+
+
+def L(text, ranks=None):
+    return Layout.parse(text, ranks=None if ranks is None else tuple(ranks))
+
+
+PAIRS = [
+    ("fsdp2 dp4-dim0 -> tp2pp2", TIED, L("dp4,dim0"), L("tp2,pp2")),
+    ("tp2pp2 -> zero3 dp2tp2-flat", BIAS, L("tp2,pp2"), L("dp2,tp2,flat")),
+    ("dp2tp2-dim0 -> dp2tp2-flat", BF16, L("dp2,tp2,dim0"), L("dp2,tp2,flat", (3, 2, 1, 0))),
+    ("flat dp3 -> dim0 dp2 tp2 padded vocab", BF16, L("dp3,flat", (1, 2, 3)), L("dp2,tp2,dim0")),
+    ("dim0 dp2pp2 tied -> dp4", TIED, L("dp2,pp2,dim0"), L("dp4")),
+]
+
+
+def _worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    t = DistTransport(dist.group.WORLD, timeout=30)
+    done = {"transfers": 0, "dtensor_params": 0}
+    for i, (name, model, src, dst) in enumerate(PAIRS):
+        full = random_full(model, i)
+        for mode, bucket, verify in (("p2p", 4096, False), ("broadcast", 1 << 16, i % 2 == 0)):
+            check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket, verify=verify,
+                           what=name)
+            done["transfers"] += 1
+    # An FSDP2-style mesh: dp_shard x tp. Our dim0 pieces must be what DTensor Shard(0) holds.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    layout = layout_from_device_mesh(mesh)
+    assert layout == Layout(dp=2, tp=2, dp_shard="dim0"), layout
+    full = random_full(TIED, 9)
+    d, k, _ = layout.coords(rank)
+    whole = ModelShard.from_full(TIED, Layout(tp=2), k, full)  # this tp rank's local tensors
+    fsdp_local = {}
+    for name, v in whole.params().items():
+        fsdp_local[name] = distribute_tensor(v, mesh["dp_shard"], [Shard(0)]).to_local()
+        done["dtensor_params"] += 1
+    mine = ModelShard.from_full(TIED, layout, rank, full).params()
+    for name, v in fsdp_local.items():
+        assert torch.equal(mine[name], v), f"rank {rank} {name}: dim0 piece {tuple(mine[name].shape)} " \
+                                           f"!= DTensor Shard(0) local {tuple(v.shape)}"
+    # A trainer hands its FSDP2 local shards (DTensor.to_local()) straight to the reallocation.
+    gen = L("tp2,pp2")
+    r = Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14)
+    got = reallocate_params(r, fsdp_local)
+    want = ModelShard(TIED, gen, rank, oracle_flat(TIED, gen, rank, full)).params()
+    assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: FSDP2 -> tp2pp2 differs"
+    back = Reallocator(plan_realloc(TIED, gen, layout), t, bucket_bytes=1 << 14)
+    again = reallocate_params(back, got)
+    assert all(torch.equal(again[n], fsdp_local[n]) for n in fsdp_local), f"rank {rank}: round trip"
+    return done
+
+
+def test_dp_sharded_pairs_on_four_ranks():
+    out = run_distributed(_worker, 4, timeout=150)
+    assert out[0] == {"transfers": 2 * len(PAIRS), "dtensor_params": len(TIED.params)}, out[0]
