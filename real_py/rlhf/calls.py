@@ -61,17 +61,23 @@ def _allreduce_dp(t: torch.Tensor, g) -> torch.Tensor:
     return t
 
 
+def kl_in(cfg) -> str:
+    """Where the KL to the reference enters: cfg.ppo.kl_in, or by default "loss" for GRPO (as
+    published) and "reward" for PPO."""
+    return cfg.ppo.kl_in or ("loss" if cfg.algo == "grpo" else "reward")
+
+
 def _advantages(rt, call, g, d: dict) -> dict:
-    """Adds "mask", "adv", "returns" (PPO) to the DP-local batch d; all [b, T-1]."""
+    """Adds "mask", "kl" (k1), "adv", "returns" (PPO) to the DP-local batch d; all [b, T-1]."""
     pc = rt.cfg.ppo
     T = d["tokens"].shape[1]
     mask = P.response_mask(d["prompt_lengths"], d["lengths"], T)
-    rewards, kl = P.kl_penalized_rewards(d["scores"], d["old_logp"], d["ref_logp"], mask, pc.kl_coef)
+    in_reward = kl_in(rt.cfg) == "reward"
+    rewards, kl = P.kl_penalized_rewards(d["scores"], d["old_logp"], d["ref_logp"], mask,
+                                         pc.kl_coef if in_reward else 0.0)
     d["mask"], d["kl"] = mask, kl
     if call.kind == "train_grpo_actor":
-        # Outcome advantage per sequence (group-normalized score) minus the per-token KL penalty.
-        ga = P.group_advantages(d["scores"], pc.group_size)
-        d["adv"] = (ga.unsqueeze(1) - pc.kl_coef * kl) * mask
+        d["adv"] = P.grpo_advantages(d["scores"], kl, mask, pc.group_size, pc.kl_coef, kl_in(rt.cfg))
         return d
     values = d["values"][:, :-1] * mask
     adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
@@ -92,7 +98,9 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
         _add(rt, sums, "reward", float(d["scores"].sum()), len(rows))
         _add(rt, sums, "kl", float(d["kl"].sum()), len(rows))
         _add(rt, sums, "response_length", float(resp.sum()), len(rows))
+    kl_loss = not critic and kl_in(rt.cfg) == "loss"
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
+    fields += ["ref_logp"] if kl_loss else []
     local = torch.arange(len(rows))
     for _ in range(pc.ppo_epochs):
         for mb in local.tensor_split(pc.mini_batches):
@@ -108,6 +116,8 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
                 else:
                     loss, nclip = P.policy_loss(out["logprobs"], data["old_logp"], data["adv"],
                                                 data["mask"], pc.clip)
+                    if kl_loss:
+                        loss = loss + pc.kl_coef * P.k3_kl(out["logprobs"], data["ref_logp"], data["mask"]).sum()
                     ent = float((out["entropy"].detach() * data["mask"]).sum())
                     extra.append((float(nclip), ent, float(data["mask"].sum())))
                 return loss / n_tok

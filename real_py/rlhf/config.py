@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..execplan import ExecutionPlan
 from ..layout import check_fits
@@ -70,6 +71,11 @@ class PPOConfig:
     group_size: int = 2
     """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
     whiten_advantages: bool = True
+    kl_in: Literal["loss", "reward"] | None = None
+    """Where the KL to the reference (coefficient kl_coef, GRPO's beta) enters: "reward" (k1
+    penalty -kl_coef * (log pi_old - log pi_ref) per token in the rewards, InstructGPT-style) or
+    "loss" (kl_coef * the k3 estimator per token added to the policy loss, as GRPO is published).
+    None: "loss" for grpo, "reward" for ppo."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,6 +199,9 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ValueError(f"config {name}={getattr(cfg, name)!r} must be true or false")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
+    if cfg.ppo.kl_in not in (None, "loss", "reward"):
+        raise ValueError(f"config ppo.kl_in={cfg.ppo.kl_in!r}; allowed: 'loss', 'reward' (or null: "
+                         "loss for grpo, reward for ppo)")
     d = cfg.data
     if not 1 <= d.min_prompt_len <= d.max_prompt_len:
         raise ValueError(f"config data: need 1 <= min_prompt_len <= max_prompt_len, got "
