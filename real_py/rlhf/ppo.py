@@ -130,11 +130,12 @@ def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, 
 
     kl_in="loss": the group-normalized score on every response prediction (the KL to the
     reference is a separate loss term, k3_kl). kl_in="reward": the same minus kl_coef * kl per
-    token. Either way every row of a zero-variance group gets 0 (skipped, as DAPO does): with
-    the KL in the reward, such a group's only signal would be the KL penalty, a per-token
-    advantage of fixed sign on the very tokens the policy samples with probability ~1; Adam
-    rescales that small, consistent gradient to full-lr steps, which drove the policy away from
-    the rewarded tokens once every group scored 1 (configs/grpo_cpu4.yaml, 300 steps).
+    token. Either way every row of a zero-variance group gets 0 (skipped, as DAPO does). Why:
+    once every sample of a group scores the same, the score says nothing, and with the KL in the
+    reward the only advantage left is the KL penalty, of fixed sign on the tokens the policy
+    samples with probability ~1 (log pi > log ref there); Adam rescales that small, consistent
+    gradient to full learning-rate steps against the rewarded tokens. A 300-step GRPO run of
+    configs/grpo_cpu4.yaml was reported to collapse that way (reward 0.98 -> 0.0 at step 275).
     """
     if kl_in not in ("loss", "reward"):
         raise ValueError(f"kl_in={kl_in!r}; allowed: 'loss', 'reward'")
