@@ -8,6 +8,7 @@ one-process iteration (per-sequence seeded sampling) and metrics within 1e-4.
 """
 
 import io
+import json
 import os
 
 import pytest
@@ -66,6 +67,7 @@ def _worker(rank, world, tmp, single):
         cfg = CF.from_dict(d)
         plan, graph, models = CF.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=120)
+        rt.samples_path = os.path.join(tmp, f"samples_{algo}_{world}.jsonl")
         checked = []
         for call in CHECKED[algo]:
             engine, stats = rt.models.engine_for(call)   # collective: every rank, same order
@@ -116,3 +118,11 @@ def test_hf_models_reallocated_through_ppo_and_grpo(tmp_path):
         for k, v in ref["metrics"].items():
             assert abs(got["metrics"][k] - v) < 1e-4, (algo, k, got["metrics"][k], v)
         assert {"reward", "kl", "policy_loss"} <= set(got["metrics"])
+        # Samples of a reward model without a tokenizer: token ids, the rows' scores' mean agrees.
+        with open(tmp_path / f"samples_{algo}_4.jsonl") as f:
+            samples = [json.loads(line) for line in f]
+        assert [s["row"] for s in samples] == [0, 1, 2, 3] and {s["step"] for s in samples} == {1}
+        for s in samples:
+            n = int(ref["lengths"][s["row"]])
+            assert s["prompt"] + s["response"] == ref["tokens"][s["row"], :n].tolist()
+            assert isinstance(s["reward"], float)
