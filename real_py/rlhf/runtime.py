@@ -76,8 +76,8 @@ class Runtime:
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
+        # Where the reward call appends samples; the driver sets <out_dir>/samples.jsonl.
         self.samples_path: str | None = None
-        """Where the reward call appends samples (the driver sets <out_dir>/samples.jsonl)."""
         self.B = cfg.data.batch_size
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
