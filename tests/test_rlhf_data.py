@@ -55,6 +55,7 @@ def env(tmp_path_factory):
         "    return [float(r[:1] == a) for r, a in zip(responses, answer)]\n"
         "def short(prompts, responses, **row):\n    return [1.0]\n"
         "def text(prompts, responses, **row):\n    return 'good'\n"
+        "def needs_solution(prompts, responses, solution):\n    return [0.0] * len(responses)\n"
         "NOT_CALLABLE = 3\n")
     return tmp
 
@@ -184,6 +185,9 @@ def test_reward_function(env):
     with pytest.raises(ValueError, match=r"rew.py:text returned str"):
         FunctionReward(f"{env / 'rew.py'}:text")(["a", "b"], ["x", "y"], {})
     bad = [("nocolon", "expected 'path/to/file.py:function'"),
+           (f"{env / 'rew.py'}:needs_solution", r"rew.py:needs_solution failed .* row fields \['answer', 'id'\].*"
+                                                "TypeError: .*unexpected keyword argument"),
+           (f"{env / 'rew.py'}:text", "rew.py:text returned str"),
            (f"{env / 'missing.py'}:f", "no such file"),
            (f"{env / 'rew.py'}:nope", "has no attribute 'nope'"),
            (f"{env / 'rew.py'}:NOT_CALLABLE", "is a int, not callable"),

@@ -287,11 +287,13 @@ def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
     """Load the prompt data set, tokenizer and reward function once, so that any error in them
     shows before ranks start (every rank loads them again, cached per process)."""
     from . import data as D
-    from .rewards import load_function
+    from .rewards import check_call, load_function
 
     data = D.load(cfg, models["actor"].vocab_size)
     if cfg.reward.kind == "function":
         load_function(cfg.reward.path)
+        if data is not None:
+            check_call(cfg.reward.path, data)
         if D.tokenizer(cfg, data) is None:
             raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
                              "data.tokenizer_path (or data.path with a tokenizer)")

@@ -7,8 +7,9 @@
 `prompts` are the data set's prompt values (decoded prompt tokens for the built-in synthetic
 prompts), `responses` the decoded responses (special tokens such as EOS skipped), `row` the data
 set's other fields, each a list with one value per row (e.g. answer=["4", "7", ...]). The function
-is loaded and checked for being callable in `config.validate`, before any rank starts; a result
-of the wrong length or type raises ValueError naming the function.
+is loaded, checked for being callable and, with a data set, called once on its first row (an
+empty response) in `config.validate`, before any rank starts; a result of the wrong length or
+type raises ValueError naming the function.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ class FunctionReward:
         return torch.tensor(vals, dtype=torch.float32)
 
 
+def check_call(spec: str, data) -> None:
+    """Call the function once on the data set's first row with an empty response, so a signature
+    that does not match the data set's fields fails before any rank starts."""
+    fr = FunctionReward(spec)
+    try:
+        fr(data.prompt_values([0]), [""], data.fields([0]))
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"reward function {spec} failed when called as fn(prompts, responses, "
+                         f"**row) with row fields {sorted(data.fields([0]))} of the data set's first "
+                         f"row and an empty response: {type(e).__name__}: {e}") from None
+
+
 def write_samples(path: str, step: int, prompts: list, responses: list, scores: torch.Tensor,
                   rows: list[int]) -> None:
     """Append one JSON line per sample: step (1-based, as metrics.jsonl), batch row, prompt,
@@ -89,4 +104,4 @@ def write_samples(path: str, step: int, prompts: list, responses: list, scores: 
                                default=str) + "\n")
 
 
-__all__ = ["load_function", "FunctionReward", "write_samples"]
+__all__ = ["load_function", "FunctionReward", "check_call", "write_samples"]
