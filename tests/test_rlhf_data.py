@@ -210,3 +210,13 @@ def test_shipped_task_files_are_reproducible(tmp_path):
     for rel in ("prompts.jsonl", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
         with open(os.path.join(task, rel)) as a, open(tmp_path / rel) as b:
             assert a.read() == b.read(), rel
+
+
+def test_tokenizer_defaults_to_the_actor_checkpoint(env, tmp_path):
+    """Without data.tokenizer_path, an actor_path directory holding tokenizer files is used."""
+    from types import SimpleNamespace as NS
+
+    cfg = NS(data=NS(tokenizer_path=None), actor_path=str(env / "tok"))
+    assert D.tokenizer_path(cfg) == str(env / "tok")
+    assert D.tokenizer_path(NS(data=NS(tokenizer_path=None), actor_path=str(tmp_path))) is None
+    assert D.tokenizer_path(NS(data=NS(tokenizer_path="x"), actor_path=str(env / "tok"))) == "x"
