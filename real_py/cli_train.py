@@ -139,6 +139,7 @@ def _spmd(args, cfg, ckpt) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         plan, graph, models = config.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
+        rt.samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
         start = checkpoint.load(rt, ckpt) if ckpt else 0
         log = None
         if rank == 0:

@@ -101,12 +101,15 @@ class HFCheckpoint:
                              "(check num_hidden_layers, attention_bias, tie_word_embeddings, head)")
 
 
-def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu") -> ModelShard:
-    """This rank's shard of `layout`, reading only the slices it holds."""
+def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
+                  name: str | None = None) -> ModelShard:
+    """This rank's shard of `layout`, reading only the slices it holds. `name`: the spec name
+    the shard carries (model_spec's default "model"); a shard that will be reallocated must carry
+    the name the plan was made for (the runtime's "actor", "critic", ...)."""
     if layout.dp_shard != "none":
         raise ValueError(f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
                          "without dp sharding and reallocate to it (plan_realloc)")
-    model = model_spec(config)
+    model = model_spec(config, name=name)
     ckpt = HFCheckpoint(path)
     ckpt.check(model)
     shard = ModelShard.empty(model, layout, rank, device)

@@ -15,6 +15,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..execplan import ExecutionPlan
 from ..layout import check_fits
@@ -45,6 +46,24 @@ class DataConfig:
     """Prompts per iteration (rows of the global batch)."""
     min_prompt_len: int = 3
     max_prompt_len: int = 8
+    """Prompt tokens at most (the width of the prompt buffer); see truncate."""
+    path: str | None = None
+    """Prompt data set: a local .jsonl (one JSON object per line) or .parquet file; None: the
+    synthetic prompts (num_prompts, min_prompt_len are used only then)."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt; the other fields go to a reward function as lists."""
+    tokenizer_path: str | None = None
+    """Local tokenizer directory (transformers AutoTokenizer); None: actor_path if it holds one."""
+    chat_template: bool = False
+    """Render each prompt (a string or a list of {role, content} messages) with the tokenizer's
+    chat template and its generation prompt before tokenizing."""
+    truncate: Literal["error", "left", "right"] = "error"
+    """A prompt over max_prompt_len tokens: "error" (refuse the data set), "left" (keep its last
+    max_prompt_len tokens), "right" (keep its first)."""
+    shuffle: bool = True
+    """Visit the data set in a seeded random order (else in file order); wraps around."""
+    samples_per_step: int = 4
+    """Samples (prompt, response, reward) appended per step to <out_dir>/samples.jsonl; 0: none."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +95,11 @@ class PPOConfig:
     group_size: int = 2
     """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
     whiten_advantages: bool = True
+    kl_in: Literal["loss", "reward"] | None = None
+    """Where the KL to the reference (coefficient kl_coef, GRPO's beta) enters: "reward" (k1
+    penalty -kl_coef * (log pi_old - log pi_ref) per token in the rewards, InstructGPT-style) or
+    "loss" (kl_coef * the k3 estimator per token added to the policy loss, as GRPO is published).
+    None: "loss" for grpo, "reward" for ppo."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +107,9 @@ class RewardConfig:
     kind: str = "model"
     """"model" (the reward model's value at the last token) or "rule" (fraction of target_token)."""
     target_token: int = 7
+    path: str | None = None
+    """kind "function": "file.py:fn" or "package.module:fn", called as fn(prompts, responses,
+    **row) -> list[float] with decoded texts and the data set's other fields (see rlhf/rewards.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -385,12 +412,17 @@ def _check_values(cfg: TrainConfig) -> None:
                                 for k, v in d.items()})
     if cfg.algo not in ALGORITHMS:
         raise ValueError(f"config algo={cfg.algo!r}; allowed: {sorted(ALGORITHMS)}")
-    if cfg.reward.kind not in ("model", "rule"):
-        raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
+    if cfg.reward.kind not in ("model", "rule", "function"):
+        raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule', 'function'")
+    if cfg.ppo.kl_in not in (None, "loss", "reward"):
+        raise ValueError(f"config ppo.kl_in={cfg.ppo.kl_in!r}; allowed: 'loss', 'reward' (or null: "
+                         "loss for grpo, reward for ppo)")
     d = cfg.data
     if not 1 <= d.min_prompt_len <= d.max_prompt_len:
         raise ValueError(f"config data: need 1 <= min_prompt_len <= max_prompt_len, got "
                          f"{d.min_prompt_len}, {d.max_prompt_len}")
+    if d.samples_per_step < 0:
+        raise ValueError(f"config data.samples_per_step={d.samples_per_step} must be >= 0")
     for name, v in (("steps", cfg.steps), ("data.batch_size", d.batch_size),
                     ("data.num_prompts", d.num_prompts), ("ppo.ppo_epochs", cfg.ppo.ppo_epochs),
                     ("ppo.mini_batches", cfg.ppo.mini_batches), ("ppo.micro_batches", cfg.ppo.micro_batches),
@@ -446,7 +478,24 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
         if total > models[m].max_position_embeddings:
             raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
                              f"max_position_embeddings={models[m].max_position_embeddings}")
+    _check_data_and_reward(cfg, models)
     return plan, graph, models
+
+
+def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
+    """Load the prompt data set, tokenizer and reward function once, so that any error in them
+    shows before ranks start (every rank loads them again, cached per process)."""
+    from . import data as D
+    from .rewards import check_call, load_function
+
+    data = D.load(cfg, models["actor"].vocab_size)
+    if cfg.reward.kind == "function":
+        load_function(cfg.reward.path)
+        if data is not None:
+            check_call(cfg.reward.path, data)
+        if D.tokenizer(cfg, data) is None:
+            raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
+                             "data.tokenizer_path (or data.path with a tokenizer)")
 
 
 def single_process_plan(graph: Graph) -> dict:

@@ -68,7 +68,7 @@ class Models:
                 self.engines[m] = None
                 continue
             if paths.get(m):
-                shard = load_hf_shard(paths[m], configs[m], layout, self.rank)
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, name=m)
             else:
                 shard = ModelShard.from_full(self.specs[m], layout, self.rank,
                                              init_weights(configs[m], inits[m]))

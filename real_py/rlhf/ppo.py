@@ -95,14 +95,54 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return (loss * mask).sum(), ((l2 > l1).float() * mask).sum().detach()
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantages: scores [B] (B a multiple of group_size, groups contiguous) ->
-    [B] (score - group mean) / (group std + eps), std unbiased."""
+def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """scores [B] (groups of group_size contiguous rows) -> [B] bool, True on every row of a group
+    whose scores are all equal: such a group says nothing about which response is better."""
     if scores.numel() % group_size:
         raise ValueError(f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}")
     g = scores.view(-1, group_size)
+    return (g.amax(1) == g.amin(1)).repeat_interleave(group_size)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantages: scores [B] (B a multiple of group_size, groups contiguous) ->
+    [B] (score - group mean) / (group std + eps), std unbiased; exactly 0 on the rows of a
+    zero-variance group (the mean of equal float32 scores can differ from them by an ulp, which
+    the division by eps would blow up to a spurious advantage)."""
+    zero = zero_variance_groups(scores, group_size)
+    g = scores.view(-1, group_size)
     std = g.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
-    return ((g - g.mean(1, keepdim=True)) / (std + eps)).reshape(-1)
+    adv = ((g - g.mean(1, keepdim=True)) / (std + eps)).reshape(-1)
+    return adv.masked_fill(zero, 0.0)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi || ref), all [B, N]: exp(r) - r - 1 with r = ref_logp - logp on
+    masked predictions, 0 elsewhere. Non-negative, unbiased for tokens sampled from pi, and its
+    gradient in logp, 1 - exp(r), pulls logp toward ref_logp (Schulman 2020; GRPO's KL term)."""
+    r = (ref_logp - logp) * mask
+    return (torch.exp(r) - r - 1.0) * mask
+
+
+def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, group_size: int,
+                    kl_coef: float, kl_in: str) -> torch.Tensor:
+    """Per-token GRPO advantages [B, N] from scores [B] and the k1 KL kl, mask [B, N].
+
+    kl_in="loss": the group-normalized score on every response prediction (the KL to the
+    reference is a separate loss term, k3_kl). kl_in="reward": the same minus kl_coef * kl per
+    token. Either way every row of a zero-variance group gets 0 (skipped, as DAPO does). Why:
+    once every sample of a group scores the same, the score says nothing, and with the KL in the
+    reward the only advantage left is the KL penalty, of fixed sign on the tokens the policy
+    samples with probability ~1 (log pi > log ref there); Adam rescales that small, consistent
+    gradient to full learning-rate steps against the rewarded tokens. A 300-step GRPO run of
+    configs/grpo_cpu4.yaml was reported to collapse that way (reward 0.98 -> 0.0 at step 275).
+    """
+    if kl_in not in ("loss", "reward"):
+        raise ValueError(f"kl_in={kl_in!r}; allowed: 'loss', 'reward'")
+    adv = group_advantages(scores, group_size).unsqueeze(1) * mask
+    if kl_in == "reward":
+        adv = adv - kl_coef * kl * mask
+    return adv.masked_fill(zero_variance_groups(scores, group_size).unsqueeze(1), 0.0)
 
 
 def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
@@ -116,4 +156,5 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
 
 
 __all__ = ["response_mask", "kl_penalized_rewards", "gae", "masked_moments", "whiten", "policy_loss",
-           "value_loss", "group_advantages", "rule_reward"]
+           "value_loss", "group_advantages", "zero_variance_groups", "k3_kl", "grpo_advantages",
+           "rule_reward"]

@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from ..parallel import ParallelGroups
 from . import calls as C
+from . import data as D
 from .dataflow import Pusher, Store, key_schema, push_plan
 from .models import Models
+from .rewards import FunctionReward
 
 METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
            "value_clip_frac", "entropy")
@@ -33,18 +35,22 @@ response_length are means over sequences; policy_loss / value_loss means over op
 of every mini-batch pass."""
 
 
-def make_batch(cfg, step: int, vocab_size: int) -> dict[str, torch.Tensor]:
-    """The iteration's prompts: a slice of the seeded synthetic prompt set (GRPO repeats each
-    prompt group_size times), right-padded, with a sampling seed per row."""
+def make_batch(cfg, step: int, vocab_size: int, data=None) -> dict[str, torch.Tensor]:
+    """The iteration's prompts, right-padded, with a sampling seed per row: rows of the prompt
+    data set `data` (rlhf.data.PromptData) or, without one, a slice of the seeded synthetic prompt
+    set. GRPO repeats each prompt group_size times."""
     d, B = cfg.data, cfg.data.batch_size
+    repeat = cfg.ppo.group_size if cfg.algo == "grpo" else 1
+    seeds = cfg.seed * 1_000_003 + step * B + torch.arange(B)
+    if data is not None:
+        idx = data.batch_indices(step, B, repeat)
+        return {"prompts": data.prompts[idx], "prompt_lengths": data.lengths[idx], "seeds": seeds}
     g = torch.Generator().manual_seed(cfg.seed)
     lens = torch.randint(d.min_prompt_len, d.max_prompt_len + 1, (d.num_prompts,), generator=g)
     toks = torch.randint(1, vocab_size, (d.num_prompts, d.max_prompt_len), generator=g)
     toks = toks * (torch.arange(d.max_prompt_len) < lens.unsqueeze(1))
-    repeat = cfg.ppo.group_size if cfg.algo == "grpo" else 1
     idx = (step * (B // repeat) + torch.arange(B // repeat)) % d.num_prompts
     idx = idx.repeat_interleave(repeat)
-    seeds = cfg.seed * 1_000_003 + step * B + torch.arange(B)
     return {"prompts": toks[idx], "prompt_lengths": lens[idx], "seeds": seeds}
 
 
@@ -60,13 +66,18 @@ class Runtime:
             if layout not in by_layout:
                 by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s)
             self.groups[n] = by_layout[layout]
-        rule = cfg.reward.kind == "rule"
+        rule = cfg.reward.kind in ("rule", "function")   # no reward model
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
                              max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
                              timeout_s=timeout_s, rule_reward=rule,
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
                              offload_frozen=cfg.offload_frozen)
+        self.data = D.load(cfg, configs["actor"].vocab_size)
+        self.tokenizer = D.tokenizer(cfg, self.data)
+        self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
+        # Where the reward call appends samples; the driver sets <out_dir>/samples.jsonl.
+        self.samples_path: str | None = None
         self.B = cfg.data.batch_size
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
@@ -80,7 +91,7 @@ class Runtime:
         offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
         "events" (rank, call, start, end), "store"} on every rank."""
         store = Store(self.schema, self.B)
-        batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size)
+        batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size, self.data)
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
         pusher = Pusher(self.rank, self.timeout_s)

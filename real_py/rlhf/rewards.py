@@ -1,0 +1,107 @@
+"""Reward functions written by the user, and the samples file of a run.
+
+    reward: {kind: function, path: "configs/copy_task/reward.py:copy_last"}   # or "pkg.module:fn"
+
+    fn(prompts: list[str], responses: list[str], **row) -> list[float]
+
+`prompts` are the data set's prompt values (decoded prompt tokens for the built-in synthetic
+prompts), `responses` the decoded responses (special tokens such as EOS skipped), `row` the data
+set's other fields, each a list with one value per row (e.g. answer=["4", "7", ...]). The function
+is loaded, checked for being callable and, with a data set, called once on its first row (an
+empty response) in `config.validate`, before any rank starts; a result of the wrong length or
+type raises ValueError naming the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+
+import torch
+
+
+def load_function(spec: str):
+    """"file.py:fn" (a path, relative to the working directory) or "package.module:fn"."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"config reward.path={spec!r}: expected 'path/to/file.py:function' or "
+                         "'package.module:function'")
+    where, name = spec.split(":")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"config reward.path={spec!r}: no such file {where!r} (relative to "
+                             f"{os.getcwd()})")
+        mod_name = "real_py_reward_" + os.path.splitext(os.path.basename(where))[0]
+        ms = importlib.util.spec_from_file_location(mod_name, where)
+        module = importlib.util.module_from_spec(ms)
+        try:
+            ms.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(f"config reward.path={spec!r}: importing {where} failed: "
+                             f"{type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ValueError(f"config reward.path={spec!r}: cannot import module {where!r}: "
+                             f"{type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"config reward.path={spec!r}: {where} has no attribute {name!r}")
+    if not callable(fn):
+        raise ValueError(f"config reward.path={spec!r}: {name} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+class FunctionReward:
+    """A loaded user reward function: __call__ returns scores [b] float32."""
+
+    def __init__(self, spec: str):
+        self.spec, self.fn = spec, load_function(spec)
+
+    def __call__(self, prompts: list, responses: list[str], row: dict[str, list]) -> torch.Tensor:
+        out = self.fn(prompts, responses, **row)
+        if isinstance(out, torch.Tensor):
+            out = out.tolist()
+        try:
+            vals = [float(x) for x in out]
+        except (TypeError, ValueError):
+            raise ValueError(f"reward function {self.spec} returned {type(out).__name__} "
+                             f"{str(out)[:80]}; expected a list of {len(responses)} floats") from None
+        if len(vals) != len(responses):
+            raise ValueError(f"reward function {self.spec} returned {len(vals)} scores for "
+                             f"{len(responses)} responses; expected one float per response")
+        bad = [v for v in vals if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"reward function {self.spec} returned a non-finite score {bad[0]}")
+        return torch.tensor(vals, dtype=torch.float32)
+
+
+def check_call(spec: str, data) -> None:
+    """Call the function once on the data set's first row with an empty response, so a signature
+    that does not match the data set's fields fails before any rank starts."""
+    fr = FunctionReward(spec)
+    try:
+        fr(data.prompt_values([0]), [""], data.fields([0]))
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"reward function {spec} failed when called as fn(prompts, responses, "
+                         f"**row) with row fields {sorted(data.fields([0]))} of the data set's first "
+                         f"row and an empty response: {type(e).__name__}: {e}") from None
+
+
+def write_samples(path: str, step: int, prompts: list, responses: list, scores: torch.Tensor,
+                  rows: list[int]) -> None:
+    """Append one JSON line per sample: step (1-based, as metrics.jsonl), batch row, prompt,
+    response, reward."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        for r, p, s, v in zip(rows, prompts, responses, scores.tolist()):
+            f.write(json.dumps({"step": step + 1, "row": r, "prompt": p, "response": s, "reward": v},
+                               default=str) + "\n")
+
+
+__all__ = ["load_function", "FunctionReward", "check_call", "write_samples"]
