@@ -108,7 +108,10 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
                 else:
                     loss, nclip = P.policy_loss(out["logprobs"], data["old_logp"], data["adv"],
                                                 data["mask"], pc.clip)
-                    ent = float((out["entropy"].detach() * data["mask"]).sum())
+                    ent_sum = (out["entropy"] * data["mask"]).sum()
+                    if pc.entropy_coef:
+                        loss = loss - pc.entropy_coef * ent_sum
+                    ent = float(ent_sum.detach())
                     extra.append((float(nclip), ent, float(data["mask"].sum())))
                 return loss / n_tok
 

@@ -70,6 +70,8 @@ class PPOConfig:
     group_size: int = 2
     """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
     whiten_advantages: bool = True
+    entropy_coef: float = 0.0
+    """Entropy bonus: the actor loss subtracts entropy_coef * mean response-token entropy; 0 disables."""
 
 
 @dataclass(kw_only=True, slots=True)
