@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, require_layout
 from .shard import ModelShard, gather_full
 from .spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
@@ -68,7 +68,11 @@ class HFCheckpoint:
                              "(only safetensors checkpoints are supported)")
         self._handles, self.shapes = {}, {}
         for fn in files:
-            h = safe_open(os.path.join(self.path, fn), framework="pt")
+            try:
+                h = safe_open(os.path.join(self.path, fn), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+                raise ValueError(f"{os.path.join(self.path, fn)} is not a readable safetensors file "
+                                 f"(truncated or corrupt: {e}); re-download or re-save it") from None
             for name in h.keys():
                 self._handles[name] = h
                 self.shapes[name] = tuple(h.get_slice(name).get_shape())
@@ -103,6 +107,7 @@ class HFCheckpoint:
 
 def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu") -> ModelShard:
     """This rank's shard of `layout`, reading only the slices it holds."""
+    require_layout(layout)
     model = model_spec(config)
     ckpt = HFCheckpoint(path)
     ckpt.check(model)

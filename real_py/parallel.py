@@ -26,11 +26,12 @@ import datetime
 
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, require_layout
 
 
 class ParallelGroups:
     def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None):
+        require_layout(layout)
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
         world = dist.get_world_size()

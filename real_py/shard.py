@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .layout import Layout, ShardLayout, check_fits, shard_layout
+from .layout import Layout, ShardLayout, check_fits, require_layout, require_spec, shard_layout
 from .spec import ModelSpec, ParamSpec, torch_dtype
 
 
@@ -36,6 +36,11 @@ class ModelShard:
     """One rank's shard: `flat` [numel] of the model dtype, and `params()` name -> view."""
 
     def __init__(self, model: ModelSpec, layout: Layout, rank: int, flat: torch.Tensor):
+        require_spec(model)
+        require_layout(layout)
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"flat must be a 1-D torch.Tensor (the shard's flat buffer), got "
+                            f"{type(flat).__name__}")
         coords = layout.coords(rank)
         if coords is None:
             raise ValueError(f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})")
@@ -48,7 +53,8 @@ class ModelShard:
                              f"{want} of {self.shard_layout.numel} elements, got "
                              f"{tuple(flat.shape)} {flat.dtype}")
         if not flat.is_contiguous():
-            raise ValueError("flat buffer must be contiguous")
+            raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be contiguous, got "
+                             f"stride {flat.stride()}; pass flat.contiguous() (views alias the buffer)")
         self.flat = flat
 
     @classmethod
