@@ -168,3 +168,18 @@ def test_bad_latest_is_named(saved):
     open(os.path.join(out, "latest"), "wb").write(b"\xff\xfe../../etc")
     with pytest.raises(ValueError, match=r"latest must name a step directory like 'step_3'"):
         checkpoint.find("", out)
+
+
+@pytest.mark.timeout(120)
+def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
+    """`train --resume` verifies every file's sha256 in the launcher: exit 2, file named, no ranks."""
+    import subprocess
+    import sys
+
+    cfg, out, path, rt = saved
+    _flip_tensor_byte(os.path.join(path, "rank0.pt"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", path, "--out-dir", out],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "rank0.pt fails its sha256 check" in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout

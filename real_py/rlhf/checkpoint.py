@@ -154,16 +154,17 @@ def read_rank_file(path: str, rank: int) -> dict:
                          f"tensors and plain values (torch.load weights_only=True: {first})") from None
 
 
-def check(cfg, path: str) -> int:
-    """Raise ValueError if the checkpoint was made for other models or another plan, or any of
-    its files is corrupt (sha256); returns its step. Runs before any rank starts."""
+def check(cfg, path: str, *, verify_files: bool = True) -> int:
+    """Raise ValueError if the checkpoint was made for other models or another plan, or (with
+    verify_files) any of its files is corrupt (sha256); returns its step. The launcher runs it
+    before any rank starts; each rank's load() verifies its own file again."""
     meta = _read_meta(path)
     mine = _meta(cfg)
     for k in ("algo", "models", "paths", "plan", "seed", "reward"):
         if meta.get(k) != mine[k]:
             raise ValueError(f"checkpoint {path} was made with a different {k}: {meta.get(k)} vs this "
                              f"config's {mine[k]}; resume with the config that made it")
-    for name in meta["files"]:
+    for name in meta["files"] if verify_files else ():
         _read_verified(path, name, meta)
     return int(meta["step"])
 
