@@ -36,6 +36,7 @@ LM_LAYOUTS = [Layout(), Layout(tp=2), Layout(tp=4), Layout(pp=2), Layout(tp=2, p
 TIED_EXTRA = [Layout(pp=3, ranks=(3, 1, 2)), Layout(pp=4), Layout(pp=4, ranks=(2, 0, 3, 1))]
 VALUE_LAYOUTS = [Layout(), Layout(tp=4), Layout(tp=2, pp=2), Layout(dp=2, pp=2)]
 TERMS = {"lm": ("logprob", "entropy"), "value": ("value",)}
+PROMPTS, MAX_NEW = (torch.tensor([[5, 17, 3, 44], [9, 2, 0, 0], [70, 71, 72, 0]]), torch.tensor([4, 2, 3])), 5
 # pp=3 tied model, trained one step, then reallocated to these layouts (and back from tp2).
 REALLOC_SRC, REALLOC_DSTS = Layout(pp=3, ranks=(3, 1, 2)), [Layout(tp=2), Layout(dp=2, tp=2)]
 
@@ -110,6 +111,9 @@ def _worker(rank, world, cases, d):
             r = {}
             if head == "lm":
                 r["logits"] = eng.forward_logits(batch["tokens"])
+            if name == "qwen2_tied" and layout.dp == 1:
+                r["greedy"] = eng.generate(*PROMPTS, torch.zeros(3, dtype=torch.int64),
+                                           max_new_tokens=MAX_NEW)["new_tokens"]
             for term in TERMS[head]:
                 eng.train_step(lambda o, mb, term=term: _loss(term, o, mb, n_tok), batch,
                                micro_batches=2, with_entropy=head == "lm")
@@ -222,6 +226,21 @@ def test_forward_logits_match_transformers_including_tied_pp3_pp4(runs):
             for k, lg in enumerate(logits):
                 torch.testing.assert_close(lg, want[k * per:(k + 1) * per], atol=1e-5, rtol=0,
                                            msg=lambda m: f"{name} {layout} dp {k}: {m}")
+
+
+def test_tied_greedy_generation_on_pp3_pp4_matches_transformers(runs):
+    cases, _, outs = runs
+    name, path = cases[1][0], cases[1][1]
+    want = O.oracle_generate(O.load_oracle(path), *PROMPTS, MAX_NEW)
+    n = 0
+    for layout in cases[1][3]:
+        if layout.dp == 1:
+            for o in outs:
+                hit = o.get((name, str(layout), layout.ranks))
+                if hit is not None:
+                    assert torch.equal(hit[1]["greedy"], want), f"{layout} ranks {layout.ranks}"
+                    n += 1
+    assert n == sum(x.world for x in cases[1][3] if x.dp == 1)  # every rank of pp 1..4 layouts
 
 
 def test_tied_pp3_reallocates_bit_for_bit(runs):
