@@ -182,10 +182,10 @@ def runs(tmp_path_factory):
     return cases, refs, outs
 
 
-def _gathered(outs, key):
-    """The full tensors from the layout's first rank, and every DP replica's logits in order."""
+def _gathered(outs, key, head="lm"):
+    """The full gradients from the layout's first rank, and every DP replica's logits in order."""
     hits = [o[key] for o in outs if key in o]
-    full = next(r for _, r in hits if r[next(iter(r.keys() - {"logits"}))] is not None)
+    full = next(r for _, r in hits if r[TERMS[head][0]] is not None)
     logits = {dp: r["logits"] for dp, r in hits if "logits" in r}
     return full, [logits[k] for k in sorted(logits)]
 
@@ -207,7 +207,7 @@ def test_gradients_of_every_loss_term_match_autograd(runs):
     for name, _, head, layouts, _ in cases:
         grads, _ = refs[name]
         for layout in layouts:
-            full, _ = _gathered(outs, (name, str(layout), layout.ranks))
+            full, _ = _gathered(outs, (name, str(layout), layout.ranks), head)
             for term in TERMS[head]:
                 _check_grads(full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}")
                 n += 1
