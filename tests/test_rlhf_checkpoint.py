@@ -183,3 +183,12 @@ def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
                        cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "rank0.pt fails its sha256 check" in r.stderr, r.stderr[-2000:]
     assert "launching" not in r.stdout
+
+
+def test_meta_listing_other_paths_is_refused(saved):
+    cfg, out, path, rt = saved
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    meta["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "bytes": 1}
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    with pytest.raises(ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"):
+        checkpoint.check(cfg, path)

@@ -119,6 +119,9 @@ def _read_meta(path: str) -> dict:
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
         raise ValueError(f"checkpoint file {file} has no 'step' or no per-file checksums ('files'); "
                          "it was not written by this version of real_py")
+    bad = [n for n in meta["files"] if not (n.startswith("rank") and n.endswith(".pt") and n[4:-3].isdigit())]
+    if bad:
+        raise ValueError(f"checkpoint file {file} lists files {bad[:3]}; expected only rank<N>.pt")
     return meta
 
 
