@@ -54,7 +54,7 @@ def _config(args):
     ckpt = None
     if args.resume is not None:
         ckpt = checkpoint.find(args.resume or cfg.out_dir, cfg.out_dir)
-        checkpoint.check(cfg, ckpt)
+        checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
     return cfg, ckpt
 
 

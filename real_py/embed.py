@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import Layout, dp_shard_layout, shard_layout
+from .layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout
 from .reallocator import Reallocator, new_destination
 from .shard import ModelShard
 from .spec import torch_dtype
@@ -37,6 +37,11 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
 
     Raises ValueError naming the parameter on a missing/extra name, a wrong local shape or dtype.
     """
+    require_spec(model)
+    require_layout(layout)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> local tensor (e.g. dict(model.named_parameters())), "
+                        f"got {type(params).__name__}")
     coords = layout.coords(rank)
     if coords is None:
         raise ValueError(f"rank {rank} is not in layout {layout}")
@@ -53,6 +58,11 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     dtype = torch_dtype(model.dtype)
     for e in entries:
         t = params[e.param.name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"params[{e.param.name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise ValueError(f"params[{e.param.name!r}] is a meta tensor (no data); materialize the "
+                             "model (e.g. to_empty + load) before reallocating it")
         if tuple(t.shape) != shapes[e.param.name]:
             raise ValueError(f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
                              f"{layout} tp rank {coords[1]} holds {shapes[e.param.name]}")
@@ -77,6 +87,10 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     rank's destination tensors (views of one flat buffer), None if it holds no destination shard.
     Collective: every rank of the transport's group calls it.
     """
+    _require_realloc(realloc)
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping name -> local tensor or None, got "
+                        f"{type(params).__name__}; pass dict(zip(names, tensors))")
     plan, rank = realloc.plan, realloc.rank
     src = None
     if params is not None:
@@ -95,8 +109,12 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
 
     dst_flat: a zeroed buffer to fill (reused across calls), or None to allocate one.
     """
+    _require_realloc(realloc)
     plan, rank = realloc.plan, realloc.rank
-    src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
+    try:
+        src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"src_flat: {e}") from None
     if rank not in plan.dst.ranks:
         if dst_flat is not None:
             raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
@@ -108,6 +126,12 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
         dst = ModelShard(plan.model, plan.dst, rank, dst_flat)
     realloc.run(src, dst)
     return None if dst is None else dst.flat
+
+
+def _require_realloc(realloc) -> None:
+    if not isinstance(realloc, Reallocator):
+        raise TypeError(f"realloc must be a Reallocator(plan_realloc(model, src, dst), transport), got "
+                        f"{type(realloc).__name__}")
 
 
 def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,

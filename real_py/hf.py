@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, require_layout
 from .shard import ModelShard, gather_full
 from .spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
@@ -68,7 +68,11 @@ class HFCheckpoint:
                              "(only safetensors checkpoints are supported)")
         self._handles, self.shapes = {}, {}
         for fn in files:
-            h = safe_open(os.path.join(self.path, fn), framework="pt")
+            try:
+                h = safe_open(os.path.join(self.path, fn), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+                raise ValueError(f"{os.path.join(self.path, fn)} is not a readable safetensors file "
+                                 f"(truncated or corrupt: {e}); re-download or re-save it") from None
             for name in h.keys():
                 self._handles[name] = h
                 self.shapes[name] = tuple(h.get_slice(name).get_shape())
@@ -106,6 +110,7 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     """This rank's shard of `layout`, reading only the slices it holds. `name`: the spec name
     the shard carries (model_spec's default "model"); a shard that will be reallocated must carry
     the name the plan was made for (the runtime's "actor", "critic", ...)."""
+    require_layout(layout)
     if layout.dp_shard != "none":
         raise ValueError(f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
                          "without dp sharding and reallocate to it (plan_realloc)")

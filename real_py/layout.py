@@ -14,6 +14,7 @@ and destinations for trainers (real_py.embed), not layouts the engines run on.
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,43 @@ from .spec import ALIGN_BYTES, ModelSpec, ParamSpec
 
 _AXES = ("tp", "dp", "pp")
 DP_SHARD = ("none", "dim0", "flat")
+MAX_RANKS = 1 << 20
+"""Global ranks must be below this: the planner's tables grow with the largest rank."""
+
+
+def require_spec(model, arg: str = "model") -> None:
+    """TypeError unless `model` is a ModelSpec (a ModelConfig or a name is a common slip)."""
+    if not isinstance(model, ModelSpec):
+        hint = (" (build one with real_py.model_spec(config))"
+                if type(model).__name__ == "ModelConfig" or isinstance(model, str) else "")
+        raise TypeError(f"{arg} must be a real_py.ModelSpec{hint}, got {type(model).__name__} "
+                        f"{_short(model)}")
+
+
+def require_layout(layout, arg: str = "layout") -> None:
+    """TypeError unless `layout` is a Layout (parse strings with Layout.parse('dp2,tp2'))."""
+    if not isinstance(layout, Layout):
+        hint = " (parse a string with real_py.Layout.parse)" if isinstance(layout, str) else ""
+        raise TypeError(f"{arg} must be a real_py.Layout{hint}, got {type(layout).__name__} "
+                        f"{_short(layout)}")
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _check_ranks(ranks) -> None:
+    """ValueError naming the first entry of Layout.ranks that is not a rank in [0, MAX_RANKS)."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"Layout.ranks must be a sequence of global ranks (ints), got "
+                        f"{type(ranks).__name__} {_short(ranks)}")
+    for i, r in enumerate(ranks):
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+            raise ValueError(f"Layout.ranks[{i}]={r!r} ({type(r).__name__}); every rank must be an int")
+        if not 0 <= r < MAX_RANKS:
+            raise ValueError(f"Layout.ranks[{i}]={r} is outside [0, {MAX_RANKS}); global ranks are "
+                             "non-negative and below 2**20")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,9 +81,11 @@ class Layout:
     def __post_init__(self):
         for axis in _AXES:
             v = getattr(self, axis)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{axis}={v!r} must be a positive int")
-        if sorted(self.order.split("-")) != sorted(_AXES):
+        if self.ranks is not None:
+            _check_ranks(self.ranks)
+        if not isinstance(self.order, str) or sorted(self.order.split("-")) != sorted(_AXES):
             raise ValueError(f"Layout.order={self.order!r}; allowed: a permutation of tp-dp-pp "
                              "such as 'tp-dp-pp' or 'tp-pp-dp'")
         n = self.dp * self.tp * self.pp
@@ -119,6 +159,8 @@ def _coords_table(layout: Layout) -> dict[int, tuple[int, int, int]]:
 
 def check_fits(model: ModelSpec, layout: Layout) -> None:
     """Raise ValueError when the layout cannot hold the model (tp, pp, explicit partition)."""
+    require_spec(model)
+    require_layout(layout)
     model.check_tp(layout.tp)
     if layout.pp > model.num_layers:
         raise ValueError(f"pp={layout.pp} exceeds num_layers={model.num_layers} of {model.name}; "
@@ -228,6 +270,8 @@ def param_stages(model: ModelSpec, layout: Layout, p: ParamSpec) -> tuple[int, .
 
 def shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
     """Flat-buffer layout of stage `stage` (forward key order; a tied embedding copy goes last)."""
+    require_spec(model)
+    require_layout(layout)
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage} outside [0, {layout.pp}) for layout {layout}")
     # Cached on what the shard depends on (not dp or ranks): planning many placements of the

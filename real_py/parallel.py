@@ -11,10 +11,13 @@ Axes (coords from Layout.coords: dp_idx, tp_idx, pp_idx):
   tp_group   ranks sharing (dp, pp), varying tp     tensor-parallel collectives
   dp_group   ranks sharing (tp, pp), varying dp     gradient all-reduce
   pp_group   ranks sharing (dp, tp), varying pp     pipeline broadcasts (tokens, results)
-  tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings)
+  tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings);
+             None on middle stages, which hold no embedding copy (any pp >= 2 works)
 
-`tied=False` skips the tied groups; like the layout list, it must be the same on every rank (the
-default, True, is always safe). `timeout_s` bounds every collective on these groups.
+The tied groups are always built when pp > 1 (one small group per pipeline), so an Engine for
+a tied-embedding model works with the plain `ParallelGroups(layout)` whatever the spec; every
+world rank, middle stages and non-members included, still calls new_group for each of them.
+`tied` is accepted for old callers and ignored. `timeout_s` bounds every collective on these groups.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import datetime
 
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, require_layout
 
 
 class ParallelGroups:
     def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None):
+        require_layout(layout)
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
         world = dist.get_world_size()
@@ -63,7 +67,7 @@ class ParallelGroups:
                 g = dist.new_group(list(ranks), **kw)
                 if self.rank in ranks:
                     self.pp_group, self.pp_ranks = g, ranks
-                if tied and L.pp > 1:
+                if L.pp > 1:
                     pair = (ranks[0], ranks[-1])
                     g = dist.new_group(list(pair), **kw)
                     if self.rank in pair:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Layout, check_fits, dp_shard_layout, shard_layout
+from .layout import Layout, check_fits, dp_shard_layout, require_layout, require_spec, shard_layout
 from .spec import ModelSpec
 
 MODES = ("p2p", "broadcast")
@@ -215,6 +215,11 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
     of receivers with identical needs). dst_model: the destination side's spec, checked for
     agreement with `model`. ranks_per_node: prefer same-node senders and balance across nodes.
     """
+    require_spec(model)
+    require_layout(src, "src")
+    require_layout(dst, "dst")
+    if dst_model is not None:
+        require_spec(dst_model, "dst_model")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {MODES}")
     if ranks_per_node < 0:

@@ -70,6 +70,12 @@ class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool | None = None,
                  verify: bool = False, direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES):
+        if not isinstance(plan, ReallocPlan):
+            raise TypeError(f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst), "
+                            f"got {type(plan).__name__}")
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a real_py Transport (DistTransport, InProcessHub."
+                            f"transport(rank), ...), got {type(transport).__name__}")
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of "
                              f"{plan.model.dtype}")
@@ -99,6 +105,8 @@ class Reallocator:
     def _check(self, shard: ModelShard | None, side: str) -> None:
         layout = self.plan.src if side == "source" else self.plan.dst
         holds = self.rank in layout.ranks
+        if shard is not None and not isinstance(shard, ModelShard):
+            raise TypeError(f"{side} shard must be a ModelShard or None, got {type(shard).__name__}")
         if shard is None:
             if holds:
                 raise ValueError(f"rank {self.rank} is in the {side} layout {layout} but passed no "
@@ -107,6 +115,15 @@ class Reallocator:
         if not holds:
             raise ValueError(f"rank {self.rank} is not in the {side} layout {layout} but passed a "
                              f"{side} shard")
+        if shard.model != self.plan.model and shard.model.name == self.plan.model.name:
+            try:  # same name, different model: say which parameter differs
+                self.plan.model.check_compatible(shard.model)
+            except ValueError as e:
+                raise ValueError(f"{side} shard's model {shard.model.name} is not the plan's model of "
+                                 f"the same name: {e}") from None
+            raise ValueError(f"{side} shard's model {shard.model.name} differs from the plan's model of "
+                             f"the same name (num_layers {shard.model.num_layers} vs "
+                             f"{self.plan.model.num_layers} or parameter order)")
         if shard.model != self.plan.model:
             raise ValueError(f"{side} shard was built for model {shard.model.name}, the plan is for "
                              f"{self.plan.model.name}")

@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .layout import DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, shard_layout
+from .layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, require_layout,
+                     require_spec, shard_layout)
 from .spec import ModelSpec, ParamSpec, torch_dtype
 
 
@@ -41,6 +42,11 @@ class ModelShard:
     """
 
     def __init__(self, model: ModelSpec, layout: Layout, rank: int, flat: torch.Tensor):
+        require_spec(model)
+        require_layout(layout)
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"flat must be a 1-D torch.Tensor (the shard's flat buffer), got "
+                            f"{type(flat).__name__}")
         coords = layout.coords(rank)
         if coords is None:
             raise ValueError(f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})")
@@ -56,7 +62,8 @@ class ModelShard:
                              f"{want} of {numel} elements, got "
                              f"{tuple(flat.shape)} {flat.dtype}")
         if not flat.is_contiguous():
-            raise ValueError("flat buffer must be contiguous")
+            raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be contiguous, got "
+                             f"stride {flat.stride()}; pass flat.contiguous() (views alias the buffer)")
         self.flat = flat
 
     @classmethod

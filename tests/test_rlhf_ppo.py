@@ -136,7 +136,7 @@ def test_checkpoint_from_another_model(tmp_path):
     cfg = CF.from_dict({})
     d = tmp_path / "step_3"
     d.mkdir()
-    meta = checkpoint._meta(cfg) | {"step": 3}
+    meta = checkpoint._meta(cfg) | {"step": 3, "files": {}}
     (d / "meta.json").write_text(json.dumps(meta))
     assert checkpoint.check(cfg, str(d)) == 3
     other = CF.from_dict({"actor": dict(CF.TINY, hidden_size=32)})

@@ -27,7 +27,7 @@ from real_py.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 2
-BASE = {"ppo": {"ppo_epochs": 2, "mini_batches": 2, "micro_batches": 2, "adam_eps": 1e-6}, "generation": {"max_new_tokens": 8}}
+BASE = {"ppo": {"ppo_epochs": 2, "mini_batches": 2, "micro_batches": 2, "adam_eps": 1e-6, "entropy_coef": 0.05}, "generation": {"max_new_tokens": 8}}
 GRPO_PLAN = {"world_size": 4, "calls": {k: v for k, v in CF.DEFAULT_PLAN["calls"].items()
                                          if not k.startswith("critic")}}
 

@@ -43,8 +43,11 @@ class Engine:
         if not groups.member or groups.rank != shard.rank:
             raise ValueError(f"rank {groups.rank} is not this shard's rank {shard.rank} in layout {layout}")
         tied = any(p.tied_to_head for p in spec.params)
-        if tied and layout.pp > 1 and groups.tied_group is None:
-            raise ValueError("tied embeddings with pp > 1 need ParallelGroups(layout, tied=True)")
+        # Only the first and last stage hold a copy of a tied embedding; middle stages need no group.
+        if tied and layout.pp > 1 and (groups.is_first_stage or groups.is_last_stage) \
+                and groups.tied_group is None:
+            raise ValueError(f"tied embeddings with pp > 1: groups for {layout} have no tied group on "
+                             f"stage {groups.stage}; build them with real_py.parallel.ParallelGroups")
         self.config, self.layout, self.groups, self.shard = config, layout, groups, shard
         self.model = StageModel(config, shard, groups.tp_group)
         self.dtype = torch_dtype(config.dtype)

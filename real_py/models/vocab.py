@@ -5,6 +5,12 @@ past vocab_size are padding and are excluded. Three small all-reduces replace a 
 [tokens, V] logits: the max (no grad; the result does not depend on it), the sum of exp, and the
 picked target logit (autograd through reduce_from_tp, whose backward is the identity because
 every TP rank computes the same loss).
+
+Entropy H = lse - sum_j p_j z_j (z shifted by the max) uses the global lse inside each rank's
+LOCAL probabilities p_j = exp(z_j - lse). The gradient reaching lse through those local terms
+is a partial sum over this rank's vocab rows only, so lse enters them through copy_to_tp
+(backward all-reduce): without it dH/dz_i = -p_i (z_i - sum_j p_j z_j) would use only the local
+part of sum_j p_j z_j on each rank.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tp import _size, reduce_from_tp
+from .tp import _size, copy_to_tp, reduce_from_tp
 
 
 def mask_vocab_padding(logits: torch.Tensor, tp_rank: int, vocab_size: int) -> torch.Tensor:
@@ -46,6 +52,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group, 
     logprobs = picked - lse
     if not with_entropy:
         return logprobs, None
-    probs = (shifted - lse.unsqueeze(-1)).exp()
+    probs = (shifted - copy_to_tp(lse, group).unsqueeze(-1)).exp()
     entropy = lse - reduce_from_tp((probs * shifted).sum(-1), group)
     return logprobs, entropy

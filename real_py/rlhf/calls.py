@@ -156,7 +156,10 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
                                                 data["mask"], pc.clip)
                     if kl_loss:
                         loss = loss + pc.kl_coef * P.k3_kl(out["logprobs"], data["ref_logp"], data["mask"]).sum()
-                    ent = float((out["entropy"].detach() * data["mask"]).sum())
+                    ent_sum = (out["entropy"] * data["mask"]).sum()
+                    if pc.entropy_coef:
+                        loss = loss - pc.entropy_coef * ent_sum
+                    ent = float(ent_sum.detach())
                     extra.append((float(nclip), ent, float(data["mask"].sum())))
                 return loss / n_tok
 

@@ -1,19 +1,30 @@
 """Checkpoints: per-rank shards of the trained models with their optimizer state, step, RNG.
 
-    <out_dir>/step_<k>/meta.json      algo, model configs, execution plan, step (rank 0)
+    <out_dir>/step_<k>/meta.json      algo, model configs, execution plan, step, and the sha256
+                                      and size of every rank file (rank 0)
     <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps"}},
                                       step, torch RNG state (every rank that holds a trained shard)
     <out_dir>/latest                  name of the newest complete step directory
 
 Frozen models (reference, reward) are rebuilt from the seed, which meta.json records. `latest`
 is written after a barrier, so it never names a half-written checkpoint.
+
+Safety: rank files hold only tensors, ints, strings and None and are read with
+`torch.load(weights_only=True)`, so a crafted file cannot run code; its sha256 is checked against
+meta.json first, so a flipped byte or a truncated file is refused naming the file. Every file is
+written to a fresh temporary name (tempfile: O_CREAT | O_EXCL, never follows a planted symlink)
+in its final directory and moved into place with os.replace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
 import os
+import pickle
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -25,6 +36,22 @@ def _meta(cfg) -> dict:
     models = {m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}
     return {"algo": cfg.algo, "seed": cfg.seed, "models": models, "paths": cfg.model_paths(),
             "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind}
+
+
+def _write_atomic(directory: str, name: str, data: bytes) -> None:
+    """Write `data` to directory/name via a new temporary file and os.replace (no fixed temp name)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; checkpoints are read by other tools too
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def save(rt, out_dir: str, step: int) -> str:
@@ -43,15 +70,20 @@ def save(rt, out_dir: str, step: int) -> str:
                               "exp_avg": None if tr is None else tr.exp_avg,
                               "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
                               "num_steps": 0 if tr is None else tr.num_steps}
-    torch.save(state, os.path.join(path, f"rank{rank}.pt"))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    name = f"rank{rank}.pt"
+    _write_atomic(path, name, data)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, (name, hashlib.sha256(data).hexdigest(), len(data)))
     if rank == 0:
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump(_meta(rt.cfg) | {"step": step}, f, indent=1)
+        files = {n: {"sha256": h, "bytes": size} for n, h, size in digests}
+        meta = _meta(rt.cfg) | {"step": step, "files": files}
+        _write_atomic(path, "meta.json", json.dumps(meta, indent=1).encode())
     dist.barrier()
     if rank == 0:
-        with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
-            f.write(f"step_{step}\n")
-        os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+        _write_atomic(out_dir, "latest", f"step_{step}\n".encode())
     return path
 
 
@@ -62,26 +94,87 @@ def find(resume: str, out_dir: str) -> str:
         latest = os.path.join(out_dir, "latest")
         if not os.path.isfile(latest):
             raise ValueError(f"--resume: no checkpoint at {resume!r} and no {latest}")
-        with open(latest) as f:
-            path = os.path.join(out_dir, f.read().strip())
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            name = raw.decode().strip()
+        except UnicodeDecodeError:
+            name = ""
+        if not name.startswith("step_") or not name[5:].isdigit():
+            raise ValueError(f"--resume: {latest} must name a step directory like 'step_3', got {raw[:40]!r}")
+        path = os.path.join(out_dir, name)
     return path
 
 
-def check(cfg, path: str) -> int:
-    """Raise ValueError if the checkpoint was made for other models or another plan; returns its step."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+def _read_meta(path: str) -> dict:
+    file = os.path.join(path, "meta.json")
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path}: no meta.json ({file})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint file {file} is not valid JSON ({e}); the checkpoint is "
+                         "corrupt, resume from another step") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
+        raise ValueError(f"checkpoint file {file} has no 'step' or no per-file checksums ('files'); "
+                         "it was not written by this version of real_py")
+    bad = [n for n in meta["files"] if not (n.startswith("rank") and n.endswith(".pt") and n[4:-3].isdigit())]
+    if bad:
+        raise ValueError(f"checkpoint file {file} lists files {bad[:3]}; expected only rank<N>.pt")
+    return meta
+
+
+def _read_verified(path: str, name: str, meta: dict) -> bytes:
+    """The bytes of path/name after checking its size and sha256 against meta.json."""
+    file = os.path.join(path, name)
+    want = meta["files"].get(name)
+    if not isinstance(want, dict) or not isinstance(want.get("sha256"), str):
+        raise ValueError(f"checkpoint {path}/meta.json lists no checksum for {name}")
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint file {file} is missing (listed in meta.json)") from None
+    if len(data) != want.get("bytes"):
+        raise ValueError(f"checkpoint file {file} has {len(data)} bytes, meta.json says "
+                         f"{want.get('bytes')}: truncated or corrupt, resume from another step")
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise ValueError(f"checkpoint file {file} fails its sha256 check against meta.json: "
+                         "corrupt, resume from another step")
+    return data
+
+
+def read_rank_file(path: str, rank: int) -> dict:
+    """Verified, pickle-free read of path/rank<rank>.pt (tensors, ints, strings, None only)."""
+    name = f"rank{rank}.pt"
+    data = _read_verified(path, name, _read_meta(path))
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint file {os.path.join(path, name)} refused: it holds more than "
+                         f"tensors and plain values (torch.load weights_only=True: {first})") from None
+
+
+def check(cfg, path: str, *, verify_files: bool = True) -> int:
+    """Raise ValueError if the checkpoint was made for other models or another plan, or (with
+    verify_files) any of its files is corrupt (sha256); returns its step. The launcher runs it
+    before any rank starts; each rank's load() verifies its own file again."""
+    meta = _read_meta(path)
     mine = _meta(cfg)
     for k in ("algo", "models", "paths", "plan", "seed", "reward"):
         if meta.get(k) != mine[k]:
             raise ValueError(f"checkpoint {path} was made with a different {k}: {meta.get(k)} vs this "
                              f"config's {mine[k]}; resume with the config that made it")
+    for name in meta["files"] if verify_files else ():
+        _read_verified(path, name, meta)
     return int(meta["step"])
 
 
 def load(rt, path: str) -> int:
     """Restore this rank's trained shards, optimizer state and RNG; returns the step."""
-    state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    state = read_rank_file(path, dist.get_rank())
     for m, eng in rt.models.engines.items():
         if eng is None or eng.optim is None:
             continue
@@ -100,4 +193,4 @@ def load(rt, path: str) -> int:
     return int(state["step"])
 
 
-__all__ = ["save", "load", "find", "check"]
+__all__ = ["save", "load", "find", "check", "read_rank_file"]

@@ -100,6 +100,8 @@ class PPOConfig:
     penalty -kl_coef * (log pi_old - log pi_ref) per token in the rewards, InstructGPT-style) or
     "loss" (kl_coef * the k3 estimator per token added to the policy loss, as GRPO is published).
     None: "loss" for grpo, "reward" for ppo."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the actor loss subtracts entropy_coef * mean response-token entropy; 0 disables."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,194 @@
+# Checks checkpoint safety and integrity: round trip (shards, Adam moments, RNG), pickle-free loading (a pickled callable is refused and never runs), sha256 per file (flipped byte, truncated shard, non-JSON meta.json name the file), and temp files that never follow a planted symlink.
+# A failure points to real_py/rlhf/checkpoint.py (save / check / load / find).
+"""In-process: a 1-rank gloo world (file rendezvous) and a stand-in runtime holding one trained
+engine (flat buffer, Adam moments, step count) are enough for save(); the real kill/resume path
+runs in tests/test_rlhf_runtime.py::test_kill_and_resume."""
+
+import hashlib
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from real_py.rlhf import checkpoint
+from real_py.rlhf import config as CF
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    init = tmp_path_factory.mktemp("pg") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _runtime(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    flat, m, v = (torch.randn(1000, generator=g) for _ in range(3))
+    tr = SimpleNamespace(exp_avg=m, exp_avg_sq=v.abs(), num_steps=3)
+    eng = SimpleNamespace(optim=object(), shard=SimpleNamespace(flat=flat), layout="dp1tp2pp2", _trainer=tr)
+    return SimpleNamespace(cfg=cfg, models=SimpleNamespace(engines={"actor": eng, "ref": None}))
+
+
+def _snapshot(d):
+    return {p: open(os.path.join(d, p), "rb").read() for p in sorted(os.listdir(d))}
+
+
+@pytest.fixture()
+def saved(world, tmp_path):
+    cfg = CF.from_dict({})
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    rt = _runtime(cfg)
+    torch.manual_seed(77)
+    path = checkpoint.save(rt, out, 1)
+    return cfg, out, path, rt
+
+
+def test_round_trip_restores_shards_moments_rng(saved):
+    cfg, out, path, rt = saved
+    eng = rt.models.engines["actor"]
+    want = [eng.shard.flat.clone(), eng._trainer.exp_avg.clone(), eng._trainer.exp_avg_sq.clone()]
+    rng = torch.get_rng_state()
+    assert checkpoint.find("", out) == path and checkpoint.check(cfg, path) == 1
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    assert set(meta["files"]) == {"rank0.pt"} and len(meta["files"]["rank0.pt"]["sha256"]) == 64
+    for t in (eng.shard.flat, eng._trainer.exp_avg, eng._trainer.exp_avg_sq):
+        t.zero_()
+    eng._trainer.num_steps = 0
+    torch.manual_seed(5)
+    assert checkpoint.load(rt, path) == 1
+    for a, b in zip(want, [eng.shard.flat, eng._trainer.exp_avg, eng._trainer.exp_avg_sq]):
+        assert torch.equal(a, b)
+    assert eng._trainer.num_steps == 3 and torch.equal(torch.get_rng_state(), rng)
+    assert sorted(os.listdir(out)) == ["latest", "step_1"]
+    assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt"]  # no temp files left
+
+
+def _flip_tensor_byte(p):
+    """Flip one byte inside the stored flat tensor's data (torch.save zip: data/<n> records)."""
+    data = bytearray(open(p, "rb").read())
+    marker = torch.load(p, weights_only=True)["models"]["actor"]["flat"][:4].numpy().tobytes()
+    i = bytes(data).find(marker)
+    assert i > 0
+    data[i + 1] ^= 0x40
+    open(p, "wb").write(bytes(data))
+
+
+def _truncate(p):
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[:len(data) // 2])
+
+
+def _garbage_meta(p):
+    open(p, "w").write("{not json")
+
+
+CORRUPT = [  # (file, damage, phrase)
+    ("rank0.pt", _flip_tensor_byte, "rank0.pt fails its sha256 check"),
+    ("rank0.pt", _truncate, r"rank0.pt has \d+ bytes, meta.json says \d+: truncated"),
+    ("meta.json", _garbage_meta, "meta.json is not valid JSON"),
+    ("rank0.pt", os.remove, "rank0.pt is missing"),
+]
+
+
+@pytest.mark.parametrize("name,damage,phrase", CORRUPT, ids=[c[1].__name__ for c in CORRUPT])
+def test_corrupt_files_are_named_on_resume(saved, name, damage, phrase):
+    cfg, out, path, rt = saved
+    damage(os.path.join(path, name))
+    before = _snapshot(path)
+    flat = rt.models.engines["actor"].shard.flat.clone()
+    with pytest.raises(ValueError, match=phrase):
+        checkpoint.check(cfg, path)
+    with pytest.raises(ValueError, match=phrase):
+        checkpoint.load(rt, path)
+    assert _snapshot(path) == before  # nothing rewritten
+    assert torch.equal(rt.models.engines["actor"].shard.flat, flat)  # nothing restored
+
+
+class _Plant:
+    """Pickles as a call to os.makedirs(marker): runs only if the loader executes pickled code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_pickled_callable_is_refused_and_never_runs(saved, tmp_path):
+    cfg, out, path, rt = saved
+    marker = str(tmp_path / "code_ran")
+    good = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+    rank_file = os.path.join(path, "rank0.pt")
+    torch.save(good | {"hook": _Plant(marker)}, rank_file)
+    # The attacker rewrites meta.json too, so the checksum matches: weights_only must stop it.
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    data = open(rank_file, "rb").read()
+    meta["files"]["rank0.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    assert checkpoint.check(cfg, path) == 1
+    with pytest.raises(ValueError, match=r"rank0.pt refused: it holds more than tensors.*weights_only"):
+        checkpoint.load(rt, path)
+    assert not os.path.exists(marker)
+    torch.load(rank_file, weights_only=False)  # the payload is real: an unsafe load runs it
+    assert os.path.isdir(marker)
+
+
+def test_planted_symlinks_are_not_written_through(saved, tmp_path):
+    cfg, out, path, rt = saved
+    victims = {n: tmp_path / f"victim_{n}" for n in ("latest.tmp", "latest", "rank0.pt", "meta.json")}
+    for v in victims.values():
+        v.write_text("precious")
+    os.symlink(victims["latest.tmp"], os.path.join(out, "latest.tmp"))
+    os.remove(os.path.join(out, "latest"))
+    os.symlink(victims["latest"], os.path.join(out, "latest"))
+    step2 = os.path.join(out, "step_2")
+    os.makedirs(step2)
+    os.symlink(victims["rank0.pt"], os.path.join(step2, "rank0.pt"))
+    os.symlink(victims["meta.json"], os.path.join(step2, "meta.json"))
+    assert checkpoint.save(rt, out, 2) == step2
+    for v in victims.values():
+        assert v.read_text() == "precious", v
+    assert os.path.islink(os.path.join(out, "latest.tmp"))
+    for p in ("latest", "step_2/rank0.pt", "step_2/meta.json"):
+        assert not os.path.islink(os.path.join(out, p)), p
+    assert open(os.path.join(out, "latest")).read() == "step_2\n"
+    assert checkpoint.check(cfg, checkpoint.find("", out)) == 2
+    assert not [f for f in os.listdir(out) + os.listdir(step2) if f.endswith(".tmp") and f != "latest.tmp"]
+
+
+def test_bad_latest_is_named(saved):
+    cfg, out, path, rt = saved
+    shutil.rmtree(path)
+    open(os.path.join(out, "latest"), "wb").write(b"\xff\xfe../../etc")
+    with pytest.raises(ValueError, match=r"latest must name a step directory like 'step_3'"):
+        checkpoint.find("", out)
+
+
+@pytest.mark.timeout(120)
+def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
+    """`train --resume` verifies every file's sha256 in the launcher: exit 2, file named, no ranks."""
+    import subprocess
+    import sys
+
+    cfg, out, path, rt = saved
+    _flip_tensor_byte(os.path.join(path, "rank0.pt"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", path, "--out-dir", out],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "rank0.pt fails its sha256 check" in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout
+
+
+def test_meta_listing_other_paths_is_refused(saved):
+    cfg, out, path, rt = saved
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    meta["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "bytes": 1}
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    with pytest.raises(ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"):
+        checkpoint.check(cfg, path)
