@@ -107,9 +107,10 @@ class Reallocator:
         if not holds:
             raise ValueError(f"rank {self.rank} is not in the {side} layout {layout} but passed a "
                              f"{side} shard")
-        if shard.model != self.plan.model:
-            raise ValueError(f"{side} shard was built for model {shard.model.name}, the plan is for "
-                             f"{self.plan.model.name}")
+        want = self.plan.model if side == "source" else self.plan.dst_model
+        if shard.model != want:
+            raise ValueError(f"{side} shard was built for model {shard.model.name}, the plan is "
+                             f"for {want.name} on the {side} side (specs differ, e.g. in qkv_layout)")
         if shard.layout != layout:
             raise ValueError(f"{side} shard was built for layout {shard.layout}, the plan's "
                              f"{side} layout is {layout}")
@@ -223,7 +224,7 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
     """An empty destination shard for `rank` (None if the rank is not in the destination)."""
     if rank not in plan.dst.ranks:
         return None
-    return ModelShard.empty(plan.model, plan.dst, rank, device=device)
+    return ModelShard.empty(plan.dst_model, plan.dst, rank, device=device)
 
 
 __all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES",

@@ -31,6 +31,10 @@ from .pipeline import P2P, split_micro_batches
 class Engine:
     def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
                  optim=None):
+        if config.qkv_layout != "blocked" or config.gate_up_layout != "blocked":
+            raise ValueError(f"the engines compute on blocked fused tensors, config has qkv_layout="
+                             f"{config.qkv_layout!r}, gate_up_layout={config.gate_up_layout!r}; "
+                             "reallocate into a blocked spec first (plan_realloc(..., dst_model=...))")
         spec = model_spec(config)
         spec.check_compatible(shard.model)
         if shard.layout != layout or groups.layout != layout:
