@@ -1,8 +1,11 @@
 # Checks real_py.adapters in one process: HF-named and Megatron-core-named per-rank dicts (built
-# by hand in tests/interop_trainers.py from a transformers LlamaForCausalLM) map to exactly the
+# by hand in examples/trainer_interop.py from a transformers LlamaForCausalLM) map to exactly the
 # local tensors tests/oracle.py says the rank holds, and back; bad dicts raise ValueError naming
 # the key and the expected shape / order / pipeline split, leaving the dict untouched. A failure
 # points to real_py/adapters.py, the Megatron conventions in it, or Layout.partition.
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,7 +14,8 @@ from real_py.adapters import (from_hf_state_dict, from_megatron_state_dict, mega
                               megatron_layout, to_hf_state_dict, to_megatron_state_dict)
 from real_py.embed import shard_from_params
 
-from interop_trainers import hf_rank_dict, megatron_rank_dict, tiny_llama
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from trainer_interop import hf_rank_dict, megatron_rank_dict, tiny_llama  # noqa: E402
 from oracle import oracle_flat
 
 MODELS = {tied: tiny_llama(tied) for tied in (False, True)}
