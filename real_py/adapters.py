@@ -108,15 +108,31 @@ def _check_shape(key: str, t: torch.Tensor, want: tuple, why: str) -> None:
         raise ValueError(f"{key}: shape {tuple(t.shape)}, expected {tuple(want)} ({why})")
 
 
+def _renumber(sd: Mapping[str, torch.Tensor], shift: int, prefix: str) -> dict[str, torch.Tensor]:
+    """Keys `{prefix}{i}.rest` -> `{prefix}{i + shift}.rest` (stage-local <-> global layers)."""
+    out = {}
+    for key, t in sd.items():
+        if key.startswith(prefix):
+            i, rest = key[len(prefix):].split(".", 1)
+            key = f"{prefix}{int(i) + shift}.{rest}"
+        out[key] = t
+    return out
+
+
 def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout | None = None,
-                       rank: int | None = None) -> dict[str, torch.Tensor]:
-    """One rank's HF-named tensors (global layer numbers, q/k/v and gate/up apart, each its TP
-    slice) -> project names, fused in the spec's storage order. Nothing in `sd` is modified.
+                       rank: int | None = None, *, stage_local_layers: bool = False
+                       ) -> dict[str, torch.Tensor]:
+    """One rank's HF-named tensors (q/k/v and gate/up apart, each its TP slice) -> project
+    names, fused in the spec's storage order. Nothing in `sd` is modified. stage_local_layers:
+    the dict numbers its stage's layers from 0 (else global layer numbers, as a model sliced
+    from one LlamaForCausalLM keeps them).
 
     Raises ValueError naming the HF key on an unknown key, a missing q/k/v or gate/up part, a
     parameter of another pipeline stage, or a wrong shape (and what the layout expects).
     """
-    layout, k, entries, _, stage = _position(model, layout, rank)
+    layout, k, entries, (lo, _), stage = _position(model, layout, rank)
+    if stage_local_layers:
+        sd = _renumber(sd, lo, "model.layers.")
     tied = any(p.tied_to_head for p in model.params)
     owner: dict[str, tuple[str, int]] = {}
     for p in model.params:
@@ -161,11 +177,12 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout:
 
 
 def to_hf_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout | None = None,
-                     rank: int | None = None) -> dict[str, torch.Tensor]:
+                     rank: int | None = None, *, stage_local_layers: bool = False
+                     ) -> dict[str, torch.Tensor]:
     """Inverse of from_hf_state_dict: project names -> HF names (q/k/v, gate/up split back
     out; views where the storage allows). A tied embedding is also given as lm_head.weight on
     the last stage (and only there when pp > 1)."""
-    layout, _, entries, _, stage = _position(model, layout, rank)
+    layout, _, entries, (lo, _), stage = _position(model, layout, rank)
     last = stage == layout.pp - 1
     out = {}
     for name, t in params.items():
@@ -183,7 +200,7 @@ def to_hf_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layou
                 out["lm_head.weight"] = t
         else:
             out[names[0]] = t
-    return out
+    return _renumber(out, -lo, "model.layers.") if stage_local_layers else out
 
 
 def _megatron_names(model: ModelSpec, layout: Layout, stage: int, lo: int, fused_norms: bool) -> dict:

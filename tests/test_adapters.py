@@ -145,6 +145,19 @@ def test_pipeline_split_named_when_dict_does_not_match():
         Layout(pp=2, partition="megatron")
 
 
+def test_hf_stage_local_layer_numbers():
+    cfg, sd = MODELS[False]
+    model = model_spec(ModelConfig.from_hf(cfg))
+    layout = Layout(tp=2, pp=2, partition="layers")
+    d = hf_rank_dict(sd, 2, 1, range(2, 4), False, True, False)
+    local = {k.replace("layers.2.", "layers.0.").replace("layers.3.", "layers.1."): v for k, v in d.items()}
+    params = from_hf_state_dict(local, model, layout, 3, stage_local_layers=True)
+    assert params.keys() == from_hf_state_dict(d, model, layout, 3).keys()
+    assert "layers.3.mlp.down_proj.weight" in params
+    back = to_hf_state_dict(params, model, layout, 3, stage_local_layers=True)
+    assert sorted(back) == sorted(local) and all(torch.equal(back[k], v) for k, v in local.items())
+
+
 def test_hf_bad_keys_named():
     layout = Layout(tp=2)
     cfg, sd = MODELS[False]
