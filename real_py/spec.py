@@ -27,6 +27,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 QKV_LAYOUTS = ("blocked", "megatron_grouped")
 GATE_UP_LAYOUTS = ("blocked", "interleaved")
@@ -163,10 +164,10 @@ class ModelConfig:
     dtype: str = "float32"
     head_dim: int = 0
     """Per-head dim; 0 means hidden_size // num_attention_heads."""
-    qkv_layout: str = "blocked"
+    qkv_layout: Literal["blocked", "megatron_grouped"] = "blocked"
     """Row order of a TP rank's fused q|k|v: "blocked" ([q; k; v], this project's models) or
     "megatron_grouped" (Megatron-core linear_qkv: per kv group, its q heads then k then v)."""
-    gate_up_layout: str = "blocked"
+    gate_up_layout: Literal["blocked", "interleaved"] = "blocked"
     """Row order of a TP rank's fused gate|up: "blocked" ([gate; up], also Megatron-core's
     swiglu linear_fc1) or "interleaved" (gate row 0, up row 0, gate row 1, ...)."""
     vocab_pad_multiple: int = 1
