@@ -147,6 +147,10 @@ def worker(rank: int, world: int, models: dict) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
     from real_py.testing import run_distributed
 
     models = {tied: tiny_llama(tied) for tied in (False, True)}
