@@ -212,7 +212,9 @@ def _megatron_names(model: ModelSpec, layout: Layout, stage: int, lo: int, fused
             rest = m.group(2)
             if rest not in _MEGATRON_LAYER:
                 continue
-            meg = _MEGATRON_LAYER[rest] if fused_norms else _MEGATRON_LOCAL_NORMS.get(rest, _MEGATRON_LAYER[rest])
+            meg = _MEGATRON_LAYER[rest]
+            if not fused_norms:
+                meg = _MEGATRON_LOCAL_NORMS.get(rest, meg)
             names[p.name] = f"decoder.layers.{int(m.group(1)) - lo}.{meg}"
         elif p.name in _MEGATRON_OTHER:
             names[p.name] = _MEGATRON_OTHER[p.name]
@@ -322,7 +324,8 @@ def check_against_full(model: ModelSpec, layout: Layout, rank: int,
         checked += 1
         if torch.equal(tp_slice(p, ref, layout.tp, k).to(t.device), t):
             continue
-        declared = f"groups={p.tp.groups}" if p.tp.kind == "split" else f"vocab_multiple={p.tp.vocab_multiple}"
+        declared = (_storage_name(model, p, p.tp.groups) if p.tp.kind == "split"
+                    else f"vocab_multiple={p.tp.vocab_multiple}")
         if p.tp.kind == "split":
             # The storage orders in use: blocked, Megatron's per-kv-group q|k|v, row-interleaved.
             alts = [g for g in (0, _kv_groups(model), p.blocks[0]) if g != p.tp.groups
@@ -332,7 +335,7 @@ def check_against_full(model: ModelSpec, layout: Layout, rank: int,
                 if torch.equal(tp_slice(alt, ref, layout.tp, k).to(t.device), t):
                     raise ValueError(
                         f"{name} on rank {rank} ({layout}, tp rank {k}): rows are stored as "
-                        f"{_storage_name(model, p, g)}, the spec declares {_storage_name(model, p, p.tp.groups)}; "
+                        f"{_storage_name(model, p, g)}, the spec declares {declared}; "
                         "set ModelConfig.qkv_layout / gate_up_layout to match the trainer")
         raise ValueError(f"{name} on rank {rank} ({layout}, tp rank {k}): local tensor differs from "
                          f"the reference full tensor's slice for the declared storage ({declared}) "

@@ -10,7 +10,8 @@ namespace {
 // Appends s, extending the last segment when s continues it in both D and local order
 // (a grouped format with one block, or consecutive groups, is then one segment).
 void append_segment(std::vector<Segment>& out, const Segment& s) {
-  if (!out.empty() && out.back().hi == s.lo && out.back().local + (out.back().hi - out.back().lo) == s.local) {
+  if (!out.empty() && out.back().hi == s.lo &&
+      out.back().local + (out.back().hi - out.back().lo) == s.local) {
     out.back().hi = s.hi;
     return;
   }
