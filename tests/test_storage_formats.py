@@ -194,3 +194,13 @@ def test_hf_checkpoint_loads_into_megatron_storage(tmp_path):
             for r in layout.ranks:
                 got = load_hf_shard(tmp_path, meg, layout, r)
                 assert torch.equal(got.flat, oracle_flat(model, layout, r, full)), (layout, r)
+
+
+def test_engines_refuse_non_blocked_storage():
+    from real_py.engines.engine import Engine
+
+    cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12, num_key_value_heads=6,
+                      head_dim=2, vocab_size=101, num_hidden_layers=2)
+    for bad in (megatron_config(cfg), ModelConfig(**{**_fields(cfg), "gate_up_layout": "interleaved"})):
+        with pytest.raises(ValueError, match=r"the engines compute on blocked fused tensors"):
+            Engine(bad, Layout(), None, None)
