@@ -44,6 +44,9 @@ real_py::LayoutIn layout_from(const py::dict& d) {
   l.entry_stage = to_vec(d["entry_stage"].cast<I64>());
   l.entry_offset = to_vec(d["entry_offset"].cast<I64>());
   if (d.contains("entry_range")) l.entry_range = to_vec(d["entry_range"].cast<I64>());
+  if (d.contains("param_groups")) l.param_groups = to_vec(d["param_groups"].cast<I64>());
+  if (d.contains("param_vocab_multiple"))
+    l.param_vocab_multiple = to_vec(d["param_vocab_multiple"].cast<I64>());
   return l;
 }
 

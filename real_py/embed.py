@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout
+from .layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout, stage_layer_ranges
 from .reallocator import Reallocator, new_destination
 from .shard import ModelShard
 from .spec import torch_dtype
@@ -53,8 +53,13 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     want = {e.param.name for e in entries}
     missing, extra = sorted(want - params.keys()), sorted(params.keys() - want)
     if missing or extra:
+        lo, hi = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)[coords[2]]
+        split = (f"layers_per_stage={layout.layers_per_stage}" if layout.layers_per_stage
+                 else f"partition={layout.partition!r}")
         raise ValueError(f"rank {rank} ({layout}, stage {coords[2]}): parameter dict does not match "
-                         f"the stage's parameters: missing {missing[:5]}, unexpected {extra[:5]}")
+                         f"the stage's parameters: missing {missing[:5]}, unexpected {extra[:5]}; "
+                         f"the stage holds layers {lo}..{hi - 1} under the pipeline split {split} "
+                         "(Megatron-core splits by layer count: Layout(partition='layers'))")
     dtype = torch_dtype(model.dtype)
     for e in entries:
         t = params[e.param.name]
@@ -80,12 +85,18 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
 
 
 def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] | None, *,
-                      device=None) -> dict[str, torch.Tensor] | None:
+                      device=None, check: Mapping[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor] | None:
     """Move local tensors from the plan's source layout to its destination layout.
 
     params: this rank's source tensors, None if the rank holds no source shard. Returns this
-    rank's destination tensors (views of one flat buffer), None if it holds no destination shard.
-    Collective: every rank of the transport's group calls it.
+    rank's destination tensors (views of one flat buffer, stored as plan.dst_model says), None
+    if it holds no destination shard. Collective: every rank of the transport's group calls it.
+    check: full reference tensors by project name (e.g. the checkpoint the trainer loaded);
+    before anything moves, this rank's fused (q|k|v, gate|up) and vocab tensors are compared
+    with the slices the source spec says they are (real_py.adapters.check_against_full), and a
+    storage-order mismatch raises ValueError naming the tensor (the other ranks then fail on
+    the transport's timeout).
     """
     _require_realloc(realloc)
     if params is not None and not isinstance(params, Mapping):
@@ -96,6 +107,10 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     if params is not None:
         if rank not in plan.src.ranks:
             raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
+        if check is not None:
+            from .adapters import check_against_full
+
+            check_against_full(plan.model, plan.src, rank, params, check)
         src = shard_from_params(plan.model, plan.src, rank, params, device)
         device = device or src.flat.device
     dst = new_destination(plan, rank, device=device or "cpu")
@@ -123,7 +138,7 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
     elif dst_flat is None:
         dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
     else:
-        dst = ModelShard(plan.model, plan.dst, rank, dst_flat)
+        dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
     realloc.run(src, dst)
     return None if dst is None else dst.flat
 

@@ -132,11 +132,13 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
                 dst.narrow(p.tp.dim, 0, hi - lo).copy_(ckpt.read(names[0], p.tp.dim, lo, hi).to(dtype))
         else:
             off = 0
-            for name, block in zip(names, p.blocks):
-                piece = block // tp
-                dst.narrow(p.tp.dim, off, piece).copy_(
-                    ckpt.read(name, p.tp.dim, k * piece, (k + 1) * piece).to(dtype))
-                off += piece
+            groups = p.tp.groups or tp  # blocked storage: one group per TP rank
+            for j in range(k * groups // tp, (k + 1) * groups // tp):
+                for name, block in zip(names, p.blocks):
+                    piece = block // groups
+                    dst.narrow(p.tp.dim, off, piece).copy_(
+                        ckpt.read(name, p.tp.dim, j * piece, (j + 1) * piece).to(dtype))
+                    off += piece
     return shard
 
 

@@ -61,6 +61,9 @@ def _check_ranks(ranks) -> None:
                              "non-negative and below 2**20")
 
 
+PARTITIONS = ("params", "layers")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
     dp: int = 1
@@ -71,12 +74,16 @@ class Layout:
     order: str = "tp-dp-pp"
     """Axes from fastest- to slowest-varying along `ranks`, a permutation of tp, dp, pp."""
     layers_per_stage: tuple[int, ...] | None = None
-    """Explicit pipeline partition (one count per stage); None balances by parameter count."""
+    """Explicit pipeline partition (one count per stage); None: the `partition` rule."""
     dp_shard: str = "none"
     """Data-parallel sharding of each (stage, tp rank) shard over the dp replicas: "none" (every
     replica holds the whole shard), "dim0" (FSDP2: each parameter's local tensor chunked along
     dim 0 with torch.chunk semantics, padded storage) or "flat" (ZeRO-3 / FSDP1: the shard's flat
     buffer split evenly). See dp_shard_layout. dp=1 normalizes to "none"."""
+    partition: str = "params"
+    """Default pipeline split when layers_per_stage is None: "params" (contiguous stages
+    minimizing the largest stage's parameter count) or "layers" (num_layers / pp each, as
+    Megatron-core splits; pp must divide num_layers)."""
 
     def __post_init__(self):
         for axis in _AXES:
@@ -99,6 +106,8 @@ class Layout:
         if min(ranks) < 0:
             raise ValueError(f"Layout ranks must be non-negative, got {min(ranks)}")
         object.__setattr__(self, "ranks", ranks)
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"Layout.partition={self.partition!r}; allowed: {PARTITIONS}")
         if self.layers_per_stage is not None:
             lps = tuple(int(x) for x in self.layers_per_stage)
             if len(lps) != self.pp or min(lps) < 1:
@@ -168,17 +177,23 @@ def check_fits(model: ModelSpec, layout: Layout) -> None:
     if layout.layers_per_stage is not None and sum(layout.layers_per_stage) != model.num_layers:
         raise ValueError(f"layers_per_stage={layout.layers_per_stage} sums to "
                          f"{sum(layout.layers_per_stage)}, but {model.name} has {model.num_layers} layers")
+    if layout.layers_per_stage is None and layout.partition == "layers" and model.num_layers % layout.pp:
+        raise ValueError(f"partition='layers' needs pp={layout.pp} to divide num_layers="
+                         f"{model.num_layers} of {model.name}; give layers_per_stage=... instead")
 
 
 @functools.lru_cache(maxsize=256)
-def stage_layer_ranges(model: ModelSpec, pp: int, layers_per_stage: tuple[int, ...] | None = None
-                       ) -> tuple[tuple[int, int], ...]:
+def stage_layer_ranges(model: ModelSpec, pp: int, layers_per_stage: tuple[int, ...] | None = None,
+                       partition: str = "params") -> tuple[tuple[int, int], ...]:
     """[lo, hi) layer range per pipeline stage.
 
-    Default: contiguous ranges minimizing the largest stage's parameter count, counting the
-    embedding on the first stage and final norm + head (+ tied embedding copy) on the last.
+    Default (partition "params"): contiguous ranges minimizing the largest stage's parameter
+    count, counting the embedding on the first stage and final norm + head (+ tied embedding
+    copy) on the last. partition "layers": num_layers / pp layers per stage (Megatron-core).
     """
     L = model.num_layers
+    if layers_per_stage is None and partition == "layers":
+        layers_per_stage = (L // pp,) * pp
     if layers_per_stage is None:
         layers_per_stage = _balanced_partition(model, pp)
     bounds, lo = [], 0
@@ -259,7 +274,7 @@ class ShardLayout:
 
 def param_stages(model: ModelSpec, layout: Layout, p: ParamSpec) -> tuple[int, ...]:
     """Pipeline stages holding parameter p (two for a tied embedding when pp > 1)."""
-    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage)
+    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
     last = layout.pp - 1
     if p.owner == "layer":
         return tuple(s for s, (lo, hi) in enumerate(ranges) if lo <= p.layer < hi)
@@ -276,8 +291,8 @@ def shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
         raise ValueError(f"stage={stage} outside [0, {layout.pp}) for layout {layout}")
     # Cached on what the shard depends on (not dp or ranks): planning many placements of the
     # same strategy (the plan search) otherwise rebuilt it each time (~200 ms for 70B).
-    return _shard_layout(model, Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage),
-                         stage)
+    return _shard_layout(model, Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage,
+                                       partition=layout.partition), stage)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,7 +8,22 @@ n, src_stride, dst_stride): run i copies src[src_off + i*src_stride : +len] to
 dst[dst_off + i*dst_stride : +len]. Message.pack_descs()/unpack_descs() produce them.
 Buffers: 1-D, contiguous, one dtype (any element size), one device (CPU, or CUDA when the
 extension was built with CUDA; the CUDA kernels run on the current stream). Bad arguments raise
-ValueError before anything is written.
+ValueError before anything is written. `import real_py` registers the ops
+(torch.ops.real_py.pack / unpack); these wrappers are also real_py.pack / real_py.unpack.
+
+Example (gather two strided runs of a [4, 6] matrix's columns 2..3, then scatter them back):
+
+>>> import torch, real_py
+>>> src = torch.arange(24, dtype=torch.float32)           # a [4, 6] matrix, flat
+>>> descs = torch.tensor([[2, 0, 2, 4, 6, 2]])            # 4 runs of 2: columns 2..3 of each row
+>>> packed = torch.empty(8)
+>>> real_py.pack(src, descs, packed)
+>>> packed.tolist()
+[2.0, 3.0, 8.0, 9.0, 14.0, 15.0, 20.0, 21.0]
+>>> dst = torch.zeros(24)
+>>> real_py.unpack(packed, torch.tensor([[0, 2, 2, 4, 2, 6]]), dst)
+>>> torch.equal(dst.view(4, 6)[:, 2:4], src.view(4, 6)[:, 2:4])
+True
 """
 
 from __future__ import annotations
@@ -22,12 +37,22 @@ from . import _C  # noqa: F401  (loading the extension registers torch.ops.real_
 
 
 def pack(src: torch.Tensor, descs: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy the runs of `descs` out of flat buffer `src` into `out` (the packed buffer)."""
+    """Copy the runs of `descs` out of flat buffer `src` into `out` (the packed buffer).
+
+    src: [S] 1-D contiguous; descs: [k, 6] int64 CPU, elements (src_off, dst_off, len, n,
+    src_stride, dst_stride); out: [P] same dtype and device as src, written in place
+    (run i of row j lands at out[dst_off + i*dst_stride : +len]). Returns None.
+    """
     torch.ops.real_py.pack(src, descs, out)
 
 
 def unpack(packed: torch.Tensor, descs: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the runs of `descs` out of `packed` into flat buffer `dst`."""
+    """Copy the runs of `descs` out of `packed` into flat buffer `dst`.
+
+    packed: [P] 1-D contiguous; descs: [k, 6] int64 CPU, elements, read side first as in pack;
+    dst: [D] same dtype and device, written in place. Same kernel as pack (the name says which
+    side is the flat shard buffer). Returns None.
+    """
     torch.ops.real_py.unpack(packed, descs, dst)
 
 
@@ -54,5 +79,12 @@ def _pack_fake(src, descs, out):
 def _unpack_fake(packed, descs, dst):
     return None
 
+
+# The schemas live in C++ (csrc/ops/ops.cpp), which cannot carry docstrings; help() on the op
+# packets shows these instead.
+torch.ops.real_py.pack.__doc__ = ("real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n"
+                                  + pack.__doc__)
+torch.ops.real_py.unpack.__doc__ = ("real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()"
+                                    "\n\n" + unpack.__doc__)
 
 __all__ = ["pack", "unpack", "descs_tensor"]

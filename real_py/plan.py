@@ -74,8 +74,11 @@ class RankPlan:
 class ReallocPlan:
     """An exact transfer plan. Identical on every rank that computes it with the same inputs."""
 
-    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict):
+    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict,
+                 dst_model: ModelSpec | None = None):
         self.model, self.src, self.dst, self.mode = model, src, dst, mode
+        self.dst_model: ModelSpec = dst_model or model
+        """The destination side's spec: `model` up to storage format (qkv_layout, ...)."""
         self.descs: np.ndarray = arrays["descs"]
         self.msg_sender: np.ndarray = arrays["msg_sender"]
         self.msg_recv_ptr: np.ndarray = arrays["msg_recv_ptr"]
@@ -144,7 +147,7 @@ class ReallocPlan:
         recv_counts = np.diff(self.msg_recv_ptr)
         network = int((self.msg_numel * recv_counts).sum()) * es
         local = int(self.local_numel.sum()) * es
-        dst_data = sum(_shard_data_numel(self.model, self.dst, r)
+        dst_data = sum(_shard_data_numel(self.dst_model, self.dst, r)
                        for r in self.dst.ranks) * es
         return {
             "model": self.model.name, "src": str(self.src), "dst": str(self.dst), "mode": self.mode,
@@ -213,7 +216,8 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
 
     mode: "p2p" (one sender per receiver and piece) or "broadcast" (one sender per piece and set
     of receivers with identical needs). dst_model: the destination side's spec, checked for
-    agreement with `model`. ranks_per_node: prefer same-node senders and balance across nodes.
+    agreement with `model`; it may differ in storage format (ModelConfig.qkv_layout,
+    gate_up_layout, vocab_pad_multiple), which the plan converts exactly. ranks_per_node: prefer same-node senders and balance across nodes.
     """
     require_spec(model)
     require_layout(src, "src")
@@ -225,31 +229,43 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
     if ranks_per_node < 0:
         raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 0")
     if dst_model is not None and dst_model != model:
-        model.check_compatible(dst_model)
-    return _plan_cached(model, src, dst, mode, ranks_per_node, min_split_bytes)
+        model.check_compatible(dst_model, storage=True)
+    else:
+        dst_model = model
+    for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
+        if layout.dp_shard != "none" and any(p.tp.groups or p.tp.vocab_multiple != 1 for p in spec.params):
+            # The dp-sharded planner works on blocked storage only; convert the format on a
+            # layout without dp sharding first (two plans).
+            raise ValueError(f"{side} layout {layout} is dp-sharded and {spec.name} uses a non-default "
+                             "storage format (qkv_layout/gate_up_layout other than blocked, or "
+                             "vocab_pad_multiple > 1); dp-sharded layouts need blocked storage: "
+                             "reallocate the format change and the dp sharding in two steps")
+    return _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_cached(model, src, dst, mode, ranks_per_node, min_split_bytes) -> ReallocPlan:
+def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes) -> ReallocPlan:
     from . import _C
 
-    for side, layout in (("src", src), ("dst", dst)):
+    for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
         try:
-            check_fits(model, layout)
+            check_fits(spec, layout)
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
     geom = np.array([p.geometry() + (_KIND[p.tp.kind],) for p in model.params], np.int64).reshape(-1, 4)
     blocks = [p.blocks if p.tp.kind == "split" else () for p in model.params]
     block_ptr = np.concatenate(([0], np.cumsum([len(b) for b in blocks]))).astype(np.int64)
     flat_blocks = np.array([b for bs in blocks for b in bs], np.int64)
-    arrays = _C.plan(geom, block_ptr, flat_blocks, _layout_arrays(model, src), _layout_arrays(model, dst),
-                     MODES.index(mode), ranks_per_node,
+    arrays = _C.plan(geom, block_ptr, flat_blocks, _layout_arrays(model, src),
+                     _layout_arrays(dst_model, dst, order=model), MODES.index(mode), ranks_per_node,
                      max(1, min_split_bytes // model.element_size))
-    return ReallocPlan(model, src, dst, mode, arrays)
+    return ReallocPlan(model, src, dst, mode, arrays, dst_model)
 
 
-def _layout_arrays(model: ModelSpec, layout: Layout) -> dict:
-    index = {p.name: i for i, p in enumerate(model.params)}
+def _layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None = None) -> dict:
+    """One side for the C++ planner; parameters are indexed in `order`'s order (default model's)."""
+    index = {p.name: i for i, p in enumerate((order or model).params)}
+    by_index = sorted(model.params, key=lambda p: index[p.name])
     ep, es, eo = [], [], []
     for s in range(layout.pp):
         for e in shard_layout(model, layout, s).entries:
@@ -259,7 +275,9 @@ def _layout_arrays(model: ModelSpec, layout: Layout) -> dict:
     out = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "grid": np.array(layout.grid(), np.int64).reshape(-1),
            "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
-           "entry_offset": np.array(eo, np.int64)}
+           "entry_offset": np.array(eo, np.int64),
+           "param_groups": np.array([p.tp.groups for p in by_index], np.int64),
+           "param_vocab_multiple": np.array([p.tp.vocab_multiple for p in by_index], np.int64)}
     if layout.dp_shard != "none":
         # [num_entries, dp, 3]: (lo, hi, offset) of each dp replica's piece of each entry.
         ranges = []

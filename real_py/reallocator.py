@@ -115,18 +115,19 @@ class Reallocator:
         if not holds:
             raise ValueError(f"rank {self.rank} is not in the {side} layout {layout} but passed a "
                              f"{side} shard")
-        if shard.model != self.plan.model and shard.model.name == self.plan.model.name:
+        want = self.plan.model if side == "source" else self.plan.dst_model
+        if shard.model != want and shard.model.name == want.name:
             try:  # same name, different model: say which parameter differs
-                self.plan.model.check_compatible(shard.model)
+                want.check_compatible(shard.model)
             except ValueError as e:
-                raise ValueError(f"{side} shard's model {shard.model.name} is not the plan's model of "
-                                 f"the same name: {e}") from None
-            raise ValueError(f"{side} shard's model {shard.model.name} differs from the plan's model of "
-                             f"the same name (num_layers {shard.model.num_layers} vs "
-                             f"{self.plan.model.num_layers} or parameter order)")
-        if shard.model != self.plan.model:
-            raise ValueError(f"{side} shard was built for model {shard.model.name}, the plan is for "
-                             f"{self.plan.model.name}")
+                raise ValueError(f"{side} shard's model {shard.model.name} is not the plan's {side} "
+                                 f"model of the same name: {e}") from None
+            raise ValueError(f"{side} shard's model {shard.model.name} differs from the plan's {side} "
+                             f"model of the same name (num_layers {shard.model.num_layers} vs "
+                             f"{want.num_layers}, parameter order, or storage format such as qkv_layout)")
+        if shard.model != want:
+            raise ValueError(f"{side} shard was built for model {shard.model.name}, the plan is "
+                             f"for {want.name} on the {side} side")
         if shard.layout != layout:
             raise ValueError(f"{side} shard was built for layout {shard.layout}, the plan's "
                              f"{side} layout is {layout}")
@@ -240,7 +241,7 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
     """An empty destination shard for `rank` (None if the rank is not in the destination)."""
     if rank not in plan.dst.ranks:
         return None
-    return ModelShard.empty(plan.model, plan.dst, rank, device=device)
+    return ModelShard.empty(plan.dst_model, plan.dst, rank, device=device)
 
 
 __all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES",

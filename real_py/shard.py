@@ -22,14 +22,18 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
     d = p.tp.dim
     if p.tp.kind == "vocab":
         size = full.shape[d]
-        local = -(-size // tp)
+        local = p.local_shape(tp)[d]
         lo, hi = min(size, tp_rank * local), min(size, (tp_rank + 1) * local)
         shape = list(full.shape)
         shape[d] = local
         out = full.new_zeros(shape)
         out.narrow(d, 0, hi - lo).copy_(full.narrow(d, lo, hi - lo))
         return out
-    pieces = [blk.chunk(tp, d)[tp_rank] for blk in full.split(list(p.blocks), d)]
+    # Blocked storage is the grouped one with one group per TP rank.
+    groups = p.tp.groups or tp
+    per_rank = groups // tp
+    chunks = [blk.chunk(groups, d) for blk in full.split(list(p.blocks), d)]
+    pieces = [c[j] for j in range(tp_rank * per_rank, (tp_rank + 1) * per_rank) for c in chunks]
     return torch.cat(pieces, d)
 
 
@@ -143,9 +147,12 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
         if p.tp.kind == "vocab":
             out[p.name] = torch.cat(ordered, d).narrow(d, 0, p.shape[d]).clone()
         else:
-            per_block = [list(t.split([b // layout.tp for b in p.blocks], d)) for t in ordered]
-            blocks = [torch.cat([per_block[k][j] for k in range(layout.tp)], d)
-                      for j in range(len(p.blocks))]
+            groups = p.tp.groups or layout.tp
+            nb = len(p.blocks)
+            # pieces[g * nb + j]: group g's share of block j (ranks hold consecutive groups).
+            pieces = [x for t in ordered
+                      for x in t.split([b // groups for b in p.blocks] * (groups // layout.tp), d)]
+            blocks = [torch.cat([pieces[g * nb + j] for g in range(groups)], d) for j in range(nb)]
             out[p.name] = torch.cat(blocks, d)
     return out
 

@@ -8,8 +8,17 @@ TP partition rules (`TPRule`), for a parameter viewed as [A, D, B] around its sp
   split       dim `dim` is cut into `blocks` (fused tensors: q|k|v, gate|up); each block is
               split evenly across TP ranks; a rank's local tensor is its piece of every block,
               concatenated in block order.
-  vocab       dim `dim` is padded up to a multiple of tp and split evenly; padding rows are
-              zero and never transferred.
+  vocab       dim `dim` is padded up to a multiple of vocab_multiple * tp and split evenly;
+              padding rows are zero and never transferred.
+
+Storage formats (how a rank's local tensor orders its rows; the two sides of a reallocation may
+differ, the planner converts exactly). Full tensors are always in the blocked order, q|k|v and
+gate|up concatenated as HF concatenates them:
+  groups=0    blocked: a TP rank's local tensor is its piece of every block, in block order.
+  groups=G    interleaved: the blocks are cut into G groups, group j holding the j-th 1/G of every
+              block in block order; a TP rank holds G/tp consecutive groups. Megatron-core's fused
+              linear_qkv is G = num_key_value_heads ([q heads of group 0, k0, v0, q of group 1, ...]).
+  Megatron-core's linear_fc1 (swiglu) holds [gate piece; up piece] per TP rank: that is blocked.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
+QKV_LAYOUTS = ("blocked", "megatron_grouped")
+GATE_UP_LAYOUTS = ("blocked", "interleaved")
 ALIGN_BYTES = 64  # every parameter starts on a 64-byte boundary of its shard's flat buffer
 
 DTYPE_SIZES = {
@@ -43,10 +55,19 @@ class TPRule:
     """Sizes of the fused blocks along `dim` (sum == shape[dim]); () means one block."""
     units: tuple[tuple[str, int], ...] = ()
     """Per block, (config name, count) that tp must divide, e.g. ("num_key_value_heads", 8)."""
+    groups: int = 0
+    """split: 0 = blocked storage; G > 0 = blocks interleaved in G groups (module docstring)."""
+    vocab_multiple: int = 1
+    """vocab: rows padded to a multiple of vocab_multiple * tp (Megatron-core: 128)."""
 
     def __post_init__(self):
         if self.kind not in ("replicated", "split", "vocab"):
             raise ValueError(f"TPRule.kind={self.kind!r}; allowed: 'replicated', 'split', 'vocab'")
+        if self.groups < 0 or (self.groups and self.kind != "split"):
+            raise ValueError(f"TPRule.groups={self.groups} must be >= 0 and only set on a split rule")
+        if self.vocab_multiple < 1 or (self.vocab_multiple > 1 and self.kind != "vocab"):
+            raise ValueError(f"TPRule.vocab_multiple={self.vocab_multiple} must be >= 1 and only "
+                             "set on a vocab rule")
         if self.units and len(self.units) != len(self.blocks):
             raise ValueError(f"TPRule.units has {len(self.units)} entries for {len(self.blocks)} blocks")
 
@@ -81,6 +102,9 @@ class ParamSpec:
                 raise ValueError(
                     f"{self.name}: blocks {self.tp.blocks} sum to {sum(self.tp.blocks)}, "
                     f"not shape[{self.tp.dim}]={self.shape[self.tp.dim]}")
+            if self.tp.groups and any(b % self.tp.groups for b in self.blocks):
+                raise ValueError(f"{self.name}: groups={self.tp.groups} does not divide every "
+                                 f"block of {self.blocks}")
 
     @property
     def numel(self) -> int:
@@ -102,7 +126,8 @@ class ParamSpec:
         if self.tp.kind == "replicated":
             return self.shape
         d, size = self.tp.dim, self.shape[self.tp.dim]
-        local = -(-size // tp) if self.tp.kind == "vocab" else size // tp
+        m = self.tp.vocab_multiple
+        local = -(-size // (m * tp)) * m if self.tp.kind == "vocab" else size // tp
         return self.shape[:d] + (local,) + self.shape[d + 1:]
 
     def tp_error(self, tp: int) -> str | None:
@@ -113,6 +138,8 @@ class ParamSpec:
         for (unit, count), block in zip(units, self.blocks):
             if count % tp or block % tp:
                 return f"tp={tp} does not divide {unit}={count}"
+        if self.tp.groups % tp:
+            return f"tp={tp} does not divide the {self.tp.groups} interleaved groups"
         return None
 
 
@@ -137,6 +164,15 @@ class ModelConfig:
     dtype: str = "float32"
     head_dim: int = 0
     """Per-head dim; 0 means hidden_size // num_attention_heads."""
+    qkv_layout: Literal["blocked", "megatron_grouped"] = "blocked"
+    """Row order of a TP rank's fused q|k|v: "blocked" ([q; k; v], this project's models) or
+    "megatron_grouped" (Megatron-core linear_qkv: per kv group, its q heads then k then v)."""
+    gate_up_layout: Literal["blocked", "interleaved"] = "blocked"
+    """Row order of a TP rank's fused gate|up: "blocked" ([gate; up], also Megatron-core's
+    swiglu linear_fc1) or "interleaved" (gate row 0, up row 0, gate row 1, ...)."""
+    vocab_pad_multiple: int = 1
+    """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
+    zero on a destination and never transferred."""
 
     def __post_init__(self):
         for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -155,6 +191,12 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPE_SIZES)}")
+        for f, allowed in (("qkv_layout", QKV_LAYOUTS), ("gate_up_layout", GATE_UP_LAYOUTS)):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; allowed: {allowed}")
+        if not isinstance(self.vocab_pad_multiple, int) or self.vocab_pad_multiple < 1:
+            raise ValueError(f"ModelConfig.vocab_pad_multiple={self.vocab_pad_multiple!r} must be "
+                             "a positive int (Megatron-core: 128)")
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> "ModelConfig":
@@ -172,6 +214,13 @@ class ModelConfig:
         kwargs["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
         if config.get("model_type") == "qwen2" and "attention_bias" not in config:
             kwargs["attention_bias"] = True
+        hf_dtype = config.get("torch_dtype") or config.get("dtype")  # transformers >= 4.56: "dtype"
+        if hf_dtype is not None:
+            hf_dtype = str(hf_dtype).removeprefix("torch.")
+            if hf_dtype not in DTYPE_SIZES:
+                raise ValueError(f"HF config torch_dtype={hf_dtype!r}; allowed: {sorted(DTYPE_SIZES)} "
+                                 "(or pass dtype=... to from_hf)")
+            kwargs["dtype"] = hf_dtype
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -256,8 +305,12 @@ class ModelSpec:
                 choices = [t for t in self.tp_choices(limit=max(64, tp)) if t <= max(64, tp)]
                 raise ValueError(f"{why} of {name}; pick tp in {{{', '.join(map(str, choices))}}}")
 
-    def check_compatible(self, other: "ModelSpec") -> None:
-        """Raise ValueError if `other` disagrees on a parameter's name set, shape, dtype or rule."""
+    def check_compatible(self, other: "ModelSpec", *, storage: bool = False) -> None:
+        """Raise ValueError if `other` disagrees on a parameter's name set, shape, dtype or rule.
+
+        storage: let the two differ in storage format (TPRule.groups, vocab_multiple), which a
+        reallocation plan converts between.
+        """
         mine, theirs = {p.name: p for p in self.params}, {p.name: p for p in other.params}
         if mine.keys() != theirs.keys():
             only_a, only_b = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
@@ -266,9 +319,18 @@ class ModelSpec:
         for name, a in mine.items():
             b = theirs[name]
             for attr in ("shape", "dtype", "tp", "owner", "layer", "tied_to_head"):
+                if storage and attr == "tp" and _logical(a.tp) == _logical(b.tp):
+                    continue
                 if getattr(a, attr) != getattr(b, attr):
                     raise ValueError(f"model specs disagree on {name}.{attr}: src {getattr(a, attr)} "
                                      f"vs dst {getattr(b, attr)}")
+
+
+def _logical(rule: TPRule) -> TPRule:
+    """The rule without its storage format (what full tensors and the TP split depend on)."""
+    from dataclasses import replace
+
+    return replace(rule, groups=0, vocab_multiple=1)
 
 
 def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
@@ -286,6 +348,9 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       norm.weight                           [H]               replicated
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
+
+    config.qkv_layout / gate_up_layout / vocab_pad_multiple set the storage format (TPRule.groups,
+    vocab_multiple) of qkv_proj, gate_up_proj and the vocab-split tensors.
     """
     if isinstance(config, str):
         name = name or config
@@ -294,10 +359,12 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
     H, I, hd, nh, nkv, V = (c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads,
                             c.num_key_value_heads, c.vocab_size)
     heads = (("num_attention_heads", nh), ("num_key_value_heads", nkv), ("num_key_value_heads", nkv))
-    qkv = TPRule(kind="split", dim=0, blocks=(nh * hd, nkv * hd, nkv * hd), units=heads)
+    qkv = TPRule(kind="split", dim=0, blocks=(nh * hd, nkv * hd, nkv * hd), units=heads,
+                 groups=nkv if c.qkv_layout == "megatron_grouped" else 0)
+    vocab = TPRule(kind="vocab", dim=0, vocab_multiple=c.vocab_pad_multiple)
     tied = c.tie_word_embeddings and c.head == "lm"
     params = [ParamSpec(name="embed_tokens.weight", shape=(V, H), dtype=dt, owner="embed",
-                        tp=TPRule(kind="vocab", dim=0), tied_to_head=tied)]
+                        tp=vocab, tied_to_head=tied)]
     for i in range(c.num_hidden_layers):
         pre = f"layers.{i}."
         lp = [
@@ -312,7 +379,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
             (pre + "post_attention_layernorm.weight", (H,), REPLICATED),
             (pre + "mlp.gate_up_proj.weight", (2 * I, H),
              TPRule(kind="split", dim=0, blocks=(I, I),
-                    units=(("intermediate_size", I), ("intermediate_size", I)))),
+                    units=(("intermediate_size", I), ("intermediate_size", I)),
+                    groups=I if c.gate_up_layout == "interleaved" else 0)),
             (pre + "mlp.down_proj.weight", (H, I),
              TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))),
         ]
@@ -322,5 +390,5 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         params.append(ParamSpec(name="value_head.weight", shape=(1, H), dtype=dt, owner="head"))
     elif not tied:
         params.append(ParamSpec(name="lm_head.weight", shape=(V, H), dtype=dt, owner="head",
-                                tp=TPRule(kind="vocab", dim=0)))
+                                tp=vocab))
     return ModelSpec(name=name or "model", params=tuple(params), num_layers=c.num_hidden_layers, config=c)

@@ -19,7 +19,9 @@ from real_py.spec import ALIGN_BYTES, ModelConfig, torch_dtype
 def held_indices(p, tp: int, k: int) -> torch.Tensor:
     """Global flat indices (row-major over p.shape) of TP rank k's local tensor, in local order.
 
-    Vocab padding rows are -1.
+    Vocab padding rows are -1. Grouped storage (p.tp.groups = G): the rows in fused memory order
+    are listed group by group (each group: its 1/G of every block), and rank k holds the k-th of
+    tp equal consecutive chunks of that list.
     """
     gid = torch.arange(p.numel, dtype=torch.int64).view(p.shape)
     if p.tp.kind == "replicated":
@@ -27,13 +29,19 @@ def held_indices(p, tp: int, k: int) -> torch.Tensor:
     d = p.tp.dim
     size = p.shape[d]
     if p.tp.kind == "vocab":
-        per = -(-size // tp)
+        m = p.tp.vocab_multiple
+        per = (size + m * tp - 1) // (m * tp) * m
         rows = torch.arange(k * per, (k + 1) * per)
         valid = rows < size
         picked = gid.index_select(d, rows.clamp(max=size - 1))
         mask_shape = [1] * len(p.shape)
         mask_shape[d] = per
         return torch.where(valid.view(mask_shape), picked, torch.full_like(picked, -1)).reshape(-1)
+    if p.tp.groups:
+        G, starts = p.tp.groups, [sum(p.blocks[:j]) for j in range(len(p.blocks))]
+        memory = [st + g * (b // G) + r for g in range(G) for st, b in zip(starts, p.blocks)
+                  for r in range(b // G)]
+        return gid.index_select(d, torch.tensor(memory).chunk(tp)[k]).reshape(-1)
     rows, start = [], 0
     for b in p.blocks:
         rows.append(torch.arange(start + k * (b // tp), start + (k + 1) * (b // tp)))
@@ -99,10 +107,11 @@ def random_full(model: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
 # Small specs exercising every rule: fused GQA QKV (q 12 heads, kv 6), qkv bias, odd vocab
 # (padding), tied and untied embeddings, value head. tp choices: 1, 2, 3, 6.
 def tiny_spec(*, tied=False, bias=False, head="lm", layers=4, vocab=101, dtype="float32",
-              name=None) -> ModelSpec:
+              name=None, **storage) -> ModelSpec:
+    """storage: qkv_layout, gate_up_layout, vocab_pad_multiple (ModelConfig fields)."""
     cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12,
                       num_key_value_heads=6, head_dim=2, vocab_size=vocab, num_hidden_layers=layers,
-                      tie_word_embeddings=tied, attention_bias=bias, head=head, dtype=dtype)
+                      tie_word_embeddings=tied, attention_bias=bias, head=head, dtype=dtype, **storage)
     return model_spec(cfg, name or f"tiny{'-tied' if tied else ''}{'-bias' if bias else ''}-{head}")
 
 

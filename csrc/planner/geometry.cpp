@@ -5,13 +5,29 @@
 #include <string>
 
 namespace real_py {
+namespace {
 
-int64_t local_extent(const ParamGeom& g, int64_t tp) {
+// Appends s, extending the last segment when s continues it in both D and local order
+// (a grouped format with one block, or consecutive groups, is then one segment).
+void append_segment(std::vector<Segment>& out, const Segment& s) {
+  if (!out.empty() && out.back().hi == s.lo &&
+      out.back().local + (out.back().hi - out.back().lo) == s.local) {
+    out.back().hi = s.hi;
+    return;
+  }
+  out.push_back(s);
+}
+
+}  // namespace
+
+int64_t local_extent(const ParamGeom& g, int64_t tp, const Format& f) {
   switch (g.kind) {
     case TPKind::kReplicated:
       return g.D;
-    case TPKind::kVocab:
-      return (g.D + tp - 1) / tp;
+    case TPKind::kVocab: {
+      const int64_t m = std::max<int64_t>(1, f.vocab_multiple);
+      return (g.D + m * tp - 1) / (m * tp) * m;
+    }
     case TPKind::kSplit:
       if (g.D % tp) throw std::invalid_argument("tp " + std::to_string(tp) + " does not divide " +
                                                 std::to_string(g.D));
@@ -20,14 +36,33 @@ int64_t local_extent(const ParamGeom& g, int64_t tp) {
   return 0;
 }
 
-std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k) {
+std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k, const Format& f) {
   std::vector<Segment> out;
   if (g.kind == TPKind::kReplicated) {
     out.push_back({0, g.D, 0});
   } else if (g.kind == TPKind::kVocab) {
-    const int64_t ext = local_extent(g, tp);
+    const int64_t ext = local_extent(g, tp, f);
     const int64_t lo = std::min(g.D, k * ext), hi = std::min(g.D, (k + 1) * ext);
     if (hi > lo) out.push_back({lo, hi, 0});
+  } else if (f.groups > 0) {
+    if (f.groups % tp) throw std::invalid_argument("tp " + std::to_string(tp) +
+                                                   " does not divide groups " + std::to_string(f.groups));
+    const std::vector<int64_t> one{g.D};
+    const std::vector<int64_t>& blocks = g.blocks.empty() ? one : g.blocks;
+    for (int64_t b : blocks)
+      if (b % f.groups) throw std::invalid_argument("groups " + std::to_string(f.groups) +
+                                                    " does not divide block " + std::to_string(b));
+    const int64_t per_rank = f.groups / tp;
+    int64_t local = 0;
+    for (int64_t j = k * per_rank; j < (k + 1) * per_rank; ++j) {
+      int64_t block_lo = 0;
+      for (int64_t b : blocks) {
+        const int64_t piece = b / f.groups;
+        append_segment(out, {block_lo + j * piece, block_lo + (j + 1) * piece, local});
+        local += piece;
+        block_lo += b;
+      }
+    }
   } else {
     int64_t block_lo = 0, local = 0;
     const std::vector<int64_t> one{g.D};

@@ -35,11 +35,22 @@ struct Desc {
   }
 };
 
-// Local D extent of one TP rank (vocab: padded to a multiple of tp, then divided).
-int64_t local_extent(const ParamGeom& g, int64_t tp);
+// How one side stores a parameter (the two sides of a plan may differ). D coordinates are
+// always the blocked order (block 0, then block 1, ...).
+//   groups > 0: the fused blocks are interleaved in `groups` groups (group j holds the j-th
+//     1/groups of every block, in block order: Megatron's q|k|v per kv group); TP rank k
+//     holds groups/tp whole consecutive groups. 0: blocked (every block split evenly).
+//   vocab_multiple: vocab rows are padded to a multiple of vocab_multiple * tp (Megatron: 128).
+struct Format {
+  int64_t groups = 0, vocab_multiple = 1;
+};
 
-// Segments of D held by TP rank k of tp (empty segments dropped; vocab padding excluded).
-std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k);
+// Local D extent of one TP rank (vocab: padded to a multiple of vocab_multiple * tp, divided).
+int64_t local_extent(const ParamGeom& g, int64_t tp, const Format& f = {});
+
+// Segments of D held by TP rank k of tp, in local order (empty segments dropped; vocab
+// padding excluded).
+std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k, const Format& f = {});
 
 // Build the canonical descriptor copying rows [a_lo, a_hi) x D-range [lo, hi) from a source
 // local tensor (flat offset src_base, local extent src_ext, segment s) into a destination

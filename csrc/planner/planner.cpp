@@ -30,6 +30,9 @@ void check_layout(const LayoutIn& l, size_t num_params, const char* side) {
   }
   for (int64_t r : l.grid)
     if (r < 0) throw std::invalid_argument(s + ": negative rank " + str(r));
+  for (const auto* v : {&l.param_groups, &l.param_vocab_multiple})
+    if (!v->empty() && v->size() != num_params)
+      throw std::invalid_argument(s + ": per-parameter format arrays need " + str(num_params) + " entries");
 }
 
 }  // namespace
@@ -71,14 +74,15 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
     if (src_at[p].empty() && !dst_at[p].empty())
       throw std::invalid_argument("parameter " + str(p) + " is held by no source shard");
     const bool replicated = g.kind == TPKind::kReplicated;
-    const int64_t src_ext = local_extent(g, src.tp), dst_ext = local_extent(g, dst.tp);
+    const Format src_fmt = src.format_of(p), dst_fmt = dst.format_of(p);
+    const int64_t src_ext = local_extent(g, src.tp, src_fmt), dst_ext = local_extent(g, dst.tp, dst_fmt);
     const int64_t src_groups = replicated ? 1 : src.tp;
     std::vector<std::vector<Segment>> src_segs(src_groups);
-    for (int64_t k = 0; k < src_groups; ++k) src_segs[k] = segments(g, src.tp, k);
+    for (int64_t k = 0; k < src_groups; ++k) src_segs[k] = segments(g, src.tp, k, src_fmt);
 
     for (const auto& [t_stage, dst_off] : dst_at[p]) {
       for (int64_t k2 = 0; k2 < dst.tp; ++k2) {
-        for (const Segment& ds : segments(g, dst.tp, k2)) {
+        for (const Segment& ds : segments(g, dst.tp, k2, dst_fmt)) {
           for (int64_t k = 0; k < src_groups; ++k) {
             for (const Segment& ss : src_segs[k]) {
               const int64_t lo = std::max(ds.lo, ss.lo), hi = std::min(ds.hi, ss.hi);

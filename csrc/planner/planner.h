@@ -8,6 +8,7 @@
 // large pieces with more holders than receivers are split so that every holder sends.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -28,6 +29,14 @@ struct LayoutIn {
   std::vector<int64_t> entry_range;
 
   bool dp_sharded() const { return !entry_range.empty(); }
+  // Per parameter, how this side stores it (Format); empty means all default (blocked, no
+  // extra vocab padding).
+  std::vector<int64_t> param_groups, param_vocab_multiple;
+
+  Format format_of(std::size_t p) const {
+    return {param_groups.empty() ? 0 : param_groups[p],
+            param_vocab_multiple.empty() ? 1 : param_vocab_multiple[p]};
+  }
 
   int64_t rank(int64_t stage, int64_t d, int64_t t) const { return grid[(stage * dp + d) * tp + t]; }
 };

@@ -91,7 +91,35 @@ static void test_plan_covers_once() {
   CHECK(p.local_rank.empty());
 }
 
+static void test_grouped_blocks() {
+  // q|k|v = 8|2|2 rows in 2 groups (Megatron: 4 q rows, 1 k, 1 v per group) over tp=2: rank 1
+  // holds group 1 = q [4,8), k [9,10), v [11,12); over tp=1 the local order interleaves groups.
+  ParamGeom g{1, 12, 3, TPKind::kSplit, {8, 2, 2}};
+  Format f{2, 1};
+  auto s = segments(g, 2, 1, f);
+  CHECK(s.size() == 3);
+  CHECK(s[0].lo == 4 && s[0].hi == 8 && s[0].local == 0);
+  CHECK(s[1].lo == 9 && s[1].hi == 10 && s[1].local == 4);
+  CHECK(s[2].lo == 11 && s[2].hi == 12 && s[2].local == 5);
+  auto t = segments(g, 1, 0, f);
+  CHECK(t.size() == 6);
+  CHECK(t[1].lo == 8 && t[1].hi == 9 && t[1].local == 4);
+  CHECK(t[3].lo == 4 && t[3].hi == 8 && t[3].local == 6);
+  CHECK(local_extent(g, 1, f) == 12);
+}
+
+static void test_vocab_multiple() {
+  // Megatron-style padding: 10 rows, multiple 4, tp=2 -> padded to 16, 8 rows per rank.
+  ParamGeom g{1, 10, 5, TPKind::kVocab, {}};
+  Format f{0, 4};
+  CHECK(local_extent(g, 2, f) == 8);
+  auto s1 = segments(g, 2, 1, f);
+  CHECK(s1.size() == 1 && s1[0].lo == 8 && s1[0].hi == 10 && s1[0].local == 0);
+}
+
 int main() {
+  test_grouped_blocks();
+  test_vocab_multiple();
   test_split_blocks();
   test_vocab_padding();
   test_row_split_desc_is_one_2d_run();

@@ -36,6 +36,10 @@ class Engine:
                              "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
                              "with dp_shard='none' first (dp-sharded layouts are for trainers "
                              "embedding the reallocation, real_py.embed)")
+        if config.qkv_layout != "blocked" or config.gate_up_layout != "blocked":
+            raise ValueError(f"the engines compute on blocked fused tensors, config has qkv_layout="
+                             f"{config.qkv_layout!r}, gate_up_layout={config.gate_up_layout!r}; "
+                             "reallocate into a blocked spec first (plan_realloc(..., dst_model=...))")
         spec = model_spec(config)
         spec.check_compatible(shard.model)
         if shard.layout != layout or groups.layout != layout:

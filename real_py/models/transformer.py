@@ -128,7 +128,8 @@ class StageModel(nn.Module):
         layout = shard.layout
         self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
         self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1
-        self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage)[shard.stage]
+        self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage,
+                                              layout.partition)[shard.stage]
         p = {name: nn.Parameter(view) for name, view in shard.params().items()}
         self.shard_params = p
         if self.is_first:
