@@ -232,14 +232,16 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
         model.check_compatible(dst_model, storage=True)
     else:
         dst_model = model
-    for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
-        if layout.dp_shard != "none" and any(p.tp.groups or p.tp.vocab_multiple != 1 for p in spec.params):
-            # The dp-sharded planner works on blocked storage only; convert the format on a
-            # layout without dp sharding first (two plans).
-            raise ValueError(f"{side} layout {layout} is dp-sharded and {spec.name} uses a non-default "
-                             "storage format (qkv_layout/gate_up_layout other than blocked, or "
-                             "vocab_pad_multiple > 1); dp-sharded layouts need blocked storage: "
-                             "reallocate the format change and the dp sharding in two steps")
+    if src.dp_shard != "none" or dst.dp_shard != "none":
+        for spec in (model, dst_model):
+            if any(p.tp.groups or p.tp.vocab_multiple != 1 for p in spec.params):
+                # The dp-sharded planner works on blocked storage on both sides; convert the
+                # format between layouts without dp sharding first (two plans).
+                raise ValueError(f"{src} -> {dst} involves a dp-sharded layout and {spec.name} uses a "
+                                 "non-default storage format (qkv_layout/gate_up_layout other than "
+                                 "blocked, or vocab_pad_multiple > 1); dp-sharded plans need blocked "
+                                 "storage on both sides: reallocate the format change and the dp "
+                                 "sharding in two steps")
     return _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes)
 
 

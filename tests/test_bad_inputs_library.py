@@ -92,7 +92,7 @@ def _cases(tmp):
         ("Reallocator transport str", lambda: Reallocator(plan_realloc(SPEC, SRC, DST), "gloo"), TypeError,
          "transport must be a real_py Transport", []),
         ("run shard of same-name model", lambda: _realloc().run(other, ModelShard.empty(SPEC, DST, 0)), ValueError,
-         rf"source shard's model {SPEC.name} is not the plan's model of the same name: .*disagree", [other.flat]),
+         rf"source shard's model {SPEC.name} is not the plan's source model of the same name: .*disagree", [other.flat]),
         ("run non-shard", lambda: _realloc().run(flat, None), TypeError, "source shard must be a ModelShard or None", [flat]),
         # Trainer-facing embed API
         ("reallocate_flat wrong size", lambda: reallocate_flat(_realloc(), long_flat), ValueError,

@@ -194,3 +194,21 @@ def test_shard_from_params_takes_fsdp_local_pieces():
     with pytest.raises(ValueError, match=r"embed_tokens.weight: local shape \(51, 24\) on rank 7, but "
                                          r"dp4tp2pp1-dim0 tp rank 1 holds \(12, 24\)"):
         shard_from_params(TIED, layout, 7, {**want.params(), "embed_tokens.weight": whole["embed_tokens.weight"]})
+
+
+def test_dp_sharded_layout_with_storage_format_refused():
+    # The dp-sharded planner handles blocked storage only: a Megatron-format spec on a
+    # dp-sharded side must be refused with the reason, not planned wrongly.
+    from real_py import ModelConfig, model_spec
+    from real_py.adapters import megatron_config
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, num_hidden_layers=2)
+    blocked, mega = model_spec(cfg), model_spec(megatron_config(cfg))
+    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
+        plan_realloc(mega, Layout(dp=2, dp_shard="dim0"), Layout(dp=2), dst_model=blocked)
+    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
+        plan_realloc(mega, Layout(tp=2), Layout(dp=2, dp_shard="dim0"), dst_model=blocked)
+    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
+        plan_realloc(blocked, Layout(dp=2), Layout(dp=2, dp_shard="flat"), dst_model=mega)
+    plan_realloc(mega, Layout(tp=2), Layout(dp=2), dst_model=blocked)  # without dp sharding: fine
