@@ -44,7 +44,7 @@ _HARMLESS = {
     "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
     "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
     "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "num_key_value_heads", "rope_scaling", "attention_bias",
+    "begin_suppress_tokens", "num_key_value_heads", "rope_scaling", "attention_bias", "pruned_heads",
 }
 _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
              "mistral": {"sliding_window", "attention_dropout", "hidden_act"},
@@ -128,7 +128,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
     allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
     for k, v in config.items():
-        if k in allowed or k.startswith("_") or v is None or v is False:
+        if k in allowed or k.startswith("_") or v is None or v is False or v == {} or v == []:
             continue
         if k in ("quantization_config", "auto_map"):
             _refuse(where, k, v, "quantized or custom-code checkpoints are not supported")

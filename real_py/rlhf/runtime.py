@@ -66,7 +66,7 @@ class Runtime:
                              max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
                              timeout_s=timeout_s, rule_reward=rule,
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
-                             offload_frozen=cfg.offload_frozen)
+                             offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init)
         self.B = cfg.data.batch_size
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
