@@ -12,6 +12,8 @@ whenever it exceeds max_position_embeddings. transformers does the same, but sta
 inv_freq persists until a call shorter than max_position_embeddings resets it); here every
 forward starts fresh, which equals transformers within one generate call (prefill, then decode
 steps of growing length) and for every full-sequence forward that starts from a reset state.
+Like transformers, dynamic scaling depends on the width of each forward: a micro-batch trimmed to
+its longest row rescales by that length, not by the whole batch's.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ that writes into the flat buffer changes what the next forward reads. Module nam
 ModelSpec names (layers.3.self_attn.qkv_proj.weight ...); `model.shard_params` maps every shard
 name to its Parameter, including the tied embedding copy on the last stage.
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoPE with fp32
-frequencies, repeat-interleaved KV heads, SDPA with scale 1/sqrt(head_dim).
+frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads, SDPA with scale
+1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q.
 """
 
 from __future__ import annotations
