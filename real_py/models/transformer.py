@@ -163,7 +163,7 @@ class StageModel(nn.Module):
         if not c.sliding_window or not any(c.uses_window(i) for i in range(self.lo, self.hi)):
             return None
         start = caches[0].length if caches else 0  # slots already in the cache
-        dev = self.shard_params[next(iter(self.shard_params))].device
+        dev = mask.device if mask is not None else next(iter(self.shard_params.values())).device
         keep = window_mask(torch.arange(start, start + T, device=dev), torch.arange(start + T, device=dev),
                            c.sliding_window)
         return keep if mask is None else mask & keep
