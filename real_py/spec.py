@@ -139,7 +139,7 @@ class ModelConfig:
     """Per-head dim; 0 means hidden_size // num_attention_heads."""
     model_type: str = "llama"
     """HF model_type it came from and exports to: "llama", "mistral" or "qwen2"."""
-    rope_scaling: tuple | None = None
+    rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
     sliding_window: int = 0

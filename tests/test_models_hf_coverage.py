@@ -303,3 +303,25 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
             for k, v in full.items():
                 if k == "value_head.weight":
                     assert torch.equal(sd["score.weight"], v)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic"])
+def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
+    """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
+    transformers' own past_key_values steps (keys older than the window masked at decode time;
+    dynamic RoPE rescales new keys only, cached keys keep their rotation)."""
+    path = ckpts[name]
+    cfg = ModelConfig.from_hf(path)
+    m, ref = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0)), O.load_oracle(path)
+    tok = TOKENS[:2]
+    with torch.no_grad():
+        caches = m.new_caches(2, T)
+        got = [m.head(m(tok[:, :6], torch.arange(6).expand(2, 6), None, caches))]
+        r = ref(tok[:, :6], use_cache=True)
+        want, pkv = [r.logits], r.past_key_values
+        for t in range(6, T):
+            got.append(m.head(m(tok[:, t:t + 1], torch.full((2, 1), t), None, caches)))
+            r = ref(tok[:, t:t + 1], past_key_values=pkv, use_cache=True)
+            want.append(r.logits)
+            pkv = r.past_key_values
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)
