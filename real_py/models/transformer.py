@@ -37,15 +37,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
-    """positions [B, T] int64 -> cos, sin [B, T, head_dim] (fp32 math, then cast)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=positions.device).float() / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat((freqs, freqs), -1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, -1)
     return torch.cat((-b, a), -1)
