@@ -37,11 +37,11 @@ ROPE = {
 }
 # name -> (model_type, tied, config fields)
 CASES = {
-    "llama-rope-linear": ("llama", False, dict(rope_scaling=ROPE["linear"])),
+    "llama-rope-linear-head_dim": ("llama", False, dict(rope_scaling=ROPE["linear"], head_dim=32)),  # 4 x 32 != 64
     "llama-rope-dynamic": ("llama", False, dict(rope_scaling=ROPE["dynamic"], max_position_embeddings=16)),
     "llama-rope-llama3": ("llama", False, dict(rope_scaling=ROPE["llama3"])),
     "llama-rope-yarn": ("llama", False, dict(rope_scaling=ROPE["yarn"])),
-    "mistral-sliding-window": ("mistral", False, dict(sliding_window=4)),
+    "mistral-sliding-window": ("mistral", False, dict(sliding_window=4, rope_scaling=ROPE["llama3"])),
     "qwen2-sliding-max-window-layers": ("qwen2", False, dict(use_sliding_window=True, sliding_window=4,
                                                               max_window_layers=1)),
     "qwen2-tied-sliding-yarn": ("qwen2", True, dict(use_sliding_window=True, sliding_window=4, max_window_layers=2,
@@ -175,7 +175,7 @@ def test_layouts_logits_generation_train_step_match_transformers(ckpts, runs):
         ref = O.load_oracle(path)
         with torch.no_grad():
             logits = ref(TOKENS).logits
-        greedy = oracle_generate_cached(O.load_oracle(path), *PROMPTS, MAX_NEW)
+        greedy = oracle_generate_cached(ref, *PROMPTS, MAX_NEW)  # before the oracle's train step
         loss, norm = O.oracle_train_step(ref, TOKENS, LENGTHS, "lm", LR, WD, MAX_NORM, eps=EPS)
         want = O.fused_state(ref)
         for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
@@ -247,7 +247,7 @@ def test_direct_construction_errors_name_the_field():
 
 def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
     """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
-    src = ckpts["llama-rope-linear"]
+    src = ckpts["llama-rope-linear-head_dim"]
     for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("phi3", transformers.Phi3Config(**O.TINY))):
         d = tmp_path / mt
         d.mkdir()
