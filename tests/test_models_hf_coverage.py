@@ -274,9 +274,15 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                     gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r, value_head_init="normal", seed=3)
                                                   for r in layout.ranks]))
             out = str(tmp_path / f"{name}-{head}")
-            save_hf(out, cfg, full)
+            # With source= (a critic exported from the actor's causal-LM checkpoint): the
+            # computation fields come from the spec, the rest (bos/eos ids) from the source.
+            with open(os.path.join(path, "config.json")) as f:
+                src = dict(json.load(f), bos_token_id=5, eos_token_id=6)
+            save_hf(out, cfg, full, source=src if head == "value" else None)
             with open(os.path.join(out, "config.json")) as f:
                 written = json.load(f)
+            if head == "value":
+                assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
                 {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[mt]
