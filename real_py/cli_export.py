@@ -24,15 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (gets actor/ and critic/)")
 
 
-def _source_hf_config(path: str | None) -> dict | None:
-    """The config.json of the HF checkpoint a model was loaded from, to write it back verbatim."""
+def _source_config(path: str | None) -> str | None:
+    """The config.json of the HF checkpoint a model was loaded from (its non-computation fields,
+    e.g. bos/eos ids, are kept on export), or None."""
     if not path:
         return None
     cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(cfg):
-        return None
-    with open(cfg) as f:
-        return json.load(f)
+    return cfg if os.path.isfile(cfg) else None
 
 
 def _check_out(out: str) -> None:
@@ -59,22 +57,17 @@ def export_live(rt, out: str) -> list[str]:
         if g.member:
             full = gather_state_dict(rt.models.engines[m].shard, g)
             if full is not None:
-                save_hf(path, rt.configs[m], full, hf_config=_source_hf_config(paths.get(m)))
+                save_hf(path, rt.configs[m], full, source=_source_config(paths.get(m)))
         written.append(path)
     dist.barrier()
     return written
 
 
 def _rank_state(step_dir: str, rank: int) -> dict:
-    import torch
+    """The verified (sha256 against meta.json), pickle-free contents of one rank file."""
+    from .rlhf.checkpoint import read_rank_file
 
-    path = os.path.join(step_dir, f"rank{rank}.pt")
-    if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {step_dir} has no {os.path.basename(path)}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e}") from None
+    return read_rank_file(step_dir, rank)
 
 
 def export_checkpoint(step_dir: str, out: str) -> list[str]:
@@ -113,7 +106,7 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
             for name, t in gather_full_stage(spec, shards).items():
                 full.setdefault(name, t)
         path = os.path.join(out, m)
-        save_hf(path, config, full, hf_config=_source_hf_config(meta.get("paths", {}).get(m)))
+        save_hf(path, config, full, source=_source_config(meta.get("paths", {}).get(m)))
         written.append(path)
     return written
 

@@ -13,12 +13,14 @@ headers before anything is read; a mismatch raises ValueError naming the tensor 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import torch
 import torch.distributed as dist
 
+from .hf_config import ARCHITECTURES, check_architecture, export_config
 from .layout import Layout, require_layout
 from .shard import ModelShard, gather_full
 from .spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
@@ -84,46 +86,69 @@ class HFCheckpoint:
             return sl[:]
         return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
-    def check(self, model: ModelSpec) -> None:
-        """ValueError naming the first missing, misshapen or unexpected tensor."""
+    def check(self, model: ModelSpec, fresh_head: bool = False) -> None:
+        """ValueError naming the first missing, misshapen or unexpected tensor. fresh_head: the
+        value head is initialised, not read (a causal-LM body; its lm_head / score are ignored)."""
         tied = model.config is not None and model.config.tie_word_embeddings
         wanted = {}
         for p in model.params:
+            if fresh_head and p.owner == "head":
+                continue
             for j, name in enumerate(hf_names(p)):
                 wanted[name] = _block_shape(p, j)
         for name, shape in wanted.items():
             if name not in self.shapes:
+                hint = ("; a causal-LM checkpoint as a value model needs a fresh value head "
+                        "(critic_init: zero | normal)" if name == "score.weight" else "")
                 raise ValueError(f"checkpoint {self.path} has no tensor {name!r} required by the "
-                                 f"config ({len(self.shapes)} tensors present)")
+                                 f"config ({len(self.shapes)} tensors present){hint}")
             if self.shapes[name] != shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {list(self.shapes[name])}, the "
                                  f"config expects {list(shape)}")
         for name in self.shapes:
             if name in wanted or name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                 continue
+            if fresh_head and name in ("lm_head.weight", "score.weight"):
+                continue
             raise ValueError(f"checkpoint tensor {name!r} is not part of the config's model "
                              "(check num_hidden_layers, attention_bias, tie_word_embeddings, head)")
 
 
+VALUE_HEAD_INITS = ("zero", "normal")
+
+
 def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
-                  name: str | None = None) -> ModelShard:
-    """This rank's shard of `layout`, reading only the slices it holds. `name`: the spec name
-    the shard carries (model_spec's default "model"); a shard that will be reallocated must carry
-    the name the plan was made for (the runtime's "actor", "critic", ...)."""
+                  name: str | None = None, value_head_init: str | None = None,
+                  seed: int = 0) -> ModelShard:
+    """This rank's shard of `layout`, reading only the slices it holds.
+
+    name: the ModelSpec name of the shard (the runtime plans reallocations with the model's
+    name). value_head_init "zero" | "normal" (value configs only): start a fresh value head,
+    zeros or N(0, 0.02) from `seed` (identical on every rank), on the checkpoint's body, e.g. a
+    critic from the actor's causal-LM checkpoint (its lm_head is dropped).
+    """
     require_layout(layout)
     if layout.dp_shard != "none":
         raise ValueError(f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
                          "without dp sharding and reallocate to it (plan_realloc)")
+    _check_checkpoint_config(path)
+    if value_head_init is not None and (value_head_init not in VALUE_HEAD_INITS or config.head != "value"):
+        raise ValueError(f"value_head_init={value_head_init!r} needs a value config (head='value') and "
+                         f"one of {list(VALUE_HEAD_INITS)}")
     model = model_spec(config, name=name)
     ckpt = HFCheckpoint(path)
-    ckpt.check(model)
+    ckpt.check(model, fresh_head=value_head_init is not None)
     shard = ModelShard.empty(model, layout, rank, device)
     tp, k = layout.tp, shard.tp_rank
     dtype = torch_dtype(model.dtype)
     for e in shard.shard_layout.entries:
         p, dst = e.param, shard.view(e.param.name)
         names = hf_names(p)
-        if p.tp.kind == "replicated":
+        if value_head_init is not None and p.owner == "head":
+            fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
+                torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+            dst.copy_(fresh.to(dtype))
+        elif p.tp.kind == "replicated":
             dst.copy_(ckpt.read(names[0]).to(dtype))
         elif p.tp.kind == "vocab":
             size, local = p.shape[p.tp.dim], e.local_shape[p.tp.dim]
@@ -155,33 +180,42 @@ def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def hf_config_dict(config: ModelConfig, model_type: str = "llama") -> dict:
-    """A transformers config for `config` (model_type 'llama' or 'qwen2')."""
-    import transformers
-
-    if model_type not in ("llama", "qwen2"):
-        raise ValueError(f"model_type={model_type!r}; allowed: 'llama', 'qwen2'")
-    kw = dict(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-              num_attention_heads=config.num_attention_heads,
-              num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
-              num_hidden_layers=config.num_hidden_layers, tie_word_embeddings=config.tie_word_embeddings,
-              rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-              max_position_embeddings=config.max_position_embeddings, torch_dtype=config.dtype)
-    if model_type == "llama":
-        kw.update(attention_bias=config.attention_bias, head_dim=config.head_dim)
-    elif not config.attention_bias:
-        raise ValueError("qwen2 always has q/k/v biases; use model_type='llama' for attention_bias=False")
-    if config.head == "value":
-        kw.update(num_labels=1, architectures=[f"{'Llama' if model_type == 'llama' else 'Qwen2'}"
-                                              "ForSequenceClassification"])
-    return transformers.AutoConfig.for_model(model_type, **kw).to_dict()
+def _check_checkpoint_config(path) -> None:
+    """A checkpoint's own config.json must name a supported architecture (clear error first,
+    instead of a missing-tensor error later)."""
+    cfg_path = os.path.join(os.fspath(path), "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        if isinstance(d, dict):
+            check_architecture(d, cfg_path)
 
 
-def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_type: str = "llama",
-            hf_config: dict | None = None) -> None:
-    """Write model.safetensors + config.json (hf_config verbatim when given)."""
+def hf_config_dict(config: ModelConfig, model_type: str | None = None, source: dict | None = None) -> dict:
+    """A complete transformers config for `config` (real_py.hf_config.export_config); model_type
+    (llama, mistral, qwen2) defaults to config.model_type; `source` is the original config.json."""
+    if model_type is not None:
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type={model_type!r}; allowed: {sorted(ARCHITECTURES)}")
+        config = dataclasses.replace(config, model_type=model_type)
+    return export_config(config, source)
+
+
+def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_type: str | None = None,
+            hf_config: dict | None = None, source=None) -> None:
+    """Write model.safetensors + config.json: hf_config verbatim when given, else a complete config
+    from `config` (see hf_config_dict), keeping the non-computation fields of `source` (a
+    checkpoint directory, a config.json path or a dict) when given."""
     from safetensors.torch import save_file
 
+    if source is not None and not isinstance(source, dict):
+        src = os.fspath(source)
+        src = os.path.join(src, "config.json") if os.path.isdir(src) else src
+        with open(src) as f:
+            source = json.load(f)
     model = model_spec(config)
     missing = [p.name for p in model.params if p.name not in full]
     if missing:
@@ -190,7 +224,7 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
     save_file(to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config or hf_config_dict(config, model_type), f, indent=2, default=str)
+        json.dump(hf_config or hf_config_dict(config, model_type, source), f, indent=2, default=str)
 
 
 def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | None:

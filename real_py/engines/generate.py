@@ -58,9 +58,9 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         raise ValueError(f"prompt_lengths and seeds must be [B={B}] with lengths >= 1")
     P = int(prompt_lengths.max())
     total = P + max_new_tokens
-    if total > c.max_position_embeddings:
-        raise ValueError(f"prompt {P} + max_new_tokens {max_new_tokens} exceeds "
-                         f"max_position_embeddings={c.max_position_embeddings}")
+    if total > c.position_limit:
+        raise ValueError(f"prompt {P} + max_new_tokens {max_new_tokens} exceeds max_position_embeddings="
+                         f"{c.max_position_embeddings} (position limit {c.position_limit})")
     pad = P - prompt_lengths
     left = torch.full((B, P), pad_token_id, dtype=torch.int64)
     valid = torch.zeros(B, total, dtype=torch.bool)

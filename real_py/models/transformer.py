@@ -9,7 +9,8 @@ that writes into the flat buffer changes what the next forward reads. Module nam
 ModelSpec names (layers.3.self_attn.qkv_proj.weight ...); `model.shard_params` maps every shard
 name to its Parameter, including the tied embedding copy on the last stage.
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoPE with fp32
-frequencies, repeat-interleaved KV heads, SDPA with scale 1/sqrt(head_dim).
+frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads, SDPA with scale
+1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from ..layout import stage_layer_ranges
 from ..shard import ModelShard
 from ..spec import ModelConfig
+from .rope import rope_cos_sin_scaled, window_mask
 from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
 
 
@@ -33,15 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
-    """positions [B, T] int64 -> cos, sin [B, T, head_dim] (fp32 math, then cast)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=positions.device).float() / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat((freqs, freqs), -1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -148,10 +141,24 @@ class StageModel(nn.Module):
         """x: tokens [B, T] int64 (first stage) or hidden [B, T, H]; positions [B, T];
         mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H]."""
         h = self.embed_tokens(x) if self.is_first else x
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        for j, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin, mask, caches[j] if caches is not None else None)
+        cos, sin = rope_cos_sin_scaled(self.config, positions, h.dtype)
+        windowed = self._window_mask(mask, h.shape[1], caches)
+        for j, (i, layer) in enumerate(self.layers.items()):
+            m = windowed if windowed is not None and self.config.uses_window(int(i)) else mask
+            h = layer(h, cos, sin, m, caches[j] if caches is not None else None)
         return self.norm(h) if self.is_last else h
+
+    def _window_mask(self, mask, T: int, caches) -> torch.Tensor | None:
+        """`mask` (None = causal) narrowed to the sliding window, for the layers that use one:
+        bool [T, T_kv] or [B, 1, T, T_kv]; None if no local layer has a window."""
+        c = self.config
+        if not c.sliding_window or not any(c.uses_window(i) for i in range(self.lo, self.hi)):
+            return None
+        start = caches[0].length if caches else 0  # slots already in the cache
+        dev = mask.device if mask is not None else next(iter(self.shard_params.values())).device
+        keep = window_mask(torch.arange(start, start + T, device=dev), torch.arange(start + T, device=dev),
+                           c.sliding_window)
+        return keep if mask is None else mask & keep
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Last stage: local logits [B, T, V_local] (lm) or values [B, T] (value head)."""

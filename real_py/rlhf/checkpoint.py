@@ -33,7 +33,8 @@ from ..engines.train import Trainer
 
 
 def _meta(cfg) -> dict:
-    models = {m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}
+    # Through JSON so tuples (rope_scaling, window_layers) compare equal to what meta.json reads back.
+    models = json.loads(json.dumps({m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}))
     return {"algo": cfg.algo, "seed": cfg.seed, "models": models, "paths": cfg.model_paths(),
             "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind}
 

@@ -135,6 +135,13 @@ class TrainConfig:
     """HF checkpoint of the critic (a ...ForSequenceClassification with num_labels=1)."""
     reward_path: str | None = None
     """HF checkpoint of the reward model; None: random init (or critic's shape)."""
+    critic_init: typing.Literal["checkpoint", "zero", "normal"] = "checkpoint"
+    """Value head of critic_path: "checkpoint" reads its score.weight; "zero" / "normal" (N(0, 0.02),
+    seeded) start a fresh head on the checkpoint's body, e.g. a causal-LM (SFT) checkpoint whose
+    lm_head is dropped."""
+    ref_path: str | None = None
+    """HF checkpoint of the reference model; None: actor_path (or the actor's random init). Its
+    vocab must cover the actor's (checked before ranks start)."""
     verify_realloc: bool = False
     """Ship a checksum with every reallocation chunk and fail on a mismatch (costs a pass over the
     bytes on both sides)."""
@@ -176,10 +183,15 @@ class TrainConfig:
                 raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
                                  f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
         out["ref"] = out["actor"]
+        if self.ref_path:
+            try:
+                out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm"})
+            except (TypeError, OSError) as e:
+                raise ValueError(f"config ref ({self.ref_path}): {e}") from None
         return out
 
     def model_paths(self) -> dict[str, str | None]:
-        return {"actor": self.actor_path, "ref": self.actor_path, "critic": self.critic_path,
+        return {"actor": self.actor_path, "ref": self.ref_path or self.actor_path, "critic": self.critic_path,
                 "reward": self.reward_path}
 
     def execution_plan(self) -> ExecutionPlan:
@@ -393,7 +405,7 @@ def _check_values(cfg: TrainConfig) -> None:
         if not ok(v):
             raise ValueError(f"config {key}={v!r} is out of range; allowed: {allowed}")
     for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
-                      ("reward_path", cfg.reward_path)):
+                      ("reward_path", cfg.reward_path), ("ref_path", cfg.ref_path)):
         if path and not os.path.exists(path):
             raise ValueError(f"config {key}={path!r}: no such local file or directory; only local HF "
                              "checkpoint directories are read (nothing is downloaded from the Hub: "
@@ -437,6 +449,57 @@ def _check_values(cfg: TrainConfig) -> None:
         if used and v is not None and not 0 <= v < vocab:
             raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "
                              f"(vocab_size={vocab})")
+    if cfg.critic_init not in ("checkpoint", "zero", "normal"):
+        raise ValueError(f"config critic_init={cfg.critic_init!r}; allowed: 'checkpoint', 'zero', 'normal'")
+    if cfg.critic_init != "checkpoint" and not cfg.critic_path:
+        raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
+                         "body the fresh value head sits on)")
+    _check_vocab(cfg, cfg.model_configs())
+
+
+def _check_vocab(cfg: TrainConfig, models: dict) -> None:
+    """Every model that reads the actor's tokens (ref, critic, reward) covers its vocab: an id past
+    a model's embedding would embed as zeros, silently."""
+    V = models["actor"].vocab_size
+    paths, used = cfg.model_paths(), cfg.graph().models()
+    for m in ("ref", "critic", "reward"):
+        if m not in used or (m == "reward" and cfg.reward.kind == "rule"):
+            continue
+        if paths.get(m) and paths["actor"]:
+            _check_same_tokenizer(paths["actor"], paths[m], m)
+        if models[m].vocab_size < V:
+            src = f"{paths[m]}" if paths.get(m) else "random init (section `critic`)" if m != "ref" else "actor"
+            raise ValueError(f"config: {m} has vocab_size={models[m].vocab_size} ({src}) but the actor "
+                             f"({paths['actor'] or 'random init'}) emits ids up to {V - 1}; give {m} a "
+                             f"checkpoint / `critic: {{vocab_size: {V}}}` covering the actor's vocab")
+
+
+def _tokenizer_vocab(path: str):
+    """token -> id of a checkpoint's tokenizer.json (vocab and added tokens), or None without one."""
+    import json
+    import os
+
+    f = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(f):
+        return None
+    try:
+        with open(f) as fh:
+            d = json.load(fh)
+        vocab = dict(d.get("model", {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in d.get("added_tokens") or ()})
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{f}: not a tokenizers JSON file ({e})") from None
+    return vocab
+
+
+def _check_same_tokenizer(actor_path: str, path: str, model: str) -> None:
+    a, b = _tokenizer_vocab(actor_path), _tokenizer_vocab(path)
+    if a is None or b is None or a == b:
+        return
+    diff = sorted(t for t in a.keys() | b.keys() if a.get(t) != b.get(t))
+    raise ValueError(f"config: {model} ({path}) and the actor ({actor_path}) have different tokenizers: "
+                     f"{len(diff)} tokens map to other ids, e.g. {diff[:3]}; {model} would read the "
+                     "actor's token ids as other tokens")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, dict]:

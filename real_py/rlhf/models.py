@@ -44,7 +44,8 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
-                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False):
+                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
+                 critic_init: str = "checkpoint"):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
@@ -68,7 +69,9 @@ class Models:
                 self.engines[m] = None
                 continue
             if paths.get(m):
-                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, name=m)
+                fresh = critic_init if m == "critic" and critic_init != "checkpoint" else None
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, name=m,
+                                      value_head_init=fresh, seed=inits[m])
             else:
                 shard = ModelShard.from_full(self.specs[m], layout, self.rank,
                                              init_weights(configs[m], inits[m]))

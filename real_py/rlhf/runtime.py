@@ -72,7 +72,7 @@ class Runtime:
                              max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
                              timeout_s=timeout_s, rule_reward=rule,
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
-                             offload_frozen=cfg.offload_frozen)
+                             offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init)
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None

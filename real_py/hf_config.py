@@ -1,0 +1,192 @@
+"""HF config.json <-> ModelConfig: the supported architectures and fields, refusals, export.
+
+    kwargs = config_kwargs(hf_dict, where)    # ModelConfig fields; ValueError on anything unsupported
+    d = export_config(config)                 # a complete transformers config dict for `config`
+
+Supported (each covered by a transformers parity test, tests/test_models_hf_coverage.py):
+
+| model_type | architectures | fields beyond the shape |
+|---|---|---|
+| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings |
+| mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
+| qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
+
+rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
+any other model_type or architecture, hidden_act other than silu, mlp_bias, attention_bias on llama
+(it biases o_proj too), attention_dropout > 0 (changes training), partial_rotary_factor != 1,
+rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
+listed below that is set (softcapping, qk norms, ...).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+_SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
+_READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
+         "pad_token_id")
+# Fields that do not change the forward or backward of the supported decoders (PretrainedConfig
+# generic keys, generation defaults, init / cache / bookkeeping).
+_HARMLESS = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range",
+    "use_cache", "pretraining_tp", "id2label", "label2id", "num_labels", "problem_type", "return_dict",
+    "output_attentions", "output_hidden_states", "torchscript", "use_bfloat16", "tf_legacy_loss",
+    "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "is_decoder",
+    "tie_encoder_decoder", "chunk_size_feed_forward", "cross_attention_hidden_size", "max_length",
+    "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "num_key_value_heads", "rope_scaling", "attention_bias", "pruned_heads",
+}
+_PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
+             "mistral": {"sliding_window", "attention_dropout", "hidden_act"},
+             "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+                       "attention_dropout", "hidden_act"}}
+
+
+def _supported() -> str:
+    return ", ".join(f"{t} ({'/'.join(a)})" for t, a in ARCHITECTURES.items())
+
+
+def check_architecture(config: dict, where: str) -> str:
+    """The model_type of an HF config dict; ValueError for anything but llama / mistral / qwen2."""
+    mt = config.get("model_type")
+    archs = config.get("architectures") or []
+    if mt is None and not archs:
+        mt = "llama"  # a bare dict of shape fields
+    if mt not in ARCHITECTURES:
+        name = mt if mt is not None else "/".join(map(str, archs))
+        raise ValueError(f"{where}: architecture {name!r} is not supported; supported: {_supported()}")
+    bad = [a for a in archs if a not in ARCHITECTURES[mt]]
+    if bad:
+        raise ValueError(f"{where}: architecture {bad[0]!r} (model_type {mt}) is not supported; supported: "
+                         f"{_supported()}")
+    return mt
+
+
+def _refuse(where: str, field: str, value, why: str):
+    raise ValueError(f"{where}: config field {field}={value!r} is not supported ({why})")
+
+
+def config_kwargs(config: dict, where: str = "config") -> dict:
+    """ModelConfig keyword arguments for an HF config dict; ValueError naming the first field that
+    is missing, unsupported or of the wrong type."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    mt = check_architecture(config, where)
+    for k in _SHAPE:
+        if config.get(k) is None:
+            raise ValueError(f"{where}: config has no {k!r} (required for model_type {mt})")
+    kw = {k: config[k] for k in _SHAPE}
+    kw.update({k: config[k] for k in _READ if config.get(k) is not None})
+    kw["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+    kw["model_type"] = mt
+    if config.get("hidden_act", "silu") != "silu":
+        _refuse(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU) is implemented")
+    if config.get("attention_dropout") not in (None, 0, 0.0):
+        _refuse(where, "attention_dropout", config["attention_dropout"], "dropout changes training; need 0")
+    if config.get("mlp_bias"):
+        _refuse(where, "mlp_bias", config["mlp_bias"], "MLP biases are not implemented")
+    if config.get("partial_rotary_factor") not in (None, 1, 1.0):
+        _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
+    if config.get("pruned_heads"):
+        _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
+    if mt == "llama":
+        if config.get("attention_bias"):
+            _refuse(where, "attention_bias", True, "llama's attention_bias also biases o_proj; only "
+                    "q/k/v biases (qwen2) are implemented")
+        kw["attention_bias"] = False
+    else:
+        kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
+    rs = config.get("rope_scaling")
+    if rs is not None:
+        if not isinstance(rs, dict):
+            _refuse(where, "rope_scaling", rs, "expected a mapping")
+        kw["rope_scaling"] = rs
+    if mt == "mistral" and config.get("sliding_window") is not None:
+        kw["sliding_window"] = config["sliding_window"]
+    if mt == "qwen2" and config.get("use_sliding_window"):
+        window = config.get("sliding_window")
+        if window is None:
+            _refuse(where, "sliding_window", None, "use_sliding_window needs a window size")
+        types = config.get("layer_types")
+        if types is None:
+            # transformers' Qwen2Config: layers >= max_window_layers slide (default 28)
+            types = ["sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+                     for i in range(config["num_hidden_layers"])]
+        kw["sliding_window"] = window
+        kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif mt == "qwen2" and any(t != "full_attention" for t in config.get("layer_types") or ()):
+        _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
+    allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
+    for k, v in config.items():
+        if k in allowed or k.startswith("_") or v is None or v is False or v == {} or v == []:
+            continue
+        if k in ("quantization_config", "auto_map"):
+            _refuse(where, k, v, "quantized or custom-code checkpoints are not supported")
+        _refuse(where, k, v, f"not a field real_py implements for {mt}; supported {mt} fields: "
+                f"{sorted(set(_SHAPE) | set(_READ) | _PER_TYPE[mt] | {'rope_scaling', 'num_key_value_heads'})}")
+    return kw
+
+
+def export_config(config, source: dict | None = None) -> dict:
+    """A complete transformers config dict for a ModelConfig: model_type, architectures, shape,
+    rope_scaling, sliding window, tie_word_embeddings, torch_dtype, pad_token_id and num_labels=1
+    for value models. `source` (the original config.json) supplies the fields real_py does not
+    model (bos/eos ids, initializer_range, ...); every computation field comes from `config`."""
+    import transformers
+
+    c, mt = config, config.model_type
+    kw = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+              vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
+              tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+              max_position_embeddings=c.max_position_embeddings, torch_dtype=c.dtype, hidden_act="silu",
+              rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
+    if mt == "llama":
+        if c.attention_bias:
+            raise ValueError("attention_bias=True (q/k/v biases) exports as model_type 'qwen2'; llama's "
+                             "attention_bias would also expect an o_proj bias")
+        if c.sliding_window:
+            raise ValueError("sliding_window exports as model_type 'mistral' or 'qwen2', not 'llama'")
+        kw.update(attention_bias=False, mlp_bias=False)
+    elif mt == "mistral":
+        if c.attention_bias:
+            raise ValueError("mistral has no q/k/v biases; export attention_bias=True as model_type 'qwen2'")
+        if c.window_layers is not None and c.sliding_window:
+            raise ValueError("mistral slides every layer; export per-layer windows as model_type 'qwen2'")
+        kw.update(sliding_window=c.sliding_window or None)
+    else:
+        if not c.attention_bias:
+            raise ValueError("qwen2 always has q/k/v biases; use model_type 'llama' for attention_bias=False")
+        layers = range(c.num_hidden_layers)
+        kw.update(use_sliding_window=bool(c.sliding_window), sliding_window=c.sliding_window or None,
+                  max_window_layers=c.num_hidden_layers,
+                  layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
+    head = "ForSequenceClassification" if c.head == "value" else "ForCausalLM"
+    kw["architectures"] = [_CLASS_PREFIX[mt] + head]
+    if c.head == "value":
+        # ...ForSequenceClassification reads the last non-pad token; without pad_token_id it
+        # refuses batches > 1. real_py pads with 0 unless the config says otherwise.
+        kw.update(num_labels=1, pad_token_id=c.pad_token_id if c.pad_token_id is not None else 0)
+    elif c.pad_token_id is not None:
+        kw["pad_token_id"] = c.pad_token_id
+    out = dict(source or {})
+    for k in ("rope_scaling", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+              "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias"):
+        out.pop(k, None)
+    out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())
+    return out
+
+
+def _passthrough(source: dict) -> dict:
+    keep = ("bos_token_id", "eos_token_id", "initializer_range", "use_cache", "pad_token_id")
+    return {k: source[k] for k in keep if k in source}

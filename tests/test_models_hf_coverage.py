@@ -1,0 +1,333 @@
+# Checks HF model coverage against transformers: rope_scaling (linear/dynamic/llama3/yarn), Mistral sliding_window, Qwen2 use_sliding_window + max_window_layers, biases, tied; refusals of unsupported architectures/fields; save_hf's exported config.
+# A failure points to real_py/models/rope.py (frequencies), real_py/models/transformer.py (window mask, KV cache slots), real_py/hf_config.py (field parsing/refusals/export) or real_py/hf.py.
+"""Oracle: transformers 4.57 itself on random-init checkpoints it wrote. Sequences of 24 tokens
+(the window is 4; dynamic RoPE's max_position_embeddings is 16, so it rescales). Generation is
+compared with transformers' own KV-cache decoding (prefill, then one token per step), which is
+what dynamic RoPE and the sliding-window cache must reproduce. One 4-rank spawn runs logits,
+greedy generation and one AdamW step of every case on tp2pp2 (permuted ranks) and pp3 (untied;
+tied pp=3 waits for the tied-pipeline fix of issue 15.3) or dp2pp2 (tied). fp32; tolerances as in
+test_models_parallel.py (1e-5: TP/PP reorder sums by a few ulps; a wrong window or frequency moves
+logits by > 1e-3, asserted below for every field).
+"""
+
+import io
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from real_py import Layout, ModelConfig, gather_full, model_spec
+from real_py.engines import Engine, OptimConfig
+from real_py.hf import gather_state_dict, load_hf_shard, save_hf
+from real_py.models import StageModel
+from real_py.parallel import ParallelGroups
+from real_py.testing import run_distributed
+
+import models_oracle as O
+
+ROPE = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+# name -> (model_type, tied, config fields)
+CASES = {
+    "llama-rope-linear-head_dim": ("llama", False, dict(rope_scaling=ROPE["linear"], head_dim=32)),  # 4 x 32 != 64
+    "llama-rope-dynamic": ("llama", False, dict(rope_scaling=ROPE["dynamic"], max_position_embeddings=16)),
+    "llama-rope-llama3": ("llama", False, dict(rope_scaling=ROPE["llama3"])),
+    "llama-rope-yarn": ("llama", False, dict(rope_scaling=ROPE["yarn"])),
+    "mistral-sliding-window": ("mistral", False, dict(sliding_window=4, rope_scaling=ROPE["llama3"])),
+    "qwen2-sliding-max-window-layers": ("qwen2", False, dict(use_sliding_window=True, sliding_window=4,
+                                                              max_window_layers=1)),
+    "qwen2-tied-sliding-yarn": ("qwen2", True, dict(use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                                                    rope_scaling=ROPE["yarn"])),
+}
+T = 24
+TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
+# Three full rows: micro-batches are trimmed to their longest row, and dynamic RoPE (like
+# transformers on a batch of that width) rescales by the width of each forward, so every
+# micro-batch of the dynamic case must keep width 24 to compare with the one-batch oracle.
+LENGTHS = torch.tensor([24, 20, 24, 24])
+PROMPTS = (torch.tensor([[5, 17, 3, 44, 8, 9], [9, 2, 61, 0, 0, 0], [1, 2, 3, 4, 5, 6], [70, 71, 0, 0, 0, 0]]),
+           torch.tensor([6, 3, 6, 2]))
+MAX_NEW = 14  # prompts of up to 6 tokens reach 20 > window 4 and > 16 (dynamic RoPE rescales)
+# Adam eps 1e-3 (not 1e-6): on the first step Adam moves a weight by lr * g / (|g| + eps), which
+# for |g| ~ eps turns fp32 reordering noise in g (~1e-8 here, TP/PP vs one device) into updates
+# that differ by ~lr; with eps 1e-3 the update stays ~0.5 lr for typical |g| ~ 1e-3 while noise
+# maps to < 1e-7. A wrong gradient still moves weights by O(lr) and fails the 1e-5 check.
+LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 0.5, 1e-3
+LAYOUTS_UNTIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(pp=3)]
+LAYOUTS_TIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(dp=2, pp=2)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cov")
+    out = {}
+    for i, (name, (mt, tied, over)) in enumerate(CASES.items()):
+        out[name] = O.make_checkpoint(str(d / name), mt, tied=tied, seed=10 + i,
+                                      **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()})
+    return out
+
+
+def oracle_generate_cached(model, tokens, lengths, max_new):
+    """transformers' own KV-cache greedy decoding of the left-padded batch, as its generate() runs
+    it: prefill, then one token per forward with past_key_values (where dynamic RoPE grows with
+    the batch's longest position and the window slides over cache slots)."""
+    B, P = tokens.shape[0], int(lengths.max())
+    ids, mask = torch.zeros(B, P, dtype=torch.int64), torch.zeros(B, P, dtype=torch.int64)
+    for b in range(B):
+        n = int(lengths[b])
+        ids[b, P - n:], mask[b, P - n:] = tokens[b, :n], 1
+    pos, pkv, new = (mask.cumsum(1) - 1).clamp(min=0), None, []
+    with torch.no_grad():
+        for _ in range(max_new):
+            r = model(ids, attention_mask=mask, position_ids=pos, past_key_values=pkv, use_cache=True)
+            pkv, t = r.past_key_values, r.logits[:, -1].argmax(-1)
+            new.append(t)
+            ids, pos = t.unsqueeze(1), pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.int64)], 1)
+    return torch.stack(new, 1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers_and_the_field_matters(ckpts, name):
+    path = ckpts[name]
+    cfg = ModelConfig.from_hf(path)
+    want = O.load_oracle(path)(TOKENS).logits.detach()
+    pos = torch.arange(T).expand(4, T)
+    with torch.no_grad():
+        got = (m := StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))).head(m(TOKENS, pos))
+        plain = replace(cfg, rope_scaling=None, sliding_window=0, window_layers=None)
+        p = StageModel(plain, load_hf_shard(path, plain, Layout(), 0))
+        without = p.head(p(TOKENS, pos))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+
+
+def test_qwen2_window_layers_follow_transformers():
+    tiny = dict(O.TINY, num_hidden_layers=5)
+    on = transformers.Qwen2Config(**tiny, use_sliding_window=True, sliding_window=4, max_window_layers=3)
+    assert ModelConfig.from_hf(on.to_dict()).window_layers == (3, 4)
+    legacy = {k: v for k, v in on.to_dict().items() if k != "layer_types"}  # pre-layer_types config.json
+    assert ModelConfig.from_hf(legacy).window_layers == (3, 4)
+    off = transformers.Qwen2Config(**tiny, use_sliding_window=False, sliding_window=4, max_window_layers=3)
+    assert ModelConfig.from_hf(off.to_dict()).sliding_window == 0
+    mis = transformers.MistralConfig(**O.TINY, sliding_window=4).to_dict()
+    c = ModelConfig.from_hf(mis)
+    assert c.sliding_window == 4 and c.window_layers is None and all(c.uses_window(i) for i in range(3))
+
+
+def _worker(rank, world, cases):
+    out = {}
+    for name, path, tied in cases:
+        cfg = ModelConfig.from_hf(path)
+        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+            groups = ParallelGroups(layout)
+            if not groups.member:
+                continue
+            shard = load_hf_shard(path, cfg, layout, rank)
+            eng = Engine(cfg, layout, groups, shard,
+                         optim=OptimConfig(lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=MAX_NORM))
+            per = 4 // layout.dp
+            rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+            r = {"logits": eng.forward_logits(TOKENS[rows]),
+                 "greedy": eng.generate(PROMPTS[0][rows], PROMPTS[1][rows], torch.zeros(per, dtype=torch.int64),
+                                        max_new_tokens=MAX_NEW)["new_tokens"]}
+            total = float((LENGTHS - 1).sum())
+            loss_fn = lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total)  # noqa: E731
+            r["stats"] = eng.train_step(loss_fn, {"tokens": TOKENS[rows], "lengths": LENGTHS[rows]},
+                                        micro_batches=2 if per > 1 else 1)
+            r["full"] = gather_state_dict(shard, groups)
+            out[(name, repr(layout))] = (groups.dp_rank, groups.tp_rank, groups.stage, r)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts):
+    cases = [(n, ckpts[n], CASES[n][1]) for n in CASES]
+    per_rank = run_distributed(_worker, 4, cases, timeout=float(os.environ.get("MODELS_TEST_TIMEOUT", 300)))
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in per_rank]
+
+
+def _replicas(per_rank, key):
+    by_dp = {}
+    for res in per_rank:
+        if key in res:
+            dp, _, _, r = res[key]
+            if dp in by_dp:
+                assert torch.equal(r["greedy"], by_dp[dp]["greedy"]), key
+            by_dp.setdefault(dp, r)
+    return [by_dp[d] for d in sorted(by_dp)]
+
+
+@pytest.mark.timeout(400)
+def test_layouts_logits_generation_train_step_match_transformers(ckpts, runs):
+    for name, (_, tied, _) in CASES.items():
+        path = ckpts[name]
+        ref = O.load_oracle(path)
+        with torch.no_grad():
+            logits = ref(TOKENS).logits
+        greedy = oracle_generate_cached(ref, *PROMPTS, MAX_NEW)  # before the oracle's train step
+        loss, norm = O.oracle_train_step(ref, TOKENS, LENGTHS, "lm", LR, WD, MAX_NORM, eps=EPS)
+        want = O.fused_state(ref)
+        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+            key = (name, repr(layout))
+            reps = _replicas(runs, key)
+            torch.testing.assert_close(torch.cat([r["logits"] for r in reps]), logits, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{key} logits: {m}")
+            assert torch.equal(torch.cat([r["greedy"] for r in reps]), greedy), (key, "greedy generation")
+            fulls = [res[key][3]["full"] for res in runs if key in res and res[key][3]["full"] is not None]
+            assert len(fulls) == 1 and sorted(fulls[0]) == sorted(want), key
+            for k, v in want.items():
+                torch.testing.assert_close(fulls[0][k], v, atol=1e-5, rtol=0, msg=lambda m: f"{key} {k}: {m}")
+            stats = reps[0]["stats"]
+            assert abs(stats["loss"] - loss) < 1e-5 and abs(stats["grad_norm"] - norm) < 1e-4, (key, stats)
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+def _llama(**over):
+    return dict(transformers.LlamaConfig(**O.TINY).to_dict(), **over)
+
+
+REFUSALS = [
+    ("gpt2", lambda: transformers.GPT2Config(n_layer=2).to_dict(), r"architecture 'gpt2' is not supported; supported: llama"),
+    ("gemma", lambda: transformers.GemmaConfig(**O.TINY).to_dict(), r"architecture 'gemma' is not supported"),
+    ("phi3", lambda: transformers.Phi3Config(**O.TINY).to_dict(), r"architecture 'phi3' is not supported"),
+    ("llama-base-model", lambda: _llama(architectures=["LlamaModel"]), r"architecture 'LlamaModel' .* not supported"),
+    ("no-model-type", lambda: {"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supported"),
+    ("hidden_act", lambda: _llama(hidden_act="gelu"), r"config field hidden_act='gelu' is not supported"),
+    ("mlp_bias", lambda: _llama(mlp_bias=True), r"config field mlp_bias=True is not supported"),
+    ("llama-attention_bias", lambda: _llama(attention_bias=True), r"attention_bias=True .*o_proj"),
+    ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
+    ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
+    ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+     r"rope_type='longrope' is not supported; supported: \['dynamic', 'linear', 'llama3', 'yarn'\]"),
+    ("llama3-missing-key", lambda: _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     r"rope_scaling \(llama3\): missing keys \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]"),
+    ("attn_logit_softcapping", lambda: _llama(attn_logit_softcapping=50.0), r"config field attn_logit_softcapping=50.0"),
+    ("final_logit_softcapping", lambda: _llama(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0"),
+    ("qk-norm", lambda: _llama(use_qk_norm=True), r"config field use_qk_norm=True"),
+    ("quantization_config", lambda: _llama(quantization_config={"quant_method": "gptq"}), r"quantization_config"),
+    ("auto_map", lambda: _llama(auto_map={"AutoModel": "x.Y"}), r"auto_map"),
+    ("llama-sliding_window", lambda: _llama(sliding_window=4), r"config field sliding_window=4 .* for llama"),
+    ("qwen2-layer_types-without-window",
+     lambda: dict(transformers.Qwen2Config(**O.TINY).to_dict(), layer_types=["sliding_attention"] * 3),
+     r"layer_types=.*need use_sliding_window"),
+    ("missing-num_attention_heads", lambda: {k: v for k, v in _llama().items() if k != "num_attention_heads"},
+     r"config has no 'num_attention_heads'"),
+    ("string-hidden_size", lambda: _llama(hidden_size="64"), r"ModelConfig.hidden_size='64' must be an int"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c[0] for c in REFUSALS])
+def test_unsupported_configs_are_refused_naming_the_field(case):
+    _, make, phrase = case
+    d = make()
+    before = json.dumps(d, sort_keys=True, default=str)
+    with pytest.raises(ValueError, match=phrase):
+        ModelConfig.from_hf(d)
+    assert json.dumps(d, sort_keys=True, default=str) == before, "from_hf must not edit its input"
+
+
+def test_direct_construction_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"ModelConfig.hidden_size='64' must be an int"):
+        ModelConfig(**dict(O.TINY, hidden_size="64"))
+    with pytest.raises(ValueError, match=r"ModelConfig.model_type='gpt2'; allowed"):
+        ModelConfig(**O.TINY, model_type="gpt2")
+
+
+def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
+    """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
+    src = ckpts["llama-rope-linear-head_dim"]
+    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("phi3", transformers.Phi3Config(**O.TINY))):
+        d = tmp_path / mt
+        d.mkdir()
+        os.link(os.path.join(src, "model.safetensors"), d / "model.safetensors")
+        cfg.save_pretrained(d)
+        with pytest.raises(ValueError, match=rf"architecture '{mt}' is not supported; supported: llama"):
+            load_hf_shard(str(d), ModelConfig(**O.TINY), Layout(), 0)
+        with pytest.raises(ValueError, match=rf"config.json: architecture '{mt}' is not supported"):
+            ModelConfig.from_hf(str(d))
+
+
+# -- export -----------------------------------------------------------------------------------
+
+def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
+    """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
+    tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
+    for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3"):
+        path = ckpts[name]
+        for head in ("lm", "value"):
+            cfg = ModelConfig.from_hf(path, head=head)
+            layout = Layout(tp=2, pp=2)
+            full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
+                    if head == "lm" else
+                    gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r, value_head_init="normal", seed=3)
+                                                  for r in layout.ranks]))
+            out = str(tmp_path / f"{name}-{head}")
+            # With source= (a critic exported from the actor's causal-LM checkpoint): the
+            # computation fields come from the spec, the rest (bos/eos ids) from the source.
+            with open(os.path.join(path, "config.json")) as f:
+                src = dict(json.load(f), bos_token_id=5, eos_token_id=6)
+            save_hf(out, cfg, full, source=src if head == "value" else None)
+            with open(os.path.join(out, "config.json")) as f:
+                written = json.load(f)
+            if head == "value":
+                assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
+            mt = CASES[name][0]
+            assert written["model_type"] == mt and written["architectures"] == [
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[mt]
+                + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
+            back_cfg = ModelConfig.from_hf(out, head=head)
+            assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
+            back = O.load_oracle(out, head)
+            tokens = TOKENS[:3].clamp(min=1)
+            if head == "value":
+                tokens[1, 20:] = back.config.pad_token_id  # right padding: the value is read at 19
+            with torch.no_grad():
+                if head == "lm":
+                    torch.testing.assert_close(back(tokens).logits, O.load_oracle(path)(tokens).logits,
+                                               atol=0, rtol=0)
+                else:
+                    assert len(written["id2label"]) == 1 and written["pad_token_id"] is not None
+                    pooled = back(tokens).logits  # batch of 3: needs pad_token_id
+                    shard = load_hf_shard(out, cfg, Layout(), 0)
+                    m = StageModel(cfg, shard)
+                    vals = m.head(m(tokens, torch.arange(T).expand(3, T)))
+                    last = torch.tensor([T - 1, 19, T - 1])
+                    torch.testing.assert_close(pooled.squeeze(-1), vals[torch.arange(3), last], atol=1e-5, rtol=0)
+            sd = back.state_dict()
+            for k, v in full.items():
+                if k == "value_head.weight":
+                    assert torch.equal(sd["score.weight"], v)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic"])
+def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
+    """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
+    transformers' own past_key_values steps (keys older than the window masked at decode time;
+    dynamic RoPE rescales new keys only, cached keys keep their rotation)."""
+    path = ckpts[name]
+    cfg = ModelConfig.from_hf(path)
+    m, ref = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0)), O.load_oracle(path)
+    tok = TOKENS[:2]
+    with torch.no_grad():
+        caches = m.new_caches(2, T)
+        got = [m.head(m(tok[:, :6], torch.arange(6).expand(2, 6), None, caches))]
+        r = ref(tok[:, :6], use_cache=True)
+        want, pkv = [r.logits], r.past_key_values
+        for t in range(6, T):
+            got.append(m.head(m(tok[:, t:t + 1], torch.full((2, 1), t), None, caches)))
+            r = ref(tok[:, t:t + 1], past_key_values=pkv, use_cache=True)
+            want.append(r.logits)
+            pkv = r.past_key_values
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)

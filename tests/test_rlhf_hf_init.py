@@ -1,0 +1,113 @@
+# Checks PPO model initialisation from HF checkpoints: a critic on the actor's causal-LM checkpoint with a fresh value head (critic_init), a reference from its own ref_path, and the vocab / tokenizer checks before ranks start.
+# A failure points to real_py/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config.py (_check_vocab, critic_init, ref_path).
+"""The 4-rank run uses the default execution plan: the critic lives on dp2tp2 (train) and is
+reallocated to pp2 for inference, the reference on dp2 ranks 0-1; the gathered weights are
+compared bit for bit with the checkpoints' tensors (transformers' own state dict)."""
+
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from real_py.hf import gather_state_dict
+from real_py.rlhf import config as CF
+from real_py.rlhf.runtime import Runtime
+from real_py.testing import run_distributed
+
+import models_oracle as O
+
+BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 1, "adam_eps": 1e-6},
+        "generation": {"max_new_tokens": 6}}
+CRITIC = {"vocab_size": 97}  # the random-init reward (TINY critic shape) covers the actor vocab
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("init")
+    return {"actor": O.make_checkpoint(str(d / "actor"), "llama", seed=1),
+            "ref": O.make_checkpoint(str(d / "ref"), "llama", seed=2),
+            "small": O.make_checkpoint(str(d / "small"), "llama", seed=3, vocab_size=90)}
+
+
+def _tokenizer(path, vocab):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(os.path.join(path, "tokenizer.json"))
+
+
+def test_vocab_and_tokenizer_checks_before_ranks_start(ckpts, tmp_path):
+    a = ckpts["actor"]
+    with pytest.raises(ValueError, match=r"critic has vocab_size=64 .* actor .* emits ids up to 96"):
+        CF.from_dict({"actor_path": a})
+    with pytest.raises(ValueError, match=r"reward has vocab_size=64"):
+        CF.from_dict({"actor_path": a, "algo": "grpo"})
+    CF.from_dict({"actor_path": a, "algo": "grpo", "reward": {"kind": "rule"}})  # no model reads the tokens
+    CF.from_dict({"actor_path": a, "critic": CRITIC})
+    with pytest.raises(ValueError, match=r"ref has vocab_size=90 \(.*small\)"):
+        CF.from_dict({"actor_path": a, "critic": CRITIC, "ref_path": ckpts["small"]})
+    # Same vocab size, different token ids: refused when both checkpoints ship a tokenizer.
+    x, y = tmp_path / "x", tmp_path / "y"
+    for d, vocab in ((x, {"<unk>": 0, "a": 1, "b": 2}), (y, {"<unk>": 0, "b": 1, "a": 2})):
+        d.mkdir()
+        for f in os.listdir(a):
+            os.link(os.path.join(a, f), d / f)
+        _tokenizer(str(d), vocab)
+    with pytest.raises(ValueError, match=r"ref \(.*y\) and the actor \(.*x\) have different tokenizers: 2 tokens"):
+        CF.from_dict({"actor_path": str(x), "critic": CRITIC, "ref_path": str(y)})
+    CF.from_dict({"actor_path": str(x), "critic": CRITIC, "ref_path": str(x)})
+    with pytest.raises(ValueError, match=r"critic_init='zero' needs critic_path"):
+        CF.from_dict({"critic_init": "zero"})
+    with pytest.raises(ValueError, match=r"critic_init='xavier'; allowed: 'checkpoint', 'zero', 'normal'"):
+        CF.from_dict({"critic_init": "xavier", "critic_path": a})
+    # Without critic_init, a causal-LM critic_path names the missing head and the way out.
+    from real_py import Layout
+    from real_py.hf import load_hf_shard
+
+    cfg = CF.from_dict({"actor_path": a, "critic_path": a, "critic": CRITIC}).model_configs()["critic"]
+    with pytest.raises(ValueError, match=r"no tensor 'score.weight' .*critic_init: zero \| normal"):
+        load_hf_shard(a, cfg, Layout(), 0)
+
+
+def _worker(rank, world, d):
+    cfg = CF.from_dict(d)
+    plan, graph, models = CF.validate(cfg, world)
+    rt = Runtime(cfg, plan, graph, models, timeout_s=120)
+    out = {}
+    for m in ("critic", "ref"):
+        call = graph.train_call(m) or graph.models()[m][0]
+        if rt.groups[call].member:
+            full = gather_state_dict(rt.models.engines[m].shard, rt.groups[call])
+            if full is not None:
+                out[m] = full
+    it = rt.iteration(0)
+    out["metrics"] = it["metrics"]
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.timeout(300)
+def test_critic_from_actor_checkpoint_and_ref_from_its_own_path(ckpts):
+    a, r = ckpts["actor"], ckpts["ref"]
+    d = dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=r, critic=CRITIC)
+    per_rank = [torch.load(io.BytesIO(b), weights_only=False)
+                for b in run_distributed(_worker, 4, d, timeout=240)]
+    got = {m: [p[m] for p in per_rank if m in p] for m in ("critic", "ref")}
+    assert len(got["critic"]) == 1 and len(got["ref"]) == 1
+    body = O.fused_state(O.load_oracle(a))
+    body.pop("lm_head.weight")
+    critic = got["critic"][0]
+    assert torch.equal(critic.pop("value_head.weight"), torch.zeros(1, 64))
+    assert sorted(critic) == sorted(body)
+    for k, v in body.items():
+        assert torch.equal(critic[k], v), k
+    want_ref = O.fused_state(O.load_oracle(r))
+    assert sorted(got["ref"][0]) == sorted(want_ref)
+    for k, v in want_ref.items():
+        assert torch.equal(got["ref"][0][k], v), k
+    m = per_rank[0]["metrics"]
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), m
+    assert json.dumps(m)  # plain numbers
