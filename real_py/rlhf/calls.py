@@ -55,9 +55,12 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
 
 
-def _allreduce_dp(t: torch.Tensor, g) -> torch.Tensor:
+def _allreduce_dp(t: torch.Tensor, g, device) -> torch.Tensor:
+    """Sum a CPU tensor over DP (on `device`: NCCL reduces device tensors only)."""
     if g.dp_size > 1:
-        dist.all_reduce(t, group=g.dp_group)
+        d = t.to(device)
+        dist.all_reduce(d, group=g.dp_group)
+        t.copy_(d)
     return t
 
 
@@ -76,7 +79,7 @@ def _advantages(rt, call, g, d: dict) -> dict:
     values = d["values"][:, :-1] * mask
     adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
     if pc.whiten_advantages:
-        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g))
+        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, rt.device))
     d["adv"], d["returns"], d["old_values"] = adv, ret, values
     return d
 
@@ -97,7 +100,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
     for _ in range(pc.ppo_epochs):
         for mb in local.tensor_split(pc.mini_batches):
             batch = {k: d[k][mb] for k in fields}
-            n_tok = float(_allreduce_dp(batch["mask"].sum().double().reshape(1), g))
+            n_tok = float(_allreduce_dp(batch["mask"].sum().double().reshape(1), g, rt.device))
             extra = []
 
             def loss_fn(out, data, n_tok=max(n_tok, 1.0), extra=extra):

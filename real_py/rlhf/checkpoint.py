@@ -1,7 +1,7 @@
 """Checkpoints: per-rank shards of the trained models with their optimizer state, step, RNG.
 
     <out_dir>/step_<k>/meta.json      algo, model configs, execution plan, step (rank 0)
-    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps"}},
+    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps", "master"}},
                                       step, torch RNG state (every rank that holds a trained shard)
     <out_dir>/latest                  name of the newest complete step directory
 
@@ -42,7 +42,8 @@ def save(rt, out_dir: str, step: int) -> str:
         state["models"][m] = {"flat": eng.shard.flat.clone(), "layout": str(eng.layout),
                               "exp_avg": None if tr is None else tr.exp_avg,
                               "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
-                              "num_steps": 0 if tr is None else tr.num_steps}
+                              "num_steps": 0 if tr is None else tr.num_steps,
+                              "master": None if tr is None else tr.master}
     torch.save(state, os.path.join(path, f"rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(path, "meta.json"), "w") as f:
@@ -81,7 +82,8 @@ def check(cfg, path: str) -> int:
 
 def load(rt, path: str) -> int:
     """Restore this rank's trained shards, optimizer state and RNG; returns the step."""
-    state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    state = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), weights_only=False,
+                       map_location="cpu")
     for m, eng in rt.models.engines.items():
         if eng is None or eng.optim is None:
             continue
@@ -96,6 +98,8 @@ def load(rt, path: str) -> int:
             eng._trainer.exp_avg.copy_(s["exp_avg"])
             eng._trainer.exp_avg_sq.copy_(s["exp_avg_sq"])
             eng._trainer.num_steps = s["num_steps"]
+            if s.get("master") is not None:  # bf16 shards: the fp32 master weights
+                eng._trainer.master.copy_(s["master"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
 

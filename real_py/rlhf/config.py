@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..execplan import ExecutionPlan
 from ..layout import check_fits
@@ -119,18 +120,33 @@ class TrainConfig:
     """Run a plan that leaves some ranks without a call (they only join the world collectives).
     Off by default so that a plan that does not cover the world is caught before launch; a searched
     plan for a small job may idle ranks on purpose."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where every engine runs: "cuda" puts rank r's models on cuda:{LOCAL_RANK} and uses NCCL for
+    every collective, reallocation and row push; "cpu" uses gloo; "auto" picks cuda when torch
+    sees a GPU."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and activation dtype of every model: "bf16" keeps the shards (and what a
+    reallocation moves) in bfloat16, with fp32 master weights, fp32 Adam states and fp32 gradient
+    reduction held by the train engines. Overrides the models' dtype (set it here, not in
+    actor/critic)."""
 
     def model_configs(self) -> dict[str, ModelConfig]:
         out = {}
         tiny = {"actor": TINY, "critic": dict(TINY, num_hidden_layers=2)}
+        dtype = PRECISION_DTYPES.get(self.precision)
         for name, d, path, head in (("actor", self.actor, self.actor_path, "lm"),
                                     ("critic", self.critic, self.critic_path, "value"),
                                     ("reward", self.critic, self.reward_path, "value")):
+            if d and "dtype" in d and d["dtype"] != dtype:
+                raise ValueError(f"config {'actor' if name == 'actor' else 'critic'}.dtype="
+                                 f"{d['dtype']!r} conflicts with precision={self.precision!r} "
+                                 f"(dtype {dtype!r}); set precision instead")
             try:
                 if path:
-                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head})
+                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head, "dtype": dtype})
                 else:
-                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head})
+                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head,
+                                               "dtype": dtype})
             except (TypeError, OSError) as e:
                 raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
                                  f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
@@ -150,6 +166,8 @@ class TrainConfig:
     def graph(self) -> Graph:
         return Graph(ALGORITHMS[self.algo])
 
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 _SECTIONS = {"data": DataConfig, "generation": GenConfig, "ppo": PPOConfig, "reward": RewardConfig}
 
@@ -191,6 +209,9 @@ def _check_values(cfg: TrainConfig) -> None:
     for name in ("verify_realloc", "offload_frozen", "allow_idle_ranks"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"config {name}={getattr(cfg, name)!r} must be true or false")
+    for name, allowed in (("device", ("auto", "cpu", "cuda")), ("precision", tuple(PRECISION_DTYPES))):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"config {name}={getattr(cfg, name)!r}; allowed: {list(allowed)}")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
     d = cfg.data

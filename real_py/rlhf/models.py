@@ -10,6 +10,13 @@ built directly in the layout of their only call; with `offload_frozen` their wei
 host buffer (real_py.offload.HostOffload) except during that call: the runtime calls
 `reload(model)` before it and `offload(model)` after it, and `engine_for` refuses an offloaded
 model.
+
+Device and memory: every shard lives on `device` (cuda:{local_rank} on a GPU) in the models'
+dtype (bf16 with precision: bf16; the train engines add their fp32 master and Adam states). A
+reallocated copy exists only while its call runs: `engine_for` builds the destination shard, the
+runtime holds the returned engine for the one call and drops it, which returns the memory to
+torch's caching allocator for the next call. So at most two copies of a model's weights coexist
+on a rank (its home shard and one call's shard), plus the reallocator's bounded staging buckets.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
-                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False):
+                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
+                 device: torch.device | str = "cpu"):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
                                        timeout=timeout_s)
@@ -68,10 +77,10 @@ class Models:
                 self.engines[m] = None
                 continue
             if paths.get(m):
-                shard = load_hf_shard(paths[m], configs[m], layout, self.rank)
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, self.device)
             else:
                 shard = ModelShard.from_full(self.specs[m], layout, self.rank,
-                                             init_weights(configs[m], inits[m]))
+                                             init_weights(configs[m], inits[m]), self.device)
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
@@ -107,7 +116,7 @@ class Models:
             return None, None
         realloc = self._reallocators[(c.model, call)]
         home_engine = self.engines[c.model]
-        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank)
+        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
                      if self.rank in dst.ranks else None)
         t0 = time.perf_counter()
         stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
