@@ -1,4 +1,4 @@
-# Checks the GPU-path code on CPU: bf16 train steps (fp32 master, fp32 reduction) against a plain-torch fp32-master AdamW on transformers' bf16 model, static-KV-cache decoding against the dynamic cache token for token on TP/PP layouts, and one bf16 PPO iteration on 4 gloo ranks.
+# Checks the GPU-path code on CPU: bf16 train steps (fp32 master, fp32 reduction) against a plain-torch fp32-master AdamW on transformers' bf16 model, static-KV-cache decoding against the dynamic cache token for token on TP/PP layouts, one bf16 PPO iteration on 4 gloo ranks (also with NCCL-style batched row pushes), config / device errors.
 # A failure points to real_py/engines/train.py (master weights, bucket conversion, clipping), engines/decode.py / generate.py (static cache, slots, masks), or rlhf/config.py / models.py / runtime.py (precision, device plumbing).
 """One 4-rank gloo spawn runs every case. Layouts move weights for real: dp1tp2pp2 (TP + PP + tied
 embedding across stages), dp2tp1pp2 (DP buckets converted to fp32 from grad hooks, tied PP),
@@ -94,7 +94,13 @@ def _runtime(rank, world):
     plan, graph, models = CF.validate(cfg, world)
     rt = Runtime(cfg, plan, graph, models, timeout_s=120)
     it = rt.iteration(0)
-    it.pop("store")
+    store = it.pop("store")
+    # The NCCL way of pushing rows (one batch_isend_irecv per call), over gloo: same iteration.
+    rt2 = Runtime(cfg, plan, graph, models, timeout_s=120)
+    rt2.batched_pushes = True
+    it2 = rt2.iteration(0)
+    batched_same = (it2["metrics"] == it["metrics"] and it2["data_bytes"] == it["data_bytes"]
+                    and all(torch.equal(store.data[k], it2["store"].data[k]) for k in store.data))
     dtypes = {m: (e.shard.flat.dtype, e._trainer.master.dtype if e._trainer else None)
               for m, e in rt.models.engines.items() if e is not None}
     # One more reallocation of the actor into its generate layout: the bf16 bytes arrive intact.
@@ -103,7 +109,7 @@ def _runtime(rank, world):
     tr_g = rt.groups["actor_train"]
     home_full = gather_state_dict(rt.models.engines["actor"].shard, tr_g) if tr_g.member else None
     return {"it": it, "dtypes": dtypes, "gen_full": gen_full, "home_full": home_full,
-            "device": str(rt.device)}
+            "device": str(rt.device), "batched_same": batched_same}
 
 
 def _worker(rank, world, path):
@@ -197,6 +203,8 @@ def test_bf16_ppo_iteration_on_4_ranks(runs):
     assert all(math.isfinite(v) for v in it["metrics"].values()), it["metrics"]
     assert it["peak_mem_mib"] == {}, "no GPU: no peak memory"
     assert it["realloc_bytes"] > 0, "the default plan reallocates the actor and critic"
+    assert it["data_bytes"] > 0
+    assert all(r["batched_same"] for r in rts), "batched (NCCL-style) row pushes changed the iteration"
     for r in rts:
         for m, (flat, master) in r["dtypes"].items():
             assert flat == torch.bfloat16, (m, flat)
@@ -206,3 +214,41 @@ def test_bf16_ppo_iteration_on_4_ranks(runs):
     assert len(gen) == 1 and len(home) == 1
     for k, v in home[0].items():
         assert v.dtype == torch.bfloat16 and torch.equal(gen[0][k], v), k
+
+
+def test_config_device_precision_decode_checked():
+    cfg = CF.from_dict({"precision": "bf16"})
+    assert cfg.device == "auto" and {c.dtype for c in cfg.model_configs().values()} == {"bfloat16"}
+    assert {c.dtype for c in CF.from_dict({}).model_configs().values()} == {"float32"}
+    for bad, match in (({"device": "tpu"}, "device='tpu'; allowed"),
+                       ({"precision": "fp16"}, "precision='fp16'; allowed"),
+                       ({"generation": {"decode": "eager"}}, "generation.decode='eager'; allowed"),
+                       ({"precision": "bf16", "critic": {"dtype": "float32"}}, "critic.dtype='float32' conflicts")):
+        with pytest.raises(ValueError, match=match):
+            CF.from_dict(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without a GPU")
+def test_cuda_requests_without_gpu_are_errors():
+    from types import SimpleNamespace
+
+    from real_py.device import backend_for, resolve_device
+    from real_py.engines.decode import pick_mode
+
+    assert resolve_device("auto") == torch.device("cpu") and backend_for(torch.device("cpu")) == "gloo"
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        resolve_device("cuda")
+    eng = SimpleNamespace(config=CF.from_dict({}).model_configs()["actor"], device=torch.device("cpu"),
+                          groups=SimpleNamespace(tp_size=1))
+    assert pick_mode(eng, "auto") == "static"
+    with pytest.raises(ValueError, match="decode='graph' needs a CUDA engine"):
+        pick_mode(eng, "graph")
+
+
+def test_step_line_reports_peak_memory():
+    from real_py.cli_train import _line
+
+    out = {"metrics": {"reward": 1.0}, "calls": {"actor_gen": 0.5}, "realloc_seconds": {},
+           "realloc_bytes": 0, "peak_mem_mib": {"actor_gen": 1234.4, "actor_train": 2048.0}}
+    assert _line(1, out).endswith("| peak actor_gen 1234MiB actor_train 2048MiB")
+    assert "peak" not in _line(1, dict(out, peak_mem_mib={}))

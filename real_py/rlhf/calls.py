@@ -30,7 +30,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               greedy=gc.greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              eos_token_id=gc.eos_token_id)
+                              eos_token_id=gc.eos_token_id, decode=gc.decode)
         store.write("tokens", rows, out["tokens"])
         store.write("lengths", rows, out["lengths"])
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]

@@ -49,6 +49,10 @@ class GenConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     eos_token_id: int | None = None
+    decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
+    """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
+    CUDA graph on CUDA with tp == 1 and runs the static cache eagerly elsewhere; "static",
+    "dynamic" (growing cache) or "graph" (CUDA with tp == 1 only) force one."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -209,9 +213,11 @@ def _check_values(cfg: TrainConfig) -> None:
     for name in ("verify_realloc", "offload_frozen", "allow_idle_ranks"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"config {name}={getattr(cfg, name)!r} must be true or false")
-    for name, allowed in (("device", ("auto", "cpu", "cuda")), ("precision", tuple(PRECISION_DTYPES))):
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"config {name}={getattr(cfg, name)!r}; allowed: {list(allowed)}")
+    for name, v, allowed in (("device", cfg.device, ("auto", "cpu", "cuda")),
+                             ("precision", cfg.precision, tuple(PRECISION_DTYPES)),
+                             ("generation.decode", cfg.generation.decode, ("auto", "dynamic", "static", "graph"))):
+        if v not in allowed:
+            raise ValueError(f"config {name}={v!r}; allowed: {list(allowed)}")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
     d = cfg.data

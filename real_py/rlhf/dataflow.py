@@ -125,9 +125,12 @@ class Store:
 class Pusher:
     """Posts the pushes of one iteration and waits for them with a timeout."""
 
-    def __init__(self, rank: int, timeout_s: float, device=None):
+    def __init__(self, rank: int, timeout_s: float, device=None, batched: bool | None = None):
+        """batched: hold receives back and post each call's pushes as one batch_isend_irecv
+        (default: on CUDA, which NCCL needs; gloo runs it too, which is how it is tested)."""
         self.rank, self.timeout = rank, datetime.timedelta(seconds=timeout_s)
         self.device = torch.device(device or "cpu")
+        self.batched = self.device.type == "cuda" if batched is None else batched
         self.recvs: list = []  # (work, buf, parts, sender, call)
         self.sends: list = []  # (work, buf, receiver, call)
         self.held: list = []   # NCCL: (buf, parts, sender, call) waiting for the call's batch
@@ -136,7 +139,7 @@ class Pusher:
     def post(self, store: Store, msgs: dict, tag: int, call: str, sending: bool) -> None:
         """Receivers post irecv (before `call`); senders post isend once it ran (sending=True).
         On NCCL the receives wait for the sending=True post, which every rank makes."""
-        nccl = self.device.type == "cuda"
+        nccl = self.batched
         batch, recvs, sends = [], [], []
         for (s, r), parts in msgs.items():
             if r == self.rank and not sending:
@@ -154,8 +157,8 @@ class Pusher:
                     self.sends.append((dist.isend(buf, r, tag=tag), buf, r, call))
         if nccl and sending:
             recvs, self.held = self.held, []
-            batch = ([dist.P2POp(dist.irecv, buf, s) for buf, _, s, _ in recvs]
-                     + [dist.P2POp(dist.isend, buf, r) for buf, r, _ in sends])
+            batch = ([dist.P2POp(dist.irecv, buf, s, tag=tag) for buf, _, s, _ in recvs]
+                     + [dist.P2POp(dist.isend, buf, r, tag=tag) for buf, r, _ in sends])
         if batch:
             work = _Batch(dist.batch_isend_irecv(batch))
             self.recvs += [(work, buf, parts, s, c) for buf, parts, s, c in recvs]
@@ -187,14 +190,17 @@ class Pusher:
 
 
 class _Batch:
-    """The works of one batch_isend_irecv (NCCL coalesces them into one) as one waitable."""
+    """The works of one batch_isend_irecv (NCCL coalesces them into one) as one waitable that
+    several receives share: waited once (a second wait on a finished gloo recv blocks)."""
 
     def __init__(self, works):
-        self.works = works
+        self.works, self.done = works, False
 
     def wait(self, timeout=None):
-        for w in self.works:
-            w.wait(timeout)
+        if not self.done:
+            for w in self.works:
+                w.wait(timeout)
+            self.done = True
 
 
 __all__ = ["key_schema", "dp_rows", "push_plan", "Store", "Pusher"]

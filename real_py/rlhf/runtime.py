@@ -75,6 +75,8 @@ class Runtime:
             # NCCL builds a communicator on its first collective, which every rank must join:
             # do it here, not in the first (partial) batch of row pushes.
             dist.all_reduce(torch.zeros(1, device=self.device))
+        # Row pushes as one batch_isend_irecv per call (see dataflow.Pusher): required by NCCL.
+        self.batched_pushes = self.device.type == "cuda"
         rule = cfg.reward.kind == "rule"
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
@@ -99,7 +101,7 @@ class Runtime:
         batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size)
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
-        pusher = Pusher(self.rank, self.timeout_s, self.device)
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}
         for i, name in enumerate(self.graph.order):
