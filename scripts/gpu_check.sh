@@ -85,7 +85,7 @@ fi
 step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$OUT"
 step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
 step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
-step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
 
 {
   echo

@@ -21,6 +21,7 @@ more exact zeros, so the sampled and greedy tokens must be identical.
 
 import io
 import math
+import weakref
 
 import pytest
 import torch
@@ -93,7 +94,20 @@ def _runtime(rank, world):
     cfg = CF.from_dict(d)
     plan, graph, models = CF.validate(cfg, world)
     rt = Runtime(cfg, plan, graph, models, timeout_s=120)
+    # Every reallocated copy must be freed when its call returns (no lingering reference or cycle
+    # keeps a second full copy of the weights alive on the device).
+    copies, engine_for = [], rt.models.engine_for
+
+    def spy(call):
+        eng, stats = engine_for(call)
+        if stats is not None and eng is not None:
+            copies.append(weakref.ref(eng.shard.flat))
+        return eng, stats
+
+    rt.models.engine_for = spy
     it = rt.iteration(0)
+    released = (len(copies), sum(ref() is None for ref in copies))
+    rt.models.engine_for = engine_for
     store = it.pop("store")
     # The NCCL way of pushing rows (one batch_isend_irecv per call), over gloo: same iteration.
     rt2 = Runtime(cfg, plan, graph, models, timeout_s=120)
@@ -109,7 +123,7 @@ def _runtime(rank, world):
     tr_g = rt.groups["actor_train"]
     home_full = gather_state_dict(rt.models.engines["actor"].shard, tr_g) if tr_g.member else None
     return {"it": it, "dtypes": dtypes, "gen_full": gen_full, "home_full": home_full,
-            "device": str(rt.device), "batched_same": batched_same}
+            "device": str(rt.device), "batched_same": batched_same, "released": released}
 
 
 def _worker(rank, world, path):
@@ -205,6 +219,8 @@ def test_bf16_ppo_iteration_on_4_ranks(runs):
     assert it["realloc_bytes"] > 0, "the default plan reallocates the actor and critic"
     assert it["data_bytes"] > 0
     assert all(r["batched_same"] for r in rts), "batched (NCCL-style) row pushes changed the iteration"
+    assert sum(r["released"][0] for r in rts) > 0
+    assert all(n == freed for n, freed in (r["released"] for r in rts)), [r["released"] for r in rts]
     for r in rts:
         for m, (flat, master) in r["dtypes"].items():
             assert flat == torch.bfloat16, (m, flat)
@@ -236,8 +252,9 @@ def test_cuda_requests_without_gpu_are_errors():
     from real_py.engines.decode import pick_mode
 
     assert resolve_device("auto") == torch.device("cpu") and backend_for(torch.device("cpu")) == "gloo"
-    with pytest.raises(ValueError, match="torch sees no GPU"):
-        resolve_device("cuda")
+    for fn in (lambda: resolve_device("cuda"), lambda: CF.from_dict({"device": "cuda"})):
+        with pytest.raises(ValueError, match="torch sees no GPU"):
+            fn()
     eng = SimpleNamespace(config=CF.from_dict({}).model_configs()["actor"], device=torch.device("cpu"),
                           groups=SimpleNamespace(tp_size=1))
     assert pick_mode(eng, "auto") == "static"

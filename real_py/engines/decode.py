@@ -93,8 +93,9 @@ class Decoder:
 
     def prefill(self, inp, pos, mask):
         out = self._run(inp, pos, mask)
-        for cache in self.caches:
-            cache.decoding = self.mode != "dynamic"
+        if self.mode != "dynamic":
+            for cache in self.caches:
+                cache.decoding = True
         return out
 
     def step(self, inp, pos, slot: int):
@@ -123,7 +124,9 @@ class Decoder:
                 self._run(self.static_inp, self.static_pos, mask)
         torch.cuda.current_stream(inp.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (the NCCL watchdog's event queries) must not
+        # invalidate the capture.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.static_out = self._run(self.static_inp, self.static_pos, mask)
 
 

@@ -218,6 +218,12 @@ def _check_values(cfg: TrainConfig) -> None:
                              ("generation.decode", cfg.generation.decode, ("auto", "dynamic", "static", "graph"))):
         if v not in allowed:
             raise ValueError(f"config {name}={v!r}; allowed: {list(allowed)}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("config device='cuda' but torch sees no GPU here (CPU-only torch, no "
+                             "driver or CUDA_VISIBLE_DEVICES empty); use device: cpu or auto")
     if cfg.reward.kind not in ("model", "rule"):
         raise ValueError(f"config reward.kind={cfg.reward.kind!r}; allowed: 'model', 'rule'")
     d = cfg.data
