@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import tempfile
 from pathlib import Path

@@ -78,8 +78,7 @@ for op in ('pack', 'unpack'):
     assert torch._C._dispatch_has_kernel_for_dispatch_key('real_py::' + op, 'CUDA'), op + ': no CUDA kernel'
 assert torch.cuda.is_available(), 'torch sees no GPU'
 print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
-  step tests 110 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors \
-    --timeout=100 tests
+  step tests 110 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
 fi
 
 step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$OUT"
