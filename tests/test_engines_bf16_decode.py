@@ -242,6 +242,15 @@ def test_config_device_precision_decode_checked():
                        ({"precision": "bf16", "critic": {"dtype": "float32"}}, "critic.dtype='float32' conflicts")):
         with pytest.raises(ValueError, match=match):
             CF.from_dict(bad)
+    # The one-GPU example config is valid (its device: cuda checked apart, above and on a GPU).
+    import os
+
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_gpu1_bf16.yaml")) as f:
+        d = yaml.safe_load(f)
+    assert d.pop("device") == "cuda"
+    CF.validate(CF.from_dict(d), 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without a GPU")
