@@ -117,6 +117,15 @@ def environment() -> dict:
     return env
 
 
+def hardware_tag(device: str) -> str:
+    """Results-file tag: "cpu<cores>" on CPU, the GPU's model ("h200") on CUDA."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0]
+    return f"cpu{os.cpu_count()}"
+
+
 def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[str], title: str,
                   notes: str = "", extra: dict | None = None,
                   out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
@@ -145,4 +154,5 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
     return jpath, mpath
 
 
-__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "write_results", "RESULTS"]
+__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "hardware_tag", "write_results",
+           "RESULTS"]

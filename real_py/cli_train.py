@@ -120,6 +120,8 @@ def _line(step: int, out: dict) -> str:
         # Milliseconds: a frozen model's copy out and back is well under a realloc's time.
         off = " ".join(f"{k} {v * 1e3:.2f}ms" for k, v in out["offload_seconds"].items())
         line += f" | offload {off} {out['offload_bytes'] / 2**20:.2f} MiB"
+    if out.get("peak_mem_mib"):  # CUDA only: peak GPU memory of each call, max over ranks
+        line += " | peak " + " ".join(f"{k} {v:.0f}MiB" for k, v in out["peak_mem_mib"].items())
     return line
 
 
@@ -134,7 +136,11 @@ def _spmd(args, cfg, ckpt) -> int:
     from .rlhf.runtime import Runtime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    from .device import backend_for, resolve_device
+
+    # cuda:{LOCAL_RANK} and NCCL when cfg.device resolves to CUDA, else gloo.
+    dist.init_process_group(backend_for(resolve_device(cfg.device)),
+                            timeout=datetime.timedelta(seconds=args.timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         plan, graph, models = config.validate(cfg, world)
@@ -157,7 +163,8 @@ def _spmd(args, cfg, ckpt) -> int:
                 rec = {"step": step + 1, "seconds": time.perf_counter() - t0, "metrics": out["metrics"],
                        "calls": out["calls"], "realloc_seconds": out["realloc_seconds"],
                        "realloc_bytes": out["realloc_bytes"], "offload_seconds": out["offload_seconds"],
-                       "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"]}
+                       "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"],
+                       "peak_mem_mib": out.get("peak_mem_mib", {})}
                 log.log(rec)
                 tqdm.write(_line(step + 1, out))
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):

@@ -7,7 +7,8 @@ initialized (gloo, file:// rendezvous, so no free-port races). The function must
 (module level). Returns the list of per-rank return values. A worker that raises makes the call
 raise RuntimeError with that rank's traceback; a worker still running after `timeout` seconds
 is killed and the error names the ranks that did not finish. `allow_exit`: ranks expected to die
-(fault-injection tests); their result is None if they exit without reporting.
+(fault-injection tests); their result is None if they exit without reporting. backend="nccl"
+gives rank r the GPU cuda:r (CUDA tests; at most one rank per GPU).
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env):
+def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env, backend="gloo"):
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if backend == "nccl":  # one GPU per rank, made current before NCCL picks one
+            os.environ["LOCAL_RANK"] = str(rank)
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         try:
@@ -45,13 +49,14 @@ def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
-                    env: dict | None = None, allow_exit=()) -> list:
+                    env: dict | None = None, allow_exit=(), backend: str = "gloo") -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(fn, r, world_size, init_file, pg_timeout, results, args, env or {}))
+                             args=(fn, r, world_size, init_file, pg_timeout, results, args, env or {},
+                                   backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

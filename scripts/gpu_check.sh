@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
-# GPU check for the pack/unpack ops, for a machine with an NVIDIA GPU, a CUDA torch, nvcc and no
-# internet: builds the CUDA extension in place (no build isolation: against the installed torch),
-# runs the CUDA tests and the CUDA pack benchmark, and tees every log.
+# GPU check for a machine with one NVIDIA GPU, a CUDA torch, nvcc and no internet. In order:
+#   build     the CUDA extension in place (no build isolation: against the installed torch)
+#   import    the CUDA kernels are registered and torch sees the GPU
+#   tests     pytest -m cuda (engines, bf16 train step, CUDA-graph decode, NCCL PPO on 1 GPU, ops)
+#   pack      pack/unpack GB/s against a device-to-device copy_ of the same bytes
+#   realloc   in-process reallocation of a 7B-shaped bf16 model between layouts on the GPU
+#   ppo       one PPO iteration of a 1.1B actor + critic (bf16, fp32 master) on the GPU
+#   generate  generation tokens/s: dynamic cache, static cache, CUDA graph
+# Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
+# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 470 s: under 8 minutes);
+# a failing or timed-out step is recorded and the next one runs. Logs, results and summary.md go
+# to one folder:
 #
-#   scripts/gpu_check.sh            logs + results in bench/results/
+#   scripts/gpu_check.sh                    -> bench/results/gpu_<yyyymmdd>/
 #   OUT=/some/dir scripts/gpu_check.sh
+#   SMALL=1 DEVICE=cpu scripts/gpu_check.sh dry run of every bench on the CPU (tiny sizes; no
+#                                           build, no tests): checks the script and the benches
 # Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUT="${OUT:-$ROOT/bench/results}"
+OUT="${OUT:-$ROOT/bench/results/gpu_$(date -u +%Y%m%d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+SMALL_FLAG=$([ "${SMALL:-0}" = 1 ] && echo --small || true)
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-470}))
 
 # torch finds CUDA through CUDA_HOME or `which nvcc`; a wrapper script on PATH (e.g.
 # /usr/local/bin/nvcc) would point it at the wrong prefix, so pick a prefix that has the headers.
@@ -25,39 +39,61 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 
+SUMMARY="$OUT/summary.md"
+printf '# gpu_check %s\n\n| step | exit | seconds |\n|---|---|---|\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"
 status=0
-step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, tee to $OUT/gpu_check_NAME.log
-  local name="$1" limit="$2"
+step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/NAME.log, never exits
+  local name="$1" cap="$2"
   shift 2
-  echo "=== $name: $*" | tee "$OUT/gpu_check_$name.log"
+  local left=$((DEADLINE - SECONDS))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 10 ]; then
+    echo "=== $name: skipped, overall budget spent" | tee "$OUT/$name.log"
+    echo "| $name | skipped (budget) | 0 |" >> "$SUMMARY"
+    status=1
+    return 0
+  fi
+  echo "=== $name (timeout ${limit}s): $*" | tee "$OUT/$name.log"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/gpu_check_$name.log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/gpu_check_$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+  echo "| $name | $rc$([ "$rc" -eq 124 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
   [ "$rc" -eq 0 ] || status=1
-  return "$rc"
+  return 0
 }
 
-step env 60 "$PY" -c "
+step env 30 "$PY" -c "
 import os, shutil, subprocess, torch
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())
 print('CUDA_HOME', os.environ.get('CUDA_HOME', 'unset'), 'nvcc', shutil.which('nvcc'))
 if shutil.which('nvidia-smi'):
     subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv'])"
 
-# The build must succeed for anything else to mean something.
-step build 1200 env REAL_PY_CUDA=1 "$PY" setup.py build_ext --inplace || { echo "build failed"; exit 1; }
-
-step import 120 "$PY" -c "
+if [ "$DEVICE" = cuda ]; then
+  step build 180 env REAL_PY_CUDA=1 "$PY" setup.py build_ext --inplace
+  step import 30 "$PY" -c "
 import torch, real_py.ops
 for op in ('pack', 'unpack'):
     assert torch._C._dispatch_has_kernel_for_dispatch_key('real_py::' + op, 'CUDA'), op + ': no CUDA kernel'
 assert torch.cuda.is_available(), 'torch sees no GPU'
 print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
+  step tests 110 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
+fi
 
-step tests 900 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
+step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$OUT"
+step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
 
-step bench 900 "$PY" bench/bench_pack.py --device cuda --out-dir "$OUT"
-
-echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (logs and results in $OUT)"
+{
+  echo
+  echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; logs: <step>.log"
+  for f in "$OUT"/*.md; do
+    [ "$f" = "$SUMMARY" ] && continue
+    echo
+    sed -e 's/^# /## /' "$f"
+  done
+} >> "$SUMMARY"
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (summary: $SUMMARY)"
 exit $status

@@ -7,7 +7,9 @@
     engine.train_step(loss_fn, batch, micro_batches=2)
 
 Every rank of a DP replica (all its TP and PP ranks) calls with the same DP-local batch and gets
-the same result tensors back. The model reads the shard's flat buffer directly, so writing new
+the same result tensors back. The engine computes on the device of its shard (`engine.device`:
+the runtime puts shards on cuda:{local_rank} on a GPU); inputs may live anywhere and results
+come back on the device of the inputs (CPU tensors in, CPU tensors out). The model reads the shard's flat buffer directly, so writing new
 weights into `shard.flat` (a reallocation) takes effect on the next call without a copy.
 """
 
@@ -55,6 +57,7 @@ class Engine:
         self.config, self.layout, self.groups, self.shard = config, layout, groups, shard
         self.model = StageModel(config, shard, groups.tp_group)
         self.dtype = torch_dtype(config.dtype)
+        self.device = shard.flat.device
         self.optim = optim
         self._trainer = None
         self._calls = Counter()
@@ -73,12 +76,12 @@ class Engine:
     # -- forward-only pipeline ---------------------------------------------------------------
     def _forward_pipeline(self, mbs, last_fn):
         """Run every micro-batch through the pipeline; last_fn(h, mb) on the last stage."""
-        g, p2p, outs = self.groups, P2P(self.groups), []
+        g, p2p, outs = self.groups, P2P(self.groups, self.device), []
         H = self.config.hidden_size
         for mb in mbs:
             tok = mb.data["tokens"]
             b, n = tok.shape
-            pos = torch.arange(n).expand(b, n)
+            pos = torch.arange(n, device=self.device).expand(b, n)
             x = tok if g.is_first_stage else p2p.recv((b, n, H), self.dtype, g.prev_rank)
             h = self.model(x, pos)
             if g.is_last_stage:
@@ -99,7 +102,9 @@ class Engine:
         """LM head: {"logprobs": [B, T-1]} (log p of tokens[:, 1:]; "entropy" [B, T-1] on request);
         value head: {"values": [B, T]}. Positions past each sequence are 0."""
         with self._context("inference"):
-            return self._inference(tokens, lengths, micro_batches, with_entropy)
+            out = self._inference(tokens.to(self.device), lengths.to(self.device), micro_batches,
+                                  with_entropy)
+            return {k: v.to(tokens.device) for k, v in out.items()}
 
     def _inference(self, tokens, lengths, micro_batches, with_entropy):
         B, T = tokens.shape
@@ -107,7 +112,7 @@ class Engine:
         lm = self.config.head == "lm"
         keys = (["logprobs"] + (["entropy"] if with_entropy else [])) if lm else ["values"]
         width = T - 1 if lm else T
-        result = {k: torch.zeros(B, width, dtype=torch.float32) for k in keys}
+        result = {k: torch.zeros(B, width, dtype=torch.float32, device=self.device) for k in keys}
 
         def last_fn(h, mb):
             out = self.head_outputs(h, mb.data["tokens"], with_entropy)
@@ -118,7 +123,7 @@ class Engine:
 
         self._forward_pipeline(mbs, last_fn)
         for k in keys:
-            ar = torch.arange(width)
+            ar = torch.arange(width, device=self.device)
             valid = ar < (lengths - 1 if lm else lengths).unsqueeze(1)
             result[k] = self._bcast_from_last(result[k].masked_fill(~valid, 0.0))
         return result
@@ -138,15 +143,16 @@ class Engine:
         if self.config.head != "lm":
             raise ValueError("forward_logits needs head='lm'; use inference() for values")
         B, T = tokens.shape
-        lengths = torch.full((B,), T, dtype=torch.int64)
-        full = torch.zeros(B, T, self.config.vocab_size, dtype=self.dtype)
+        where, tokens = tokens.device, tokens.to(self.device)
+        lengths = torch.full((B,), T, dtype=torch.int64, device=self.device)
+        full = torch.zeros(B, T, self.config.vocab_size, dtype=self.dtype, device=self.device)
 
         def last_fn(h, mb):
             logits = gather_from_tp(self.model.head(h), self.groups.tp_group, self.groups.tp_ranks)
             full[mb.index] = logits[..., :self.config.vocab_size]
 
         self._forward_pipeline(split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn)
-        return self._bcast_from_last(full)
+        return self._bcast_from_last(full).to(where)
 
     # -- generation and training live in their own modules -----------------------------------
     def generate(self, prompt_tokens, prompt_lengths, seeds, **kw) -> dict:

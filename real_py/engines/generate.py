@@ -7,6 +7,8 @@ the logits over TP (identical on every TP rank), picks the next tokens and broad
 the pipeline. Sampling draws one uniform per sequence per step from that sequence's own
 torch.Generator seeded by its seed, so a sequence's tokens do not depend on the layout, the batch
 split or its neighbours. Finished sequences (EOS) emit pad_token_id until all are done.
+The cache and the decode step (dynamic, static, CUDA graph) live in decode.py; everything runs on
+the engine's device and the results come back on the device of the prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.tp import gather_from_tp
+from .decode import Decoder, pick_mode
 from .pipeline import P2P
 
 
@@ -41,14 +44,19 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
 @torch.no_grad()
 def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
              max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-             eos_token_id: int | None = None, pad_token_id: int = 0) -> dict:
+             eos_token_id: int | None = None, pad_token_id: int = 0, decode: str = "auto") -> dict:
     """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
+    decode: "auto" (CUDA graph on CUDA with tp == 1, else static cache), "dynamic", "static" or
+    "graph" (see decode.py).
 
     Returns {"tokens": [B, P' + N] right-padded prompt + generated tokens, "lengths": [B],
     "prompt_lengths": [B], "new_tokens": [B, N]} (N <= max_new_tokens, P' = max prompt length),
     identical on every rank of the DP replica.
     """
-    c, g, model = engine.config, engine.groups, engine.model
+    c, g, dev = engine.config, engine.groups, engine.device
+    mode = pick_mode(engine, decode)
+    where = prompt_tokens.device
+    prompt_tokens, prompt_lengths = prompt_tokens.cpu(), prompt_lengths.cpu()
     B = prompt_tokens.shape[0]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -71,24 +79,26 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     pos = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
     # A left-padding query would see no key at all (NaN rows); let it see itself.
     mask = torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, None, :P]
-    mask = mask | torch.eye(P, dtype=torch.bool)
+    mask = (mask | torch.eye(P, dtype=torch.bool)).to(dev)
+    left, valid, pos, lengths_dev = left.to(dev), valid.to(dev), pos.to(dev), prompt_lengths.to(dev)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    caches = model.new_caches(B, total)
-    p2p = P2P(g)
-    done = torch.zeros(B, dtype=torch.bool)
-    new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64)
+    dec = Decoder(engine, B, total, valid, mode)
+    p2p = P2P(g, dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64, device=dev)
     x, steps = left, 0
     for step in range(max_new_tokens):
         n = x.shape[1]
         inp = x if g.is_first_stage else p2p.recv((B, n, c.hidden_size), engine.dtype, g.prev_rank)
-        h = model(inp, pos, mask, caches)
-        nxt = torch.empty(B, dtype=torch.int64)
+        # Step s >= 1 feeds the token of step s - 1, which lands in cache slot P + s - 1.
+        out = dec.prefill(inp, pos, mask) if step == 0 else dec.step(inp, pos, P + step - 1)
+        nxt = torch.empty(B, dtype=torch.int64, device=dev)
         if g.is_last_stage:
-            logits = gather_from_tp(model.head(h[:, -1]), g.tp_group, g.tp_ranks)[:, :c.vocab_size]
-            u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens])
+            logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
+            u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens]).to(dev)
             nxt = pick_tokens(logits.float(), u, temperature, top_p).masked_fill(done, pad_token_id)
         else:
-            p2p.send(h, g.next_rank)
+            p2p.send(out, g.next_rank)
         p2p.flush()
         if g.pp_size > 1:
             dist.broadcast(nxt, g.last_stage_rank, group=g.pp_group)
@@ -96,13 +106,12 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         steps = step + 1
         if eos_token_id is not None:
             done |= nxt == eos_token_id
-        if bool(done.all()):
-            break
+            if bool(done.all()):
+                break
         valid[:, P + step] = True
         x = nxt.unsqueeze(1)
-        pos = (prompt_lengths + step).unsqueeze(1)
-        mask = valid[:, None, None, :P + step + 1]
-    new = new[:, :steps]
+        pos = (lengths_dev + step).unsqueeze(1)
+    new = new[:, :steps].cpu()
     gen_len = torch.full((B,), steps, dtype=torch.int64)
     if eos_token_id is not None:
         is_eos = new == eos_token_id
@@ -113,5 +122,6 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         n, m = int(prompt_lengths[b]), int(gen_len[b])
         out[b, :n] = prompt_tokens[b, :n]
         out[b, n:n + m] = new[b, :m]
-    return {"tokens": out, "lengths": prompt_lengths + gen_len, "prompt_lengths": prompt_lengths.clone(),
-            "new_tokens": new}
+    res = {"tokens": out, "lengths": prompt_lengths + gen_len, "prompt_lengths": prompt_lengths.clone(),
+           "new_tokens": new}
+    return {k: v.to(where) for k, v in res.items()}

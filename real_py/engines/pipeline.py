@@ -63,15 +63,15 @@ def split_micro_batches(batch: dict, num: int) -> list[MicroBatch]:
 class P2P:
     """Asynchronous sends and blocking receives inside one pipeline; sends are waited in flush()."""
 
-    def __init__(self, groups):
-        self.groups, self.pending = groups, []
+    def __init__(self, groups, device=None):
+        self.groups, self.device, self.pending = groups, device, []
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         t = t.detach().contiguous()
         self.pending.append((dist.isend(t, dst, group=self.groups.pp_group), t))
 
     def recv(self, shape, dtype, src: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(t, src, group=self.groups.pp_group)
         return t
 

@@ -10,6 +10,15 @@ gaps, vocab padding rows) has zero gradient and stays zero.
 Objective: the step minimizes the SUM of loss_fn over every micro-batch of every DP rank
 (gradients are summed over DP, not averaged); normalize inside loss_fn (e.g. divide by the
 global token count) to get a mean.
+
+Mixed precision: when the shard's dtype is not fp32 (bf16), forward, backward and the
+activations run in that dtype and autograd accumulates bf16 gradients into the flat `grad`
+buffer; the Trainer keeps an fp32 master copy of the shard (`master`), fp32 Adam states and an
+fp32 reduction buffer (`red`). Each DP bucket (and the tied embedding) is converted to fp32
+before its all-reduce, so gradient REDUCTION, the norm, clipping and AdamW are all fp32; after
+the update the master is rounded into `shard.flat` (what a reallocation moves). The master and
+Adam states live with this engine (the train layout) and never move. With an fp32 shard `red`
+is `grad` and `master` is None: no extra memory, the same code path as before.
 """
 
 from __future__ import annotations
@@ -51,8 +60,13 @@ class Trainer:
         shard = engine.shard
         flat = shard.flat
         self.grad = torch.zeros_like(flat)
-        self.exp_avg = torch.zeros_like(flat)
-        self.exp_avg_sq = torch.zeros_like(flat)
+        lowp = flat.dtype != torch.float32
+        # fp32 master weights (None for an fp32 shard: the shard is its own master) and the
+        # fp32 gradients that get reduced (the bf16 grad converted bucket by bucket).
+        self.master = flat.float() if lowp else None
+        self.red = torch.zeros_like(flat, dtype=torch.float32) if lowp else self.grad
+        self.exp_avg = torch.zeros_like(flat, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros_like(flat, dtype=torch.float32)
         self.num_steps = 0
         g = engine.groups
         self.counted = []  # (offset, numel) of gradients counted once in the global norm
@@ -99,11 +113,19 @@ class Trainer:
         g = self.engine.groups
         while self._next < len(self.buckets) and ready(self._next):
             lo, hi, _ = self.buckets[self._next]
-            self._works.append(dist.all_reduce(self.grad[lo:hi], group=g.dp_group, async_op=True))
+            self._works.append(dist.all_reduce(self._fp32(lo, hi), group=g.dp_group, async_op=True))
             self._next += 1
+
+    def _fp32(self, lo: int, hi: int) -> torch.Tensor:
+        """red[lo:hi] holding grad[lo:hi] in fp32 (a no-op view for an fp32 shard)."""
+        if self.red is not self.grad:
+            self.red[lo:hi].copy_(self.grad[lo:hi])
+        return self.red[lo:hi]
 
     def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False) -> dict:
         eng, g = self.engine, self.engine.groups
+        dev = eng.device
+        batch = {k: v.to(dev) for k, v in batch.items()}
         mbs = split_micro_batches(batch, micro_batches)
         self.grad.zero_()
         losses = self._one_f_one_b(loss_fn, mbs, with_entropy)
@@ -112,9 +134,10 @@ class Trainer:
         norm = self._global_norm()
         cfg = self.cfg
         if cfg.max_grad_norm > 0:
-            self.grad.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
+            self.red.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
         self._adamw()
-        loss = torch.tensor([float(sum(losses)) if g.is_last_stage else 0.0], dtype=torch.float64)
+        loss = torch.tensor([float(sum(losses)) if g.is_last_stage else 0.0], dtype=torch.float64,
+                            device=dev)
         if g.dp_size > 1:
             dist.all_reduce(loss, group=g.dp_group)
         eng._bcast_from_last(loss)
@@ -124,7 +147,7 @@ class Trainer:
 
     def _one_f_one_b(self, loss_fn, mbs, with_entropy):
         eng, g, model = self.engine, self.engine.groups, self.engine.model
-        p2p, H = P2P(g), eng.config.hidden_size
+        p2p, H = P2P(g, eng.device), eng.config.hidden_size
         inputs, outputs, losses = deque(), deque(), []
         M = len(mbs)
         warmup = min(g.pp_size - g.stage - 1, M)
@@ -136,7 +159,7 @@ class Trainer:
                 x = tok
             else:
                 x = p2p.recv((b, n, H), eng.dtype, g.prev_rank).requires_grad_()
-            h = model(x, torch.arange(n).expand(b, n))
+            h = model(x, torch.arange(n, device=eng.device).expand(b, n))
             if g.is_last_stage:
                 out = loss_fn(eng.head_outputs(h, tok, with_entropy), mb.data)
                 loss = out[0] if isinstance(out, tuple) else out
@@ -184,7 +207,9 @@ class Trainer:
     def _reduce_grads(self):
         g = self.engine.groups
         e = self.embed_entry
-        embed = self.grad[e.offset:e.offset + e.numel] if e is not None else None
+        if g.dp_size == 1 and self.red is not self.grad:
+            self.red.copy_(self.grad)  # no DP buckets: convert the whole buffer at once
+        embed = self._fp32(e.offset, e.offset + e.numel) if e is not None else None
         if embed is not None and e.param.tied_to_head and g.tied_group is not None:
             dist.all_reduce(embed, group=g.tied_group)
         if g.dp_size > 1:
@@ -199,9 +224,9 @@ class Trainer:
 
     def _global_norm(self) -> float:
         g = self.engine.groups
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.red.device)
         for off, n in self.counted:
-            sq += self.grad[off:off + n].double().pow(2).sum()
+            sq += self.red[off:off + n].double().pow(2).sum()
         for group, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
             if size > 1:
                 dist.all_reduce(sq, group=group)
@@ -209,7 +234,8 @@ class Trainer:
 
     @torch.no_grad()
     def _adamw(self):
-        cfg, p, grad = self.cfg, self.engine.shard.flat, self.grad
+        cfg, grad = self.cfg, self.red
+        p = self.engine.shard.flat if self.master is None else self.master
         self.num_steps += 1
         b1, b2 = cfg.betas
         p.mul_(1 - cfg.lr * cfg.weight_decay)
@@ -218,3 +244,5 @@ class Trainer:
         step_size = cfg.lr / (1 - b1 ** self.num_steps)
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
         p.addcdiv_(self.exp_avg, denom, value=-step_size)
+        if self.master is not None:
+            self.engine.shard.flat.copy_(self.master)  # round to the shard dtype (bf16)

@@ -32,7 +32,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               greedy=gc.greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              eos_token_id=eos_token_id(rt))
+                              eos_token_id=eos_token_id(rt), decode=gc.decode)
         store.write("tokens", rows, out["tokens"])
         store.write("lengths", rows, out["lengths"])
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
@@ -93,9 +93,12 @@ def _texts(rt, step: int, rows: list[int], tok, pl, ln) -> tuple[list, list]:
     return prompts, responses
 
 
-def _allreduce_dp(t: torch.Tensor, g) -> torch.Tensor:
+def _allreduce_dp(t: torch.Tensor, g, device) -> torch.Tensor:
+    """Sum a CPU tensor over DP (on `device`: NCCL reduces device tensors only)."""
     if g.dp_size > 1:
-        dist.all_reduce(t, group=g.dp_group)
+        d = t.to(device)
+        dist.all_reduce(d, group=g.dp_group)
+        t.copy_(d)
     return t
 
 
@@ -120,7 +123,7 @@ def _advantages(rt, call, g, d: dict) -> dict:
     values = d["values"][:, :-1] * mask
     adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
     if pc.whiten_advantages:
-        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g))
+        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, rt.device))
     d["adv"], d["returns"], d["old_values"] = adv, ret, values
     return d
 
@@ -143,7 +146,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
     for _ in range(pc.ppo_epochs):
         for mb in local.tensor_split(pc.mini_batches):
             batch = {k: d[k][mb] for k in fields}
-            n_tok = float(_allreduce_dp(batch["mask"].sum().double().reshape(1), g))
+            n_tok = float(_allreduce_dp(batch["mask"].sum().double().reshape(1), g, rt.device))
             extra = []
 
             def loss_fn(out, data, n_tok=max(n_tok, 1.0), extra=extra):

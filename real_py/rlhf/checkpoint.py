@@ -2,7 +2,7 @@
 
     <out_dir>/step_<k>/meta.json      algo, model configs, execution plan, step, and the sha256
                                       and size of every rank file (rank 0)
-    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps"}},
+    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps", "master"}},
                                       step, torch RNG state (every rank that holds a trained shard)
     <out_dir>/latest                  name of the newest complete step directory
 
@@ -70,7 +70,8 @@ def save(rt, out_dir: str, step: int) -> str:
         state["models"][m] = {"flat": eng.shard.flat.clone(), "layout": str(eng.layout),
                               "exp_avg": None if tr is None else tr.exp_avg,
                               "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
-                              "num_steps": 0 if tr is None else tr.num_steps}
+                              "num_steps": 0 if tr is None else tr.num_steps,
+                              "master": None if tr is None else tr.master}
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
@@ -190,6 +191,8 @@ def load(rt, path: str) -> int:
             eng._trainer.exp_avg.copy_(s["exp_avg"])
             eng._trainer.exp_avg_sq.copy_(s["exp_avg_sq"])
             eng._trainer.num_steps = s["num_steps"]
+            if s.get("master") is not None:  # bf16 shards: the fp32 master weights
+                eng._trainer.master.copy_(s["master"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
 

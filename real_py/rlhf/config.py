@@ -73,6 +73,10 @@ class GenConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     eos_token_id: int | None = None
+    decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
+    """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
+    CUDA graph on CUDA with tp == 1 and runs the static cache eagerly elsewhere; "static",
+    "dynamic" (growing cache) or "graph" (CUDA with tp == 1 only) force one."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,25 +171,41 @@ class TrainConfig:
     export: typing.Literal["hf"] | None = None
     """"hf": at the end of the run write the trained actor (and critic) as HF checkpoints to
     <out_dir>/hf/actor and <out_dir>/hf/critic (see also `python -m real_py export`)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where every engine runs: "cuda" puts rank r's models on cuda:{LOCAL_RANK} and uses NCCL for
+    every collective, reallocation and row push; "cpu" uses gloo; "auto" picks cuda when torch
+    sees a GPU."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and activation dtype of every model: "bf16" keeps the shards (and what a
+    reallocation moves) in bfloat16, with fp32 master weights, fp32 Adam states and fp32 gradient
+    reduction held by the train engines. Overrides the models' dtype (set it here, not in
+    actor/critic)."""
 
     def model_configs(self) -> dict[str, ModelConfig]:
         out = {}
         tiny = {"actor": TINY, "critic": dict(TINY, num_hidden_layers=2)}
+        dtype = PRECISION_DTYPES.get(self.precision)
         for name, d, path, head in (("actor", self.actor, self.actor_path, "lm"),
                                     ("critic", self.critic, self.critic_path, "value"),
                                     ("reward", self.critic, self.reward_path, "value")):
+            if d and "dtype" in d and d["dtype"] != dtype:
+                raise ValueError(f"config {'actor' if name == 'actor' else 'critic'}.dtype="
+                                 f"{d['dtype']!r} conflicts with precision={self.precision!r} "
+                                 f"(dtype {dtype!r}); set precision instead")
             try:
                 if path:
-                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head})
+                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head, "dtype": dtype})
                 else:
-                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head})
+                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head,
+                                               "dtype": dtype})
             except (TypeError, OSError) as e:
                 raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
                                  f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
         out["ref"] = out["actor"]
         if self.ref_path:
             try:
-                out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm"})
+                out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm",
+                                                                  "dtype": dtype})
             except (TypeError, OSError) as e:
                 raise ValueError(f"config ref ({self.ref_path}): {e}") from None
         return out
@@ -263,6 +283,9 @@ def _coerce(value, tp, key: str):
     else:
         return value
     raise ValueError(f"config {key}={value!r}: expected {_describe(tp)}")
+
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def _build(cls, d: dict, where: str):
@@ -431,6 +454,17 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.ppo.kl_in not in (None, "loss", "reward"):
         raise ValueError(f"config ppo.kl_in={cfg.ppo.kl_in!r}; allowed: 'loss', 'reward' (or null: "
                          "loss for grpo, reward for ppo)")
+    for name, v, allowed in (("device", cfg.device, ("auto", "cpu", "cuda")),
+                             ("precision", cfg.precision, tuple(PRECISION_DTYPES)),
+                             ("generation.decode", cfg.generation.decode, ("auto", "dynamic", "static", "graph"))):
+        if v not in allowed:
+            raise ValueError(f"config {name}={v!r}; allowed: {list(allowed)}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("config device='cuda' but torch sees no GPU here (CPU-only torch, no "
+                             "driver or CUDA_VISIBLE_DEVICES empty); use device: cpu or auto")
     d = cfg.data
     if not 1 <= d.min_prompt_len <= d.max_prompt_len:
         raise ValueError(f"config data: need 1 <= min_prompt_len <= max_prompt_len, got "

@@ -11,6 +11,12 @@ All keys one sender sends one receiver after one call travel as ONE byte message
 producer's position in the global order, so messages of different calls never match each other.
 Receivers post their irecv at once and wait only before the call that reads the data: that is
 what lets calls on disjoint meshes run at the same time.
+
+On NCCL (device buffers; the Store itself stays on the CPU) the receives of a call are held
+back and posted together with that call's sends, in one batch_isend_irecv, after the call ran:
+NCCL ignores tags and runs one pair's operations in issue order, so a receive posted early could
+sit in front of a send the peer waits for. Every rank posts every call's batch in the same global
+order (the runtime calls post(sending=True) on every rank), which keeps the pairs matched.
 """
 
 from __future__ import annotations
@@ -119,22 +125,44 @@ class Store:
 class Pusher:
     """Posts the pushes of one iteration and waits for them with a timeout."""
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, device=None, batched: bool | None = None):
+        """batched: hold receives back and post each call's pushes as one batch_isend_irecv
+        (default: on CUDA, which NCCL needs; gloo runs it too, which is how it is tested)."""
         self.rank, self.timeout = rank, datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device(device or "cpu")
+        self.batched = self.device.type == "cuda" if batched is None else batched
         self.recvs: list = []  # (work, buf, parts, sender, call)
         self.sends: list = []  # (work, buf, receiver, call)
+        self.held: list = []   # NCCL: (buf, parts, sender, call) waiting for the call's batch
         self.bytes_sent = 0
 
     def post(self, store: Store, msgs: dict, tag: int, call: str, sending: bool) -> None:
-        """Receivers post irecv; senders (once `call` ran, sending=True) post isend."""
+        """Receivers post irecv (before `call`); senders post isend once it ran (sending=True).
+        On NCCL the receives wait for the sending=True post, which every rank makes."""
+        nccl = self.batched
+        batch, recvs, sends = [], [], []
         for (s, r), parts in msgs.items():
             if r == self.rank and not sending:
-                buf = torch.empty(store.nbytes(parts), dtype=torch.uint8)
-                self.recvs.append((dist.irecv(buf, s, tag=tag), buf, parts, s, call))
+                buf = torch.empty(store.nbytes(parts), dtype=torch.uint8, device=self.device)
+                if nccl:
+                    self.held.append((buf, parts, s, call))
+                else:
+                    self.recvs.append((dist.irecv(buf, s, tag=tag), buf, parts, s, call))
             elif s == self.rank and sending:
-                buf = store.pack(parts)
+                buf = store.pack(parts).to(self.device)
                 self.bytes_sent += buf.numel()
-                self.sends.append((dist.isend(buf, r, tag=tag), buf, r, call))
+                if nccl:
+                    sends.append((buf, r, call))
+                else:
+                    self.sends.append((dist.isend(buf, r, tag=tag), buf, r, call))
+        if nccl and sending:
+            recvs, self.held = self.held, []
+            batch = ([dist.P2POp(dist.irecv, buf, s, tag=tag) for buf, _, s, _ in recvs]
+                     + [dist.P2POp(dist.isend, buf, r, tag=tag) for buf, r, _ in sends])
+        if batch:
+            work = _Batch(dist.batch_isend_irecv(batch))
+            self.recvs += [(work, buf, parts, s, c) for buf, parts, s, c in recvs]
+            self.sends += [(work, buf, r, c) for buf, r, c in sends]
 
     def _wait(self, work, what: str, step: int) -> None:
         try:
@@ -149,7 +177,7 @@ class Pusher:
         for work, buf, parts, s, call in self.recvs:
             if any(k in keys for k, _ in parts):
                 self._wait(work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step)
-                store.unpack(parts, buf)
+                store.unpack(parts, buf.cpu())
             else:
                 keep.append((work, buf, parts, s, call))
         self.recvs = keep
@@ -159,6 +187,20 @@ class Pusher:
         for work, _, r, call in self.sends:
             self._wait(work, f"sending rows of {call} to rank {r}", step)
         self.sends = []
+
+
+class _Batch:
+    """The works of one batch_isend_irecv (NCCL coalesces them into one) as one waitable that
+    several receives share: waited once (a second wait on a finished gloo recv blocks)."""
+
+    def __init__(self, works):
+        self.works, self.done = works, False
+
+    def wait(self, timeout=None):
+        if not self.done:
+            for w in self.works:
+                w.wait(timeout)
+            self.done = True
 
 
 __all__ = ["key_schema", "dp_rows", "push_plan", "Store", "Pusher"]

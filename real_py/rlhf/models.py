@@ -10,6 +10,13 @@ built directly in the layout of their only call; with `offload_frozen` their wei
 host buffer (real_py.offload.HostOffload) except during that call: the runtime calls
 `reload(model)` before it and `offload(model)` after it, and `engine_for` refuses an offloaded
 model.
+
+Device and memory: every shard lives on `device` (cuda:{local_rank} on a GPU) in the models'
+dtype (bf16 with precision: bf16; the train engines add their fp32 master and Adam states). A
+reallocated copy exists only while its call runs: `engine_for` builds the destination shard, the
+runtime holds the returned engine for the one call and drops it, which returns the memory to
+torch's caching allocator for the next call. So at most two copies of a model's weights coexist
+on a rank (its home shard and one call's shard), plus the reallocator's bounded staging buckets.
 """
 
 from __future__ import annotations
@@ -29,15 +36,16 @@ from ..spec import ModelConfig, model_spec, torch_dtype
 from ..transport_dist import DistTransport
 
 
-def init_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Full random weights: N(0, 0.02) matrices, unit norms (same on every rank for a seed)."""
-    g = torch.Generator().manual_seed(seed)
+def init_weights(config: ModelConfig, seed: int, device="cpu") -> dict[str, torch.Tensor]:
+    """Full random weights: N(0, 0.02) matrices, unit norms (same on every rank for a seed and a
+    device type; drawn on `device`, so a GPU run draws on the GPU: seconds, not a minute per 1B)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for p in model_spec(config).params:
         if p.name.endswith("norm.weight"):
-            out[p.name] = torch.ones(p.shape)
+            out[p.name] = torch.ones(p.shape, device=device)
         else:
-            out[p.name] = torch.randn(p.shape, generator=g) * 0.02
+            out[p.name] = torch.randn(p.shape, generator=g, device=device) * 0.02
     return {k: v.to(torch_dtype(config.dtype)) for k, v in out.items()}
 
 
@@ -45,8 +53,9 @@ class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
                  paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
-                 critic_init: str = "checkpoint"):
+                 critic_init: str = "checkpoint", device: torch.device | str = "cpu"):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
                                        timeout=timeout_s)
@@ -70,11 +79,11 @@ class Models:
                 continue
             if paths.get(m):
                 fresh = critic_init if m == "critic" and critic_init != "checkpoint" else None
-                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, name=m,
+                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, self.device, name=m,
                                       value_head_init=fresh, seed=inits[m])
             else:
                 shard = ModelShard.from_full(self.specs[m], layout, self.rank,
-                                             init_weights(configs[m], inits[m]))
+                                             init_weights(configs[m], inits[m], self.device), self.device)
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
@@ -110,7 +119,7 @@ class Models:
             return None, None
         realloc = self._reallocators[(c.model, call)]
         home_engine = self.engines[c.model]
-        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank)
+        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
                      if self.rank in dst.ranks else None)
         t0 = time.perf_counter()
         stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)

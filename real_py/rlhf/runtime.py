@@ -8,7 +8,11 @@ model if it is in the home or the call layout, (2) if in the call's mesh, waits 
 call reads and runs it, (3) posts the pushes of what the call wrote (receivers post irecv at
 once, senders isend after the call). Calls on disjoint meshes therefore run at the same time.
 At the end of an iteration one world all-reduce sums the metrics and one all_gather_object
-collects per-rank call timings. With cfg.offload_frozen, a frozen model (ref, reward) is reloaded
+collects per-rank call timings. On CUDA (cfg.device) every model lives on cuda:{local_rank}, the
+world is NCCL (the launcher inits it, see real_py/device.py) and so are the groups, the
+reallocation and the row pushes (device byte buffers); the peak GPU memory of each call
+(torch.cuda.max_memory_allocated, reset before its reload / reallocation) is reported as
+"peak_mem_mib". With cfg.offload_frozen, a frozen model (ref, reward) is reloaded
 from host memory before its call (before waiting for its rows, so the copy overlaps the wait)
 and offloaded right after it (after posting its pushes).
 """
@@ -20,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..device import peak_memory_mib, reset_peak_memory, resolve_device
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
@@ -59,6 +64,12 @@ class Runtime:
         self.cfg, self.plan, self.graph, self.configs = cfg, plan, graph, configs
         self.rank = dist.get_rank()
         self.timeout_s = timeout_s
+        self.device = resolve_device(cfg.device)
+        backend = dist.get_backend()
+        if (backend == "nccl") != (self.device.type == "cuda"):
+            raise ValueError(f"config device={cfg.device!r} resolves to {self.device}, but the world's "
+                             f"backend is {backend}; init the process group with "
+                             f"{'nccl' if self.device.type == 'cuda' else 'gloo'}")
         # new_group is collective over the world: every rank builds every call's groups, in order.
         by_layout, self.groups = {}, {}
         for n in graph.order:
@@ -66,13 +77,20 @@ class Runtime:
             if layout not in by_layout:
                 by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s)
             self.groups[n] = by_layout[layout]
+        if self.device.type == "cuda":
+            # NCCL builds a communicator on its first collective, which every rank must join:
+            # do it here, not in the first (partial) batch of row pushes.
+            dist.all_reduce(torch.zeros(1, device=self.device))
+        # Row pushes as one batch_isend_irecv per call (see dataflow.Pusher): required by NCCL.
+        self.batched_pushes = self.device.type == "cuda"
         rule = cfg.reward.kind in ("rule", "function")   # no reward model
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,
                              lrs={"actor": cfg.ppo.actor_lr, "critic": cfg.ppo.critic_lr},
                              max_grad_norm=cfg.ppo.max_grad_norm, adam_eps=cfg.ppo.adam_eps,
                              timeout_s=timeout_s, rule_reward=rule,
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
-                             offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init)
+                             offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
+                             device=self.device)
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
@@ -89,25 +107,31 @@ class Runtime:
         "realloc_seconds" (per model: max over ranks), "realloc_bytes" (sum over ranks),
         "offload_seconds" (per frozen model: max over ranks of reload + offload seconds; {} without
         offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
+        "peak_mem_mib" (per call: max over ranks of the GPU memory peak, MiB; {} on CPU),
         "events" (rank, call, start, end), "store"} on every rank."""
         store = Store(self.schema, self.B)
         batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size, self.data)
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
-        pusher = Pusher(self.rank, self.timeout_s)
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
-        events, reallocs, offloads = [], [], []
+        events, reallocs, offloads, peaks = [], [], [], {}
         for i, name in enumerate(self.graph.order):
             try:
+                reset_peak_memory(self.device)
                 self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
+                if self.device.type == "cuda":
+                    peaks[name] = peak_memory_mib(self.device)
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
                                    f"{type(e).__name__}: {e}") from e
         try:
             pusher.finish(store, step)
+            sums = sums.to(self.device)
             dist.all_reduce(sums)
+            sums = sums.cpu()
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent))
+            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
@@ -128,7 +152,8 @@ class Runtime:
             t0 = time.time()
             C.run_call(self, call, g, engine, store, sums, step)
             events.append((self.rank, name, t0, time.time()))
-            pusher.post(store, self.pushes[name], i + 1, name, sending=True)
+        # Every rank (senders are members; on NCCL the held receives go out here too).
+        pusher.post(store, self.pushes[name], i + 1, name, sending=True)
         if offloaded:
             out_bytes, out_sec = self.models.offload(call.model)
             offloads.append((call.model, in_sec + out_sec, in_bytes + out_bytes))
@@ -137,9 +162,11 @@ class Runtime:
     def _summary(self, sums, gathered, store) -> dict:
         metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
         calls, events = {}, []
-        r_sec, r_bytes, o_sec, o_bytes, d_bytes = {}, 0, {}, 0, 0
-        for ev, rl, ol, pushed in gathered:
+        r_sec, r_bytes, o_sec, o_bytes, d_bytes, peak = {}, 0, {}, 0, 0, {}
+        for ev, rl, ol, pushed, pk in gathered:
             events += ev
+            for name, mib in pk.items():
+                peak[name] = max(peak.get(name, 0.0), mib)
             for _, name, a, b in ev:
                 calls[name] = max(calls.get(name, 0.0), b - a)
             for model, sec, nbytes in rl:
@@ -152,7 +179,8 @@ class Runtime:
         calls = {n: calls[n] for n in self.graph.order if n in calls}
         return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
                 "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
-                "data_bytes": d_bytes, "events": events, "store": store}
+                "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in self.graph.order if n in peak},
+                "events": events, "store": store}
 
 
 __all__ = ["Runtime", "make_batch", "METRICS"]

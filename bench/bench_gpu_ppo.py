@@ -1,0 +1,103 @@
+"""One PPO iteration of a 1.1B-parameter actor and critic on one device: seconds and peak memory per call.
+
+The real runtime (real_py.rlhf.runtime.Runtime) in a one-rank world (NCCL on CUDA, gloo on CPU),
+every call on dp1tp1pp1 (one GPU: nothing to reallocate), bf16 parameters with fp32 master weights
+and Adam states, random-init models (actor and reference: the TinyLlama-1.1B shape; critic and
+reward model: the same shape with a value head). Runs --iters iterations and reports each one:
+seconds per call (generate includes the old log-probs pass), peak GPU memory per call
+(torch.cuda.max_memory_allocated, reset before each call), iteration seconds and the metrics.
+The first iteration includes CUDA / cuBLAS warm-up; the last is the steady state.
+
+    python bench/bench_gpu_ppo.py --device cuda
+    python bench/bench_gpu_ppo.py --device cpu --small
+Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from bench_generate import BIG, SMALL, init_world  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
+
+from real_py.rlhf import config as CF  # noqa: E402
+from real_py.rlhf.runtime import Runtime  # noqa: E402
+from real_py.spec import model_spec  # noqa: E402
+
+
+def train_config(device: str, small: bool, batch: int, prompt: int, new: int) -> CF.TrainConfig:
+    model = SMALL if small else BIG
+    d = {"actor": dict(model), "critic": dict(model), "precision": "bf16", "device": device,
+         "data": {"batch_size": batch, "num_prompts": 4 * batch, "min_prompt_len": prompt // 2,
+                  "max_prompt_len": prompt},
+         "generation": {"max_new_tokens": new},
+         "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2}, "save_every": 0}
+    cfg = CF.from_dict(d)
+    cfg.plan = CF.single_process_plan(cfg.graph())
+    return cfg
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny models and sizes (smoke run)")
+    ap.add_argument("--batch", type=int, default=None, help="prompts per iteration (default 32; small 4)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (small 8)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU visible to torch")
+    small = args.small
+    cfg = train_config(args.device, small, args.batch or (4 if small else 32),
+                       args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
+    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    rows, extra = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init_world(dev, tmp)
+        try:
+            plan, graph, models = CF.validate(cfg, 1)
+            t0 = time.perf_counter()
+            rt = Runtime(cfg, plan, graph, models, timeout_s=600)
+            extra["setup_seconds"] = time.perf_counter() - t0
+            extra["params"] = {m: model_spec(c).numel for m, c in models.items()}
+            for step in range(args.iters):
+                t0 = time.perf_counter()
+                out = rt.iteration(step)
+                seconds = time.perf_counter() - t0
+                for call, sec in out["calls"].items():
+                    rows.append({"iteration": step, "call": call, "seconds": sec,
+                                 "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024})
+                rows.append({"iteration": step, "call": "(iteration)", "seconds": seconds,
+                             "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024})
+                extra[f"metrics_{step}"] = out["metrics"]
+                print(f"iteration {step}: {seconds:.2f} s; calls "
+                      + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
+                      + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
+        finally:
+            dist.destroy_process_group()
+    extra["config"] = CF.to_dict(cfg)
+    paths = write_results("gpu_ppo", hardware_tag(args.device) + ("_small" if small else ""), rows,
+                          columns=["iteration", "call", "seconds", "peak GiB"],
+                          title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
+                                f"one {args.device} device",
+                          notes="seconds: wall time of each call (generate includes the old log-probs "
+                                "pass); peak GiB: torch.cuda.max_memory_allocated during the call "
+                                "(0 on CPU). Iteration 0 includes warm-up.",
+                          extra=extra, out_dir=args.out_dir)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
