@@ -67,7 +67,7 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
      "--src-ranks '0,x': expected comma-separated non-negative integers"),
     ("plan-dst-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--dst-ranks", "1;2"], "--dst-ranks '1;2'"),
     ("plan-bad-hf-json", ["plan", "--model", "PLAN_BAD", "--src", "dp2", "--dst", "tp2"],
-     "not a readable HF config"),
+     "bad.json: not valid JSON"),
     ("search-time-budget", ["search", "--gpus", "8", "--time-budget", "-1"], "--time-budget=-1.0 must be > 0"),
     ("search-batch", ["search", "--gpus", "8", "--batch-size", "0"], "--batch-size=0 must be > 0"),
     ("search-unknown-preset", ["search", "--gpus", "8", "--model", "llama3"], "neither a preset"),

@@ -103,7 +103,7 @@ def test_config_key_and_step_line(tmp_path):
     assert CF.load(str(path)).offload_frozen is True and CF.from_dict({}).offload_frozen is False
     with pytest.raises(ValueError, match=r"unknown keys \['offload_frozn'\].*offload_frozen"):
         CF.from_dict({"offload_frozn": True})
-    with pytest.raises(ValueError, match="offload_frozen='yes' must be true or false"):
+    with pytest.raises(ValueError, match="offload_frozen='yes': expected true or false"):
         CF.from_dict({"offload_frozen": "yes"})
     out = {"metrics": {"reward": 0.5}, "calls": {"ref_inf": 0.1}, "realloc_seconds": {},
            "realloc_bytes": 0, "offload_seconds": {"ref": 0.004, "reward": 0.00025},

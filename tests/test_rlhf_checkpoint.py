@@ -29,7 +29,7 @@ def world(tmp_path_factory):
 def _runtime(cfg, seed=0):
     g = torch.Generator().manual_seed(seed)
     flat, m, v = (torch.randn(1000, generator=g) for _ in range(3))
-    tr = SimpleNamespace(exp_avg=m, exp_avg_sq=v.abs(), num_steps=3)
+    tr = SimpleNamespace(exp_avg=m, exp_avg_sq=v.abs(), num_steps=3, master=None)
     eng = SimpleNamespace(optim=object(), shard=SimpleNamespace(flat=flat), layout="dp1tp2pp2", _trainer=tr)
     return SimpleNamespace(cfg=cfg, models=SimpleNamespace(engines={"actor": eng, "ref": None}))
 

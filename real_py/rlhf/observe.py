@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "latest", "latest.tmp", "curves.png", "hf")
+RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "latest.tmp", "curves.png", "hf")
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
 
 
