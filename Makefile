@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.requirements-stamp
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
-ARGS ?= train
+ARGS ?= train --overwrite
 
 .PHONY: venv build run test test-cpp test-py bench bench-realloc clean
 
