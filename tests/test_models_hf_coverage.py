@@ -62,7 +62,8 @@ MAX_NEW = 14  # prompts of up to 6 tokens reach 20 > window 4 and > 16 (dynamic 
 # maps to < 1e-7. A wrong gradient still moves weights by O(lr) and fails the 1e-5 check.
 LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 0.5, 1e-3
 LAYOUTS_UNTIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(pp=3)]
-LAYOUTS_TIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(dp=2, pp=2)]
+LAYOUTS_TIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(dp=2, pp=2),
+                Layout(pp=3, ranks=(2, 0, 1))]
 
 
 @pytest.fixture(scope="module")
