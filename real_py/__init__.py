@@ -6,12 +6,13 @@ Importing the package loads the C++ extension, which registers torch.ops.real_py
 from .layout import Layout, ShardLayout, check_fits, shard_layout, stage_layer_ranges
 from .ops import pack, unpack
 from .plan import ReallocPlan, plan_realloc
+from .reallocator import Reallocator
 from .shard import ModelShard, gather_full
 from .spec import ModelConfig, ModelSpec, ParamSpec, TPRule, model_spec, preset
 
 __all__ = [
     "Layout", "ShardLayout", "check_fits", "shard_layout", "stage_layer_ranges",
-    "ReallocPlan", "plan_realloc", "ModelShard", "gather_full",
+    "ReallocPlan", "plan_realloc", "Reallocator", "ModelShard", "gather_full",
     "ModelConfig", "ModelSpec", "ParamSpec", "TPRule", "model_spec", "preset",
     "pack", "unpack",
 ]
