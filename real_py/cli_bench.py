@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cli_common import ranks
+
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 _REPO = Path(__file__).resolve().parent.parent
@@ -67,15 +69,6 @@ def add_parser(sub) -> None:
                    help="seconds any transfer or collective may wait before failing")
 
 
-def _ranks(text: str | None, flag: str):
-    if not text:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag}={text!r}: expected comma-separated integers, e.g. 0,1,2,3") from None
-
-
 def _per_pair(values, n: int, flag: str) -> list:
     if not values:
         return [None] * n
@@ -106,8 +99,8 @@ def _pairs(args, model):
     pairs = []
     for i, (s, d, sr, dr) in enumerate(zip(args.src, args.dst, _per_pair(args.src_ranks, n, "--src-ranks"),
                                            _per_pair(args.dst_ranks, n, "--dst-ranks"))):
-        src = Layout.parse(s, ranks=_ranks(sr, "--src-ranks"))
-        dst = Layout.parse(d, ranks=_ranks(dr, "--dst-ranks"))
+        src = Layout.parse(s, ranks=ranks(sr, "--src-ranks"))
+        dst = Layout.parse(d, ranks=ranks(dr, "--dst-ranks"))
         for flag, layout in (("--src", src), ("--dst", dst)):
             try:
                 check_fits(model, layout)

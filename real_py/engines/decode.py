@@ -26,33 +26,29 @@ from __future__ import annotations
 
 import torch
 
+from ..models.transformer import KVCache
 
-class StaticKVCache:
+
+class StaticKVCache(KVCache):
     """Keys/values of one layer, preallocated [B, n_kv_local, max_len, hd].
 
     Prefill (the first update) writes slots [0, P) and returns that prefix, exactly like the
-    dynamic cache. After `start_decode()` every update writes its one slot at `index` (a device
-    int64 [1] shared by all layers of the stage) and returns the whole buffers.
+    dynamic cache. Once Decoder sets `decoding` (after prefill) every update writes its one slot
+    at `index` (a device int64 [1] shared by all layers of the stage) and returns the whole
+    buffers.
     """
 
     def __init__(self, batch: int, num_kv: int, max_len: int, head_dim: int, dtype, device,
                  index: torch.Tensor):
-        self.k = torch.zeros(batch, num_kv, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.index, self.length, self.decoding = index, 0, False
+        super().__init__(batch, num_kv, max_len, head_dim, dtype, device)
+        self.index, self.decoding = index, False
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        if self.decoding:
-            self.k.index_copy_(2, self.index, k)
-            self.v.index_copy_(2, self.index, v)
-            return self.k, self.v
-        lo, hi = self.length, self.length + k.shape[2]
-        if hi > self.k.shape[2]:
-            raise RuntimeError(f"KV cache overflow: {hi} > max_len {self.k.shape[2]}")
-        self.k[:, :, lo:hi] = k
-        self.v[:, :, lo:hi] = v
-        self.length = hi
-        return self.k[:, :, :hi], self.v[:, :, :hi]
+        if not self.decoding:
+            return super().update(k, v)
+        self.k.index_copy_(2, self.index, k)
+        self.v.index_copy_(2, self.index, v)
+        return self.k, self.v
 
 
 MODES = ("dynamic", "static", "graph")
