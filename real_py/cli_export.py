@@ -11,7 +11,6 @@ engines in memory, a collective).
 
 from __future__ import annotations
 
-import json
 import os
 
 TRAINED = ("actor", "critic")
@@ -25,12 +24,9 @@ def add_parser(sub) -> None:
 
 
 def _source_config(path: str | None) -> str | None:
-    """The config.json of the HF checkpoint a model was loaded from (its non-computation fields,
-    e.g. bos/eos ids, are kept on export), or None."""
-    if not path:
-        return None
-    cfg = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    return cfg if os.path.isfile(cfg) else None
+    """The HF checkpoint a model was loaded from, whose non-computation fields (e.g. bos/eos ids)
+    save_hf keeps on export; None when there is none."""
+    return path if path and os.path.exists(path) else None
 
 
 def _check_out(out: str) -> None:
@@ -63,29 +59,22 @@ def export_live(rt, out: str) -> list[str]:
     return written
 
 
-def _rank_state(step_dir: str, rank: int) -> dict:
-    """The verified (sha256 against meta.json), pickle-free contents of one rank file."""
-    from .rlhf.checkpoint import read_rank_file
-
-    return read_rank_file(step_dir, rank)
-
-
 def export_checkpoint(step_dir: str, out: str) -> list[str]:
     """Reassemble the trained models of one saved step from its rank files and write them."""
     from .execplan import ExecutionPlan
     from .hf import gather_full_stage, save_hf
+    from .rlhf.checkpoint import read_meta, read_rank_file
     from .rlhf.graph import ALGORITHMS, Graph
     from .shard import ModelShard
     from .spec import ModelConfig, model_spec
 
-    meta_path = os.path.join(step_dir, "meta.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {step_dir}: cannot read meta.json ({e})") from None
+    meta = read_meta(step_dir)
+    if meta.get("algo") not in ALGORITHMS or not isinstance(meta.get("models"), dict) or "plan" not in meta:
+        raise ValueError(f"checkpoint {step_dir}/meta.json lacks algo, models or plan; it was not "
+                         "written by this version of real_py")
     _check_out(out)
     graph, plan = Graph(ALGORITHMS[meta["algo"]]), ExecutionPlan.from_json(meta["plan"])
+    states: dict[int, dict] = {}   # rank -> its file, each read and verified once
     written = []
     for m in TRAINED:
         call = graph.train_call(m)
@@ -97,7 +86,9 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
         for s in range(layout.pp):
             for t in range(layout.tp):
                 r = layout.rank(0, t, s)
-                st = _rank_state(step_dir, r)["models"].get(m)
+                if r not in states:
+                    states[r] = read_rank_file(step_dir, r)
+                st = states[r]["models"].get(m)
                 if st is None or st["layout"] != str(layout):
                     raise ValueError(f"checkpoint {step_dir} rank {r}: no {m} shard of {layout}")
                 by_stage.setdefault(s, []).append(ModelShard(spec, layout, r, st["flat"]))
@@ -112,15 +103,10 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
 
 
 def step_dir(run: str, step: int | None) -> str:
-    if step is not None:
-        path = os.path.join(run, f"step_{step}")
-    else:
-        latest = os.path.join(run, "latest")
-        if not os.path.isfile(latest):
-            raise ValueError(f"{run}: no 'latest' checkpoint marker (not a train run directory, or no "
-                             "checkpoint saved: set save_every)")
-        with open(latest) as f:
-            path = os.path.join(run, f.read().strip())
+    """out_dir/step_<step>, or the step out_dir/latest names (checked as --resume checks it)."""
+    from .rlhf.checkpoint import latest
+
+    path = os.path.join(run, f"step_{step}") if step is not None else latest(run)
     if not os.path.isfile(os.path.join(path, "meta.json")):
         have = sorted(n for n in os.listdir(run) if n.startswith("step_")) if os.path.isdir(run) else []
         raise ValueError(f"no checkpoint at {path}; saved steps in {run}: {have or 'none'}")

@@ -72,7 +72,7 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
     ("search-batch", ["search", "--gpus", "8", "--batch-size", "0"], "--batch-size=0 must be > 0"),
     ("search-unknown-preset", ["search", "--gpus", "8", "--model", "llama3"], "neither a preset"),
     ("search-bad-critic", ["search", "--gpus", "8", "--critic", "nope/x"], "--critic 'nope/x' is neither"),
-    ("export-not-a-run", ["export", "--run", "EMPTY", "--out", "EMPTY/x"], "no 'latest' checkpoint marker"),
+    ("export-not-a-run", ["export", "--run", "EMPTY", "--out", "EMPTY/x"], "latest (not a train run directory"),
     ("export-missing-step", ["export", "--run", "RUN", "--step", "9", "--out", "EMPTY/x"],
      "no checkpoint at"),
     ("plot-not-a-run", ["plot", "EMPTY"], "no metrics.jsonl"),

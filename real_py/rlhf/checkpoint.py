@@ -91,24 +91,30 @@ def save(rt, out_dir: str, step: int) -> str:
 
 def find(resume: str, out_dir: str) -> str:
     """The checkpoint directory to resume from: `resume` itself, or out_dir/latest."""
-    path = resume
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        latest = os.path.join(out_dir, "latest")
-        if not os.path.isfile(latest):
-            raise ValueError(f"--resume: no checkpoint at {resume!r} and no {latest}")
-        with open(latest, "rb") as f:
-            raw = f.read(4096)
-        try:
-            name = raw.decode().strip()
-        except UnicodeDecodeError:
-            name = ""
-        if not name.startswith("step_") or not name[5:].isdigit():
-            raise ValueError(f"--resume: {latest} must name a step directory like 'step_3', got {raw[:40]!r}")
-        path = os.path.join(out_dir, name)
-    return path
+    if os.path.isfile(os.path.join(resume, "meta.json")):
+        return resume
+    return latest(out_dir, f"--resume: no checkpoint at {resume!r} and")
 
 
-def _read_meta(path: str) -> dict:
+def latest(out_dir: str, what: str = "") -> str:
+    """out_dir/step_<k> as out_dir/latest names it; ValueError (prefixed by `what`) when the
+    marker is missing or names anything but a step directory of out_dir."""
+    marker = os.path.join(out_dir, "latest")
+    if not os.path.isfile(marker):
+        raise ValueError(f"{what} no {marker} (not a train run directory, or no checkpoint saved: "
+                         "set save_every)".strip())
+    with open(marker, "rb") as f:
+        raw = f.read(4096)
+    try:
+        name = raw.decode().strip()
+    except UnicodeDecodeError:
+        name = ""
+    if not name.startswith("step_") or not name[5:].isdigit():
+        raise ValueError(f"{marker} must name a step directory like 'step_3', got {raw[:40]!r}")
+    return os.path.join(out_dir, name)
+
+
+def read_meta(path: str) -> dict:
     file = os.path.join(path, "meta.json")
     try:
         with open(file, "rb") as f:
@@ -150,7 +156,7 @@ def _read_verified(path: str, name: str, meta: dict) -> bytes:
 def read_rank_file(path: str, rank: int) -> dict:
     """Verified, pickle-free read of path/rank<rank>.pt (tensors, ints, strings, None only)."""
     name = f"rank{rank}.pt"
-    data = _read_verified(path, name, _read_meta(path))
+    data = _read_verified(path, name, read_meta(path))
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
@@ -163,7 +169,7 @@ def check(cfg, path: str, *, verify_files: bool = True) -> int:
     """Raise ValueError if the checkpoint was made for other models or another plan, or (with
     verify_files) any of its files is corrupt (sha256); returns its step. The launcher runs it
     before any rank starts; each rank's load() verifies its own file again."""
-    meta = _read_meta(path)
+    meta = read_meta(path)
     mine = _meta(cfg)
     for k in ("algo", "models", "paths", "plan", "seed", "reward"):
         if meta.get(k) != mine[k]:

@@ -484,7 +484,7 @@ def _check_vocab(cfg: TrainConfig, models: dict) -> None:
     V = models["actor"].vocab_size
     paths, used = cfg.model_paths(), cfg.graph().models()
     for m in ("ref", "critic", "reward"):
-        if m not in used or (m == "reward" and cfg.reward.kind == "rule"):
+        if m not in used or (m == "reward" and cfg.reward.kind in ("rule", "function")):
             continue
         if paths.get(m) and paths["actor"]:
             _check_same_tokenizer(paths["actor"], paths[m], m)
@@ -569,13 +569,13 @@ def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
     """Load the prompt data set, tokenizer and reward function once, so that any error in them
     shows before ranks start (every rank loads them again, cached per process)."""
     from . import data as D
-    from .rewards import check_call, load_function
+    from .rewards import FunctionReward, check_call
 
     data = D.load(cfg, models["actor"].vocab_size)
     if cfg.reward.kind == "function":
-        load_function(cfg.reward.path)
+        fr = FunctionReward(cfg.reward.path)
         if data is not None:
-            check_call(cfg.reward.path, data)
+            check_call(fr, data)
         if D.tokenizer(cfg, data) is None:
             raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
                              "data.tokenizer_path (or data.path with a tokenizer)")

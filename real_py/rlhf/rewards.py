@@ -62,35 +62,38 @@ class FunctionReward:
         self.spec, self.fn = spec, load_function(spec)
 
     def __call__(self, prompts: list, responses: list[str], row: dict[str, list]) -> torch.Tensor:
-        out = self.fn(prompts, responses, **row)
+        return self.check(self.fn(prompts, responses, **row), len(responses))
+
+    def check(self, out, n: int) -> torch.Tensor:
+        """`out` of the function as [n] float32 scores, or ValueError naming the function."""
         if isinstance(out, torch.Tensor):
             out = out.tolist()
         try:
             vals = [float(x) for x in out]
         except (TypeError, ValueError):
             raise ValueError(f"reward function {self.spec} returned {type(out).__name__} "
-                             f"{str(out)[:80]}; expected a list of {len(responses)} floats") from None
-        if len(vals) != len(responses):
+                             f"{str(out)[:80]}; expected a list of {n} floats") from None
+        if len(vals) != n:
             raise ValueError(f"reward function {self.spec} returned {len(vals)} scores for "
-                             f"{len(responses)} responses; expected one float per response")
+                             f"{n} responses; expected one float per response")
         bad = [v for v in vals if not math.isfinite(v)]
         if bad:
             raise ValueError(f"reward function {self.spec} returned a non-finite score {bad[0]}")
         return torch.tensor(vals, dtype=torch.float32)
 
 
-def check_call(spec: str, data) -> None:
+def check_call(fr: FunctionReward, data) -> None:
     """Call the function once on the data set's first row with an empty response, so a signature
-    that does not match the data set's fields fails before any rank starts."""
-    fr = FunctionReward(spec)
+    that does not match the data set's fields (or a function that fails) shows before any rank
+    starts; the result checks of FunctionReward apply as well."""
+    prompts, row = data.prompt_values([0]), data.fields([0])
     try:
-        fr(data.prompt_values([0]), [""], data.fields([0]))
-    except ValueError:
-        raise
+        out = fr.fn(prompts, [""], **row)
     except Exception as e:
-        raise ValueError(f"reward function {spec} failed when called as fn(prompts, responses, "
-                         f"**row) with row fields {sorted(data.fields([0]))} of the data set's first "
-                         f"row and an empty response: {type(e).__name__}: {e}") from None
+        raise ValueError(f"reward function {fr.spec} failed when called as fn(prompts, responses, "
+                         f"**row) with row fields {sorted(row)} of the data set's first row and an "
+                         f"empty response: {type(e).__name__}: {e}") from None
+    fr.check(out, 1)
 
 
 def write_samples(path: str, step: int, prompts: list, responses: list, scores: torch.Tensor,
