@@ -266,7 +266,7 @@ def test_cuda_requests_without_gpu_are_errors():
             fn()
     eng = SimpleNamespace(config=CF.from_dict({}).model_configs()["actor"], device=torch.device("cpu"),
                           groups=SimpleNamespace(tp_size=1))
-    assert pick_mode(eng, "auto") == "static"
+    assert pick_mode(eng, "auto") == "dynamic" and pick_mode(eng, "static") == "static"
     with pytest.raises(ValueError, match="decode='graph' needs a CUDA engine"):
         pick_mode(eng, "graph")
 

@@ -16,10 +16,10 @@ hidden [B, n, H] on the others. Modes:
            position and index buffers; `valid` is read in place) and replayed for every token,
            as ReaL does. CUDA only, and only with tp == 1 (no TP collectives inside the capture)
 
-On CPU `static` runs the same code as `graph` does on a GPU, eagerly. A graph is captured per
-generate() call and dropped with it, so reallocations and offload reloads (which may move the
-weights' storage) never meet a stale graph. A model configured with a sliding window keeps the
-dynamic cache (the static cache attends over every written slot).
+On CPU `static` (asked for explicitly) runs the same code as `graph` does on a GPU, eagerly. A
+graph is captured per generate() call and dropped with it, so reallocations and offload reloads
+(which may move the weights' storage) never meet a stale graph. Models with sliding-window
+attention or dynamic RoPE scaling decode with the dynamic cache only.
 """
 
 from __future__ import annotations
@@ -55,19 +55,22 @@ MODES = ("dynamic", "static", "graph")
 
 
 def pick_mode(engine, mode: str) -> str:
-    """"auto": graph on CUDA with tp == 1, else static; sliding-window and dynamic-RoPE models
-    stay dynamic."""
+    """"auto": a CUDA graph where one can be captured (CUDA, tp == 1), else the dynamic cache (a
+    static cache without a graph only adds attention over the whole preallocated length)."""
     allowed = MODES + ("auto",)
     if mode not in allowed:
         raise ValueError(f"decode={mode!r}; allowed: {allowed}")
-    if getattr(engine.config, "sliding_window", None) or \
-            dict(getattr(engine.config, "rope_scaling", None) or ()).get("rope_type") == "dynamic":
-        # The window mask and dynamic RoPE follow the cache's current length, which the static
-        # cache (and a captured graph) does not track.
-        return "dynamic"
+    c = engine.config
+    # The window mask and dynamic RoPE follow the cache's current length, which the static cache
+    # (and a captured graph) does not track.
+    length_bound = (any(c.uses_window(i) for i in range(c.num_hidden_layers))
+                    or dict(c.rope_scaling or ()).get("rope_type") == "dynamic")
     cuda_ok = engine.device.type == "cuda" and engine.groups.tp_size == 1
     if mode == "auto":
-        return "graph" if cuda_ok else "static"
+        return "graph" if cuda_ok and not length_bound else "dynamic"
+    if mode != "dynamic" and length_bound:
+        raise ValueError(f"decode={mode!r} needs a model without sliding-window attention and "
+                         "dynamic RoPE scaling; use decode='dynamic' (or 'auto')")
     if mode == "graph" and not cuda_ok:
         raise ValueError(f"decode='graph' needs a CUDA engine with tp == 1; this one is on "
                          f"{engine.device} with tp={engine.groups.tp_size}")

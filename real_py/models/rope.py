@@ -18,6 +18,7 @@ its longest row rescales by that length, not by the whole batch's.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,7 +45,6 @@ def rope_parameters(c: ModelConfig, seq_len: torch.Tensor | None = None, device=
         maxp = c.max_position_embeddings
         if seq_len is None or int(seq_len) <= maxp:
             return _default_inv_freq(base, dim, device), 1.0
-        seq_len = torch.maximum(seq_len, torch.tensor(maxp, dtype=seq_len.dtype, device=seq_len.device))
         base = base * ((factor * seq_len / maxp) - (factor - 1)) ** (dim / (dim - 2))
         return _default_inv_freq(base, dim, device), 1.0
     if kind == "llama3":
@@ -91,10 +91,20 @@ def _yarn(c: ModelConfig, rs: dict, dim: int, base: float, factor: float, device
     return inv_freq, attention
 
 
+@functools.lru_cache(maxsize=64)
+def _fixed_parameters(c: ModelConfig, device: torch.device) -> tuple:
+    # Every rope_type but dynamic is independent of the sequence: computed once per device, so a
+    # decode step does no host work and no host-to-device copy (a CUDA graph capture forbids one).
+    return rope_parameters(c, None, device)
+
+
 def rope_cos_sin_scaled(c: ModelConfig, positions: torch.Tensor, dtype) -> tuple:
     """positions [B, T] int64 -> cos, sin [B, T, head_dim] (fp32 math, scaled, then cast)."""
-    seq_len = positions.max() + 1 if positions.numel() else None
-    inv_freq, scale = rope_parameters(c, seq_len, positions.device)
+    if dict(c.rope_scaling or ()).get("rope_type") == "dynamic":
+        seq_len = positions.max() + 1 if positions.numel() else None
+        inv_freq, scale = rope_parameters(c, seq_len, positions.device)
+    else:
+        inv_freq, scale = _fixed_parameters(c, positions.device)
     freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos(), emb.sin()

@@ -76,8 +76,8 @@ class GenConfig:
     eos_token_id: int | None = None
     decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
     """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
-    CUDA graph on CUDA with tp == 1 and runs the static cache eagerly elsewhere; "static",
-    "dynamic" (growing cache) or "graph" (CUDA with tp == 1 only) force one."""
+    CUDA graph on CUDA with tp == 1 and uses the dynamic (growing) cache elsewhere; "static"
+    (the graph's code run eagerly), "dynamic" or "graph" (CUDA with tp == 1 only) force one."""
 
 
 @dataclass(kw_only=True, slots=True)
