@@ -42,6 +42,7 @@ export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 SUMMARY="$OUT/summary.md"
 printf '# gpu_check %s\n\n| step | exit | seconds |\n|---|---|---|\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"
 status=0
+last_rc=0
 step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/NAME.log, never exits
   local name="$1" cap="$2"
   shift 2
@@ -60,6 +61,7 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/N
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
   echo "| $name | $rc$([ "$rc" -eq 124 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
   [ "$rc" -eq 0 ] || status=1
+  last_rc=$rc
   return 0
 }
 
@@ -72,6 +74,12 @@ if shutil.which('nvidia-smi'):
 
 if [ "$DEVICE" = cuda ]; then
   step build 180 env REAL_PY_CUDA=1 "$PY" setup.py build_ext --inplace
+  if [ "$last_rc" -ne 0 ]; then  # without the CUDA build every later step would test a stale .so
+    echo "| (all later steps) | skipped: build failed | 0 |" >> "$SUMMARY"
+    echo "Result: FAILED (build) in $SECONDS s; logs: build.log" >> "$SUMMARY"
+    cat "$SUMMARY"
+    exit 1
+  fi
   step import 30 "$PY" -c "
 import torch, real_py.ops
 for op in ('pack', 'unpack'):
