@@ -72,6 +72,12 @@ def _position(model: ModelSpec, layout: Layout | None, rank: int | None):
     """(tp, tp_rank, {project name: ShardEntry} of the rank's stage, (lo, hi) layers, stage, pp)."""
     if layout is None:
         layout, rank = Layout(), 0
+    if layout.dp_shard != "none":
+        # FSDP2 shards each HF / Megatron tensor separately; its pieces of q/k/v or gate/up cannot
+        # be fused into this project's tensors. Pass dp-sharded pieces straight to
+        # reallocate_params / shard_from_params with project names instead.
+        raise ValueError(f"layout {layout} is dp-sharded: the adapters map whole TP-local tensors; "
+                         "hand FSDP2 to_local() pieces under project names to reallocate_params")
     coords = layout.coords(rank) if rank is not None else None
     if coords is None:
         raise ValueError(f"rank {rank} is not in layout {layout}")

@@ -70,7 +70,9 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
                              "model (e.g. to_empty + load) before reallocating it")
         if tuple(t.shape) != shapes[e.param.name]:
             raise ValueError(f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
-                             f"{layout} tp rank {coords[1]} holds {shapes[e.param.name]}")
+                             f"{layout} tp rank {coords[1]}"
+                             + (f" dp rank {coords[0]} (its dp piece)" if layout.dp_shard != "none" else "")
+                             + f" holds {shapes[e.param.name]}")
         if t.dtype != dtype:
             raise ValueError(f"{e.param.name}: dtype {t.dtype}, the model spec says {dtype}; cast "
                              "the model first (reallocation moves raw bytes)")

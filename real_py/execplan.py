@@ -47,6 +47,7 @@ class ExecutionPlan:
         return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
                 "calls": {name: {"ranks": list(l.ranks), "dp": l.dp, "tp": l.tp, "pp": l.pp}
                           | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
+                          | ({"partition": l.partition} if l.partition != "params" else {})
                           for name, l in self.calls.items()}}
 
     @classmethod
@@ -82,15 +83,16 @@ class ExecutionPlan:
         for name, c in data["calls"].items():
             if not isinstance(c, dict) or not isinstance(c.get("ranks"), list):
                 raise ValueError(f"{where}: call {name} must be a mapping with a list of ranks, got {c!r}")
-            extra = set(c) - {"ranks", "dp", "tp", "pp", "layers_per_stage"}
+            extra = set(c) - {"ranks", "dp", "tp", "pp", "layers_per_stage", "partition"}
             if extra:
                 raise ValueError(f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
-                                 "pp, layers_per_stage")
+                                 "pp, layers_per_stage, partition")
             try:
                 lps = c.get("layers_per_stage")
                 calls[name] = Layout(dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1),
                                      ranks=tuple(c["ranks"]),
-                                     layers_per_stage=tuple(lps) if lps else None)
+                                     layers_per_stage=tuple(lps) if lps else None,
+                                     partition=c.get("partition", "params"))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
         return cls(world_size=data["world_size"], calls=calls,

@@ -103,8 +103,6 @@ class Layout:
         if len(set(ranks)) != n:
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
             raise ValueError(f"Layout ranks contain duplicates {dup}: each global rank may appear once")
-        if min(ranks) < 0:
-            raise ValueError(f"Layout ranks must be non-negative, got {min(ranks)}")
         object.__setattr__(self, "ranks", ranks)
         if self.partition not in PARTITIONS:
             raise ValueError(f"Layout.partition={self.partition!r}; allowed: {PARTITIONS}")
@@ -117,6 +115,8 @@ class Layout:
             raise ValueError(f"Layout.dp_shard={self.dp_shard!r}; allowed: {DP_SHARD}")
         if self.dp == 1:
             object.__setattr__(self, "dp_shard", "none")
+        if self.layers_per_stage is not None:  # an explicit split leaves no rule to choose
+            object.__setattr__(self, "partition", "params")
 
     @classmethod
     def parse(cls, text: str, **kwargs) -> "Layout":
@@ -193,6 +193,9 @@ def stage_layer_ranges(model: ModelSpec, pp: int, layers_per_stage: tuple[int, .
     """
     L = model.num_layers
     if layers_per_stage is None and partition == "layers":
+        if L % pp:
+            raise ValueError(f"partition='layers' needs pp={pp} to divide num_layers={L} of "
+                             f"{model.name}; give layers_per_stage=... instead")
         layers_per_stage = (L // pp,) * pp
     if layers_per_stage is None:
         layers_per_stage = _balanced_partition(model, pp)

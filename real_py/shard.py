@@ -163,7 +163,8 @@ def _undo_dp_sharding(model: ModelSpec, shards: list[ModelShard]) -> list[ModelS
     by_pos: dict[tuple[int, int], dict[int, ModelShard]] = {}
     for s in shards:
         by_pos.setdefault((s.stage, s.tp_rank), {})[s.dp_rank] = s
-    plain = Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage)
+    plain = Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage,
+                   partition=layout.partition)
     out = []
     for (stage, k), reps in sorted(by_pos.items()):
         if sorted(reps) != list(range(layout.dp)):

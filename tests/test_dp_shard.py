@@ -192,7 +192,7 @@ def test_shard_from_params_takes_fsdp_local_pieces():
     assert torch.equal(got.flat, want.flat)
     whole = ModelShard.from_full(TIED, L("tp2"), 1, full).params()
     with pytest.raises(ValueError, match=r"embed_tokens.weight: local shape \(51, 24\) on rank 7, but "
-                                         r"dp4tp2pp1-dim0 tp rank 1 holds \(12, 24\)"):
+                                         r"dp4tp2pp1-dim0 tp rank 1 dp rank 3 \(its dp piece\) holds \(12, 24\)"):
         shard_from_params(TIED, layout, 7, {**want.params(), "embed_tokens.weight": whole["embed_tokens.weight"]})
 
 
@@ -212,3 +212,36 @@ def test_dp_sharded_layout_with_storage_format_refused():
     with pytest.raises(ValueError, match="dp-sharded.*storage format"):
         plan_realloc(blocked, Layout(dp=2), Layout(dp=2, dp_shard="flat"), dst_model=mega)
     plan_realloc(mega, Layout(tp=2), Layout(dp=2), dst_model=blocked)  # without dp sharding: fine
+
+
+def test_dp_sharding_with_layer_count_split():
+    """partition='layers' survives dp sharding (gather_full, reallocation vs the oracle) and plan JSON;
+    a failure points to a place that rebuilds a Layout without its partition."""
+    model = tiny_spec(layers=4, vocab=301, head="value")
+    full = random_full(model, 7)
+    a = Layout(dp=2, pp=2, dp_shard="dim0", partition="layers")
+    b = Layout(tp=2, pp=2, partition="layers", ranks=(1, 3, 0, 2))
+    srcs = {r: ModelShard.from_full(model, a, r, full) for r in a.ranks}
+    got = gather_full(model, srcs.values())
+    assert all(torch.equal(got[k], full[k]) for k in full)
+    dst = {r: ModelShard.empty(model, b, r) for r in b.ranks}
+    InProcessHub(timeout=20).run(plan_realloc(model, a, b), srcs, dst, bucket_bytes=1 << 12)
+    for r in b.ranks:
+        assert torch.equal(dst[r].flat, oracle_flat(model, b, r, full)), f"rank {r}"
+    plan = ExecutionPlan.from_json({"world_size": 4, "calls": {"x": {"ranks": [0, 1, 2, 3], "pp": 2,
+                                                                     "dp": 2, "partition": "layers"}}})
+    assert ExecutionPlan.from_json(plan.to_json()).calls["x"].partition == "layers"
+    # An explicit split leaves nothing for `partition` to choose: equal layouts compare equal.
+    assert Layout(pp=2, layers_per_stage=(2, 2), partition="layers") == Layout(pp=2, layers_per_stage=(2, 2))
+    from real_py.layout import stage_layer_ranges
+
+    with pytest.raises(ValueError, match="partition='layers' needs pp=3 to divide num_layers=4"):
+        stage_layer_ranges(model, 3, None, "layers")
+
+
+def test_adapters_refuse_dp_sharded_layouts():
+    """The HF / Megatron adapters map whole TP-local tensors; a dp-sharded layout is refused by name."""
+    from real_py.adapters import from_hf_state_dict
+
+    with pytest.raises(ValueError, match="dp-sharded: the adapters map whole TP-local tensors"):
+        from_hf_state_dict({}, tiny_spec(), Layout(dp=2, dp_shard="dim0"), 0)

@@ -77,6 +77,10 @@ using Range = std::array<int64_t, 3>;  // lo, hi, offset
 Range entry_range(const LayoutIn& l, int64_t i, int64_t d, int64_t local_numel) {
   if (!l.dp_sharded()) return {0, local_numel, l.entry_offset[i]};
   const int64_t* r = &l.entry_range[(i * l.dp + d) * 3];
+  if (r[0] < 0 || r[0] > r[1] || r[1] > local_numel || r[2] < 0)
+    throw std::invalid_argument("entry_range of entry " + std::to_string(i) + ", dp replica " +
+                                std::to_string(d) + ": need 0 <= lo <= hi <= " +
+                                std::to_string(local_numel) + " and offset >= 0");
   return {r[0], r[1], r[2]};
 }
 
@@ -93,6 +97,15 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
   check_ranges(src, "src");
   check_ranges(dst, "dst");
   const size_t P = params.size();
+  // The boxes below use the blocked storage of every parameter; plan_realloc refuses other
+  // formats with dp sharding, and a direct caller gets the same refusal instead of a wrong plan.
+  for (size_t p = 0; p < P; ++p)
+    for (const LayoutIn* l : {&src, &dst}) {
+      const Format f = l->format_of(p);
+      if (f.groups != 0 || f.vocab_multiple != 1)
+        throw std::invalid_argument("dp-sharded plans need blocked storage (no grouped fused "
+                                    "tensors, no extra vocab padding) on both sides");
+    }
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
