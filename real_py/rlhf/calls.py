@@ -87,7 +87,8 @@ def _texts(rt, step: int, rows: list[int], tok, pl, ln) -> tuple[list, list]:
     if rt.tokenizer is None:
         return ([t[:p] for t, p in zip(tok.tolist(), pl.tolist())],
                 [t[p:n] for t, p, n in zip(tok.tolist(), pl.tolist(), ln.tolist())])
-    prompts, responses = decode(rt.tokenizer, tok, pl, ln)
+    # With a data set the prompts are its own values (not a decode of the truncated tokens).
+    prompts, responses = decode(rt.tokenizer, tok, pl, ln, prompts=rt.data is None)
     if rt.data is not None:
         prompts = rt.data.prompt_values(_data_index(rt, step)[rows])
     return prompts, responses

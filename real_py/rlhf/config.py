@@ -130,8 +130,8 @@ class TrainConfig:
     save_every: int = 10
     """Checkpoint every N steps (and at the end); 0 disables."""
     actor: dict | None = None
-    """ModelConfig fields of the actor (the reference shares it and its initial weights); None:
-    a tiny random-init model, or the config of actor_path."""
+    """ModelConfig fields of the actor (the reference shares it, and its initial weights unless
+    ref_path is set); None: a tiny random-init model, or the config of actor_path."""
     critic: dict | None = None
     """ModelConfig fields of the critic and reward model (head is forced to "value")."""
     actor_path: str | None = None

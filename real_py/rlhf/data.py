@@ -3,7 +3,6 @@
     data = load(cfg, vocab_size)          # PromptData, or None: the built-in synthetic prompts
     idx = data.batch_indices(step, B, repeat)         # [B] data-set rows of the iteration
     data.prompts[idx], data.lengths[idx]              # [B, P] right-padded ids, [B] lengths
-    data.texts(tokens, prompt_lengths, lengths)       # decoded prompts and responses
     data.fields(idx)                                  # the rows' other fields, as lists
 
 Files: `.jsonl` (one JSON object per line) or `.parquet` (pyarrow); `data.prompt_key` names the
@@ -105,7 +104,7 @@ class PromptData:
                 t = tok(p)["input_ids"]
             if not t:
                 raise ValueError(f"{where} row {i}: prompt {p!r} has no tokens")
-            bad = [x for x in t if not 0 <= x < vocab_size]
+            bad = [x for x in t if not 0 <= x < vocab_size]  # len(tok) can hide ids with gaps
             if bad:
                 raise ValueError(f"{where} row {i}: token id {bad[0]} is outside the actor's vocab_size="
                                  f"{vocab_size}")
@@ -129,10 +128,6 @@ class PromptData:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
-
     def batch_indices(self, step: int, B: int, repeat: int) -> torch.Tensor:
         """[B] data-set rows of iteration `step`: B // repeat consecutive rows of the (shuffled)
         order, wrapping around, each repeated `repeat` times (GRPO groups)."""
@@ -148,15 +143,13 @@ class PromptData:
         return [self.rows[int(i)][self.prompt_key] for i in idx]
 
 
-def decode(tokenizer, tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor
-           ) -> tuple[list[str], list[str]]:
-    """tokens [b, T], prompt_lengths, lengths [b] -> (prompt texts, response texts), special
-    tokens (e.g. the EOS that ended a response) skipped."""
-    prompts, responses = [], []
-    for t, p, n in zip(tokens.tolist(), prompt_lengths.tolist(), lengths.tolist()):
-        prompts.append(tokenizer.decode(t[:p], skip_special_tokens=True))
-        responses.append(tokenizer.decode(t[p:n], skip_special_tokens=True))
-    return prompts, responses
+def decode(tokenizer, tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
+           *, prompts: bool = True) -> tuple[list[str] | None, list[str]]:
+    """tokens [b, T], prompt_lengths, lengths [b] -> (prompt texts, or None with prompts=False;
+    response texts), special tokens (e.g. the EOS that ended a response) skipped."""
+    rows = list(zip(tokens.tolist(), prompt_lengths.tolist(), lengths.tolist()))
+    texts = [tokenizer.decode(t[:p], skip_special_tokens=True) for t, p, _ in rows] if prompts else None
+    return texts, [tokenizer.decode(t[p:n], skip_special_tokens=True) for t, p, n in rows]
 
 
 @functools.lru_cache(maxsize=4)
@@ -180,8 +173,6 @@ def tokenizer_path(cfg) -> str | None:
 def load(cfg, vocab_size: int) -> PromptData | None:
     """The configured prompt data set (cached per process), or None without data.path."""
     d = cfg.data
-    if d.truncate not in ("error", "left", "right"):
-        raise ValueError(f"config data.truncate={d.truncate!r}; allowed: 'error', 'left', 'right'")
     if not d.path:
         return None
     tp = tokenizer_path(cfg)

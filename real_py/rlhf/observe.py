@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "latest.tmp", "curves.png", "hf")
+RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves.png", "hf")
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
 
 
@@ -55,10 +55,7 @@ class RunLog:
         self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
         self.tb = SummaryWriter(log_dir=out_dir)
         self.wandb = None
-        if wandb is not None:
-            if not wandb_available():
-                raise ValueError("config wandb is set but the wandb package is not installed; "
-                                 "pip install wandb, or remove the wandb key")
+        if wandb is not None:  # config validation checked that the package is installed
             import wandb as wb
 
             self.wandb = wb.init(**{"config": config, **wandb})
