@@ -30,6 +30,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from timing import hardware_tag, time_fn, write_results  # noqa: E402
 
 from real_py import Layout, ModelConfig, model_spec  # noqa: E402
+from real_py.device import backend_for, peak_memory_mib, reset_peak_memory, resolve_device  # noqa: E402
 from real_py.engines import Engine  # noqa: E402
 from real_py.parallel import ParallelGroups  # noqa: E402
 from real_py.rlhf.models import init_weights  # noqa: E402
@@ -47,7 +48,7 @@ def init_world(device: torch.device, tmp: str) -> None:
     """A one-rank world (the engines need process groups)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/rdzv",
+    dist.init_process_group(backend_for(device), init_method=f"file://{tmp}/rdzv",
                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
 
 
@@ -67,12 +68,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU visible to torch")
     B = args.batch or (4 if args.small else 32)
     P = args.prompt_len or (8 if args.small else 128)
     N = args.new_tokens or (16 if args.small else 256)
-    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    dev = resolve_device(args.device)
     cfg = ModelConfig(**(SMALL if args.small else BIG), dtype="bfloat16")
     with tempfile.TemporaryDirectory() as tmp:
         init_world(dev, tmp)
@@ -92,15 +91,13 @@ def main(argv=None):
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
 
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+                reset_peak_memory(dev)
                 t = time_fn(run, device="cpu", warmup=1, repeats=args.repeats)
                 ref = out["tokens"] if ref is None else ref
                 rows.append({"mode": mode, "batch": B, "prompt": P, "new tokens": N,
                              "seconds": t.median_s, "tokens/s": B * N / t.median_s,
                              "same tokens": bool(torch.equal(out["tokens"], ref)),
-                             "peak GiB": (torch.cuda.max_memory_allocated() / 2**30
-                                          if dev.type == "cuda" else 0.0)})
+                             "peak GiB": peak_memory_mib(dev) / 1024})
                 print(rows[-1], flush=True)
         finally:
             dist.destroy_process_group()

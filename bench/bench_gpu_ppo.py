@@ -30,6 +30,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from bench_generate import BIG, SMALL, init_world  # noqa: E402
 from timing import hardware_tag, write_results  # noqa: E402
 
+from real_py.device import resolve_device  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.rlhf.runtime import Runtime  # noqa: E402
 from real_py.spec import model_spec  # noqa: E402
@@ -57,12 +58,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU visible to torch")
     small = args.small
     cfg = train_config(args.device, small, args.batch or (4 if small else 32),
                        args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
-    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    dev = resolve_device(args.device)
     rows, extra = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         init_world(dev, tmp)

@@ -28,6 +28,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from timing import hardware_tag, time_fn, write_results  # noqa: E402
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset  # noqa: E402
+from real_py.device import peak_memory_mib, reset_peak_memory  # noqa: E402
 from real_py.shard import ModelShard, gather_full  # noqa: E402
 from real_py.transport import InProcessHub  # noqa: E402
 
@@ -91,13 +92,13 @@ def main(argv=None):
         rows.append({"pair": name, "GiB moved": nbytes / 2**30, "seconds": t.median_s,
                      "GB/s": t.gbps(nbytes), "copy_ GB/s": tc.gbps(nbytes),
                      "vs copy_": tc.median_s / t.median_s, "bit-exact": ok,
-                     "peak GiB": (torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0)})
+                     "peak GiB": peak_memory_mib(dev) / 1024})
         print(rows[-1], flush=True)
         del srcs, dsts, a, b, hub
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory(dev)
     paths = write_results("gpu_realloc", hardware_tag(args.device) + ("_small" if args.small else ""),
                           rows, columns=list(rows[0]),
                           title=f"in-process reallocation, {model.name} bf16 ({args.device})",
