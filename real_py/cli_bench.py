@@ -369,8 +369,6 @@ def _spmd(args, model, pairs, need: int) -> int:
             if rank == 0:
                 print(_line(row), flush=True)
         if rank == 0 and args.out:
-            import torch as _t
-
             result = {
                 "command": "python -m real_py " + " ".join(sys.argv[1:]),
                 "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
@@ -378,8 +376,8 @@ def _spmd(args, model, pairs, need: int) -> int:
                 "num_params": sum(p.numel for p in model.params),
                 "device": args.device, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
                 "link_gbps": args.link_gbps, "machine": machine,
-                "versions": {"python": platform.python_version(), "torch": _t.__version__,
-                             "cuda": _t.version.cuda, "git_commit": _git_commit()},
+                "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "cuda": torch.version.cuda, "git_commit": _git_commit()},
                 "pairs": rows,
             }
             out = Path(args.out)
