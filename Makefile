@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test test-cpp test-py bench bench-realloc clean
+.PHONY: venv build run test lint test-cpp test-py bench bench-realloc clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -32,7 +32,11 @@ test-cpp: $(STAMP)
 test-py: build
 	$(PY) -m pytest -q -ra tests
 
-test: test-cpp test-py
+# Architecture contracts (.importlinter): layers and no import circles; names both modules on a break.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
+
+test: lint test-cpp test-py
 
 bench: build
 	$(PY) bench/bench_plan.py

@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_rlhf import ONE_LAYOUT, run  # noqa: E402
 from timing import write_results  # noqa: E402
 
-from real_py.execplan import ExecutionPlan  # noqa: E402
+from real_py.rlhf.execplan import ExecutionPlan  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
-from real_py.search.hardware import cpu_profile  # noqa: E402
+from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
 PROFILE_KEYS = ("intra_lat", "lat_contention", "p2p_lat_ratio", "layer_lat", "head_lat", "decode_layer_lat",

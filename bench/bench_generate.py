@@ -34,7 +34,7 @@ from real_py.device import backend_for, peak_memory_mib, reset_peak_memory, reso
 from real_py.engines import Engine  # noqa: E402
 from real_py.parallel import ParallelGroups  # noqa: E402
 from real_py.rlhf.models import init_weights  # noqa: E402
-from real_py.shard import ModelShard  # noqa: E402
+from real_py.realloc.shard import ModelShard  # noqa: E402
 
 # 1.10B parameters (the TinyLlama-1.1B shape): 22 layers of hidden 2048, GQA 32/4 heads,
 # intermediate 5632, vocab 32000, untied head.

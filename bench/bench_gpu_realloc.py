@@ -29,8 +29,9 @@ from timing import hardware_tag, time_fn, write_results  # noqa: E402
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset  # noqa: E402
 from real_py.device import peak_memory_mib, reset_peak_memory  # noqa: E402
-from real_py.shard import ModelShard, gather_full  # noqa: E402
-from real_py.transport import InProcessHub  # noqa: E402
+from real_py.realloc.shard import ModelShard, gather_full  # noqa: E402
+from real_py.realloc.transports import InProcessHub  # noqa: E402
+from real_py.realloc.reallocator import run_in_process
 
 PAIRS = [("tp4pp1->tp2pp2", Layout(tp=4), Layout(tp=2, pp=2)),
          ("tp2pp2->dp4tp1pp1", Layout(tp=2, pp=2), Layout(dp=4)),
@@ -74,14 +75,14 @@ def main(argv=None):
         dsts = {r: ModelShard.empty(model, dst, r, dev) for r in dst.ranks}
         nbytes = sum(s.flat.numel() * s.flat.element_size() for s in dsts.values())
         hub = InProcessHub(timeout=600)
-        hub.run(plan, srcs, dsts)  # warm-up, and the run that is checked
+        run_in_process(hub, plan, srcs, dsts)  # warm-up, and the run that is checked
         # Oracle: the destination shards, gathered, equal the sources gathered (bit for bit).
         want, got = gather_full(model, srcs.values()), gather_full(model, dsts.values())
         ok = all(torch.equal(want[k], got[k]) for k in want)
         del want, got
 
         def run():
-            hub.run(plan, srcs, dsts)
+            run_in_process(hub, plan, srcs, dsts)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
 

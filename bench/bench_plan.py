@@ -16,7 +16,7 @@ import time
 
 from real_py import Layout, model_spec, plan_realloc
 from real_py import layout as layout_mod
-from real_py import plan as plan_mod
+from real_py.realloc import plan as plan_mod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import write_results  # noqa: E402

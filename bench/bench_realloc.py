@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc  # noqa: E402
-from real_py.plan import _shard_data_numel  # noqa: E402
-from real_py.shard import ModelShard, tp_slice  # noqa: E402
+from real_py.realloc.plan import _shard_data_numel  # noqa: E402
+from real_py.realloc.shard import ModelShard, tp_slice  # noqa: E402
 
 WORLD = 4
 CONFIGS = {
@@ -277,7 +277,7 @@ def worker(rank, world, args) -> dict | None:
 def _transport_or_reason():
     """real_py's torch.distributed transport, or why the real_py column is pending."""
     try:
-        from real_py.transport_dist import DistTransport
+        from real_py.realloc.transports.dist import DistTransport
     except ImportError:
         return "pending: real_py has no torch.distributed transport yet (dist branch not merged)"
     return DistTransport(dist.group.WORLD)

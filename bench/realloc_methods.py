@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from real_py.layout import param_stages
-from real_py.shard import tp_slice
+from real_py.realloc.shard import tp_slice
 
 
 def _holds(model, layout, rank, p) -> bool:
@@ -148,8 +148,8 @@ class RealPy:
 
     def __init__(self, model, src, dst, src_shard, dst_shard, transport, **realloc_kw):
         """realloc_kw: Reallocator options (direct_min_bytes=0: the all-staged reference row)."""
-        from real_py.plan import plan_realloc
-        from real_py.reallocator import Reallocator
+        from real_py.realloc.plan import plan_realloc
+        from real_py.realloc.reallocator import Reallocator
 
         self.plan = plan_realloc(model, src, dst)
         self.realloc = Reallocator(self.plan, transport, **realloc_kw)

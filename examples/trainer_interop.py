@@ -105,11 +105,11 @@ def worker(rank: int, world: int, models: dict) -> dict:
     import torch.distributed as dist
 
     from real_py import Layout, ModelConfig, model_spec, plan_realloc, stage_layer_ranges
-    from real_py.adapters import (from_hf_state_dict, from_megatron_state_dict, megatron_config,
+    from real_py.interop.adapters import (from_hf_state_dict, from_megatron_state_dict, megatron_config,
                                   megatron_layout, to_hf_state_dict, to_megatron_state_dict)
-    from real_py.embed import reallocate_params
-    from real_py.reallocator import Reallocator
-    from real_py.transport_dist import DistTransport
+    from real_py.interop.embed import reallocate_params
+    from real_py.realloc.reallocator import Reallocator
+    from real_py.realloc.transports.dist import DistTransport
 
     transport = DistTransport(dist.group.WORLD, timeout=60)
     train_layout, gen_layout = megatron_layout(tp=2, pp=2), Layout(dp=4)

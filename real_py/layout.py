@@ -8,7 +8,7 @@ shard. Padding between parameters and vocab padding rows are zero and never tran
 
 With `dp_shard` "dim0" (FSDP2) or "flat" (ZeRO-3 / FSDP1) the dp replicas of a (stage, tp rank)
 each hold 1/dp of that shard instead (dp_shard_layout); such layouts are reallocation sources
-and destinations for trainers (real_py.embed), not layouts the engines run on.
+and destinations for trainers (real_py.interop.embed), not layouts the engines run on.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator
 
 from oracle import min_network_elems, oracle_flat, random_full, random_layout, tiny_spec
 

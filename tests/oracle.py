@@ -1,6 +1,6 @@
 """Independent oracle for reallocation tests: which global elements a rank holds, by index math.
 
-Written apart from the planner and from real_py.shard.tp_slice: a rank's piece of a parameter is
+Written apart from the planner and from real_py.realloc.shard.tp_slice: a rank's piece of a parameter is
 computed as a global index tensor (`held_indices`), and shards are assembled with index_select.
 Tests compare real shards bit for bit with `oracle_flat`, never with a second copy of the plan.
 """

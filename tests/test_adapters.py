@@ -1,8 +1,8 @@
-# Checks real_py.adapters in one process: HF-named and Megatron-core-named per-rank dicts (built
+# Checks real_py.interop.adapters in one process: HF-named and Megatron-core-named per-rank dicts (built
 # by hand in examples/trainer_interop.py from a transformers LlamaForCausalLM) map to exactly the
 # local tensors tests/oracle.py says the rank holds, and back; bad dicts raise ValueError naming
 # the key and the expected shape / order / pipeline split, leaving the dict untouched. A failure
-# points to real_py/adapters.py, the Megatron conventions in it, or Layout.partition.
+# points to real_py/interop/adapters.py, the Megatron conventions in it, or Layout.partition.
 import sys
 from pathlib import Path
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from real_py import Layout, ModelConfig, model_spec, shard_layout, stage_layer_ranges
-from real_py.adapters import (from_hf_state_dict, from_megatron_state_dict, megatron_config,
+from real_py.interop.adapters import (from_hf_state_dict, from_megatron_state_dict, megatron_config,
                               megatron_layout, to_hf_state_dict, to_megatron_state_dict)
-from real_py.embed import shard_from_params
+from real_py.interop.embed import shard_from_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from trainer_interop import hf_rank_dict, megatron_rank_dict, tiny_llama  # noqa: E402

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from real_py import Layout, ModelConfig, ModelShard, check_fits, plan_realloc
-from real_py.embed import reallocate_flat, reallocate_params, shard_from_params
-from real_py.hf import load_hf_shard
+from real_py.interop.embed import reallocate_flat, reallocate_params, shard_from_params
+from real_py.interop.hf import load_hf_shard
 from real_py.parallel import ParallelGroups
-from real_py.reallocator import Reallocator
-from real_py.transport import InProcessHub
+from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.transports import InProcessHub
+from real_py.realloc.reallocator import run_in_process
 
 import models_oracle as O
 from oracle import random_full, tiny_spec
@@ -158,7 +159,7 @@ def test_good_inputs_still_work():
     lay = Layout(dp=2, ranks=np.array([1, 0]))
     assert lay.ranks == (1, 0) and all(type(r) is int for r in lay.ranks)
     hub = InProcessHub(timeout=10)
-    out = hub.run(plan_realloc(SPEC, Layout(), Layout(ranks=(1,))),
+    out = run_in_process(hub, plan_realloc(SPEC, Layout(), Layout(ranks=(1,))),
                   {0: ModelShard.from_full(SPEC, Layout(), 0, FULL)},
                   {1: ModelShard.empty(SPEC, Layout(ranks=(1,)), 1)})
     assert set(out) == {0, 1}

@@ -18,11 +18,11 @@ import torch
 
 from real_py import Layout, ModelConfig
 from real_py.engines import Engine, OptimConfig
-from real_py.hf import gather_state_dict, load_hf_shard
+from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
-from real_py.shard import ModelShard
+from real_py.realloc.shard import ModelShard
 from real_py.spec import model_spec
 from real_py.testing import run_distributed
 

@@ -1,7 +1,7 @@
 """Checks dp-sharded layouts over 4 gloo ranks: DistTransport transfers, FSDP2 DTensor Shard(0) agreement, device meshes.
 
 A failure points to the dp planner (csrc/planner/dp_shard.cpp), real_py/layout.py dp_shard_layout (if the DTensor
-comparison fails, our dim0 rule departs from FSDP2's), or real_py/embed.py layout_from_device_mesh / shard_from_params.
+comparison fails, our dim0 rule departs from FSDP2's), or real_py/interop/embed.py layout_from_device_mesh / shard_from_params.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.embed import layout_from_device_mesh, reallocate_params
-from real_py.reallocator import Reallocator
+from real_py.interop.embed import layout_from_device_mesh, reallocate_params
+from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
-from real_py.transport_dist import DistTransport
+from real_py.realloc.transports.dist import DistTransport
 
 from dist_cases import check_transfer
 from oracle import oracle_flat, random_full, tiny_spec

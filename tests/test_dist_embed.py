@@ -1,7 +1,7 @@
 """Checks the trainer embedding API (dicts of local tensors, flat buffers) and the DeviceMesh ->
 Layout conversion, on 4 spawned gloo ranks with real DeviceMeshes, plus input validation.
 
-A failure points to real_py/embed.py; reallocation results are compared with tests/oracle.py.
+A failure points to real_py/interop/embed.py; reallocation results are compared with tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from real_py import Layout, shard_layout
-from real_py.embed import (layout_from_device_mesh, reallocate_flat, reallocate_params,
+from real_py.interop.embed import (layout_from_device_mesh, reallocate_flat, reallocate_params,
                            shard_from_params)
-from real_py.plan import plan_realloc
-from real_py.reallocator import Reallocator
+from real_py.realloc.plan import plan_realloc
+from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
-from real_py.transport_dist import DistTransport
+from real_py.realloc.transports.dist import DistTransport
 
 from dist_cases import BIAS, TIED, random_full
 from oracle import oracle_flat
@@ -24,7 +24,7 @@ from oracle import oracle_flat
 
 def trainer_params(model, layout: Layout, rank: int, full: dict) -> dict:
     """What a Megatron-style trainer holds on `rank`: separate tensors per local parameter,
-    cut from the oracle's flat buffer (index math, not real_py.shard)."""
+    cut from the oracle's flat buffer (index math, not real_py.realloc.shard)."""
     _, _, stage = layout.coords(rank)
     flat = oracle_flat(model, layout, rank, full)
     return {e.param.name: flat[e.offset:e.offset + e.numel].view(e.local_shape).clone()

@@ -1,8 +1,8 @@
 """Checks failure handling of distributed reallocation over gloo: a killed rank, a stalled rank,
 data corrupted in flight (verify=True), free_source, and the staging bound.
 
-A failure points to real_py/transport_dist.py (timeouts, error text, failure reports) or to the
-reallocator's verify / free_source / staging handling (real_py/reallocator.py).
+A failure points to real_py/realloc/transports/dist.py (timeouts, error text, failure reports) or to the
+reallocator's verify / free_source / staging handling (real_py/realloc/reallocator.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
-from real_py.transport import Handle, TransferError, Transport
-from real_py.transport_dist import DistTransport
+from real_py.realloc.transports.base import Handle, TransferError, Transport
+from real_py.realloc.transports.dist import DistTransport
 
 from dist_cases import TIED, random_full
 from oracle import oracle_flat

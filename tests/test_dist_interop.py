@@ -2,8 +2,8 @@
 # hand (tp2 pp2, HF-named slices and Megatron-core local dicts with grouped q|k|v and 128 x tp
 # vocab padding, tied and untied) -> generation layout dp4 -> back, bit for bit against the full
 # transformers tensors and the trainer's own dicts; plus storage-format layout pairs over gloo
-# against tests/oracle.py. A failure points to real_py/adapters.py, the planner's storage-format
-# conversion (csrc/planner/geometry.cpp, real_py/plan.py) or examples/trainer_interop.py.
+# against tests/oracle.py. A failure points to real_py/interop/adapters.py, the planner's storage-format
+# conversion (csrc/planner/geometry.cpp, real_py/realloc/plan.py) or examples/trainer_interop.py.
 import sys
 from pathlib import Path
 
@@ -31,8 +31,8 @@ FORMAT_PAIRS = [  # (src format, dst format, src layout, dst layout, dst ranks)
 def _worker(rank: int, world: int, models: dict) -> dict:
     import torch.distributed as dist
 
-    from real_py.reallocator import Reallocator
-    from real_py.transport_dist import DistTransport
+    from real_py.realloc.reallocator import Reallocator
+    from real_py.realloc.transports.dist import DistTransport
 
     out = worker(rank, world, models)
     transport = DistTransport(dist.group.WORLD, timeout=60)

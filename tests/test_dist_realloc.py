@@ -1,6 +1,6 @@
 """Checks distributed reallocation over gloo (DistTransport) on 2, 4 and 8 spawned ranks.
 
-A failure points to real_py/transport_dist.py (p2p batches, broadcast subgroups, byte counts) or
+A failure points to real_py/realloc/transports/dist.py (p2p batches, broadcast subgroups, byte counts) or
 the reallocator's pipelined rounds; results are compared with the index oracle (tests/oracle.py).
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from real_py.testing import run_distributed
-from real_py.transport_dist import DistTransport
+from real_py.realloc.transports.dist import DistTransport
 
 from dist_cases import SPECS, check_transfer, named_pairs, random_full
 from oracle import random_layout

@@ -1,6 +1,6 @@
 """Checks dp-sharded layouts (FSDP2 dim-0 chunks, ZeRO-3 / FSDP1 flat split) as reallocation source and destination.
 
-A failure points to real_py/layout.py (dp_shard_layout), real_py/shard.py (dp pieces), plan.py (entry ranges)
+A failure points to real_py/layout.py (dp_shard_layout), real_py/realloc/shard.py (dp pieces), plan.py (entry ranges)
 or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is tests/oracle.py (index_buffer, torch.chunk).
 """
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, gather_full, plan_realloc
-from real_py.execplan import ExecutionPlan
+from real_py.rlhf.execplan import ExecutionPlan
 from real_py.layout import dp_shard_layout
-from real_py.transport import InProcessHub
+from real_py.realloc.transports import InProcessHub
+from real_py.realloc.reallocator import run_in_process
 
 from oracle import min_network_elems, oracle_flat, random_dp_layout, random_full, tiny_spec
 from test_plan import check_pair
@@ -73,7 +74,7 @@ def test_random_pairs_reallocator():
         before = {r: s.flat.clone() for r, s in srcs.items()}
         dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
         bucket = rng.choice([256, 1 << 12, 1 << 20])
-        stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket)
+        stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket)
         tag = f"pair {i} {src}@{list(src.ranks)} -> {dst}@{list(dst.ranks)} bucket {bucket}"
         for r in src.ranks:
             assert torch.equal(srcs[r].flat, oracle_flat(model, src, r, full)), f"{tag}: from_full rank {r}"
@@ -98,9 +99,9 @@ def test_round_trip_and_gather_full():
         b = random_dp_layout(rng, 8, model.num_layers)
         srcs = {r: ModelShard.from_full(model, a, r, full) for r in a.ranks}
         mid = {r: ModelShard.empty(model, b, r) for r in b.ranks}
-        InProcessHub(timeout=20).run(plan_realloc(model, a, b), srcs, mid, bucket_bytes=1 << 12)
+        run_in_process(InProcessHub(timeout=20), plan_realloc(model, a, b), srcs, mid, bucket_bytes=1 << 12)
         back = {r: ModelShard.empty(model, a, r) for r in a.ranks}
-        InProcessHub(timeout=20).run(plan_realloc(model, b, a, mode="broadcast"), mid, back,
+        run_in_process(InProcessHub(timeout=20), plan_realloc(model, b, a, mode="broadcast"), mid, back,
                                      bucket_bytes=1 << 16)
         for r in a.ranks:
             assert torch.equal(back[r].flat, srcs[r].flat), f"round trip {a}->{b}->{a}: rank {r}"
@@ -145,7 +146,7 @@ def test_engines_and_runtime_refuse_dp_sharded():
     from real_py.engines.engine import Engine
     from real_py.spec import ModelConfig
 
-    from real_py.hf import load_hf_shard
+    from real_py.interop.hf import load_hf_shard
 
     with pytest.raises(ValueError, match="load_hf_shard: layout dp4tp1pp1-dim0 is dp-sharded"):
         load_hf_shard("/nonexistent", None, L("dp4,dim0"), 0)
@@ -164,7 +165,7 @@ class _Mesh:
 
 
 def test_layout_from_fsdp_meshes():
-    from real_py.embed import layout_from_device_mesh
+    from real_py.interop.embed import layout_from_device_mesh
 
     # FSDP2 mesh with a trivial replicate dim (HSDP of one replica): dp_shard x tp.
     m = _Mesh(torch.arange(8).view(1, 4, 2), ("dp_replicate", "dp_shard", "tp"))
@@ -184,7 +185,7 @@ def test_layout_from_fsdp_meshes():
 
 def test_shard_from_params_takes_fsdp_local_pieces():
     """A trainer's FSDP2 local tensors (dim-0 pieces) become a shard; wrong piece shapes are named."""
-    from real_py.embed import shard_from_params
+    from real_py.interop.embed import shard_from_params
 
     layout, full = L("dp4,tp2,dim0"), random_full(TIED, 1)
     want = ModelShard.from_full(TIED, layout, 7, full)
@@ -200,7 +201,7 @@ def test_dp_sharded_layout_with_storage_format_refused():
     # The dp-sharded planner handles blocked storage only: a Megatron-format spec on a
     # dp-sharded side must be refused with the reason, not planned wrongly.
     from real_py import ModelConfig, model_spec
-    from real_py.adapters import megatron_config
+    from real_py.interop.adapters import megatron_config
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64, num_hidden_layers=2)
@@ -225,7 +226,7 @@ def test_dp_sharding_with_layer_count_split():
     got = gather_full(model, srcs.values())
     assert all(torch.equal(got[k], full[k]) for k in full)
     dst = {r: ModelShard.empty(model, b, r) for r in b.ranks}
-    InProcessHub(timeout=20).run(plan_realloc(model, a, b), srcs, dst, bucket_bytes=1 << 12)
+    run_in_process(InProcessHub(timeout=20), plan_realloc(model, a, b), srcs, dst, bucket_bytes=1 << 12)
     for r in b.ranks:
         assert torch.equal(dst[r].flat, oracle_flat(model, b, r, full)), f"rank {r}"
     plan = ExecutionPlan.from_json({"world_size": 4, "calls": {"x": {"ranks": [0, 1, 2, 3], "pp": 2,
@@ -241,7 +242,7 @@ def test_dp_sharding_with_layer_count_split():
 
 def test_adapters_refuse_dp_sharded_layouts():
     """The HF / Megatron adapters map whole TP-local tensors; a dp-sharded layout is refused by name."""
-    from real_py.adapters import from_hf_state_dict
+    from real_py.interop.adapters import from_hf_state_dict
 
     with pytest.raises(ValueError, match="dp-sharded: the adapters map whole TP-local tensors"):
         from_hf_state_dict({}, tiny_spec(), Layout(dp=2, dp_shard="dim0"), 0)

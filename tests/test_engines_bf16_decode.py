@@ -28,12 +28,12 @@ import torch
 
 from real_py import ModelConfig
 from real_py.engines import Engine, OptimConfig
-from real_py.hf import gather_state_dict, load_hf_shard
+from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.layout import Layout
 from real_py.parallel import ParallelGroups
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
-from real_py.shard import ModelShard
+from real_py.realloc.shard import ModelShard
 from real_py.spec import model_spec
 from real_py.testing import run_distributed
 
@@ -272,7 +272,7 @@ def test_cuda_requests_without_gpu_are_errors():
 
 
 def test_step_line_reports_peak_memory():
-    from real_py.cli_train import _line
+    from real_py.cli.train import _line
 
     out = {"metrics": {"reward": 1.0}, "calls": {"actor_gen": 0.5}, "realloc_seconds": {},
            "realloc_bytes": 0, "peak_mem_mib": {"actor_gen": 1234.4, "actor_train": 2048.0}}

@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec, plan_realloc
 from real_py.engines import Engine, OptimConfig
-from real_py.hf import gather_state_dict, load_hf_shard
+from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
-from real_py.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator
 from real_py.rlhf import ppo as P
 from real_py.testing import run_distributed
-from real_py.transport_dist import DistTransport
+from real_py.realloc.transports.dist import DistTransport
 
 import models_oracle as O
 from oracle import oracle_flat

@@ -1,9 +1,9 @@
 # Checks HF checkpoint import/export: per-rank slice-on-read loading, logits parity with transformers, save round trip, bad checkpoints.
-# A failure points to real_py/hf.py (name mapping, slicing, validation) or real_py/models/transformer.py (numerics vs transformers).
+# A failure points to real_py/interop/hf.py (name mapping, slicing, validation) or real_py/models/transformer.py (numerics vs transformers).
 """Single process, no torch.distributed: load_hf_shard and StageModel work on one rank's shard.
 
 Oracles: transformers' own forward (logits within 1e-4, the issue's bound; observed 0 for tp1pp1
-since the op sequence matches), and real_py.shard.tp_slice of the checkpoint's tensors for the
+since the op sequence matches), and real_py.realloc.shard.tp_slice of the checkpoint's tensors for the
 per-rank shards (bit for bit).
 """
 
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec
-from real_py.hf import HFCheckpoint, load_hf_shard, save_hf
+from real_py.interop.hf import HFCheckpoint, load_hf_shard, save_hf
 from real_py.models import StageModel
 
 import models_oracle as O

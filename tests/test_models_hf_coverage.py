@@ -1,5 +1,5 @@
 # Checks HF model coverage against transformers: rope_scaling (linear/dynamic/llama3/yarn), Mistral sliding_window, Qwen2 use_sliding_window + max_window_layers, biases, tied; refusals of unsupported architectures/fields; save_hf's exported config.
-# A failure points to real_py/models/rope.py (frequencies), real_py/models/transformer.py (window mask, KV cache slots), real_py/hf_config.py (field parsing/refusals/export) or real_py/hf.py.
+# A failure points to real_py/models/rope.py (frequencies), real_py/models/transformer.py (window mask, KV cache slots), real_py/spec/hf_config.py (field parsing/refusals/export) or real_py/interop/hf.py.
 """Oracle: transformers 4.57 itself on random-init checkpoints it wrote. Sequences of 24 tokens
 (the window is 4; dynamic RoPE's max_position_embeddings is 16, so it rescales). Generation is
 compared with transformers' own KV-cache decoding (prefill, then one token per step), which is
@@ -21,7 +21,7 @@ import transformers
 
 from real_py import Layout, ModelConfig, gather_full, model_spec
 from real_py.engines import Engine, OptimConfig
-from real_py.hf import gather_state_dict, load_hf_shard, save_hf
+from real_py.interop.hf import gather_state_dict, load_hf_shard, save_hf
 from real_py.models import StageModel
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed

@@ -1,5 +1,5 @@
 # Checks the TP/PP/DP engines (logits, log-probs, values, one train step, generation) for six layouts against transformers' own models.
-# A failure points to real_py/models (TP collectives, vocab padding), real_py/engines (pipeline, 1F1B, DP/tied reduction, sampling) or real_py/hf.py.
+# A failure points to real_py/models (TP collectives, vocab padding), real_py/engines (pipeline, 1F1B, DP/tied reduction, sampling) or real_py/interop/hf.py.
 """All six layouts of the issue run in ONE 4-rank gloo spawn (ranks outside a layout skip it,
 but still build its groups, as the PPO runtime will). Three checkpoints: Qwen2 (q/k/v bias,
 untied), LLaMA with tied embeddings, LLaMA value head (SequenceClassification, num_labels=1).
@@ -19,7 +19,7 @@ import pytest
 
 from real_py import ModelConfig
 from real_py.engines import Engine, OptimConfig, pick_tokens
-from real_py.hf import gather_state_dict, load_hf_shard
+from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 

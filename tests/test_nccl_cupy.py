@@ -1,7 +1,7 @@
 """Checks the cupy-NCCL transport: self-sends at world size 1, a 2-GPU reallocation against the
 oracle, and a missing peer timing out; plus the clear error where cupy is absent (CPU).
 
-A failure points to real_py/transport_nccl.py (group calls, unique-id exchange, timeouts).
+A failure points to real_py/realloc/transports/nccl.py (group calls, unique-id exchange, timeouts).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
-from real_py.transport import TransferError
-from real_py.transport_nccl import CupyNcclTransport
+from real_py.realloc.transports.base import TransferError
+from real_py.realloc.transports.nccl import CupyNcclTransport
 
 from dist_cases import BIAS, TIED, random_full
 from oracle import oracle_flat

@@ -1,5 +1,5 @@
 # Checks frozen-model offload: HostOffload round trips bit for bit with views kept valid and the host buffer reused, misuse errors, and the PPO runtime with offload_frozen (same results as without, ref/reward freed outside their calls, bytes reported).
-# A failure points to real_py/offload.py (copy, storage resize, pinned buffer), real_py/rlhf/models.py (offloaders, engine_for check), runtime.py (reload/offload around the call, summary) or config.py / cli_train.py (the key, the step line).
+# A failure points to real_py/realloc/offload.py (copy, storage resize, pinned buffer), real_py/rlhf/models.py (offloaders, engine_for check), runtime.py (reload/offload around the call, summary) or config.py / cli/train.py (the key, the step line).
 """The runtime comparison is exact (torch.equal, ==): offloading copies bytes out and back, so the
 same 4-rank job with and without it must compute the same bits."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from real_py.layout import shard_layout
-from real_py.offload import HostOffload
+from real_py.realloc.offload import HostOffload
 from real_py.rlhf import config as CF
 from real_py.spec import model_spec, torch_dtype
 from real_py.testing import run_distributed
@@ -96,7 +96,7 @@ def test_cuda_pinned_round_trip(dtype):
 
 
 def test_config_key_and_step_line(tmp_path):
-    from real_py.cli_train import _line
+    from real_py.cli.train import _line
 
     path = tmp_path / "c.yaml"
     path.write_text("steps: 1\noffload_frozen: true\n")

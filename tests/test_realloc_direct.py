@@ -1,8 +1,8 @@
 """Checks direct (unstaged) sends of big contiguous pieces inside mixed messages: which chunks go
 direct, staging shrinks, results bit for bit against tests/oracle.py, in-process and over gloo.
 
-A failure points to the message splitting in real_py/schedule.py (_split_message, Chunk.contiguous)
-or the direct-send slices in real_py/reallocator.py; byte counts point to the transports.
+A failure points to the message splitting in real_py/realloc/schedule.py (_split_message, Chunk.contiguous)
+or the direct-send slices in real_py/realloc/reallocator.py; byte counts point to the transports.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from real_py import ModelConfig, ModelShard, model_spec, plan_realloc
-from real_py.reallocator import DEFAULT_DIRECT_MIN_BYTES, Reallocator
-from real_py.schedule import Schedule
+from real_py.realloc.reallocator import DEFAULT_DIRECT_MIN_BYTES, Reallocator
+from real_py.realloc.schedule import Schedule
 from real_py.testing import run_distributed
-from real_py.transport import InProcessHub
+from real_py.realloc.transports import InProcessHub
+from real_py.realloc.reallocator import run_in_process
 
 from dist_cases import L, SPECS, check_transfer, named_pairs, random_case
 from oracle import oracle_flat, random_full
@@ -89,7 +90,7 @@ def test_inprocess_bitwise_with_thresholds(threshold):
         model, full, src, dst, plan, srcs, dsts = random_case(rng, i)
         before = {r: s.flat.clone() for r, s in srcs.items()}
         bucket = rng.choice([256, 4096, 1 << 20])
-        stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket,
+        stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket,
                                              pipeline=i % 3 == 0, verify=i % 5 == 0,
                                              direct_min_bytes=threshold)
         tag = f"pair {i} {src}->{dst} bucket {bucket} threshold {threshold}"
@@ -112,7 +113,7 @@ def test_default_threshold_on_mid_model():
     for t in (0, DEFAULT_DIRECT_MIN_BYTES):
         srcs = {r: ModelShard.from_full(MID, src, r, full) for r in src.ranks}
         dsts = {r: ModelShard.empty(MID, dst, r) for r in dst.ranks}
-        stats = InProcessHub(timeout=60).run(plan, srcs, dsts, bucket_bytes=4 << 20,
+        stats = run_in_process(InProcessHub(timeout=60), plan, srcs, dsts, bucket_bytes=4 << 20,
                                              direct_min_bytes=t)
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(MID, dst, r, full)), f"threshold {t} {r}"
@@ -135,7 +136,7 @@ def test_negative_threshold_rejected():
 def _gloo(rank: int, world: int) -> dict:
     """Named pairs at 3 thresholds and the MID model at the default, in one spawn."""
     t = dist.group.WORLD
-    from real_py.transport_dist import DistTransport
+    from real_py.realloc.transports.dist import DistTransport
 
     tr = DistTransport(t, timeout=60)
     done = Counter()

@@ -2,7 +2,7 @@
 (in-process transport): random pairs against the oracle, staging bound, a corrupted chunk.
 
 A failure points to the pipelined round loop, checksum exchange or staging halves in
-real_py/reallocator.py (the distributed transports run the same loop, see tests/test_dist_*.py).
+real_py/realloc/reallocator.py (the distributed transports run the same loop, see tests/test_dist_*.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.reallocator import Reallocator
-from real_py.transport import InProcessHub, InProcessTransport, TransferError
+from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.transports import InProcessHub, InProcessTransport, TransferError
+from real_py.realloc.reallocator import run_in_process
 
 from dist_cases import random_case
 from oracle import oracle_flat, random_full, tiny_spec
@@ -28,7 +29,7 @@ def test_pipelined_verified_random_pairs():
     for i in range(120):
         model, full, src, dst, plan, srcs, dsts = random_case(rng, i, SPECS)
         bucket = rng.choice([1024, 1 << 14, 1 << 20])
-        stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket, pipeline=True,
+        stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket, pipeline=True,
                                              verify=True)
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full)), f"pair {i} rank {r}"

@@ -1,7 +1,7 @@
 """Checks the reallocator end to end with the in-process transport (all ranks in one process).
 
-A failure points to the bucket schedule (real_py/schedule.py), staging/direct-send handling in
-real_py/reallocator.py, the ops, or the in-process transport; the oracle is tests/oracle.py.
+A failure points to the bucket schedule (real_py/realloc/schedule.py), staging/direct-send handling in
+real_py/realloc/reallocator.py, the ops, or the in-process transport; the oracle is tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, gather_full, plan_realloc
-from real_py.reallocator import Reallocator
-from real_py.schedule import Schedule, split_descs
-from real_py.transport import InProcessHub, TransferError
+from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.schedule import Schedule, split_descs
+from real_py.realloc.transports import InProcessHub, TransferError
+from real_py.realloc.reallocator import run_in_process
 
 from oracle import oracle_flat, random_full, random_layout, tiny_spec
 
@@ -26,7 +27,7 @@ SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
 def realloc(model, src, dst, srcs, *, mode="p2p", bucket_bytes=1 << 20):
     plan = plan_realloc(model, src, dst, mode=mode)
     dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
-    stats = InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=bucket_bytes)
+    stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket_bytes)
     for r, s in stats.items():
         assert s["staging_bytes"] <= bucket_bytes, f"rank {r} staged {s['staging_bytes']} > {bucket_bytes}"
     return dsts

@@ -1,5 +1,5 @@
 # Checks prompt data sets (jsonl, parquet, prompt key, chat template, truncation, padding), the local tokenizer, decoding, user reward functions, and that bad data/tokenizer/reward configs fail in config.validate before any rank starts.
-# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows), real_py/rlhf/rewards.py (loading and checking reward functions), runtime.make_batch or the checks in real_py/rlhf/config.py.
+# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows), real_py/rlhf/rewards.py (loading and checking reward functions), runtime.make_batch or the checks in real_py/rlhf/config/.
 """Single process, no torch.distributed. The tokenizer is the copy task's character-level one,
 built by configs/copy_task/make_task.py into a tmp dir (nothing downloaded); the expected token
 ids are the tokenizer's own encode()."""

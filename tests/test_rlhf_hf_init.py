@@ -1,5 +1,5 @@
 # Checks PPO model initialisation from HF checkpoints: a critic on the actor's causal-LM checkpoint with a fresh value head (critic_init), a reference from its own ref_path, and the vocab / tokenizer checks before ranks start.
-# A failure points to real_py/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config.py (_check_vocab, critic_init, ref_path).
+# A failure points to real_py/interop/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config/ (_check_vocab, critic_init, ref_path).
 """The 4-rank run uses the default execution plan: the critic lives on dp2tp2 (train) and is
 reallocated to pp2 for inference, the reference on dp2 ranks 0-1; the gathered weights are
 compared bit for bit with the checkpoints' tensors (transformers' own state dict)."""
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from real_py.hf import gather_state_dict
+from real_py.interop.hf import gather_state_dict
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
@@ -64,7 +64,7 @@ def test_vocab_and_tokenizer_checks_before_ranks_start(ckpts, tmp_path):
         CF.from_dict({"critic_init": "xavier", "critic_path": a})
     # Without critic_init, a causal-LM critic_path names the missing head and the way out.
     from real_py import Layout
-    from real_py.hf import load_hf_shard
+    from real_py.interop.hf import load_hf_shard
 
     cfg = CF.from_dict({"actor_path": a, "critic_path": a, "critic": CRITIC}).model_configs()["critic"]
     with pytest.raises(ValueError, match=r"no tensor 'score.weight' .*critic_init: zero \| normal"):

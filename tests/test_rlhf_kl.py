@@ -1,5 +1,5 @@
 # Checks GRPO as published: the k3 KL estimator (values, gradient, unbiasedness), group advantages with zero-variance groups skipped, KL in the loss vs in the reward, and the ppo.kl_in config key.
-# A failure points to real_py/rlhf/ppo.py (k3_kl, group_advantages, grpo_advantages, zero_variance_groups), real_py/rlhf/calls.py (kl_in default, the loss term) or real_py/rlhf/config.py (ppo.kl_in).
+# A failure points to real_py/rlhf/ppo.py (k3_kl, group_advantages, grpo_advantages, zero_variance_groups), real_py/rlhf/calls.py (kl_in default, the loss term) or real_py/rlhf/config/ (ppo.kl_in).
 import math
 
 import pytest

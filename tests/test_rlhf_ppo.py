@@ -1,5 +1,5 @@
 # Checks the PPO/GRPO maths against hand-computed values, the key-derived call graph, and that bad configs, plans and checkpoints fail before any work starts.
-# A failure points to real_py/rlhf/ppo.py (maths), real_py/rlhf/graph.py (dependencies, order) or real_py/rlhf/config.py / checkpoint.py (validation).
+# A failure points to real_py/rlhf/ppo.py (maths), real_py/rlhf/graph.py (dependencies, order) or real_py/rlhf/config/ / checkpoint.py (validation).
 import json
 import math
 import os

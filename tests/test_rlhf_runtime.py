@@ -1,5 +1,5 @@
 # Checks the distributed PPO/GRPO runtime: 4 gloo ranks with per-call layouts (actor trains on dp1tp2pp2, generates on dp4tp1pp1; critic, ref, reward elsewhere) against the same iterations in one process, overlap of calls on disjoint meshes, and kill/resume of the train command.
-# A failure points to real_py/rlhf/runtime.py / dataflow.py (row pushes, order), models.py (reallocation into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli_train.py (resume).
+# A failure points to real_py/rlhf/runtime.py / dataflow.py (row pushes, order), models.py (reallocation into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli/train.py (resume).
 """Tolerances: fp32. The 4-rank run splits matmuls over TP and sums the critic's gradients over
 DP in another order than the one-process run; after two iterations of AdamW (lr 1e-3) the
 parameters agree to a few 1e-7, so 1e-5 catches any wrong row, slice or stale weight (which
@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from real_py.hf import gather_state_dict
+from real_py.interop.hf import gather_state_dict
 from real_py.rlhf import config as CF
 from real_py.rlhf.models import init_weights
 from real_py.rlhf.runtime import Runtime
@@ -178,7 +178,7 @@ def test_kill_and_resume(tmp_path):
 
 
 def _hf_worker(rank, world, tmp):
-    from real_py.hf import save_hf
+    from real_py.interop.hf import save_hf
 
     base = dict(BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()))
     cfg = CF.from_dict(base)

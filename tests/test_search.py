@@ -11,9 +11,10 @@ import pytest
 
 from real_py import _C
 from real_py.cli import main
-from real_py.execplan import ExecutionPlan
+from real_py.rlhf.execplan import ExecutionPlan
 from real_py.search import Mesh, Problem, Workload, estimate, plan_search, ppo_models, simulate
-from real_py.search.hardware import HardwareProfile, get_profile
+from real_py.search.hardware import HardwareProfile
+from real_py.search.profiles import get_profile
 from real_py.search.graph import PPO_GRAPH
 from real_py.search.problem import Option
 from real_py.spec import ModelConfig

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from real_py.layout import Layout
-from real_py.plan import plan_realloc
+from real_py.realloc.plan import plan_realloc
 from real_py.search import Mesh, Workload, call_memory, call_time, get_profile
 from real_py.search.costmodel import allreduce_time, fwd_flops, group_link, matmul_params
 from real_py.search.hardware import HardwareProfile
@@ -207,7 +207,7 @@ def test_canonical_placement_keeps_the_cost(a, b):
 
 def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
-    from real_py.search.hardware import cpu_profile
+    from real_py.search.profiles import cpu_profile
 
     p = cpu_profile(refresh=True, reps=3)
     assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7

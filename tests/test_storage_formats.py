@@ -3,8 +3,8 @@
 # between two sides' formats exactly (bit for bit against tests/oracle.py's independent index
 # math), shards / gather_full agree with the oracle, the opt-in check catches Megatron-ordered
 # q|k|v declared blocked, bad formats are refused. A failure points to csrc/planner/geometry.cpp
-# (segments with Format), real_py/plan.py (_layout_arrays, dst_model), real_py/spec.py (TPRule
-# groups / vocab_multiple), real_py/shard.py or real_py/adapters.py (check_against_full).
+# (segments with Format), real_py/realloc/plan.py (_layout_arrays, dst_model), real_py/spec/params.py (TPRule
+# groups / vocab_multiple), real_py/realloc/shard.py or real_py/interop/adapters.py (check_against_full).
 import json
 import random
 
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec, plan_realloc
-from real_py.adapters import check_against_full, megatron_config
-from real_py.embed import reallocate_params, shard_from_params
-from real_py.reallocator import Reallocator
-from real_py.transport import InProcessHub
+from real_py.interop.adapters import check_against_full, megatron_config
+from real_py.interop.embed import reallocate_params, shard_from_params
+from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.transports import InProcessHub
+from real_py.realloc.reallocator import run_in_process
 
 from oracle import held_indices, oracle_flat, random_full, random_layout, tiny_spec
 
@@ -65,7 +66,7 @@ def test_random_pairs_across_formats_bitwise():
         plan = plan_realloc(src_model, src, dst, dst_model=dst_model, mode=("p2p", "broadcast")[i % 2])
         srcs = {r: ModelShard.from_full(src_model, src, r, full) for r in src.ranks}
         dsts = {r: ModelShard.empty(dst_model, dst, r) for r in dst.ranks}
-        InProcessHub(timeout=20).run(plan, srcs, dsts, bucket_bytes=rng.choice([512, 1 << 16]))
+        run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=rng.choice([512, 1 << 16]))
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), \
                 f"pair {i} {a}->{b} {src}->{dst}: rank {r} differs from the oracle"
@@ -182,7 +183,7 @@ def test_from_hf_honours_torch_dtype(tmp_path):
 def test_hf_checkpoint_loads_into_megatron_storage(tmp_path):
     # A trainer with Megatron storage can start from an HF checkpoint: slice-on-read follows the
     # spec's storage (grouped q|k|v, 128 x tp vocab padding), bit for bit against the oracle.
-    from real_py.hf import load_hf_shard, save_hf
+    from real_py.interop.hf import load_hf_shard, save_hf
 
     cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12, num_key_value_heads=6,
                       head_dim=2, vocab_size=101, num_hidden_layers=2, attention_bias=True)

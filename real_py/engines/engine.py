@@ -25,7 +25,7 @@ from ..layout import Layout
 from ..models import StageModel
 from ..models.tp import gather_from_tp
 from ..models.vocab import vocab_parallel_logprobs
-from ..shard import ModelShard
+from ..realloc.shard import ModelShard
 from ..spec import ModelConfig, model_spec, torch_dtype
 from .pipeline import P2P, split_micro_batches
 
@@ -37,7 +37,7 @@ class Engine:
             raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
                              "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
                              "with dp_shard='none' first (dp-sharded layouts are for trainers "
-                             "embedding the reallocation, real_py.embed)")
+                             "embedding the reallocation, real_py.interop.embed)")
         if config.qkv_layout != "blocked" or config.gate_up_layout != "blocked":
             raise ValueError(f"the engines compute on blocked fused tensors, config has qkv_layout="
                              f"{config.qkv_layout!r}, gate_up_layout={config.gate_up_layout!r}; "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import stage_layer_ranges
-from ..shard import ModelShard
+from ..realloc.shard import ModelShard
 from ..spec import ModelConfig
 from .rope import rope_cos_sin_scaled, window_mask
 from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp

@@ -13,12 +13,11 @@ import torch.distributed as dist
 from . import ppo as P
 from .data import decode
 from .dataflow import dp_rows
+from .observe import METRICS
 from .rewards import write_samples
 
 
 def _add(rt, sums, name: str, value: float, count: float) -> None:
-    from .runtime import METRICS
-
     sums[METRICS.index(name), 0] += value
     sums[METRICS.index(name), 1] += count
 

@@ -7,7 +7,7 @@ built by every rank at start-up since transport setup may create subgroups); the
 the copy after the call. Reallocation runs over its own world-sized process group, so its
 messages never meet the dataflow pushes on the default group. Frozen models (ref, reward) are
 built directly in the layout of their only call; with `offload_frozen` their weights stay in a
-host buffer (real_py.offload.HostOffload) except during that call: the runtime calls
+host buffer (real_py.realloc.offload.HostOffload) except during that call: the runtime calls
 `reload(model)` before it and `offload(model)` after it, and `engine_for` refuses an offloaded
 model.
 
@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ..engines import Engine, OptimConfig
-from ..hf import load_hf_shard
-from ..offload import HostOffload
-from ..plan import plan_realloc
-from ..reallocator import Reallocator
-from ..shard import ModelShard
+from ..interop.hf import load_hf_shard
+from ..realloc.offload import HostOffload
+from ..realloc.plan import plan_realloc
+from ..realloc.reallocator import Reallocator
+from ..realloc.shard import ModelShard
 from ..spec import ModelConfig, model_spec, torch_dtype
-from ..transport_dist import DistTransport
+from ..realloc.transports.dist import DistTransport
 
 
 def init_weights(config: ModelConfig, seed: int, device="cpu") -> dict[str, torch.Tensor]:

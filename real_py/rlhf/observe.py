@@ -18,6 +18,10 @@ import os
 RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves.png", "hf")
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
 
+METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
+           "value_clip_frac", "entropy")
+"""Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
+
 
 def run_entries(out_dir: str) -> list[str]:
     """The entries of out_dir that a previous run wrote (empty if out_dir does not exist)."""

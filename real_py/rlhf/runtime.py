@@ -30,10 +30,9 @@ from . import calls as C
 from . import data as D
 from .dataflow import Pusher, Store, key_schema, push_plan
 from .models import Models
+from .observe import METRICS
 from .rewards import FunctionReward
 
-METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
-           "value_clip_frac", "entropy")
 """Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
 response_length are means over sequences; policy_loss / value_loss means over optimizer steps
 (each the token mean of its mini-batch); clip fractions and entropy means over response tokens
@@ -183,4 +182,4 @@ class Runtime:
                 "events": events, "store": store}
 
 
-__all__ = ["Runtime", "make_batch", "METRICS"]
+__all__ = ["Runtime", "make_batch"]

@@ -30,6 +30,25 @@ import os
 import statistics
 import time
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..engines import Engine, OptimConfig
+from ..layout import Layout
+from ..parallel import ParallelGroups
+from ..realloc.plan import plan_realloc
+from ..realloc.reallocator import Reallocator
+from ..realloc.shard import ModelShard
+from ..realloc.transports.dist import DistTransport
+from ..rlhf import ppo as P
+from ..rlhf.models import init_weights
+from ..spec import ModelConfig, model_spec
+from ..testing import run_distributed
+from .costmodel import HEAD_COLLS, fwd_flops
+from .hardware import HardwareProfile
+from .realloc_cost import transfer_time
+
 CAL_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
                  vocab_size=128, max_position_embeddings=64)
 """The calibration model's shape (layers vary); small so that dispatch costs dominate."""
@@ -46,8 +65,6 @@ def _timed(fns: dict, reps: int, group=None) -> dict[str, float]:
     see). The functions take turns, so a drift of the machine's speed (other jobs, clocks) hits
     all of them alike instead of biasing the differences fitted below; the ranks of `group`
     (default: the world) start every run together."""
-    import torch.distributed as dist
-
     for fn in fns.values():
         fn()
     ts = {k: [] for k in fns}
@@ -61,36 +78,23 @@ def _timed(fns: dict, reps: int, group=None) -> dict[str, float]:
 
 
 def _inputs(rank: int):
-    import torch
-
     tok = torch.randint(1, CAL_MODEL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(rank))
     return tok, torch.full((B,), T)
 
 
 def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False):
-    from ..engines import Engine, OptimConfig
-    from ..rlhf.models import init_weights
-    from ..shard import ModelShard
-    from ..spec import ModelConfig, model_spec
-
     cfg = ModelConfig(**CAL_MODEL, num_hidden_layers=layers, head=head)
     shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0))
     return Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-5) if train else None)
 
 
 def _generate(eng, tok, n: int):
-    import torch
-
     return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN), torch.arange(B), max_new_tokens=n, greedy=False)
 
 
 def _ppo_loss(head: str, tok):
     """The runtime's train-step loss (real_py.rlhf.calls): clipped policy loss with entropy and
     clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
-    import torch
-
-    from ..rlhf import ppo as P
-
     g = torch.Generator().manual_seed(7)
     n = T - 1  # log-probs of tokens 1..T-1; values of positions 0..T-2
     mask = P.response_mask(torch.full((B,), P_LEN), torch.full((B,), T), T)
@@ -144,9 +148,6 @@ def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool
 def _link_bandwidth(rank: int, pair, reps: int) -> dict:
     """gloo bandwidth of 32 MiB messages, every pair of ranks sending at once (latencies come
     from the engines, see _fit)."""
-    import torch
-    import torch.distributed as dist
-
     big = torch.zeros(32 << 18)
 
     def send():
@@ -158,21 +159,12 @@ def _link_bandwidth(rank: int, pair, reps: int) -> dict:
 
 def _realloc_plan(n: int):
     """The calibration reallocation: the calibration model from tp=n to pp=n on ranks 0..n-1."""
-    from ..layout import Layout
-    from ..plan import plan_realloc
-    from ..spec import ModelConfig, model_spec
-
     spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=4))
     ranks = tuple(range(n))
     return plan_realloc(spec, Layout(tp=n, ranks=ranks), Layout(pp=n, ranks=ranks), ranks_per_node=n)
 
 
 def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
-    from ..reallocator import Reallocator
-    from ..rlhf.models import init_weights
-    from ..shard import ModelShard
-    from ..spec import ModelConfig
-
     plan = _realloc_plan(n)
     realloc = Reallocator(plan, transport)
     a = ModelShard.from_full(plan.model, plan.src, rank,
@@ -182,10 +174,6 @@ def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
 
 
 def _roofline(busy) -> dict:
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
@@ -208,12 +196,6 @@ def _roofline(busy) -> dict:
 
 def _worker(rank: int, world: int, n: int, reps: int) -> dict:
     """Phase A on ranks 0..n-1 (one per core), phase B on all `world` = 2n ranks."""
-    import torch.distributed as dist
-
-    from ..layout import Layout
-    from ..parallel import ParallelGroups
-    from ..transport_dist import DistTransport
-
     # Groups first, every rank, same order (new_group is collective over the world).
     busy = dist.new_group(list(range(n)))
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
@@ -238,8 +220,6 @@ def _worker(rank: int, world: int, n: int, reps: int) -> dict:
 def _fit(raw: dict, prof_kw: dict) -> dict:
     """Per-layer and per-pass seconds from the engine timings (slope over LAYERS), after removing
     the calibration model's roofline compute (FLOPs at the measured rate)."""
-    from ..spec import ModelConfig, model_spec
-    from .costmodel import HEAD_COLLS, fwd_flops
 
     flops, (l0, l1) = prof_kw["peak_flops"], LAYERS
 
@@ -306,10 +286,6 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
 
 def calibrate_cpu(reps: int = 15):
     """Measure this machine (phases A and B of the module docstring); returns (profile, raw)."""
-    from ..testing import run_distributed
-    from .hardware import HardwareProfile
-    from .realloc_cost import transfer_time
-
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
     res = run_distributed(_worker, 2 * n, n, reps, timeout=600)

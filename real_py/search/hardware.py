@@ -5,15 +5,13 @@ values; `flops_eff` and `hbm_eff` are the fractions a good implementation reache
 large GEMMs, 0.8 of HBM bandwidth for streaming reads); link bandwidths are the values NCCL
 achieves (ring all-reduce bus bandwidth intra-node, ~92% of the NIC inter-node), per GPU and
 direction, so no extra factor applies to them. `cpu` is measured on this machine by
-real_py.search.calibrate (the runtime's own engines and gloo, with 4 ranks busy) and cached.
+real_py.search.calibrate (the runtime's own engines and gloo, with 4 ranks busy) and cached
+(real_py.search.profiles).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,41 +123,3 @@ PROFILES: dict[str, HardwareProfile] = {
                             intra_bw=360 * GB, inter_bw=46 * GB, mem_bytes=141e9),
 }
 PROFILE_NAMES = tuple(PROFILES) + ("cpu",)
-
-
-def _cache_path() -> str:
-    base = os.environ.get("REAL_PY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "real_py")
-    return os.path.join(base, "cpu_profile.json")
-
-
-def get_profile(name: str) -> HardwareProfile:
-    """A profile by name; `cpu` is calibrated on first use and cached (see calibrate_cpu)."""
-    key = name.lower().replace("-80g", "").replace("-", "")
-    if key in PROFILES:
-        return PROFILES[key]
-    if key == "cpu":
-        return cpu_profile()
-    raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
-
-
-CACHE_VERSION = 3
-"""Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
-
-
-def cpu_profile(refresh: bool = False, reps: int = 15) -> HardwareProfile:
-    """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
-    $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure)."""
-    from .calibrate import calibrate_cpu
-
-    path = _cache_path()
-    if not refresh and os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION:
-            return HardwareProfile(**data["profile"])
-    prof, raw = calibrate_cpu(reps)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "measured": raw,
-                   "profile": asdict(prof)}, f, indent=1)
-    return prof

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..execplan import ExecutionPlan
+from ..rlhf.execplan import ExecutionPlan
 from ..layout import Layout
 from .costmodel import Mesh, Workload, call_memory, call_time
 from .graph import PPO_GRAPH, PPOModels, cluster_meshes, dep_bytes, strategies

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layout import Layout
-from ..plan import plan_realloc
+from ..realloc.plan import plan_realloc
 from ..spec import ModelSpec
 from .costmodel import Mesh
 from .hardware import HardwareProfile

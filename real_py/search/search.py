@@ -17,10 +17,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..execplan import ExecutionPlan
+from ..rlhf.execplan import ExecutionPlan
 from .costmodel import Mesh, Workload
 from .graph import PPOModels, ppo_models, strategies
-from .hardware import HardwareProfile, get_profile
+from .hardware import HardwareProfile
+from .profiles import get_profile
 from .problem import GiB, Problem, layouts_from_plan
 from .simulate import SimResult, simulate
 

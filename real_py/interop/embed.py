@@ -6,7 +6,7 @@ buffers, and build a Layout from a torch DeviceMesh.
     new_flat = reallocate_flat(realloc, src_flat)            # flat shard buffer, or None
     layout = layout_from_device_mesh(mesh)                   # mesh dims named dp / tp / pp
 
-`local_params` holds exactly the tensors real_py.shard.ModelShard.params() would hold for this
+`local_params` holds exactly the tensors real_py.realloc.shard.ModelShard.params() would hold for this
 rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
 gate|up, vocab rows padded to a multiple of tp, this pipeline stage's parameters only, a tied
 embedding copy on the last stage). The result is the same for the destination layout, as views
@@ -22,10 +22,10 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout, stage_layer_ranges
-from .reallocator import Reallocator, new_destination
-from .shard import ModelShard
-from .spec import torch_dtype
+from ..layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout, stage_layer_ranges
+from ..realloc.reallocator import Reallocator, new_destination
+from ..realloc.shard import ModelShard
+from ..spec import torch_dtype
 
 _ROLES = ("dp", "tp", "pp")
 _MESH_ROLES = _ROLES + ("dp_shard",)
@@ -96,7 +96,7 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     if it holds no destination shard. Collective: every rank of the transport's group calls it.
     check: full reference tensors by project name (e.g. the checkpoint the trainer loaded);
     before anything moves, this rank's fused (q|k|v, gate|up) and vocab tensors are compared
-    with the slices the source spec says they are (real_py.adapters.check_against_full), and a
+    with the slices the source spec says they are (real_py.interop.adapters.check_against_full), and a
     storage-order mismatch raises ValueError naming the tensor (the other ranks then fail on
     the transport's timeout).
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from .spec import PRESETS, ModelConfig, preset
+from ..spec import PRESETS, ModelConfig, preset
 
 
 def model_config(text: str, flag: str, **overrides) -> ModelConfig:

@@ -21,7 +21,7 @@ def plot_run(run: str, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .rlhf.observe import read_metrics, summarize
+    from ..rlhf.observe import read_metrics, summarize
 
     recs = read_metrics(run)
     steps = [r["step"] for r in recs]

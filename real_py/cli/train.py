@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def _config(args):
-    from .rlhf import checkpoint, config
+    from ..rlhf import checkpoint, config
 
     if not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout} must be > 0 seconds")
@@ -67,7 +67,7 @@ def _launch(args, world: int) -> int:
         argv += ["--resume"] + ([args.resume] if args.resume else [])
     if args.no_progress:
         argv.append("--no-progress")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -77,7 +77,7 @@ def _launch(args, world: int) -> int:
 
 
 def run(args) -> int:
-    from .rlhf import config
+    from ..rlhf import config
 
     cfg, ckpt = _config(args)
     if "RANK" not in os.environ:
@@ -93,7 +93,7 @@ def _protect_run_dir(out_dir: str, args) -> None:
     (only those a run writes), --resume continues it. Runs in the launcher, before any rank."""
     import shutil
 
-    from .rlhf.observe import run_entries
+    from ..rlhf.observe import run_entries
 
     old = run_entries(out_dir)
     if not old or args.resume is not None:
@@ -130,13 +130,13 @@ def _spmd(args, cfg, ckpt) -> int:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from .cli_export import export_live
-    from .rlhf import checkpoint, config
-    from .rlhf.observe import RunLog, format_summary
-    from .rlhf.runtime import Runtime
+    from .export import export_live
+    from ..rlhf import checkpoint, config
+    from ..rlhf.observe import RunLog, format_summary
+    from ..rlhf.runtime import Runtime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from .device import backend_for, resolve_device
+    from ..device import backend_for, resolve_device
 
     # cuda:{LOCAL_RANK} and NCCL when cfg.device resolves to CUDA, else gloo.
     dist.init_process_group(backend_for(resolve_device(cfg.device)),

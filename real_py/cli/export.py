@@ -40,7 +40,7 @@ def export_live(rt, out: str) -> list[str]:
     (on that layout's first rank). Returns the directories written (on every rank)."""
     import torch.distributed as dist
 
-    from .hf import gather_state_dict, save_hf
+    from ..interop.hf import gather_state_dict, save_hf
 
     written = []
     paths = rt.cfg.model_paths()
@@ -61,12 +61,12 @@ def export_live(rt, out: str) -> list[str]:
 
 def export_checkpoint(step_dir: str, out: str) -> list[str]:
     """Reassemble the trained models of one saved step from its rank files and write them."""
-    from .execplan import ExecutionPlan
-    from .hf import gather_full_stage, save_hf
-    from .rlhf.checkpoint import read_meta, read_rank_file
-    from .rlhf.graph import ALGORITHMS, Graph
-    from .shard import ModelShard
-    from .spec import ModelConfig, model_spec
+    from ..rlhf.execplan import ExecutionPlan
+    from ..interop.hf import gather_full_stage, save_hf
+    from ..rlhf.checkpoint import read_meta, read_rank_file
+    from ..rlhf.graph import ALGORITHMS, Graph
+    from ..realloc.shard import ModelShard
+    from ..spec import ModelConfig, model_spec
 
     meta = read_meta(step_dir)
     if meta.get("algo") not in ALGORITHMS or not isinstance(meta.get("models"), dict) or "plan" not in meta:
@@ -104,7 +104,7 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
 
 def step_dir(run: str, step: int | None) -> str:
     """out_dir/step_<step>, or the step out_dir/latest names (checked as --resume checks it)."""
-    from .rlhf.checkpoint import latest
+    from ..rlhf.checkpoint import latest
 
     path = os.path.join(run, f"step_{step}") if step is not None else latest(run)
     if not os.path.isfile(os.path.join(path, "meta.json")):

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .transport import Handle, Recvs, Sends, TransferError, Transport
+from .base import Handle, Recvs, Sends, TransferError, Transport
 
 class DistTransport(Transport):
     name = "torch.distributed"

@@ -6,7 +6,7 @@
     Opt-in check against known full tensors:    check_against_full
 
 Every function maps ONE rank's dict: `layout` and `rank` say which TP slice and pipeline stage
-it holds (None: full tensors, one stage). Outputs feed real_py.embed.reallocate_params and come
+it holds (None: full tensors, one stage). Outputs feed real_py.interop.embed.reallocate_params and come
 back from it:
 
     spec = model_spec(megatron_config(ModelConfig.from_hf(path)))          # trainer side
@@ -34,9 +34,9 @@ from dataclasses import replace
 import torch
 
 from .hf import _IGNORED_SUFFIXES, hf_names
-from .layout import Layout, shard_layout, stage_layer_ranges
-from .shard import tp_slice
-from .spec import ModelConfig, ModelSpec, ParamSpec
+from ..layout import Layout, shard_layout, stage_layer_ranges
+from ..realloc.shard import tp_slice
+from ..spec import ModelConfig, ModelSpec, ParamSpec
 
 # Megatron-core GPTModel names (TE layer spec; the local spec's norm names are accepted too).
 _MEGATRON_LAYER = {

@@ -11,7 +11,7 @@ else goes through one staging buffer allocated once and reused across calls.
 direct_min_bytes (default 256 KiB; 0 or None: off): inside a message that also holds strided
 pieces, every piece that is one contiguous run on both sides and at least this big travels as its
 own chunk without staging (no pack/unpack copy, one more message per piece); see
-real_py/schedule.py. The staging bound below holds either way; direct chunks count towards the
+real_py/realloc/schedule.py. The staging bound below holds either way; direct chunks count towards the
 per-round element budget like staged ones, so the data in flight per rank stays bounded too.
 
 Double buffering (pipeline=True; the default for asynchronous transports such as DistTransport,
@@ -30,16 +30,18 @@ round of this rank completed (never on failure).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import torch
 
-from . import ops
+from .. import ops
 from .plan import ReallocPlan
 from .schedule import Schedule
 from .shard import ModelShard
-from .transport import TransferError, Transport
+from .transports.base import TransferError, Transport
+from .transports.inprocess import InProcessHub
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_DIRECT_MIN_BYTES = 256 << 10
@@ -246,3 +248,30 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
 
 __all__ = ["Reallocator", "new_destination", "checksum", "DEFAULT_BUCKET_BYTES",
            "DEFAULT_DIRECT_MIN_BYTES"]
+
+
+def run_in_process(hub: InProcessHub, plan: ReallocPlan, srcs: dict, dsts: dict,
+                   **realloc_kwargs) -> dict[int, dict]:
+    """Run `plan` on every rank of `hub` in its own thread; srcs/dsts map rank -> ModelShard.
+
+    Returns rank -> the reallocator's stats. Raises the first rank's error (by rank order)
+    after every thread has finished.
+    """
+    results, errors = {}, {}
+
+    def work(rank):
+        try:
+            r = Reallocator(plan, hub.transport(rank), **realloc_kwargs)
+            results[rank] = r.run(srcs.get(rank), dsts.get(rank))
+        except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
+            errors[rank] = e
+            hub.fail(rank, f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"rank{r}") for r in plan.ranks()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[min(errors)]
+    return results

@@ -20,10 +20,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from .hf_config import ARCHITECTURES, check_architecture, export_config
-from .layout import Layout, require_layout
-from .shard import ModelShard, gather_full
-from .spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
+from ..spec.hf_config import ARCHITECTURES, check_architecture, export_config
+from ..layout import Layout, require_layout
+from ..realloc.shard import ModelShard, gather_full
+from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -195,7 +195,7 @@ def _check_checkpoint_config(path) -> None:
 
 
 def hf_config_dict(config: ModelConfig, model_type: str | None = None, source: dict | None = None) -> dict:
-    """A complete transformers config for `config` (real_py.hf_config.export_config); model_type
+    """A complete transformers config for `config` (real_py.spec.hf_config.export_config); model_type
     (llama, mistral, qwen2) defaults to config.model_type; `source` is the original config.json."""
     if model_type is not None:
         if model_type not in ARCHITECTURES:

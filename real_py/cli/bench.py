@@ -34,16 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_common import ranks
+from .common import ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def add_parser(sub) -> None:
-    from .plan import MODES
-    from .spec import PRESETS
+    from ..realloc.plan import MODES
+    from ..spec import PRESETS
 
     p = sub.add_parser("bench", help="time reallocations between layouts on this machine/cluster")
     p.add_argument("--model", required=True,
@@ -80,7 +80,7 @@ def _per_pair(values, n: int, flag: str) -> list:
 
 
 def _model(args):
-    from .spec import PRESETS, ModelConfig, model_spec, preset
+    from ..spec import PRESETS, ModelConfig, model_spec, preset
 
     if args.model in PRESETS:
         return model_spec(preset(args.model, dtype=args.dtype), args.model)
@@ -91,7 +91,7 @@ def _model(args):
 
 
 def _pairs(args, model):
-    from .layout import Layout, check_fits
+    from ..layout import Layout, check_fits
 
     if len(args.src) != len(args.dst):
         raise ValueError(f"{len(args.src)} --src but {len(args.dst)} --dst; give one --dst per --src")
@@ -184,7 +184,7 @@ def _pattern(model, shard) -> dict:
     (i * 40503 + (j + 1) * 7919) mod 2**24 (exact in fp32; a bijection on i), cut like the shard."""
     import torch
 
-    from .shard import tp_slice
+    from ..realloc.shard import tp_slice
 
     out = {}
     index = {p.name: j for j, p in enumerate(model.params)}
@@ -273,9 +273,9 @@ def _bench_pair(model, src, dst, args, transport, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .plan import _shard_data_numel, plan_realloc
-    from .reallocator import Reallocator
-    from .shard import ModelShard
+    from ..realloc.plan import _shard_data_numel, plan_realloc
+    from ..realloc.reallocator import Reallocator
+    from ..realloc.shard import ModelShard
 
     rank = dist.get_rank()
     plan = plan_realloc(model, src, dst, mode=args.mode)
@@ -341,7 +341,7 @@ def _spmd(args, model, pairs, need: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from .transport_dist import DistTransport
+    from ..realloc.transports.dist import DistTransport
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":

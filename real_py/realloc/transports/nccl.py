@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .transport import Handle, Recvs, Sends, TransferError, Transport
+from .base import Handle, Recvs, Sends, TransferError, Transport
 
 
 def _nccl():

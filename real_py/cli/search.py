@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from .cli_common import model_config
-from .search import Workload, plan_search
-from .search.hardware import PROFILE_NAMES
-from .spec import PRESETS
+from .common import model_config
+from ..search import Workload, plan_search
+from ..search.hardware import PROFILE_NAMES
+from ..spec import PRESETS
 
 
 def add_parser(sub):
@@ -57,7 +57,7 @@ def run(args) -> int:
     if args.out:
         res.plan.save(args.out)
     if args.plot:
-        from .search.plot import plot_timeline
+        from ..search.plot import plot_timeline
 
         title = (f"{args.model} actor + {args.critic or args.model} critic, {args.gpus} x {args.hardware}, "
                  f"gen {args.gen_len}: {res.iter_time:.2f} s/iter (symmetric "

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import Layout, check_fits, dp_shard_layout, require_layout, require_spec, shard_layout
-from .spec import ModelSpec
+from ..layout import Layout, check_fits, dp_shard_layout, require_layout, require_spec, shard_layout
+from ..spec import ModelSpec
 
 MODES = ("p2p", "broadcast")
 _KIND = {"replicated": 0, "split": 1, "vocab": 2}
@@ -247,7 +247,7 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
 
 @functools.lru_cache(maxsize=64)
 def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes) -> ReallocPlan:
-    from . import _C
+    from .. import _C
 
     for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
         try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-from .cli_common import model_config, ranks
-from .layout import Layout
-from .plan import MODES, plan_realloc
-from .spec import PRESETS, model_spec
+from .common import model_config, ranks
+from ..layout import Layout
+from ..realloc.plan import MODES, plan_realloc
+from ..spec import PRESETS, model_spec
 
 
 def add_parser(sub):

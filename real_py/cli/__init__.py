@@ -11,12 +11,12 @@ import argparse
 import importlib
 
 COMMANDS = {
-    "plan": "real_py.cli_plan",
-    "search": "real_py.cli_search",
-    "train": "real_py.cli_train",
-    "export": "real_py.cli_export",
-    "plot": "real_py.cli_plot",
-    "bench": "real_py.cli_bench",
+    "plan": "real_py.cli.plan",
+    "search": "real_py.cli.search",
+    "train": "real_py.cli.train",
+    "export": "real_py.cli.export",
+    "plot": "real_py.cli.plot",
+    "bench": "real_py.cli.bench",
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .layout import Layout
+from ..layout import Layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +31,7 @@ class ExecutionPlan:
                 raise ValueError(f"call {name}: layout {layout} is dp-sharded (dp_shard="
                                  f"{layout.dp_shard!r}); the engines and the PPO runtime run on "
                                  "whole (stage, tp rank) shards. dp-sharded layouts are for trainers "
-                                 "embedding the reallocation (real_py.embed); use dp_shard='none'")
+                                 "embedding the reallocation (real_py.interop.embed); use dp_shard='none'")
             bad = [r for r in layout.ranks if r >= self.world_size]
             if bad:
                 raise ValueError(f"call {name}: ranks {bad} are outside the world of size "

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, require_layout,
+from ..layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, require_layout,
                      require_spec, shard_layout)
-from .spec import ModelSpec, ParamSpec, torch_dtype
+from ..spec import ModelSpec, ParamSpec, torch_dtype
 
 
 def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:

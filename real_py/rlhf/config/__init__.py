@@ -1,0 +1,15 @@
+"""Configuration of `python -m real_py train`.
+
+  schema.py  the keys: one dataclass per section with a docstring under each field; the default
+  load.py    YAML and KEY=VALUE overrides -> typed TrainConfig (unknown keys and types refused)
+  checks.py  ranges, then `validate`: plan vs graph, world and models; vocabularies; data; reward
+"""
+
+from .checks import check_values, validate
+from .load import apply_overrides, from_dict, load, read_yaml, to_dict
+from .schema import (DEFAULT_PLAN, PRECISION_DTYPES, TINY, DataConfig, GenConfig, PPOConfig, RewardConfig,
+                     TrainConfig, single_process_plan)
+
+__all__ = ["TrainConfig", "DataConfig", "GenConfig", "PPOConfig", "RewardConfig", "from_dict", "load",
+           "read_yaml", "apply_overrides", "to_dict", "validate", "check_values", "single_process_plan",
+           "DEFAULT_PLAN", "PRECISION_DTYPES", "TINY"]

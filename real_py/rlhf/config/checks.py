@@ -1,0 +1,188 @@
+"""Checks of a train config before any rank starts: value ranges (`check_values`, run by
+from_dict) and `validate(cfg, world_size)`: the execution plan against the graph, the world and the
+models, vocabularies and tokenizers against each other, the prompt data and the reward function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ...layout import check_fits
+from ...spec import model_spec
+from ..execplan import ExecutionPlan
+from ..graph import ALGORITHMS, Graph
+from .schema import TrainConfig
+
+
+_RANGES = (
+    # (dotted key, test, allowed range in words); types are already checked.
+    ("save_every", lambda v: v >= 0, ">= 0 (0: no checkpoints)"),
+    ("ppo.clip", lambda v: v > 0, "> 0"),
+    ("ppo.value_clip", lambda v: v > 0, "> 0"),
+    ("ppo.gamma", lambda v: 0 <= v <= 1, "[0, 1]"),
+    ("ppo.lam", lambda v: 0 <= v <= 1, "[0, 1]"),
+    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("ppo.actor_lr", lambda v: v > 0, "> 0"),
+    ("ppo.critic_lr", lambda v: v > 0, "> 0"),
+    ("ppo.max_grad_norm", lambda v: v > 0, "> 0"),
+    ("ppo.adam_eps", lambda v: v > 0, "> 0"),
+    ("ppo.group_size", lambda v: v >= 1, ">= 1"),
+    ("generation.temperature", lambda v: v > 0, "> 0"),
+    ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
+    ("data.samples_per_step", lambda v: v >= 0, ">= 0"),
+    *((k, lambda v: v >= 1, ">= 1") for k in (
+        "steps", "data.batch_size", "data.num_prompts", "ppo.ppo_epochs", "ppo.mini_batches",
+        "ppo.micro_batches", "generation.max_new_tokens")),
+)
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_values(cfg: TrainConfig) -> None:
+    for key, ok, allowed in _RANGES:
+        v = _get(cfg, key)
+        if not ok(v):
+            raise ValueError(f"config {key}={v!r} is out of range; allowed: {allowed}")
+    for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
+                      ("reward_path", cfg.reward_path), ("ref_path", cfg.ref_path)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"config {key}={path!r}: no such local file or directory; only local HF "
+                             "checkpoint directories are read (nothing is downloaded from the Hub: "
+                             "download it first, e.g. huggingface-cli download, and give its directory)")
+    if cfg.wandb is not None:
+        from ..observe import wandb_available
+
+        if not wandb_available():
+            raise ValueError("config wandb is set but the wandb package is not installed; pip install "
+                             "wandb, or remove the wandb key")
+    if cfg.algo not in ALGORITHMS:
+        raise ValueError(f"config algo={cfg.algo!r}; allowed: {sorted(ALGORITHMS)}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("config device='cuda' but torch sees no GPU here (CPU-only torch, no "
+                             "driver or CUDA_VISIBLE_DEVICES empty); use device: cpu or auto")
+    d = cfg.data
+    if not 1 <= d.min_prompt_len <= d.max_prompt_len:
+        raise ValueError(f"config data: need 1 <= min_prompt_len <= max_prompt_len, got "
+                         f"{d.min_prompt_len}, {d.max_prompt_len}")
+    models = cfg.model_configs()
+    vocab = models["actor"].vocab_size
+    for key, v, used in (("generation.eos_token_id", cfg.generation.eos_token_id, True),
+                         ("reward.target_token", cfg.reward.target_token, cfg.reward.kind == "rule")):
+        if used and v is not None and not 0 <= v < vocab:
+            raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "
+                             f"(vocab_size={vocab})")
+    if cfg.critic_init != "checkpoint" and not cfg.critic_path:
+        raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
+                         "body the fresh value head sits on)")
+    _check_vocab(cfg, models)
+
+
+def _check_vocab(cfg: TrainConfig, models: dict) -> None:
+    """Every model that reads the actor's tokens (ref, critic, reward) covers its vocab: an id past
+    a model's embedding would embed as zeros, silently."""
+    V = models["actor"].vocab_size
+    paths, used = cfg.model_paths(), cfg.graph().models()
+    for m in ("ref", "critic", "reward"):
+        if m not in used or (m == "reward" and cfg.reward.kind in ("rule", "function")):
+            continue
+        if paths.get(m) and paths["actor"]:
+            _check_same_tokenizer(paths["actor"], paths[m], m)
+        if models[m].vocab_size < V:
+            src = f"{paths[m]}" if paths.get(m) else "random init (section `critic`)" if m != "ref" else "actor"
+            raise ValueError(f"config: {m} has vocab_size={models[m].vocab_size} ({src}) but the actor "
+                             f"({paths['actor'] or 'random init'}) emits ids up to {V - 1}; give {m} a "
+                             f"checkpoint / `critic: {{vocab_size: {V}}}` covering the actor's vocab")
+
+
+def _tokenizer_vocab(path: str):
+    """token -> id of a checkpoint's tokenizer.json (vocab and added tokens), or None without one."""
+    f = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(f):
+        return None
+    try:
+        with open(f) as fh:
+            d = json.load(fh)
+        vocab = dict(d.get("model", {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in d.get("added_tokens") or ()})
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{f}: not a tokenizers JSON file ({e})") from None
+    return vocab
+
+
+def _check_same_tokenizer(actor_path: str, path: str, model: str) -> None:
+    a, b = _tokenizer_vocab(actor_path), _tokenizer_vocab(path)
+    if a is None or b is None or a == b:
+        return
+    diff = sorted(t for t in a.keys() | b.keys() if a.get(t) != b.get(t))
+    raise ValueError(f"config: {model} ({path}) and the actor ({actor_path}) have different tokenizers: "
+                     f"{len(diff)} tokens map to other ids, e.g. {diff[:3]}; {model} would read the "
+                     "actor's token ids as other tokens")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, dict]:
+    """Check the plan against the graph, the world and the models; returns (plan, graph, models)."""
+    plan, graph, models = cfg.execution_plan(), cfg.graph(), cfg.model_configs()
+    missing = [n for n in graph.order if n not in plan.calls]
+    extra = [n for n in plan.calls if n not in graph.calls]
+    if missing or extra:
+        raise ValueError(f"execution plan does not match the {cfg.algo} graph: missing calls {missing}, "
+                         f"unknown calls {extra}; the graph's calls are {list(graph.order)}")
+    if plan.world_size != world_size:
+        raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
+                         f"{world_size} ranks")
+    uncovered = plan.uncovered_ranks()
+    if uncovered and not cfg.allow_idle_ranks:
+        raise ValueError(f"execution plan leaves ranks {uncovered} of world {world_size} without a "
+                         "call; give them a call, or set allow_idle_ranks: true to run it anyway")
+    B = cfg.data.batch_size
+    for n in graph.order:
+        call, layout = graph.calls[n], plan.calls[n]
+        spec = model_spec(models[call.model], name=call.model)
+        try:
+            check_fits(spec, layout)
+        except ValueError as e:
+            raise ValueError(f"call {n} ({call.model} on {layout}): {e}") from None
+        if B % layout.dp:
+            raise ValueError(f"call {n}: dp={layout.dp} does not divide data.batch_size={B}")
+        local = B // layout.dp
+        if call.trains:
+            if local % cfg.ppo.mini_batches or local // cfg.ppo.mini_batches < cfg.ppo.micro_batches:
+                raise ValueError(f"call {n}: the DP-local batch of {local} rows cannot be cut into "
+                                 f"ppo.mini_batches={cfg.ppo.mini_batches} mini-batches of at least "
+                                 f"ppo.micro_batches={cfg.ppo.micro_batches} rows")
+            if call.kind == "train_grpo_actor" and (local // cfg.ppo.mini_batches) % cfg.ppo.group_size:
+                raise ValueError(f"call {n}: ppo.group_size={cfg.ppo.group_size} must divide the "
+                                 f"DP-local mini-batch of {local // cfg.ppo.mini_batches} rows")
+    if cfg.algo == "grpo" and B % cfg.ppo.group_size:
+        raise ValueError(f"ppo.group_size={cfg.ppo.group_size} does not divide data.batch_size={B}")
+    total = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+    for m in ("actor", "critic"):
+        if total > models[m].max_position_embeddings:
+            raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
+                             f"max_position_embeddings={models[m].max_position_embeddings}")
+    _check_data_and_reward(cfg, models)
+    return plan, graph, models
+
+
+def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
+    """Load the prompt data set, tokenizer and reward function once, so that any error in them
+    shows before ranks start (every rank loads them again, cached per process)."""
+    from .. import data as D
+    from ..rewards import FunctionReward, check_call
+
+    data = D.load(cfg, models["actor"].vocab_size)
+    if cfg.reward.kind == "function":
+        fr = FunctionReward(cfg.reward.path)
+        if data is not None:
+            check_call(fr, data)
+        if D.tokenizer(cfg, data) is None:
+            raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
+                             "data.tokenizer_path (or data.path with a tokenizer)")

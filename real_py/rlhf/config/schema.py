@@ -1,0 +1,224 @@
+"""The keys of a `python -m real_py train` config: one dataclass per section, a docstring under
+each field, and the embedded default (tiny models, DEFAULT_PLAN on 4 ranks).
+
+Reading YAML and overrides into these classes is load.py; range and cross-checks are checks.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..execplan import ExecutionPlan
+from ...spec import ModelConfig
+from ..graph import ALGORITHMS, Graph
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64, num_hidden_layers=4, max_position_embeddings=64)
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+DEFAULT_PLAN = {
+    "world_size": 4,
+    "calls": {
+        "actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1},
+        "ref_inf": {"ranks": [0, 1], "dp": 2, "tp": 1, "pp": 1},
+        "rew_inf": {"ranks": [2, 3], "dp": 1, "tp": 2, "pp": 1},
+        "critic_inf": {"ranks": [2, 3], "dp": 1, "tp": 1, "pp": 2},
+        "actor_train": {"ranks": [0, 1, 2, 3], "dp": 1, "tp": 2, "pp": 2},
+        "critic_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "pp": 1},
+    },
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    num_prompts: int = 256
+    """Size of the built-in synthetic prompt set (random token ids, seeded)."""
+    batch_size: int = 8
+    """Prompts per iteration (rows of the global batch)."""
+    min_prompt_len: int = 3
+    max_prompt_len: int = 8
+    """Prompt tokens at most (the width of the prompt buffer); see truncate."""
+    path: str | None = None
+    """Prompt data set: a local .jsonl (one JSON object per line) or .parquet file; None: the
+    synthetic prompts (num_prompts, min_prompt_len are used only then)."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt; the other fields go to a reward function as lists."""
+    tokenizer_path: str | None = None
+    """Local tokenizer directory (transformers AutoTokenizer); None: actor_path if it holds one."""
+    chat_template: bool = False
+    """Render each prompt (a string or a list of {role, content} messages) with the tokenizer's
+    chat template and its generation prompt before tokenizing."""
+    truncate: Literal["error", "left", "right"] = "error"
+    """A prompt over max_prompt_len tokens: "error" (refuse the data set), "left" (keep its last
+    max_prompt_len tokens), "right" (keep its first)."""
+    shuffle: bool = True
+    """Visit the data set in a seeded random order (else in file order); wraps around."""
+    samples_per_step: int = 4
+    """Samples (prompt, response, reward) appended per step to <out_dir>/samples.jsonl; 0: none."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GenConfig:
+    max_new_tokens: int = 12
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_token_id: int | None = None
+    decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
+    """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
+    CUDA graph on CUDA with tp == 1 and uses the dynamic (growing) cache elsewhere; "static"
+    (the graph's code run eagerly), "dynamic" or "graph" (CUDA with tp == 1 only) force one."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PPOConfig:
+    kl_coef: float = 0.05
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip: float = 0.2
+    """Policy ratio clip."""
+    value_clip: float = 0.2
+    ppo_epochs: int = 2
+    mini_batches: int = 2
+    """Mini-batches per PPO epoch (each an optimizer step)."""
+    micro_batches: int = 1
+    """Micro-batches per train step (pipeline schedule)."""
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    max_grad_norm: float = 1.0
+    adam_eps: float = 1e-8
+    group_size: int = 2
+    """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
+    whiten_advantages: bool = True
+    kl_in: Literal["loss", "reward"] | None = None
+    """Where the KL to the reference (coefficient kl_coef, GRPO's beta) enters: "reward" (k1
+    penalty -kl_coef * (log pi_old - log pi_ref) per token in the rewards, InstructGPT-style) or
+    "loss" (kl_coef * the k3 estimator per token added to the policy loss, as GRPO is published).
+    None: "loss" for grpo, "reward" for ppo."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the actor loss subtracts entropy_coef * mean response-token entropy; 0 disables."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    kind: Literal["model", "rule", "function"] = "model"
+    """"model" (the reward model's value at the last token), "rule" (fraction of target_token) or
+    "function" (a user callable, `path`)."""
+    target_token: int = 7
+    path: str | None = None
+    """kind "function": "file.py:fn" or "package.module:fn", called as fn(prompts, responses,
+    **row) -> list[float] with decoded texts and the data set's other fields (see rlhf/rewards.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    algo: str = "ppo"
+    """A key of graph.ALGORITHMS: "ppo" or "grpo" (critic-free)."""
+    steps: int = 30
+    seed: int = 1234
+    out_dir: str = "runs/train"
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end); 0 disables."""
+    actor: dict | None = None
+    """ModelConfig fields of the actor (the reference shares it, and its initial weights unless
+    ref_path is set); None: a tiny random-init model, or the config of actor_path."""
+    critic: dict | None = None
+    """ModelConfig fields of the critic and reward model (head is forced to "value")."""
+    actor_path: str | None = None
+    """HF checkpoint (LLaMA / Qwen2 safetensors) of the actor and reference; `actor` overrides
+    its config fields. None: random init from `seed`."""
+    critic_path: str | None = None
+    """HF checkpoint of the critic (a ...ForSequenceClassification with num_labels=1)."""
+    reward_path: str | None = None
+    """HF checkpoint of the reward model; None: random init (or critic's shape)."""
+    critic_init: Literal["checkpoint", "zero", "normal"] = "checkpoint"
+    """Value head of critic_path: "checkpoint" reads its score.weight; "zero" / "normal" (N(0, 0.02),
+    seeded) start a fresh head on the checkpoint's body, e.g. a causal-LM (SFT) checkpoint whose
+    lm_head is dropped."""
+    ref_path: str | None = None
+    """HF checkpoint of the reference model; None: actor_path (or the actor's random init). Its
+    vocab must cover the actor's (checked before ranks start)."""
+    verify_realloc: bool = False
+    """Ship a checksum with every reallocation chunk and fail on a mismatch (costs a pass over the
+    bytes on both sides)."""
+    offload_frozen: bool = False
+    """Keep the frozen models' weights (reference, reward model; not a rule reward) in host memory
+    except during their call: reloaded just before it, offloaded right after it, every iteration
+    (pinned host buffer on GPU; on CPU the working buffer is freed but the copy lives in the same
+    RAM). Trainable models (actor, critic) stay in place."""
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenConfig = field(default_factory=GenConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    plan: dict = field(default_factory=lambda: {"world_size": DEFAULT_PLAN["world_size"],
+                                                 "calls": dict(DEFAULT_PLAN["calls"])})
+    """ExecutionPlan JSON (or {"path": file.json})."""
+    allow_idle_ranks: bool = False
+    """Run a plan that leaves some ranks without a call (they only join the world collectives).
+    Off by default so that a plan that does not cover the world is caught before launch; a searched
+    plan for a small job may idle ranks on purpose."""
+    wandb: dict | None = None
+    """Weights & Biases run options passed to `wandb.init` (e.g. {project: rlhf, name: run1}); None:
+    no W&B (the package is not imported). TensorBoard events are always written to out_dir."""
+    export: Literal["hf"] | None = None
+    """"hf": at the end of the run write the trained actor (and critic) as HF checkpoints to
+    <out_dir>/hf/actor and <out_dir>/hf/critic (see also `python -m real_py export`)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where every engine runs: "cuda" puts rank r's models on cuda:{LOCAL_RANK} and uses NCCL for
+    every collective, reallocation and row push; "cpu" uses gloo; "auto" picks cuda when torch
+    sees a GPU."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and activation dtype of every model: "bf16" keeps the shards (and what a
+    reallocation moves) in bfloat16, with fp32 master weights, fp32 Adam states and fp32 gradient
+    reduction held by the train engines. Overrides the models' dtype (set it here, not in
+    actor/critic)."""
+
+    def model_configs(self) -> dict[str, ModelConfig]:
+        out = {}
+        tiny = {"actor": TINY, "critic": dict(TINY, num_hidden_layers=2)}
+        dtype = PRECISION_DTYPES.get(self.precision)
+        for name, d, path, head in (("actor", self.actor, self.actor_path, "lm"),
+                                    ("critic", self.critic, self.critic_path, "value"),
+                                    ("reward", self.critic, self.reward_path, "value")):
+            if d and "dtype" in d and d["dtype"] != dtype:
+                raise ValueError(f"config {'actor' if name == 'actor' else 'critic'}.dtype="
+                                 f"{d['dtype']!r} conflicts with precision={self.precision!r} "
+                                 f"(dtype {dtype!r}); set precision instead")
+            try:
+                if path:
+                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head, "dtype": dtype})
+                else:
+                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head,
+                                               "dtype": dtype})
+            except (TypeError, OSError) as e:
+                raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
+                                 f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
+        out["ref"] = out["actor"]
+        if self.ref_path:
+            try:
+                out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm",
+                                                                  "dtype": dtype})
+            except (TypeError, OSError) as e:
+                raise ValueError(f"config ref ({self.ref_path}): {e}") from None
+        return out
+
+    def model_paths(self) -> dict[str, str | None]:
+        return {"actor": self.actor_path, "ref": self.ref_path or self.actor_path, "critic": self.critic_path,
+                "reward": self.reward_path}
+
+    def execution_plan(self) -> ExecutionPlan:
+        data = self.plan
+        if set(data) == {"path"}:
+            return ExecutionPlan.from_json(data["path"])
+        return ExecutionPlan.from_json(data)
+
+    def graph(self) -> Graph:
+        return Graph(ALGORITHMS[self.algo])
+
+
+def single_process_plan(graph: Graph) -> dict:
+    """Every call on (dp1, tp1, pp1) of rank 0: the reference run of the distributed tests."""
+    return {"world_size": 1, "calls": {n: {"ranks": [0], "dp": 1, "tp": 1, "pp": 1} for n in graph.order}}

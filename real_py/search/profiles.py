@@ -1,0 +1,50 @@
+"""Hardware profiles by name: the datasheet GPU profiles of hardware.py and the `cpu` profile of
+this machine, calibrated on first use (real_py.search.calibrate) and cached in $REAL_PY_CACHE or
+~/.cache/real_py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict
+
+from .calibrate import calibrate_cpu
+from .hardware import PROFILE_NAMES, PROFILES, HardwareProfile
+
+
+def _cache_path() -> str:
+    base = os.environ.get("REAL_PY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "real_py")
+    return os.path.join(base, "cpu_profile.json")
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A profile by name; `cpu` is calibrated on first use and cached (see calibrate_cpu)."""
+    key = name.lower().replace("-80g", "").replace("-", "")
+    if key in PROFILES:
+        return PROFILES[key]
+    if key == "cpu":
+        return cpu_profile()
+    raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
+
+
+CACHE_VERSION = 3
+"""Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
+
+
+def cpu_profile(refresh: bool = False, reps: int = 15) -> HardwareProfile:
+    """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
+    $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure)."""
+    path = _cache_path()
+    if not refresh and os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION:
+            return HardwareProfile(**data["profile"])
+    prof, raw = calibrate_cpu(reps)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "measured": raw,
+                   "profile": asdict(prof)}, f, indent=1)
+    return prof
