@@ -68,11 +68,13 @@ def test_zero_variance_group_gives_zero_policy_gradient():
         pg.backward()
         assert torch.equal(logp.grad[:4], torch.zeros(4, N)), kl_in
         assert float(logp.grad[4:].abs().sum()) > 0, kl_in
-    # The group mean of the non-saturated group is 0.25: ranks 1 and 0 scores -> +-; kl subtracted
-    # in reward mode only.
-    a_loss = P.grpo_advantages(scores, kl, mask, 4, beta, "loss")
+    # kl_in=reward is verl's form: the KL summed into the score before the group statistics.
     a_rew = P.grpo_advantages(scores, kl, mask, 4, beta, "reward")
-    torch.testing.assert_close(a_loss[4:] - a_rew[4:], beta * kl[4:])
+    s = [float(scores[i]) - beta * float(kl[i].sum()) for i in range(4, 8)]
+    mean = sum(s) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in s) / 3)
+    want = torch.tensor([(x - mean) / (std + 1e-6) for x in s]).unsqueeze(1) * mask[4:]
+    torch.testing.assert_close(a_rew[4:], want)
     logp = old.clone().requires_grad_(True)
     (beta * P.k3_kl(logp, ref, mask)).sum().backward()
     torch.testing.assert_close(logp.grad[:4], beta * (1 - torch.exp(ref - old))[:4] * mask[:4])

@@ -26,16 +26,18 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
     rows = dp_rows(g.layout, g.dp_rank, rt.B, rt.mini_batches.get(call.name, 1))
     reporter = g.tp_rank == 0 and g.is_last_stage
     cfg = rt.cfg
-    if call.kind == "generate":
+    if call.kind in ("generate", "generate_greedy"):
         gc = cfg.generation
+        greedy = gc.greedy or call.kind == "generate_greedy"
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
-                              greedy=gc.greedy, temperature=gc.temperature, top_p=gc.top_p,
+                              greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
                               eos_token_id=eos_token_id(rt), decode=gc.decode)
-        store.write("tokens", rows, out["tokens"])
-        store.write("lengths", rows, out["lengths"])
-        lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
-        store.write("old_logp", rows, lp)
+        store.write(call.writes[0], rows, out["tokens"])
+        store.write(call.writes[1], rows, out["lengths"])
+        if len(call.writes) > 2:
+            lp = engine.inference(out["tokens"], out["lengths"])["logprobs"]
+            store.write(call.writes[2], rows, lp)
     elif call.kind == "logprobs":
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
         store.write(call.writes[0], rows, lp)
@@ -43,27 +45,34 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         v = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["values"]
         store.write(call.writes[0], rows, v)
     elif call.kind == "reward":
-        tok, ln, pl = (store.rows(k, rows) for k in ("tokens", "lengths", "prompt_lengths"))
-        texts = None
-        if rt.reward_fn is not None:
-            texts = _texts(rt, step, rows, tok, pl, ln)
-            row = rt.data.fields(_data_index(rt, step)[rows]) if rt.data is not None else {}
-            score = rt.reward_fn(texts[0], texts[1], row)
-        elif engine is None:
-            score = P.rule_reward(tok, pl, ln, cfg.reward.target_token)
-        else:
-            v = engine.inference(tok, ln)["values"]
-            score = v.gather(1, (ln - 1).unsqueeze(1)).squeeze(1)
-        store.write(call.writes[0], rows, score)
-        n = min(cfg.data.samples_per_step, len(rows))
-        if rt.samples_path and n and reporter and g.dp_rank == 0:
-            if texts is None:
-                texts = _texts(rt, step, rows[:n], tok[:n], pl[:n], ln[:n])
-            write_samples(rt.samples_path, step, texts[0][:n], texts[1][:n], score[:n], rows[:n])
+        # scores of (tokens, lengths); ReMax's reward call also scores (base_tokens, base_lengths).
+        for j, key in enumerate(call.writes):
+            tok_key, len_key = ("tokens", "lengths") if j == 0 else ("base_tokens", "base_lengths")
+            _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0)
     elif call.kind in ("train_ppo_actor", "train_grpo_actor", "train_critic"):
         _train(rt, call, g, engine, store, sums, rows, reporter)
     else:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
+
+
+def _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, writer) -> None:
+    tok, ln, pl = (store.rows(k, rows) for k in (tok_key, len_key, "prompt_lengths"))
+    texts = None
+    if rt.reward_fn is not None:
+        texts = _texts(rt, step, rows, tok, pl, ln)
+        row = rt.data.fields(_data_index(rt, step)[rows]) if rt.data is not None else {}
+        score = rt.reward_fn(texts[0], texts[1], row)
+    elif engine is None:
+        score = P.rule_reward(tok, pl, ln, cfg.reward.target_token)
+    else:
+        v = engine.inference(tok, ln)["values"]
+        score = v.gather(1, (ln - 1).unsqueeze(1)).squeeze(1)
+    store.write(key, rows, score)
+    n = min(cfg.data.samples_per_step, len(rows))
+    if rt.samples_path and n and writer and key == "scores":
+        if texts is None:
+            texts = _texts(rt, step, rows[:n], tok[:n], pl[:n], ln[:n])
+        write_samples(rt.samples_path, step, texts[0][:n], texts[1][:n], score[:n], rows[:n])
 
 
 def eos_token_id(rt) -> int | None:
@@ -77,7 +86,7 @@ def eos_token_id(rt) -> int | None:
 def _data_index(rt, step: int) -> torch.Tensor:
     """[B] data-set row of every batch row of iteration `step` (as runtime.make_batch picks them)."""
     cfg = rt.cfg
-    return rt.data.batch_indices(step, rt.B, cfg.ppo.group_size if cfg.algo == "grpo" else 1)
+    return rt.data.batch_indices(step, rt.B, cfg.group_size())
 
 
 def _texts(rt, step: int, rows: list[int], tok, pl, ln) -> tuple[list, list]:
@@ -103,23 +112,46 @@ def _allreduce_dp(t: torch.Tensor, g, device) -> torch.Tensor:
 
 
 def kl_in(cfg) -> str:
-    """Where the KL to the reference enters: cfg.ppo.kl_in, or by default "loss" for GRPO (as
-    published) and "reward" for PPO."""
-    return cfg.ppo.kl_in or ("loss" if cfg.algo == "grpo" else "reward")
+    """Where the KL to the reference enters: cfg.ppo.kl_in, or by default "loss" for GRPO-style
+    outcome estimators (grpo, rloo: as GRPO is published) and "reward" for the others (PPO,
+    REINFORCE++ and ReMax put the per-token KL in the reward)."""
+    return cfg.ppo.kl_in or ("loss" if cfg.algo in ("grpo", "rloo") else "reward")
+
+
+def kl_estimator(cfg) -> str:
+    """ppo.kl_estimator, or by default k1 in the reward and k3 in the loss."""
+    return cfg.ppo.kl_estimator or ("k1" if kl_in(cfg) == "reward" else "k3")
 
 
 def _advantages(rt, call, g, d: dict) -> dict:
-    """Adds "mask", "kl" (k1), "adv", "returns" (PPO) to the DP-local batch d; all [b, T-1]."""
-    pc = rt.cfg.ppo
+    """Adds "mask", "kl" (k1, the reported metric), "adv", and for PPO "returns", "old_values"
+    to the DP-local batch d; all [b, T-1]. One path for every estimator (cfg.algo)."""
+    cfg, pc = rt.cfg, rt.cfg.ppo
     T = d["tokens"].shape[1]
     mask = P.response_mask(d["prompt_lengths"], d["lengths"], T)
-    in_reward = kl_in(rt.cfg) == "reward"
-    rewards, kl = P.kl_penalized_rewards(d["scores"], d["old_logp"], d["ref_logp"], mask,
-                                         pc.kl_coef if in_reward else 0.0)
-    d["mask"], d["kl"] = mask, kl
-    if call.kind == "train_grpo_actor":
-        d["adv"] = P.grpo_advantages(d["scores"], kl, mask, pc.group_size, pc.kl_coef, kl_in(rt.cfg))
+    d["mask"] = mask
+    d["kl"] = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, "k1")
+    in_reward = kl_in(cfg) == "reward"
+    kl = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(cfg), pc.kl_clamp) if in_reward \
+        else torch.zeros_like(mask)
+    coef = rt.kl_coef if in_reward else 0.0
+    scores, algo = d["scores"], cfg.algo
+    if algo in ("grpo", "rloo"):
+        d["adv"] = P.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(cfg),
+                                     norm_by_std=pc.norm_adv_by_std, estimator=algo)
         return d
+    if algo in ("reinforce_pp", "reinforce_pp_baseline", "remax"):
+        base = None
+        if algo == "reinforce_pp_baseline":
+            base = P.group_mean(scores, pc.group_size)
+        elif algo == "remax":
+            base = d["base_scores"]
+        adv = P.reinforce_returns(scores, kl, mask, coef, pc.gamma, base)
+        if algo != "remax" and pc.whiten_returns:
+            adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, rt.device))
+        d["adv"] = adv
+        return d
+    rewards = P.token_rewards(scores, kl, mask, coef)
     values = d["values"][:, :-1] * mask
     adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
     if pc.whiten_advantages:
@@ -140,32 +172,35 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
         _add(rt, sums, "kl", float(d["kl"].sum()), len(rows))
         _add(rt, sums, "response_length", float(resp.sum()), len(rows))
     kl_loss = not critic and kl_in(rt.cfg) == "loss"
+    est, coef, max_len = kl_estimator(rt.cfg), rt.kl_coef, rt.cfg.generation.max_new_tokens
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
     local = torch.arange(len(rows))
     for _ in range(pc.ppo_epochs):
         for mb in local.tensor_split(pc.mini_batches):
             batch = {k: d[k][mb] for k in fields}
-            n_tok = float(_allreduce_dp(batch["mask"].sum().double().reshape(1), g, rt.device))
+            # Tokens and rows of the GLOBAL mini-batch: every part's loss is its share of the
+            # whole (ppo.aggregate), and gradients are summed over micro-batches and DP.
+            counts = torch.tensor([float(batch["mask"].sum()), float(len(mb))], dtype=torch.float64)
+            n_tok, n_seq = _allreduce_dp(counts, g, rt.device).tolist()
             extra = []
 
-            def loss_fn(out, data, n_tok=max(n_tok, 1.0), extra=extra):
+            def loss_fn(out, data, n_tok=max(n_tok, 1.0), n_seq=n_seq, extra=extra):
+                m = data["mask"]
                 if critic:
                     loss, nclip = P.value_loss(out["values"][:, :-1], data["old_values"], data["returns"],
-                                               data["mask"], pc.value_clip)
-                    extra.append((float(nclip), 0.0, float(data["mask"].sum())))
-                else:
-                    loss, nclip = P.policy_loss(out["logprobs"], data["old_logp"], data["adv"],
-                                                data["mask"], pc.clip)
-                    if kl_loss:
-                        loss = loss + pc.kl_coef * P.k3_kl(out["logprobs"], data["ref_logp"], data["mask"]).sum()
-                    ent_sum = (out["entropy"] * data["mask"]).sum()
-                    if pc.entropy_coef:
-                        loss = loss - pc.entropy_coef * ent_sum
-                    ent = float(ent_sum.detach())
-                    extra.append((float(nclip), ent, float(data["mask"].sum())))
-                return loss / n_tok
-
+                                               m, pc.value_clip)
+                    extra.append((float(nclip), 0.0, float(m.sum())))
+                    return loss / n_tok
+                loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
+                                                     pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                if kl_loss:
+                    loss = loss + coef * P.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
+                ent_tok = out["entropy"] * m
+                if pc.entropy_coef:
+                    loss = loss - pc.entropy_coef * ent_tok
+                extra.append((float(clipped.sum()), float(ent_tok.sum().detach()), float(m.sum())))
+                return P.aggregate(loss, m, pc.loss_agg, n_tok, n_seq, max_len)
             res = engine.train_step(loss_fn, batch, micro_batches=pc.micro_batches,
                                     with_entropy=not critic)
             if reporter:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("generate", "logprobs", "values", "reward", "train_ppo_actor", "train_grpo_actor",
+KINDS = ("generate", "generate_greedy", "logprobs", "values", "reward", "train_ppo_actor", "train_grpo_actor",
          "train_critic")
 
 
@@ -24,7 +24,8 @@ class Call:
     model: str
     """"actor", "critic", "ref" or "reward" (the model whose weights the call uses)."""
     kind: str
-    """How the runtime executes it; one of KINDS."""
+    """How the runtime executes it; one of KINDS. "train_grpo_actor" is the critic-free actor
+    update of every outcome / REINFORCE-style estimator (GRPO, RLOO, REINFORCE++, ReMax)."""
     reads: tuple[str, ...]
     writes: tuple[str, ...] = ()
 
@@ -61,7 +62,30 @@ GRPO_CALLS = (
          reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores")),
 )
 
-ALGORITHMS = {"ppo": PPO_CALLS, "grpo": GRPO_CALLS}
+BASELINE = ("base_tokens", "base_lengths")
+
+# ReMax: the greedy response per prompt is an extra generation call of the graph, placed,
+# reallocated and pushed like any other (the actor is reallocated into actor_greedy's layout);
+# the reward call scores it too (a frozen model has one call, whose layout holds its weights).
+REMAX_CALLS = (
+    PPO_CALLS[0],
+    Call(name="actor_greedy", model="actor", kind="generate_greedy", reads=INPUTS, writes=BASELINE),
+    PPO_CALLS[1],
+    Call(name="rew_inf", model="reward", kind="reward", reads=PPO_CALLS[2].reads + BASELINE,
+         writes=("scores", "base_scores")),
+    Call(name="actor_train", model="actor", kind="train_grpo_actor",
+         reads=GRPO_CALLS[3].reads + ("base_scores",)),
+)
+
+ALGORITHMS = {"ppo": PPO_CALLS, "grpo": GRPO_CALLS, "rloo": GRPO_CALLS, "reinforce_pp": GRPO_CALLS,
+              "reinforce_pp_baseline": GRPO_CALLS, "remax": REMAX_CALLS}
+"""algo -> its calls. ppo: GAE with a critic; the others are critic-free and differ in the
+advantage estimator (calls.py `_advantages`): grpo (and Dr.GRPO with ppo.norm_adv_by_std: false),
+rloo, reinforce_pp, reinforce_pp_baseline, remax."""
+
+GROUPED = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+"""Algorithms that sample each prompt ppo.group_size times (contiguous rows)."""
+
 
 
 class Graph:
@@ -122,4 +146,4 @@ class Graph:
         return "\n".join(lines)
 
 
-__all__ = ["Call", "Graph", "PPO_CALLS", "GRPO_CALLS", "ALGORITHMS", "ROLLOUT", "INPUTS", "KINDS"]
+__all__ = ["Call", "Graph", "PPO_CALLS", "GRPO_CALLS", "REMAX_CALLS", "ALGORITHMS", "GROUPED", "BASELINE", "ROLLOUT", "INPUTS", "KINDS"]

@@ -19,6 +19,51 @@ def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor, T: int) -
     return ((pos >= prompt_lengths.unsqueeze(1)) & (pos < lengths.unsqueeze(1))).float()
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k1",
+                clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) [B, N] from log-probs of tokens sampled from pi, 0 off
+    the mask (Schulman 2020, "Approximating KL divergence"), with d = logp - ref_logp:
+
+        k1 = d                       unbiased, can be negative
+        k2 = d^2 / 2                 biased, low variance; gradient d * grad logp
+        k3 = exp(-d) + d - 1         unbiased, non-negative (GRPO's KL term)
+
+    clamp: the estimate is clamped to [-clamp, clamp] (verl clamps k3 to +-10 against exp blow-ups).
+    """
+    d = (logp - ref_logp) * mask
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    elif estimator == "k3":
+        kl = torch.exp(-d) + d - 1.0
+    else:
+        raise ValueError(f"KL estimator {estimator!r}; allowed: {KL_ESTIMATORS}")
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl * mask
+
+
+def last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask [B, N] -> (index of each row's last masked prediction [B], rows with any [B] bool)."""
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)
+    return last, mask.sum(1) > 0
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
+                  kl_coef: float) -> torch.Tensor:
+    """scores [B], kl [B, N] (any estimator) -> per-token rewards [B, N]: -kl_coef * kl on response
+    predictions, plus the sequence score on the last one (InstructGPT; OpenRLHF / verl
+    kl-in-reward). Empty responses get nothing."""
+    rewards = -kl_coef * kl * mask
+    last, has = last_index(mask)
+    rewards[torch.arange(len(scores))[has], last[has]] += scores[has]
+    return rewards
+
+
 def kl_penalized_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
                          mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [B]; logp, ref_logp, mask [B, N]. Returns (rewards [B, N], kl [B, N]).
@@ -26,12 +71,8 @@ def kl_penalized_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: tor
     rewards = -kl_coef * (logp - ref_logp) on response predictions, plus the sequence score on
     its last response prediction (the k1 estimator of KL, as in InstructGPT / OpenRLHF).
     """
-    kl = (logp - ref_logp) * mask
-    rewards = -kl_coef * kl
-    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)
-    has = mask.sum(1) > 0
-    rewards[torch.arange(len(scores))[has], last[has]] += scores[has]
-    return rewards, kl
+    kl = kl_estimate(logp, ref_logp, mask, "k1")
+    return token_rewards(scores, kl, mask, kl_coef), kl
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -69,16 +110,78 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: floa
     return ((x - mean) / (var + eps) ** 0.5) * mask
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate, all [B, N]. Returns (sum over masked tokens of the loss, number of
-    masked tokens where the clipped branch was taken); divide both by the global token count."""
-    ratio = torch.exp(logp - old_logp)
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - clip, 1.0 + clip)
+LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def policy_loss_tokens(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                       clip_low: float, clip_high: float | None = None, dual_clip: float | None = None,
+                       ratio: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate, all [B, N]. Returns (loss [B, N], clipped [B, N] 0/1), 0 off
+    the mask; aggregate the loss with `aggregate`.
+
+    PPO (Schulman 2017): max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = pi / pi_old per
+    token; clip_high > clip_low is DAPO's clip-higher (Yu et al. 2025, eq. 10: eps_low 0.2,
+    eps_high 0.28). dual_clip = c > 1 (Ye et al. 2020, "Mastering complex control in MOBA
+    games", eq. 5): for A < 0 the loss is also capped at -c A, so a huge ratio on a bad token
+    cannot blow the loss up. ratio="sequence" is GSPO (Zheng et al. 2025, eq. 7):
+    s_i = exp(mean_t log(pi / pi_old)) over the response of sequence i, used on every token as
+    sg(s_i) * pi_t / sg(pi_t) (its value is s_i; with seq-mean-token-mean aggregation its gradient
+    is that of s_i * A_i), log s_i clamped at 10 as verl does.
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    if ratio == "sequence":
+        n = mask.sum(1).clamp(min=1)
+        log_s = ((logp - old_logp) * mask).sum(1) / n
+        log_r = (logp - logp.detach() + log_s.detach().unsqueeze(1)).clamp(max=10.0)
+    elif ratio == "token":
+        log_r = logp - old_logp
+    else:
+        raise ValueError(f"ratio={ratio!r}; allowed: 'token', 'sequence'")
+    r = torch.exp(log_r * mask)
+    l1 = -adv * r
+    l2 = -adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(l1, l2)
-    clipped = (l2 > l1).float()
-    return (loss * mask).sum(), (clipped * mask).sum().detach()
+    clipped = l2 > l1
+    if dual_clip is not None:
+        l3 = -adv * dual_clip
+        capped = (adv < 0) & (l3 < loss)
+        loss = torch.where(capped, l3, loss)
+        clipped = clipped | capped
+    return loss * mask, clipped.float() * mask
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                clip: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate, all [B, N]. Returns (sum over masked tokens of the loss, number of
+    masked tokens where the clipped branch was taken); divide both by the global token count.
+    kw: clip_high, dual_clip, ratio of policy_loss_tokens."""
+    loss, clipped = policy_loss_tokens(logp, old_logp, adv, mask, clip, **kw)
+    return loss.sum(), clipped.sum().detach()
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, n_tok: float, n_seq: float,
+              max_len: int) -> torch.Tensor:
+    """This part's share of the loss of a global mini-batch, for per-token losses [B, N] (0 off
+    the mask) of some of its rows. n_tok / n_seq: response tokens / rows of the WHOLE global
+    mini-batch (summed over DP ranks and micro-batches), so the shares of all parts add up to the
+    loss of the whole, whatever the DP / micro-batch split (gradients are summed over both):
+
+        token-mean               sum_{i,t} l_it / n_tok                    (DAPO eq. 8; PPO here)
+        seq-mean-token-mean      sum_i (sum_t l_it / |y_i|) / n_seq        (GRPO paper eq. 3)
+        seq-mean-token-sum       sum_{i,t} l_it / n_seq
+        seq-mean-token-sum-norm  sum_{i,t} l_it / (n_seq * max_len)        (Dr.GRPO, Liu et al. 2025:
+                                 a constant normaliser, max_len = generation.max_new_tokens)
+
+    An empty response contributes 0 and counts as a row (n_seq counts every row)."""
+    if mode == "token-mean":
+        return loss.sum() / max(n_tok, 1.0)
+    if mode == "seq-mean-token-mean":
+        return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_seq, 1.0)
+    if mode == "seq-mean-token-sum":
+        return loss.sum() / max(n_seq, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return loss.sum() / (max(n_seq, 1.0) * max_len)
+    raise ValueError(f"loss aggregation {mode!r}; allowed: {LOSS_AGG}")
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -104,45 +207,95 @@ def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g.amax(1) == g.amin(1)).repeat_interleave(group_size)
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantages: scores [B] (B a multiple of group_size, groups contiguous) ->
-    [B] (score - group mean) / (group std + eps), std unbiased; exactly 0 on the rows of a
-    zero-variance group (the mean of equal float32 scores can differ from them by an ulp, which
-    the division by eps would blow up to a spurious advantage)."""
-    zero = zero_variance_groups(scores, group_size)
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, *,
+                     norm_by_std: bool = True, leave_one_out: bool = False,
+                     skip: torch.Tensor | None = None) -> torch.Tensor:
+    """Outcome advantages of groups of group_size contiguous rows, scores [B] -> [B]:
+
+        GRPO (Shao et al. 2024, eq. 3 outcome supervision):  (s_i - mean_g) / (std_g + eps), std unbiased
+        Dr.GRPO (Liu et al. 2025, norm_by_std=False):        s_i - mean_g
+        RLOO (Ahmadian et al. 2024, leave_one_out=True):      s_i - mean_{j != i} s_j = G / (G - 1) (s_i - mean_g)
+
+    Exactly 0 on the rows flagged by skip (default: zero_variance_groups(scores), which includes
+    every group of one: no baseline); the mean of equal float32 scores can differ from them by an
+    ulp, which the division by eps would blow up to a spurious advantage."""
+    zero = zero_variance_groups(scores, group_size) if skip is None else skip
     g = scores.view(-1, group_size)
-    std = g.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
-    adv = ((g - g.mean(1, keepdim=True)) / (std + eps)).reshape(-1)
-    return adv.masked_fill(zero, 0.0)
+    adv = g - g.mean(1, keepdim=True)
+    if leave_one_out and group_size > 1:
+        adv = adv * (group_size / (group_size - 1))
+    elif norm_by_std and not leave_one_out:
+        std = g.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+        adv = adv / (std + eps)
+    return adv.reshape(-1).masked_fill(zero, 0.0)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || ref), all [B, N]: exp(r) - r - 1 with r = ref_logp - logp on
     masked predictions, 0 elsewhere. Non-negative, unbiased for tokens sampled from pi, and its
     gradient in logp, 1 - exp(r), pulls logp toward ref_logp (Schulman 2020; GRPO's KL term)."""
-    r = (ref_logp - logp) * mask
-    return (torch.exp(r) - r - 1.0) * mask
+    return kl_estimate(logp, ref_logp, mask, "k3")
+
+
+OUTCOME_ESTIMATORS = ("grpo", "rloo")
 
 
 def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, group_size: int,
-                    kl_coef: float, kl_in: str) -> torch.Tensor:
-    """Per-token GRPO advantages [B, N] from scores [B] and the k1 KL kl, mask [B, N].
+                    kl_coef: float, kl_in: str, *, norm_by_std: bool = True,
+                    estimator: str = "grpo") -> torch.Tensor:
+    """Per-token outcome advantages [B, N] of GRPO / Dr.GRPO / RLOO (see group_advantages) from
+    scores [B], a per-token KL estimate kl and mask [B, N]: the row's advantage on each of its
+    response predictions.
 
-    kl_in="loss": the group-normalized score on every response prediction (the KL to the
-    reference is a separate loss term, k3_kl). kl_in="reward": the same minus kl_coef * kl per
-    token. Either way every row of a zero-variance group gets 0 (skipped, as DAPO does). Why:
-    once every sample of a group scores the same, the score says nothing, and with the KL in the
-    reward the only advantage left is the KL penalty, of fixed sign on the tokens the policy
-    samples with probability ~1 (log pi > log ref there); Adam rescales that small, consistent
-    gradient to full learning-rate steps against the rewarded tokens. A 300-step GRPO run of
-    configs/grpo_cpu4.yaml was reported to collapse that way (reward 0.98 -> 0.0 at step 275).
-    """
+    kl_in="loss": advantages of the scores (the KL is a separate loss term). kl_in="reward":
+    verl's form (compute_grpo_outcome_advantage on token_level_rewards after apply_kl_penalty):
+    the KL is summed into the score before the group statistics, s_i' = s_i - kl_coef *
+    sum_t kl_it. Either way every row of a group whose TASK scores are all equal gets 0: such a
+    group says nothing about which response is better, and with s' its advantages would be its
+    KL differences divided by their own tiny std, noise at full scale (a 300-step GRPO run of
+    configs/grpo_cpu4.yaml collapsed from a KL-only signal, reward 0.98 -> 0.0 at step 275).
+    These rows still take part in the batch (token counts, KL and entropy terms); to drop them
+    and refill the batch, use ppo.dynamic_sampling (DAPO)."""
     if kl_in not in ("loss", "reward"):
         raise ValueError(f"kl_in={kl_in!r}; allowed: 'loss', 'reward'")
-    adv = group_advantages(scores, group_size).unsqueeze(1) * mask
-    if kl_in == "reward":
-        adv = adv - kl_coef * kl * mask
-    return adv.masked_fill(zero_variance_groups(scores, group_size).unsqueeze(1), 0.0)
+    if estimator not in OUTCOME_ESTIMATORS:
+        raise ValueError(f"outcome estimator {estimator!r}; allowed: {OUTCOME_ESTIMATORS}")
+    skip = zero_variance_groups(scores, group_size)
+    s = scores - kl_coef * (kl * mask).sum(1) if kl_in == "reward" else scores
+    adv = group_advantages(s, group_size, norm_by_std=norm_by_std, leave_one_out=estimator == "rloo",
+                           skip=skip)
+    return adv.unsqueeze(1) * mask
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over masked predictions, all [B, N]; 0 off the mask."""
+    out = torch.zeros_like(rewards)
+    nxt = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        nxt = (rewards[:, t] + gamma * nxt) * mask[:, t]
+        out[:, t] = nxt
+    return out
+
+
+def reinforce_returns(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+                      gamma: float = 1.0, baseline: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token returns [B, N] of the REINFORCE family: r_t = -kl_coef * kl_t plus (s - b) on
+    the last response prediction, G_t = sum_{k >= t} gamma^(k-t) r_k.
+
+    REINFORCE++ (Hu 2025, arXiv 2501.03262, eq. 8-10): b = 0, KL in the reward, then G whitened
+    over the global batch (the caller, with moments summed over DP). REINFORCE++-baseline: b =
+    the group's mean score, then the same whitening. ReMax (Li et al. 2023, eq. 5): b = the
+    score of the greedy response to the same prompt, no whitening (verl compute_remax_outcome_
+    advantage: reward-to-go minus the baseline)."""
+    s = scores if baseline is None else scores - baseline
+    return returns_to_go(token_rewards(s, kl, mask, kl_coef), mask, gamma)
+
+
+def group_mean(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B] -> [B]: each row's group mean (groups of group_size contiguous rows)."""
+    if scores.numel() % group_size:
+        raise ValueError(f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}")
+    return scores.view(-1, group_size).mean(1).repeat_interleave(group_size)
 
 
 def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
@@ -155,6 +308,8 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
     return hits / resp.sum(1).clamp(min=1).float()
 
 
-__all__ = ["response_mask", "kl_penalized_rewards", "gae", "masked_moments", "whiten", "policy_loss",
+__all__ = ["response_mask", "kl_penalized_rewards", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
+           "policy_loss_tokens", "aggregate", "LOSS_AGG", "returns_to_go", "reinforce_returns",
+           "group_mean", "OUTCOME_ESTIMATORS", "last_index", "gae", "masked_moments", "whiten", "policy_loss",
            "value_loss", "group_advantages", "zero_variance_groups", "k3_kl", "grpo_advantages",
            "rule_reward"]

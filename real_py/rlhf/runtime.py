@@ -42,9 +42,9 @@ of every mini-batch pass."""
 def make_batch(cfg, step: int, vocab_size: int, data=None) -> dict[str, torch.Tensor]:
     """The iteration's prompts, right-padded, with a sampling seed per row: rows of the prompt
     data set `data` (rlhf.data.PromptData) or, without one, a slice of the seeded synthetic prompt
-    set. GRPO repeats each prompt group_size times."""
+    set. The grouped algorithms (GRPO, RLOO, REINFORCE++) repeat each prompt group_size times."""
     d, B = cfg.data, cfg.data.batch_size
-    repeat = cfg.ppo.group_size if cfg.algo == "grpo" else 1
+    repeat = cfg.group_size()
     seeds = cfg.seed * 1_000_003 + step * B + torch.arange(B)
     if data is not None:
         idx = data.batch_indices(step, B, repeat)
@@ -56,6 +56,18 @@ def make_batch(cfg, step: int, vocab_size: int, data=None) -> dict[str, torch.Te
     idx = (step * (B // repeat) + torch.arange(B // repeat)) % d.num_prompts
     idx = idx.repeat_interleave(repeat)
     return {"prompts": toks[idx], "prompt_lengths": lens[idx], "seeds": seeds}
+
+
+def adaptive_kl(coef: float, kl: float | None, cfg) -> float:
+    """The adaptive KL controller of Ziegler et al. 2019 (sec. 2.2): beta <- beta * (1 + K_beta * e),
+    e = clip(KL / target - 1, -0.2, 0.2), K_beta = n / horizon with n the samples of the step.
+    Unchanged without ppo.kl_target or a KL measurement. Every rank sees the same all-reduced KL,
+    so the coefficient stays identical everywhere."""
+    pc = cfg.ppo
+    if pc.kl_target is None or kl is None or kl != kl:
+        return coef
+    e = min(max(kl / pc.kl_target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + e * cfg.data.batch_size / pc.kl_horizon)
 
 
 class Runtime:
@@ -96,6 +108,8 @@ class Runtime:
         # Where the reward call appends samples; the driver sets <out_dir>/samples.jsonl.
         self.samples_path: str | None = None
         self.B = cfg.data.batch_size
+        # KL coefficient of this step: ppo.kl_coef, adapted after every step when ppo.kl_target is set.
+        self.kl_coef = cfg.ppo.kl_coef
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
@@ -134,7 +148,11 @@ class Runtime:
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
-        return self._summary(sums, gathered, store)
+        out = self._summary(sums, gathered, store)
+        if self.cfg.ppo.kl_target is not None:
+            out["metrics"]["kl_coef"] = self.kl_coef
+        self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
+        return out
 
     def _call(self, i, name, store, pusher, sums, events, reallocs, offloads, step) -> None:
         call = self.graph.calls[name]
@@ -182,4 +200,4 @@ class Runtime:
                 "events": events, "store": store}
 
 
-__all__ = ["Runtime", "make_batch"]
+__all__ = ["Runtime", "make_batch", "adaptive_kl"]

@@ -8,8 +8,8 @@
 from .checks import check_values, validate
 from .load import apply_overrides, from_dict, load, read_yaml, to_dict
 from .schema import (DEFAULT_PLAN, PRECISION_DTYPES, TINY, DataConfig, GenConfig, PPOConfig, RewardConfig,
-                     TrainConfig, single_process_plan)
+                     TrainConfig, default_plan, single_process_plan)
 
 __all__ = ["TrainConfig", "DataConfig", "GenConfig", "PPOConfig", "RewardConfig", "from_dict", "load",
            "read_yaml", "apply_overrides", "to_dict", "validate", "check_values", "single_process_plan",
-           "DEFAULT_PLAN", "PRECISION_DTYPES", "TINY"]
+           "DEFAULT_PLAN", "PRECISION_DTYPES", "TINY", "default_plan"]

@@ -11,7 +11,7 @@ import os
 from ...layout import check_fits
 from ...spec import model_spec
 from ..execplan import ExecutionPlan
-from ..graph import ALGORITHMS, Graph
+from ..graph import ALGORITHMS, GROUPED, Graph
 from .schema import TrainConfig
 
 
@@ -28,6 +28,11 @@ _RANGES = (
     ("ppo.max_grad_norm", lambda v: v > 0, "> 0"),
     ("ppo.adam_eps", lambda v: v > 0, "> 0"),
     ("ppo.group_size", lambda v: v >= 1, ">= 1"),
+    ("ppo.clip_high", lambda v: v is None or v > 0, "> 0 or null"),
+    ("ppo.dual_clip", lambda v: v is None or v > 1, "> 1 or null"),
+    ("ppo.kl_clamp", lambda v: v is None or v > 0, "> 0 or null"),
+    ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
+    ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
     ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
     ("data.samples_per_step", lambda v: v >= 0, ">= 0"),
@@ -158,14 +163,16 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
                 raise ValueError(f"call {n}: the DP-local batch of {local} rows cannot be cut into "
                                  f"ppo.mini_batches={cfg.ppo.mini_batches} mini-batches of at least "
                                  f"ppo.micro_batches={cfg.ppo.micro_batches} rows")
-            if call.kind == "train_grpo_actor" and (local // cfg.ppo.mini_batches) % cfg.ppo.group_size:
+            if cfg.algo in GROUPED and call.kind == "train_grpo_actor" and (local // cfg.ppo.mini_batches) % cfg.ppo.group_size:
                 raise ValueError(f"call {n}: ppo.group_size={cfg.ppo.group_size} must divide the "
                                  f"DP-local mini-batch of {local // cfg.ppo.mini_batches} rows")
-    if cfg.algo == "grpo" and B % cfg.ppo.group_size:
+    if cfg.algo in GROUPED and B % cfg.ppo.group_size:
         raise ValueError(f"ppo.group_size={cfg.ppo.group_size} does not divide data.batch_size={B}")
     total = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-    for m in ("actor", "critic"):
-        if total > models[m].max_position_embeddings:
+    used = graph.models()                    # only the models the graph uses
+    for m in ("actor", "critic", "reward"):
+        if m in used and not (m == "reward" and cfg.reward.kind != "model") \
+                and total > models[m].max_position_embeddings:
             raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
                              f"max_position_embeddings={models[m].max_position_embeddings}")
     _check_data_and_reward(cfg, models)

@@ -158,7 +158,12 @@ def apply_overrides(d: dict, overrides) -> dict:
 
     import yaml
 
+    from .schema import default_plan
+
     d = copy.deepcopy(d)
+    # The algorithm decides the default plan that plan.* overrides edit (an algo= override too).
+    algo = next((i.partition("=")[2].strip() for i in reversed(list(overrides))
+                 if i.partition("=")[0].strip() == "algo"), d.get("algo", "ppo"))
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
@@ -173,7 +178,12 @@ def apply_overrides(d: dict, overrides) -> dict:
         elif len(parts) > 1 and parts[0] not in d:
             # plan.calls.ref_inf.tp=2 without a plan in the file edits the default plan.
             f = next((f for f in dataclasses.fields(TrainConfig) if f.name == parts[0]), None)
-            if f is not None and f.default_factory is not dataclasses.MISSING:
+            if parts[0] == "plan":
+                try:
+                    d["plan"] = default_plan(algo)
+                except ValueError:
+                    pass                # an unknown algo is refused by check_values
+            elif f is not None and f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
                 if isinstance(default, dict):
                     d[parts[0]] = copy.deepcopy(default)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from ..execplan import ExecutionPlan
 from ...spec import ModelConfig
-from ..graph import ALGORITHMS, Graph
+from ..graph import ALGORITHMS, GROUPED, Graph
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=64, num_hidden_layers=4, max_position_embeddings=64)
@@ -30,6 +30,22 @@ DEFAULT_PLAN = {
         "critic_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "pp": 1},
     },
 }
+"""The default plan of algo ppo; default_plan(algo) gives every algorithm's."""
+
+_EXTRA_CALLS = {
+    # ReMax's greedy baseline generation, beside the sampled one.
+    "actor_greedy": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1},
+}
+
+
+def default_plan(algo: str) -> dict:
+    """The embedded 4-rank plan of `algo`: DEFAULT_PLAN's layouts for the calls the algorithm's
+    graph has (critic-free algorithms drop critic_inf / critic_train), plus ReMax's extra calls."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"config algo={algo!r}; allowed: {sorted(ALGORITHMS)}")
+    layouts = {**DEFAULT_PLAN["calls"], **_EXTRA_CALLS}
+    return {"world_size": DEFAULT_PLAN["world_size"],
+            "calls": {n: dict(layouts[n]) for n in Graph(ALGORITHMS[algo]).order}}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,7 +115,35 @@ class PPOConfig:
     "loss" (kl_coef * the k3 estimator per token added to the policy loss, as GRPO is published).
     None: "loss" for grpo, "reward" for ppo."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the actor loss subtracts entropy_coef * mean response-token entropy; 0 disables."""
+    """Entropy bonus: the actor loss subtracts entropy_coef * the response-token entropy,
+    aggregated like the policy loss (loss_agg); 0 disables."""
+    norm_adv_by_std: bool = True
+    """grpo: divide the group-centred score by the group's std (GRPO); false: Dr.GRPO (Liu et al.
+    2025), which also pairs with loss_agg: seq-mean-token-sum-norm."""
+    clip_high: float | None = None
+    """Upper clip of the ratio, 1 + clip_high (DAPO clip-higher, e.g. 0.28); None: clip. `clip` is
+    the lower one, 1 - clip."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (e.g. 3): for negative advantages the loss is capped at -c * A."""
+    ratio: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO) or per sequence, the geometric mean over the response
+    (GSPO, Zheng et al. 2025; use small clips, e.g. clip 3e-4, clip_high 4e-4)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses (policy, KL, entropy) become the loss of a global mini-batch (all DP
+    ranks and micro-batches together); see ppo.aggregate."""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    """Estimator of the per-token KL where it enters (kl_in); None: k1 in the reward, k3 in the loss."""
+    kl_clamp: float | None = None
+    """Clamp the per-token KL estimate to [-kl_clamp, kl_clamp]; None: no clamp."""
+    kl_target: float | None = None
+    """Adaptive KL controller (Ziegler et al. 2019): the coefficient starts at kl_coef and after each
+    step is multiplied by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon, KL the
+    step's mean per-sequence k1 sum. None: fixed kl_coef."""
+    kl_horizon: int = 10000
+    """Horizon (in samples) of the adaptive KL controller."""
+    whiten_returns: bool = True
+    """reinforce_pp / reinforce_pp_baseline: whiten the returns over the global batch (REINFORCE++)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,7 +160,8 @@ class RewardConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     algo: str = "ppo"
-    """A key of graph.ALGORITHMS: "ppo" or "grpo" (critic-free)."""
+    """A key of graph.ALGORITHMS: "ppo" (GAE, critic) or a critic-free one: "grpo", "rloo",
+    "reinforce_pp", "reinforce_pp_baseline", "remax". Each has its own default plan."""
     steps: int = 30
     seed: int = 1234
     out_dir: str = "runs/train"
@@ -153,9 +198,8 @@ class TrainConfig:
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    plan: dict = field(default_factory=lambda: {"world_size": DEFAULT_PLAN["world_size"],
-                                                 "calls": dict(DEFAULT_PLAN["calls"])})
-    """ExecutionPlan JSON (or {"path": file.json})."""
+    plan: dict = field(default_factory=dict)
+    """ExecutionPlan JSON (or {"path": file.json}); empty: default_plan(algo)."""
     allow_idle_ranks: bool = False
     """Run a plan that leaves some ranks without a call (they only join the world collectives).
     Off by default so that a plan that does not cover the world is caught before launch; a searched
@@ -210,13 +254,17 @@ class TrainConfig:
                 "reward": self.reward_path}
 
     def execution_plan(self) -> ExecutionPlan:
-        data = self.plan
+        data = self.plan or default_plan(self.algo)
         if set(data) == {"path"}:
             return ExecutionPlan.from_json(data["path"])
         return ExecutionPlan.from_json(data)
 
     def graph(self) -> Graph:
         return Graph(ALGORITHMS[self.algo])
+
+    def group_size(self) -> int:
+        """Rows per prompt: ppo.group_size for the grouped algorithms, else 1."""
+        return self.ppo.group_size if self.algo in GROUPED else 1
 
 
 def single_process_plan(graph: Graph) -> dict:
