@@ -227,3 +227,41 @@ def test_option_ranges():
     for key, bad in (("loss_agg", "mean"), ("kl_estimator", "k4"), ("ratio", "seq")):
         with pytest.raises(ValueError, match=f"ppo.{key}"):
             CF.from_dict({"ppo": {key: bad}})
+
+
+def test_reward_shaping_against_reference():
+    # rows: a stop-ended response of 2 tokens, a truncated one of 4 (max), an empty one, one of 3.
+    tokens = torch.tensor([[1, 2, 5, 9, 0, 0, 0], [1, 2, 5, 5, 5, 5, 0], [1, 2, 0, 0, 0, 0, 0],
+                           [1, 2, 6, 6, 8, 0, 0]])
+    pl, ln = torch.tensor([2, 2, 2, 2]), torch.tensor([4, 6, 2, 5])
+    trunc = P.truncated(tokens, ln, pl, [9, 8])
+    assert trunc.tolist() == [False, True, True, False]
+    assert P.truncated(tokens, ln, pl, []).tolist() == [True] * 4
+    resp = ln - pl
+    # DAPO eq. 13 with L_max 4, L_cache 2: len 2 -> 0, 3 -> -0.5 * f, 4 -> -1 * f.
+    torch.testing.assert_close(P.overlong_penalty(resp, 4, 2, 0.5), torch.tensor([0.0, -0.5, 0.0, -0.25]))
+    scores = torch.tensor([1.0, 3.0, -2.0, 0.0])
+    m = torch.tensor([10.0, 30.0, 4.0], dtype=torch.float64)           # 4 earlier scores: mean 2.5, var 1/3*(30-25)
+    mean, std = 2.5, math.sqrt((30 - 4 * 6.25) / 3)
+    got = P.shape_scores(scores, resp, trunc, max_len=4, moments=m, overlong_buffer=2, overlong_factor=0.5,
+                         missing_eos_penalty=0.3, clip=1.5)
+    want = []
+    for s, r, t in zip(scores.tolist(), resp.tolist(), trunc.tolist()):
+        x = (s - mean) / (std + 1e-6) + {2: 0.0, 3: -0.25, 4: -0.5, 0: 0.0}[r] - (0.3 if t else 0.0)
+        want.append(max(-1.5, min(1.5, x)))
+    torch.testing.assert_close(got, torch.tensor(want))
+    assert torch.equal(P.shape_scores(scores, resp, trunc, max_len=4), scores)
+
+
+def test_top_k_and_stop_ids_in_generation():
+    from real_py.engines import pick_tokens
+
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))
+    # Sorted probabilities 0.4 (id 1), 0.3 (id 3), 0.2, 0.1; top_k=2 renormalises over 0.7.
+    for u, want in ((0.0, 1), (0.56, 1), (0.58, 3), (0.99, 3)):
+        assert int(pick_tokens(logits, torch.tensor([u]), 1.0, 1.0, top_k=2)) == want, u
+    assert int(pick_tokens(logits, torch.tensor([0.99]), 1.0, 1.0)) == 0        # no top-k: the tail
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        CF.from_dict({"generation": {"stop_token_ids": ["a"]}})
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\]"):
+        CF.from_dict({"generation": {"stop_token_ids": [3, 99]}})

@@ -22,16 +22,18 @@ from .pipeline import P2P
 
 
 def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
-                top_p: float) -> torch.Tensor:
+                top_p: float, top_k: int = 0) -> torch.Tensor:
     """logits [B, V] float; uniforms [B] in [0, 1) or None for greedy. Returns [B] int64.
 
-    Inverse-CDF sampling over the temperature-scaled, top-p-truncated distribution (tokens sorted
-    by probability, ties by index), so one uniform decides one token.
+    Inverse-CDF sampling over the temperature-scaled, top-k- then top-p-truncated distribution
+    (tokens sorted by probability, ties by index), so one uniform decides one token.
     """
     if uniforms is None:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    if 0 < top_k < sorted_p.shape[-1]:
+        sorted_p[:, top_k:] = 0.0
     cum = sorted_p.cumsum(-1)
     if top_p < 1.0:
         sorted_p = sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0)
@@ -44,8 +46,9 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
 @torch.no_grad()
 def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
              max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-             eos_token_id: int | None = None, pad_token_id: int = 0, decode: str = "auto") -> dict:
+             eos_token_id=None, pad_token_id: int = 0, decode: str = "auto", top_k: int = 0) -> dict:
     """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
+    eos_token_id: a token id or a list of them (any ends a response, and is kept in it) or None.
     decode: "auto" (CUDA graph on CUDA with tp == 1, else static cache), "dynamic", "static" or
     "graph" (see decode.py).
 
@@ -55,6 +58,9 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     """
     c, g, dev = engine.config, engine.groups, engine.device
     mode = pick_mode(engine, decode)
+    if eos_token_id is not None and not isinstance(eos_token_id, (list, tuple)):
+        eos_token_id = [eos_token_id]
+    stops = torch.tensor(list(eos_token_id), dtype=torch.int64) if eos_token_id else None
     where = prompt_tokens.device
     prompt_tokens, prompt_lengths = prompt_tokens.cpu(), prompt_lengths.cpu()
     B = prompt_tokens.shape[0]
@@ -96,7 +102,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         if g.is_last_stage:
             logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
             u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens]).to(dev)
-            nxt = pick_tokens(logits.float(), u, temperature, top_p).masked_fill(done, pad_token_id)
+            nxt = pick_tokens(logits.float(), u, temperature, top_p, top_k).masked_fill(done, pad_token_id)
         else:
             p2p.send(out, g.next_rank)
         p2p.flush()
@@ -104,8 +110,8 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
             dist.broadcast(nxt, g.last_stage_rank, group=g.pp_group)
         new[:, step] = nxt
         steps = step + 1
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
+        if stops is not None:
+            done |= torch.isin(nxt, stops.to(nxt.device))
             if bool(done.all()):
                 break
         valid[:, P + step] = True
@@ -113,8 +119,8 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         pos = (lengths_dev + step).unsqueeze(1)
     new = new[:, :steps].cpu()
     gen_len = torch.full((B,), steps, dtype=torch.int64)
-    if eos_token_id is not None:
-        is_eos = new == eos_token_id
+    if stops is not None:
+        is_eos = torch.isin(new, stops)
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, steps)
         gen_len = first
     out = torch.full((B, P + steps), pad_token_id, dtype=torch.int64)

@@ -32,7 +32,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              eos_token_id=eos_token_id(rt), decode=gc.decode)
+                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode)
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
         if len(call.writes) > 2:
@@ -83,6 +83,13 @@ def eos_token_id(rt) -> int | None:
     return eos
 
 
+def stop_ids(rt) -> list[int]:
+    """The tokens that end a response: the EOS (eos_token_id) and generation.stop_token_ids."""
+    eos = eos_token_id(rt)
+    extra = list(rt.cfg.generation.stop_token_ids or ())
+    return list(dict.fromkeys(([eos] if eos is not None else []) + extra))
+
+
 def _data_index(rt, step: int) -> torch.Tensor:
     """[B] data-set row of every batch row of iteration `step` (as runtime.make_batch picks them)."""
     cfg = rt.cfg
@@ -123,14 +130,35 @@ def kl_estimator(cfg) -> str:
     return cfg.ppo.kl_estimator or ("k1" if kl_in(cfg) == "reward" else "k3")
 
 
+def _shape(rt, moments, scores, resp_len, trunc):
+    """P.shape_scores with the config's reward options (moments: None without reward.normalize)."""
+    rc = rt.cfg.reward
+    return P.shape_scores(scores, resp_len, trunc, max_len=rt.cfg.generation.max_new_tokens,
+                          moments=moments, overlong_buffer=rc.overlong_buffer,
+                          overlong_factor=rc.overlong_penalty, missing_eos_penalty=rc.missing_eos_penalty,
+                          clip=rc.clip)
+
+
 def _advantages(rt, call, g, d: dict) -> dict:
     """Adds "mask", "kl" (k1, the reported metric), "adv", and for PPO "returns", "old_values"
     to the DP-local batch d; all [b, T-1]. One path for every estimator (cfg.algo)."""
-    cfg, pc = rt.cfg, rt.cfg.ppo
+    cfg, pc, rc = rt.cfg, rt.cfg.ppo, rt.cfg.reward
     T = d["tokens"].shape[1]
     mask = P.response_mask(d["prompt_lengths"], d["lengths"], T)
-    d["mask"] = mask
     d["kl"] = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, "k1")
+    trunc = P.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stop_ids(rt))
+    d["raw_scores"] = d["scores"]
+    moments = None
+    if rc.normalize:   # the previous steps' moments plus this batch's (summed over DP)
+        cur = P.masked_moments(d["scores"], torch.ones_like(d["scores"]))
+        moments = rt.reward_moments + _allreduce_dp(cur, g, rt.device)
+    d["scores"] = _shape(rt, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc)
+    if "base_scores" in d:   # ReMax's greedy baseline, shaped like the samples it is compared with
+        bt = P.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stop_ids(rt))
+        d["base_scores"] = _shape(rt, moments, d["base_scores"], d["base_lengths"] - d["prompt_lengths"], bt)
+    if rc.mask_truncated:
+        mask = mask * (~trunc).float().unsqueeze(1)
+    d["mask"] = mask
     in_reward = kl_in(cfg) == "reward"
     kl = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(cfg), pc.kl_clamp) if in_reward \
         else torch.zeros_like(mask)
@@ -168,7 +196,10 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
     critic = call.kind == "train_critic"
     if reporter and not critic:
         resp = d["mask"].sum(1)
-        _add(rt, sums, "reward", float(d["scores"].sum()), len(rows))
+        _add(rt, sums, "reward", float(d["raw_scores"].sum()), len(rows))
+        # Sum of squared raw scores (a row past METRICS) for the running normalisation.
+        sums[len(METRICS), 0] += float((d["raw_scores"].double() ** 2).sum())
+        sums[len(METRICS), 1] += len(rows)
         _add(rt, sums, "kl", float(d["kl"].sum()), len(rows))
         _add(rt, sums, "response_length", float(resp.sum()), len(rows))
     kl_loss = not critic and kl_in(rt.cfg) == "loss"

@@ -74,7 +74,7 @@ REMAX_CALLS = (
     Call(name="rew_inf", model="reward", kind="reward", reads=PPO_CALLS[2].reads + BASELINE,
          writes=("scores", "base_scores")),
     Call(name="actor_train", model="actor", kind="train_grpo_actor",
-         reads=GRPO_CALLS[3].reads + ("base_scores",)),
+         reads=GRPO_CALLS[3].reads + BASELINE + ("base_scores",)),
 )
 
 ALGORITHMS = {"ppo": PPO_CALLS, "grpo": GRPO_CALLS, "rloo": GRPO_CALLS, "reinforce_pp": GRPO_CALLS,

@@ -298,6 +298,45 @@ def group_mean(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size).mean(1).repeat_interleave(group_size)
 
 
+def truncated(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+              stop_ids) -> torch.Tensor:
+    """[B] bool: the response does not end with one of stop_ids (cut at max_new_tokens), or is
+    empty. No stop ids: every response counts as truncated."""
+    last = tokens.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    ends = torch.isin(last, torch.tensor(list(stop_ids or ()), dtype=tokens.dtype))
+    return ~ends | (lengths <= prompt_lengths)
+
+
+def overlong_penalty(resp_len: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), [B] -> [B]: 0 up to
+    max_len - buffer tokens, then factor * ((max_len - buffer) - len) / buffer, -factor beyond."""
+    if buffer <= 0:
+        return torch.zeros(resp_len.shape, dtype=torch.float32)
+    over = (resp_len.float() - (max_len - buffer)).clamp(min=0.0)
+    return -factor * (over / buffer).clamp(max=1.0)
+
+
+def shape_scores(scores: torch.Tensor, resp_len: torch.Tensor, trunc: torch.Tensor, *, max_len: int,
+                 moments: torch.Tensor | None = None, overlong_buffer: int = 0,
+                 overlong_factor: float = 1.0, missing_eos_penalty: float | None = None,
+                 clip: float | None = None) -> torch.Tensor:
+    """Scores [B] as the advantage estimators see them: (s - mean) / (std + 1e-6) with the running
+    moments [sum, sum of squares, count] (None: no normalisation), plus the overlong penalty, minus
+    missing_eos_penalty on truncated responses, then clamped to [-clip, clip]."""
+    s = scores.float()
+    if moments is not None:
+        tot, sq, n = moments.tolist()
+        mean = tot / max(n, 1.0)
+        std = max((sq - n * mean * mean) / max(n - 1, 1.0), 0.0) ** 0.5
+        s = (s - mean) / (std + 1e-6)
+    s = s + overlong_penalty(resp_len, max_len, overlong_buffer, overlong_factor)
+    if missing_eos_penalty is not None:
+        s = s - missing_eos_penalty * trunc.float()
+    if clip is not None:
+        s = s.clamp(-clip, clip)
+    return s
+
+
 def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
                 target_token: int) -> torch.Tensor:
     """Rule-based score [B]: fraction of response tokens equal to target_token."""
@@ -310,6 +349,7 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
 
 __all__ = ["response_mask", "kl_penalized_rewards", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
            "policy_loss_tokens", "aggregate", "LOSS_AGG", "returns_to_go", "reinforce_returns",
-           "group_mean", "OUTCOME_ESTIMATORS", "last_index", "gae", "masked_moments", "whiten", "policy_loss",
+           "group_mean", "OUTCOME_ESTIMATORS", "last_index", "truncated", "overlong_penalty",
+           "shape_scores", "gae", "masked_moments", "whiten", "policy_loss",
            "value_loss", "group_advantages", "zero_variance_groups", "k3_kl", "grpo_advantages",
            "rule_reward"]

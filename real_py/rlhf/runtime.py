@@ -110,6 +110,8 @@ class Runtime:
         self.B = cfg.data.batch_size
         # KL coefficient of this step: ppo.kl_coef, adapted after every step when ppo.kl_target is set.
         self.kl_coef = cfg.ppo.kl_coef
+        # [sum, sum of squares, count] of every score of the previous steps (reward.normalize).
+        self.reward_moments = torch.zeros(3, dtype=torch.float64)
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
@@ -127,7 +129,8 @@ class Runtime:
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
         pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
-        sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
+        # One row per metric, plus the sum of squared scores (reward.normalize).
+        sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}
         for i, name in enumerate(self.graph.order):
             try:
@@ -149,6 +152,9 @@ class Runtime:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
         out = self._summary(sums, gathered, store)
+        r = METRICS.index("reward")
+        self.reward_moments += torch.tensor([sums[r, 0], sums[len(METRICS), 0], sums[r, 1]],
+                                            dtype=torch.float64)
         if self.cfg.ppo.kl_target is not None:
             out["metrics"]["kl_coef"] = self.kl_coef
         self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)

@@ -34,6 +34,10 @@ _RANGES = (
     ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
     ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
+    ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
+    ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
+    ("reward.overlong_penalty", lambda v: v >= 0, ">= 0"),
+    ("reward.clip", lambda v: v is None or v > 0, "> 0 or null"),
     ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
     ("data.samples_per_step", lambda v: v >= 0, ">= 0"),
     *((k, lambda v: v >= 1, ">= 1") for k in (
@@ -79,7 +83,14 @@ def check_values(cfg: TrainConfig) -> None:
                          f"{d.min_prompt_len}, {d.max_prompt_len}")
     models = cfg.model_configs()
     vocab = models["actor"].vocab_size
-    for key, v, used in (("generation.eos_token_id", cfg.generation.eos_token_id, True),
+    stops = cfg.generation.stop_token_ids or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+        raise ValueError(f"config generation.stop_token_ids={stops!r}: expected a list of token ids")
+    if cfg.reward.overlong_buffer > cfg.generation.max_new_tokens:
+        raise ValueError(f"config reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
+                         f"generation.max_new_tokens={cfg.generation.max_new_tokens}")
+    for key, v, used in (*((f"generation.stop_token_ids[{i}]", t, True) for i, t in enumerate(stops)),
+                         ("generation.eos_token_id", cfg.generation.eos_token_id, True),
                          ("reward.target_token", cfg.reward.target_token, cfg.reward.kind == "rule")):
         if used and v is not None and not 0 <= v < vocab:
             raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "

@@ -83,6 +83,11 @@ class GenConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     eos_token_id: int | None = None
+    top_k: int = 0
+    """Sample among the top_k most likely tokens only (after temperature, before top_p); 0: all."""
+    stop_token_ids: list | None = None
+    """More token ids that end a response besides the EOS (e.g. <|im_end|>); the stop token is
+    part of the response."""
     decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
     """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
     CUDA graph on CUDA with tp == 1 and uses the dynamic (growing) cache elsewhere; "static"
@@ -155,6 +160,21 @@ class RewardConfig:
     path: str | None = None
     """kind "function": "file.py:fn" or "package.module:fn", called as fn(prompts, responses,
     **row) -> list[float] with decoded texts and the data set's other fields (see rlhf/rewards.py)."""
+    normalize: bool = False
+    """Standardise scores with the running mean and std of every score seen so far, this step's
+    included (moments summed over the whole batch, then over steps)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a response longer than
+    max_new_tokens - overlong_buffer gets overlong_penalty * (max_new_tokens - overlong_buffer -
+    length) / overlong_buffer added (down to -overlong_penalty at max_new_tokens); 0 disables."""
+    overlong_penalty: float = 1.0
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of a response that ended without a stop token (truncated)."""
+    clip: float | None = None
+    """Clamp the shaped score to [-clip, clip] (after normalisation and penalties); None: no clamp."""
+    mask_truncated: bool = False
+    """Leave truncated responses (no stop token) out of the policy and value losses (DAPO's
+    overlong filtering): their tokens get mask 0. They still count in the reward metric."""
 
 
 @dataclass(kw_only=True, slots=True)
