@@ -24,6 +24,11 @@ def _add(rt, sums, name: str, value: float, count: float) -> None:
 
 def run_call(rt, call, g, engine, store, sums, step: int) -> None:
     rows = dp_rows(g.layout, g.dp_rank, rt.B, rt.mini_batches.get(call.name, 1))
+    if rt.active_rows is not None and not call.trains:
+        # A refill round of dynamic sampling: only the rows of dropped groups are regenerated.
+        rows = [r for r in rows if r in rt.active_rows]
+        if not rows:
+            return
     reporter = g.tp_rank == 0 and g.is_last_stage
     cfg = rt.cfg
     if call.kind in ("generate", "generate_greedy"):
@@ -91,9 +96,9 @@ def stop_ids(rt) -> list[int]:
 
 
 def _data_index(rt, step: int) -> torch.Tensor:
-    """[B] data-set row of every batch row of iteration `step` (as runtime.make_batch picks them)."""
-    cfg = rt.cfg
-    return rt.data.batch_indices(step, rt.B, cfg.group_size())
+    """[B] data-set row of every batch row of iteration `step` (as runtime.make_batch picks them,
+    refilled rows of dynamic sampling included)."""
+    return rt.batch_index
 
 
 def _texts(rt, step: int, rows: list[int], tok, pl, ln) -> tuple[list, list]:

@@ -28,7 +28,8 @@ from ..device import peak_memory_mib, reset_peak_memory, resolve_device
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
-from .dataflow import Pusher, Store, key_schema, push_plan
+from . import ppo as P
+from .dataflow import Pusher, Store, dp_rows, key_schema, push_plan
 from .models import Models
 from .observe import METRICS
 from .rewards import FunctionReward
@@ -112,6 +113,9 @@ class Runtime:
         self.kl_coef = cfg.ppo.kl_coef
         # [sum, sum of squares, count] of every score of the previous steps (reward.normalize).
         self.reward_moments = torch.zeros(3, dtype=torch.float64)
+        # Dynamic sampling: the rows a refill round regenerates (None: all); data-set row per batch row.
+        self.active_rows: set[int] | None = None
+        self.batch_index: torch.Tensor | None = None
         self.T = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
@@ -125,22 +129,35 @@ class Runtime:
         "peak_mem_mib" (per call: max over ranks of the GPU memory peak, MiB; {} on CPU),
         "events" (rank, call, start, end), "store"} on every rank."""
         store = Store(self.schema, self.B)
-        batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size, self.data)
-        for k, v in batch.items():
-            store.write(k, list(range(self.B)), v)
+        self._write_batch(store, step, list(range(self.B)))
         pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
         # One row per metric, plus the sum of squared scores (reward.normalize).
         sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}
-        for i, name in enumerate(self.graph.order):
-            try:
-                reset_peak_memory(self.device)
-                self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
-                if self.device.type == "cuda":
-                    peaks[name] = peak_memory_mib(self.device)
-            except Exception as e:
-                raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
-                                   f"{type(e).__name__}: {e}") from e
+        pc = self.cfg.ppo
+        order = list(enumerate(self.graph.order))
+        rollout = [(i, n) for i, n in order if not self.graph.calls[n].trains]
+        rounds, dropped = 1, 0
+        if pc.dynamic_sampling:
+            # DAPO dynamic sampling: rollout calls, then every rank learns every score and the
+            # rows of all-equal groups are regenerated from new prompts, up to max_gen_rounds.
+            self._run(rollout, step, store, pusher, sums, events, reallocs, offloads, peaks)
+            while True:
+                zero = P.zero_variance_groups(self._all_scores(store, step), pc.group_size)
+                if not bool(zero.any()) or rounds == pc.max_gen_rounds:
+                    break
+                rows = zero.nonzero().flatten().tolist()
+                dropped += len(rows) // pc.group_size
+                virtual = self.cfg.steps + step * (pc.max_gen_rounds - 1) + rounds - 1
+                self._write_batch(store, virtual, rows)
+                self.active_rows = set(rows)
+                try:
+                    self._run(rollout, step, store, pusher, sums, events, reallocs, offloads, peaks)
+                finally:
+                    self.active_rows = None
+                rounds += 1
+            order = [(i, n) for i, n in order if self.graph.calls[n].trains]
+        self._run(order, step, store, pusher, sums, events, reallocs, offloads, peaks)
         try:
             pusher.finish(store, step)
             sums = sums.to(self.device)
@@ -152,6 +169,9 @@ class Runtime:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
         out = self._summary(sums, gathered, store)
+        if pc.dynamic_sampling:
+            out["metrics"]["dropped_groups"] = float(dropped)
+            out["metrics"]["gen_rounds"] = float(rounds)
         r = METRICS.index("reward")
         self.reward_moments += torch.tensor([sums[r, 0], sums[len(METRICS), 0], sums[r, 1]],
                                             dtype=torch.float64)
@@ -159,6 +179,52 @@ class Runtime:
             out["metrics"]["kl_coef"] = self.kl_coef
         self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
         return out
+
+    def _write_batch(self, store, step: int, rows: list[int]) -> None:
+        """Inputs (prompts, prompt_lengths, seeds) of `rows` from make_batch(step), and their data
+        set rows in self.batch_index (every rank holds every input row)."""
+        batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size, self.data)
+        for k, v in batch.items():
+            store.write(k, rows, v[rows])
+        if self.data is not None:
+            idx = self.data.batch_indices(step, self.B, self.cfg.group_size())
+            if self.batch_index is None or len(rows) == self.B:
+                self.batch_index = idx.clone()
+            else:
+                self.batch_index[rows] = idx[rows]
+
+    def _all_scores(self, store, step: int) -> torch.Tensor:
+        """[B] scores on every rank: the reward call's reporters (TP rank 0 of the last stage of
+        each DP replica) contribute their rows to one world all-reduce."""
+        name = self.graph.producer("scores")
+        g, layout = self.groups[name], self.plan.calls[name]
+        buf = torch.zeros(2, self.B, dtype=torch.float64)
+        if g.member and g.tp_rank == 0 and g.is_last_stage:
+            rows = dp_rows(layout, g.dp_rank, self.B)
+            buf[0, rows] = store.rows("scores", rows).double()
+            buf[1, rows] = 1.0
+        try:
+            buf = buf.to(self.device)
+            dist.all_reduce(buf)
+            buf = buf.cpu()
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}, dynamic sampling: gathering scores: "
+                               f"{type(e).__name__}: {e}") from e
+        if not bool((buf[1] == 1).all()):
+            raise RuntimeError(f"rank {self.rank}, step {step}: dynamic sampling got "
+                               f"{int((buf[1] != 1).sum())} rows without exactly one score")
+        return buf[0].float()
+
+    def _run(self, calls, step, store, pusher, sums, events, reallocs, offloads, peaks) -> None:
+        for i, name in calls:
+            try:
+                reset_peak_memory(self.device)
+                self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
+                if self.device.type == "cuda":
+                    peaks[name] = peak_memory_mib(self.device)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
+                                   f"{type(e).__name__}: {e}") from e
 
     def _call(self, i, name, store, pusher, sums, events, reallocs, offloads, step) -> None:
         call = self.graph.calls[name]

@@ -33,6 +33,7 @@ _RANGES = (
     ("ppo.kl_clamp", lambda v: v is None or v > 0, "> 0 or null"),
     ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
     ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
+    ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
     ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
     ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
@@ -177,6 +178,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
             if cfg.algo in GROUPED and call.kind == "train_grpo_actor" and (local // cfg.ppo.mini_batches) % cfg.ppo.group_size:
                 raise ValueError(f"call {n}: ppo.group_size={cfg.ppo.group_size} must divide the "
                                  f"DP-local mini-batch of {local // cfg.ppo.mini_batches} rows")
+    if cfg.ppo.dynamic_sampling and (cfg.algo not in GROUPED or cfg.ppo.group_size < 2):
+        raise ValueError(f"config ppo.dynamic_sampling needs groups: algo one of {list(GROUPED)} and "
+                         f"ppo.group_size >= 2 (got algo={cfg.algo!r}, group_size={cfg.ppo.group_size})")
     if cfg.algo in GROUPED and B % cfg.ppo.group_size:
         raise ValueError(f"ppo.group_size={cfg.ppo.group_size} does not divide data.batch_size={B}")
     total = cfg.data.max_prompt_len + cfg.generation.max_new_tokens

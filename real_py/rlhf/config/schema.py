@@ -147,6 +147,13 @@ class PPOConfig:
     step's mean per-sequence k1 sum. None: fixed kl_coef."""
     kl_horizon: int = 10000
     """Horizon (in samples) of the adaptive KL controller."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): after the reward call, groups whose
+    scores are all equal are dropped and their rows regenerated from new prompts (rollout calls
+    rerun on those rows only), up to max_gen_rounds generation rounds; groups still all-equal
+    after the last round stay (advantage 0). Grouped algorithms only."""
+    max_gen_rounds: int = 3
+    """Generation rounds at most per step with dynamic_sampling (1: no refill)."""
     whiten_returns: bool = True
     """reinforce_pp / reinforce_pp_baseline: whiten the returns over the global batch (REINFORCE++)."""
 
