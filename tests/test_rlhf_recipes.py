@@ -265,3 +265,21 @@ def test_top_k_and_stop_ids_in_generation():
         CF.from_dict({"generation": {"stop_token_ids": ["a"]}})
     with pytest.raises(ValueError, match=r"stop_token_ids\[1\]"):
         CF.from_dict({"generation": {"stop_token_ids": [3, 99]}})
+
+
+def test_lr_schedule_against_reference():
+    base, total, warm, m = 1e-3, 12, 2, 0.1
+    for k in range(total):
+        if k < warm:
+            want = {"constant": base * (k + 1) / warm}
+            want = dict(want, linear=want["constant"], cosine=want["constant"])
+        else:
+            p = (k - warm) / (total - warm)
+            want = {"constant": base, "linear": base * (m + (1 - m) * (1 - p)),
+                    "cosine": base * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p)))}
+        for decay, w in want.items():
+            assert math.isclose(P.lr_at(k, base, total, warm, decay, m), w, rel_tol=1e-12), (k, decay)
+    assert P.lr_at(0, base, total) == base                           # no warmup, constant
+    assert math.isclose(P.lr_at(total, base, total, 0, "cosine", 0.0), 0.0, abs_tol=1e-18)
+    with pytest.raises(ValueError, match="ppo.min_lr_ratio"):
+        CF.from_dict({"ppo": {"min_lr_ratio": 2}})

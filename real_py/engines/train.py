@@ -122,8 +122,14 @@ class Trainer:
             self.red[lo:hi].copy_(self.grad[lo:hi])
         return self.red[lo:hi]
 
-    def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False) -> dict:
+    def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False,
+             lr: float | None = None) -> dict:
+        """lr: the learning rate of this and later steps (a schedule's value); None: unchanged."""
         eng, g = self.engine, self.engine.groups
+        if lr is not None:
+            if not lr >= 0:
+                raise ValueError(f"train_step: lr={lr} must be >= 0")
+            self.cfg.lr = lr
         dev = eng.device
         batch = {k: v.to(dev) for k, v in batch.items()}
         mbs = split_micro_batches(batch, micro_batches)

@@ -55,7 +55,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
             tok_key, len_key = ("tokens", "lengths") if j == 0 else ("base_tokens", "base_lengths")
             _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0)
     elif call.kind in ("train_ppo_actor", "train_grpo_actor", "train_critic"):
-        _train(rt, call, g, engine, store, sums, rows, reporter)
+        _train(rt, call, g, engine, store, sums, rows, reporter, step)
     else:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
 
@@ -193,7 +193,7 @@ def _advantages(rt, call, g, d: dict) -> dict:
     return d
 
 
-def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
+def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
     pc = rt.cfg.ppo
     keys = [k for k in call.reads]
     d = {k: store.rows(k, rows) for k in keys}
@@ -212,8 +212,12 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
     local = torch.arange(len(rows))
-    for _ in range(pc.ppo_epochs):
-        for mb in local.tensor_split(pc.mini_batches):
+    base_lr = pc.critic_lr if critic else pc.actor_lr
+    total = rt.cfg.steps * pc.ppo_epochs * pc.mini_batches
+    for epoch in range(pc.ppo_epochs):
+        for j, mb in enumerate(local.tensor_split(pc.mini_batches)):
+            k = (step * pc.ppo_epochs + epoch) * pc.mini_batches + j      # optimizer step of the run
+            lr = P.lr_at(k, base_lr, total, pc.warmup_steps, pc.lr_decay, pc.min_lr_ratio)
             batch = {k: d[k][mb] for k in fields}
             # Tokens and rows of the GLOBAL mini-batch: every part's loss is its share of the
             # whole (ppo.aggregate), and gradients are summed over micro-batches and DP.
@@ -238,7 +242,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter) -> None:
                 extra.append((float(clipped.sum()), float(ent_tok.sum().detach()), float(m.sum())))
                 return P.aggregate(loss, m, pc.loss_agg, n_tok, n_seq, max_len)
             res = engine.train_step(loss_fn, batch, micro_batches=pc.micro_batches,
-                                    with_entropy=not critic)
+                                    with_entropy=not critic, lr=lr)
             if reporter:
                 ncl, ent, ntk = (sum(x[i] for x in extra) for i in range(3))
                 if critic:

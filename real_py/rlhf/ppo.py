@@ -337,6 +337,28 @@ def shape_scores(scores: torch.Tensor, resp_len: torch.Tensor, trunc: torch.Tens
     return s
 
 
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
+def lr_at(k: int, base: float, total: int, warmup: int = 0, decay: str = "constant",
+          min_ratio: float = 0.0) -> float:
+    """Learning rate of optimizer step k (0-based) of `total`: linear warmup base * (k + 1) / warmup
+    over the first `warmup` steps, then with p = (k - warmup) / max(total - warmup, 1) in [0, 1]:
+    constant base, linear base * (m + (1 - m)(1 - p)) or cosine base * (m + (1 - m)(1 + cos(pi p)) / 2),
+    m = min_ratio (the schedules of HF transformers' get_scheduler, with a floor)."""
+    import math
+
+    if decay not in LR_DECAYS:
+        raise ValueError(f"lr decay {decay!r}; allowed: {LR_DECAYS}")
+    if k < warmup:
+        return base * (k + 1) / warmup
+    p = min(max((k - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    if decay == "constant":
+        return base
+    f = 1.0 - p if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    return base * (min_ratio + (1.0 - min_ratio) * f)
+
+
 def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
                 target_token: int) -> torch.Tensor:
     """Rule-based score [B]: fraction of response tokens equal to target_token."""
@@ -350,6 +372,6 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
 __all__ = ["response_mask", "kl_penalized_rewards", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
            "policy_loss_tokens", "aggregate", "LOSS_AGG", "returns_to_go", "reinforce_returns",
            "group_mean", "OUTCOME_ESTIMATORS", "last_index", "truncated", "overlong_penalty",
-           "shape_scores", "gae", "masked_moments", "whiten", "policy_loss",
+           "shape_scores", "lr_at", "LR_DECAYS", "gae", "masked_moments", "whiten", "policy_loss",
            "value_loss", "group_advantages", "zero_variance_groups", "k3_kl", "grpo_advantages",
            "rule_reward"]

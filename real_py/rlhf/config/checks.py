@@ -34,6 +34,8 @@ _RANGES = (
     ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
     ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
     ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
+    ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
     ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
     ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),

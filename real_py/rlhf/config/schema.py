@@ -109,6 +109,12 @@ class PPOConfig:
     """Micro-batches per train step (pipeline schedule)."""
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
+    warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warmup (actor and critic); 0: none."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after the warmup, over all optimizer steps of the run (steps *
+    ppo_epochs * mini_batches), down to min_lr_ratio * the base rate (ppo.lr_at)."""
+    min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     adam_eps: float = 1e-8
     group_size: int = 2
