@@ -1,8 +1,9 @@
 # Checks that one recipe of each critic-free family learns the copy task (configs/recipes on configs/copy_task): RLOO (group baseline), REINFORCE++-baseline (returns whitened over the batch), ReMax (greedy baseline from an extra generation call) and DAPO (clip-higher, token-mean, dynamic sampling); seeded, 4 gloo ranks.
 # A failure points to the estimator or loss path of real_py/rlhf/calls.py (`_advantages`, `_train`), real_py/rlhf/ppo.py, or dynamic sampling in real_py/rlhf/runtime.py.
-"""Recorded with seed 1 (the shipped recipes, window 5): see the table at the bottom of
-bench/results/learning_recipes_cpu2_*.md. Each test requires the mean reward of the last WINDOW
-steps to exceed that of the first WINDOW by MARGIN[recipe]; chance is about 0.1-0.2."""
+"""Recorded with seed 1 (the shipped recipes, mean reward of the first -> last 5 steps): RLOO
+0.188 -> 0.722 in 30 steps, REINFORCE++-baseline 0.191 -> 0.847 (30), ReMax 0.184 -> 0.553 (40),
+DAPO 0.237 -> 0.762 (30). Each test requires a rise of MARGIN[recipe] (observed rises 0.53,
+0.66, 0.37, 0.53); chance is about 0.1-0.2, which a sign error or misrouted advantages leave."""
 
 import io
 import os
