@@ -283,3 +283,30 @@ def test_lr_schedule_against_reference():
     assert math.isclose(P.lr_at(total, base, total, 0, "cosine", 0.0), 0.0, abs_tol=1e-18)
     with pytest.raises(ValueError, match="ppo.min_lr_ratio"):
         CF.from_dict({"ppo": {"min_lr_ratio": 2}})
+
+
+@pytest.mark.timeout(400)
+def test_adaptive_kl_and_reward_moments_survive_resume(tmp_path):
+    """A run resumed from step 2 continues with the same adapted KL coefficient and running reward
+    moments: steps 3-4 equal those of the uninterrupted run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    over = ["algo=grpo", "reward.kind=rule", "ppo.kl_target=0.05", "ppo.kl_horizon=20", "reward.normalize=true",
+            "save_every=2", "data.batch_size=8", "ppo.group_size=2"]
+
+    def train(out, steps, *extra):
+        subprocess.run([sys.executable, "-m", "real_py", "train", *over, f"steps={steps}", "--out-dir", str(out),
+                        "--no-progress", *extra], cwd=root, check=True, capture_output=True, timeout=300)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line)["metrics"] for line in f]
+
+    full = train(tmp_path / "a", 4)
+    train(tmp_path / "b", 2)
+    resumed = train(tmp_path / "b", 4, "--resume")
+    assert full[1]["kl_coef"] != full[0]["kl_coef"]              # the controller moved it
+    assert [m["kl_coef"] for m in resumed[-2:]] == [m["kl_coef"] for m in full[2:]]
+    assert [m["policy_loss"] for m in resumed[-2:]] == [m["policy_loss"] for m in full[2:]]

@@ -62,7 +62,9 @@ def save(rt, out_dir: str, step: int) -> str:
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    state = {"step": step, "rng": torch.get_rng_state(), "models": {}}
+    # The adaptive KL coefficient and running reward moments carry across steps like the RNG.
+    state = {"step": step, "rng": torch.get_rng_state(), "models": {}, "kl_coef": float(rt.kl_coef),
+             "reward_moments": rt.reward_moments.clone()}
     for m, eng in rt.models.engines.items():
         if eng is None or eng.optim is None:
             continue
@@ -200,6 +202,9 @@ def load(rt, path: str) -> int:
             if s.get("master") is not None:  # bf16 shards: the fp32 master weights
                 eng._trainer.master.copy_(s["master"])
     torch.set_rng_state(state["rng"])
+    if "kl_coef" in state:       # absent in checkpoints written before adaptive KL existed
+        rt.kl_coef = float(state["kl_coef"])
+        rt.reward_moments = state["reward_moments"].to(torch.float64).clone()
     return int(state["step"])
 
 
