@@ -148,6 +148,9 @@ class Runtime:
                     break
                 rows = zero.nonzero().flatten().tolist()
                 dropped += len(rows) // pc.group_size
+                # New prompts: the batch of a "virtual" step past the run's last one, distinct for
+                # every (step, round), so refills do not repeat this run's own batches (before the
+                # data set wraps around) and their sampling seeds differ from every real step's.
                 virtual = self.cfg.steps + step * (pc.max_gen_rounds - 1) + rounds - 1
                 self._write_batch(store, virtual, rows)
                 self.active_rows = set(rows)
