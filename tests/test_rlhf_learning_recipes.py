@@ -40,6 +40,7 @@ def _worker(rank, world, tmp):
         cfg = CF.from_dict(recipe_config(name, steps=steps, out_dir=os.path.join(tmp, name)))
         plan, graph, models = CF.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=120)
+        rt.samples_path = os.path.join(tmp, name, "samples.jsonl")
         rec = out[name] = {"rewards": [], "realloc": {}, "calls": set(), "rounds": [], "dropped": [],
                            "leftover_zero_groups": []}
         for step in range(steps):
@@ -57,6 +58,7 @@ def _worker(rank, world, tmp):
                     rows = dp_rows(plan.calls["actor_train"], g.dp_rank, cfg.data.batch_size, cfg.ppo.mini_batches)
                     zero = P.zero_variance_groups(it["store"].rows("scores", rows), cfg.ppo.group_size)
                     rec["leftover_zero_groups"].append(int(zero.sum()) // cfg.ppo.group_size)
+    out["tmp"] = tmp
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -94,3 +96,12 @@ def test_dapo_dynamic_sampling_refills(runs):
         left = x["dapo"]["leftover_zero_groups"]
         for n, z in zip(rec["rounds"], left or [0] * len(rec["rounds"])):
             assert n == 3 or z == 0, (rec["rounds"], left)
+    # Refilled rows reach the reward function with their own data-set fields: every sample's reward
+    # (the answer field is the prompt's last digit) matches its prompt, more samples than steps.
+    import json
+
+    with open(os.path.join(runs[0]["tmp"], "dapo", "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) > 4 * STEPS["dapo"]
+    for s in samples:
+        assert s["reward"] == float(s["response"][:1] == s["prompt"][-1]), s

@@ -63,8 +63,9 @@ def save(rt, out_dir: str, step: int) -> str:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     # The adaptive KL coefficient and running reward moments carry across steps like the RNG.
-    state = {"step": step, "rng": torch.get_rng_state(), "models": {}, "kl_coef": float(rt.kl_coef),
-             "reward_moments": rt.reward_moments.clone()}
+    state = {"step": step, "rng": torch.get_rng_state(), "models": {}}
+    if hasattr(rt, "kl_coef"):          # a Runtime (tests may pass a bare holder of models)
+        state |= {"kl_coef": float(rt.kl_coef), "reward_moments": rt.reward_moments.clone()}
     for m, eng in rt.models.engines.items():
         if eng is None or eng.optim is None:
             continue
