@@ -310,3 +310,33 @@ def test_adaptive_kl_and_reward_moments_survive_resume(tmp_path):
     assert full[1]["kl_coef"] != full[0]["kl_coef"]              # the controller moved it
     assert [m["kl_coef"] for m in resumed[-2:]] == [m["kl_coef"] for m in full[2:]]
     assert [m["policy_loss"] for m in resumed[-2:]] == [m["policy_loss"] for m in full[2:]]
+
+
+def _stop_case(rank, world):
+    from real_py import Layout, ModelConfig, ModelShard, model_spec
+    from real_py.engines import Engine
+    from real_py.parallel import ParallelGroups
+
+    cfg = ModelConfig(**CF.TINY, head="lm")
+    layout = Layout()
+    shard = ModelShard.empty(model_spec(cfg), layout, rank)
+    shard.flat.copy_(torch.randn(shard.flat.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    eng = Engine(cfg, layout, ParallelGroups(layout), shard)
+    p = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]])
+    n, s = torch.tensor([3, 2, 1]), torch.tensor([0, 1, 2])
+    free = eng.generate(p, n, s, max_new_tokens=6, greedy=False, top_k=5)
+    stops = [int(free["new_tokens"][0, 2]), int(free["new_tokens"][1, 1])]
+    cut = eng.generate(p, n, s, max_new_tokens=6, greedy=False, top_k=5, eos_token_id=stops)
+    return free["new_tokens"].tolist(), (cut["lengths"] - n).tolist(), stops
+
+
+def test_several_stop_ids_end_responses():
+    """Sampling is seeded per row, so with stop ids every response is the unstopped one cut
+    after the first token that is any of the stop ids (kept in the response)."""
+    from real_py.testing import run_distributed
+
+    new, resp, stops = run_distributed(_stop_case, 1, timeout=120)[0]
+    for i, row in enumerate(new):
+        hits = [j for j, t in enumerate(row) if t in stops]
+        assert resp[i] == (hits[0] + 1 if hits else len(row)), (i, row, stops)
+    assert int(resp[0]) <= 3 and int(resp[1]) <= 2
