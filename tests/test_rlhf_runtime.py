@@ -32,17 +32,34 @@ GRPO_PLAN = {"world_size": 4, "calls": {k: v for k, v in CF.DEFAULT_PLAN["calls"
                                          if not k.startswith("critic")}}
 
 
+def _dp2(algo):
+    """algo's default plan with actor_train on dp2tp2pp1: the loss aggregations and the batch
+    whitening then span two DP ranks (and BASE's two micro-batches)."""
+    plan = CF.default_plan(algo)
+    plan["calls"]["actor_train"] = {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "pp": 1}
+    return plan
+
+
 def _cases(single: bool):
     ppo = dict(BASE)
     # Reward model, not the rule reward: with a random actor the target token is rare, most groups
     # score 0 and the advantages vanish, so the update would be Adam acting on noise.
     grpo = dict(BASE, algo="grpo")
-    if single:
-        ppo["plan"] = CF.single_process_plan(CF.from_dict(ppo).graph())
-        grpo["plan"] = CF.single_process_plan(CF.from_dict(grpo).graph())
-    else:
-        grpo["plan"] = GRPO_PLAN
-    return {"ppo": ppo, "grpo": grpo}
+    # Recipe options whose statistics span DP ranks and micro-batches (issue 19).
+    opts = dict(BASE, algo="rloo", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-mean", clip_high=0.28,
+                                            dual_clip=3.0, ratio="sequence", kl_estimator="k2"))
+    remax = dict(BASE, algo="remax", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum-norm"))
+    rpp = dict(BASE, algo="reinforce_pp_baseline", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum",
+                                                          kl_estimator="k3"))
+    cases = {"ppo": ppo, "grpo": grpo, "rloo_opts": opts, "remax": remax, "reinforce_pp_baseline": rpp}
+    for name, d in cases.items():
+        if single:
+            d["plan"] = CF.single_process_plan(CF.from_dict(d).graph())
+        elif name == "grpo":
+            d["plan"] = GRPO_PLAN
+        elif name != "ppo":
+            d["plan"] = _dp2(d["algo"])
+    return cases
 
 
 def _worker(rank, world, cases):
@@ -55,8 +72,9 @@ def _worker(rank, world, cases):
         for step in range(ITERS):
             it = rt.iteration(step)
             store = it.pop("store")
-            if rank == 0:
-                it["tokens"], it["lengths"] = store.data["tokens"], store.data["lengths"]
+            # Each rank holds the rows its calls read (all of them on rank 0 unless actor_train is
+            # dp > 1); the test merges the ranks' rows.
+            it["tokens"], it["lengths"] = store.data["tokens"], store.data["lengths"]
             r["iters"].append(it)
         for model in ("actor", "critic"):
             call = graph.train_call(model)
@@ -82,13 +100,19 @@ def runs():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "rloo_opts", "remax", "reinforce_pp_baseline"])
 def test_matches_single_process(runs, algo):
     one, four = runs
     ref, got = one[algo], four[0][algo]
     for i in range(ITERS):
-        assert torch.equal(got["iters"][i]["tokens"], ref["iters"][i]["tokens"]), f"iteration {i} tokens"
-        assert torch.equal(got["iters"][i]["lengths"], ref["iters"][i]["lengths"])
+        # Every row from some rank that holds it (prompt tokens are >= 1: a held row is nonzero).
+        tok, ln = torch.zeros_like(ref["iters"][i]["tokens"]), torch.zeros_like(ref["iters"][i]["lengths"])
+        for r in four:
+            held = r[algo]["iters"][i]["lengths"] > 0
+            tok[held], ln[held] = r[algo]["iters"][i]["tokens"][held], r[algo]["iters"][i]["lengths"][held]
+        assert bool((ln > 0).all()), f"iteration {i}: rows held by no rank"
+        assert torch.equal(tok, ref["iters"][i]["tokens"]), f"iteration {i} tokens"
+        assert torch.equal(ln, ref["iters"][i]["lengths"])
         for k, v in ref["iters"][i]["metrics"].items():
             assert abs(got["iters"][i]["metrics"][k] - v) < 1e-4, (i, k, got["iters"][i]["metrics"][k], v)
     models = ("actor", "critic") if algo == "ppo" else ("actor",)
@@ -99,6 +123,8 @@ def test_matches_single_process(runs, algo):
     # A run that never trained would match trivially: the weights must have moved from the init.
     cfg = CF.from_dict(_cases(False)[algo])
     init = init_weights(cfg.model_configs()["actor"], cfg.seed + 1)
+    if algo == "remax":
+        assert "actor_greedy" in got["iters"][0]["calls"]
     moved = max(float((got["actor"][n] - init[n]).abs().max()) for n in init)
     assert moved > 1e-4
     if algo == "ppo":
