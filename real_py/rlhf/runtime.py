@@ -19,6 +19,7 @@ and offloaded right after it (after posting its pushes).
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -65,7 +66,7 @@ def adaptive_kl(coef: float, kl: float | None, cfg) -> float:
     Unchanged without ppo.kl_target or a KL measurement. Every rank sees the same all-reduced KL,
     so the coefficient stays identical everywhere."""
     pc = cfg.ppo
-    if pc.kl_target is None or kl is None or kl != kl:
+    if pc.kl_target is None or kl is None or math.isnan(kl):
         return coef
     e = min(max(kl / pc.kl_target - 1.0, -0.2), 0.2)
     return coef * (1.0 + e * cfg.data.batch_size / pc.kl_horizon)
