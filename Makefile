@@ -18,8 +18,11 @@ $(STAMP): requirements.txt
 
 # Incremental in-place build (a no-op build takes a few seconds); flock keeps parallel
 # builds of the same tree from clobbering each other.
+# The in-place package is put on the venv's path (a .pth file, as an editable install does), so
+# the venv's python imports real_py from any directory.
 build: $(STAMP)
 	flock .build.lock $(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import site, sys; open(site.getsitepackages()[0] + '/real_py.pth', 'w').write(sys.argv[1] + '\n')" "$(CURDIR)"
 
 run: build
 	$(PY) -m real_py $(ARGS)
