@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test lint test-cpp test-py bench bench-realloc clean
+.PHONY: venv build run test lint test-cpp test-py cuda-build bench bench-realloc clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -18,8 +18,11 @@ $(STAMP): requirements.txt
 
 # Incremental in-place build (a no-op build takes a few seconds); flock keeps parallel
 # builds of the same tree from clobbering each other.
+# The in-place package is put on the venv's path (a .pth file, as an editable install does), so
+# the venv's python imports real_py from any directory.
 build: $(STAMP)
 	flock .build.lock $(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import site, sys; open(site.getsitepackages()[0] + '/real_py.pth', 'w').write(sys.argv[1] + '\n')" "$(CURDIR)"
 
 run: build
 	$(PY) -m real_py $(ARGS)
@@ -37,6 +40,25 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 test: lint test-cpp test-py
+
+# The CUDA build, checked without a GPU: the full extension (kernels, CUDA dispatch registrations)
+# built against the CUDA 13 torch in its own venv (.venv-cuda, about 5.5 GB, reused), outside the
+# CPU build's tree (build/cuda), then imported and asked for a CUDA kernel of every op.
+CUDA_VENV  := .venv-cuda
+CUDA_STAMP := $(CUDA_VENV)/.requirements-stamp
+$(CUDA_STAMP): requirements-cuda.txt
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-cuda.txt
+	touch $@
+
+# torch locates the toolkit through CUDA_HOME or `which nvcc`; /usr/local/bin/nvcc is a wrapper
+# whose prefix has no headers, so point CUDA_HOME at the toolkit itself.
+CUDA_HOME ?= $(firstword $(patsubst %/include/cuda_runtime.h,%,$(wildcard /usr/local/cuda/include/cuda_runtime.h /usr/local/cuda-*/include/cuda_runtime.h)))
+cuda-build: $(CUDA_STAMP)
+	@test -n "$(CUDA_HOME)" || { echo "error: no CUDA toolkit (cuda_runtime.h) under /usr/local/cuda*; set CUDA_HOME" >&2; exit 2; }
+	CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH REAL_PY_CUDA=1 flock .build.lock $(CUDA_VENV)/bin/python setup.py -q build_ext \
+		--build-lib build/cuda/lib --build-temp build/cuda/temp
+	$(CUDA_VENV)/bin/python scripts/check_cuda_ext.py $$(ls build/cuda/lib/real_py/_C*.so)
 
 bench: build
 	$(PY) bench/bench_plan.py

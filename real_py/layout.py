@@ -96,6 +96,9 @@ class Layout:
             raise ValueError(f"Layout.order={self.order!r}; allowed: a permutation of tp-dp-pp "
                              "such as 'tp-dp-pp' or 'tp-pp-dp'")
         n = self.dp * self.tp * self.pp
+        if n > MAX_RANKS:  # checked before any per-rank tuple is built
+            raise ValueError(f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, more than "
+                             f"the {MAX_RANKS} global ranks real_py plans for")
         ranks = tuple(range(n)) if self.ranks is None else tuple(int(r) for r in self.ranks)
         if len(ranks) != n:
             raise ValueError(f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, got "

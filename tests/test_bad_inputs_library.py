@@ -43,6 +43,8 @@ def _cases(tmp):
     params = _src_params()
     meta = {k: torch.empty(v.shape, device="meta") for k, v in params.items()}
     other = ModelShard.from_full(SAME_NAME, SRC, 0, random_full(SAME_NAME, 1))
+    freed = ModelShard.from_full(SPEC, SRC, 0, FULL)
+    freed.flat.untyped_storage().resize_(0)  # what free_source=True / HostOffload leave behind
     truncated = tmp / "truncated"
     O.make_checkpoint(str(truncated))
     st = truncated / "model.safetensors"
@@ -95,6 +97,8 @@ def _cases(tmp):
         ("run shard of same-name model", lambda: _realloc().run(other, ModelShard.empty(SPEC, DST, 0)), ValueError,
          rf"source shard's model {SPEC.name} is not the plan's source model of the same name: .*disagree", [other.flat]),
         ("run non-shard", lambda: _realloc().run(flat, None), TypeError, "source shard must be a ModelShard or None", [flat]),
+        ("run freed source", lambda: _realloc().run(freed, ModelShard.empty(SPEC, DST, 0)), ValueError,
+         r"source shard of rank 0 .* has 0 bytes of storage behind a \d+-byte buffer: it was freed", []),
         # Trainer-facing embed API
         ("reallocate_flat wrong size", lambda: reallocate_flat(_realloc(), long_flat), ValueError,
          rf"src_flat: .* of {flat.numel()} elements, got \({flat.numel() + 1},\)", [long_flat]),

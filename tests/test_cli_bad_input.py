@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (case id, YAML text of cfg.yaml, extra argv, phrase of the message). Every train case points
 # --out-dir at `run`, a directory holding a previous run's checkpoint, which must stay untouched.
 TRAIN = [
+    ("override-after-option", "", ["steps=2", "--timeout", "30", "ppo.clip=big"], "ppo.clip='big': expected a number"),
+    ("not-an-override", "", ["steps=2", "--timeout", "30", "bogus"], "override 'bogus': expected KEY=VALUE"),
     ("save_every<0", "save_every: -5", [], "save_every=-5 is out of range; allowed: >= 0"),
     ("clip<0", "ppo: {clip: -0.2}", [], "ppo.clip=-0.2 is out of range; allowed: > 0"),
     ("lam<0", "ppo: {lam: -0.5}", [], "ppo.lam=-0.5 is out of range; allowed: [0, 1]"),
@@ -61,6 +63,15 @@ TRAIN = [
 ]
 
 OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by paths
+    ("plan-from-without-plan", ["plan", "--from", "actor_train", "--to", "actor_gen"], "give --plan FILE too"),
+    ("plan-plan-without-to", ["plan", "--plan", "PLAN_BAD", "--from", "actor_train"], "--plan needs --from CALL and --to CALL"),
+    ("plan-plan-bad-json", ["plan", "--plan", "PLAN_BAD", "--from", "actor_train", "--to", "actor_gen"],
+     "is not valid JSON"),
+    ("bench-one-side", ["bench", "--src", "tp2"], "give --src and --dst together"),
+    ("bench-1001-procs", ["bench", "--src", "tp2", "--src-ranks", "0,1000", "--dst", "dp2"],
+     "1001 local processes, more than the 64"),
+    ("bench-70b-on-cpu", ["bench", "--model", "llama2-70b", "--src", "tp2", "--dst", "dp2"],
+     "GiB is available; pick a smaller model"),
     ("plan-unknown-preset", ["plan", "--model", "llama3", "--src", "dp2", "--dst", "tp2"],
      "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b)"),
     ("plan-src-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--src-ranks", "0,x"],

@@ -2,6 +2,7 @@
 # that the ops carry docstrings, and that the pack/unpack example in real_py/ops.py (the README
 # example) runs as written. A failure points to real_py/__init__.py or real_py/ops.py.
 import doctest
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,13 @@ def test_ops_documented():
 def test_readme_example_runs():
     result = doctest.testmod(real_py.ops, raise_on_error=False, verbose=False)
     assert result.attempted >= 8 and result.failed == 0, result
+
+
+def test_venv_python_imports_real_py_from_any_directory(tmp_path):
+    # `make build` puts the checkout on the venv's path (real_py.pth): the README's set-up
+    # command is enough for `python -m real_py ...` outside the repository root.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-m", "real_py", "plan", "--src", "tp2", "--dst", "dp2", "--json"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert '"network_bytes"' in out.stdout or "network" in out.stdout

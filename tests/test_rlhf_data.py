@@ -6,6 +6,7 @@ ids are the tokenizer's own encode()."""
 
 import importlib.util
 import json
+import shutil
 import os
 
 import pyarrow as pa
@@ -153,6 +154,29 @@ def test_bad_data_fails_before_ranks(env, tmp_path):
     small = CF.from_dict({**CF.to_dict(_cfg(env)), "actor": dict(ACTOR, vocab_size=12)})
     with pytest.raises(ValueError, match="has 16 tokens but the actor's vocab_size is 12"):
         CF.validate(small, 4)
+    # Unreadable inputs are named: a non-UTF-8 file, empty / broken tokenizer directories, a chat
+    # template that fails to render, an empty plan.path.
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    (tmp_path / "empty_tok").mkdir()
+    shutil.copytree(env / "tok", tmp_path / "broken_tok")
+    (tmp_path / "broken_tok" / "tokenizer.json").write_text("{not json")
+    shutil.copytree(env / "tok_chat", tmp_path / "bad_template")
+    bad = "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"
+    jinja = tmp_path / "bad_template" / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(bad)
+    else:
+        tc = json.loads((tmp_path / "bad_template" / "tokenizer_config.json").read_text())
+        (tmp_path / "bad_template" / "tokenizer_config.json").write_text(json.dumps(tc | {"chat_template": bad}))
+    for over, msg in [({"path": str(tmp_path / "latin1.jsonl")}, r"latin1.jsonl'\: not UTF-8 text \(byte \d+"),
+                      ({"tokenizer_path": str(tmp_path / "empty_tok")}, "empty_tok'.*no tokenizer files in it"),
+                      ({"tokenizer_path": str(tmp_path / "broken_tok")}, "broken_tok'.*cannot load a tokenizer"),
+                      ({"tokenizer_path": str(tmp_path / "bad_template"), "chat_template": True},
+                       "row 0: the chat template of tokenizer .* failed")]:
+        with pytest.raises(ValueError, match=msg):
+            CF.validate(_cfg(env, **over), 4)
+    with pytest.raises(ValueError, match="config plan.path=None: expected the path of an execution-plan"):
+        CF.load(None, ["plan.path="]).execution_plan()
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1"}\n[1, 2]\n')
     with pytest.raises(ValueError, match="line 2: expected a JSON object"):
         CF.validate(_cfg(env, path=str(tmp_path / "bad.jsonl")), 4)

@@ -111,3 +111,34 @@ def test_critic_from_actor_checkpoint_and_ref_from_its_own_path(ckpts):
     m = per_rank[0]["metrics"]
     assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), m
     assert json.dumps(m)  # plain numbers
+
+
+def test_checkpoint_headers_checked_before_ranks_start(ckpts, tmp_path):
+    """validate reads every loaded checkpoint's safetensors headers: a truncated file, a tensor
+    shape that disagrees with config.json and a missing index shard fail naming the model and file;
+    an out_dir that is a file is refused."""
+    import shutil
+
+    a = ckpts["actor"]
+    trunc = tmp_path / "trunc"
+    shutil.copytree(a, trunc)
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    shape = tmp_path / "shape"
+    shutil.copytree(a, shape)
+    cfg = json.loads((shape / "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps(cfg | {"intermediate_size": cfg["intermediate_size"] * 2}))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(a, sharded)
+    names = json.loads((sharded / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (sharded / "model.safetensors").read_bytes()[:8], "little")])
+    weight_map = {k: "model-00002-of-00002.safetensors" for k in names if k != "__metadata__"}
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "afile").write_text("x")
+    for over, msg in [({"ref_path": str(trunc)}, r"model ref \(.*trunc\): .*model.safetensors is not a readable"),
+                      ({"ref_path": str(shape)}, r"model ref \(.*shape\): checkpoint tensor .* has shape"),
+                      ({"ref_path": str(sharded)}, r"model ref \(.*sharded\): .* names 1 shard file\(s\) that are missing"),
+                      ({"out_dir": str(tmp_path / "afile")}, "out_dir=.*afile' is a file")]:
+        with pytest.raises(ValueError, match=msg):
+            CF.validate(CF.from_dict(dict(BASE, actor_path=a, critic=CRITIC, **over)), 4)

@@ -28,7 +28,14 @@ def main(argv=None) -> int:
     for name, mod in COMMANDS.items():
         modules[name] = importlib.import_module(mod)
         modules[name].add_parser(sub)
-    args = parser.parse_args(argv)
+    # KEY=VALUE overrides may stand anywhere on a `train` line (`train a=1 --steps 3 b=2`):
+    # argparse stops a positional list at the first option, so the rest comes back as extras.
+    args, extra = parser.parse_known_args(argv)
+    bad = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         return modules[args.command].run(args)
     except (ValueError, OSError) as e:

@@ -1,5 +1,6 @@
 """`python -m real_py bench`: time real_py's reallocation between layouts on this cluster.
 
+    python -m real_py bench                    # built-in 58M model, three pairs on 4 gloo ranks
     python -m real_py bench --model llama2-7b --src dp2,tp4 --dst tp8 --device cuda --out r.json
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
@@ -39,6 +40,13 @@ from .common import ranks
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 _REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=8,
+                     vocab_size=32000, num_hidden_layers=8)
+"""`bench` without --model: a 58M-parameter LLaMA shape, small enough for a laptop CPU."""
+DEFAULT_PAIRS = (("dp2,tp2", "dp4"), ("dp1,tp2,pp2", "dp2,tp2"), ("dp4,dim0", "dp1,tp2,pp2"))
+"""`bench` without --src/--dst: a TP -> DP move, a PP change, and an FSDP2-style dp-sharded source."""
+MAX_LOCAL_PROCS = 64
+"""Local processes the command launches at most (several nodes: run it under torchrun)."""
 
 
 def add_parser(sub) -> None:
@@ -46,13 +54,15 @@ def add_parser(sub) -> None:
     from ..spec import PRESETS
 
     p = sub.add_parser("bench", help="time reallocations between layouts on this machine/cluster")
-    p.add_argument("--model", required=True,
-                   help=f"preset ({', '.join(PRESETS)}) or a path to an HF config.json / checkpoint dir")
+    p.add_argument("--model",
+                   help=f"preset ({', '.join(PRESETS)}) or a path to an HF config.json / checkpoint dir "
+                        "(default: a built-in 58M-parameter LLaMA shape)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="parameter dtype")
-    p.add_argument("--src", action="append", required=True,
+    p.add_argument("--src", action="append",
                    help="source layout, e.g. dp2,tp4,pp1 (dp-sharded: dp4,tp2,dim0 or ...,flat); "
-                        "repeat for several pairs")
-    p.add_argument("--dst", action="append", required=True, help="destination layout, one per --src")
+                        "repeat for several pairs (default: " +
+                        "; ".join(f"{s} -> {d}" for s, d in DEFAULT_PAIRS) + ")")
+    p.add_argument("--dst", action="append", help="destination layout, one per --src")
     p.add_argument("--src-ranks", action="append",
                    help="comma-separated global ranks of the source (one for all pairs or one per pair)")
     p.add_argument("--dst-ranks", action="append", help="the same for the destination")
@@ -82,6 +92,8 @@ def _per_pair(values, n: int, flag: str) -> list:
 def _model(args):
     from ..spec import PRESETS, ModelConfig, model_spec, preset
 
+    if args.model is None:
+        return model_spec(ModelConfig(**DEFAULT_MODEL, dtype=args.dtype), "bench-58m")
     if args.model in PRESETS:
         return model_spec(preset(args.model, dtype=args.dtype), args.model)
     if not os.path.exists(args.model):
@@ -93,6 +105,10 @@ def _model(args):
 def _pairs(args, model):
     from ..layout import Layout, check_fits
 
+    if args.src is None and args.dst is None:
+        args.src, args.dst = [s for s, _ in DEFAULT_PAIRS], [d for _, d in DEFAULT_PAIRS]
+    if args.src is None or args.dst is None:
+        raise ValueError("give --src and --dst together (one --dst per --src), or neither for the default pairs")
     if len(args.src) != len(args.dst):
         raise ValueError(f"{len(args.src)} --src but {len(args.dst)} --dst; give one --dst per --src")
     n = len(args.src)
@@ -146,6 +162,12 @@ def run(args) -> int:
         nproc = args.nproc or need
         if nproc < need:
             raise ValueError(f"--nproc={nproc}, but the layouts use global ranks up to {need - 1}")
+        if nproc > MAX_LOCAL_PROCS:
+            raise ValueError(f"the layouts use global ranks up to {need - 1}: {nproc} local processes, "
+                             f"more than the {MAX_LOCAL_PROCS} this command starts on one machine; "
+                             "for more ranks run it under torchrun on several nodes")
+        if args.device == "cpu":
+            _check_memory(model, pairs, nproc, args.bucket_mb)
         if args.device == "cuda":
             import torch
 
@@ -156,8 +178,37 @@ def run(args) -> int:
     return _spmd(args, model, pairs, need)
 
 
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(model, pairs, nproc: int, bucket_mb: float) -> None:
+    """Refuse before launching when the shards of the biggest pair (source + destination on every
+    local rank, plus staging) would not fit in this machine's available memory."""
+    from ..realloc.plan import _shard_data_numel
+
+    avail = _available_bytes()
+    if avail is None:
+        return
+    need = 0
+    for src, dst in pairs:
+        numel = sum(_shard_data_numel(model, layout, r) for layout in (src, dst) for r in layout.ranks)
+        need = max(need, numel * model.element_size + nproc * int(bucket_mb * (1 << 20)))
+    if need > 0.9 * avail:
+        raise ValueError(f"--model {model.name} ({model.numel / 1e9:.2f}B params, {model.dtype}): the "
+                         f"shards of one pair on {nproc} local CPU ranks need about {need / 2**30:.1f} GiB, "
+                         f"but {avail / 2**30:.1f} GiB is available; pick a smaller model or run on GPUs")
+
+
 def _launch(args, nproc: int) -> int:
-    argv = ["bench", "--model", args.model, "--dtype", args.dtype, "--mode", args.mode,
+    argv = ["bench"] + (["--model", args.model] if args.model else []) + [
+            "--dtype", args.dtype, "--mode", args.mode,
             "--device", args.device, "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
             "--timeout", str(args.timeout)]
     for flag in ("src", "dst", "src_ranks", "dst_ranks"):

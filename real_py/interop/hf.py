@@ -68,6 +68,10 @@ class HFCheckpoint:
         else:
             raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
                              "(only safetensors checkpoints are supported)")
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(self.path, fn))]
+        if missing:
+            raise ValueError(f"{self.path}: model.safetensors.index.json names {len(missing)} shard file(s) "
+                             f"that are missing, first {missing[0]!r}; copy the whole checkpoint directory")
         self._handles, self.shapes = {}, {}
         for fn in files:
             try:

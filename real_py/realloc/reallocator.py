@@ -135,6 +135,15 @@ class Reallocator:
                              f"{side} layout is {layout}")
         if shard.rank != self.rank:
             raise ValueError(f"{side} shard belongs to rank {shard.rank}, this is rank {self.rank}")
+        # The kernels read raw pointers: a buffer whose storage was released (free_source=True, an
+        # offloaded shard) or shrunk under its view would be read or written out of bounds.
+        flat = shard.flat
+        need = (flat.storage_offset() + flat.numel()) * flat.element_size()
+        if flat.untyped_storage().nbytes() < need:
+            raise ValueError(f"{side} shard of rank {self.rank} ({shard.model.name}, {layout}) has "
+                             f"{flat.untyped_storage().nbytes()} bytes of storage behind a {need}-byte "
+                             "buffer: it was freed (free_source=True) or offloaded (HostOffload); "
+                             "reload it before reallocating")
 
     def _tensor(self, arr: np.ndarray, key: tuple[int, str]) -> torch.Tensor:
         t = self._descs.get(key)

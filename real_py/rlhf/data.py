@@ -34,11 +34,16 @@ def read_rows(path: str) -> list[dict]:
     if ext == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own types; name the file instead
+            raise ValueError(f"config data.path={path!r}: not a readable parquet file "
+                             f"({type(e).__name__}: {e})") from None
     elif ext in (".jsonl", ".json"):
         rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
+        with open(path, encoding="utf-8") as f:
+            lines = _utf8_lines(f, path)
+            for i, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
@@ -55,6 +60,14 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
+def _utf8_lines(f, path: str) -> list[str]:
+    try:
+        return f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config data.path={path!r}: not UTF-8 text (byte {e.start}: "
+                         f"{e.object[e.start:e.start + 4]!r}); save the prompt file as UTF-8") from None
+
+
 def load_tokenizer(path: str):
     """transformers.AutoTokenizer from a local directory (nothing is downloaded)."""
     if not os.path.isdir(path):
@@ -62,10 +75,23 @@ def load_tokenizer(path: str):
                          "tokenizer directories are read, e.g. one written by save_pretrained)")
     from transformers import AutoTokenizer
 
+    # A directory without tokenizer files, or with broken ones, makes transformers raise anything
+    # from OSError to AttributeError or a bare Exception: name the directory instead.
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"config data.tokenizer_path={path!r}: no tokenizer files in it (expected one "
+                         f"of {', '.join(_TOKENIZER_FILES)}, as save_pretrained writes)")
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"config data.tokenizer_path={path!r}: cannot load a tokenizer: {e}") from None
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"config data.tokenizer_path={path!r}: cannot load a tokenizer "
+                         f"({type(e).__name__}: {str(e)[:300]})") from None
+    if isinstance(tok, bool) or not callable(tok):
+        raise ValueError(f"config data.tokenizer_path={path!r}: transformers returned {type(tok).__name__}, "
+                         "not a tokenizer")
+    return tok
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class PromptData:
@@ -95,7 +121,11 @@ class PromptData:
                 if not (isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs)):
                     raise ValueError(f"{where} row {i}: {prompt_key!r} must be a string or a list of "
                                      f"{{role, content}} messages, got {type(p).__name__}")
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                try:
+                    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                except Exception as e:  # noqa: BLE001 - jinja2 errors, template exceptions
+                    raise ValueError(f"{where} row {i}: the chat template of tokenizer {tok.name_or_path!r} "
+                                     f"failed ({type(e).__name__}: {str(e)[:200]})") from None
                 t = tok(text, add_special_tokens=False)["input_ids"]
             else:
                 if not isinstance(p, str):

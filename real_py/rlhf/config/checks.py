@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
 from ..execplan import ExecutionPlan
@@ -60,6 +61,8 @@ def check_values(cfg: TrainConfig) -> None:
         v = _get(cfg, key)
         if not ok(v):
             raise ValueError(f"config {key}={v!r} is out of range; allowed: {allowed}")
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        raise ValueError(f"config out_dir={cfg.out_dir!r} is a file, not a directory; pick another out_dir")
     for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
                       ("reward_path", cfg.reward_path), ("ref_path", cfg.ref_path)):
         if path and not os.path.exists(path):
@@ -192,8 +195,24 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
                 and total > models[m].max_position_embeddings:
             raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
                              f"max_position_embeddings={models[m].max_position_embeddings}")
+    _check_checkpoints(cfg, graph, models)
     _check_data_and_reward(cfg, models)
     return plan, graph, models
+
+
+def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
+    """Read the safetensors headers of every checkpoint the graph's models load (cheap: no tensor
+    data), so a truncated or missing file, or a tensor whose shape disagrees with config.json,
+    fails here, naming the file and tensor, instead of on every rank after start-up."""
+    paths = cfg.model_paths()
+    for m in sorted({c.model for c in graph.calls.values()}):
+        if not paths.get(m):
+            continue
+        fresh = m == "critic" and cfg.critic_init != "checkpoint"
+        try:
+            HFCheckpoint(paths[m]).check(model_spec(models[m], name=m), fresh_head=fresh)
+        except ValueError as e:
+            raise ValueError(f"model {m} ({paths[m]}): {e}") from None
 
 
 def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:

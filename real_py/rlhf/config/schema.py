@@ -289,6 +289,9 @@ class TrainConfig:
     def execution_plan(self) -> ExecutionPlan:
         data = self.plan or default_plan(self.algo)
         if set(data) == {"path"}:
+            if not isinstance(data["path"], str) or not data["path"]:
+                raise ValueError(f"config plan.path={data['path']!r}: expected the path of an execution-plan "
+                                 "JSON file (python -m real_py search --out plan.json)")
             return ExecutionPlan.from_json(data["path"])
         return ExecutionPlan.from_json(data)
 
