@@ -86,10 +86,12 @@ py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py
               const py::dict& dst, int mode, int64_t ranks_per_node, int64_t min_split_elems) {
   const auto params = params_from(geom, block_ptr, blocks);
   const auto opt = options_from(mode, ranks_per_node, min_split_elems);
+  // The layouts are read from Python dicts, so with the GIL held; only the planner runs without.
+  const auto src_l = layout_from(src), dst_l = layout_from(dst);
   real_py::Plan pl;
   {
     py::gil_scoped_release release;
-    pl = real_py::make_plan(params, layout_from(src), layout_from(dst), opt);
+    pl = real_py::make_plan(params, src_l, dst_l, opt);
   }
   const auto nd = static_cast<py::ssize_t>(pl.descs.size());
   py::dict out;
@@ -114,10 +116,11 @@ py::dict plan_rank(const I64& geom, const I64& block_ptr, const I64& blocks, con
   real_py::ScheduleOptions sopt;
   sopt.round_elems = round_elems;
   sopt.direct_min_elems = direct_min_elems;
+  const auto src_l = layout_from(src), dst_l = layout_from(dst);
   real_py::RankSchedule rs;
   {
     py::gil_scoped_release release;
-    rs = real_py::make_rank_schedule(params, layout_from(src), layout_from(dst), opt, rank, sopt);
+    rs = real_py::make_rank_schedule(params, src_l, dst_l, opt, rank, sopt);
   }
   py::dict out;
   out["num_rounds"] = rs.num_rounds;
