@@ -125,6 +125,7 @@ py::dict plan_rank(const I64& geom, const I64& block_ptr, const I64& blocks, con
   py::dict out;
   out["num_rounds"] = rs.num_rounds;
   out["summary_count"] = rs.summary_count;
+  out["held_bytes"] = rs.held_bytes;
   out["msg_sender"] = own1(std::move(rs.msg_sender));
   out["msg_recv_ptr"] = own1(std::move(rs.msg_recv_ptr));
   out["msg_receivers"] = own1(std::move(rs.msg_receivers));

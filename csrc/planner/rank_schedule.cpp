@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -24,15 +25,13 @@ struct MsgInfo {
 class RankSink : public PlanSink {
  public:
   RankSink(int64_t rank, int64_t direct_min) : rank_(rank), dmin_(direct_min) {}
-  std::map<std::pair<int64_t, std::vector<int64_t>>, MsgInfo> msgs;
+  // Messages in arrival order; `ordered()` sorts them into the plan's (sender, receivers) order.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> keys;
+  std::vector<MsgInfo> infos;
   std::vector<Desc> own_local;
 
   void message(int64_t sender, const std::vector<int64_t>& receivers, const Desc& d) override {
-    auto [it, fresh] = msgs.try_emplace({sender, receivers});
-    MsgInfo& m = it->second;
-    if (fresh)
-      m.mine = sender == rank_ ||
-               std::find(receivers.begin(), receivers.end(), rank_) != receivers.end();
+    MsgInfo& m = find(sender, receivers);
     m.numel += d.numel();
     if (m.mine) append_merged(m.descs, d);
     // The size summary follows append_merged: only the last descriptor can still grow.
@@ -46,10 +45,56 @@ class RankSink : public PlanSink {
   void local(int64_t rank, const Desc& d) override {
     if (rank == rank_) append_merged(own_local, d);
   }
-  void finish() {
-    for (auto& [key, m] : msgs)
-      if (m.ndesc) commit(m);
+  // Message indices in the plan's order (std::map order of the key in CollectSink).
+  // Bytes this sink holds (keys, summaries, own descriptors, indexes): its peak, reached at
+  // the end of the planner loop.
+  int64_t held_bytes() const {
+    int64_t b = static_cast<int64_t>(keys.capacity() * sizeof(keys[0]) +
+                                     infos.capacity() * sizeof(MsgInfo) +
+                                     own_local.capacity() * sizeof(Desc) +
+                                     p2p_.size() * (sizeof(uint64_t) + 2 * sizeof(size_t)) +
+                                     p2p_.bucket_count() * sizeof(void*));
+    for (size_t i = 0; i < keys.size(); ++i)
+      b += static_cast<int64_t>(keys[i].second.capacity() * 8 + infos[i].big.capacity() * 8 +
+                                infos[i].descs.capacity() * sizeof(Desc));
+    for (const auto& [key, idx] : multi_) b += static_cast<int64_t>(key.second.capacity() * 8 + 64);
+    return b;
   }
+
+  std::vector<size_t> finish() {
+    for (MsgInfo& m : infos)
+      if (m.ndesc) commit(m);
+    std::vector<size_t> order(keys.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+    return order;
+  }
+
+ private:
+  // p2p messages (one receiver) by a packed key, the rest by their full key; the planner makes
+  // one call per descriptor, so this lookup is its hot path.
+  MsgInfo& find(int64_t sender, const std::vector<int64_t>& receivers) {
+    size_t idx;
+    if (receivers.size() == 1) {
+      const uint64_t k = (static_cast<uint64_t>(sender) << 32) ^ static_cast<uint64_t>(receivers[0]);
+      auto [it, fresh] = p2p_.try_emplace(k, infos.size());
+      idx = it->second;
+      if (fresh) add(sender, receivers);
+    } else {
+      auto it = multi_.find({sender, receivers});
+      if (it == multi_.end()) it = multi_.emplace(std::make_pair(sender, receivers), infos.size()).first, add(sender, receivers);
+      idx = it->second;
+    }
+    return infos[idx];
+  }
+  void add(int64_t sender, const std::vector<int64_t>& receivers) {
+    keys.emplace_back(sender, receivers);
+    infos.emplace_back();
+    infos.back().mine = sender == rank_ ||
+                        std::find(receivers.begin(), receivers.end(), rank_) != receivers.end();
+  }
+  std::unordered_map<uint64_t, size_t> p2p_;
+  std::map<std::pair<int64_t, std::vector<int64_t>>, size_t> multi_;
 
  private:
   void commit(MsgInfo& m) const {
@@ -168,7 +213,8 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   const int64_t limit = std::max<int64_t>(1, bucket / 2);
   RankSink sink(rank, dmin);
   plan_into(params, src, dst, opt, sink);
-  sink.finish();
+  const std::vector<size_t> order = sink.finish();
+  const int64_t sink_bytes = sink.held_bytes();
 
   RankSchedule out;
   out.rank = rank;
@@ -181,8 +227,9 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   std::vector<int64_t> cur(num_ranks, 0), used(num_ranks, 0), sizes;
   std::vector<OwnChunk> own;
   int64_t m = 0;
-  for (auto& [key, info] : sink.msgs) {
-    const auto& [sender, receivers] = key;
+  for (size_t idx : order) {
+    const auto& [sender, receivers] = sink.keys[idx];
+    MsgInfo& info = sink.infos[idx];
     out.msg_sender.push_back(sender);
     out.msg_receivers.insert(out.msg_receivers.end(), receivers.begin(), receivers.end());
     out.msg_recv_ptr.push_back(static_cast<int64_t>(out.msg_receivers.size()));
@@ -267,6 +314,12 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     out.round_pack_ptr.push_back(static_cast<int64_t>(out.pack_descs.size()));
     out.round_unpack_ptr.push_back(static_cast<int64_t>(out.unpack_descs.size()));
   }
+  const int64_t out_bytes = static_cast<int64_t>(
+      8 * (out.msg_sender.size() + out.msg_recv_ptr.size() + out.msg_receivers.size() +
+           out.msg_numel.size() + 7 * out.chunk_msg.size() + 5 * out.round_index.size()) +
+      sizeof(Desc) * (out.local.size() + out.chunk_descs.size() + out.pack_descs.size() +
+                      out.unpack_descs.size()));
+  out.held_bytes = sink_bytes + out_bytes;  // the sink is alive while the output is built
   return out;
 }
 

@@ -38,6 +38,7 @@ struct RankSchedule {
       round_staging;
   std::vector<Desc> pack_descs, unpack_descs;
   int64_t summary_count = 0;  // messages known by size only (not this rank's)
+  int64_t held_bytes = 0;     // peak bytes of the C++ data built (summaries + own descriptors + output)
 };
 
 RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const LayoutIn& src,

@@ -130,6 +130,11 @@ class ReallocPlan:
     msg_receivers = property(lambda self: self._msg_table("msg_receivers"))
     msg_numel = property(lambda self: self._msg_table("msg_numel"))
 
+    def global_bytes(self) -> int:
+        """Bytes of the global arrays (builds them): what every rank held before per-rank plans."""
+        self._global("descs")
+        return sum(a.nbytes for a in self._arrays.values())
+
     def rank_arrays(self, rank: int, round_elems: int, direct_min_elems: int) -> dict:
         """One rank's chunks, rounds, pack/unpack and local descriptors (C++, cached) and the
         global message table, without building any other rank's descriptors."""

@@ -31,6 +31,9 @@ class RankSchedule:
     local: np.ndarray
     summary_messages: int
     """Plan messages this rank knows by size only (not its own)."""
+    held_bytes: int = 0
+    """Peak bytes of the C++ side's data for this rank (size summaries, own descriptors, output);
+    compare ReallocPlan.global_bytes() for the whole plan."""
 
     @property
     def local_numel(self) -> int:
@@ -65,7 +68,7 @@ def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
             tuple(cslot[i] for i in sends), tuple(cslot[i] for i in recvs),
             int(a["round_staging"][j])))
     return RankSchedule(rank, int(a["num_rounds"]), tuple(rounds), a["local"],
-                        int(a["summary_count"]))
+                        int(a["summary_count"]), int(a["held_bytes"]))
 
 
 __all__ = ["RankSchedule", "rank_schedule"]
