@@ -131,6 +131,9 @@ py::dict plan_rank(const I64& geom, const I64& block_ptr, const I64& blocks, con
   out["msg_receivers"] = own1(std::move(rs.msg_receivers));
   out["msg_numel"] = own1(std::move(rs.msg_numel));
   out["local"] = own_descs(std::move(rs.local));
+  out["all_msg"] = own1(std::move(rs.all_msg));
+  out["all_round"] = own1(std::move(rs.all_round));
+  out["all_numel"] = own1(std::move(rs.all_numel));
   out["chunk_msg"] = own1(std::move(rs.chunk_msg));
   out["chunk_round"] = own1(std::move(rs.chunk_round));
   out["chunk_side"] = own1(std::move(rs.chunk_side));

@@ -208,7 +208,7 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     throw std::invalid_argument("round of " + std::to_string(sopt.round_elems) +
                                 " elements is too small; need >= 2");
   if (sopt.direct_min_elems < 0) throw std::invalid_argument("direct_min_elems must be >= 0");
-  if (rank < 0) throw std::invalid_argument("rank " + std::to_string(rank) + " must be >= 0");
+  if (rank < -1) throw std::invalid_argument("rank " + std::to_string(rank) + " must be >= -1");
   const int64_t dmin = sopt.direct_min_elems, bucket = sopt.round_elems;
   const int64_t limit = std::max<int64_t>(1, bucket / 2);
   RankSink sink(rank, dmin);
@@ -222,9 +222,10 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
-  // Frontier fill (schedule.Schedule): per rank only its current round and what it holds;
-  // a chunk lands in the latest current round of its ranks, or the next one when it lacks room.
-  std::vector<int64_t> cur(num_ranks, 0), used(num_ranks, 0), sizes;
+  // Earliest fit (schedule.Schedule): a chunk goes to the earliest round where all its ranks
+  // have room; first[r] is rank r's earliest round that is not full.
+  std::vector<std::vector<int64_t>> used(num_ranks);
+  std::vector<int64_t> first(num_ranks, 0), sizes;
   std::vector<OwnChunk> own;
   int64_t m = 0;
   for (size_t idx : order) {
@@ -247,18 +248,23 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     }
     for (size_t c = 0; c < sizes.size(); ++c) {
       const int64_t n = sizes[c];
-      int64_t k = cur[sender];
-      for (int64_t r : receivers) k = std::max(k, cur[r]);
-      bool fits = (cur[sender] == k ? used[sender] : 0) + n <= bucket;
-      for (int64_t r : receivers) fits = fits && (cur[r] == k ? used[r] : 0) + n <= bucket;
-      if (!fits) ++k;
+      int64_t k = first[sender];
+      for (int64_t r : receivers) k = std::max(k, first[r]);
+      auto room = [&](int64_t r) {
+        const auto& u = used[r];
+        return (k < static_cast<int64_t>(u.size()) ? u[k] : 0) + n <= bucket;
+      };
+      while (!room(sender) || !std::all_of(receivers.begin(), receivers.end(), room)) ++k;
       auto take = [&](int64_t r) {
-        if (cur[r] != k) cur[r] = k, used[r] = 0;
-        used[r] += n;
+        auto& u = used[r];
+        if (static_cast<int64_t>(u.size()) <= k) u.resize(k + 1, 0);
+        u[k] += n;
+        while (first[r] < static_cast<int64_t>(u.size()) && u[first[r]] >= bucket) ++first[r];
       };
       take(sender);
       for (int64_t r : receivers) take(r);
       out.num_rounds = std::max(out.num_rounds, k + 1);
+      if (rank < 0) out.all_round.push_back(k), out.all_msg.push_back(m), out.all_numel.push_back(n);
       if (info.mine) {
         if (pieces[c].second != n) throw std::logic_error("rank schedule: chunk size mismatch");
         own.push_back({k, sender == rank ? 0 : 1, m, n, std::move(pieces[c].first)});

@@ -2,8 +2,8 @@
 //
 // The rule is schedule.py's (the global Python Schedule stays the reference): messages in the
 // plan's order are cut into chunks (direct one-run pieces of a mixed message after its staged
-// remainder), and each chunk goes to the earliest round, at or after the current round of each
-// of its ranks, where all of them have room for it under the bucket. That placement only needs
+// remainder), and each chunk goes to the earliest round where all of its ranks have room for
+// it under the bucket (earliest fit; partly empty rounds are filled later). That placement only needs
 // every message's chunk SIZES, so the planner loop runs as usual but keeps, for a message this
 // rank is not part of, a size summary (numel, descriptor count, the sizes of its big one-run
 // descriptors) instead of its descriptors. Sender and receivers of a chunk thus compute the
@@ -37,6 +37,9 @@ struct RankSchedule {
   std::vector<int64_t> round_index, round_chunk_ptr{0}, round_pack_ptr{0}, round_unpack_ptr{0},
       round_staging;
   std::vector<Desc> pack_descs, unpack_descs;
+  // rank == -1: no rank's descriptors; every chunk's (msg, round, numel) in global chunk order
+  // (what a simulator replays).
+  std::vector<int64_t> all_msg, all_round, all_numel;
   int64_t summary_count = 0;  // messages known by size only (not this rank's)
   int64_t held_bytes = 0;     // peak bytes of the C++ data built (summaries + own descriptors + output)
 };

@@ -1,7 +1,11 @@
 """Bucket schedule: cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
-its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule.
+its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule,
+and each chunk, in the plan's message order, goes to the earliest round where its sender and
+all its receivers have room. The rule needs only every message's chunk sizes, which is how
+rank_schedule.py derives one rank's rounds in C++ without the other ranks' descriptors; this
+global version stays the reference for tests and pictures.
 
 Direct chunks: with `direct_min_elems` > 0, every descriptor of a message that is ONE contiguous
 run on both sides (n == 1, or src_stride == dst_stride == len) and holds at least
@@ -120,22 +124,24 @@ class Schedule:
             for part, numel in _split_message(plan.message_descs(m), int(plan.msg_numel[m]),
                                               self.direct_min_elems, limit):
                 chunks.append(Chunk(m, sender, receivers, numel, part))
-        # Frontier fill: a chunk goes to the earliest round, at or after the current round of each
-        # of its ranks, where all of them have room. Linear in the number of chunks.
-        current: dict[int, int] = {}
+        # Earliest fit: a chunk goes to the earliest round where all of its ranks have room
+        # (rounds left partly empty by earlier chunks are filled later: fewer, fuller rounds);
+        # first[r] is rank r's earliest round that is not full.
+        first: dict[int, int] = {}
         used: dict[tuple[int, int], int] = {}
         self.rounds: list[list[Chunk]] = []
         for c in chunks:
             ranks = (c.sender,) + c.receivers
-            k = max(current.get(r, 0) for r in ranks)
+            k = max(first.get(r, 0) for r in ranks)
             while any(used.get((r, k), 0) + c.numel > bucket_elems for r in ranks):
                 k += 1
             while len(self.rounds) <= k:
                 self.rounds.append([])
             self.rounds[k].append(c)
             for r in ranks:
-                current[r] = k
                 used[(r, k)] = used.get((r, k), 0) + c.numel
+                while used.get((r, first.get(r, 0)), 0) >= bucket_elems:
+                    first[r] = first.get(r, 0) + 1
         self._per_rank: dict[int, list[RankRound]] = {}
 
     def for_rank(self, rank: int) -> list[RankRound]:
