@@ -137,7 +137,8 @@ class ReallocPlan:
 
     def rank_arrays(self, rank: int, round_elems: int, direct_min_elems: int) -> dict:
         """One rank's chunks, rounds, pack/unpack and local descriptors (C++, cached) and the
-        global message table, without building any other rank's descriptors."""
+        global message table, without building any other rank's descriptors. rank -1: no
+        rank's descriptors, every chunk's (msg, round, numel) instead (all_* arrays)."""
         key = (rank, round_elems, direct_min_elems)
         hit = self._rank_cache.get(key)
         if hit is None:

@@ -120,12 +120,10 @@ def schedule_transfers(plan: ReallocPlan, round_elems: int | None = None,
                        direct_min_elems: int = 0) -> Transfers:
     """Every chunk of the plan's schedule (sizes only, from C++; no descriptors). Defaults: the
     Reallocator's (256 MiB bucket, pipelined -> rounds of 64 MiB per rank and direction)."""
-    from .. import _C
-
     es = plan.element_size
     if round_elems is None:
         round_elems = (256 << 20) // es // 2
-    a = _C.plan_rank(*plan._inputs, -1, round_elems, direct_min_elems)
+    a = plan.rank_arrays(-1, round_elems, direct_min_elems)  # rank -1: every chunk, no descriptors
     rp, rc = a["msg_recv_ptr"], a["msg_receivers"]
     m = a["all_msg"]
     counts = (rp[1:] - rp[:-1])[m]
