@@ -2,6 +2,7 @@
 #include "planner/rank_schedule.h"
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <unordered_map>
 #include <stdexcept>
@@ -156,6 +157,24 @@ std::vector<Piece> split_message(const std::vector<Desc>& descs, int64_t total, 
   return out;
 }
 
+// One rank's send or receive side in the fill: elements per round from `first`, its earliest
+// round that is not full (rounds before it are never looked at again, so they are dropped:
+// the window stays short and memory does not grow with the number of rounds).
+struct Lane {
+  int64_t first = 0;
+  std::deque<int64_t> used;
+  int64_t at(int64_t k) const {
+    const int64_t i = k - first;
+    return i < static_cast<int64_t>(used.size()) ? used[i] : 0;
+  }
+  void take(int64_t k, int64_t n, int64_t limit) {
+    const int64_t i = k - first;
+    if (static_cast<int64_t>(used.size()) <= i) used.resize(i + 1, 0);
+    used[i] += n;
+    while (!used.empty() && used.front() >= limit) used.pop_front(), ++first;
+  }
+};
+
 struct OwnChunk {
   int64_t round, side, msg, numel;
   std::vector<Desc> descs;
@@ -222,10 +241,11 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
-  // Earliest fit (schedule.Schedule): a chunk goes to the earliest round where all its ranks
-  // have room; first[r] is rank r's earliest round that is not full.
-  std::vector<std::vector<int64_t>> used(num_ranks);
-  std::vector<int64_t> first(num_ranks, 0), sizes;
+  // Earliest fit (schedule.Schedule): a chunk goes to the earliest round where its sender can
+  // still send it and every receiver can still receive it, each side holding at most half the
+  // bucket per rank and round (a full-duplex round: egress and ingress both at their limit).
+  std::vector<Lane> lanes[2] = {std::vector<Lane>(num_ranks), std::vector<Lane>(num_ranks)};
+  std::vector<int64_t> sizes;
   std::vector<OwnChunk> own;
   int64_t m = 0;
   for (size_t idx : order) {
@@ -248,21 +268,14 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     }
     for (size_t c = 0; c < sizes.size(); ++c) {
       const int64_t n = sizes[c];
-      int64_t k = first[sender];
-      for (int64_t r : receivers) k = std::max(k, first[r]);
-      auto room = [&](int64_t r) {
-        const auto& u = used[r];
-        return (k < static_cast<int64_t>(u.size()) ? u[k] : 0) + n <= bucket;
-      };
-      while (!room(sender) || !std::all_of(receivers.begin(), receivers.end(), room)) ++k;
-      auto take = [&](int64_t r) {
-        auto& u = used[r];
-        if (static_cast<int64_t>(u.size()) <= k) u.resize(k + 1, 0);
-        u[k] += n;
-        while (first[r] < static_cast<int64_t>(u.size()) && u[first[r]] >= bucket) ++first[r];
-      };
-      take(sender);
-      for (int64_t r : receivers) take(r);
+      int64_t k = lanes[0][sender].first;
+      for (int64_t r : receivers) k = std::max(k, lanes[1][r].first);
+      auto recv_room = [&](int64_t r) { return lanes[1][r].at(k) + n <= limit; };
+      while (lanes[0][sender].at(k) + n > limit ||
+             !std::all_of(receivers.begin(), receivers.end(), recv_room))
+        ++k;
+      lanes[0][sender].take(k, n, limit);
+      for (int64_t r : receivers) lanes[1][r].take(k, n, limit);
       out.num_rounds = std::max(out.num_rounds, k + 1);
       if (rank < 0) out.all_round.push_back(k), out.all_msg.push_back(m), out.all_numel.push_back(n);
       if (info.mine) {

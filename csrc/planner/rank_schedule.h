@@ -2,8 +2,8 @@
 //
 // The rule is schedule.py's (the global Python Schedule stays the reference): messages in the
 // plan's order are cut into chunks (direct one-run pieces of a mixed message after its staged
-// remainder), and each chunk goes to the earliest round where all of its ranks have room for
-// it under the bucket (earliest fit; partly empty rounds are filled later). That placement only needs
+// remainder), and each chunk goes to the earliest round where its sender can send it and its
+// receivers can receive it, half the bucket per rank, round and direction (earliest fit). That placement only needs
 // every message's chunk SIZES, so the planner loop runs as usual but keeps, for a message this
 // rank is not part of, a size summary (numel, descriptor count, the sizes of its big one-run
 // descriptors) instead of its descriptors. Sender and receivers of a chunk thus compute the
