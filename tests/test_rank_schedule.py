@@ -23,7 +23,7 @@ from oracle import random_dp_layout, random_layout
 
 # (round elements, direct-min elements): tiny rounds cut messages into many chunks and force
 # round overflows; direct-min 1 and 7 split mixed messages into direct pieces.
-BUCKETS = [(1 << 20, 0), (64, 0), (50, 7), (200, 1), (2, 0)]
+BUCKETS = [(1 << 20, 0), (64, 0), (50, 7), (200, 1), (6, 0)]
 RANDOM_BUCKETS = [(1 << 20, 0), (300, 1), (1000, 7)]  # fewer chunks: 1,000 pairs stay quick
 
 

@@ -159,20 +159,60 @@ std::vector<Piece> split_message(const std::vector<Desc>& descs, int64_t total, 
 
 // One rank's send or receive side in the fill: elements per round from `first`, its earliest
 // round that is not full (rounds before it are never looked at again, so they are dropped:
-// the window stays short and memory does not grow with the number of rounds).
+// the window stays short and memory does not grow with the number of rounds). `skip` jumps
+// over runs of full rounds inside the window (union-find with path compression), so finding
+// the earliest fit does not walk every busy round of a rank again for each chunk.
 struct Lane {
   int64_t first = 0;
-  std::deque<int64_t> used;
+  std::deque<int64_t> used, skip;  // skip[i]: a round >= first + i that may have room
+  std::deque<int64_t> skip0;       // skip0[i]: a round >= first + i that may be empty
   int64_t at(int64_t k) const {
     const int64_t i = k - first;
     return i < static_cast<int64_t>(used.size()) ? used[i] : 0;
   }
-  void take(int64_t k, int64_t n, int64_t limit) {
-    const int64_t i = k - first;
-    if (static_cast<int64_t>(used.size()) <= i) used.resize(i + 1, 0);
-    used[i] += n;
-    while (!used.empty() && used.front() >= limit) used.pop_front(), ++first;
+  // Earliest round >= k that is not full.
+  int64_t open(int64_t k) {
+    std::vector<int64_t> path;
+    int64_t end = first + static_cast<int64_t>(used.size());
+    while (k < end && used[k - first] >= limit_) {
+      path.push_back(k);
+      k = std::max(skip[k - first], k + 1);
+    }
+    for (int64_t p : path) skip[p - first] = k;
+    return k;
   }
+  // Earliest round >= k that is empty (what a full-size chunk needs).
+  int64_t empty(int64_t k) {
+    std::vector<int64_t> path;
+    int64_t end = first + static_cast<int64_t>(used.size());
+    while (k < end && used[k - first] > 0) {
+      path.push_back(k);
+      k = std::max(skip0[k - first], k + 1);
+    }
+    for (int64_t p : path) skip0[p - first] = k;
+    return k;
+  }
+  // Earliest round >= k with room for n elements.
+  int64_t fit(int64_t k, int64_t n) {
+    if (n >= limit_) return empty(k);
+    for (k = open(k); at(k) + n > limit_; k = open(k + 1)) {
+    }
+    return k;
+  }
+  void take(int64_t k, int64_t n) {
+    const int64_t i = k - first;
+    while (static_cast<int64_t>(used.size()) <= i) {
+      skip.push_back(first + static_cast<int64_t>(used.size()));
+      skip0.push_back(first + static_cast<int64_t>(used.size()));
+      used.push_back(0);
+    }
+    used[i] += n;
+    if (used[i] >= limit_) skip[i] = k + 1;
+    skip0[i] = std::max(skip0[i], k + 1);
+    while (!used.empty() && used.front() >= limit_)
+      used.pop_front(), skip.pop_front(), skip0.pop_front(), ++first;
+  }
+  int64_t limit_ = 0;
 };
 
 struct OwnChunk {
@@ -245,6 +285,8 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   // still send it and every receiver can still receive it, each side holding at most half the
   // bucket per rank and round (a full-duplex round: egress and ingress both at their limit).
   std::vector<Lane> lanes[2] = {std::vector<Lane>(num_ranks), std::vector<Lane>(num_ranks)};
+  for (auto& side : lanes)
+    for (Lane& l : side) l.limit_ = limit;
   std::vector<int64_t> sizes;
   std::vector<OwnChunk> own;
   int64_t m = 0;
@@ -268,14 +310,18 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     }
     for (size_t c = 0; c < sizes.size(); ++c) {
       const int64_t n = sizes[c];
+      // The earliest round where every end fits: each lane's next fit is monotone in k, so
+      // iterating them to a fixed point gives the smallest common round (schedule.py's scan).
       int64_t k = lanes[0][sender].first;
       for (int64_t r : receivers) k = std::max(k, lanes[1][r].first);
-      auto recv_room = [&](int64_t r) { return lanes[1][r].at(k) + n <= limit; };
-      while (lanes[0][sender].at(k) + n > limit ||
-             !std::all_of(receivers.begin(), receivers.end(), recv_room))
-        ++k;
-      lanes[0][sender].take(k, n, limit);
-      for (int64_t r : receivers) lanes[1][r].take(k, n, limit);
+      for (;;) {
+        int64_t k2 = lanes[0][sender].fit(k, n);
+        for (int64_t r : receivers) k2 = std::max(k2, lanes[1][r].fit(k2, n));
+        if (k2 == k) break;
+        k = k2;
+      }
+      lanes[0][sender].take(k, n);
+      for (int64_t r : receivers) lanes[1][r].take(k, n);
       out.num_rounds = std::max(out.num_rounds, k + 1);
       if (rank < 0) out.all_round.push_back(k), out.all_msg.push_back(m), out.all_numel.push_back(n);
       if (info.mine) {
