@@ -26,8 +26,9 @@ from timing import write_results  # noqa: E402
 CASES = [
     ("llama2-70b", "dp2,tp8,pp8", "dp16,tp8,pp1", "dgx-h100"),
     ("llama2-70b", "dp2,tp8,pp8", "dp16,tp8,pp1", "dgx-h200"),
-    ("llama3.1-405b", "dp4,tp8,pp16", "dp64,tp8,pp1", "dgx-h100"),
-    ("llama3.1-405b", "dp8,tp8,pp16", "dp128,tp8,pp1", "dgx-h100"),
+    # tp8 replicas of 405B hold ~101 GB of bf16 weights per GPU: H200 (141 GB), not H100.
+    ("llama3.1-405b", "dp4,tp8,pp16", "dp64,tp8,pp1", "dgx-h200"),
+    ("llama3.1-405b", "dp8,tp8,pp16", "dp128,tp8,pp1", "dgx-h200"),
 ]
 BUCKETS_MIB = (256, 1024)
 
