@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "planner/planner.h"
+#include "planner/rank_schedule.h"
 
 void bind_search(pybind11::module_& m);  // csrc/search/bind_search.cpp
 
@@ -51,8 +52,7 @@ real_py::LayoutIn layout_from(const py::dict& d) {
 }
 
 // geom: [P, 4] int64 (A, D, B, kind); block_ptr: [P + 1]; blocks: [block_ptr[P]].
-py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py::dict& src,
-              const py::dict& dst, int mode, int64_t ranks_per_node, int64_t min_split_elems) {
+std::vector<real_py::ParamGeom> params_from(const I64& geom, const I64& block_ptr, const I64& blocks) {
   if (geom.ndim() != 2 || geom.shape(1) != 4) throw std::invalid_argument("geom must be [P, 4]");
   const auto P = geom.shape(0);
   if (block_ptr.size() != P + 1) throw std::invalid_argument("block_ptr must be [P + 1]");
@@ -66,14 +66,32 @@ py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py
     p.kind = static_cast<real_py::TPKind>(g[4 * i + 3]);
     p.blocks.assign(blocks.data() + block_ptr.data()[i], blocks.data() + block_ptr.data()[i + 1]);
   }
+  return params;
+}
+
+real_py::PlanOptions options_from(int mode, int64_t ranks_per_node, int64_t min_split_elems) {
   real_py::PlanOptions opt;
   opt.mode = static_cast<real_py::Mode>(mode);
   opt.ranks_per_node = ranks_per_node;
   opt.min_split_elems = min_split_elems;
+  return opt;
+}
+
+py::array own_descs(std::vector<real_py::Desc>&& v) {
+  const auto n = static_cast<py::ssize_t>(v.size());
+  return own(std::move(v), {n, 6});
+}
+
+py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py::dict& src,
+              const py::dict& dst, int mode, int64_t ranks_per_node, int64_t min_split_elems) {
+  const auto params = params_from(geom, block_ptr, blocks);
+  const auto opt = options_from(mode, ranks_per_node, min_split_elems);
+  // The layouts are read from Python dicts, so with the GIL held; only the planner runs without.
+  const auto src_l = layout_from(src), dst_l = layout_from(dst);
   real_py::Plan pl;
   {
     py::gil_scoped_release release;
-    pl = real_py::make_plan(params, layout_from(src), layout_from(dst), opt);
+    pl = real_py::make_plan(params, src_l, dst_l, opt);
   }
   const auto nd = static_cast<py::ssize_t>(pl.descs.size());
   py::dict out;
@@ -89,6 +107,50 @@ py::dict plan(const I64& geom, const I64& block_ptr, const I64& blocks, const py
   return out;
 }
 
+// One rank's plan and schedule (planner/rank_schedule.h): no other rank's descriptors.
+py::dict plan_rank(const I64& geom, const I64& block_ptr, const I64& blocks, const py::dict& src,
+                   const py::dict& dst, int mode, int64_t ranks_per_node, int64_t min_split_elems,
+                   int64_t rank, int64_t round_elems, int64_t direct_min_elems) {
+  const auto params = params_from(geom, block_ptr, blocks);
+  const auto opt = options_from(mode, ranks_per_node, min_split_elems);
+  real_py::ScheduleOptions sopt;
+  sopt.round_elems = round_elems;
+  sopt.direct_min_elems = direct_min_elems;
+  const auto src_l = layout_from(src), dst_l = layout_from(dst);
+  real_py::RankSchedule rs;
+  {
+    py::gil_scoped_release release;
+    rs = real_py::make_rank_schedule(params, src_l, dst_l, opt, rank, sopt);
+  }
+  py::dict out;
+  out["num_rounds"] = rs.num_rounds;
+  out["summary_count"] = rs.summary_count;
+  out["held_bytes"] = rs.held_bytes;
+  out["msg_sender"] = own1(std::move(rs.msg_sender));
+  out["msg_recv_ptr"] = own1(std::move(rs.msg_recv_ptr));
+  out["msg_receivers"] = own1(std::move(rs.msg_receivers));
+  out["msg_numel"] = own1(std::move(rs.msg_numel));
+  out["local"] = own_descs(std::move(rs.local));
+  out["all_msg"] = own1(std::move(rs.all_msg));
+  out["all_round"] = own1(std::move(rs.all_round));
+  out["all_numel"] = own1(std::move(rs.all_numel));
+  out["chunk_msg"] = own1(std::move(rs.chunk_msg));
+  out["chunk_round"] = own1(std::move(rs.chunk_round));
+  out["chunk_side"] = own1(std::move(rs.chunk_side));
+  out["chunk_numel"] = own1(std::move(rs.chunk_numel));
+  out["chunk_slot"] = own1(std::move(rs.chunk_slot));
+  out["chunk_desc_ptr"] = own1(std::move(rs.chunk_desc_ptr));
+  out["chunk_descs"] = own_descs(std::move(rs.chunk_descs));
+  out["round_index"] = own1(std::move(rs.round_index));
+  out["round_chunk_ptr"] = own1(std::move(rs.round_chunk_ptr));
+  out["round_pack_ptr"] = own1(std::move(rs.round_pack_ptr));
+  out["round_unpack_ptr"] = own1(std::move(rs.round_unpack_ptr));
+  out["round_staging"] = own1(std::move(rs.round_staging));
+  out["pack_descs"] = own_descs(std::move(rs.pack_descs));
+  out["unpack_descs"] = own_descs(std::move(rs.unpack_descs));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -97,5 +159,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan", &plan, py::arg("geom"), py::arg("block_ptr"), py::arg("blocks"), py::arg("src"),
         py::arg("dst"), py::arg("mode"), py::arg("ranks_per_node"), py::arg("min_split_elems"),
         "Exact transfer plan between two layouts; returns a dict of int64 arrays.");
+  m.def("plan_rank", &plan_rank, py::arg("geom"), py::arg("block_ptr"), py::arg("blocks"),
+        py::arg("src"), py::arg("dst"), py::arg("mode"), py::arg("ranks_per_node"),
+        py::arg("min_split_elems"), py::arg("rank"), py::arg("round_elems"),
+        py::arg("direct_min_elems"),
+        "One rank's plan and bucket schedule (its chunks, rounds, pack/unpack descriptors, local "
+        "copies) plus the global message table; no other rank's descriptors are built.");
   bind_search(m);
 }

@@ -94,6 +94,13 @@ void check_ranges(const LayoutIn& l, const char* side) {
 
 Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
                   const PlanOptions& opt) {
+  CollectSink sink;
+  plan_dp_into(params, src, dst, opt, sink);
+  return assemble_plan(sink.messages, sink.locals);
+}
+
+void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+                  const PlanOptions& opt, PlanSink& sink) {
   check_ranges(src, "src");
   check_ranges(dst, "dst");
   const size_t P = params.size();
@@ -121,8 +128,6 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
         src_stage[r] = s, src_dp[r] = d, src_tp[r] = t;
       }
 
-  MessageMap messages;
-  LocalMap locals;
   SenderPicker picker(num_ranks, opt.ranks_per_node);
   std::vector<Holder> holders;
   std::vector<Box> pieces;
@@ -171,7 +176,7 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
                   const bool holds = own >= 0 && (replicated || src_tp[r] == k);
                   if (!src.dp_sharded()) {
                     if (holds)
-                      append_merged(locals[r], box_desc(g, q, src.entry_offset[src_ent[p][own]],
+                      sink.local(r, box_desc(g, q, src.entry_offset[src_ent[p][own]],
                                                         src_ext, ss, dst_base, dst_ext, ds));
                     else
                       net[{-1, -1}].push_back(r);
@@ -189,7 +194,7 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
                     for (const SegBox& sb : held(e, d, k)) {
                       const Box i = intersect(q, sb.box);
                       if (!i.empty())
-                        append_merged(locals[r], box_desc(g, i, sr[2] - sr[0], src_ext, ss,
+                        sink.local(r, box_desc(g, i, sr[2] - sr[0], src_ext, ss,
                                                           dst_base, dst_ext, ds));
                     }
                   }
@@ -244,8 +249,8 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
                       for (const auto& group : groups) {
                         const int64_t near = opt.mode == Mode::kP2P ? group[0] : -1;
                         const Holder& h = picker.pick(holders, near, sub.numel());
-                        append_merged(messages[{h.rank, group}],
-                                      box_desc(g, sub, h.offset, src_ext, ss, dst_base, dst_ext, ds));
+                        sink.message(h.rank, group,
+                                     box_desc(g, sub, h.offset, src_ext, ss, dst_base, dst_ext, ds));
                       }
                     }
                   }
@@ -257,7 +262,6 @@ Plan make_plan_dp(const std::vector<ParamGeom>& params, const LayoutIn& src, con
       }
     }
   }
-  return assemble_plan(messages, locals);
 }
 
 }  // namespace real_py

@@ -96,23 +96,24 @@ Desc make_desc(const ParamGeom& g, int64_t a_lo, int64_t a_hi, int64_t lo, int64
   return out;
 }
 
-void append_merged(std::vector<Desc>& out, const Desc& d) {
-  if (!out.empty()) {
-    Desc& p = out.back();
-    if (p.n == 1 && d.n == 1 && p.src_off + p.len == d.src_off && p.dst_off + p.len == d.dst_off) {
-      p.len += d.len;
-      p.src_stride = p.dst_stride = p.len;
-      return;
-    }
-    const bool same_strides =
-        d.n == 1 || (d.src_stride == p.src_stride && d.dst_stride == p.dst_stride);
-    if (p.n > 1 && d.len == p.len && same_strides && d.src_off == p.src_off + p.n * p.src_stride &&
-        d.dst_off == p.dst_off + p.n * p.dst_stride) {
-      p.n += d.n;
-      return;
-    }
+bool merge_into(Desc& p, const Desc& d) {
+  if (p.n == 1 && d.n == 1 && p.src_off + p.len == d.src_off && p.dst_off + p.len == d.dst_off) {
+    p.len += d.len;
+    p.src_stride = p.dst_stride = p.len;
+    return true;
   }
-  out.push_back(d);
+  const bool same_strides =
+      d.n == 1 || (d.src_stride == p.src_stride && d.dst_stride == p.dst_stride);
+  if (p.n > 1 && d.len == p.len && same_strides && d.src_off == p.src_off + p.n * p.src_stride &&
+      d.dst_off == p.dst_off + p.n * p.dst_stride) {
+    p.n += d.n;
+    return true;
+  }
+  return false;
+}
+
+void append_merged(std::vector<Desc>& out, const Desc& d) {
+  if (out.empty() || !merge_into(out.back(), d)) out.push_back(d);
 }
 
 }  // namespace real_py

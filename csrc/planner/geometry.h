@@ -62,5 +62,7 @@ Desc make_desc(const ParamGeom& g, int64_t a_lo, int64_t a_hi, int64_t lo, int64
 // Append `d` to `out`, merging it into the last descriptor when the two continue each other
 // (contiguous 1-D runs, or one more batch of rows with the same run length and strides).
 void append_merged(std::vector<Desc>& out, const Desc& d);
+// The merge step of append_merged: true (and p extended) when d continues p.
+bool merge_into(Desc& p, const Desc& d);
 
 }  // namespace real_py

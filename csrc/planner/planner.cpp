@@ -39,10 +39,17 @@ void check_layout(const LayoutIn& l, size_t num_params, const char* side) {
 
 Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
                const PlanOptions& opt) {
+  CollectSink sink;
+  plan_into(params, src, dst, opt, sink);
+  return assemble_plan(sink.messages, sink.locals);
+}
+
+void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+               const PlanOptions& opt, PlanSink& sink) {
   const size_t P = params.size();
   check_layout(src, P, "src");
   check_layout(dst, P, "dst");
-  if (src.dp_sharded() || dst.dp_sharded()) return make_plan_dp(params, src, dst, opt);
+  if (src.dp_sharded() || dst.dp_sharded()) return plan_dp_into(params, src, dst, opt, sink);
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
@@ -62,8 +69,6 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
         src_tp[r] = t;
       }
 
-  MessageMap messages;
-  LocalMap locals;
   SenderPicker picker(num_ranks, opt.ranks_per_node);
   std::vector<Holder> holders;
   std::vector<int64_t> net_recv;
@@ -103,8 +108,7 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
                   for (const auto& [hs, ho] : src_at[p])
                     if (hs == s) soff = ho;
                 if (soff >= 0) {
-                  append_merged(locals[r], make_desc(g, 0, g.A, lo, hi, soff, src_ext, ss, dst_off,
-                                                     dst_ext, ds));
+                  sink.local(r, make_desc(g, 0, g.A, lo, hi, soff, src_ext, ss, dst_off, dst_ext, ds));
                 } else {
                   net_recv.push_back(r);
                 }
@@ -134,9 +138,9 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
                 for (const auto& group : groups) {
                   const int64_t near = opt.mode == Mode::kP2P ? group[0] : -1;
                   const Holder& h = picker.pick(holders, near, chunk_numel);
-                  append_merged(messages[{h.rank, group}],
-                                make_desc(g, a_lo, a_hi, x_lo, x_hi, h.offset, src_ext, ss, dst_off,
-                                          dst_ext, ds));
+                  sink.message(h.rank, group,
+                               make_desc(g, a_lo, a_hi, x_lo, x_hi, h.offset, src_ext, ss, dst_off,
+                                         dst_ext, ds));
                 }
               }
             }
@@ -145,8 +149,6 @@ Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
       }
     }
   }
-
-  return assemble_plan(messages, locals);
 }
 
 }  // namespace real_py

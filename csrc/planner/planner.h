@@ -60,6 +60,23 @@ struct Plan {
   std::vector<Desc> descs;
 };
 
+// Receives the plan's pieces as the planner loop produces them, in a deterministic order:
+// message(sender, receivers, d) appends d to message (sender, receivers) (merged with its last
+// descriptor when they continue each other); local(rank, d) likewise for rank's local copies.
+// The full plan collects everything; a per-rank schedule keeps only sizes for other ranks.
+class PlanSink {
+ public:
+  virtual ~PlanSink() = default;
+  virtual void message(int64_t sender, const std::vector<int64_t>& receivers, const Desc& d) = 0;
+  virtual void local(int64_t rank, const Desc& d) = 0;
+};
+
+// The planner loop itself (make_plan = plan_into + collecting sink); same checks and order.
+void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+               const PlanOptions& opt, PlanSink& sink);
+void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,
+                  const PlanOptions& opt, PlanSink& sink);
+
 // Throws std::invalid_argument on inconsistent input (a parameter held by no source shard,
 // tp not dividing a block, ...).
 Plan make_plan(const std::vector<ParamGeom>& params, const LayoutIn& src, const LayoutIn& dst,

@@ -51,6 +51,17 @@ class SenderPicker {
 using MessageMap = std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<Desc>>;
 using LocalMap = std::map<int64_t, std::vector<Desc>>;
 
+// Collects every message and local copy (the whole plan).
+class CollectSink : public PlanSink {
+ public:
+  MessageMap messages;
+  LocalMap locals;
+  void message(int64_t sender, const std::vector<int64_t>& receivers, const Desc& d) override {
+    append_merged(messages[{sender, receivers}], d);
+  }
+  void local(int64_t rank, const Desc& d) override { append_merged(locals[rank], d); }
+};
+
 inline Plan assemble_plan(const MessageMap& messages, const LocalMap& locals) {
   Plan plan;
   for (const auto& [key, descs] : messages) {

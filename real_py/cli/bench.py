@@ -77,6 +77,11 @@ def add_parser(sub) -> None:
                    help="local processes when not under torchrun (default: ranks the layouts use)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any transfer or collective may wait before failing")
+    p.add_argument("--simulate", metavar="CLUSTER", choices=("dgx-h100", "dgx-h200"),
+                   help="no transfers: replay each pair's schedule on a modelled cluster of this "
+                        "kind (real_py/realloc/simulate.py) against its lower bound and a "
+                        "broadcast-per-node strategy")
+    p.add_argument("--nodes", type=int, help="--simulate: nodes (default: enough for the layouts)")
 
 
 def _per_pair(values, n: int, flag: str) -> list:
@@ -158,6 +163,8 @@ def _check(args):
 
 def run(args) -> int:
     model, pairs, need = _check(args)
+    if args.simulate:
+        return _simulate(args, model, pairs, need)
     if "RANK" not in os.environ:
         nproc = args.nproc or need
         if nproc < need:
@@ -204,6 +211,36 @@ def _check_memory(model, pairs, nproc: int, bucket_mb: float) -> None:
         raise ValueError(f"--model {model.name} ({model.numel / 1e9:.2f}B params, {model.dtype}): the "
                          f"shards of one pair on {nproc} local CPU ranks need about {need / 2**30:.1f} GiB, "
                          f"but {avail / 2**30:.1f} GiB is available; pick a smaller model or run on GPUs")
+
+
+def _simulate(args, model, pairs, need: int) -> int:
+    """--simulate: per pair, the schedule the Reallocator would run (same bucket) replayed on
+    the modelled cluster, and the broadcast-per-node baseline on the same topology."""
+    from ..realloc.plan import plan_realloc
+    from ..realloc.simulate import CLUSTERS, broadcast_per_node, schedule_transfers, simulate
+
+    kind = CLUSTERS[args.simulate]
+    if args.nodes is not None and args.nodes * kind.gpus_per_node < need:
+        raise ValueError(f"--nodes={args.nodes} x {kind.gpus_per_node} GPUs, but the layouts use "
+                         f"global ranks up to {need - 1}")
+    cluster = kind.sized(nodes=args.nodes) if args.nodes else kind.sized(gpus=need)
+    es = model.element_size
+    round_elems = max(2, int(args.bucket_mb * (1 << 20)) // es // 2)
+    rows = []
+    for src, dst in pairs:
+        plan = plan_realloc(model, src, dst, mode=args.mode, ranks_per_node=cluster.gpus_per_node)
+        ours = simulate(schedule_transfers(plan, round_elems), cluster)
+        base = simulate(broadcast_per_node(plan, cluster), cluster)
+        rows.append({"src": str(src), "dst": str(dst), "cluster": cluster.name,
+                     "nodes": cluster.nodes, "real_py": ours.as_dict(),
+                     "broadcast_per_node": base.as_dict()})
+        print(f"{src} -> {dst} on {cluster.nodes} x {cluster.name}: real_py {ours.seconds:.3f} s "
+              f"(lower bound {ours.lower_bound:.3f} s, x{ours.ratio:.2f}, bottleneck "
+              f"{ours.bottleneck}); broadcast per node {base.seconds:.3f} s", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": model.name, "dtype": model.dtype,
+                                              "simulated": rows}, indent=1) + "\n")
+    return 0
 
 
 def _launch(args, nproc: int) -> int:

@@ -2,7 +2,8 @@
 
   shard.py        ModelShard: one rank's flat buffer with named views; tp_slice, gather_full
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
-  schedule.py     chunks in rounds of bounded size, replayed identically by every rank
+  schedule.py     chunks in rounds of bounded size, replayed identically by every rank (global)
+  rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, torch.distributed (gloo / NCCL), cupy-NCCL
@@ -11,10 +12,11 @@
 from .offload import HostOffload
 from .plan import MODES, ReallocPlan, plan_realloc
 from .reallocator import Reallocator, checksum, new_destination, run_in_process
+from .rank_schedule import RankSchedule, rank_schedule
 from .schedule import Schedule
 from .shard import ModelShard, gather_full, tp_slice
 from .transports import DistTransport, InProcessHub, TransferError, Transport
 
 __all__ = ["MODES", "DistTransport", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
-           "Schedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
-           "plan_realloc", "run_in_process", "tp_slice"]
+           "RankSchedule", "Schedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
+           "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]

@@ -71,26 +71,90 @@ class RankPlan:
         return int((self.local[:, 2] * self.local[:, 3]).sum())
 
 
-class ReallocPlan:
-    """An exact transfer plan. Identical on every rank that computes it with the same inputs."""
+_GLOBAL = ("descs", "msg_desc_ptr", "local_rank", "local_desc_ptr", "local_numel")
+_TABLE = ("msg_sender", "msg_recv_ptr", "msg_receivers", "msg_numel")
 
-    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict,
-                 dst_model: ModelSpec | None = None):
+
+class ReallocPlan:
+    """An exact transfer plan. Identical on every rank that computes it with the same inputs.
+
+    The global arrays (every message's descriptors, every rank's local copies) are built on
+    first use. A rank that only needs its own part calls `rank_arrays` (via
+    rank_schedule.rank_schedule / the Reallocator): the C++ planner then keeps other ranks'
+    messages as sizes only, and the message table (senders, receivers, sizes; no descriptors)
+    comes from that call. `built` says whether the global arrays exist."""
+
+    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict | None,
+                 dst_model: ModelSpec | None = None, inputs: tuple | None = None):
         self.model, self.src, self.dst, self.mode = model, src, dst, mode
         self.dst_model: ModelSpec = dst_model or model
         """The destination side's spec: `model` up to storage format (qkv_layout, ...)."""
-        self.descs: np.ndarray = arrays["descs"]
-        self.msg_sender: np.ndarray = arrays["msg_sender"]
-        self.msg_recv_ptr: np.ndarray = arrays["msg_recv_ptr"]
-        self.msg_receivers: np.ndarray = arrays["msg_receivers"]
-        self.msg_desc_ptr: np.ndarray = arrays["msg_desc_ptr"]
-        self.msg_numel: np.ndarray = arrays["msg_numel"]
-        self.local_rank: np.ndarray = arrays["local_rank"]
-        self.local_desc_ptr: np.ndarray = arrays["local_desc_ptr"]
-        self.local_numel: np.ndarray = arrays["local_numel"]
+        if arrays is None and inputs is None:
+            raise ValueError("ReallocPlan needs its arrays or the planner inputs to build them")
+        self._inputs = inputs
+        self._arrays: dict | None = None
+        self._table: dict | None = None
+        self._rank_cache: dict[tuple, dict] = {}
+        if arrays is not None:
+            self._set_arrays(arrays)
+        self._rank_plans: dict[int, RankPlan] = {}
+
+    def _set_arrays(self, arrays: dict) -> None:
         for a in arrays.values():
             a.setflags(write=False)
-        self._rank_plans: dict[int, RankPlan] = {}
+        self._arrays = arrays
+        self._table = {k: arrays[k] for k in _TABLE}
+
+    @property
+    def built(self) -> bool:
+        """Whether the global arrays (every rank's descriptors) have been built."""
+        return self._arrays is not None
+
+    def _global(self, name: str) -> np.ndarray:
+        if self._arrays is None:
+            from .. import _C
+
+            self._set_arrays(_C.plan(*self._inputs))
+        return self._arrays[name]
+
+    def _msg_table(self, name: str) -> np.ndarray:
+        return self._table[name] if self._table is not None else self._global(name)
+
+    descs = property(lambda self: self._global("descs"))
+    msg_desc_ptr = property(lambda self: self._global("msg_desc_ptr"))
+    local_rank = property(lambda self: self._global("local_rank"))
+    local_desc_ptr = property(lambda self: self._global("local_desc_ptr"))
+    local_numel = property(lambda self: self._global("local_numel"))
+    msg_sender = property(lambda self: self._msg_table("msg_sender"))
+    msg_recv_ptr = property(lambda self: self._msg_table("msg_recv_ptr"))
+    msg_receivers = property(lambda self: self._msg_table("msg_receivers"))
+    msg_numel = property(lambda self: self._msg_table("msg_numel"))
+
+    def global_bytes(self) -> int:
+        """Bytes of the global arrays (builds them): what every rank held before per-rank plans."""
+        self._global("descs")
+        return sum(a.nbytes for a in self._arrays.values())
+
+    def rank_arrays(self, rank: int, round_elems: int, direct_min_elems: int) -> dict:
+        """One rank's chunks, rounds, pack/unpack and local descriptors (C++, cached) and the
+        global message table, without building any other rank's descriptors. rank -1: no
+        rank's descriptors, every chunk's (msg, round, numel) instead (all_* arrays)."""
+        key = (rank, round_elems, direct_min_elems)
+        hit = self._rank_cache.get(key)
+        if hit is None:
+            from .. import _C
+
+            if self._inputs is None:
+                raise ValueError("this ReallocPlan was built from arrays; per-rank schedules need "
+                                 "a plan from plan_realloc")
+            hit = _C.plan_rank(*self._inputs, rank, round_elems, direct_min_elems)
+            for a in hit.values():
+                if isinstance(a, np.ndarray):
+                    a.setflags(write=False)
+            if self._table is None:
+                self._table = {k: hit[k] for k in _TABLE}
+            self._rank_cache[key] = hit
+        return hit
 
     @property
     def num_messages(self) -> int:
@@ -247,8 +311,6 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
 
 @functools.lru_cache(maxsize=64)
 def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes) -> ReallocPlan:
-    from .. import _C
-
     for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
         try:
             check_fits(spec, layout)
@@ -258,10 +320,11 @@ def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_byt
     blocks = [p.blocks if p.tp.kind == "split" else () for p in model.params]
     block_ptr = np.concatenate(([0], np.cumsum([len(b) for b in blocks]))).astype(np.int64)
     flat_blocks = np.array([b for bs in blocks for b in bs], np.int64)
-    arrays = _C.plan(geom, block_ptr, flat_blocks, _layout_arrays(model, src),
-                     _layout_arrays(dst_model, dst, order=model), MODES.index(mode), ranks_per_node,
-                     max(1, min_split_bytes // model.element_size))
-    return ReallocPlan(model, src, dst, mode, arrays, dst_model)
+    inputs = (geom, block_ptr, flat_blocks, _layout_arrays(model, src),
+              _layout_arrays(dst_model, dst, order=model), MODES.index(mode), ranks_per_node,
+              max(1, min_split_bytes // model.element_size))
+    # Nothing is planned yet: the global arrays on first use, or one rank's part (rank_arrays).
+    return ReallocPlan(model, src, dst, mode, None, dst_model, inputs=inputs)
 
 
 def _layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None = None) -> dict:

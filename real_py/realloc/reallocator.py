@@ -38,7 +38,7 @@ import torch
 
 from .. import ops
 from .plan import ReallocPlan
-from .schedule import Schedule
+from .rank_schedule import RankSchedule, rank_schedule
 from .shard import ModelShard
 from .transports.base import TransferError, Transport
 from .transports.inprocess import InProcessHub
@@ -47,14 +47,6 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_DIRECT_MIN_BYTES = 256 << 10
 """Smallest contiguous piece sent without staging inside a mixed message (measured on gloo:
 below a few hundred KiB the extra message costs about what the saved copies gain)."""
-
-
-def _schedule(plan: ReallocPlan, bucket_elems: int, direct_min_elems: int) -> Schedule:
-    cache = plan.__dict__.setdefault("_schedules", {})
-    key = (bucket_elems, direct_min_elems)
-    if key not in cache:
-        cache[key] = Schedule(plan, bucket_elems, direct_min_elems)
-    return cache[key]
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +87,10 @@ class Reallocator:
         # Rounded up to whole elements, so a tiny positive threshold never turns the feature off.
         es = plan.element_size
         self.direct_min_elems = -(-(direct_min_bytes or 0) // es)
-        self.schedule = _schedule(plan, self.round_elems, self.direct_min_elems)
-        self.rounds = self.schedule.for_rank(self.rank)
+        # This rank's rounds only (C++; the same rounds as schedule.Schedule(...).for_rank).
+        self.schedule: RankSchedule = rank_schedule(plan, self.rank, self.round_elems,
+                                                    self.direct_min_elems)
+        self.rounds = self.schedule.rounds
         self._descs: dict[tuple[int, str], torch.Tensor] = {}
         self.staging: torch.Tensor | None = None
         """The one staging buffer this rank allocated (None until a round needs it); with
@@ -168,13 +162,13 @@ class Reallocator:
             raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
                              "move one so both sides share a device")
         t0 = time.perf_counter()
-        mine = self.plan.for_rank(self.rank)
+        mine = self.schedule
         if len(mine.local):
             ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
         es = self.plan.element_size
         sent = sum(c.numel for rr in self.rounds for c in rr.sends) * es
         received = sum(c.numel for rr in self.rounds for c in rr.recvs) * es
-        total = len(self.schedule.rounds)
+        total = self.schedule.num_rounds
         step = "setup"
         try:
             pending = None

@@ -1,7 +1,11 @@
 """Bucket schedule: cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
-its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule.
+its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule,
+and each chunk, in the plan's message order, goes to the earliest round where its sender can
+send and all its receivers can receive it (half a bucket per rank, round and direction). The rule needs only every message's chunk sizes, which is how
+rank_schedule.py derives one rank's rounds in C++ without the other ranks' descriptors; this
+global version stays the reference for tests and pictures.
 
 Direct chunks: with `direct_min_elems` > 0, every descriptor of a message that is ONE contiguous
 run on both sides (n == 1, or src_stride == dst_stride == len) and holds at least
@@ -10,8 +14,8 @@ received into the destination buffer without staging; the other descriptors of t
 their order, are cut into staged chunks as before. A message that is one run as a whole always
 goes direct (any size); 0 or None turns the splitting off.
 
-Bounds, per rank and round: the elements it sends plus those it receives, staged or direct, stay
-within `bucket_elems` (so at most that much data is in flight per rank and round), hence its
+Bounds, per rank and round: the elements it sends stay within `bucket_elems // 2`, and so do
+those it receives (staged or direct), so together they stay within `bucket_elems` (so at most that much data is in flight per rank and round), hence its
 staging buffer (staged chunks only) never exceeds `bucket_elems` either. The NUMBER of chunks
 (messages) per round has no separate cap: a message with k direct pieces travels in at most k + 1
 more chunks than without splitting, and a direct chunk holds >= direct_min_elems elements unless
@@ -120,22 +124,27 @@ class Schedule:
             for part, numel in _split_message(plan.message_descs(m), int(plan.msg_numel[m]),
                                               self.direct_min_elems, limit):
                 chunks.append(Chunk(m, sender, receivers, numel, part))
-        # Frontier fill: a chunk goes to the earliest round, at or after the current round of each
-        # of its ranks, where all of them have room. Linear in the number of chunks.
-        current: dict[int, int] = {}
-        used: dict[tuple[int, int], int] = {}
+        # Earliest fit: a chunk goes to the earliest round where its sender can still send it
+        # and every receiver can still receive it, each side holding at most half a bucket per
+        # rank and round (full duplex: a round's egress and ingress are both bounded, so a
+        # round never loads one direction of a link with the whole bucket); rounds left partly
+        # empty by earlier chunks are filled later. first[(side, r)]: rank r's earliest round
+        # whose side (0 send, 1 receive) is not full.
+        first: dict[tuple[int, int], int] = {}
+        used: dict[tuple[int, int, int], int] = {}
         self.rounds: list[list[Chunk]] = []
         for c in chunks:
-            ranks = (c.sender,) + c.receivers
-            k = max(current.get(r, 0) for r in ranks)
-            while any(used.get((r, k), 0) + c.numel > bucket_elems for r in ranks):
+            ends = ((0, c.sender),) + tuple((1, r) for r in c.receivers)
+            k = max(first.get(e, 0) for e in ends)
+            while any(used.get(e + (k,), 0) + c.numel > limit for e in ends):
                 k += 1
             while len(self.rounds) <= k:
                 self.rounds.append([])
             self.rounds[k].append(c)
-            for r in ranks:
-                current[r] = k
-                used[(r, k)] = used.get((r, k), 0) + c.numel
+            for e in ends:
+                used[e + (k,)] = used.get(e + (k,), 0) + c.numel
+                while used.get(e + (first.get(e, 0),), 0) >= limit:
+                    first[e] = first.get(e, 0) + 1
         self._per_rank: dict[int, list[RankRound]] = {}
 
     def for_rank(self, rank: int) -> list[RankRound]:

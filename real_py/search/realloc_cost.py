@@ -1,11 +1,11 @@
-"""Reallocation time from the exact transfer planner's per-rank bytes.
+"""Reallocation time from the exact transfer planner's schedule, replayed by the cluster simulator.
 
 The planner (real_py.plan_realloc, p2p mode, ranks_per_node given so it prefers same-node
-senders) says which bytes each rank sends and receives. A rank's NVLink and its NIC work in
-parallel, so its time is the largest of its four byte counts over their link bandwidths
-(intra send, intra receive, inter send, inter receive), plus its local copy (read + write at
-memory bandwidth) and one latency per message; the reallocation takes as long as its slowest
-rank, plus the profile's fixed `realloc_lat`. Costs are cached per (model, src layout, dst
+senders) gives the messages; their bucket schedule (the Reallocator's rounds) is replayed by
+real_py.realloc.simulate on the profile's topology (NVLink intra_bw per GPU, one NIC of
+inter_bw per GPU, the p2p latency per round), so the search charges the figure the simulator
+reports; plus the slowest rank's local copy (read + write at memory bandwidth) and the
+profile's fixed `realloc_lat`. Costs are cached per (model, src layout, dst
 layout) after moving both meshes to a canonical position: whole-node shifts, and closing the
 gap between two meshes on different nodes, change no rank's byte counts or link classes.
 """
@@ -16,6 +16,8 @@ import numpy as np
 
 from ..layout import Layout
 from ..realloc.plan import plan_realloc
+from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
+from ..realloc.simulate import Cluster, schedule_transfers, simulate
 from ..spec import ModelSpec
 from .costmodel import Mesh
 from .hardware import HardwareProfile
@@ -62,26 +64,19 @@ class ReallocCost:
 
 
 def transfer_time(plan, hw: HardwareProfile) -> float:
-    """Slowest rank's time for an exact plan (see the module docstring)."""
+    """A plan's time on `hw`: its schedule (the Reallocator's default bucket) replayed by the
+    cluster simulator (real_py.realloc.simulate; one NIC of inter_bw per GPU, NVLink intra_bw,
+    the p2p latency per round), plus the slowest rank's local copy (read + write at memory
+    bandwidth) and the profile's fixed `realloc_lat`, scaled by core contention."""
     rpn, es = hw.ranks_per_node, plan.element_size
     world = max(plan.ranks()) + 1
-    counts = np.diff(plan.msg_recv_ptr)
-    senders = np.repeat(plan.msg_sender, counts)
-    receivers = plan.msg_receivers
-    nbytes = np.repeat(plan.msg_numel, counts).astype(np.float64) * es
-    inter = senders // rpn != receivers // rpn
-    link = np.zeros((4, world))
-    np.add.at(link[0], senders[~inter], nbytes[~inter])
-    np.add.at(link[1], receivers[~inter], nbytes[~inter])
-    np.add.at(link[2], senders[inter], nbytes[inter])
-    np.add.at(link[3], receivers[inter], nbytes[inter])
-    link[:2] /= hw.intra_bw
-    link[2:] /= hw.inter_bw
-    msgs = np.bincount(senders, minlength=world) + np.bincount(receivers, minlength=world)
-    local = np.zeros(world)
-    np.add.at(local, plan.local_rank, plan.local_numel.astype(np.float64) * es)
-    lat = (hw.inter_lat if inter.any() else hw.intra_lat) * hw.p2p_lat_ratio
-    per_rank = link.max(axis=0) + 2 * local / hw.mem_bw + msgs * lat
     if not world:
         return 0.0
-    return (float(per_rank.max()) + hw.realloc_lat) * hw.contention(len(plan.ranks()))
+    senders = np.repeat(plan.msg_sender, np.diff(plan.msg_recv_ptr))
+    inter = (senders // rpn != plan.msg_receivers // rpn).any()
+    lat = (hw.inter_lat if inter else hw.intra_lat) * hw.p2p_lat_ratio
+    cluster = Cluster(hw.name, -(-world // rpn), rpn, hw.intra_bw / 1e9, rpn, hw.inter_bw / 1e9, lat)
+    net = simulate(schedule_transfers(plan, DEFAULT_BUCKET_BYTES // es // 2), cluster).seconds
+    local = np.zeros(world)
+    np.add.at(local, plan.local_rank, plan.local_numel.astype(np.float64) * es)
+    return (net + float(2 * local.max()) / hw.mem_bw + hw.realloc_lat) * hw.contention(len(plan.ranks()))

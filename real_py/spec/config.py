@@ -212,6 +212,10 @@ PRESETS: dict[str, ModelConfig] = {
                                  rope_theta=1e6),
     "llama2-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                               num_key_value_heads=8, vocab_size=32000, num_hidden_layers=80),
+    # Shapes only (planning, simulation); rope_scaling of the released model is not set here.
+    "llama3.1-405b": ModelConfig(hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+                                 num_key_value_heads=8, vocab_size=128256, num_hidden_layers=126,
+                                 rope_theta=500000.0),
 }
 
 

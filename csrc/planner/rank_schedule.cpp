@@ -1,0 +1,391 @@
+// Per-rank plan + schedule (see rank_schedule.h); mirrors real_py/realloc/schedule.py exactly.
+#include "planner/rank_schedule.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace real_py {
+namespace {
+
+bool one_run(const Desc& d) { return d.n == 1 || (d.src_stride == d.len && d.dst_stride == d.len); }
+
+// A message as this rank sees it: sizes always, descriptors only when the rank takes part.
+struct MsgInfo {
+  Desc last{};
+  int64_t ndesc = 0, numel = 0;
+  std::vector<int64_t> big;  // sizes of its committed big one-run descriptors, in order
+  bool mine = false;
+  std::vector<Desc> descs;
+};
+
+class RankSink : public PlanSink {
+ public:
+  RankSink(int64_t rank, int64_t direct_min) : rank_(rank), dmin_(direct_min) {}
+  // Messages in arrival order; `ordered()` sorts them into the plan's (sender, receivers) order.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> keys;
+  std::vector<MsgInfo> infos;
+  std::vector<Desc> own_local;
+
+  void message(int64_t sender, const std::vector<int64_t>& receivers, const Desc& d) override {
+    MsgInfo& m = find(sender, receivers);
+    m.numel += d.numel();
+    if (m.mine) append_merged(m.descs, d);
+    // The size summary follows append_merged: only the last descriptor can still grow.
+    if (m.ndesc == 0) {
+      m.last = d, m.ndesc = 1;
+    } else if (!merge_into(m.last, d)) {
+      commit(m);
+      m.last = d, ++m.ndesc;
+    }
+  }
+  void local(int64_t rank, const Desc& d) override {
+    if (rank == rank_) append_merged(own_local, d);
+  }
+  // Message indices in the plan's order (std::map order of the key in CollectSink).
+  // Bytes this sink holds (keys, summaries, own descriptors, indexes): its peak, reached at
+  // the end of the planner loop.
+  int64_t held_bytes() const {
+    int64_t b = static_cast<int64_t>(keys.capacity() * sizeof(keys[0]) +
+                                     infos.capacity() * sizeof(MsgInfo) +
+                                     own_local.capacity() * sizeof(Desc) +
+                                     p2p_.size() * (sizeof(uint64_t) + 2 * sizeof(size_t)) +
+                                     p2p_.bucket_count() * sizeof(void*));
+    for (size_t i = 0; i < keys.size(); ++i)
+      b += static_cast<int64_t>(keys[i].second.capacity() * 8 + infos[i].big.capacity() * 8 +
+                                infos[i].descs.capacity() * sizeof(Desc));
+    for (const auto& [key, idx] : multi_) b += static_cast<int64_t>(key.second.capacity() * 8 + 64);
+    return b;
+  }
+
+  std::vector<size_t> finish() {
+    for (MsgInfo& m : infos)
+      if (m.ndesc) commit(m);
+    std::vector<size_t> order(keys.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+    return order;
+  }
+
+ private:
+  // p2p messages (one receiver) by a packed key, the rest by their full key; the planner makes
+  // one call per descriptor, so this lookup is its hot path.
+  MsgInfo& find(int64_t sender, const std::vector<int64_t>& receivers) {
+    size_t idx;
+    if (receivers.size() == 1) {
+      const uint64_t k = (static_cast<uint64_t>(sender) << 32) ^ static_cast<uint64_t>(receivers[0]);
+      auto [it, fresh] = p2p_.try_emplace(k, infos.size());
+      idx = it->second;
+      if (fresh) add(sender, receivers);
+    } else {
+      auto it = multi_.find({sender, receivers});
+      if (it == multi_.end()) it = multi_.emplace(std::make_pair(sender, receivers), infos.size()).first, add(sender, receivers);
+      idx = it->second;
+    }
+    return infos[idx];
+  }
+  void add(int64_t sender, const std::vector<int64_t>& receivers) {
+    keys.emplace_back(sender, receivers);
+    infos.emplace_back();
+    infos.back().mine = sender == rank_ ||
+                        std::find(receivers.begin(), receivers.end(), rank_) != receivers.end();
+  }
+  std::unordered_map<uint64_t, size_t> p2p_;
+  std::map<std::pair<int64_t, std::vector<int64_t>>, size_t> multi_;
+
+ private:
+  void commit(MsgInfo& m) const {
+    if (dmin_ > 0 && one_run(m.last) && m.last.numel() >= dmin_) m.big.push_back(m.last.numel());
+  }
+  int64_t rank_, dmin_;
+};
+
+void cut_sizes(int64_t total, int64_t limit, std::vector<int64_t>& out) {
+  if (total <= limit) {
+    out.push_back(total);
+    return;
+  }
+  for (int64_t lo = 0; lo < total; lo += limit) out.push_back(std::min(limit, total - lo));
+}
+
+// schedule._split_message on sizes only.
+void chunk_sizes(const MsgInfo& m, int64_t dmin, int64_t limit, std::vector<int64_t>& out) {
+  out.clear();
+  if (dmin <= 0 || m.ndesc <= 1 || m.big.empty()) return cut_sizes(m.numel, limit, out);
+  int64_t big = 0;
+  for (int64_t b : m.big) big += b;
+  if (m.ndesc > static_cast<int64_t>(m.big.size())) cut_sizes(m.numel - big, limit, out);
+  for (int64_t b : m.big) cut_sizes(b, limit, out);
+}
+
+using Piece = std::pair<std::vector<Desc>, int64_t>;
+
+void cut(const std::vector<Desc>& descs, int64_t total, int64_t limit, std::vector<Piece>& out) {
+  if (total <= limit) {
+    out.emplace_back(descs, total);
+    return;
+  }
+  for (int64_t lo = 0; lo < total; lo += limit) {
+    const int64_t hi = std::min(total, lo + limit);
+    out.emplace_back(split_descs(descs, lo, hi), hi - lo);
+  }
+}
+
+// schedule._split_message: the staged remainder's chunks, then the direct pieces.
+std::vector<Piece> split_message(const std::vector<Desc>& descs, int64_t total, int64_t dmin,
+                                 int64_t limit) {
+  std::vector<Piece> out;
+  auto is_big = [&](const Desc& d) { return one_run(d) && d.numel() >= dmin; };
+  if (dmin <= 0 || descs.size() <= 1 || std::none_of(descs.begin(), descs.end(), is_big)) {
+    cut(descs, total, limit, out);
+    return out;
+  }
+  std::vector<Desc> rest;
+  int64_t rest_numel = 0;
+  for (const Desc& d : descs)
+    if (!is_big(d)) rest.push_back(d), rest_numel += d.numel();
+  if (!rest.empty()) cut(rest, rest_numel, limit, out);
+  for (const Desc& d : descs)
+    if (is_big(d)) {
+      const int64_t run = d.len * d.n;
+      cut({{d.src_off, d.dst_off, run, 1, run, run}}, run, limit, out);
+    }
+  return out;
+}
+
+// One rank's send or receive side in the fill: elements per round from `first`, its earliest
+// round that is not full (rounds before it are never looked at again, so they are dropped:
+// the window stays short and memory does not grow with the number of rounds). `skip` jumps
+// over runs of full rounds inside the window (union-find with path compression), so finding
+// the earliest fit does not walk every busy round of a rank again for each chunk.
+struct Lane {
+  int64_t first = 0;
+  std::deque<int64_t> used, skip;  // skip[i]: a round >= first + i that may have room
+  std::deque<int64_t> skip0;       // skip0[i]: a round >= first + i that may be empty
+  int64_t at(int64_t k) const {
+    const int64_t i = k - first;
+    return i < static_cast<int64_t>(used.size()) ? used[i] : 0;
+  }
+  // Earliest round >= k that is not full.
+  int64_t open(int64_t k) {
+    std::vector<int64_t> path;
+    int64_t end = first + static_cast<int64_t>(used.size());
+    while (k < end && used[k - first] >= limit_) {
+      path.push_back(k);
+      k = std::max(skip[k - first], k + 1);
+    }
+    for (int64_t p : path) skip[p - first] = k;
+    return k;
+  }
+  // Earliest round >= k that is empty (what a full-size chunk needs).
+  int64_t empty(int64_t k) {
+    std::vector<int64_t> path;
+    int64_t end = first + static_cast<int64_t>(used.size());
+    while (k < end && used[k - first] > 0) {
+      path.push_back(k);
+      k = std::max(skip0[k - first], k + 1);
+    }
+    for (int64_t p : path) skip0[p - first] = k;
+    return k;
+  }
+  // Earliest round >= k with room for n elements.
+  int64_t fit(int64_t k, int64_t n) {
+    if (n >= limit_) return empty(k);
+    for (k = open(k); at(k) + n > limit_; k = open(k + 1)) {
+    }
+    return k;
+  }
+  void take(int64_t k, int64_t n) {
+    const int64_t i = k - first;
+    while (static_cast<int64_t>(used.size()) <= i) {
+      skip.push_back(first + static_cast<int64_t>(used.size()));
+      skip0.push_back(first + static_cast<int64_t>(used.size()));
+      used.push_back(0);
+    }
+    used[i] += n;
+    if (used[i] >= limit_) skip[i] = k + 1;
+    skip0[i] = std::max(skip0[i], k + 1);
+    while (!used.empty() && used.front() >= limit_)
+      used.pop_front(), skip.pop_front(), skip0.pop_front(), ++first;
+  }
+  int64_t limit_ = 0;
+};
+
+struct OwnChunk {
+  int64_t round, side, msg, numel;
+  std::vector<Desc> descs;
+};
+
+}  // namespace
+
+std::vector<Desc> split_descs(const std::vector<Desc>& descs, int64_t lo, int64_t hi) {
+  std::vector<Desc> out;
+  int64_t s = 0;
+  for (const Desc& d : descs) {
+    const int64_t e = s + d.numel();
+    if (e <= lo) {
+      s = e;
+      continue;
+    }
+    if (s >= hi) break;
+    const int64_t so = d.src_off, dof = d.dst_off, ln = d.len, ss = d.src_stride, ds = d.dst_stride;
+    const int64_t a = std::max(lo, s) - s, b = std::min(hi, e) - s;
+    s = e;
+    if (a == 0 && b == d.numel()) {
+      out.push_back(d);
+      continue;
+    }
+    int64_t r0 = a / ln, c0 = a % ln;
+    const int64_t r1 = b / ln, c1 = b % ln;
+    if (r0 == r1) {
+      out.push_back({so + r0 * ss + c0, dof + r0 * ds + c0, c1 - c0, 1, c1 - c0, c1 - c0});
+      continue;
+    }
+    if (c0) {
+      out.push_back({so + r0 * ss + c0, dof + r0 * ds + c0, ln - c0, 1, ln - c0, ln - c0});
+      ++r0;
+    }
+    if (r1 > r0) {
+      if (r1 - r0 > 1)
+        out.push_back({so + r0 * ss, dof + r0 * ds, ln, r1 - r0, ss, ds});
+      else
+        out.push_back({so + r0 * ss, dof + r0 * ds, ln, 1, ln, ln});
+    }
+    if (c1) out.push_back({so + r1 * ss, dof + r1 * ds, c1, 1, c1, c1});
+  }
+  return out;
+}
+
+RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const LayoutIn& src,
+                                const LayoutIn& dst, const PlanOptions& opt, int64_t rank,
+                                const ScheduleOptions& sopt) {
+  if (sopt.round_elems < 2)
+    throw std::invalid_argument("round of " + std::to_string(sopt.round_elems) +
+                                " elements is too small; need >= 2");
+  if (sopt.direct_min_elems < 0) throw std::invalid_argument("direct_min_elems must be >= 0");
+  if (rank < -1) throw std::invalid_argument("rank " + std::to_string(rank) + " must be >= -1");
+  const int64_t dmin = sopt.direct_min_elems, bucket = sopt.round_elems;
+  const int64_t limit = std::max<int64_t>(1, bucket / 2);
+  RankSink sink(rank, dmin);
+  plan_into(params, src, dst, opt, sink);
+  const std::vector<size_t> order = sink.finish();
+  const int64_t sink_bytes = sink.held_bytes();
+
+  RankSchedule out;
+  out.rank = rank;
+  out.local = std::move(sink.own_local);
+  int64_t num_ranks = 1;
+  for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
+  for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
+  // Earliest fit (schedule.Schedule): a chunk goes to the earliest round where its sender can
+  // still send it and every receiver can still receive it, each side holding at most half the
+  // bucket per rank and round (a full-duplex round: egress and ingress both at their limit).
+  std::vector<Lane> lanes[2] = {std::vector<Lane>(num_ranks), std::vector<Lane>(num_ranks)};
+  for (auto& side : lanes)
+    for (Lane& l : side) l.limit_ = limit;
+  std::vector<int64_t> sizes;
+  std::vector<OwnChunk> own;
+  int64_t m = 0;
+  for (size_t idx : order) {
+    const auto& [sender, receivers] = sink.keys[idx];
+    MsgInfo& info = sink.infos[idx];
+    out.msg_sender.push_back(sender);
+    out.msg_receivers.insert(out.msg_receivers.end(), receivers.begin(), receivers.end());
+    out.msg_recv_ptr.push_back(static_cast<int64_t>(out.msg_receivers.size()));
+    out.msg_numel.push_back(info.numel);
+    chunk_sizes(info, dmin, limit, sizes);
+    std::vector<Piece> pieces;
+    if (info.mine) {
+      pieces = split_message(info.descs, info.numel, dmin, limit);
+      if (pieces.size() != sizes.size())
+        throw std::logic_error("rank schedule: message " + std::to_string(m) + " cut into " +
+                               std::to_string(pieces.size()) + " chunks, its size summary says " +
+                               std::to_string(sizes.size()));
+    } else {
+      ++out.summary_count;
+    }
+    for (size_t c = 0; c < sizes.size(); ++c) {
+      const int64_t n = sizes[c];
+      // The earliest round where every end fits: each lane's next fit is monotone in k, so
+      // iterating them to a fixed point gives the smallest common round (schedule.py's scan).
+      int64_t k = lanes[0][sender].first;
+      for (int64_t r : receivers) k = std::max(k, lanes[1][r].first);
+      for (;;) {
+        int64_t k2 = lanes[0][sender].fit(k, n);
+        for (int64_t r : receivers) k2 = std::max(k2, lanes[1][r].fit(k2, n));
+        if (k2 == k) break;
+        k = k2;
+      }
+      lanes[0][sender].take(k, n);
+      for (int64_t r : receivers) lanes[1][r].take(k, n);
+      out.num_rounds = std::max(out.num_rounds, k + 1);
+      if (rank < 0) out.all_round.push_back(k), out.all_msg.push_back(m), out.all_numel.push_back(n);
+      if (info.mine) {
+        if (pieces[c].second != n) throw std::logic_error("rank schedule: chunk size mismatch");
+        own.push_back({k, sender == rank ? 0 : 1, m, n, std::move(pieces[c].first)});
+      }
+    }
+    info.descs.clear();
+    info.descs.shrink_to_fit();
+    ++m;
+  }
+  std::stable_sort(own.begin(), own.end(), [](const OwnChunk& a, const OwnChunk& b) {
+    return a.round != b.round ? a.round < b.round : a.side < b.side;
+  });
+  // Staging slots per round: sends from offset 0, then receives (schedule._place).
+  int64_t off = 0;
+  for (size_t i = 0; i < own.size(); ++i) {
+    const OwnChunk& c = own[i];
+    if (i == 0 || c.round != own[i - 1].round) {
+      if (i) out.round_staging.push_back(off);
+      off = 0;
+      out.round_index.push_back(c.round);
+      if (i) {
+        out.round_chunk_ptr.push_back(static_cast<int64_t>(i));
+        out.round_pack_ptr.push_back(static_cast<int64_t>(out.pack_descs.size()));
+        out.round_unpack_ptr.push_back(static_cast<int64_t>(out.unpack_descs.size()));
+      }
+    }
+    out.chunk_msg.push_back(c.msg);
+    out.chunk_round.push_back(c.round);
+    out.chunk_side.push_back(c.side);
+    out.chunk_numel.push_back(c.numel);
+    out.chunk_descs.insert(out.chunk_descs.end(), c.descs.begin(), c.descs.end());
+    out.chunk_desc_ptr.push_back(static_cast<int64_t>(out.chunk_descs.size()));
+    if (c.descs.size() == 1 && one_run(c.descs[0])) {
+      out.chunk_slot.push_back(-1);
+      continue;
+    }
+    out.chunk_slot.push_back(off);
+    std::vector<Desc>& dest = c.side == 0 ? out.pack_descs : out.unpack_descs;
+    int64_t packed = off;
+    for (Desc d : c.descs) {
+      if (c.side == 0)
+        d.dst_off = packed, d.dst_stride = d.len;
+      else
+        d.src_off = packed, d.src_stride = d.len;
+      packed += d.numel();
+      dest.push_back(d);
+    }
+    off += c.numel;
+  }
+  if (!own.empty()) {
+    out.round_staging.push_back(off);
+    out.round_chunk_ptr.push_back(static_cast<int64_t>(own.size()));
+    out.round_pack_ptr.push_back(static_cast<int64_t>(out.pack_descs.size()));
+    out.round_unpack_ptr.push_back(static_cast<int64_t>(out.unpack_descs.size()));
+  }
+  const int64_t out_bytes = static_cast<int64_t>(
+      8 * (out.msg_sender.size() + out.msg_recv_ptr.size() + out.msg_receivers.size() +
+           out.msg_numel.size() + 7 * out.chunk_msg.size() + 5 * out.round_index.size()) +
+      sizeof(Desc) * (out.local.size() + out.chunk_descs.size() + out.pack_descs.size() +
+                      out.unpack_descs.size()));
+  out.held_bytes = sink_bytes + out_bytes;  // the sink is alive while the output is built
+  return out;
+}
+
+}  // namespace real_py
