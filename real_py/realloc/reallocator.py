@@ -60,8 +60,12 @@ def _schedule(plan: ReallocPlan, bucket_elems: int, direct_min_elems: int) -> Sc
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """[1] int64 checksum of a 1-D tensor's raw bytes (position-weighted, wrapping sums).
 
-    Computed the same way on both ends of a chunk; a flipped or moved byte changes it."""
-    b = t.view(torch.uint8)
+    Computed the same way on both ends of a chunk; a flipped or moved byte changes it. Depends
+    only on the bytes, not on where they sit: a chunk of any dtype may start at any byte offset
+    of its buffer (a bf16 piece at an odd element), and the two ends' offsets differ."""
+    b = t.reshape(-1).contiguous().view(torch.uint8)
+    if b.numel() % 4 == 0 and b.storage_offset() % 4:
+        b = b.clone()  # the int32 view needs a 4-byte aligned start; a copy starts at 0
     words = b.view(torch.int32) if b.numel() % 4 == 0 else b
     w = words.to(torch.int64)
     pos = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device)
