@@ -69,10 +69,17 @@ class FunctionReward:
         if isinstance(out, torch.Tensor):
             out = out.tolist()
         try:
-            vals = [float(x) for x in out]
+            if isinstance(out, (str, bytes)):
+                raise TypeError("a string is not a list of scores")
+            items = list(out)
+            vals = [float(x) for x in items]
         except (TypeError, ValueError):
             raise ValueError(f"reward function {self.spec} returned {type(out).__name__} "
                              f"{str(out)[:80]}; expected a list of {n} floats") from None
+        text = next((x for x in items if isinstance(x, (str, bytes))), None)
+        if text is not None:  # "0.5" passes float(): a score must be a number, not its text
+            raise ValueError(f"reward function {self.spec} returned the string {text!r} as a score; "
+                             f"expected a list of {n} floats (numbers, not strings)")
         if len(vals) != n:
             raise ValueError(f"reward function {self.spec} returned {len(vals)} scores for "
                              f"{n} responses; expected one float per response")
