@@ -63,6 +63,9 @@ TRAIN = [
     ("override-after-resume", "", ["--resume", "steps=ten"], "steps='ten': expected an integer"),
     ("timeout=0", "", ["--timeout", "0"], "--timeout=0.0 must be > 0"),
     ("resume+overwrite", "", ["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+    # --resume X without X/meta.json must name X, never fall back to out_dir/latest.
+    ("resume-typo", "", ["--resume", "RUN/step_9"], "run/step_9: does not exist; give a step directory"),
+    ("resume-incomplete-step", "", ["--resume", "EMPTY"], "empty: has no meta.json (not a complete checkpoint step)"),
     ("existing-run", "", [], "already holds a run"),
 ]
 
@@ -127,6 +130,9 @@ def _expect_error(argv, phrase, capsys, root):
 def test_train_refuses(env, capsys, case, yaml_text, extra, phrase):
     cfg = env / "cfg.yaml"
     cfg.write_text(yaml_text.replace("PLAN_BAD", str(env / "bad.json")) + "\n")
+    subs = {"EMPTY": str(env / "empty"), "RUN": str(env / "run")}
+    for k, v in subs.items():
+        extra = [v + a[len(k):] if a.startswith(k) else a for a in extra]
     _expect_error(["train", "--config", str(cfg), "--out-dir", str(env / "run")] + extra, phrase, capsys, env)
 
 

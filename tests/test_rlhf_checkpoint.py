@@ -55,6 +55,10 @@ def test_round_trip_restores_shards_moments_rng(saved):
     want = [eng.shard.flat.clone(), eng._trainer.exp_avg.clone(), eng._trainer.exp_avg_sq.clone()]
     rng = torch.get_rng_state()
     assert checkpoint.find("", out) == path and checkpoint.check(cfg, path) == 1
+    assert checkpoint.find(out, "elsewhere") == path == checkpoint.find(path, "elsewhere")
+    for bad, phrase in ((os.path.join(out, "step_7"), "does not exist"), (os.path.dirname(out), "has no meta.json")):
+        with pytest.raises(ValueError, match=f"--resume {bad}: {phrase}"):
+            checkpoint.find(bad, out)  # out/latest is fine, but X was asked for
     meta = json.load(open(os.path.join(path, "meta.json")))
     assert set(meta["files"]) == {"rank0.pt"} and len(meta["files"]["rank0.pt"]["sha256"]) == 64
     for t in (eng.shard.flat, eng._trainer.exp_avg, eng._trainer.exp_avg_sq):

@@ -53,7 +53,7 @@ def _config(args):
     cfg = config.from_dict(d)
     ckpt = None
     if args.resume is not None:
-        ckpt = checkpoint.find(args.resume or cfg.out_dir, cfg.out_dir)
+        ckpt = checkpoint.find(args.resume, cfg.out_dir)
         checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
     return cfg, ckpt
 

@@ -90,10 +90,20 @@ def save(rt, out_dir: str, step: int) -> str:
 
 
 def find(resume: str, out_dir: str) -> str:
-    """The checkpoint directory to resume from: `resume` itself, or out_dir/latest."""
+    """The checkpoint directory to resume from: out_dir/latest for an empty `resume` (bare
+    --resume), `resume` itself when it is a step directory (holds meta.json), or resume/latest
+    when it is a run directory. Anything else (a typo, an incomplete step) is refused naming it,
+    never replaced by out_dir/latest."""
+    if not resume:
+        return latest(out_dir, "--resume:")
     if os.path.isfile(os.path.join(resume, "meta.json")):
         return resume
-    return latest(out_dir, f"--resume: no checkpoint at {resume!r} and")
+    if os.path.isfile(os.path.join(resume, "latest")):
+        return latest(resume, f"--resume {resume}:")
+    why = "does not exist" if not os.path.exists(resume) else \
+        "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
+    raise ValueError(f"--resume {resume}: {why}; give a step directory such as "
+                     f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}")
 
 
 def latest(out_dir: str, what: str = "") -> str:
