@@ -11,6 +11,7 @@ effect the models tests note for the k_proj bias). Generated tokens are compared
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,9 +165,21 @@ def test_kill_and_resume(tmp_path):
     out_a, ma = _train([], a, str(cfg))
     assert "launching 4 local gloo processes" in out_a and "step 2 |" in out_a
     _run_killed_after_step_1(b, str(cfg))
+    # As if B had logged steps 2 and 3 (and half a line) before the kill: resuming B in place
+    # from step 1 must leave each step's records once.
+    for name, n in (("metrics.jsonl", 1), ("samples.jsonl", 4)):
+        with open(os.path.join(b, name), "a") as f:
+            f.write("".join(json.dumps({"step": s, "old": True}) + "\n" for s in (2, 3) for _ in range(n)))
+            f.write('{"step": 3, "trunc')
+    out_c, mc = _train(["--resume", os.path.join(b, "step_1")], b, str(cfg))
+    assert re.search(r"dropped [34] later records of metrics.jsonl", out_c), out_c[-2000:]
+    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [1, 2]
+    assert mc[1]["metrics"] == ma[1]["metrics"]
+    samples = {x: [json.loads(line) for line in open(os.path.join(x, "samples.jsonl"))] for x in (a, b)}
+    assert samples[b] == samples[a] and {s["step"] for s in samples[a]} == {1, 2}
+    # A resume into a new directory still works.
     _, mc = _train(["--resume", os.path.join(b, "step_1")], c, str(cfg))
-    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [2]
-    assert mc[0]["metrics"] == ma[1]["metrics"]
+    assert [m["step"] for m in mc] == [2] and mc[0]["metrics"] == ma[1]["metrics"]
     for r in range(4):
         sa = torch.load(os.path.join(a, "step_2", f"rank{r}.pt"), weights_only=False)
         sc = torch.load(os.path.join(c, "step_2", f"rank{r}.pt"), weights_only=False)

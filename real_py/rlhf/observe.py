@@ -85,6 +85,42 @@ class RunLog:
         return summary
 
 
+def cut_after(path: str, step: int) -> int:
+    """Keep only the records of a JSON-lines file (metrics.jsonl, samples.jsonl) with "step" <=
+    `step`; returns how many were dropped. A resumed run re-runs the steps after its checkpoint,
+    so their first records must go (else a step appears twice). A line that is not JSON (a run
+    killed mid-write) is dropped too. The file is rewritten through a temporary file and
+    os.replace, so a kill here leaves the old or the new file, never half of one."""
+    import tempfile
+
+    if not os.path.lexists(path):
+        return 0
+    keep, dropped = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step
+            except ValueError:  # not JSON / not UTF-8
+                ok = False
+            if ok:
+                keep.append(line if line.endswith(b"\n") else line + b"\n")
+            elif line.strip():
+                dropped += 1
+    if dropped:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".cut.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(keep)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return dropped
+
+
 def read_metrics(out_dir: str) -> list[dict]:
     """metrics.jsonl records by step; a step logged twice (a resumed run redoing it) keeps the
     later record."""
@@ -141,4 +177,4 @@ def format_summary(s: dict) -> str:
             f"reallocation {100 * s['realloc_share']:.1f}% of the step")
 
 
-__all__ = ["RunLog", "read_metrics", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
+__all__ = ["RunLog", "read_metrics", "cut_after", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
