@@ -196,3 +196,65 @@ def test_meta_listing_other_paths_is_refused(saved):
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     with pytest.raises(ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"):
         checkpoint.check(cfg, path)
+
+
+def _verified_step(cfg, out):
+    path = checkpoint.find("", out)
+    return checkpoint.check(cfg, path), torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+
+
+def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
+    """A save killed between files (here: an exception where meta.json would be written) or
+    between the renames of a re-saved step never leaves `latest` naming a step that does not
+    verify; sweep() removes the leftovers and puts an .old step back."""
+    cfg, out, path, rt = saved
+    flat = rt.models.engines["actor"].shard.flat
+    checkpoint.save(rt, out, 2)
+    _, want = _verified_step(cfg, out)
+    real_write, real_rename = checkpoint._write_atomic, os.rename
+
+    def dies_at_meta(directory, name, data):
+        if name == "meta.json":
+            raise KeyboardInterrupt("killed between the rank files and meta.json")
+        real_write(directory, name, data)
+
+    flat += 1  # the re-save has other contents
+    for step in (2, 3):  # re-saving an existing step, and a new one
+        monkeypatch.setattr(checkpoint, "_write_atomic", dies_at_meta)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(rt, out, step)
+        monkeypatch.setattr(checkpoint, "_write_atomic", real_write)
+        step_k, got = _verified_step(cfg, out)
+        assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+        assert not os.path.exists(os.path.join(out, "step_3"))
+    # Killed between moving the old step_2 away and moving the new one in.
+    calls = []
+
+    def dies_at_second_rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", dies_at_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(rt, out, 2)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not os.path.exists(os.path.join(out, "step_2"))
+    # Stale per-file temporaries of a kill mid-file, in out_dir and in a step directory.
+    open(os.path.join(out, ".latest.abc123.tmp"), "w").write("step_")
+    open(os.path.join(path, ".rank0.pt.xyz.tmp"), "wb").write(b"half")
+    keep = os.path.join(out, ".my_notes.tmp")
+    open(keep, "w").write("not ours")
+    done = checkpoint.sweep(out)
+    assert any(d.startswith("restored step_2 from .step_2.") for d in done), done
+    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"], os.listdir(out)
+    assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt"]
+    step_k, got = _verified_step(cfg, out)
+    assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+    assert checkpoint.sweep(out) == []
+    # And a save after all that works and replaces step_2.
+    checkpoint.save(rt, out, 2)
+    step_k, got = _verified_step(cfg, out)
+    assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], flat)
+    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"]

@@ -53,6 +53,11 @@ def _config(args):
     cfg = config.from_dict(d)
     ckpt = None
     if args.resume is not None:
+        if os.environ.get("RANK", "0") == "0":
+            # A save killed mid-way left temporaries, or an .old step to put back (one process:
+            # the launcher, or rank 0 under an outside torchrun).
+            for line in checkpoint.sweep(cfg.out_dir):
+                print(f"--resume: {line}", flush=True)
         ckpt = checkpoint.find(args.resume, cfg.out_dir)
         checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
     return cfg, ckpt
