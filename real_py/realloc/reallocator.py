@@ -157,21 +157,24 @@ class Reallocator:
     def run(self, src: ModelShard | None, dst: ModelShard | None, *,
             free_source: bool = False) -> dict:
         """Move this rank's part of the plan; returns stats (bytes, rounds, seconds)."""
-        self._check(src, "source")
-        self._check(dst, "destination")
-        if src is not None and dst is not None and src.flat.device != dst.flat.device:
-            raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
-                             "move one so both sides share a device")
         t0 = time.perf_counter()
         mine = self.plan.for_rank(self.rank)
-        if len(mine.local):
-            ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
         es = self.plan.element_size
         sent = sum(c.numel for rr in self.rounds for c in rr.sends) * es
         received = sum(c.numel for rr in self.rounds for c in rr.recvs) * es
         total = len(self.schedule.rounds)
-        step = "setup"
+        # Inside the try: a rank that rejects its own input tells its peers (transport.fail), so
+        # they stop waiting for it at once and name it, instead of timing out.
+        step = "input check"
         try:
+            self._check(src, "source")
+            self._check(dst, "destination")
+            if src is not None and dst is not None and src.flat.device != dst.flat.device:
+                raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
+                                 "move one so both sides share a device")
+            step = "local copies"
+            if len(mine.local):
+                ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
             pending = None
             for i, rr in enumerate(self.rounds):
                 step = cur = f"round {rr.index}/{total}"
@@ -197,7 +200,7 @@ class Reallocator:
                 pending[0].wait()
                 self._finish(*pending[1:], dst)
         except BaseException as e:
-            self.transport.fail(step, f"{type(e).__name__}: {e}")
+            self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
             raise
         if free_source and src is not None:
             # Every send of this rank completed (waited above), so nothing reads it any more.
