@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import peak_memory_mib, reset_peak_memory, resolve_device
+from ..liveness import PeerWatch, start_heartbeat
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
@@ -90,6 +91,9 @@ class Runtime:
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
                              offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
                              device=self.device)
+        # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
+        store = start_heartbeat()
+        self.watch = PeerWatch(store) if store is not None else None
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
@@ -112,7 +116,7 @@ class Runtime:
         batch = make_batch(self.cfg, step, self.configs["actor"].vocab_size, self.data)
         for k, v in batch.items():
             store.write(k, list(range(self.B)), v)
-        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
         sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}
         for i, name in enumerate(self.graph.order):
