@@ -71,7 +71,38 @@ def _worker(rank: int, world: int) -> dict:
     back = Reallocator(plan_realloc(TIED, gen, layout), t, bucket_bytes=1 << 14)
     again = reallocate_params(back, got)
     assert all(torch.equal(again[n], fsdp_local[n]) for n in fsdp_local), f"rank {rank}: round trip"
+    _unsorted_meshes(rank, t)
     return done
+
+
+def _unsorted_meshes(rank, t):
+    """fully_shard on a mesh listing its ranks out of order: FSDP2 shards by process-group rank
+    (torch sorts a dim's ranks), not by mesh position; the layout must follow it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    full = random_full(TIED, 11)
+    whole = ModelShard.from_full(TIED, Layout(), 0, full).params()
+    mod = torch.nn.Module()
+    for i, v in enumerate(whole.values()):
+        mod.register_parameter(f"p{i}", torch.nn.Parameter(v.clone()))
+    mesh = DeviceMesh("cpu", [3, 1, 0, 2], mesh_dim_names=("dp_shard",))
+    fully_shard(mod, mesh=mesh)
+    fsdp_local = {n: getattr(mod, f"p{i}").to_local().detach() for i, n in enumerate(whole)}
+    layout = layout_from_device_mesh(mesh)
+    assert layout == Layout(dp=4, dp_shard="dim0"), layout
+    gen = L("tp2,pp2")
+    got = reallocate_params(Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14), fsdp_local)
+    want = ModelShard(TIED, gen, rank, oracle_flat(TIED, gen, rank, full)).params()
+    assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: FSDP2 on mesh [3, 1, 0, 2] differs"
+    # A 2-D mesh whose per-dim numbering is no grid (ranks 2 and 3 would share a position).
+    bad = DeviceMesh("cpu", [[0, 3], [2, 1]], mesh_dim_names=("dp_shard", "tp"))
+    try:
+        layout_from_device_mesh(bad)
+    except ValueError as e:
+        assert "DeviceMesh [[0, 3], [2, 1]] (dims ['dp_shard', 'tp']): torch numbers the ranks" in str(e), e
+    else:
+        raise AssertionError("mesh [[0, 3], [2, 1]] was accepted")
 
 
 def test_dp_sharded_pairs_on_four_ranks():

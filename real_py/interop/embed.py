@@ -160,7 +160,11 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     pp, dp_shard. "dp_shard" is a dp axis over which parameters are sharded (an FSDP2
     fully_shard mesh, e.g. ("dp_shard", "tp"), or a 1-D FSDP mesh passed with
     axes={name: "dp_shard"}). A mesh dim without a role must have size 1. The mesh's last dim
-    varies fastest along its ranks, which becomes the Layout's `order`.
+    varies fastest along its ranks, which becomes the Layout's `order`. Ranks are placed as torch
+    numbers them, not by their position in the mesh: along each mesh dim torch gives a rank its
+    process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard by that number, so
+    DeviceMesh("cpu", [1, 0]) means rank 0 holds dp piece 0. A mesh whose per-dim numbering is
+    not a grid (two ranks at one position) is refused.
     dp_shard: "dim0" (FSDP2, per-parameter Shard(0)) or "flat" (ZeRO-3 / FSDP1); default "dim0"
     for a "dp_shard" dim, "none" for a "dp" dim. Raises ValueError saying why the two cannot agree.
     """
@@ -202,9 +206,31 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     # Only axes longer than 1 fix the order; prefer the default order among those consistent.
     order = next("-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))
                  if [a for a in p if a in fastest_first] == fastest_first)
-    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    ranks = _torch_rank_order(mesh.mesh, names)
     return Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ranks=ranks, order=order,
                   layers_per_stage=layers_per_stage, dp_shard=dp_shard)
+
+
+def _torch_rank_order(arr: torch.Tensor, names) -> tuple[int, ...]:
+    """The mesh's ranks in row-major order of the positions torch uses: along every dim, the
+    index of the rank among the sorted ranks of its slice (its process-group rank there)."""
+    shape = tuple(arr.shape)
+    pos: dict[int, list[int]] = {int(r): [0] * len(shape) for r in arr.reshape(-1).tolist()}
+    for dim, size in enumerate(shape):
+        for row in arr.movedim(dim, -1).reshape(-1, size).tolist():
+            for i, r in enumerate(sorted(row)):
+                pos[int(r)][dim] = i
+    at: dict[tuple[int, ...], int] = {}
+    for r, p in pos.items():
+        if tuple(p) in at:
+            raise ValueError(
+                f"DeviceMesh {arr.tolist()} (dims {list(names)}): torch numbers the ranks of each "
+                "mesh dim by process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard "
+                f"by that number; on this mesh it puts ranks {at[tuple(p)]} and {r} both at position "
+                f"{tuple(p)}, so the mesh describes no consistent layout. Build the mesh with each "
+                "dim's ranks in ascending order (e.g. init_device_mesh)")
+        at[tuple(p)] = r
+    return tuple(at[p] for p in itertools.product(*(range(n) for n in shape)))
 
 
 __all__ = ["shard_from_params", "reallocate_params", "reallocate_flat", "layout_from_device_mesh"]
