@@ -95,6 +95,28 @@ def _unsorted_meshes(rank, t):
     got = reallocate_params(Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14), fsdp_local)
     want = ModelShard(TIED, gen, rank, oracle_flat(TIED, gen, rank, full)).params()
     assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: FSDP2 on mesh [3, 1, 0, 2] differs"
+    # Rank 1 hands over a wrong-size tensor: it refuses before the transfer and tells its peers,
+    # which fail at once naming it (timeout 60 s; a fresh group, its receives are abandoned).
+    import time
+
+    from real_py.realloc.transports import TransferError
+
+    t1 = DistTransport(dist.new_group(list(range(4))), timeout=60)
+    r = Reallocator(plan_realloc(TIED, layout, gen), t1, bucket_bytes=1 << 14)
+    bad_local = dict(fsdp_local, **{"norm.weight": fsdp_local["norm.weight"][:-1]}) if rank == 1 else fsdp_local
+    t0 = time.monotonic()
+    try:
+        reallocate_params(r, bad_local)
+    except (TransferError, ValueError) as e:
+        msg, took = str(e), time.monotonic() - t0
+    else:
+        raise AssertionError(f"rank {rank}: a peer's bad input went unnoticed")
+    if rank == 1:
+        assert msg.startswith("norm.weight: local shape"), msg
+    else:
+        assert "rank 1 failed in input check: ValueError: norm.weight: local shape" in msg, msg
+        assert took < 20, f"rank {rank} learnt of rank 1's bad input after {took:.1f} s"
+    print(f"rank {rank}: bad-input detection {took:.2f} s", flush=True)
     # A 2-D mesh whose per-dim numbering is no grid (ranks 2 and 3 would share a position).
     bad = DeviceMesh("cpu", [[0, 3], [2, 1]], mesh_dim_names=("dp_shard", "tp"))
     try:

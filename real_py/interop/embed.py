@@ -17,6 +17,7 @@ layout (Layout.dp_shard) each tensor is this rank's piece: FSDP2's DTensor.to_lo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping
 
@@ -97,8 +98,8 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     check: full reference tensors by project name (e.g. the checkpoint the trainer loaded);
     before anything moves, this rank's fused (q|k|v, gate|up) and vocab tensors are compared
     with the slices the source spec says they are (real_py.interop.adapters.check_against_full), and a
-    storage-order mismatch raises ValueError naming the tensor (the other ranks then fail on
-    the transport's timeout).
+    storage-order mismatch raises ValueError naming the tensor (reported to the other ranks, which
+    then fail at once naming this rank).
     """
     _require_realloc(realloc)
     if params is not None and not isinstance(params, Mapping):
@@ -106,16 +107,17 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
                         f"{type(params).__name__}; pass dict(zip(names, tensors))")
     plan, rank = realloc.plan, realloc.rank
     src = None
-    if params is not None:
-        if rank not in plan.src.ranks:
-            raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
-        if check is not None:
-            from .adapters import check_against_full
+    with _tell_peers(realloc):
+        if params is not None:
+            if rank not in plan.src.ranks:
+                raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
+            if check is not None:
+                from .adapters import check_against_full
 
-            check_against_full(plan.model, plan.src, rank, params, check)
-        src = shard_from_params(plan.model, plan.src, rank, params, device)
-        device = device or src.flat.device
-    dst = new_destination(plan, rank, device=device or "cpu")
+                check_against_full(plan.model, plan.src, rank, params, check)
+            src = shard_from_params(plan.model, plan.src, rank, params, device)
+            device = device or src.flat.device
+        dst = new_destination(plan, rank, device=device or "cpu")
     realloc.run(src, dst)
     return None if dst is None else dst.params()
 
@@ -128,21 +130,33 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
     """
     _require_realloc(realloc)
     plan, rank = realloc.plan, realloc.rank
-    try:
-        src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"src_flat: {e}") from None
-    if rank not in plan.dst.ranks:
-        if dst_flat is not None:
-            raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
-                             "dst_flat")
-        dst = None
-    elif dst_flat is None:
-        dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
-    else:
-        dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
+    with _tell_peers(realloc):
+        try:
+            src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"src_flat: {e}") from None
+        if rank not in plan.dst.ranks:
+            if dst_flat is not None:
+                raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
+                                 "dst_flat")
+            dst = None
+        elif dst_flat is None:
+            dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
+        else:
+            dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
     realloc.run(src, dst)
     return None if dst is None else dst.flat
+
+
+@contextlib.contextmanager
+def _tell_peers(realloc: Reallocator):
+    """A rank that rejects its own input before the transfer tells its peers (transport.fail),
+    so they stop waiting for it at once, naming it and the reason."""
+    try:
+        yield
+    except Exception as e:
+        realloc.transport.fail("input check", f"{type(e).__name__}: {e}"[:1000])
+        raise
 
 
 def _require_realloc(realloc) -> None:
