@@ -4,7 +4,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
 Without RANK in the environment (not under torchrun) the command checks its arguments and
-re-invokes itself under torch.distributed.run --standalone with as many local processes as the
+re-invokes itself (cli.common.launch_local, rendezvous on 127.0.0.1 only) with as many local processes as the
 layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
 --device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
 result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import ranks
+from .common import launch_local, ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -171,10 +171,7 @@ def _launch(args, nproc: int) -> int:
         argv.append("--overwrite")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "real_py"] + argv
-    print(f"launching {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    return launch_local(nproc, argv, env, "processes")
 
 
 # ---------------------------------------------------------------- workers (under torchrun)

@@ -5,17 +5,15 @@ steps=3`); values are read as YAML and typed like the file. An out_dir that alre
 run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
 Without RANK in the environment (not under torchrun), the command validates the config and then
-re-invokes itself under torch.distributed.run with the plan's world size on this machine
-(`--standalone --nproc-per-node=<world_size>`), so `python -m real_py train` is the whole
-command. Under torchrun (one node or many) every rank runs the SPMD loop below.
+re-invokes itself as the plan's world size of local ranks (cli.common.launch_local: what
+`torchrun --standalone --nproc-per-node=<world_size>` does, with the rendezvous store bound to
+127.0.0.1 only), so `python -m real_py train` is the whole command. Under torchrun (one node or many) every rank runs the SPMD loop below.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
 import time
 
 
@@ -64,7 +62,8 @@ def _config(args):
 
 
 def _launch(args, world: int) -> int:
-    """Re-invoke this command under torch.distributed.run with `world` local gloo processes."""
+    """Re-invoke this command as `world` local ranks (cli.common.launch_local: rendezvous on
+    loopback only, nothing left in TMPDIR)."""
     argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
                                          ("--out-dir", args.out_dir), ("--timeout", args.timeout))
                         if v is not None for x in (k, str(v))]
@@ -75,10 +74,9 @@ def _launch(args, world: int) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "real_py"] + argv
-    print(f"launching {world} local gloo processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    from .common import launch_local
+
+    return launch_local(world, argv, env, "gloo processes")
 
 
 def run(args) -> int:
