@@ -87,6 +87,22 @@ def test_bench_refuses_unknown_model_and_existing_or_recorded_out(cfg, tmp_path,
         main(["bench", "--model", str(cfg), "--src", "tp2", "--dst", "dp2", "--out", str(recorded)])
     assert "the project's recorded results" in capsys.readouterr().err
     assert not recorded.exists()
+    # A link at --out (even with --overwrite, even dangling) is refused, its target untouched.
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    for target in (victim, tmp_path / "nowhere.json"):
+        link = tmp_path / f"link_to_{target.name}"
+        link.symlink_to(target)
+        with pytest.raises(SystemExit):
+            main(["bench", "--model", str(cfg), "--src", "tp2", "--dst", "dp2", "--out", str(link), "--overwrite"])
+        assert f"--out {link} is a symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "precious" and not (tmp_path / "nowhere.json").exists()
+    # The ranks write with O_NOFOLLOW too (a link planted after the launcher's check).
+    from real_py.rlhf.observe import open_nofollow
+
+    with pytest.raises(ValueError, match=f"{tmp_path / 'link_to_victim.json'} is a symbolic link"):
+        open_nofollow(str(tmp_path / "link_to_victim.json"))
+    assert victim.read_text() == "precious"
 
 
 def _listening(port: int) -> list[str]:

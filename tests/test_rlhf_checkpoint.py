@@ -258,3 +258,44 @@ def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
     step_k, got = _verified_step(cfg, out)
     assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], flat)
     assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"]
+
+
+def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
+    """metrics.jsonl, samples.jsonl, summary.json and step_N planted as links: the writers refuse
+    (or replace a step link) and no target changes; the launcher refuses before any rank starts."""
+    import subprocess
+    import sys
+
+    from real_py.rlhf.observe import RunLog
+    from real_py.rlhf.rewards import write_samples
+
+    cfg, out, path, rt = saved
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "rank0.pt").write_text("precious")
+    os.symlink(victim_dir, os.path.join(out, "step_2"))
+    assert checkpoint.save(rt, out, 2) == os.path.join(out, "step_2")
+    assert not os.path.islink(os.path.join(out, "step_2")) and checkpoint.check(cfg, os.path.join(out, "step_2")) == 2
+    assert os.listdir(victim_dir) == ["rank0.pt"] and (victim_dir / "rank0.pt").read_text() == "precious"
+    victims = {n: tmp_path / f"victim_{n}" for n in ("metrics.jsonl", "samples.jsonl", "summary.json")}
+    for n, v in victims.items():
+        v.write_text("precious")
+        os.symlink(v, os.path.join(out, n))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", "--out-dir", out],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"{out}/metrics.jsonl is a symbolic link" in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout
+    log = RunLog(out)
+    with pytest.raises(ValueError, match="metrics.jsonl is a symbolic link"):
+        log.log({"step": 3, "seconds": 1.0, "metrics": {}, "calls": {}, "realloc_seconds": {},
+                 "realloc_bytes": 0, "data_bytes": 0})
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    with pytest.raises(ValueError, match="summary.json is a symbolic link"):
+        log.log({"step": 3, "seconds": 1.0, "metrics": {"reward": 1.0}, "calls": {}, "realloc_seconds": {},
+                 "realloc_bytes": 0, "data_bytes": 0})
+        log.close()
+    with pytest.raises(ValueError, match="samples.jsonl is a symbolic link"):
+        write_samples(os.path.join(out, "samples.jsonl"), 0, ["p"], ["r"], torch.zeros(1), [0])
+    for v in victims.values():
+        assert v.read_text() == "precious", v

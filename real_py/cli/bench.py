@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..rlhf.observe import open_nofollow
 from .common import launch_local, ranks
 
 DEVICES = ("cpu", "cuda")
@@ -113,6 +114,9 @@ def _pairs(args, model):
 def _check_out(args) -> None:
     if not args.out:
         return
+    if Path(args.out).is_symlink():
+        raise ValueError(f"--out {args.out} is a symbolic link; bench writes its result file itself, "
+                         "never through a link: remove the link or choose another path")
     out = Path(args.out).resolve()
     results = (_REPO / "bench" / "results").resolve()
     if out == results or results in out.parents:
@@ -166,7 +170,8 @@ def _launch(args, nproc: int) -> int:
     if args.link_gbps is not None:
         argv += ["--link-gbps", str(args.link_gbps)]
     if args.out:
-        argv += ["--out", str(Path(args.out).resolve())]
+        # Absolute, but the name itself unresolved: a link planted there later is still refused.
+        argv += ["--out", os.path.abspath(args.out)]
     if args.overwrite:
         argv.append("--overwrite")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
@@ -380,7 +385,8 @@ def _spmd(args, model, pairs, need: int) -> int:
             out = Path(args.out)
             if out.exists() and not args.overwrite:  # appeared while running
                 raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
-            out.write_text(json.dumps(result, indent=1) + "\n")
+            with open_nofollow(str(out)) as f:
+                f.write(json.dumps(result, indent=1) + "\n")
             print(f"wrote {out}", flush=True)
         dist.barrier()
     finally:

@@ -81,12 +81,14 @@ def _launch(args, world: int) -> int:
 
 def run(args) -> int:
     from ..rlhf import config
+    from ..rlhf.observe import check_no_links
 
     cfg, ckpt = _config(args)
     if "RANK" not in os.environ:
         plan = cfg.execution_plan()
         config.validate(cfg, plan.world_size)
         _protect_run_dir(cfg.out_dir, args)
+        check_no_links(cfg.out_dir)
         return _launch(args, plan.world_size)
     return _spmd(args, cfg, ckpt)
 

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .observe import open_nofollow
+
 
 def load_function(spec: str):
     """"file.py:fn" (a path, relative to the working directory) or "package.module:fn"."""
@@ -108,7 +110,7 @@ def write_samples(path: str, step: int, prompts: list, responses: list, scores: 
     """Append one JSON line per sample: step (1-based, as metrics.jsonl), batch row, prompt,
     response, reward."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as f:
+    with open_nofollow(path, append=True) as f:
         for r, p, s, v in zip(rows, prompts, responses, scores.tolist()):
             f.write(json.dumps({"step": step + 1, "row": r, "prompt": p, "response": s, "reward": v},
                                default=str) + "\n")
