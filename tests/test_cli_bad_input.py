@@ -64,8 +64,8 @@ TRAIN = [
     ("timeout=0", "", ["--timeout", "0"], "--timeout=0.0 must be > 0"),
     ("resume+overwrite", "", ["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
     # --resume X without X/meta.json must name X, never fall back to out_dir/latest.
-    ("resume-typo", "", ["--resume", "RUN/step_9"], "run/step_9: does not exist; give a step directory"),
-    ("resume-incomplete-step", "", ["--resume", "EMPTY"], "empty: has no meta.json (not a complete checkpoint step)"),
+    ("resume-typo", "", ["--resume", "RUN/step_9"], "run/step_9: no checkpoint: does not exist; give a step directory"),
+    ("resume-incomplete-step", "", ["--resume", "EMPTY"], "empty: no checkpoint: has no meta.json (not a complete checkpoint step)"),
     ("existing-run", "", [], "already holds a run"),
 ]
 

@@ -57,7 +57,7 @@ def test_round_trip_restores_shards_moments_rng(saved):
     assert checkpoint.find("", out) == path and checkpoint.check(cfg, path) == 1
     assert checkpoint.find(out, "elsewhere") == path == checkpoint.find(path, "elsewhere")
     for bad, phrase in ((os.path.join(out, "step_7"), "does not exist"), (os.path.dirname(out), "has no meta.json")):
-        with pytest.raises(ValueError, match=f"--resume {bad}: {phrase}"):
+        with pytest.raises(ValueError, match=f"--resume {bad}: no checkpoint: {phrase}"):
             checkpoint.find(bad, out)  # out/latest is fine, but X was asked for
     meta = json.load(open(os.path.join(path, "meta.json")))
     assert set(meta["files"]) == {"rank0.pt"} and len(meta["files"]["rank0.pt"]["sha256"]) == 64

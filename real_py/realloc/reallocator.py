@@ -200,7 +200,8 @@ class Reallocator:
                 pending[0].wait()
                 self._finish(*pending[1:], dst)
         except BaseException as e:
-            self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
+            if not getattr(e, "reported", False):  # the transport's own errors are reported
+                self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
             raise
         if free_source and src is not None:
             # Every send of this rank completed (waited above), so nothing reads it any more.

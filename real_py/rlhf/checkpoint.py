@@ -175,7 +175,7 @@ def find(resume: str, out_dir: str) -> str:
         return latest(resume, f"--resume {resume}:")
     why = "does not exist" if not os.path.exists(resume) else \
         "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
-    raise ValueError(f"--resume {resume}: {why}; give a step directory such as "
+    raise ValueError(f"--resume {resume}: no checkpoint: {why}; give a step directory such as "
                      f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}")
 
 

@@ -72,7 +72,6 @@ class DistTransport(Transport):
         self.store = store
         self._watch = PeerWatch(start_heartbeat(store, dist.get_rank())) if store is not None else None
         self._seen = self._num_reports()
-        self._reported = None
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -155,9 +154,8 @@ class DistTransport(Transport):
 
     def fail(self, step: str, why: str) -> None:
         line = f"rank {self.rank} in {step}: {why}"
-        if self.store is None or self._reported == step:
-            return  # one line per failed step (the transport's own error reported it first)
-        self._reported = step
+        if self.store is None:
+            return
         try:
             n = self.store.add(self._prefix + "/n", 1)
             self.store.set(f"{self._prefix}/{n}", line[:2000])
@@ -197,7 +195,7 @@ class DistTransport(Transport):
                 msg = (f"rank {self.rank}: {step}: stopped waiting ({state['what']}): {root[:600]}"
                        + (f" (and {len(reports) - 1} more reports)" if len(reports) > 1 else ""))
                 self.fail(step, f"TransferError: {msg}")
-                raise TransferError(msg)
+                raise _reported(TransferError(msg))
         silent = self._watch.silent([self._global[p] for p in peers])
         if silent:
             g, secs = silent[0]
@@ -206,7 +204,7 @@ class DistTransport(Transport):
                    f"is silent: no heartbeat for {secs:.1f} s (process stopped or hung) while "
                    f"waiting to {state['what']}")
             self.fail(step, f"TransferError: {msg}")
-            raise TransferError(msg)
+            raise _reported(TransferError(msg))
 
     def _error(self, step: str, what: str, cause=None) -> TransferError:
         """The TransferError for a failed op; reports it first, then gives the other ranks a
@@ -222,7 +220,14 @@ class DistTransport(Transport):
             reports = self.reports()
         if reports:
             msg += "; failures reported by other ranks: " + " | ".join(r[:400] for r in reports[:4])
-        return TransferError(msg)
+        return _reported(TransferError(msg))
+
+
+def _reported(e: TransferError) -> TransferError:
+    """Mark an error this transport already reported to its peers (the reallocator then does
+    not report it a second time)."""
+    e.reported = True
+    return e
 
 
 class _DistHandle(Handle):
