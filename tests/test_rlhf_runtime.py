@@ -239,3 +239,41 @@ def test_dead_rank_fails_fast_with_rank_and_step():
     msg = str(e.value)
     for r in range(3):
         assert f"rank {r}, step 1, call " in msg, msg[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child that runs `rank` (its RANK environment variable)."""
+    for pid in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no rank {rank} under launcher {launcher}")
+
+
+@pytest.mark.timeout(300)
+def test_stopped_rank_is_named_and_job_ends(tmp_path):
+    """SIGSTOP rank 2 after step 1 of a 4-rank train job (--timeout 120): the others name it
+    within seconds (heartbeat watch in the row pushes / transfers), the job exits non-zero and
+    the launcher leaves no process behind (SIGTERM + SIGCONT, then SIGKILL)."""
+    cmd = [sys.executable, "-m", "real_py", "train", "--out-dir", str(tmp_path / "run"), "--no-progress",
+           "--timeout", "120", "--steps", "4", "save_every=0"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    out, victim, stopped = [], None, None
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if victim is None and line.startswith("step 1 |"):
+                victim = _rank_pid(p.pid, 2)
+                os.kill(victim, signal.SIGSTOP)
+                stopped = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(out)
+    assert victim is not None, text[-3000:]
+    assert p.returncode != 0 and re.search(r"rank [013], step 1.*peer rank 2 is silent: no heartbeat", text), text[-3000:]
+    assert took < 60, f"job ended {took:.1f} s after the stop (timeout 120 s)"
+    assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"

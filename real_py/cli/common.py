@@ -41,8 +41,8 @@ def launch_local(nproc: int, argv: list[str], env: dict, what: str) -> int:
     host it is given). The ranks find it through MASTER_ADDR / MASTER_PORT and
     TORCHELASTIC_USE_AGENT_STORE (connect as clients, as under torchrun's agent). Nothing is
     written to TMPDIR (torchrun leaves an empty torchelastic_* directory per job). The first
-    rank that fails stops the others (SIGTERM, then SIGKILL after 10 s); its exit code is the
-    job's. For several nodes run torchrun yourself (see README)."""
+    rank that fails stops the others (SIGTERM and SIGCONT, then SIGKILL after 10 s); its exit
+    code is the job's. For several nodes run torchrun yourself (see README)."""
     import signal
     import socket
     import subprocess
@@ -92,6 +92,7 @@ def launch_local(nproc: int, argv: list[str], env: dict, what: str) -> int:
         alive = [p for p in procs if p.poll() is None]
         for p in alive:
             p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
         deadline = time.monotonic() + 10
         for p in alive:
             try:
