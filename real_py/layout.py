@@ -128,7 +128,12 @@ class Layout:
         dp_shard."""
         shard = re.findall(r"dim0|flat", text)
         axes = re.sub(r"dim0|flat", "", text)
-        found = dict(re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", axes))
+        pairs = re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", axes)
+        found = dict(pairs)
+        repeated = sorted({k for k, _ in pairs if sum(a == k for a, _ in pairs) > 1})
+        if repeated:
+            raise ValueError(f"cannot parse layout {text!r}: axis {', '.join(repeated)} given more "
+                             "than once; give each of dp, tp, pp at most once, e.g. 'dp2,tp4'")
         rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
         if not found or rest or len(shard) > 1:
             raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1' or "

@@ -66,6 +66,9 @@ def _cases(tmp):
         ("layout rank negative", lambda: Layout(dp=2, ranks=(0, -1)), ValueError, r"Layout.ranks\[1\]=-1 is outside", []),
         ("layout ranks scalar", lambda: Layout(ranks=5), TypeError, "Layout.ranks must be a sequence", []),
         ("layout ranks string", lambda: Layout(dp=2, ranks="01"), TypeError, "Layout.ranks must be a sequence", []),
+        ("layout parse repeated axis", lambda: Layout.parse("dp2,dp4"), ValueError,
+         r"cannot parse layout 'dp2,dp4': axis dp given more than once", []),
+        ("layout parse repeated axes", lambda: Layout.parse("tp2 pp2 tp=4 pp1"), ValueError, "axis pp, tp given more", []),
         ("layout order int", lambda: Layout(order=3), ValueError, "Layout.order=3; allowed", []),
         ("layout dp bool", lambda: Layout(dp=True), ValueError, "Layout.dp=True must be a positive int", []),
         # ModelSpec / Layout arguments

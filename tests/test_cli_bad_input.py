@@ -36,6 +36,12 @@ TRAIN = [
      "generation.eos_token_id=5000 is outside the actor vocabulary; allowed: 0 .. 63"),
     ("target>vocab", "reward: {kind: rule, target_token: 1000}", [],
      "reward.target_token=1000 is outside the actor vocabulary; allowed: 0 .. 63"),
+    ("actor_lr=1e400", "", ["ppo.actor_lr=1e400"], "ppo.actor_lr='1e400': expected a finite number, got inf"),
+    ("kl_coef=.inf", "ppo: {kl_coef: .inf}", [], "ppo.kl_coef=inf: expected a finite number, got inf"),
+    ("temperature=.inf", "", ["generation.temperature=.inf"], "generation.temperature=inf: expected a finite"),
+    ("clip=-.inf", "ppo: {clip: -.inf}", [], "ppo.clip=-inf: expected a finite number"),
+    ("lr=nan", "ppo: {critic_lr: .nan}", [], "ppo.critic_lr=nan: expected a finite number"),
+    ("actor-field-inf", "actor: {rope_theta: .inf}", [], "actor.rope_theta=inf: expected a finite number"),
     ("steps=ten", "steps: ten", [], "steps='ten': expected an integer"),
     ("steps=2.5", "steps: 2.5", [], "steps=2.5: expected an integer"),
     ("clip=big", "ppo: {clip: big}", [], "ppo.clip='big': expected a number"),
@@ -59,6 +65,9 @@ TRAIN = [
     ("override-after-resume", "", ["--resume", "steps=ten"], "steps='ten': expected an integer"),
     ("timeout=0", "", ["--timeout", "0"], "--timeout=0.0 must be > 0"),
     ("resume+overwrite", "", ["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+    # --resume X without X/meta.json must name X, never fall back to out_dir/latest.
+    ("resume-typo", "", ["--resume", "RUN/step_9"], "run/step_9: no checkpoint: does not exist; give a step directory"),
+    ("resume-incomplete-step", "", ["--resume", "EMPTY"], "empty: no checkpoint: has no meta.json (not a complete checkpoint step)"),
     ("existing-run", "", [], "already holds a run"),
 ]
 
@@ -132,6 +141,9 @@ def _expect_error(argv, phrase, capsys, root):
 def test_train_refuses(env, capsys, case, yaml_text, extra, phrase):
     cfg = env / "cfg.yaml"
     cfg.write_text(yaml_text.replace("PLAN_BAD", str(env / "bad.json")) + "\n")
+    subs = {"EMPTY": str(env / "empty"), "RUN": str(env / "run")}
+    for k, v in subs.items():
+        extra = [v + a[len(k):] if a.startswith(k) else a for a in extra]
     _expect_error(["train", "--config", str(cfg), "--out-dir", str(env / "run")] + extra, phrase, capsys, env)
 
 

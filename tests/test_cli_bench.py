@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,13 @@ def test_bench_runs_and_writes_json(cfg, tmp_path):
     cmd = [sys.executable, "-m", "real_py", "bench", "--model", str(cfg), "--dtype", "float32",
            "--src", "tp2", "--dst", "dp2", "--src", "dp2,dim0", "--dst", "dp2,flat", "--dst-ranks", "1,0",
            "--repeats", "1", "--link-gbps", "10", "--out", str(out), "--timeout", "60"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    tmp = tmp_path / "tmpdir"  # the job must leave nothing here (torchrun left torchelastic_*)
+    tmp.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "launching 2 local processes" in p.stdout
+    assert os.listdir(tmp) == [], os.listdir(tmp)
     r = json.loads(out.read_text())
     m = r["machine"]
     assert m["world_size"] == 2 and m["backend"] == "gloo" and m["cpu_count"] == os.cpu_count()
@@ -83,3 +87,54 @@ def test_bench_refuses_unknown_model_and_existing_or_recorded_out(cfg, tmp_path,
         main(["bench", "--model", str(cfg), "--src", "tp2", "--dst", "dp2", "--out", str(recorded)])
     assert "the project's recorded results" in capsys.readouterr().err
     assert not recorded.exists()
+    # A link at --out (even with --overwrite, even dangling) is refused, its target untouched.
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    for target in (victim, tmp_path / "nowhere.json"):
+        link = tmp_path / f"link_to_{target.name}"
+        link.symlink_to(target)
+        with pytest.raises(SystemExit):
+            main(["bench", "--model", str(cfg), "--src", "tp2", "--dst", "dp2", "--out", str(link), "--overwrite"])
+        assert f"--out {link} is a symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "precious" and not (tmp_path / "nowhere.json").exists()
+    # The ranks write with O_NOFOLLOW too (a link planted after the launcher's check).
+    from real_py.rlhf.observe import open_nofollow
+
+    with pytest.raises(ValueError, match=f"{tmp_path / 'link_to_victim.json'} is a symbolic link"):
+        open_nofollow(str(tmp_path / "link_to_victim.json"))
+    assert victim.read_text() == "precious"
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of sockets listening on `port`."""
+    out = []
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(f).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # TCP_LISTEN
+                out.append(addr)
+    return out
+
+
+def test_local_launch_binds_loopback_and_stops_on_failure(monkeypatch, capsys):
+    """launch_local's rendezvous store listens on 127.0.0.1 only; a failing rank ends the job
+    with its exit code and the other ranks are stopped."""
+    from real_py.cli import common
+
+    real_popen, seen = subprocess.Popen, []
+
+    def fake_popen(cmd, env):
+        port = int(env["MASTER_PORT"])
+        seen.append((env["RANK"], env["MASTER_ADDR"], _listening(port)))
+        code = "import sys; sys.exit(3)" if env["RANK"] == "1" else "import time; time.sleep(60)"
+        return real_popen([sys.executable, "-c", code])
+
+    monkeypatch.setattr(subprocess, "Popen", fake_popen)
+    t0 = time.monotonic()
+    assert common.launch_local(2, ["train"], dict(os.environ), "processes") == 3
+    assert time.monotonic() - t0 < 30, "the sleeping rank was not stopped"
+    assert [r for r, _, _ in seen] == ["0", "1"]
+    for _, addr, listening in seen:
+        assert addr == "127.0.0.1" and listening == ["0100007F"], listening  # 127.0.0.1 only
+    assert "rank 1 ended with exit code 3; stopping the other ranks" in capsys.readouterr().err

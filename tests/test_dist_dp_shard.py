@@ -71,7 +71,60 @@ def _worker(rank: int, world: int) -> dict:
     back = Reallocator(plan_realloc(TIED, gen, layout), t, bucket_bytes=1 << 14)
     again = reallocate_params(back, got)
     assert all(torch.equal(again[n], fsdp_local[n]) for n in fsdp_local), f"rank {rank}: round trip"
+    _unsorted_meshes(rank, t)
     return done
+
+
+def _unsorted_meshes(rank, t):
+    """fully_shard on a mesh listing its ranks out of order: FSDP2 shards by process-group rank
+    (torch sorts a dim's ranks), not by mesh position; the layout must follow it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    full = random_full(TIED, 11)
+    whole = ModelShard.from_full(TIED, Layout(), 0, full).params()
+    mod = torch.nn.Module()
+    for i, v in enumerate(whole.values()):
+        mod.register_parameter(f"p{i}", torch.nn.Parameter(v.clone()))
+    mesh = DeviceMesh("cpu", [3, 1, 0, 2], mesh_dim_names=("dp_shard",))
+    fully_shard(mod, mesh=mesh)
+    fsdp_local = {n: getattr(mod, f"p{i}").to_local().detach() for i, n in enumerate(whole)}
+    layout = layout_from_device_mesh(mesh)
+    assert layout == Layout(dp=4, dp_shard="dim0"), layout
+    gen = L("tp2,pp2")
+    got = reallocate_params(Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14), fsdp_local)
+    want = ModelShard(TIED, gen, rank, oracle_flat(TIED, gen, rank, full)).params()
+    assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: FSDP2 on mesh [3, 1, 0, 2] differs"
+    # Rank 1 hands over a wrong-size tensor: it refuses before the transfer and tells its peers,
+    # which fail at once naming it (timeout 60 s; a fresh group, its receives are abandoned).
+    import time
+
+    from real_py.realloc.transports import TransferError
+
+    t1 = DistTransport(dist.new_group(list(range(4))), timeout=60)
+    r = Reallocator(plan_realloc(TIED, layout, gen), t1, bucket_bytes=1 << 14)
+    bad_local = dict(fsdp_local, **{"norm.weight": fsdp_local["norm.weight"][:-1]}) if rank == 1 else fsdp_local
+    t0 = time.monotonic()
+    try:
+        reallocate_params(r, bad_local)
+    except (TransferError, ValueError) as e:
+        msg, took = str(e), time.monotonic() - t0
+    else:
+        raise AssertionError(f"rank {rank}: a peer's bad input went unnoticed")
+    if rank == 1:
+        assert msg.startswith("norm.weight: local shape"), msg
+    else:
+        assert "rank 1 failed in input check: ValueError: norm.weight: local shape" in msg, msg
+        assert took < 20, f"rank {rank} learnt of rank 1's bad input after {took:.1f} s"
+    print(f"rank {rank}: bad-input detection {took:.2f} s", flush=True)
+    # A 2-D mesh whose per-dim numbering is no grid (ranks 2 and 3 would share a position).
+    bad = DeviceMesh("cpu", [[0, 3], [2, 1]], mesh_dim_names=("dp_shard", "tp"))
+    try:
+        layout_from_device_mesh(bad)
+    except ValueError as e:
+        assert "DeviceMesh [[0, 3], [2, 1]] (dims ['dp_shard', 'tp']): torch numbers the ranks" in str(e), e
+    else:
+        raise AssertionError("mesh [[0, 3], [2, 1]] was accepted")
 
 
 def test_dp_sharded_pairs_on_four_ranks():

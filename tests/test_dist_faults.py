@@ -7,6 +7,7 @@ reallocator's verify / free_source / staging handling (real_py/realloc/reallocat
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -150,3 +151,101 @@ def test_killed_rank_fails_peers_naming_it():
     out = run_distributed(_killed, 4, timeout=120, allow_exit=(2,))
     assert out[2] is None
     assert all("peer rank 2" in out[r] for r in (0, 1, 3))
+
+
+def _early_failure_and_stopped_rank(rank: int, world: int) -> dict:
+    """A: rank 2 rejects its own input (no source shard) before posting anything; B: rank 3 is
+    SIGSTOPped before its first round; C: rank 2 is SIGSTOPped instead of pushing rows (the
+    runtime's Pusher). Timeouts are 60 s: only telling / watching the peers makes the others
+    fail within seconds. Rank 0 SIGKILLs each stopped rank once the others named it."""
+    import signal
+
+    full = random_full(TIED, 5)
+    store = dist.distributed_c10d._get_default_store()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    # One group per phase: A's abandoned receives stay posted on its group.
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]
+    plan = plan_realloc(TIED, SRC, DST)
+    out = {}
+
+    t = DistTransport(groups[0], timeout=60)
+    r = Reallocator(plan, t, bucket_bytes=2048)
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    t0 = time.monotonic()
+    with pytest.raises((TransferError, ValueError)) as e:
+        r.run(None if rank == 2 else s, d)
+    out["early"] = (type(e.value).__name__, str(e.value), time.monotonic() - t0)
+    if rank == 3:  # it gets killed below: rank 0 returns its result
+        store.set("early3", json.dumps(out["early"]))
+    assert torch.equal(s.flat, oracle_flat(TIED, SRC, rank, full)), "source modified"
+
+    def stop(i, sends, recvs):
+        if i == 0:
+            store.set("stopped_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    t = DistTransport(groups[1], timeout=60)
+    r = Reallocator(plan, Wrapped(t, hook=stop if rank == 3 else None), bucket_bytes=1024)
+    s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
+    with pytest.raises(TransferError) as e:
+        r.run(s, d)
+    out["stopped"] = (str(e.value), time.time() - float(store.get("stopped_at")))
+    store.add("detected", 1)
+    if rank == 0:  # the others detect it on their own; then nothing may stay stopped
+        deadline = time.monotonic() + 30
+        while int(store.add("detected", 0)) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(pids[3], signal.SIGKILL)
+        out["early3"] = tuple(json.loads(store.get("early3")))
+
+    # C: the runtime's row pushes. Rank 2 stops instead of sending its rows to ranks 0 and 1.
+    from real_py.liveness import PeerWatch, start_heartbeat
+    from real_py.rlhf.dataflow import Pusher, Store
+
+    rows = Store({"scores": ((), torch.float32)}, 4)
+    pusher = Pusher(rank, 60, watch=PeerWatch(start_heartbeat()))
+    msgs = {(2, 0): [("scores", (0, 1))], (2, 1): [("scores", (2, 3))]}
+    pusher.post(rows, msgs, 5, "rew_inf", sending=False)
+    if rank == 2:
+        store.set("out2", json.dumps(out))  # it gets killed below: rank 0 returns its results
+        store.set("stopped2_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    with pytest.raises(RuntimeError) as e:
+        pusher.wait_for(rows, {"scores"}, 7)
+    out["push"] = (str(e.value), time.time() - float(store.get("stopped2_at")))
+    store.add("detected2", 1)
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while int(store.add("detected2", 0)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(pids[2], signal.SIGKILL)
+        out["out2"] = {k: tuple(v) for k, v in json.loads(store.get("out2")).items()}
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_early_failure_and_stopped_rank_are_named_in_seconds():
+    out = run_distributed(_early_failure_and_stopped_rank, 4, timeout=200, allow_exit=(2, 3))
+    assert out[2] is None and out[3] is None
+    out[2] = out[0]["out2"]
+    kind, msg, _ = out[2]["early"]
+    assert kind == "ValueError" and "rank 2 is in the source layout" in msg, msg
+    early = {0: out[0]["early"], 1: out[1]["early"], 3: out[0]["early3"]}
+    for r in (0, 1, 3):
+        kind, msg, took = early[r]
+        assert kind == "TransferError" and msg.startswith(f"rank {r}: "), msg
+        assert "rank 2 failed in input check: ValueError: rank 2 is in the source layout" in msg, msg
+        assert took < 20, f"rank {r} learnt of rank 2's failure after {took:.1f} s (timeout 60 s)"
+    for r in (0, 1, 2):
+        msg, took = out[r]["stopped"]
+        assert msg.startswith(f"rank {r}: round ") and "peer rank 3 is silent" in msg, msg
+        assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (timeout 60 s)"
+    for r in (0, 1):
+        msg, took = out[r]["push"]
+        assert msg.startswith(f"rank {r}, step 7: receiving ['scores'] of rew_inf from rank 2: peer rank 2 "
+                              "is silent"), msg
+        assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (timeout 60 s)"
+    print("row pushes: detection seconds after SIGSTOP:", {r: round(out[r]["push"][1], 2) for r in (0, 1)})
+    print("detection seconds after SIGSTOP:", {r: round(out[r]["stopped"][1], 2) for r in (0, 1, 2)},
+          "; after the early failure:", {r: round(early[r][2], 2) for r in (0, 1, 3)})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator, checksum
 from real_py.realloc.transports import InProcessHub, InProcessTransport, TransferError
 from real_py.realloc.reallocator import run_in_process
 
@@ -80,3 +80,42 @@ def test_verify_names_chunk_peer_and_round():
                for r in errors if r != 2), errors
     with pytest.raises(ValueError, match="bucket_bytes=4 is smaller"):
         Reallocator(plan, hub.transport(0), bucket_bytes=4, pipeline=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.float64])
+def test_checksum_any_dtype_any_offset(dtype):
+    # The same bytes give the same checksum wherever they start in their buffer (the two ends
+    # of a chunk hold it at different offsets), and a changed byte changes it.
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(-100, 100, (64,), generator=g).to(dtype)
+    for off in range(0, 7):
+        for n in (1, 2, 3, 4, 8, 13):
+            piece = base[off:off + n]
+            want = checksum(piece.clone())
+            assert torch.equal(checksum(piece), want), (dtype, off, n)
+            moved = torch.zeros(n + 5, dtype=dtype)
+            moved[3:3 + n] = piece
+            assert torch.equal(checksum(moved[3:3 + n]), want), (dtype, off, n)
+            bad = piece.clone()
+            bad.view(torch.uint8)[-1] ^= 1
+            assert not torch.equal(checksum(bad), want), (dtype, off, n)
+
+
+def test_verified_half_precision_chunks_at_odd_offsets():
+    # A flat dp shard splits the buffer at any element, so bf16/fp16 chunks start at odd element
+    # offsets (byte offsets not divisible by 4) on the sending and the receiving side.
+    pairs = [("dp3,flat", "tp2"), ("tp2,pp2", "dp3,flat"), ("dp3,flat", "dp2,flat"), ("tp1", "dp3,flat")]
+    for dtype in ("bfloat16", "float16"):
+        model = tiny_spec(vocab=101, dtype=dtype, bias=True)
+        full = random_full(model, 2)
+        for a, b in pairs:
+            for direct in (None, 2):
+                src, dst = Layout.parse(a), Layout.parse(b)
+                dst = Layout.parse(b, ranks=tuple(range(8 - dst.world, 8)))
+                plan = plan_realloc(model, src, dst)
+                srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
+                dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
+                run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=1 << 14,
+                               verify=True, direct_min_bytes=direct)
+                for r in dst.ranks:
+                    assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full)), (dtype, a, b, r)

@@ -55,6 +55,10 @@ def test_round_trip_restores_shards_moments_rng(saved):
     want = [eng.shard.flat.clone(), eng._trainer.exp_avg.clone(), eng._trainer.exp_avg_sq.clone()]
     rng = torch.get_rng_state()
     assert checkpoint.find("", out) == path and checkpoint.check(cfg, path) == 1
+    assert checkpoint.find(out, "elsewhere") == path == checkpoint.find(path, "elsewhere")
+    for bad, phrase in ((os.path.join(out, "step_7"), "does not exist"), (os.path.dirname(out), "has no meta.json")):
+        with pytest.raises(ValueError, match=f"--resume {bad}: no checkpoint: {phrase}"):
+            checkpoint.find(bad, out)  # out/latest is fine, but X was asked for
     meta = json.load(open(os.path.join(path, "meta.json")))
     assert set(meta["files"]) == {"rank0.pt"} and len(meta["files"]["rank0.pt"]["sha256"]) == 64
     for t in (eng.shard.flat, eng._trainer.exp_avg, eng._trainer.exp_avg_sq):
@@ -192,3 +196,106 @@ def test_meta_listing_other_paths_is_refused(saved):
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     with pytest.raises(ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"):
         checkpoint.check(cfg, path)
+
+
+def _verified_step(cfg, out):
+    path = checkpoint.find("", out)
+    return checkpoint.check(cfg, path), torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+
+
+def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
+    """A save killed between files (here: an exception where meta.json would be written) or
+    between the renames of a re-saved step never leaves `latest` naming a step that does not
+    verify; sweep() removes the leftovers and puts an .old step back."""
+    cfg, out, path, rt = saved
+    flat = rt.models.engines["actor"].shard.flat
+    checkpoint.save(rt, out, 2)
+    _, want = _verified_step(cfg, out)
+    real_write, real_rename = checkpoint._write_atomic, os.rename
+
+    def dies_at_meta(directory, name, data):
+        if name == "meta.json":
+            raise KeyboardInterrupt("killed between the rank files and meta.json")
+        real_write(directory, name, data)
+
+    flat += 1  # the re-save has other contents
+    for step in (2, 3):  # re-saving an existing step, and a new one
+        monkeypatch.setattr(checkpoint, "_write_atomic", dies_at_meta)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(rt, out, step)
+        monkeypatch.setattr(checkpoint, "_write_atomic", real_write)
+        step_k, got = _verified_step(cfg, out)
+        assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+        assert not os.path.exists(os.path.join(out, "step_3"))
+    # Killed between moving the old step_2 away and moving the new one in.
+    calls = []
+
+    def dies_at_second_rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", dies_at_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(rt, out, 2)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not os.path.exists(os.path.join(out, "step_2"))
+    # Stale per-file temporaries of a kill mid-file, in out_dir and in a step directory.
+    open(os.path.join(out, ".latest.abc123.tmp"), "w").write("step_")
+    open(os.path.join(path, ".rank0.pt.xyz.tmp"), "wb").write(b"half")
+    keep = os.path.join(out, ".my_notes.tmp")
+    open(keep, "w").write("not ours")
+    done = checkpoint.sweep(out)
+    assert any(d.startswith("restored step_2 from .step_2.") for d in done), done
+    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"], os.listdir(out)
+    assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt"]
+    step_k, got = _verified_step(cfg, out)
+    assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+    assert checkpoint.sweep(out) == []
+    # And a save after all that works and replaces step_2.
+    checkpoint.save(rt, out, 2)
+    step_k, got = _verified_step(cfg, out)
+    assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], flat)
+    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"]
+
+
+def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
+    """metrics.jsonl, samples.jsonl, summary.json and step_N planted as links: the writers refuse
+    (or replace a step link) and no target changes; the launcher refuses before any rank starts."""
+    import subprocess
+    import sys
+
+    from real_py.rlhf.observe import RunLog
+    from real_py.rlhf.rewards import write_samples
+
+    cfg, out, path, rt = saved
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "rank0.pt").write_text("precious")
+    os.symlink(victim_dir, os.path.join(out, "step_2"))
+    assert checkpoint.save(rt, out, 2) == os.path.join(out, "step_2")
+    assert not os.path.islink(os.path.join(out, "step_2")) and checkpoint.check(cfg, os.path.join(out, "step_2")) == 2
+    assert os.listdir(victim_dir) == ["rank0.pt"] and (victim_dir / "rank0.pt").read_text() == "precious"
+    victims = {n: tmp_path / f"victim_{n}" for n in ("metrics.jsonl", "samples.jsonl", "summary.json")}
+    for n, v in victims.items():
+        v.write_text("precious")
+        os.symlink(v, os.path.join(out, n))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", "--out-dir", out],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"{out}/metrics.jsonl is a symbolic link" in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout
+    log = RunLog(out)
+    with pytest.raises(ValueError, match="metrics.jsonl is a symbolic link"):
+        log.log({"step": 3, "seconds": 1.0, "metrics": {}, "calls": {}, "realloc_seconds": {},
+                 "realloc_bytes": 0, "data_bytes": 0})
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    with pytest.raises(ValueError, match="summary.json is a symbolic link"):
+        log.log({"step": 3, "seconds": 1.0, "metrics": {"reward": 1.0}, "calls": {}, "realloc_seconds": {},
+                 "realloc_bytes": 0, "data_bytes": 0})
+        log.close()
+    with pytest.raises(ValueError, match="samples.jsonl is a symbolic link"):
+        write_samples(os.path.join(out, "samples.jsonl"), 0, ["p"], ["r"], torch.zeros(1), [0])
+    for v in victims.values():
+        assert v.read_text() == "precious", v

@@ -56,6 +56,8 @@ def env(tmp_path_factory):
         "    return [float(r[:1] == a) for r, a in zip(responses, answer)]\n"
         "def short(prompts, responses, **row):\n    return [1.0]\n"
         "def text(prompts, responses, **row):\n    return 'good'\n"
+        "def numeric_text(prompts, responses, **row):\n    return ['0.5'] * len(responses)\n"
+        "def one_char(prompts, responses, **row):\n    return '5'\n"
         "def needs_solution(prompts, responses, solution):\n    return [0.0] * len(responses)\n"
         "NOT_CALLABLE = 3\n")
     return tmp
@@ -212,6 +214,8 @@ def test_reward_function(env):
            (f"{env / 'rew.py'}:needs_solution", r"rew.py:needs_solution failed .* row fields \['answer', 'id'\].*"
                                                 "TypeError: .*unexpected keyword argument"),
            (f"{env / 'rew.py'}:text", "rew.py:text returned str"),
+           (f"{env / 'rew.py'}:numeric_text", r"rew.py:numeric_text returned the string '0.5' as a score"),
+           (f"{env / 'rew.py'}:one_char", "rew.py:one_char returned str 5"),
            (f"{env / 'missing.py'}:f", "no such file"),
            (f"{env / 'rew.py'}:nope", "has no attribute 'nope'"),
            (f"{env / 'rew.py'}:NOT_CALLABLE", "is a int, not callable"),

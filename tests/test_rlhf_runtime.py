@@ -11,6 +11,7 @@ effect the models tests note for the k_proj bias). Generated tokens are compared
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,9 +191,21 @@ def test_kill_and_resume(tmp_path):
     out_a, ma = _train([], a, str(cfg))
     assert "launching 4 local gloo processes" in out_a and "step 2 |" in out_a
     _run_killed_after_step_1(b, str(cfg))
+    # As if B had logged steps 2 and 3 (and half a line) before the kill: resuming B in place
+    # from step 1 must leave each step's records once.
+    for name, n in (("metrics.jsonl", 1), ("samples.jsonl", 4)):
+        with open(os.path.join(b, name), "a") as f:
+            f.write("".join(json.dumps({"step": s, "old": True}) + "\n" for s in (2, 3) for _ in range(n)))
+            f.write('{"step": 3, "trunc')
+    out_c, mc = _train(["--resume", os.path.join(b, "step_1")], b, str(cfg))
+    assert re.search(r"dropped [34] later records of metrics.jsonl", out_c), out_c[-2000:]
+    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [1, 2]
+    assert mc[1]["metrics"] == ma[1]["metrics"]
+    samples = {x: [json.loads(line) for line in open(os.path.join(x, "samples.jsonl"))] for x in (a, b)}
+    assert samples[b] == samples[a] and {s["step"] for s in samples[a]} == {1, 2}
+    # A resume into a new directory still works.
     _, mc = _train(["--resume", os.path.join(b, "step_1")], c, str(cfg))
-    assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [2]
-    assert mc[0]["metrics"] == ma[1]["metrics"]
+    assert [m["step"] for m in mc] == [2] and mc[0]["metrics"] == ma[1]["metrics"]
     for r in range(4):
         sa = torch.load(os.path.join(a, "step_2", f"rank{r}.pt"), weights_only=False)
         sc = torch.load(os.path.join(c, "step_2", f"rank{r}.pt"), weights_only=False)
@@ -252,3 +265,41 @@ def test_dead_rank_fails_fast_with_rank_and_step():
     msg = str(e.value)
     for r in range(3):
         assert f"rank {r}, step 1, call " in msg, msg[-3000:]
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child that runs `rank` (its RANK environment variable)."""
+    for pid in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no rank {rank} under launcher {launcher}")
+
+
+@pytest.mark.timeout(300)
+def test_stopped_rank_is_named_and_job_ends(tmp_path):
+    """SIGSTOP rank 2 after step 1 of a 4-rank train job (--timeout 120): the others name it
+    within seconds (heartbeat watch in the row pushes / transfers), the job exits non-zero and
+    the launcher leaves no process behind (SIGTERM + SIGCONT, then SIGKILL)."""
+    cmd = [sys.executable, "-m", "real_py", "train", "--out-dir", str(tmp_path / "run"), "--no-progress",
+           "--timeout", "120", "--steps", "4", "save_every=0"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    out, victim, stopped = [], None, None
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if victim is None and line.startswith("step 1 |"):
+                victim = _rank_pid(p.pid, 2)
+                os.kill(victim, signal.SIGSTOP)
+                stopped = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(out)
+    assert victim is not None, text[-3000:]
+    assert p.returncode != 0 and re.search(r"rank [013], step 1.*peer rank 2 is silent: no heartbeat", text), text[-3000:]
+    assert took < 60, f"job ended {took:.1f} s after the stop (timeout 120 s)"
+    assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"

@@ -5,7 +5,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
 Without RANK in the environment (not under torchrun) the command checks its arguments and
-re-invokes itself under torch.distributed.run --standalone with as many local processes as the
+re-invokes itself (cli.common.launch_local, rendezvous on 127.0.0.1 only) with as many local processes as the
 layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
 --device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
 result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
@@ -35,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import ranks
+from ..rlhf.observe import open_nofollow
+from .common import launch_local, ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -134,6 +135,9 @@ def _pairs(args, model):
 def _check_out(args) -> None:
     if not args.out:
         return
+    if Path(args.out).is_symlink():
+        raise ValueError(f"--out {args.out} is a symbolic link; bench writes its result file itself, "
+                         "never through a link: remove the link or choose another path")
     out = Path(args.out).resolve()
     results = (_REPO / "bench" / "results").resolve()
     if out == results or results in out.parents:
@@ -254,15 +258,13 @@ def _launch(args, nproc: int) -> int:
     if args.link_gbps is not None:
         argv += ["--link-gbps", str(args.link_gbps)]
     if args.out:
-        argv += ["--out", str(Path(args.out).resolve())]
+        # Absolute, but the name itself unresolved: a link planted there later is still refused.
+        argv += ["--out", os.path.abspath(args.out)]
     if args.overwrite:
         argv.append("--overwrite")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "real_py"] + argv
-    print(f"launching {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    return launch_local(nproc, argv, env, "processes")
 
 
 # ---------------------------------------------------------------- workers (under torchrun)
@@ -471,7 +473,8 @@ def _spmd(args, model, pairs, need: int) -> int:
             out = Path(args.out)
             if out.exists() and not args.overwrite:  # appeared while running
                 raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
-            out.write_text(json.dumps(result, indent=1) + "\n")
+            with open_nofollow(str(out)) as f:
+                f.write(json.dumps(result, indent=1) + "\n")
             print(f"wrote {out}", flush=True)
         dist.barrier()
     finally:

@@ -5,17 +5,15 @@ steps=3`); values are read as YAML and typed like the file. An out_dir that alre
 run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
 Without RANK in the environment (not under torchrun), the command validates the config and then
-re-invokes itself under torch.distributed.run with the plan's world size on this machine
-(`--standalone --nproc-per-node=<world_size>`), so `python -m real_py train` is the whole
-command. Under torchrun (one node or many) every rank runs the SPMD loop below.
+re-invokes itself as the plan's world size of local ranks (cli.common.launch_local: what
+`torchrun --standalone --nproc-per-node=<world_size>` does, with the rendezvous store bound to
+127.0.0.1 only), so `python -m real_py train` is the whole command. Under torchrun (one node or many) every rank runs the SPMD loop below.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
 import time
 
 
@@ -53,13 +51,19 @@ def _config(args):
     cfg = config.from_dict(d)
     ckpt = None
     if args.resume is not None:
-        ckpt = checkpoint.find(args.resume or cfg.out_dir, cfg.out_dir)
+        if os.environ.get("RANK", "0") == "0":
+            # A save killed mid-way left temporaries, or an .old step to put back (one process:
+            # the launcher, or rank 0 under an outside torchrun).
+            for line in checkpoint.sweep(cfg.out_dir):
+                print(f"--resume: {line}", flush=True)
+        ckpt = checkpoint.find(args.resume, cfg.out_dir)
         checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
     return cfg, ckpt
 
 
 def _launch(args, world: int) -> int:
-    """Re-invoke this command under torch.distributed.run with `world` local gloo processes."""
+    """Re-invoke this command as `world` local ranks (cli.common.launch_local: rendezvous on
+    loopback only, nothing left in TMPDIR)."""
     argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
                                          ("--out-dir", args.out_dir), ("--timeout", args.timeout))
                         if v is not None for x in (k, str(v))]
@@ -70,20 +74,21 @@ def _launch(args, world: int) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "real_py"] + argv
-    print(f"launching {world} local gloo processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, env=env)
+    from .common import launch_local
+
+    return launch_local(world, argv, env, "gloo processes")
 
 
 def run(args) -> int:
     from ..rlhf import config
+    from ..rlhf.observe import check_no_links
 
     cfg, ckpt = _config(args)
     if "RANK" not in os.environ:
         plan = cfg.execution_plan()
         config.validate(cfg, plan.world_size)
         _protect_run_dir(cfg.out_dir, args)
+        check_no_links(cfg.out_dir)
         return _launch(args, plan.world_size)
     return _spmd(args, cfg, ckpt)
 
@@ -133,7 +138,7 @@ def _spmd(args, cfg, ckpt) -> int:
 
     from .export import export_live
     from ..rlhf import checkpoint, config
-    from ..rlhf.observe import RunLog, format_summary
+    from ..rlhf.observe import RunLog, cut_after, format_summary
     from ..rlhf.runtime import Runtime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -148,6 +153,14 @@ def _spmd(args, cfg, ckpt) -> int:
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
         rt.samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
         start = checkpoint.load(rt, ckpt) if ckpt else 0
+        if ckpt and rank == 0:
+            # The steps after the checkpoint run again: drop their old records first.
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                n = cut_after(os.path.join(cfg.out_dir, name), start)
+                if n:
+                    print(f"--resume from step {start}: dropped {n} later records of {name}", flush=True)
+        if ckpt:
+            dist.barrier()  # no rank appends samples before rank 0 cut the file
         log = None
         if rank == 0:
             log = RunLog(cfg.out_dir, wandb=cfg.wandb, config=config.to_dict(cfg))

@@ -17,6 +17,7 @@ layout (Layout.dp_shard) each tensor is this rank's piece: FSDP2's DTensor.to_lo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping
 
@@ -97,8 +98,8 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     check: full reference tensors by project name (e.g. the checkpoint the trainer loaded);
     before anything moves, this rank's fused (q|k|v, gate|up) and vocab tensors are compared
     with the slices the source spec says they are (real_py.interop.adapters.check_against_full), and a
-    storage-order mismatch raises ValueError naming the tensor (the other ranks then fail on
-    the transport's timeout).
+    storage-order mismatch raises ValueError naming the tensor (reported to the other ranks, which
+    then fail at once naming this rank).
     """
     _require_realloc(realloc)
     if params is not None and not isinstance(params, Mapping):
@@ -106,16 +107,17 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
                         f"{type(params).__name__}; pass dict(zip(names, tensors))")
     plan, rank = realloc.plan, realloc.rank
     src = None
-    if params is not None:
-        if rank not in plan.src.ranks:
-            raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
-        if check is not None:
-            from .adapters import check_against_full
+    with _tell_peers(realloc):
+        if params is not None:
+            if rank not in plan.src.ranks:
+                raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
+            if check is not None:
+                from .adapters import check_against_full
 
-            check_against_full(plan.model, plan.src, rank, params, check)
-        src = shard_from_params(plan.model, plan.src, rank, params, device)
-        device = device or src.flat.device
-    dst = new_destination(plan, rank, device=device or "cpu")
+                check_against_full(plan.model, plan.src, rank, params, check)
+            src = shard_from_params(plan.model, plan.src, rank, params, device)
+            device = device or src.flat.device
+        dst = new_destination(plan, rank, device=device or "cpu")
     realloc.run(src, dst)
     return None if dst is None else dst.params()
 
@@ -128,21 +130,33 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
     """
     _require_realloc(realloc)
     plan, rank = realloc.plan, realloc.rank
-    try:
-        src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"src_flat: {e}") from None
-    if rank not in plan.dst.ranks:
-        if dst_flat is not None:
-            raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
-                             "dst_flat")
-        dst = None
-    elif dst_flat is None:
-        dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
-    else:
-        dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
+    with _tell_peers(realloc):
+        try:
+            src = None if src_flat is None else ModelShard(plan.model, plan.src, rank, src_flat)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"src_flat: {e}") from None
+        if rank not in plan.dst.ranks:
+            if dst_flat is not None:
+                raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
+                                 "dst_flat")
+            dst = None
+        elif dst_flat is None:
+            dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
+        else:
+            dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
     realloc.run(src, dst)
     return None if dst is None else dst.flat
+
+
+@contextlib.contextmanager
+def _tell_peers(realloc: Reallocator):
+    """A rank that rejects its own input before the transfer tells its peers (transport.fail),
+    so they stop waiting for it at once, naming it and the reason."""
+    try:
+        yield
+    except Exception as e:
+        realloc.transport.fail("input check", f"{type(e).__name__}: {e}"[:1000])
+        raise
 
 
 def _require_realloc(realloc) -> None:
@@ -160,7 +174,11 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     pp, dp_shard. "dp_shard" is a dp axis over which parameters are sharded (an FSDP2
     fully_shard mesh, e.g. ("dp_shard", "tp"), or a 1-D FSDP mesh passed with
     axes={name: "dp_shard"}). A mesh dim without a role must have size 1. The mesh's last dim
-    varies fastest along its ranks, which becomes the Layout's `order`.
+    varies fastest along its ranks, which becomes the Layout's `order`. Ranks are placed as torch
+    numbers them, not by their position in the mesh: along each mesh dim torch gives a rank its
+    process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard by that number, so
+    DeviceMesh("cpu", [1, 0]) means rank 0 holds dp piece 0. A mesh whose per-dim numbering is
+    not a grid (two ranks at one position) is refused.
     dp_shard: "dim0" (FSDP2, per-parameter Shard(0)) or "flat" (ZeRO-3 / FSDP1); default "dim0"
     for a "dp_shard" dim, "none" for a "dp" dim. Raises ValueError saying why the two cannot agree.
     """
@@ -202,9 +220,31 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     # Only axes longer than 1 fix the order; prefer the default order among those consistent.
     order = next("-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))
                  if [a for a in p if a in fastest_first] == fastest_first)
-    ranks = tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    ranks = _torch_rank_order(mesh.mesh, names)
     return Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ranks=ranks, order=order,
                   layers_per_stage=layers_per_stage, dp_shard=dp_shard)
+
+
+def _torch_rank_order(arr: torch.Tensor, names) -> tuple[int, ...]:
+    """The mesh's ranks in row-major order of the positions torch uses: along every dim, the
+    index of the rank among the sorted ranks of its slice (its process-group rank there)."""
+    shape = tuple(arr.shape)
+    pos: dict[int, list[int]] = {int(r): [0] * len(shape) for r in arr.reshape(-1).tolist()}
+    for dim, size in enumerate(shape):
+        for row in arr.movedim(dim, -1).reshape(-1, size).tolist():
+            for i, r in enumerate(sorted(row)):
+                pos[int(r)][dim] = i
+    at: dict[tuple[int, ...], int] = {}
+    for r, p in pos.items():
+        if tuple(p) in at:
+            raise ValueError(
+                f"DeviceMesh {arr.tolist()} (dims {list(names)}): torch numbers the ranks of each "
+                "mesh dim by process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard "
+                f"by that number; on this mesh it puts ranks {at[tuple(p)]} and {r} both at position "
+                f"{tuple(p)}, so the mesh describes no consistent layout. Build the mesh with each "
+                "dim's ranks in ascending order (e.g. init_device_mesh)")
+        at[tuple(p)] = r
+    return tuple(at[p] for p in itertools.product(*(range(n) for n in shape)))
 
 
 __all__ = ["shard_from_params", "reallocate_params", "reallocate_flat", "layout_from_device_mesh"]

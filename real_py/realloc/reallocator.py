@@ -52,8 +52,12 @@ below a few hundred KiB the extra message costs about what the saved copies gain
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """[1] int64 checksum of a 1-D tensor's raw bytes (position-weighted, wrapping sums).
 
-    Computed the same way on both ends of a chunk; a flipped or moved byte changes it."""
-    b = t.view(torch.uint8)
+    Computed the same way on both ends of a chunk; a flipped or moved byte changes it. Depends
+    only on the bytes, not on where they sit: a chunk of any dtype may start at any byte offset
+    of its buffer (a bf16 piece at an odd element), and the two ends' offsets differ."""
+    b = t.reshape(-1).contiguous().view(torch.uint8)
+    if b.numel() % 4 == 0 and b.storage_offset() % 4:
+        b = b.clone()  # the int32 view needs a 4-byte aligned start; a copy starts at 0
     words = b.view(torch.int32) if b.numel() % 4 == 0 else b
     w = words.to(torch.int64)
     pos = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device)
@@ -156,21 +160,24 @@ class Reallocator:
     def run(self, src: ModelShard | None, dst: ModelShard | None, *,
             free_source: bool = False) -> dict:
         """Move this rank's part of the plan; returns stats (bytes, rounds, seconds)."""
-        self._check(src, "source")
-        self._check(dst, "destination")
-        if src is not None and dst is not None and src.flat.device != dst.flat.device:
-            raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
-                             "move one so both sides share a device")
         t0 = time.perf_counter()
         mine = self.schedule
-        if len(mine.local):
-            ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
         es = self.plan.element_size
         sent = sum(c.numel for rr in self.rounds for c in rr.sends) * es
         received = sum(c.numel for rr in self.rounds for c in rr.recvs) * es
         total = self.schedule.num_rounds
-        step = "setup"
+        # Inside the try: a rank that rejects its own input tells its peers (transport.fail), so
+        # they stop waiting for it at once and name it, instead of timing out.
+        step = "input check"
         try:
+            self._check(src, "source")
+            self._check(dst, "destination")
+            if src is not None and dst is not None and src.flat.device != dst.flat.device:
+                raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
+                                 "move one so both sides share a device")
+            step = "local copies"
+            if len(mine.local):
+                ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
             pending = None
             for i, rr in enumerate(self.rounds):
                 step = cur = f"round {rr.index}/{total}"
@@ -196,7 +203,8 @@ class Reallocator:
                 pending[0].wait()
                 self._finish(*pending[1:], dst)
         except BaseException as e:
-            self.transport.fail(step, f"{type(e).__name__}: {e}")
+            if not getattr(e, "reported", False):  # the transport's own errors are reported
+                self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
             raise
         if free_source and src is not None:
             # Every send of this rank completed (waited above), so nothing reads it any more.

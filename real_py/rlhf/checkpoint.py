@@ -6,8 +6,15 @@
                                       step, torch RNG state (every rank that holds a trained shard)
     <out_dir>/latest                  name of the newest complete step directory
 
-Frozen models (reference, reward) are rebuilt from the seed, which meta.json records. `latest`
-is written after a barrier, so it never names a half-written checkpoint.
+Frozen models (reference, reward) are rebuilt from the seed, which meta.json records.
+
+Atomic per step: every rank writes its file into a fresh hidden directory
+`.step_<k>.<random>.tmp` of out_dir, rank 0 adds meta.json and renames the directory to
+`step_<k>` (an existing step_<k>, re-saved after a resume, is first renamed to
+`.step_<k>.<random>.old` and removed after). `latest` is written after that and a barrier. So a
+kill at any point leaves every step_<k> whole (verifies) or absent, and `latest` naming a whole
+step; `sweep(out_dir)`, run before a resume, removes what a kill left (temporary directories and
+files) and puts back an .old step whose replacement never arrived.
 
 Safety: rank files hold only tensors, ints, strings and None and are read with
 `torch.load(weights_only=True)`, so a crafted file cannot run code; its sha256 is checked against
@@ -24,6 +31,8 @@ import io
 import json
 import os
 import pickle
+import re
+import shutil
 import tempfile
 
 import torch
@@ -55,13 +64,46 @@ def _write_atomic(directory: str, name: str, data: bytes) -> None:
         raise
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _move_into_place(tmp: str, final: str) -> None:
+    """Rename the complete directory `tmp` to `final`; an existing `final` (a directory, or a
+    planted link: replaced, never followed) goes to an .old name first and is removed after."""
+    old = None
+    if os.path.lexists(final):
+        old = tmp[:-len(".tmp")] + ".old"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+    if old is not None:
+        _remove(old)
+
+
 def save(rt, out_dir: str, step: int) -> str:
     """Collective. Saves after `step` iterations completed; returns the directory."""
-    path = os.path.join(out_dir, f"step_{step}")
+    final = os.path.join(out_dir, f"step_{step}")
     rank = dist.get_rank()
+    where = [None]
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+        os.makedirs(out_dir, exist_ok=True)
+        where[0] = tempfile.mkdtemp(dir=out_dir, prefix=f".step_{step}.", suffix=".tmp")
+        os.chmod(where[0], 0o755)  # mkdtemp makes 0700; checkpoints are read by other tools too
+    dist.broadcast_object_list(where, src=0)
+    path = where[0]
     # The adaptive KL coefficient and running reward moments carry across steps like the RNG.
     state = {"step": step, "rng": torch.get_rng_state(), "models": {}}
     if hasattr(rt, "kl_coef"):          # a Runtime (tests may pass a bare holder of models)
@@ -86,17 +128,58 @@ def save(rt, out_dir: str, step: int) -> str:
         files = {n: {"sha256": h, "bytes": size} for n, h, size in digests}
         meta = _meta(rt.cfg) | {"step": step, "files": files}
         _write_atomic(path, "meta.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(path)
+        _move_into_place(path, final)
     dist.barrier()
     if rank == 0:
         _write_atomic(out_dir, "latest", f"step_{step}\n".encode())
-    return path
+    return final
+
+
+_STEP_TEMP = re.compile(r"^\.(step_\d+)\..+\.(tmp|old)$")
+_FILE_TEMP = re.compile(r"^\.(latest|cut|rank\d+\.pt|meta\.json)\..+\.tmp$")
+
+
+def sweep(out_dir: str) -> list[str]:
+    """Clean up after a save that was killed: remove temporary step directories and temporary
+    files (names this module and observe.cut_after create, nothing else), and rename an .old step
+    back to step_<k> when step_<k> itself is missing (killed between the two renames of a
+    re-save). Returns what it did, one line per entry. Run by one process before a resume."""
+    done = []
+    if not os.path.isdir(out_dir):
+        return done
+    for n in sorted(os.listdir(out_dir)):
+        p = os.path.join(out_dir, n)
+        m = _STEP_TEMP.match(n)
+        if m and m.group(2) == "old" and not os.path.lexists(os.path.join(out_dir, m.group(1))):
+            os.rename(p, os.path.join(out_dir, m.group(1)))
+            done.append(f"restored {m.group(1)} from {n}")
+        elif m or _FILE_TEMP.match(n):
+            _remove(p)
+            done.append(f"removed {p}")
+        elif n.startswith("step_") and os.path.isdir(p) and not os.path.islink(p):
+            for f in sorted(os.listdir(p)):  # per-file temporaries of older versions
+                if _FILE_TEMP.match(f):
+                    _remove(os.path.join(p, f))
+                    done.append(f"removed {os.path.join(p, f)}")
+    return done
 
 
 def find(resume: str, out_dir: str) -> str:
-    """The checkpoint directory to resume from: `resume` itself, or out_dir/latest."""
+    """The checkpoint directory to resume from: out_dir/latest for an empty `resume` (bare
+    --resume), `resume` itself when it is a step directory (holds meta.json), or resume/latest
+    when it is a run directory. Anything else (a typo, an incomplete step) is refused naming it,
+    never replaced by out_dir/latest."""
+    if not resume:
+        return latest(out_dir, "--resume:")
     if os.path.isfile(os.path.join(resume, "meta.json")):
         return resume
-    return latest(out_dir, f"--resume: no checkpoint at {resume!r} and")
+    if os.path.isfile(os.path.join(resume, "latest")):
+        return latest(resume, f"--resume {resume}:")
+    why = "does not exist" if not os.path.exists(resume) else \
+        "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
+    raise ValueError(f"--resume {resume}: no checkpoint: {why}; give a step directory such as "
+                     f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}")
 
 
 def latest(out_dir: str, what: str = "") -> str:
@@ -209,4 +292,4 @@ def load(rt, path: str) -> int:
     return int(state["step"])
 
 
-__all__ = ["save", "load", "find", "check", "read_rank_file"]
+__all__ = ["save", "load", "find", "check", "sweep", "read_rank_file"]

@@ -26,6 +26,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ..liveness import PeerWatch, SilentPeer, wait_watched
+
 
 def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """key -> (trailing shape, dtype) for prompts of at most P tokens and sequences of T tokens."""
@@ -126,10 +128,14 @@ class Store:
 class Pusher:
     """Posts the pushes of one iteration and waits for them with a timeout."""
 
-    def __init__(self, rank: int, timeout_s: float, device=None, batched: bool | None = None):
+    def __init__(self, rank: int, timeout_s: float, device=None, batched: bool | None = None,
+                 watch: PeerWatch | None = None):
         """batched: hold receives back and post each call's pushes as one batch_isend_irecv
-        (default: on CUDA, which NCCL needs; gloo runs it too, which is how it is tested)."""
+        (default: on CUDA, which NCCL needs; gloo runs it too, which is how it is tested).
+        watch: a liveness.PeerWatch; a wait then fails within seconds, naming the peer, when the
+        peer's heartbeat stops (a stopped process) instead of at the timeout."""
         self.rank, self.timeout = rank, datetime.timedelta(seconds=timeout_s)
+        self.watch = watch
         self.device = torch.device(device or "cpu")
         self.batched = self.device.type == "cuda" if batched is None else batched
         self.recvs: list = []  # (work, buf, parts, sender, call)
@@ -165,9 +171,20 @@ class Pusher:
             self.recvs += [(work, buf, parts, s, c) for buf, parts, s, c in recvs]
             self.sends += [(work, buf, r, c) for buf, r, c in sends]
 
-    def _wait(self, work, what: str, step: int) -> None:
+    def _wait(self, work, what: str, step: int, peer: int) -> None:
+        def check():
+            silent = self.watch.silent([peer])
+            if silent:
+                raise SilentPeer(f"rank {self.rank}, step {step}: {what}: peer rank {peer} is silent: no "
+                                 f"heartbeat for {silent[0][1]:.1f} s (process stopped or hung)")
+
         try:
-            work.wait(self.timeout)
+            if self.watch is None:
+                work.wait(self.timeout)
+            else:
+                wait_watched(lambda: work.wait(self.timeout), check)
+        except SilentPeer:
+            raise
         except RuntimeError as e:
             raise RuntimeError(f"rank {self.rank}, step {step}: {what} failed or timed out after "
                                f"{self.timeout.total_seconds():.0f} s: {e}") from None
@@ -177,7 +194,7 @@ class Pusher:
         keep = []
         for work, buf, parts, s, call in self.recvs:
             if any(k in keys for k, _ in parts):
-                self._wait(work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step)
+                self._wait(work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step, s)
                 store.unpack(parts, buf.cpu())
             else:
                 keep.append((work, buf, parts, s, call))
@@ -186,7 +203,7 @@ class Pusher:
     def finish(self, store: Store, step: int) -> None:
         self.wait_for(store, set(store.schema), step)
         for work, _, r, call in self.sends:
-            self._wait(work, f"sending rows of {call} to rank {r}", step)
+            self._wait(work, f"sending rows of {call} to rank {r}", step, r)
         self.sends = []
 
 

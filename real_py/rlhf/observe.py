@@ -23,6 +23,35 @@ METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip
 """Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
 
 
+def open_nofollow(path: str, append: bool = False):
+    """`path` opened for writing text ("a" or "w") without following a symbolic link: a link
+    planted at a run file's name (metrics.jsonl, samples.jsonl, summary.json, bench --out) is
+    refused with ValueError naming it instead of writing into whatever it points to."""
+    import errno
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link; real_py writes its output files itself, "
+                             "never through a link: remove the link or choose another path") from None
+        raise
+    return os.fdopen(fd, "a" if append else "w")
+
+
+def check_no_links(out_dir: str) -> None:
+    """ValueError naming the first entry a run writes in out_dir (RUN_FILES, step_*) that is a
+    symbolic link; run by the launcher before any rank starts."""
+    if not os.path.isdir(out_dir):
+        return
+    for n in run_entries(out_dir):
+        p = os.path.join(out_dir, n)
+        if os.path.islink(p) and n not in ("hf", "curves.png"):
+            raise ValueError(f"{p} is a symbolic link; a run writes its files and step directories "
+                             "itself, never through a link: remove the link or choose another out_dir")
+
+
 def run_entries(out_dir: str) -> list[str]:
     """The entries of out_dir that a previous run wrote (empty if out_dir does not exist)."""
     if not os.path.isdir(out_dir):
@@ -65,7 +94,7 @@ class RunLog:
             self.wandb = wb.init(**{"config": config, **wandb})
 
     def log(self, rec: dict) -> None:
-        with open(self.metrics_path, "a") as f:
+        with open_nofollow(self.metrics_path, append=True) as f:
             f.write(json.dumps(rec) + "\n")
         vals = scalars(rec)
         for tag, v in vals.items():
@@ -77,12 +106,50 @@ class RunLog:
     def close(self) -> dict:
         self.tb.close()
         summary = summarize(read_metrics(self.out_dir))
-        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+        with open_nofollow(os.path.join(self.out_dir, "summary.json")) as f:
             json.dump(summary, f, indent=1)
         if self.wandb is not None:
             self.wandb.summary.update(summary)
             self.wandb.finish()
         return summary
+
+
+def cut_after(path: str, step: int) -> int:
+    """Keep only the records of a JSON-lines file (metrics.jsonl, samples.jsonl) with "step" <=
+    `step`; returns how many were dropped. A resumed run re-runs the steps after its checkpoint,
+    so their first records must go (else a step appears twice). A line that is not JSON (a run
+    killed mid-write) is dropped too. The file is rewritten through a temporary file and
+    os.replace, so a kill here leaves the old or the new file, never half of one."""
+    import tempfile
+
+    if not os.path.lexists(path):
+        return 0
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link; a run never reads or writes its files through one")
+    keep, dropped = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step
+            except ValueError:  # not JSON / not UTF-8
+                ok = False
+            if ok:
+                keep.append(line if line.endswith(b"\n") else line + b"\n")
+            elif line.strip():
+                dropped += 1
+    if dropped:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".cut.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(keep)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return dropped
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -141,4 +208,4 @@ def format_summary(s: dict) -> str:
             f"reallocation {100 * s['realloc_share']:.1f}% of the step")
 
 
-__all__ = ["RunLog", "read_metrics", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
+__all__ = ["RunLog", "read_metrics", "cut_after", "open_nofollow", "check_no_links", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]

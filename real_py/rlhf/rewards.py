@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .observe import open_nofollow
+
 
 def load_function(spec: str):
     """"file.py:fn" (a path, relative to the working directory) or "package.module:fn"."""
@@ -69,10 +71,17 @@ class FunctionReward:
         if isinstance(out, torch.Tensor):
             out = out.tolist()
         try:
-            vals = [float(x) for x in out]
+            if isinstance(out, (str, bytes)):
+                raise TypeError("a string is not a list of scores")
+            items = list(out)
+            vals = [float(x) for x in items]
         except (TypeError, ValueError):
             raise ValueError(f"reward function {self.spec} returned {type(out).__name__} "
                              f"{str(out)[:80]}; expected a list of {n} floats") from None
+        text = next((x for x in items if isinstance(x, (str, bytes))), None)
+        if text is not None:  # "0.5" passes float(): a score must be a number, not its text
+            raise ValueError(f"reward function {self.spec} returned the string {text!r} as a score; "
+                             f"expected a list of {n} floats (numbers, not strings)")
         if len(vals) != n:
             raise ValueError(f"reward function {self.spec} returned {len(vals)} scores for "
                              f"{n} responses; expected one float per response")
@@ -101,7 +110,7 @@ def write_samples(path: str, step: int, prompts: list, responses: list, scores: 
     """Append one JSON line per sample: step (1-based, as metrics.jsonl), batch row, prompt,
     response, reward."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as f:
+    with open_nofollow(path, append=True) as f:
         for r, p, s, v in zip(rows, prompts, responses, scores.tolist()):
             f.write(json.dumps({"step": step + 1, "row": r, "prompt": p, "response": s, "reward": v},
                                default=str) + "\n")

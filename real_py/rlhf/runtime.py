@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import peak_memory_mib, reset_peak_memory, resolve_device
+from ..liveness import PeerWatch, start_heartbeat
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
@@ -104,6 +105,9 @@ class Runtime:
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
                              offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
                              device=self.device)
+        # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
+        store = start_heartbeat()
+        self.watch = PeerWatch(store) if store is not None else None
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
@@ -131,7 +135,7 @@ class Runtime:
         "events" (rank, call, start, end), "store"} on every rank."""
         store = Store(self.schema, self.B)
         self._write_batch(store, step, list(range(self.B)))
-        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes)
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
         # One row per metric, plus the sum of squared scores (reward.normalize).
         sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}

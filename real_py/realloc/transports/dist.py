@@ -15,6 +15,13 @@ the round. A rank that gives up writes a line to the store (the default store un
 passed); a rank whose wait fails adds those lines to its error, so a chain of failures still
 names the rank that failed first.
 
+Waiting watches the peers (real_py/liveness.py): every process beats through the store, and
+`Handle.wait()` runs the blocking waits in a helper thread while it reads, every 0.1 s, the
+failure reports (a peer that gave up, e.g. rejecting its own input before posting anything:
+raise at once, naming it and its reason, after a short grace for ops that do not depend on it)
+and the heartbeats of the peers it waits on (one silent for liveness.SILENT_S seconds, e.g.
+SIGSTOPped: raise naming it). Without a store, waits are plain blocking waits.
+
 Counters: `sent_bytes` / `received_bytes` (network payload bytes; a broadcast counts once for
 its sender, as in ReallocPlan.per_rank_bytes()).
 """
@@ -27,7 +34,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...liveness import PeerWatch, start_heartbeat, wait_watched
 from .base import Handle, Recvs, Sends, TransferError, Transport
+
+REPORT_GRACE_S = 0.5
+"""Seconds a wait still gives its ops after a peer reported a failure: ops that do not depend on
+that peer (its data already arrived) complete, the rest are given up."""
 
 class DistTransport(Transport):
     name = "torch.distributed"
@@ -58,8 +70,8 @@ class DistTransport(Transport):
             except (RuntimeError, ValueError):
                 store = None
         self.store = store
+        self._watch = PeerWatch(start_heartbeat(store, dist.get_rank())) if store is not None else None
         self._seen = self._num_reports()
-        self._reported = None
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -101,14 +113,14 @@ class DistTransport(Transport):
             self.sent_bytes += t.numel() * t.element_size()
             if len(receivers) == 1:
                 ops.append(dist.P2POp(dist.isend, t, self._global[receivers[0]], self.group))
-                works.append(f"send to peer rank {receivers[0]}")
+                works.append((f"send to peer rank {receivers[0]}", (receivers[0],)))
             else:
                 bcast.append(((self.rank,) + tuple(receivers), 0, i, t))
         for i, (sender, t, receivers) in enumerate(recvs):
             self.received_bytes += t.numel() * t.element_size()
             if len(receivers) == 1:
                 ops.append(dist.P2POp(dist.irecv, t, self._global[sender], self.group))
-                works.append(f"receive from peer rank {sender}")
+                works.append((f"receive from peer rank {sender}", (sender,)))
             else:
                 bcast.append(((sender,) + tuple(receivers), 1, i, t))
         pending = []
@@ -117,9 +129,11 @@ class DistTransport(Transport):
                 got = dist.batch_isend_irecv(ops)
                 # NCCL coalesces the group into one work; gloo returns one per op.
                 if len(got) == len(ops):
-                    pending += list(zip(got, works))
+                    pending += [(w, what, peers) for w, (what, peers) in zip(got, works)]
                 else:
-                    pending += [(w, "; ".join(sorted(set(works)))) for w in got]
+                    what = "; ".join(sorted({w for w, _ in works}))
+                    peers = tuple(sorted({p for _, ps in works for p in ps}))
+                    pending += [(w, what, peers) for w in got]
             bcast.sort(key=lambda x: (x[0], x[1], x[2]))
             for (sender, *receivers), _, _, t in bcast:
                 g = self._subgroups.get(tuple(sorted((sender, *receivers))))
@@ -128,7 +142,8 @@ class DistTransport(Transport):
                                      f"{receivers}; was transport.setup(plan) called?")
                 w = dist.broadcast(t, src=self._global[sender], group=g, async_op=True)
                 pending.append((w, f"broadcast from rank {sender} to ranks {list(receivers)}"
-                                   + (" (peer rank %d)" % sender if sender != self.rank else "")))
+                                   + (" (peer rank %d)" % sender if sender != self.rank else ""),
+                                tuple(r for r in (sender, *receivers) if r != self.rank)))
         except (TransferError, ValueError):
             raise
         except Exception as e:  # posting failed (peer gone): same error path as a failed wait
@@ -139,9 +154,8 @@ class DistTransport(Transport):
 
     def fail(self, step: str, why: str) -> None:
         line = f"rank {self.rank} in {step}: {why}"
-        if self.store is None or self._reported == step:
-            return  # one line per failed step (the transport's own error reported it first)
-        self._reported = step
+        if self.store is None:
+            return
         try:
             n = self.store.add(self._prefix + "/n", 1)
             self.store.set(f"{self._prefix}/{n}", line[:2000])
@@ -170,6 +184,28 @@ class DistTransport(Transport):
                 pass
         return out
 
+    def _check_peers(self, step: str, peers, state: dict) -> None:
+        """Called while a round waits: raise TransferError if another rank reported a failure
+        (after REPORT_GRACE_S) or one of `peers` (group ranks) stopped beating."""
+        reports = self.reports()
+        if reports:
+            first = state.setdefault("reported", time.monotonic())
+            if time.monotonic() - first >= REPORT_GRACE_S:
+                root = reports[0].replace(" in ", " failed in ", 1)
+                msg = (f"rank {self.rank}: {step}: stopped waiting ({state['what']}): {root[:600]}"
+                       + (f" (and {len(reports) - 1} more reports)" if len(reports) > 1 else ""))
+                self.fail(step, f"TransferError: {msg}")
+                raise _reported(TransferError(msg))
+        silent = self._watch.silent([self._global[p] for p in peers])
+        if silent:
+            g, secs = silent[0]
+            p = self._global.index(g)
+            msg = (f"rank {self.rank}: {step}: peer rank {p}{'' if p == g else f' (global rank {g})'} "
+                   f"is silent: no heartbeat for {secs:.1f} s (process stopped or hung) while "
+                   f"waiting to {state['what']}")
+            self.fail(step, f"TransferError: {msg}")
+            raise _reported(TransferError(msg))
+
     def _error(self, step: str, what: str, cause=None) -> TransferError:
         """The TransferError for a failed op; reports it first, then gives the other ranks a
         moment to report theirs, so that a chain of failures names the rank at its root."""
@@ -184,7 +220,14 @@ class DistTransport(Transport):
             reports = self.reports()
         if reports:
             msg += "; failures reported by other ranks: " + " | ".join(r[:400] for r in reports[:4])
-        return TransferError(msg)
+        return _reported(TransferError(msg))
+
+
+def _reported(e: TransferError) -> TransferError:
+    """Mark an error this transport already reported to its peers (the reallocator then does
+    not report it a second time)."""
+    e.reported = True
+    return e
 
 
 class _DistHandle(Handle):
@@ -196,19 +239,35 @@ class _DistHandle(Handle):
         # report completion to is_completed() and a timed-out gloo wait closes the pair, so
         # polling or sliced waits are not an option. A dead peer fails the wait at once
         # ("Connection reset/closed by peer"); a live peer that never posts, at the deadline.
+        # With a store, the waits run in a helper thread while this one watches the peers.
         t = self.t
         deadline = time.monotonic() + t.timeout
-        for work, what in self.pending:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise TimeoutError("round deadline passed")
-                work.wait(datetime.timedelta(seconds=left))
-            except Exception as e:  # noqa: BLE001 - every failure becomes a TransferError
-                if time.monotonic() >= deadline - 0.05:
-                    raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}"
-                                   ) from e
-                raise t._error(self.step, what, e) from e
+        state = {"what": "", "failed": None}
+
+        def run():
+            for work, what, _ in self.pending:
+                state["what"] = what
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise TimeoutError("round deadline passed")
+                    work.wait(datetime.timedelta(seconds=left))
+                except Exception as e:  # noqa: BLE001 - every failure becomes a TransferError
+                    state["failed"] = (what, e, time.monotonic())
+                    return
+
+        if not self.pending:
+            return
+        if t._watch is None:
+            run()
+        else:
+            peers = sorted({p for _, _, ps in self.pending for p in ps})
+            wait_watched(run, lambda: t._check_peers(self.step, peers, state))
+        if state["failed"] is not None:
+            what, e, when = state["failed"]
+            if when >= deadline - 0.05:
+                raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}") from e
+            raise t._error(self.step, what, e) from e
 
 
 __all__ = ["DistTransport"]

@@ -2,7 +2,7 @@
 
 Every section rejects unknown keys (ValueError naming the section, the key and the allowed
 keys). Values are checked against the field annotations (`_coerce`: numeric strings become
-numbers, anything else of the wrong type is refused naming the dotted key), then against the
+numbers, inf and nan are refused, anything else of the wrong type is refused naming the dotted key), then against the
 allowed ranges (checks.py).
 """
 
@@ -63,7 +63,10 @@ def _coerce(value, tp, key: str):
                     x = float(x)
                 except ValueError:
                     pass
-        if isinstance(x, (int, float)) and not math.isnan(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            # 1e400 and .inf read as inf: a run would exit 0 with NaN losses.
+            raise ValueError(f"config {key}={value!r}: expected a finite number, got {x}")
+        if isinstance(x, (int, float)):
             if tp is float:
                 return float(x)
             if isinstance(x, int) or x.is_integer():
