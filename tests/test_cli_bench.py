@@ -103,38 +103,3 @@ def test_bench_refuses_unknown_model_and_existing_or_recorded_out(cfg, tmp_path,
     with pytest.raises(ValueError, match=f"{tmp_path / 'link_to_victim.json'} is a symbolic link"):
         open_nofollow(str(tmp_path / "link_to_victim.json"))
     assert victim.read_text() == "precious"
-
-
-def _listening(port: int) -> list[str]:
-    """Local addresses (hex, as /proc/net/tcp* writes them) of sockets listening on `port`."""
-    out = []
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(f).read().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            addr, p = local.split(":")
-            if int(p, 16) == port and state == "0A":  # TCP_LISTEN
-                out.append(addr)
-    return out
-
-
-def test_local_launch_binds_loopback_and_stops_on_failure(monkeypatch, capsys):
-    """launch_local's rendezvous store listens on 127.0.0.1 only; a failing rank ends the job
-    with its exit code and the other ranks are stopped."""
-    from real_py.cli import common
-
-    real_popen, seen = subprocess.Popen, []
-
-    def fake_popen(cmd, env):
-        port = int(env["MASTER_PORT"])
-        seen.append((env["RANK"], env["MASTER_ADDR"], _listening(port)))
-        code = "import sys; sys.exit(3)" if env["RANK"] == "1" else "import time; time.sleep(60)"
-        return real_popen([sys.executable, "-c", code])
-
-    monkeypatch.setattr(subprocess, "Popen", fake_popen)
-    t0 = time.monotonic()
-    assert common.launch_local(2, ["train"], dict(os.environ), "processes") == 3
-    assert time.monotonic() - t0 < 30, "the sleeping rank was not stopped"
-    assert [r for r, _, _ in seen] == ["0", "1"]
-    for _, addr, listening in seen:
-        assert addr == "127.0.0.1" and listening == ["0100007F"], listening  # 127.0.0.1 only
-    assert "rank 1 ended with exit code 3; stopping the other ranks" in capsys.readouterr().err

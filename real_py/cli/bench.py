@@ -5,7 +5,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
 Without RANK in the environment (not under torchrun) the command checks its arguments and
-re-invokes itself (cli.common.launch_local, rendezvous on 127.0.0.1 only) with as many local processes as the
+re-invokes itself under torchrun --standalone (cli.common.launch_torchrun) with as many local processes as the
 layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
 --device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
 result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from ..rlhf.observe import open_nofollow
-from .common import launch_local, ranks
+from .common import launch_torchrun, ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -264,7 +264,7 @@ def _launch(args, nproc: int) -> int:
         argv.append("--overwrite")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return launch_local(nproc, argv, env, "processes")
+    return launch_torchrun(nproc, argv, env, "processes")
 
 
 # ---------------------------------------------------------------- workers (under torchrun)

@@ -32,73 +32,26 @@ def ranks(text: str | None, flag: str) -> tuple[int, ...] | None:
         raise ValueError(f"{flag} {text!r}: expected comma-separated non-negative integers, e.g. 0,1,2,3") from None
 
 
-def launch_local(nproc: int, argv: list[str], env: dict, what: str) -> int:
-    """Run `python -m real_py <argv>` as ranks 0..nproc-1 on this machine (the single-node part
-    of torchrun --standalone) and return the job's exit code.
+def launch_torchrun(nproc: int, argv: list[str], env: dict, what: str) -> int:
+    """Run `python -m real_py <argv>` as ranks 0..nproc-1 of a single-node job under
+    `torch.distributed.run --standalone` (torchrun: its c10d rendezvous, its worker monitoring:
+    the first failing rank stops the others) and return the job's exit code.
 
-    The rendezvous store listens on 127.0.0.1 only: the TCPStore server is handed a socket bound
-    to loopback (a TCPStore, torchrun's included, otherwise listens on every interface whatever
-    host it is given). The ranks find it through MASTER_ADDR / MASTER_PORT and
-    TORCHELASTIC_USE_AGENT_STORE (connect as clients, as under torchrun's agent). Nothing is
-    written to TMPDIR (torchrun leaves an empty torchelastic_* directory per job). The first
-    rank that fails stops the others (SIGTERM and SIGCONT, then SIGKILL after 10 s); its exit
-    code is the job's. For several nodes run torchrun yourself (see README)."""
-    import signal
-    import socket
+    torchrun writes a torchelastic_* directory per job into TMPDIR and leaves it behind: the job
+    gets a private TMPDIR that is removed afterwards. The rendezvous store is torchrun's own
+    TCPStore, which listens on every interface (only a socket bound before the store is created
+    restricts it, and torchrun takes none); on a shared host, firewall its port or run the job
+    in a network namespace. For several nodes run torchrun yourself (see README)."""
+    import shutil
     import subprocess
     import sys
-    import time
+    import tempfile
 
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(max(128, nproc))
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.fileno(),
-                          wait_for_workers=False, multi_tenant=True)
-    sock.detach()  # the store owns the listening socket now and closes it
-    cmd = [sys.executable, "-m", "real_py"] + argv
-    print(f"launching {nproc} local {what}: {' '.join(cmd[1:])} (rendezvous on 127.0.0.1:{port})",
-          flush=True)
-    base = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True",
-                TORCHELASTIC_RESTART_COUNT="0")
-    procs: list[subprocess.Popen] = []
-
-    def stop(*_):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, stop)
+    tmp = tempfile.mkdtemp(prefix="real_py_job_")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "real_py"] + argv
+    print(f"launching {nproc} local {what}: {' '.join(cmd[1:])}", flush=True)
     try:
-        for r in range(nproc):
-            procs.append(subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r),
-                                                        ROLE_RANK=str(r))))
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                r, c = bad[0]
-                why = f"signal {-c}" if c < 0 else f"exit code {c}"
-                print(f"error: rank {r} ended with {why}; stopping the other ranks", file=sys.stderr,
-                      flush=True)
-                return 128 - c if c < 0 else c
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        return 130
+        return subprocess.call(cmd, env=dict(env, TMPDIR=tmp))
     finally:
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
-        deadline = time.monotonic() + 10
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        signal.signal(signal.SIGTERM, old)
-        del store
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -5,9 +5,9 @@ steps=3`); values are read as YAML and typed like the file. An out_dir that alre
 run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
 Without RANK in the environment (not under torchrun), the command validates the config and then
-re-invokes itself as the plan's world size of local ranks (cli.common.launch_local: what
-`torchrun --standalone --nproc-per-node=<world_size>` does, with the rendezvous store bound to
-127.0.0.1 only), so `python -m real_py train` is the whole command. Under torchrun (one node or many) every rank runs the SPMD loop below.
+re-invokes itself under `torchrun --standalone --nproc-per-node=<world_size>` (cli.common.
+launch_torchrun, with a private TMPDIR removed afterwards), so `python -m real_py train` is the
+whole command. Under torchrun (one node or many) every rank runs the SPMD loop below.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def _config(args):
 
 
 def _launch(args, world: int) -> int:
-    """Re-invoke this command as `world` local ranks (cli.common.launch_local: rendezvous on
-    loopback only, nothing left in TMPDIR)."""
+    """Re-invoke this command as `world` local ranks under torchrun (cli.common.launch_torchrun)."""
     argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
                                          ("--out-dir", args.out_dir), ("--timeout", args.timeout))
                         if v is not None for x in (k, str(v))]
@@ -74,9 +73,9 @@ def _launch(args, world: int) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    from .common import launch_local
+    from .common import launch_torchrun
 
-    return launch_local(world, argv, env, "gloo processes")
+    return launch_torchrun(world, argv, env, "gloo processes")
 
 
 def run(args) -> int:
