@@ -189,3 +189,27 @@ def test_annealing_is_independent_of_the_time_unit(prob16):
     assert a["best"] == b["best"]
     assert b["best_cost"] == a["best_cost"] * 1024
     assert [c["accepted"] for c in a["chains"]] == [c["accepted"] for c in b["chains"]]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "remax"])
+def test_search_places_the_runtimes_graph(algo, tmp_path):
+    """The search's calls are the runtime's (real_py.rlhf.graph): a critic-free algorithm has no
+    critic calls, ReMax's greedy generation is placed (and reallocated like actor_gen), and the
+    plan it writes passes the train job's validation for that algorithm."""
+    from real_py.rlhf import config as CF
+    from real_py.rlhf.graph import ALGORITHMS, Graph
+    from real_py.search.graph import search_graph
+
+    assert search_graph("ppo") == PPO_GRAPH
+    graph = search_graph(algo)
+    assert [c.name for c in graph] == list(Graph(ALGORITHMS[algo]).order)
+    assert not any(c.model == "critic" for c in graph)
+    res = plan_search("llama2-7b", num_gpus=8, hardware="h100", time_budget=2, algo=algo)
+    assert set(res.plan.calls) == {c.name for c in graph}
+    if algo == "remax":
+        greedy = graph[[c.name for c in graph].index("actor_greedy")]
+        assert greedy.kind == "generate" and greedy.weight_src == "actor_train"
+    path = tmp_path / "plan.json"
+    res.plan.save(str(path))
+    cfg = CF.from_dict({"algo": algo, "plan": {"path": str(path)}, "reward": {"kind": "rule"}})
+    assert set(cfg.execution_plan().calls) == {c.name for c in graph}

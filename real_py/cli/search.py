@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .common import model_config
+from ..rlhf.graph import ALGORITHMS
 from ..search import Workload, plan_search
 from ..search.hardware import PROFILE_NAMES
 from ..spec import PRESETS
@@ -13,7 +14,10 @@ from ..spec import PRESETS
 def add_parser(sub):
     p = sub.add_parser("search", help="search a PPO execution plan with the runtime estimator")
     p.add_argument("--model", default="llama2-7b", help=f"actor preset ({', '.join(PRESETS)}) or a path to an HF config.json / checkpoint dir")
-    p.add_argument("--critic", default=None, help="critic preset or HF config path (default: same as --model)")
+    p.add_argument("--critic", default=None, help="critic / reward model preset or HF config path (default: same as --model)")
+    p.add_argument("--algo", default="ppo", choices=sorted(ALGORITHMS),
+                   help="the dataflow graph to place: ppo (actor, critic, reference, reward) or a critic-free "
+                        "algorithm (no critic calls; remax adds the greedy baseline generation)")
     p.add_argument("--gpus", type=int, required=True, help="number of devices")
     p.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
     p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
@@ -52,14 +56,16 @@ def run(args) -> int:
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
                   ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs)
     res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
-                      time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype)
+                      time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
+                      algo=args.algo)
     sim = res.simulate()
     if args.out:
         res.plan.save(args.out)
     if args.plot:
         from ..search.plot import plot_timeline
 
-        title = (f"{args.model} actor + {args.critic or args.model} critic, {args.gpus} x {args.hardware}, "
+        second = "critic" if args.algo == "ppo" else "reward model"
+        title = (f"{args.algo}: {args.model} actor + {args.critic or args.model} {second}, {args.gpus} x {args.hardware}, "
                  f"gen {args.gen_len}: {res.iter_time:.2f} s/iter (symmetric "
                  f"{res.baselines['symmetric'].iter_time:.2f}, heuristic {res.baselines['heuristic'].iter_time:.2f})")
         plot_timeline(sim.events, args.gpus, args.plot, title)

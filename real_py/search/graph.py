@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..rlhf.graph import ALGORITHMS, Graph
 from ..spec import ModelConfig, ModelSpec, model_spec, preset
 from .costmodel import Mesh, Workload
 
@@ -27,24 +28,36 @@ class CallSpec:
     """The call whose layout holds this model's weights (trainable models), else None."""
 
 
-PPO_GRAPH: tuple[CallSpec, ...] = (
-    CallSpec(name="actor_gen", model="actor", kind="generate", weight_src="actor_train"),
-    CallSpec(name="ref_inf", model="ref", kind="inference", deps=("actor_gen",)),
-    CallSpec(name="rew_inf", model="reward", kind="inference", deps=("actor_gen",)),
-    CallSpec(name="critic_inf", model="critic", kind="inference", deps=("actor_gen",),
-             weight_src="critic_train"),
-    CallSpec(name="actor_train", model="actor", kind="train",
-             deps=("actor_gen", "ref_inf", "rew_inf", "critic_inf")),
-    CallSpec(name="critic_train", model="critic", kind="train",
-             deps=("actor_gen", "ref_inf", "rew_inf", "critic_inf")),
-)
+_KINDS = {"generate": "generate", "generate_greedy": "generate", "logprobs": "inference",
+          "values": "inference", "reward": "inference"}
+
+
+def search_graph(algo: str = "ppo") -> tuple[CallSpec, ...]:
+    """The calls of `algo` as the search sees them, derived from the runtime's own dataflow graph
+    (real_py.rlhf.graph): kind generate / inference / train, dependencies = the producers of the
+    keys a call reads, weight_src = the call that trains the model (the weights' home layout)."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"algo={algo!r}; allowed: {sorted(ALGORITHMS)}")
+    g = Graph(ALGORITHMS[algo])
+    out = []
+    for n in g.order:
+        c = g.calls[n]
+        deps = tuple(dict.fromkeys(p for k in c.reads if (p := g.producer(k)) is not None))
+        home = g.train_call(c.model)
+        out.append(CallSpec(name=n, model=c.model, kind="train" if c.trains else _KINDS[c.kind],
+                            deps=deps, weight_src=home if home != n else None))
+    return tuple(out)
+
+
+PPO_GRAPH: tuple[CallSpec, ...] = search_graph("ppo")
+"""The six PPO calls (actor_gen, ref_inf, rew_inf, critic_inf, actor_train, critic_train)."""
 
 
 def dep_bytes(src: str, dst: str, wl: Workload) -> float:
     """Bytes a call reads from a dependency: int32 tokens (+ fp32 logprobs from generation to
     the actor's training), and one fp32 per token from each inference call."""
     tokens = wl.batch_size * wl.seq_len
-    if src == "actor_gen":
+    if src in ("actor_gen", "actor_greedy"):
         return tokens * (8 if dst == "actor_train" else 4)
     return tokens * 4
 

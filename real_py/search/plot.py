@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 COLORS = {"actor_gen": "#4C72B0", "ref_inf": "#55A868", "rew_inf": "#C44E52", "critic_inf": "#8172B2",
-          "actor_train": "#CCB974", "critic_train": "#64B5CD"}
+          "actor_train": "#CCB974", "critic_train": "#64B5CD", "actor_greedy": "#DA8BC3"}
 
 
 def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
@@ -34,7 +34,8 @@ def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
     ax.set_yticklabels([f"gpu {r}" for r in range(0, num_gpus, step)], fontsize=7)
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=c, edgecolor="black", label=n) for n, c in COLORS.items()]
+    present = {e.call for e in events if not e.realloc}
+    handles = [Patch(facecolor=c, edgecolor="black", label=n) for n, c in COLORS.items() if n in present]
     handles.append(Patch(facecolor="#999999", hatch="//", edgecolor="black", label="reallocation"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=7, fontsize=8)
     ax.set_title(title, fontsize=10)

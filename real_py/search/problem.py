@@ -54,9 +54,10 @@ class Option:
 class Problem:
     def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
                  iters: int = 3, per_mesh: int = 3, min_mesh_size: int = 1, extra: dict | None = None,
-                 fixed: dict | None = None, realloc: ReallocCost | None = None):
+                 fixed: dict | None = None, realloc: ReallocCost | None = None,
+                 graph: tuple | None = None):
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
-        self.calls = PPO_GRAPH
+        self.calls = PPO_GRAPH if graph is None else graph
         self.names = [c.name for c in self.calls]
         self.rpn = min(hw.ranks_per_node, num_gpus)
         self.realloc_cost = realloc or ReallocCost(hw)

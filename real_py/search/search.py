@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..rlhf.execplan import ExecutionPlan
 from .costmodel import Mesh, Workload
-from .graph import PPOModels, ppo_models, strategies
+from .graph import PPO_GRAPH, PPOModels, ppo_models, search_graph, strategies
 from .hardware import HardwareProfile
 from .profiles import get_profile
 from .problem import GiB, Problem, layouts_from_plan
@@ -51,22 +51,20 @@ class SearchResult:
         return simulate(self.problem, self.choice)
 
 
-def _full(models: PPOModels, hw, n, wl):
-    """(dp, tp, pp) on all n devices valid for every model, and the pp=1 ones per model."""
+def _full(models: PPOModels, hw, n, wl, graph=PPO_GRAPH):
+    """(dp, tp, pp) on all n devices valid for every model of the graph, and the ones per model."""
     rpn = min(hw.ranks_per_node, n)
-    per_model = {r: strategies(models.of(r), n, rpn, wl) for r in ("actor", "critic", "ref", "reward")}
+    per_model = {r: strategies(models.of(r), n, rpn, wl) for r in sorted({c.model for c in graph})}
     common = sorted(set.intersection(*(set(v) for v in per_model.values())))
     return common, per_model
 
 
-def baseline_layouts(models, hw, n, wl) -> dict:
+def baseline_layouts(models, hw, n, wl, graph=PPO_GRAPH) -> dict:
     """Every layout a baseline may use, per call (added to the search's candidates)."""
-    common, per_model = _full(models, hw, n, wl)
+    common, per_model = _full(models, hw, n, wl, graph)
     full = Mesh(0, n)
-    from .graph import PPO_GRAPH
-
     out = {}
-    for c in PPO_GRAPH:
+    for c in graph:
         keys = {(full,) + s for s in common}
         if c.kind != "train":
             keys |= {(full,) + s for s in per_model[c.model] if s[2] == 1}
@@ -75,7 +73,7 @@ def baseline_layouts(models, hw, n, wl) -> dict:
 
 
 def symmetric_baseline(prob: Problem) -> Baseline:
-    common, _ = _full(prob.models, prob.hw, prob.num_gpus, prob.wl)
+    common, _ = _full(prob.models, prob.hw, prob.num_gpus, prob.wl, prob.calls)
     ev, full = prob.evaluator(), Mesh(0, prob.num_gpus)
     best = Baseline("symmetric", None, math.inf, math.inf)
     least_mem = math.inf
@@ -114,14 +112,16 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
                 restart_steps: int = 100_000,
                 per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
-                models: PPOModels | None = None) -> SearchResult:
-    """Search an execution plan for PPO. time_budget: seconds for everything (tables included)."""
+                models: PPOModels | None = None, algo: str = "ppo") -> SearchResult:
+    """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
+    algorithms have no critic calls). time_budget: seconds for everything (tables included)."""
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
-    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh,
-                   extra=baseline_layouts(models, hw, num_gpus, wl))
+    graph = search_graph(algo)
+    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph,
+                   extra=baseline_layouts(models, hw, num_gpus, wl, graph))
     sym = symmetric_baseline(prob)
     heu = heuristic_baseline(prob, sym)
     t_tables = time.perf_counter() - t0
@@ -148,7 +148,7 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
 
 def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",
              workload: Workload | None = None, iters: int = 3, dtype: str = "bfloat16",
-             models: PPOModels | None = None) -> dict:
+             models: PPOModels | None = None, algo: str = "ppo") -> dict:
     """Estimated seconds per iteration of a given plan, with per-call and reallocation times.
 
     For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
@@ -157,7 +157,8 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
-    prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan))
+    prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
+                   graph=search_graph(algo))
     r = simulate(prob, [0] * len(prob.calls))
     calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
                     "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}
