@@ -46,6 +46,9 @@ CASES = {
                                                               max_window_layers=1)),
     "qwen2-tied-sliding-yarn": ("qwen2", True, dict(use_sliding_window=True, sliding_window=4, max_window_layers=2,
                                                     rope_scaling=ROPE["yarn"])),
+    "qwen3-head_dim-sliding": ("qwen3", False, dict(head_dim=32, use_sliding_window=True, sliding_window=4,
+                                                     max_window_layers=1)),
+    "qwen3-tied-yarn": ("qwen3", True, dict(rope_scaling=ROPE["yarn"])),
 }
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
@@ -109,6 +112,13 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
         without = p.head(p(TOKENS, pos))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+    if cfg.qk_norm:  # Qwen3's per-head q/k norm weights must reach the logits too
+        with torch.no_grad():
+            for k, v in m.shard_params.items():
+                if k.endswith(("q_norm.weight", "k_norm.weight")):
+                    v.fill_(1.0)
+            unnormed = m.head(m(TOKENS, pos))
+        assert (unnormed - want).abs().max() > 1e-3, f"{name}: q/k norm weights must change the logits"
 
 
 def test_qwen2_window_layers_follow_transformers():
@@ -208,6 +218,8 @@ REFUSALS = [
     ("hidden_act", lambda: _llama(hidden_act="gelu"), r"config field hidden_act='gelu' is not supported"),
     ("mlp_bias", lambda: _llama(mlp_bias=True), r"config field mlp_bias=True is not supported"),
     ("llama-attention_bias", lambda: _llama(attention_bias=True), r"attention_bias=True .*o_proj"),
+    ("qwen3-attention_bias", lambda: transformers.Qwen3Config(**O.TINY, attention_bias=True).to_dict(),
+     r"attention_bias=True .*qwen3's attention_bias also biases o_proj"),
     ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
@@ -265,7 +277,8 @@ def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
 def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
-    for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3"):
+    for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
+                 "qwen3-head_dim-sliding"):
         path = ckpts[name]
         for head in ("lm", "value"):
             cfg = ModelConfig.from_hf(path, head=head)
@@ -286,7 +299,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -312,7 +325,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                     assert torch.equal(sd["score.weight"], v)
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic"])
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
+                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

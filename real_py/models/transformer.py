@@ -72,12 +72,17 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
         self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group)
         self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
+        self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q = apply_rope(q.view(B, T, self.nh, self.hd).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, self.nkv, self.hd).transpose(1, 2), cos, sin)
+        q, k = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)

@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral" or "qwen2"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2" or "qwen3"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -68,6 +68,9 @@ class ModelConfig:
     """Attention window in tokens (query q sees keys q - window < k <= q); 0: full attention."""
     window_layers: tuple[int, ...] | None = None
     """Layers that use the sliding window; None: every layer (Mistral). Qwen2: its layer_types."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
+    projection and before RoPE."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
 
@@ -149,7 +152,7 @@ ROPE_SCALING_KEYS = {
     "yarn": ({"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "mscale", "mscale_all_dim", "truncate"}),
 }
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -162,7 +165,7 @@ def _check_config_types(c: ModelConfig) -> None:
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
-    for f in ("tie_word_embeddings", "attention_bias"):
+    for f in ("tie_word_embeddings", "attention_bias", "qk_norm"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -10,10 +10,11 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings |
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
+| qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, rope_scaling, sliding window as qwen2, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
 any other model_type or architecture, hidden_act other than silu, mlp_bias, attention_bias on llama
-(it biases o_proj too), attention_dropout > 0 (changes training), partial_rotary_factor != 1,
+and qwen3 (it biases o_proj too), attention_dropout > 0 (changes training), partial_rotary_factor != 1,
 rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
 """
@@ -24,8 +25,9 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -50,6 +52,7 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
              "mistral": {"sliding_window", "attention_dropout", "hidden_act"},
              "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                        "attention_dropout", "hidden_act"}}
+_PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
 
 
 def _supported() -> str:
@@ -104,6 +107,11 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
             _refuse(where, "attention_bias", True, "llama's attention_bias also biases o_proj; only "
                     "q/k/v biases (qwen2) are implemented")
         kw["attention_bias"] = False
+    elif mt == "qwen3":
+        if config.get("attention_bias"):
+            _refuse(where, "attention_bias", True, "qwen3's attention_bias also biases o_proj; only "
+                    "q/k/v biases (qwen2) are implemented")
+        kw["attention_bias"], kw["qk_norm"] = False, True
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
     rs = config.get("rope_scaling")
@@ -113,7 +121,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         kw["rope_scaling"] = rs
     if mt == "mistral" and config.get("sliding_window") is not None:
         kw["sliding_window"] = config["sliding_window"]
-    if mt == "qwen2" and config.get("use_sliding_window"):
+    if mt in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config.get("sliding_window")
         if window is None:
             _refuse(where, "sliding_window", None, "use_sliding_window needs a window size")
@@ -124,7 +132,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
                      for i in range(config["num_hidden_layers"])]
         kw["sliding_window"] = window
         kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif mt == "qwen2" and any(t != "full_attention" for t in config.get("layer_types") or ()):
+    elif mt in ("qwen2", "qwen3") and any(t != "full_attention" for t in config.get("layer_types") or ()):
         _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
     allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
     for k, v in config.items():
@@ -145,6 +153,9 @@ def export_config(config, source: dict | None = None) -> dict:
     import transformers
 
     c, mt = config, config.model_type
+    if c.qk_norm != (mt == "qwen3"):
+        raise ValueError(f"qk_norm={c.qk_norm} cannot export as model_type {mt!r} (per-head q/k norms are "
+                         "qwen3's; model_type 'qwen3' needs qk_norm=True)")
     kw = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
               vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
@@ -165,8 +176,13 @@ def export_config(config, source: dict | None = None) -> dict:
             raise ValueError("mistral slides every layer; export per-layer windows as model_type 'qwen2'")
         kw.update(sliding_window=c.sliding_window or None)
     else:
-        if not c.attention_bias:
+        if mt == "qwen2" and not c.attention_bias:
             raise ValueError("qwen2 always has q/k/v biases; use model_type 'llama' for attention_bias=False")
+        if mt == "qwen3" and c.attention_bias:
+            raise ValueError("qwen3's attention_bias would also expect an o_proj bias; export q/k/v biases "
+                             "as model_type 'qwen2'")
+        if mt == "qwen3":
+            kw.update(attention_bias=False)
         layers = range(c.num_hidden_layers)
         kw.update(use_sliding_window=bool(c.sliding_window), sliding_window=c.sliding_window or None,
                   max_window_layers=c.num_hidden_layers,

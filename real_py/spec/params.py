@@ -224,6 +224,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.input_layernorm.weight       [H]               replicated
       layers.i.self_attn.qkv_proj.weight    [(nh+2nkv)hd, H]  split dim 0, blocks q|k|v
       layers.i.self_attn.qkv_proj.bias      [(nh+2nkv)hd]     (attention_bias only)
+      layers.i.self_attn.q_norm.weight      [hd]              replicated (qk_norm only, Qwen3)
+      layers.i.self_attn.k_norm.weight      [hd]              replicated (qk_norm only)
       layers.i.self_attn.o_proj.weight      [H, nh*hd]        split dim 1
       layers.i.post_attention_layernorm.w.  [H]               replicated
       layers.i.mlp.gate_up_proj.weight      [2I, H]           split dim 0, blocks gate|up
@@ -256,6 +258,9 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         ]
         if c.attention_bias:
             lp.append((pre + "self_attn.qkv_proj.bias", ((nh + 2 * nkv) * hd,), qkv))
+        if c.qk_norm:  # per-head norms: every TP rank applies the same [hd] weight to its heads
+            lp += [(pre + "self_attn.q_norm.weight", (hd,), REPLICATED),
+                   (pre + "self_attn.k_norm.weight", (hd,), REPLICATED)]
         lp += [
             (pre + "self_attn.o_proj.weight", (H, nh * hd),
              TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
