@@ -49,6 +49,9 @@ CASES = {
     "qwen3-head_dim-sliding": ("qwen3", False, dict(head_dim=32, use_sliding_window=True, sliding_window=4,
                                                      max_window_layers=1)),
     "qwen3-tied-yarn": ("qwen3", True, dict(rope_scaling=ROPE["yarn"])),
+    "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
+                                                     hidden_act="gelu_pytorch_tanh")),
+    "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
 }
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
@@ -111,7 +114,18 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
         p = StageModel(plain, load_hf_shard(path, plain, Layout(), 0))
         without = p.head(p(TOKENS, pos))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+    if cfg.rope_scaling or cfg.sliding_window:
+        assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+    if cfg.o_proj_bias or cfg.mlp_bias or cfg.hidden_act != "silu":  # biases and activation reach the logits
+        with torch.no_grad():
+            silu = replace(cfg, hidden_act="silu")
+            q = StageModel(silu, load_hf_shard(path, silu, Layout(), 0))
+            assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
+            for k, v in m.shard_params.items():
+                if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
+                    v.zero_()
+            assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
+        m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
     if cfg.qk_norm:  # Qwen3's per-head q/k norm weights must reach the logits too
         with torch.no_grad():
             for k, v in m.shard_params.items():
@@ -215,11 +229,9 @@ REFUSALS = [
     ("phi3", lambda: transformers.Phi3Config(**O.TINY).to_dict(), r"architecture 'phi3' is not supported"),
     ("llama-base-model", lambda: _llama(architectures=["LlamaModel"]), r"architecture 'LlamaModel' .* not supported"),
     ("no-model-type", lambda: {"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supported"),
-    ("hidden_act", lambda: _llama(hidden_act="gelu"), r"config field hidden_act='gelu' is not supported"),
-    ("mlp_bias", lambda: _llama(mlp_bias=True), r"config field mlp_bias=True is not supported"),
-    ("llama-attention_bias", lambda: _llama(attention_bias=True), r"attention_bias=True .*o_proj"),
-    ("qwen3-attention_bias", lambda: transformers.Qwen3Config(**O.TINY, attention_bias=True).to_dict(),
-     r"attention_bias=True .*qwen3's attention_bias also biases o_proj"),
+    ("hidden_act", lambda: _llama(hidden_act="gelu_new"), r"config field hidden_act='gelu_new' is not supported"),
+    ("mistral-mlp_bias", lambda: dict(transformers.MistralConfig(**O.TINY).to_dict(), mlp_bias=True),
+     r"config field mlp_bias=True is not supported \(mistral has no MLP biases\)"),
     ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
@@ -278,7 +290,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
-                 "qwen3-head_dim-sliding"):
+                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu"):
         path = ckpts[name]
         for head in ("lm", "value"):
             cfg = ModelConfig.from_hf(path, head=head)
@@ -326,7 +338,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
-                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn"])
+                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

@@ -104,8 +104,10 @@ def test_named_pairs(name, mode):
 def test_random_pairs():
     """300+ seeded random pairs over random rank subsets of an 8-rank world, both modes."""
     rng = random.Random(1234)
-    specs = [TIED, UNTIED, BIAS, VALUE, tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16")]
-    for i in range(320):
+    specs = [TIED, UNTIED, BIAS, VALUE, tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
+             # Qwen3 q/k norms (replicated [hd]), LLaMA o_proj / mlp biases (replicated, split gate|up)
+             tiny_spec(bias=True, qk_norm=True, o_proj_bias=True, mlp_bias=True, name="tiny-norms-biases")]
+    for i in range(384):
         model = specs[i % len(specs)]
         src = random_layout(rng, 8, model.num_layers)
         dst = random_layout(rng, 8, model.num_layers)

@@ -81,14 +81,16 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T); W_local: [out, in/tp], x_local: [..., in/tp]."""
+    """y = all_reduce(x_local W_local^T) (+ b); W_local: [out, in/tp], x_local: [..., in/tp]; the
+    bias is replicated and added once, after the reduction."""
 
-    def __init__(self, weight: nn.Parameter, group):
+    def __init__(self, weight: nn.Parameter, group, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight, self.group = weight, group
+        self.weight, self.group, self.bias = weight, group, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -27,14 +27,18 @@ from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: nn.Parameter, eps: float):
+    """tp_group: the norm is applied to a TP rank's own heads only (Qwen3's per-head q/k norm), so
+    its replicated weight's gradient is the sum over the TP group (copy_to_tp on the weight)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, tp_group=None):
         super().__init__()
-        self.weight, self.eps = weight, eps
+        self.weight, self.eps, self.tp_group = weight, eps, tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        w = self.weight if self.tp_group is None else copy_to_tp(self.weight, self.tp_group)
+        return w * xf.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +74,10 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, pre: str, tp: int, group):
         super().__init__()
         self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
-        self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group)
+        self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group, p.get(pre + "o_proj.bias"))
         self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
-        self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps, group) if c.qk_norm else None
+        self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps, group) if c.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
@@ -93,15 +97,21 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
+         "tanh": torch.tanh, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, p: dict, pre: str, group):
+    def __init__(self, p: dict, pre: str, group, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], None, group)
-        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group)
+        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], p.get(pre + "gate_up_proj.bias"),
+                                                 group)
+        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group, p.get(pre + "down_proj.bias"))
+        self.act = _ACTS[act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +121,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], c.rms_norm_eps)
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
         self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        self.mlp = MLP(p, pre + "mlp.", group)
+        self.mlp = MLP(p, pre + "mlp.", group, c.hidden_act)
 
     def forward(self, h, cos, sin, mask, cache):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)

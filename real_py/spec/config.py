@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from .hf_config import config_kwargs
+from .hf_config import _HIDDEN_ACTS, config_kwargs
 
 QKV_LAYOUTS = ("blocked", "megatron_grouped")
 GATE_UP_LAYOUTS = ("blocked", "interleaved")
@@ -68,6 +68,12 @@ class ModelConfig:
     """Attention window in tokens (query q sees keys q - window < k <= q); 0: full attention."""
     window_layers: tuple[int, ...] | None = None
     """Layers that use the sliding window; None: every layer (Mistral). Qwen2: its layer_types."""
+    o_proj_bias: bool = False
+    """Bias on o_proj ([H], replicated; added after the TP all-reduce): LLaMA / Qwen3 attention_bias."""
+    mlp_bias: bool = False
+    """LLaMA mlp_bias: biases on gate|up (split like the weight) and down_proj ([H], replicated)."""
+    hidden_act: str = "silu"
+    """Gate activation of the gated MLP, one of HIDDEN_ACTS (transformers' ACT2FN names)."""
     qk_norm: bool = False
     """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
     projection and before RoPE."""
@@ -152,6 +158,9 @@ ROPE_SCALING_KEYS = {
     "yarn": ({"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "mscale", "mscale_all_dim", "truncate"}),
 }
+# transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
+# hand-written tanh formulas in transformers whose rounding differs; refused).
+HIDDEN_ACTS = _HIDDEN_ACTS
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -165,7 +174,9 @@ def _check_config_types(c: ModelConfig) -> None:
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
-    for f in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+    if c.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
+    for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -7,19 +7,22 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 
 | model_type | architectures | fields beyond the shape |
 |---|---|---|
-| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings |
+| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings, attention_bias (q/k/v/o), mlp_bias, hidden_act |
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
-| qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, rope_scaling, sliding window as qwen2, tied |
+| qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
-any other model_type or architecture, hidden_act other than silu, mlp_bias, attention_bias on llama
-and qwen3 (it biases o_proj too), attention_dropout > 0 (changes training), partial_rotary_factor != 1,
+any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
+differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
 rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
 """
 
 from __future__ import annotations
+
+# transformers ACT2FN names real_py computes identically (re-exported as spec.config.HIDDEN_ACTS)
+_HIDDEN_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu", "sigmoid", "tanh")
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
@@ -92,26 +95,24 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
     kw.update({k: config[k] for k in _READ if config.get(k) is not None})
     kw["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
     kw["model_type"] = mt
-    if config.get("hidden_act", "silu") != "silu":
-        _refuse(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU) is implemented")
+    act = config.get("hidden_act", "silu")
+    if act not in _HIDDEN_ACTS:
+        _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
+    kw["hidden_act"] = act
     if config.get("attention_dropout") not in (None, 0, 0.0):
         _refuse(where, "attention_dropout", config["attention_dropout"], "dropout changes training; need 0")
     if config.get("mlp_bias"):
-        _refuse(where, "mlp_bias", config["mlp_bias"], "MLP biases are not implemented")
+        if mt != "llama":
+            _refuse(where, "mlp_bias", config["mlp_bias"], f"{mt} has no MLP biases")
+        kw["mlp_bias"] = True
     if config.get("partial_rotary_factor") not in (None, 1, 1.0):
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt == "llama":
-        if config.get("attention_bias"):
-            _refuse(where, "attention_bias", True, "llama's attention_bias also biases o_proj; only "
-                    "q/k/v biases (qwen2) are implemented")
-        kw["attention_bias"] = False
-    elif mt == "qwen3":
-        if config.get("attention_bias"):
-            _refuse(where, "attention_bias", True, "qwen3's attention_bias also biases o_proj; only "
-                    "q/k/v biases (qwen2) are implemented")
-        kw["attention_bias"], kw["qk_norm"] = False, True
+    if mt in ("llama", "qwen3"):
+        # transformers' llama / qwen3 attention_bias biases q, k, v and o_proj
+        kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
+        kw["qk_norm"] = mt == "qwen3"
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
     rs = config.get("rope_scaling")
@@ -162,13 +163,16 @@ def export_config(config, source: dict | None = None) -> dict:
               tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
               max_position_embeddings=c.max_position_embeddings, torch_dtype=c.dtype, hidden_act="silu",
               rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
+    if c.mlp_bias and mt != "llama":
+        raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
+    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3")):
+        raise ValueError(f"attention_bias={c.attention_bias}, o_proj_bias={c.o_proj_bias} cannot export as "
+                         f"model_type {mt!r} (llama / qwen3: both or neither; qwen2: q/k/v only)")
+    kw["hidden_act"] = c.hidden_act
     if mt == "llama":
-        if c.attention_bias:
-            raise ValueError("attention_bias=True (q/k/v biases) exports as model_type 'qwen2'; llama's "
-                             "attention_bias would also expect an o_proj bias")
         if c.sliding_window:
             raise ValueError("sliding_window exports as model_type 'mistral' or 'qwen2', not 'llama'")
-        kw.update(attention_bias=False, mlp_bias=False)
+        kw.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     elif mt == "mistral":
         if c.attention_bias:
             raise ValueError("mistral has no q/k/v biases; export attention_bias=True as model_type 'qwen2'")
@@ -178,11 +182,8 @@ def export_config(config, source: dict | None = None) -> dict:
     else:
         if mt == "qwen2" and not c.attention_bias:
             raise ValueError("qwen2 always has q/k/v biases; use model_type 'llama' for attention_bias=False")
-        if mt == "qwen3" and c.attention_bias:
-            raise ValueError("qwen3's attention_bias would also expect an o_proj bias; export q/k/v biases "
-                             "as model_type 'qwen2'")
         if mt == "qwen3":
-            kw.update(attention_bias=False)
+            kw.update(attention_bias=c.attention_bias)
         layers = range(c.num_hidden_layers)
         kw.update(use_sliding_window=bool(c.sliding_window), sliding_window=c.sliding_window or None,
                   max_window_layers=c.num_hidden_layers,

@@ -227,9 +227,12 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.self_attn.q_norm.weight      [hd]              replicated (qk_norm only, Qwen3)
       layers.i.self_attn.k_norm.weight      [hd]              replicated (qk_norm only)
       layers.i.self_attn.o_proj.weight      [H, nh*hd]        split dim 1
+      layers.i.self_attn.o_proj.bias        [H]               replicated (o_proj_bias only)
       layers.i.post_attention_layernorm.w.  [H]               replicated
       layers.i.mlp.gate_up_proj.weight      [2I, H]           split dim 0, blocks gate|up
+      layers.i.mlp.gate_up_proj.bias        [2I]              split like the weight (mlp_bias)
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
+      layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
       norm.weight                           [H]               replicated
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
@@ -261,17 +264,21 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         if c.qk_norm:  # per-head norms: every TP rank applies the same [hd] weight to its heads
             lp += [(pre + "self_attn.q_norm.weight", (hd,), REPLICATED),
                    (pre + "self_attn.k_norm.weight", (hd,), REPLICATED)]
-        lp += [
-            (pre + "self_attn.o_proj.weight", (H, nh * hd),
-             TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
-            (pre + "post_attention_layernorm.weight", (H,), REPLICATED),
-            (pre + "mlp.gate_up_proj.weight", (2 * I, H),
-             TPRule(kind="split", dim=0, blocks=(I, I),
-                    units=(("intermediate_size", I), ("intermediate_size", I)),
-                    groups=I if c.gate_up_layout == "interleaved" else 0)),
-            (pre + "mlp.down_proj.weight", (H, I),
-             TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))),
-        ]
+        gate_up = TPRule(kind="split", dim=0, blocks=(I, I),
+                         units=(("intermediate_size", I), ("intermediate_size", I)),
+                         groups=I if c.gate_up_layout == "interleaved" else 0)
+        lp.append((pre + "self_attn.o_proj.weight", (H, nh * hd),
+                   TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))))
+        if c.o_proj_bias:  # added once, after the row-parallel all-reduce
+            lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
+        lp += [(pre + "post_attention_layernorm.weight", (H,), REPLICATED),
+               (pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up)]
+        if c.mlp_bias:
+            lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
+        lp.append((pre + "mlp.down_proj.weight", (H, I),
+                   TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
+        if c.mlp_bias:
+            lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
     params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
     if c.head == "value":
