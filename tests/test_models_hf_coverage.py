@@ -49,6 +49,8 @@ CASES = {
     "qwen3-head_dim-sliding": ("qwen3", False, dict(head_dim=32, use_sliding_window=True, sliding_window=4,
                                                      max_window_layers=1)),
     "qwen3-tied-yarn": ("qwen3", True, dict(rope_scaling=ROPE["yarn"])),
+    # num_key_value_heads=4: also run on tp=4 (_layouts)
+    "qwen3-bias-tp4": ("qwen3", False, dict(attention_bias=True, num_key_value_heads=4)),
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
@@ -70,6 +72,12 @@ LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 0.5, 1e-3
 LAYOUTS_UNTIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(pp=3)]
 LAYOUTS_TIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(dp=2, pp=2),
                 Layout(pp=3, ranks=(2, 0, 1))]
+
+
+def _layouts(name):
+    mt, tied, over = CASES[name]
+    base = LAYOUTS_TIED if tied else LAYOUTS_UNTIED
+    return base + [Layout(tp=4, ranks=(2, 0, 3, 1))] if over.get("num_key_value_heads") == 4 else base
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +128,8 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
         with torch.no_grad():
             silu = replace(cfg, hidden_act="silu")
             q = StageModel(silu, load_hf_shard(path, silu, Layout(), 0))
-            assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
+            if cfg.hidden_act != "silu":
+                assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
             for k, v in m.shard_params.items():
                 if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
                     v.zero_()
@@ -152,7 +161,7 @@ def _worker(rank, world, cases):
     out = {}
     for name, path, tied in cases:
         cfg = ModelConfig.from_hf(path)
-        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+        for layout in _layouts(name):
             groups = ParallelGroups(layout)
             if not groups.member:
                 continue
@@ -203,7 +212,7 @@ def test_layouts_logits_generation_train_step_match_transformers(ckpts, runs):
         greedy = oracle_generate_cached(ref, *PROMPTS, MAX_NEW)  # before the oracle's train step
         loss, norm = O.oracle_train_step(ref, TOKENS, LENGTHS, "lm", LR, WD, MAX_NORM, eps=EPS)
         want = O.fused_state(ref)
-        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+        for layout in _layouts(name):
             key = (name, repr(layout))
             reps = _replicas(runs, key)
             torch.testing.assert_close(torch.cat([r["logits"] for r in reps]), logits, atol=1e-5, rtol=0,
@@ -261,6 +270,23 @@ def test_unsupported_configs_are_refused_naming_the_field(case):
     with pytest.raises(ValueError, match=phrase):
         ModelConfig.from_hf(d)
     assert json.dumps(d, sort_keys=True, default=str) == before, "from_hf must not edit its input"
+
+
+def test_sequence_classification_checkpoint_builds_the_value_head(tmp_path):
+    """from_hf says which head a checkpoint holds; loading it as an LM points at the value head."""
+    path = O.make_checkpoint(str(tmp_path / "q3v"), "qwen3", head="value")
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.head == "value" and ModelConfig.from_hf(path, head="lm").head == "lm"
+    with pytest.raises(ValueError, match=r"no tensor 'lm_head.weight'.*value head 'score.weight'.*head='value'"):
+        load_hf_shard(path, ModelConfig.from_hf(path, head="lm"), Layout(), 0)
+    m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
+    ref = O.load_oracle(path, "value")
+    with torch.no_grad():
+        want = ref.score(ref.model(TOKENS).last_hidden_state).squeeze(-1)
+        torch.testing.assert_close(m.head(m(TOKENS, torch.arange(T).expand(4, T))), want, atol=1e-5, rtol=0)
+    two = dict(transformers.Qwen3Config(**O.TINY, num_labels=2).to_dict(), architectures=["Qwen3ForSequenceClassification"])
+    with pytest.raises(ValueError, match=r"num_labels=2 is not supported"):
+        ModelConfig.from_hf(two)
 
 
 def test_direct_construction_errors_name_the_field():

@@ -99,7 +99,10 @@ class HFCheckpoint:
         for name, shape in wanted.items():
             if name not in self.shapes:
                 hint = ("; a causal-LM checkpoint as a value model needs a fresh value head "
-                        "(critic_init: zero | normal)" if name == "score.weight" else "")
+                        "(critic_init: zero | normal)" if name == "score.weight" else
+                        "; it holds a value head 'score.weight' (a *ForSequenceClassification "
+                        "checkpoint): load it with head='value'" if name == "lm_head.weight" and
+                        "score.weight" in self.shapes else "")
                 raise ValueError(f"checkpoint {self.path} has no tensor {name!r} required by the "
                                  f"config ({len(self.shapes)} tensors present){hint}")
             if self.shapes[name] != shape:

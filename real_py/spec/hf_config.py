@@ -95,6 +95,12 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
     kw.update({k: config[k] for k in _READ if config.get(k) is not None})
     kw["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
     kw["model_type"] = mt
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        # a reward / critic checkpoint: real_py builds its scalar value head (score.weight [1, H])
+        labels = config.get("num_labels", len(config.get("id2label") or {0: 0}))
+        if labels != 1:
+            _refuse(where, "num_labels", labels, "a value head is one scalar per token; need num_labels=1")
+        kw["head"] = "value"
     act = config.get("hidden_act", "silu")
     if act not in _HIDDEN_ACTS:
         _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
