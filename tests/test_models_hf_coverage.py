@@ -51,6 +51,8 @@ CASES = {
     "qwen3-tied-yarn": ("qwen3", True, dict(rope_scaling=ROPE["yarn"])),
     # num_key_value_heads=4: also run on tp=4 (_layouts)
     "qwen3-bias-tp4": ("qwen3", False, dict(attention_bias=True, num_key_value_heads=4)),
+    "olmo2-tp4": ("olmo2", False, dict(num_key_value_heads=4, rope_scaling={"type": "linear", "factor": 2.0})),
+    "olmo2-tied-gqa-bias": ("olmo2", True, dict(attention_bias=True)),
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
@@ -316,9 +318,9 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
-                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu"):
+                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias"):
         path = ckpts[name]
-        for head in ("lm", "value"):
+        for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
             cfg = ModelConfig.from_hf(path, head=head)
             layout = Layout(tp=2, pp=2)
             full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
@@ -337,7 +339,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -364,7 +366,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
-                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh"])
+                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

@@ -46,6 +46,28 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """Sum of per-rank partial values that each rank then uses only for its own shard of a
+    tensor (OLMo 2's whole-projection RMS): all-reduce forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _SumOverTP.apply(x, group)
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _CopyToTP.apply(x, group)
 

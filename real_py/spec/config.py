@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2" or "qwen3"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3" or "olmo2"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -74,6 +74,12 @@ class ModelConfig:
     """LLaMA mlp_bias: biases on gate|up (split like the weight) and down_proj ([H], replicated)."""
     hidden_act: str = "silu"
     """Gate activation of the gated MLP, one of HIDDEN_ACTS (transformers' ACT2FN names)."""
+    norm_after: bool = False
+    """OLMo 2: RMSNorm on the attention and MLP outputs before each residual add
+    (post_attention_layernorm, post_feedforward_layernorm) instead of on their inputs."""
+    qk_norm_whole: bool = False
+    """OLMo 2: the q/k norms run over the whole projection (weights [nh*hd], [nkv*hd], split by
+    heads under TP; the RMS sums squares over the TP group), not per head. Needs qk_norm."""
     qk_norm: bool = False
     """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
     projection and before RoPE."""
@@ -161,7 +167,7 @@ ROPE_SCALING_KEYS = {
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -176,7 +182,8 @@ def _check_config_types(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
     if c.hidden_act not in HIDDEN_ACTS:
         raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
-    for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias"):
+    for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
+              "qk_norm_whole"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -10,6 +10,7 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings, attention_bias (q/k/v/o), mlp_bias, hidden_act |
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
+| olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
@@ -29,8 +30,9 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "olmo2": ("Olmo2ForCausalLM",),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -56,6 +58,7 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
              "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                        "attention_dropout", "hidden_act"}}
 _PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
+_PER_TYPE["olmo2"] = {"attention_dropout", "hidden_act"}
 
 
 def _supported() -> str:
@@ -115,10 +118,11 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt in ("llama", "qwen3"):
-        # transformers' llama / qwen3 attention_bias biases q, k, v and o_proj
+    if mt in ("llama", "qwen3", "olmo2"):
+        # transformers' llama / qwen3 / olmo2 attention_bias biases q, k, v and o_proj
         kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
-        kw["qk_norm"] = mt == "qwen3"
+        kw["qk_norm"] = mt in ("qwen3", "olmo2")
+        kw["qk_norm_whole"] = kw["norm_after"] = mt == "olmo2"
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
     rs = config.get("rope_scaling")
@@ -160,9 +164,11 @@ def export_config(config, source: dict | None = None) -> dict:
     import transformers
 
     c, mt = config, config.model_type
-    if c.qk_norm != (mt == "qwen3"):
-        raise ValueError(f"qk_norm={c.qk_norm} cannot export as model_type {mt!r} (per-head q/k norms are "
-                         "qwen3's; model_type 'qwen3' needs qk_norm=True)")
+    olmo = c.qk_norm and c.qk_norm_whole and c.norm_after
+    if c.qk_norm != (mt in ("qwen3", "olmo2")) or (mt == "olmo2") != olmo or (c.norm_after and not olmo):
+        raise ValueError(f"qk_norm={c.qk_norm}, qk_norm_whole={c.qk_norm_whole}, norm_after={c.norm_after} "
+                         f"cannot export as model_type {mt!r} (per-head q/k norms: qwen3; whole-projection "
+                         "q/k norms with norms after the sublayers: olmo2)")
     kw = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
               vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
@@ -171,7 +177,7 @@ def export_config(config, source: dict | None = None) -> dict:
               rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
     if c.mlp_bias and mt != "llama":
         raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
-    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3")):
+    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2")):
         raise ValueError(f"attention_bias={c.attention_bias}, o_proj_bias={c.o_proj_bias} cannot export as "
                          f"model_type {mt!r} (llama / qwen3: both or neither; qwen2: q/k/v only)")
     kw["hidden_act"] = c.hidden_act
@@ -179,6 +185,13 @@ def export_config(config, source: dict | None = None) -> dict:
         if c.sliding_window:
             raise ValueError("sliding_window exports as model_type 'mistral' or 'qwen2', not 'llama'")
         kw.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+    elif mt == "olmo2":
+        if c.sliding_window:
+            raise ValueError("olmo2 has no sliding window")
+        kw.update(attention_bias=c.attention_bias)
+        kw.pop("head_dim")  # Olmo2Config has none: hidden_size // num_attention_heads
+        if c.head_dim * c.num_attention_heads != c.hidden_size:
+            raise ValueError(f"olmo2 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
     elif mt == "mistral":
         if c.attention_bias:
             raise ValueError("mistral has no q/k/v biases; export attention_bias=True as model_type 'qwen2'")
@@ -195,6 +208,9 @@ def export_config(config, source: dict | None = None) -> dict:
                   max_window_layers=c.num_hidden_layers,
                   layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
     head = "ForSequenceClassification" if c.head == "value" else "ForCausalLM"
+    if _CLASS_PREFIX[mt] + head not in ARCHITECTURES[mt]:
+        raise ValueError(f"transformers has no {_CLASS_PREFIX[mt] + head}: a {c.head} head cannot export as "
+                         f"model_type {mt!r}")
     kw["architectures"] = [_CLASS_PREFIX[mt] + head]
     if c.head == "value":
         # ...ForSequenceClassification reads the last non-pad token; without pad_token_id it
