@@ -53,6 +53,8 @@ CASES = {
     "qwen3-bias-tp4": ("qwen3", False, dict(attention_bias=True, num_key_value_heads=4)),
     "olmo2-tp4": ("olmo2", False, dict(num_key_value_heads=4, rope_scaling={"type": "linear", "factor": 2.0})),
     "olmo2-tied-gqa-bias": ("olmo2", True, dict(attention_bias=True)),
+    "phi3-sliding-tp4": ("phi3", False, dict(num_key_value_heads=4, sliding_window=4, pad_token_id=0)),
+    "phi3-tied-gqa": ("phi3", True, dict(pad_token_id=0)),
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
@@ -237,7 +239,9 @@ def _llama(**over):
 REFUSALS = [
     ("gpt2", lambda: transformers.GPT2Config(n_layer=2).to_dict(), r"architecture 'gpt2' is not supported; supported: llama"),
     ("gemma", lambda: transformers.GemmaConfig(**O.TINY).to_dict(), r"architecture 'gemma' is not supported"),
-    ("phi3", lambda: transformers.Phi3Config(**O.TINY).to_dict(), r"architecture 'phi3' is not supported"),
+    ("phi3-resid_pdrop", lambda: transformers.Phi3Config(**O.TINY, resid_pdrop=0.1).to_dict(), r"resid_pdrop=0.1"),
+    ("olmo3", lambda: dict(transformers.Olmo2Config(**O.TINY).to_dict(), model_type="olmo3"),
+     r"architecture 'olmo3' is not supported"),
     ("llama-base-model", lambda: _llama(architectures=["LlamaModel"]), r"architecture 'LlamaModel' .* not supported"),
     ("no-model-type", lambda: {"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supported"),
     ("hidden_act", lambda: _llama(hidden_act="gelu_new"), r"config field hidden_act='gelu_new' is not supported"),
@@ -301,7 +305,7 @@ def test_direct_construction_errors_name_the_field():
 def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
     """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
     src = ckpts["llama-rope-linear-head_dim"]
-    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("phi3", transformers.Phi3Config(**O.TINY))):
+    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gemma2", transformers.Gemma2Config(**O.TINY))):
         d = tmp_path / mt
         d.mkdir()
         os.link(os.path.join(src, "model.safetensors"), d / "model.safetensors")
@@ -318,7 +322,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
-                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias"):
+                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
+                 "phi3-tied-gqa", "phi3-sliding-tp4"):
         path = ckpts[name]
         for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
             cfg = ModelConfig.from_hf(path, head=head)
@@ -339,7 +344,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -366,7 +371,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
-                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias"])
+                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
+                                  "phi3-sliding-tp4"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

@@ -28,9 +28,20 @@ from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def hf_names(p: ParamSpec) -> list[str]:
-    """HF tensor names whose concatenation (along the split dim, in block order) is p."""
+# model_types whose checkpoints store q|k|v and gate|up fused, in real_py's block order (Phi-3)
+FUSED_CHECKPOINTS = ("phi3",)
+
+
+def _fused(model: ModelSpec) -> bool:
+    return model.config is not None and model.config.model_type in FUSED_CHECKPOINTS
+
+
+def hf_names(p: ParamSpec, fused: bool = False) -> list[str]:
+    """HF tensor names whose concatenation (along the split dim, in block order) is p. fused: the
+    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3)."""
     n = p.name
+    if fused and n.startswith("layers."):
+        return ["model." + n]
     if n.startswith("layers."):
         if ".qkv_proj." in n:
             return ["model." + n.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
@@ -44,8 +55,8 @@ def hf_names(p: ParamSpec) -> list[str]:
     return [n]
 
 
-def _block_shape(p: ParamSpec, j: int) -> tuple[int, ...]:
-    if p.tp.kind != "split":
+def _block_shape(p: ParamSpec, j: int, fused: bool = False) -> tuple[int, ...]:
+    if p.tp.kind != "split" or fused:
         return p.shape
     shape = list(p.shape)
     shape[p.tp.dim] = p.blocks[j]
@@ -94,8 +105,8 @@ class HFCheckpoint:
         for p in model.params:
             if fresh_head and p.owner == "head":
                 continue
-            for j, name in enumerate(hf_names(p)):
-                wanted[name] = _block_shape(p, j)
+            for j, name in enumerate(hf_names(p, _fused(model))):
+                wanted[name] = _block_shape(p, j, _fused(model))
         for name, shape in wanted.items():
             if name not in self.shapes:
                 hint = ("; a causal-LM checkpoint as a value model needs a fresh value head "
@@ -146,7 +157,7 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     dtype = torch_dtype(model.dtype)
     for e in shard.shard_layout.entries:
         p, dst = e.param, shard.view(e.param.name)
-        names = hf_names(p)
+        names = hf_names(p, _fused(model))
         if value_head_init is not None and p.owner == "head":
             fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
                 torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
@@ -162,10 +173,12 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
             off = 0
             groups = p.tp.groups or tp  # blocked storage: one group per TP rank
             for j in range(k * groups // tp, (k + 1) * groups // tp):
-                for name, block in zip(names, p.blocks):
+                for b, block in enumerate(p.blocks):
+                    # one tensor per block, or one fused tensor holding the blocks in order
+                    name, base = (names[b], 0) if len(names) > 1 else (names[0], sum(p.blocks[:b]))
                     piece = block // groups
                     dst.narrow(p.tp.dim, off, piece).copy_(
-                        ckpt.read(name, p.tp.dim, j * piece, (j + 1) * piece).to(dtype))
+                        ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(dtype))
                     off += piece
     return shard
 
@@ -174,7 +187,7 @@ def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[st
     """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
     out = {}
     for p in model.params:
-        names = hf_names(p)
+        names = hf_names(p, _fused(model))
         if len(names) == 1:
             out[names[0]] = full[p.name].contiguous()
         else:

@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3" or "olmo2"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2" or "phi3"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -167,7 +167,7 @@ ROPE_SCALING_KEYS = {
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
 
 
 def _check_config_types(c: ModelConfig) -> None:

@@ -11,6 +11,7 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
 | olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
+| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), tied (its only rope_scaling, longrope, is refused) |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
@@ -31,8 +32,9 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     "olmo2": ("Olmo2ForCausalLM",),
+    "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -59,6 +61,10 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
                        "attention_dropout", "hidden_act"}}
 _PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
 _PER_TYPE["olmo2"] = {"attention_dropout", "hidden_act"}
+# resid_pdrop / embd_pdrop: dropout, checked to be 0 below; original_max_position_embeddings is
+# read by longrope only (refused)
+_PER_TYPE["phi3"] = {"attention_dropout", "hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
+                     "original_max_position_embeddings", "partial_rotary_factor"}
 
 
 def _supported() -> str:
@@ -108,6 +114,9 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
     if act not in _HIDDEN_ACTS:
         _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
     kw["hidden_act"] = act
+    for drop in ("resid_pdrop", "embd_pdrop"):
+        if config.get(drop) not in (None, 0, 0.0):
+            _refuse(where, drop, config[drop], "dropout changes training; need 0")
     if config.get("attention_dropout") not in (None, 0, 0.0):
         _refuse(where, "attention_dropout", config["attention_dropout"], "dropout changes training; need 0")
     if config.get("mlp_bias"):
@@ -130,7 +139,9 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if not isinstance(rs, dict):
             _refuse(where, "rope_scaling", rs, "expected a mapping")
         kw["rope_scaling"] = rs
-    if mt == "mistral" and config.get("sliding_window") is not None:
+    if mt == "phi3":
+        kw["attention_bias"] = False  # fused qkv_proj / gate_up_proj tensors in the checkpoint
+    if mt in ("mistral", "phi3") and config.get("sliding_window") is not None:
         kw["sliding_window"] = config["sliding_window"]
     if mt in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config.get("sliding_window")
@@ -192,6 +203,13 @@ def export_config(config, source: dict | None = None) -> dict:
         kw.pop("head_dim")  # Olmo2Config has none: hidden_size // num_attention_heads
         if c.head_dim * c.num_attention_heads != c.hidden_size:
             raise ValueError(f"olmo2 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
+    elif mt == "phi3":
+        if c.attention_bias or c.o_proj_bias or c.mlp_bias or c.window_layers is not None:
+            raise ValueError("phi3 has no biases and slides every layer or none")
+        kw.update(sliding_window=c.sliding_window or None)
+        kw.pop("head_dim")  # Phi3Config has none: hidden_size // num_attention_heads
+        if c.head_dim * c.num_attention_heads != c.hidden_size:
+            raise ValueError(f"phi3 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
     elif mt == "mistral":
         if c.attention_bias:
             raise ValueError("mistral has no q/k/v biases; export attention_bias=True as model_type 'qwen2'")
@@ -219,7 +237,7 @@ def export_config(config, source: dict | None = None) -> dict:
     elif c.pad_token_id is not None:
         kw["pad_token_id"] = c.pad_token_id
     out = dict(source or {})
-    for k in ("rope_scaling", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    for k in ("rope_scaling", "sliding_window", "original_max_position_embeddings", "use_sliding_window", "max_window_layers", "layer_types",
               "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias"):
         out.pop(k, None)
     out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())
