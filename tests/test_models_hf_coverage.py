@@ -370,6 +370,28 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                     assert torch.equal(sd["score.weight"], v)
 
 
+def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
+    """save_hf(source=dir) copies the tokenizer and generation_config.json: AutoTokenizer and
+    AutoModelForCausalLM both load the export, with equal tensors."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src = tmp_path / "src"
+    import shutil
+    shutil.copytree(ckpts["qwen3-tied-yarn"], src)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(src)
+    transformers.GenerationConfig(eos_token_id=3, max_new_tokens=7).save_pretrained(src)
+    cfg = ModelConfig.from_hf(src)
+    full = gather_full(model_spec(cfg), [load_hf_shard(src, cfg, Layout(tp=2), r) for r in (0, 1)])
+    out = tmp_path / "out"
+    save_hf(out, cfg, full, source=str(src))
+    assert transformers.AutoTokenizer.from_pretrained(out)("w5 w7")["input_ids"] == [5, 7]
+    assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
+    a, b = O.load_oracle(out).state_dict(), O.load_oracle(str(src)).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
                                   "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
                                   "phi3-sliding-tp4"])

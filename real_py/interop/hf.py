@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,10 @@ from ..realloc.shard import ModelShard, gather_full
 from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# copied from the source checkpoint directory on export when present
+STANDALONE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json")
 
 
 # model_types whose checkpoints store q|k|v and gate|up fused, in real_py's block order (Phi-3)
@@ -224,11 +229,14 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
             hf_config: dict | None = None, source=None) -> None:
     """Write model.safetensors + config.json: hf_config verbatim when given, else a complete config
     from `config` (see hf_config_dict), keeping the non-computation fields of `source` (a
-    checkpoint directory, a config.json path or a dict) when given."""
+    checkpoint directory, a config.json path or a dict) when given. A source directory's tokenizer
+    files and generation_config.json (STANDALONE_FILES) are copied beside the weights."""
     from safetensors.torch import save_file
 
+    src_dir = None
     if source is not None and not isinstance(source, dict):
         src = os.fspath(source)
+        src_dir = src if os.path.isdir(src) else os.path.dirname(src)
         src = os.path.join(src, "config.json") if os.path.isdir(src) else src
         with open(src) as f:
             source = json.load(f)
@@ -241,6 +249,11 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config or hf_config_dict(config, model_type, source), f, indent=2, default=str)
+    if src_dir:
+        # a standalone checkpoint: AutoTokenizer / generate() read these beside the weights
+        for fn in STANDALONE_FILES:
+            if os.path.isfile(os.path.join(src_dir, fn)):
+                shutil.copyfile(os.path.join(src_dir, fn), os.path.join(path, fn))
 
 
 def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | None:
