@@ -46,6 +46,18 @@ CASES = {
                                                               max_window_layers=1)),
     "qwen2-tied-sliding-yarn": ("qwen2", True, dict(use_sliding_window=True, sliding_window=4, max_window_layers=2,
                                                     rope_scaling=ROPE["yarn"])),
+    "qwen3-head_dim-sliding": ("qwen3", False, dict(head_dim=32, use_sliding_window=True, sliding_window=4,
+                                                     max_window_layers=1)),
+    "qwen3-tied-yarn": ("qwen3", True, dict(rope_scaling=ROPE["yarn"])),
+    # num_key_value_heads=4: also run on tp=4 (_layouts)
+    "qwen3-bias-tp4": ("qwen3", False, dict(attention_bias=True, num_key_value_heads=4)),
+    "olmo2-tp4": ("olmo2", False, dict(num_key_value_heads=4, rope_scaling={"type": "linear", "factor": 2.0})),
+    "olmo2-tied-gqa-bias": ("olmo2", True, dict(attention_bias=True)),
+    "phi3-sliding-tp4": ("phi3", False, dict(num_key_value_heads=4, sliding_window=4, pad_token_id=0)),
+    "phi3-tied-gqa": ("phi3", True, dict(pad_token_id=0)),
+    "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
+                                                     hidden_act="gelu_pytorch_tanh")),
+    "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
 }
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
@@ -64,6 +76,12 @@ LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 0.5, 1e-3
 LAYOUTS_UNTIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(pp=3)]
 LAYOUTS_TIED = [Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(dp=2, pp=2),
                 Layout(pp=3, ranks=(2, 0, 1))]
+
+
+def _layouts(name):
+    mt, tied, over = CASES[name]
+    base = LAYOUTS_TIED if tied else LAYOUTS_UNTIED
+    return base + [Layout(tp=4, ranks=(2, 0, 3, 1))] if over.get("num_key_value_heads") == 4 else base
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +126,26 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
         p = StageModel(plain, load_hf_shard(path, plain, Layout(), 0))
         without = p.head(p(TOKENS, pos))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+    if cfg.rope_scaling or cfg.sliding_window:
+        assert (without - want).abs().max() > 1e-3, f"{name}: the field must change the logits of this test"
+    if cfg.o_proj_bias or cfg.mlp_bias or cfg.hidden_act != "silu":  # biases and activation reach the logits
+        with torch.no_grad():
+            silu = replace(cfg, hidden_act="silu")
+            q = StageModel(silu, load_hf_shard(path, silu, Layout(), 0))
+            if cfg.hidden_act != "silu":
+                assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
+            for k, v in m.shard_params.items():
+                if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
+                    v.zero_()
+            assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
+        m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
+    if cfg.qk_norm:  # Qwen3's per-head q/k norm weights must reach the logits too
+        with torch.no_grad():
+            for k, v in m.shard_params.items():
+                if k.endswith(("q_norm.weight", "k_norm.weight")):
+                    v.fill_(1.0)
+            unnormed = m.head(m(TOKENS, pos))
+        assert (unnormed - want).abs().max() > 1e-3, f"{name}: q/k norm weights must change the logits"
 
 
 def test_qwen2_window_layers_follow_transformers():
@@ -128,7 +165,7 @@ def _worker(rank, world, cases):
     out = {}
     for name, path, tied in cases:
         cfg = ModelConfig.from_hf(path)
-        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+        for layout in _layouts(name):
             groups = ParallelGroups(layout)
             if not groups.member:
                 continue
@@ -179,7 +216,7 @@ def test_layouts_logits_generation_train_step_match_transformers(ckpts, runs):
         greedy = oracle_generate_cached(ref, *PROMPTS, MAX_NEW)  # before the oracle's train step
         loss, norm = O.oracle_train_step(ref, TOKENS, LENGTHS, "lm", LR, WD, MAX_NORM, eps=EPS)
         want = O.fused_state(ref)
-        for layout in (LAYOUTS_TIED if tied else LAYOUTS_UNTIED):
+        for layout in _layouts(name):
             key = (name, repr(layout))
             reps = _replicas(runs, key)
             torch.testing.assert_close(torch.cat([r["logits"] for r in reps]), logits, atol=1e-5, rtol=0,
@@ -202,12 +239,14 @@ def _llama(**over):
 REFUSALS = [
     ("gpt2", lambda: transformers.GPT2Config(n_layer=2).to_dict(), r"architecture 'gpt2' is not supported; supported: llama"),
     ("gemma", lambda: transformers.GemmaConfig(**O.TINY).to_dict(), r"architecture 'gemma' is not supported"),
-    ("phi3", lambda: transformers.Phi3Config(**O.TINY).to_dict(), r"architecture 'phi3' is not supported"),
+    ("phi3-resid_pdrop", lambda: transformers.Phi3Config(**O.TINY, resid_pdrop=0.1).to_dict(), r"resid_pdrop=0.1"),
+    ("olmo3", lambda: dict(transformers.Olmo2Config(**O.TINY).to_dict(), model_type="olmo3"),
+     r"architecture 'olmo3' is not supported"),
     ("llama-base-model", lambda: _llama(architectures=["LlamaModel"]), r"architecture 'LlamaModel' .* not supported"),
     ("no-model-type", lambda: {"architectures": ["GPT2LMHeadModel"]}, r"architecture 'GPT2LMHeadModel' is not supported"),
-    ("hidden_act", lambda: _llama(hidden_act="gelu"), r"config field hidden_act='gelu' is not supported"),
-    ("mlp_bias", lambda: _llama(mlp_bias=True), r"config field mlp_bias=True is not supported"),
-    ("llama-attention_bias", lambda: _llama(attention_bias=True), r"attention_bias=True .*o_proj"),
+    ("hidden_act", lambda: _llama(hidden_act="gelu_new"), r"config field hidden_act='gelu_new' is not supported"),
+    ("mistral-mlp_bias", lambda: dict(transformers.MistralConfig(**O.TINY).to_dict(), mlp_bias=True),
+     r"config field mlp_bias=True is not supported \(mistral has no MLP biases\)"),
     ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
@@ -239,6 +278,23 @@ def test_unsupported_configs_are_refused_naming_the_field(case):
     assert json.dumps(d, sort_keys=True, default=str) == before, "from_hf must not edit its input"
 
 
+def test_sequence_classification_checkpoint_builds_the_value_head(tmp_path):
+    """from_hf says which head a checkpoint holds; loading it as an LM points at the value head."""
+    path = O.make_checkpoint(str(tmp_path / "q3v"), "qwen3", head="value")
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.head == "value" and ModelConfig.from_hf(path, head="lm").head == "lm"
+    with pytest.raises(ValueError, match=r"no tensor 'lm_head.weight'.*value head 'score.weight'.*head='value'"):
+        load_hf_shard(path, ModelConfig.from_hf(path, head="lm"), Layout(), 0)
+    m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
+    ref = O.load_oracle(path, "value")
+    with torch.no_grad():
+        want = ref.score(ref.model(TOKENS).last_hidden_state).squeeze(-1)
+        torch.testing.assert_close(m.head(m(TOKENS, torch.arange(T).expand(4, T))), want, atol=1e-5, rtol=0)
+    two = dict(transformers.Qwen3Config(**O.TINY, num_labels=2).to_dict(), architectures=["Qwen3ForSequenceClassification"])
+    with pytest.raises(ValueError, match=r"num_labels=2 is not supported"):
+        ModelConfig.from_hf(two)
+
+
 def test_direct_construction_errors_name_the_field():
     with pytest.raises(ValueError, match=r"ModelConfig.hidden_size='64' must be an int"):
         ModelConfig(**dict(O.TINY, hidden_size="64"))
@@ -249,7 +305,7 @@ def test_direct_construction_errors_name_the_field():
 def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
     """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
     src = ckpts["llama-rope-linear-head_dim"]
-    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("phi3", transformers.Phi3Config(**O.TINY))):
+    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gemma2", transformers.Gemma2Config(**O.TINY))):
         d = tmp_path / mt
         d.mkdir()
         os.link(os.path.join(src, "model.safetensors"), d / "model.safetensors")
@@ -265,9 +321,11 @@ def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
 def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     """Export without hf_config=: transformers reloads it (architectures, rope_scaling, windows,
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
-    for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3"):
+    for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
+                 "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
+                 "phi3-tied-gqa", "phi3-sliding-tp4"):
         path = ckpts[name]
-        for head in ("lm", "value"):
+        for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
             cfg = ModelConfig.from_hf(path, head=head)
             layout = Layout(tp=2, pp=2)
             full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
@@ -286,7 +344,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -312,7 +370,31 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                     assert torch.equal(sd["score.weight"], v)
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic"])
+def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
+    """save_hf(source=dir) copies the tokenizer and generation_config.json: AutoTokenizer and
+    AutoModelForCausalLM both load the export, with equal tensors."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src = tmp_path / "src"
+    import shutil
+    shutil.copytree(ckpts["qwen3-tied-yarn"], src)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(src)
+    transformers.GenerationConfig(eos_token_id=3, max_new_tokens=7).save_pretrained(src)
+    cfg = ModelConfig.from_hf(src)
+    full = gather_full(model_spec(cfg), [load_hf_shard(src, cfg, Layout(tp=2), r) for r in (0, 1)])
+    out = tmp_path / "out"
+    save_hf(out, cfg, full, source=str(src))
+    assert transformers.AutoTokenizer.from_pretrained(out)("w5 w7")["input_ids"] == [5, 7]
+    assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 7
+    a, b = O.load_oracle(out).state_dict(), O.load_oracle(str(src)).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
+                                  "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
+                                  "phi3-sliding-tp4"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

@@ -104,8 +104,12 @@ def test_named_pairs(name, mode):
 def test_random_pairs():
     """300+ seeded random pairs over random rank subsets of an 8-rank world, both modes."""
     rng = random.Random(1234)
-    specs = [TIED, UNTIED, BIAS, VALUE, tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16")]
-    for i in range(320):
+    specs = [TIED, UNTIED, BIAS, VALUE, tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
+             # Qwen3 q/k norms (replicated [hd]), LLaMA o_proj / mlp biases (replicated, split gate|up)
+             tiny_spec(bias=True, qk_norm=True, o_proj_bias=True, mlp_bias=True, name="tiny-norms-biases"),
+             # OLMo 2: whole-projection q/k norms split by heads, norms after the sublayers
+             tiny_spec(tied=True, qk_norm=True, qk_norm_whole=True, norm_after=True, name="tiny-olmo2")]
+    for i in range(448):
         model = specs[i % len(specs)]
         src = random_layout(rng, 8, model.num_layers)
         dst = random_layout(rng, 8, model.num_layers)

@@ -142,3 +142,42 @@ def test_checkpoint_headers_checked_before_ranks_start(ckpts, tmp_path):
                       ({"out_dir": str(tmp_path / "afile")}, "out_dir=.*afile' is a file")]:
         with pytest.raises(ValueError, match=msg):
             CF.validate(CF.from_dict(dict(BASE, actor_path=a, critic=CRITIC, **over)), 4)
+
+
+def _families_worker(rank, world, runs):
+    """One PPO iteration per family from its own HF checkpoint (actor, critic body, reference) on
+    the default plan (the critic moves dp2tp2 -> pp2); returns the gathered critic bodies."""
+    out = {}
+    for name, d in runs:
+        cfg = CF.from_dict(d)
+        plan, graph, models = CF.validate(cfg, world)
+        rt = Runtime(cfg, plan, graph, models, timeout_s=120)
+        it = rt.iteration(0)
+        call = graph.train_call("critic")
+        full = gather_state_dict(rt.models.engines["critic"].shard, rt.groups[call]) \
+            if rt.groups[call].member else None
+        out[name] = {"metrics": it["metrics"], "critic": full}
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.timeout(500)
+def test_new_families_run_ppo_from_hf_checkpoints(tmp_path):
+    """qwen3 (per-head q/k norms), olmo2 (norms after, whole-projection q/k norms), phi3 (fused
+    checkpoint tensors): PPO runs from the checkpoint; after one iteration the critic's weights
+    (trained from a zero value head on the actor's body) are finite and moved."""
+    runs = []
+    for mt, over in (("qwen3", {}), ("olmo2", {}), ("phi3", {"pad_token_id": 0})):
+        a = O.make_checkpoint(str(tmp_path / mt), mt, seed=4, **over)
+        runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, critic=CRITIC)))
+    per_rank = [torch.load(io.BytesIO(b), weights_only=False)
+                for b in run_distributed(_families_worker, 4, runs, timeout=450)]
+    for mt, d in runs:
+        m = per_rank[0][mt]["metrics"]
+        assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), (mt, m)
+        crit = [p[mt]["critic"] for p in per_rank if p[mt]["critic"] is not None]
+        assert len(crit) == 1, mt
+        body = O.fused_state(O.load_oracle(d["actor_path"]))
+        assert sorted(k for k in crit[0] if k != "value_head.weight") == sorted(k for k in body if k != "lm_head.weight")
+        assert not torch.equal(crit[0]["value_head.weight"], torch.zeros_like(crit[0]["value_head.weight"])), mt

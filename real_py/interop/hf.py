@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,26 @@ from ..realloc.shard import ModelShard, gather_full
 from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# copied from the source checkpoint directory on export when present
+STANDALONE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json")
 
 
-def hf_names(p: ParamSpec) -> list[str]:
-    """HF tensor names whose concatenation (along the split dim, in block order) is p."""
+# model_types whose checkpoints store q|k|v and gate|up fused, in real_py's block order (Phi-3)
+FUSED_CHECKPOINTS = ("phi3",)
+
+
+def _fused(model: ModelSpec) -> bool:
+    return model.config is not None and model.config.model_type in FUSED_CHECKPOINTS
+
+
+def hf_names(p: ParamSpec, fused: bool = False) -> list[str]:
+    """HF tensor names whose concatenation (along the split dim, in block order) is p. fused: the
+    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3)."""
     n = p.name
+    if fused and n.startswith("layers."):
+        return ["model." + n]
     if n.startswith("layers."):
         if ".qkv_proj." in n:
             return ["model." + n.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
@@ -44,8 +60,8 @@ def hf_names(p: ParamSpec) -> list[str]:
     return [n]
 
 
-def _block_shape(p: ParamSpec, j: int) -> tuple[int, ...]:
-    if p.tp.kind != "split":
+def _block_shape(p: ParamSpec, j: int, fused: bool = False) -> tuple[int, ...]:
+    if p.tp.kind != "split" or fused:
         return p.shape
     shape = list(p.shape)
     shape[p.tp.dim] = p.blocks[j]
@@ -98,12 +114,15 @@ class HFCheckpoint:
         for p in model.params:
             if fresh_head and p.owner == "head":
                 continue
-            for j, name in enumerate(hf_names(p)):
-                wanted[name] = _block_shape(p, j)
+            for j, name in enumerate(hf_names(p, _fused(model))):
+                wanted[name] = _block_shape(p, j, _fused(model))
         for name, shape in wanted.items():
             if name not in self.shapes:
                 hint = ("; a causal-LM checkpoint as a value model needs a fresh value head "
-                        "(critic_init: zero | normal)" if name == "score.weight" else "")
+                        "(critic_init: zero | normal)" if name == "score.weight" else
+                        "; it holds a value head 'score.weight' (a *ForSequenceClassification "
+                        "checkpoint): load it with head='value'" if name == "lm_head.weight" and
+                        "score.weight" in self.shapes else "")
                 raise ValueError(f"checkpoint {self.path} has no tensor {name!r} required by the "
                                  f"config ({len(self.shapes)} tensors present){hint}")
             if self.shapes[name] != shape:
@@ -147,7 +166,7 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     dtype = torch_dtype(model.dtype)
     for e in shard.shard_layout.entries:
         p, dst = e.param, shard.view(e.param.name)
-        names = hf_names(p)
+        names = hf_names(p, _fused(model))
         if value_head_init is not None and p.owner == "head":
             fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
                 torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
@@ -163,10 +182,12 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
             off = 0
             groups = p.tp.groups or tp  # blocked storage: one group per TP rank
             for j in range(k * groups // tp, (k + 1) * groups // tp):
-                for name, block in zip(names, p.blocks):
+                for b, block in enumerate(p.blocks):
+                    # one tensor per block, or one fused tensor holding the blocks in order
+                    name, base = (names[b], 0) if len(names) > 1 else (names[0], sum(p.blocks[:b]))
                     piece = block // groups
                     dst.narrow(p.tp.dim, off, piece).copy_(
-                        ckpt.read(name, p.tp.dim, j * piece, (j + 1) * piece).to(dtype))
+                        ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(dtype))
                     off += piece
     return shard
 
@@ -175,7 +196,7 @@ def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[st
     """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
     out = {}
     for p in model.params:
-        names = hf_names(p)
+        names = hf_names(p, _fused(model))
         if len(names) == 1:
             out[names[0]] = full[p.name].contiguous()
         else:
@@ -212,11 +233,14 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
             hf_config: dict | None = None, source=None) -> None:
     """Write model.safetensors + config.json: hf_config verbatim when given, else a complete config
     from `config` (see hf_config_dict), keeping the non-computation fields of `source` (a
-    checkpoint directory, a config.json path or a dict) when given."""
+    checkpoint directory, a config.json path or a dict) when given. A source directory's tokenizer
+    files and generation_config.json (STANDALONE_FILES) are copied beside the weights."""
     from safetensors.torch import save_file
 
+    src_dir = None
     if source is not None and not isinstance(source, dict):
         src = os.fspath(source)
+        src_dir = src if os.path.isdir(src) else os.path.dirname(src)
         src = os.path.join(src, "config.json") if os.path.isdir(src) else src
         with open(src) as f:
             source = json.load(f)
@@ -229,6 +253,11 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config or hf_config_dict(config, model_type, source), f, indent=2, default=str)
+    if src_dir:
+        # a standalone checkpoint: AutoTokenizer / generate() read these beside the weights
+        for fn in STANDALONE_FILES:
+            if os.path.isfile(os.path.join(src_dir, fn)):
+                shutil.copyfile(os.path.join(src_dir, fn), os.path.join(path, fn))
 
 
 def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | None:

@@ -46,6 +46,28 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """Sum of per-rank partial values that each rank then uses only for its own shard of a
+    tensor (OLMo 2's whole-projection RMS): all-reduce forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _SumOverTP.apply(x, group)
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _CopyToTP.apply(x, group)
 
@@ -81,14 +103,16 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T); W_local: [out, in/tp], x_local: [..., in/tp]."""
+    """y = all_reduce(x_local W_local^T) (+ b); W_local: [out, in/tp], x_local: [..., in/tp]; the
+    bias is replicated and added once, after the reduction."""
 
-    def __init__(self, weight: nn.Parameter, group):
+    def __init__(self, weight: nn.Parameter, group, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight, self.group = weight, group
+        self.weight, self.group, self.bias = weight, group, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -23,18 +23,36 @@ from ..layout import stage_layer_ranges
 from ..realloc.shard import ModelShard
 from ..spec import ModelConfig
 from .rope import rope_cos_sin_scaled, window_mask
-from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
+from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, sum_over_tp
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: nn.Parameter, eps: float):
+    """tp_group: the norm is applied to a TP rank's own heads only (Qwen3's per-head q/k norm), so
+    its replicated weight's gradient is the sum over the TP group (copy_to_tp on the weight)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, tp_group=None):
         super().__init__()
-        self.weight, self.eps = weight, eps
+        self.weight, self.eps, self.tp_group = weight, eps, tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        w = self.weight if self.tp_group is None else copy_to_tp(self.weight, self.tp_group)
+        return w * xf.to(x.dtype)
+
+
+class WholeRMSNorm(nn.Module):
+    """OLMo 2's q/k norm over a whole projection of which this TP rank holds `local / full`: the
+    mean of squares sums over the TP group; the weight is this rank's split piece."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, full: int, tp_group):
+        super().__init__()
+        self.weight, self.eps, self.full, self.tp_group = weight, eps, full, tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        ms = sum_over_tp(xf.pow(2).sum(-1, keepdim=True), self.tp_group) / self.full
+        return (self.weight * (xf * torch.rsqrt(ms + self.eps))).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +88,28 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, pre: str, tp: int, group):
         super().__init__()
         self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
-        self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group)
+        self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group, p.get(pre + "o_proj.bias"))
         self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
+        self.q_norm = self.k_norm = self.whole_q_norm = self.whole_k_norm = None
+        if c.qk_norm and c.qk_norm_whole:
+            self.whole_q_norm = WholeRMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps,
+                                             c.num_attention_heads * c.head_dim, group)
+            self.whole_k_norm = WholeRMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps,
+                                             c.num_key_value_heads * c.head_dim, group)
+        elif c.qk_norm:
+            self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps, group)
+            self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps, group)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q = apply_rope(q.view(B, T, self.nh, self.hd).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, self.nkv, self.hd).transpose(1, 2), cos, sin)
+        if self.whole_q_norm is not None:  # OLMo 2: over the whole projection, before the head split
+            q, k = self.whole_q_norm(q), self.whole_k_norm(k)
+        q, k = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
@@ -88,27 +120,40 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
+         "tanh": torch.tanh, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, p: dict, pre: str, group):
+    def __init__(self, p: dict, pre: str, group, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], None, group)
-        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group)
+        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], p.get(pre + "gate_up_proj.bias"),
+                                                 group)
+        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group, p.get(pre + "down_proj.bias"))
+        self.act = _ACTS[act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group):
         super().__init__()
         pre = f"layers.{i}."
-        self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+        self.norm_after = c.norm_after
+        if not c.norm_after:
+            self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], c.rms_norm_eps)
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
         self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        self.mlp = MLP(p, pre + "mlp.", group)
+        self.mlp = MLP(p, pre + "mlp.", group, c.hidden_act)
+        if c.norm_after:
+            self.post_feedforward_layernorm = RMSNorm(p[pre + "post_feedforward_layernorm.weight"], c.rms_norm_eps)
 
     def forward(self, h, cos, sin, mask, cache):
+        if self.norm_after:  # OLMo 2: norm the sublayer outputs, not their inputs
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from .hf_config import config_kwargs
+from .hf_config import _HIDDEN_ACTS, config_kwargs
 
 QKV_LAYOUTS = ("blocked", "megatron_grouped")
 GATE_UP_LAYOUTS = ("blocked", "interleaved")
@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral" or "qwen2"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2" or "phi3"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -68,6 +68,21 @@ class ModelConfig:
     """Attention window in tokens (query q sees keys q - window < k <= q); 0: full attention."""
     window_layers: tuple[int, ...] | None = None
     """Layers that use the sliding window; None: every layer (Mistral). Qwen2: its layer_types."""
+    o_proj_bias: bool = False
+    """Bias on o_proj ([H], replicated; added after the TP all-reduce): LLaMA / Qwen3 attention_bias."""
+    mlp_bias: bool = False
+    """LLaMA mlp_bias: biases on gate|up (split like the weight) and down_proj ([H], replicated)."""
+    hidden_act: str = "silu"
+    """Gate activation of the gated MLP, one of HIDDEN_ACTS (transformers' ACT2FN names)."""
+    norm_after: bool = False
+    """OLMo 2: RMSNorm on the attention and MLP outputs before each residual add
+    (post_attention_layernorm, post_feedforward_layernorm) instead of on their inputs."""
+    qk_norm_whole: bool = False
+    """OLMo 2: the q/k norms run over the whole projection (weights [nh*hd], [nkv*hd], split by
+    heads under TP; the RMS sums squares over the TP group), not per head. Needs qk_norm."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
+    projection and before RoPE."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
 
@@ -149,7 +164,10 @@ ROPE_SCALING_KEYS = {
     "yarn": ({"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "mscale", "mscale_all_dim", "truncate"}),
 }
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+# transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
+# hand-written tanh formulas in transformers whose rounding differs; refused).
+HIDDEN_ACTS = _HIDDEN_ACTS
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -162,7 +180,10 @@ def _check_config_types(c: ModelConfig) -> None:
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
-    for f in ("tie_word_embeddings", "attention_bias"):
+    if c.hidden_act not in HIDDEN_ACTS:
+        raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
+    for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
+              "qk_norm_whole"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -7,25 +7,34 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 
 | model_type | architectures | fields beyond the shape |
 |---|---|---|
-| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings |
+| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings, attention_bias (q/k/v/o), mlp_bias, hidden_act |
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
+| olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
+| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), tied (its only rope_scaling, longrope, is refused) |
+| qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
-any other model_type or architecture, hidden_act other than silu, mlp_bias, attention_bias on llama
-(it biases o_proj too), attention_dropout > 0 (changes training), partial_rotary_factor != 1,
+any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
+differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
 rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
 """
 
 from __future__ import annotations
 
+# transformers ACT2FN names real_py computes identically (re-exported as spec.config.HIDDEN_ACTS)
+_HIDDEN_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu", "sigmoid", "tanh")
+
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "olmo2": ("Olmo2ForCausalLM",),
+    "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -50,6 +59,12 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
              "mistral": {"sliding_window", "attention_dropout", "hidden_act"},
              "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                        "attention_dropout", "hidden_act"}}
+_PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
+_PER_TYPE["olmo2"] = {"attention_dropout", "hidden_act"}
+# resid_pdrop / embd_pdrop: dropout, checked to be 0 below; original_max_position_embeddings is
+# read by longrope only (refused)
+_PER_TYPE["phi3"] = {"attention_dropout", "hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
+                     "original_max_position_embeddings", "partial_rotary_factor"}
 
 
 def _supported() -> str:
@@ -89,21 +104,34 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
     kw.update({k: config[k] for k in _READ if config.get(k) is not None})
     kw["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
     kw["model_type"] = mt
-    if config.get("hidden_act", "silu") != "silu":
-        _refuse(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU) is implemented")
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        # a reward / critic checkpoint: real_py builds its scalar value head (score.weight [1, H])
+        labels = config.get("num_labels", len(config.get("id2label") or {0: 0}))
+        if labels != 1:
+            _refuse(where, "num_labels", labels, "a value head is one scalar per token; need num_labels=1")
+        kw["head"] = "value"
+    act = config.get("hidden_act", "silu")
+    if act not in _HIDDEN_ACTS:
+        _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
+    kw["hidden_act"] = act
+    for drop in ("resid_pdrop", "embd_pdrop"):
+        if config.get(drop) not in (None, 0, 0.0):
+            _refuse(where, drop, config[drop], "dropout changes training; need 0")
     if config.get("attention_dropout") not in (None, 0, 0.0):
         _refuse(where, "attention_dropout", config["attention_dropout"], "dropout changes training; need 0")
     if config.get("mlp_bias"):
-        _refuse(where, "mlp_bias", config["mlp_bias"], "MLP biases are not implemented")
+        if mt != "llama":
+            _refuse(where, "mlp_bias", config["mlp_bias"], f"{mt} has no MLP biases")
+        kw["mlp_bias"] = True
     if config.get("partial_rotary_factor") not in (None, 1, 1.0):
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt == "llama":
-        if config.get("attention_bias"):
-            _refuse(where, "attention_bias", True, "llama's attention_bias also biases o_proj; only "
-                    "q/k/v biases (qwen2) are implemented")
-        kw["attention_bias"] = False
+    if mt in ("llama", "qwen3", "olmo2"):
+        # transformers' llama / qwen3 / olmo2 attention_bias biases q, k, v and o_proj
+        kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
+        kw["qk_norm"] = mt in ("qwen3", "olmo2")
+        kw["qk_norm_whole"] = kw["norm_after"] = mt == "olmo2"
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
     rs = config.get("rope_scaling")
@@ -111,9 +139,11 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if not isinstance(rs, dict):
             _refuse(where, "rope_scaling", rs, "expected a mapping")
         kw["rope_scaling"] = rs
-    if mt == "mistral" and config.get("sliding_window") is not None:
+    if mt == "phi3":
+        kw["attention_bias"] = False  # fused qkv_proj / gate_up_proj tensors in the checkpoint
+    if mt in ("mistral", "phi3") and config.get("sliding_window") is not None:
         kw["sliding_window"] = config["sliding_window"]
-    if mt == "qwen2" and config.get("use_sliding_window"):
+    if mt in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config.get("sliding_window")
         if window is None:
             _refuse(where, "sliding_window", None, "use_sliding_window needs a window size")
@@ -124,7 +154,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
                      for i in range(config["num_hidden_layers"])]
         kw["sliding_window"] = window
         kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif mt == "qwen2" and any(t != "full_attention" for t in config.get("layer_types") or ()):
+    elif mt in ("qwen2", "qwen3") and any(t != "full_attention" for t in config.get("layer_types") or ()):
         _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
     allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
     for k, v in config.items():
@@ -145,19 +175,41 @@ def export_config(config, source: dict | None = None) -> dict:
     import transformers
 
     c, mt = config, config.model_type
+    olmo = c.qk_norm and c.qk_norm_whole and c.norm_after
+    if c.qk_norm != (mt in ("qwen3", "olmo2")) or (mt == "olmo2") != olmo or (c.norm_after and not olmo):
+        raise ValueError(f"qk_norm={c.qk_norm}, qk_norm_whole={c.qk_norm_whole}, norm_after={c.norm_after} "
+                         f"cannot export as model_type {mt!r} (per-head q/k norms: qwen3; whole-projection "
+                         "q/k norms with norms after the sublayers: olmo2)")
     kw = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
               vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
               tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
               max_position_embeddings=c.max_position_embeddings, torch_dtype=c.dtype, hidden_act="silu",
               rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
+    if c.mlp_bias and mt != "llama":
+        raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
+    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2")):
+        raise ValueError(f"attention_bias={c.attention_bias}, o_proj_bias={c.o_proj_bias} cannot export as "
+                         f"model_type {mt!r} (llama / qwen3: both or neither; qwen2: q/k/v only)")
+    kw["hidden_act"] = c.hidden_act
     if mt == "llama":
-        if c.attention_bias:
-            raise ValueError("attention_bias=True (q/k/v biases) exports as model_type 'qwen2'; llama's "
-                             "attention_bias would also expect an o_proj bias")
         if c.sliding_window:
             raise ValueError("sliding_window exports as model_type 'mistral' or 'qwen2', not 'llama'")
-        kw.update(attention_bias=False, mlp_bias=False)
+        kw.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+    elif mt == "olmo2":
+        if c.sliding_window:
+            raise ValueError("olmo2 has no sliding window")
+        kw.update(attention_bias=c.attention_bias)
+        kw.pop("head_dim")  # Olmo2Config has none: hidden_size // num_attention_heads
+        if c.head_dim * c.num_attention_heads != c.hidden_size:
+            raise ValueError(f"olmo2 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
+    elif mt == "phi3":
+        if c.attention_bias or c.o_proj_bias or c.mlp_bias or c.window_layers is not None:
+            raise ValueError("phi3 has no biases and slides every layer or none")
+        kw.update(sliding_window=c.sliding_window or None)
+        kw.pop("head_dim")  # Phi3Config has none: hidden_size // num_attention_heads
+        if c.head_dim * c.num_attention_heads != c.hidden_size:
+            raise ValueError(f"phi3 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
     elif mt == "mistral":
         if c.attention_bias:
             raise ValueError("mistral has no q/k/v biases; export attention_bias=True as model_type 'qwen2'")
@@ -165,13 +217,18 @@ def export_config(config, source: dict | None = None) -> dict:
             raise ValueError("mistral slides every layer; export per-layer windows as model_type 'qwen2'")
         kw.update(sliding_window=c.sliding_window or None)
     else:
-        if not c.attention_bias:
+        if mt == "qwen2" and not c.attention_bias:
             raise ValueError("qwen2 always has q/k/v biases; use model_type 'llama' for attention_bias=False")
+        if mt == "qwen3":
+            kw.update(attention_bias=c.attention_bias)
         layers = range(c.num_hidden_layers)
         kw.update(use_sliding_window=bool(c.sliding_window), sliding_window=c.sliding_window or None,
                   max_window_layers=c.num_hidden_layers,
                   layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
     head = "ForSequenceClassification" if c.head == "value" else "ForCausalLM"
+    if _CLASS_PREFIX[mt] + head not in ARCHITECTURES[mt]:
+        raise ValueError(f"transformers has no {_CLASS_PREFIX[mt] + head}: a {c.head} head cannot export as "
+                         f"model_type {mt!r}")
     kw["architectures"] = [_CLASS_PREFIX[mt] + head]
     if c.head == "value":
         # ...ForSequenceClassification reads the last non-pad token; without pad_token_id it
@@ -180,7 +237,7 @@ def export_config(config, source: dict | None = None) -> dict:
     elif c.pad_token_id is not None:
         kw["pad_token_id"] = c.pad_token_id
     out = dict(source or {})
-    for k in ("rope_scaling", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    for k in ("rope_scaling", "sliding_window", "original_max_position_embeddings", "use_sliding_window", "max_window_layers", "layer_types",
               "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias"):
         out.pop(k, None)
     out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())

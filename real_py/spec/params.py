@@ -221,13 +221,20 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
 
     Parameters (H hidden, I intermediate, nh/nkv heads, hd head dim, V vocab):
       embed_tokens.weight                   [V, H]            vocab split dim 0
-      layers.i.input_layernorm.weight       [H]               replicated
+      layers.i.input_layernorm.weight       [H]               replicated (not with norm_after)
       layers.i.self_attn.qkv_proj.weight    [(nh+2nkv)hd, H]  split dim 0, blocks q|k|v
       layers.i.self_attn.qkv_proj.bias      [(nh+2nkv)hd]     (attention_bias only)
+      layers.i.self_attn.q_norm.weight      [hd]              replicated (qk_norm only, Qwen3)
+      layers.i.self_attn.k_norm.weight      [hd]              replicated (qk_norm only)
+        (qk_norm_whole, OLMo 2: q_norm [nh*hd], k_norm [nkv*hd], split dim 0 by heads)
       layers.i.self_attn.o_proj.weight      [H, nh*hd]        split dim 1
+      layers.i.self_attn.o_proj.bias        [H]               replicated (o_proj_bias only)
       layers.i.post_attention_layernorm.w.  [H]               replicated
       layers.i.mlp.gate_up_proj.weight      [2I, H]           split dim 0, blocks gate|up
+      layers.i.mlp.gate_up_proj.bias        [2I]              split like the weight (mlp_bias)
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
+      layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
+      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2)
       norm.weight                           [H]               replicated
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
@@ -250,23 +257,35 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
                         tp=vocab, tied_to_head=tied)]
     for i in range(c.num_hidden_layers):
         pre = f"layers.{i}."
-        lp = [
-            (pre + "input_layernorm.weight", (H,), REPLICATED),
-            (pre + "self_attn.qkv_proj.weight", ((nh + 2 * nkv) * hd, H), qkv),
-        ]
+        lp = [] if c.norm_after else [(pre + "input_layernorm.weight", (H,), REPLICATED)]
+        lp.append((pre + "self_attn.qkv_proj.weight", ((nh + 2 * nkv) * hd, H), qkv))
         if c.attention_bias:
             lp.append((pre + "self_attn.qkv_proj.bias", ((nh + 2 * nkv) * hd,), qkv))
-        lp += [
-            (pre + "self_attn.o_proj.weight", (H, nh * hd),
-             TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
-            (pre + "post_attention_layernorm.weight", (H,), REPLICATED),
-            (pre + "mlp.gate_up_proj.weight", (2 * I, H),
-             TPRule(kind="split", dim=0, blocks=(I, I),
-                    units=(("intermediate_size", I), ("intermediate_size", I)),
-                    groups=I if c.gate_up_layout == "interleaved" else 0)),
-            (pre + "mlp.down_proj.weight", (H, I),
-             TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))),
-        ]
+        if c.qk_norm and c.qk_norm_whole:  # OLMo 2: one weight per projection row, split by heads
+            lp += [(pre + "self_attn.q_norm.weight", (nh * hd,),
+                    TPRule(kind="split", dim=0, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
+                   (pre + "self_attn.k_norm.weight", (nkv * hd,),
+                    TPRule(kind="split", dim=0, blocks=(nkv * hd,), units=(("num_key_value_heads", nkv),)))]
+        elif c.qk_norm:  # per-head norms: every TP rank applies the same [hd] weight to its heads
+            lp += [(pre + "self_attn.q_norm.weight", (hd,), REPLICATED),
+                   (pre + "self_attn.k_norm.weight", (hd,), REPLICATED)]
+        gate_up = TPRule(kind="split", dim=0, blocks=(I, I),
+                         units=(("intermediate_size", I), ("intermediate_size", I)),
+                         groups=I if c.gate_up_layout == "interleaved" else 0)
+        lp.append((pre + "self_attn.o_proj.weight", (H, nh * hd),
+                   TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))))
+        if c.o_proj_bias:  # added once, after the row-parallel all-reduce
+            lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
+        lp += [(pre + "post_attention_layernorm.weight", (H,), REPLICATED),
+               (pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up)]
+        if c.mlp_bias:
+            lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
+        lp.append((pre + "mlp.down_proj.weight", (H, I),
+                   TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
+        if c.mlp_bias:
+            lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
+        if c.norm_after:
+            lp.append((pre + "post_feedforward_layernorm.weight", (H,), REPLICATED))
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
     params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
     if c.head == "value":
