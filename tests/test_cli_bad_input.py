@@ -74,6 +74,8 @@ TRAIN = [
 OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by paths
     ("plan-from-without-plan", ["plan", "--from", "actor_train", "--to", "actor_gen"], "give --plan FILE too"),
     ("plan-plan-without-to", ["plan", "--plan", "PLAN_BAD", "--from", "actor_train"], "--plan needs --from CALL and --to CALL"),
+    ("plan-plan-two-models", ["plan", "--plan", "PLAN_OK", "--from", "actor_train", "--to", "critic_inf"],
+     "--from actor_train runs the actor model, --to critic_inf the critic model"),
     ("plan-plan-bad-json", ["plan", "--plan", "PLAN_BAD", "--from", "actor_train", "--to", "actor_gen"],
      "is not valid JSON"),
     ("bench-one-side", ["bench", "--src", "tp2"], "give --src and --dst together"),
@@ -82,7 +84,7 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
     ("bench-70b-on-cpu", ["bench", "--model", "llama2-70b", "--src", "tp2", "--dst", "dp2"],
      "GiB is available; pick a smaller model"),
     ("plan-unknown-preset", ["plan", "--model", "llama3", "--src", "dp2", "--dst", "tp2"],
-     "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b)"),
+     "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b, llama3.1-405b)"),
     ("plan-src-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--src-ranks", "0,x"],
      "--src-ranks '0,x': expected comma-separated non-negative integers"),
     ("plan-dst-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--dst-ranks", "1;2"], "--dst-ranks '1;2'"),
@@ -122,6 +124,7 @@ def env(tmp_path, monkeypatch):
     (run / "latest").write_text("step_1\n")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "bad.json").write_text('{"world_size": 4, "calls": {')
+    (tmp_path / "ok.json").write_text(json.dumps(CF.default_plan("ppo")))
     (tmp_path / "empty").mkdir()
     return tmp_path
 
@@ -149,7 +152,7 @@ def test_train_refuses(env, capsys, case, yaml_text, extra, phrase):
 
 @pytest.mark.parametrize("case, argv, phrase", OTHER, ids=[c[0] for c in OTHER])
 def test_commands_refuse(env, capsys, case, argv, phrase):
-    subs = {"PLAN_BAD": str(env / "bad.json"), "EMPTY": str(env / "empty"), "RUN": str(env / "run")}
+    subs = {"PLAN_BAD": str(env / "bad.json"), "PLAN_OK": str(env / "ok.json"), "EMPTY": str(env / "empty"), "RUN": str(env / "run")}
     for k, v in subs.items():
         argv = [v + a[len(k):] if a.startswith(k) else a for a in argv]
     _expect_error(argv, phrase, capsys, env)

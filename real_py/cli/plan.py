@@ -16,6 +16,7 @@ from .common import model_config, ranks
 from ..layout import Layout
 from ..realloc.plan import MODES, plan_realloc
 from ..rlhf.execplan import ExecutionPlan
+from ..rlhf.graph import ALGORITHMS
 from ..spec import PRESETS, model_spec
 
 
@@ -52,6 +53,11 @@ def _layouts(args) -> tuple[Layout, Layout, int]:
     for flag, call in (("--from", args.from_call), ("--to", args.to_call)):
         if call not in ep.calls:
             raise ValueError(f"{flag} {call}: {args.plan} has no such call; its calls are {list(ep.calls)}")
+    model = {c.name: c.model for calls in ALGORITHMS.values() for c in calls}
+    a, b = model.get(args.from_call), model.get(args.to_call)
+    if a and b and a != b:
+        raise ValueError(f"--from {args.from_call} runs the {a} model, --to {args.to_call} the {b} model: "
+                         "a reallocation moves one model between two of its calls")
     return ep.calls[args.from_call], ep.calls[args.to_call], args.ranks_per_node or ep.ranks_per_node
 
 
