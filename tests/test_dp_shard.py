@@ -174,7 +174,10 @@ def test_layout_from_fsdp_meshes():
     # 1-D FSDP mesh under another name, ZeRO-3 style flat sharding.
     one = layout_from_device_mesh(_Mesh(torch.arange(4).flip(0), ("fsdp",)), {"fsdp": "dp_shard"},
                                   dp_shard="flat")
-    assert one == Layout(dp=4, dp_shard="flat", ranks=(3, 2, 1, 0)), one
+    # torch numbers a mesh dim's ranks in sorted order and FSDP2 shards by that number, so the
+    # mesh [3, 2, 1, 0] holds dp pieces 0..3 on ranks 0..3 (tests/test_dist_dp_shard.py checks
+    # this against fully_shard).
+    assert one == Layout(dp=4, dp_shard="flat", ranks=(0, 1, 2, 3)), one
     assert layout_from_device_mesh(_Mesh(torch.arange(4).view(2, 2), ("dp", "tp"))).dp_shard == "none"
     with pytest.raises(ValueError, match=r"roles \['dp'\] are given to several mesh dims.*HSDP"):
         layout_from_device_mesh(_Mesh(torch.arange(8).view(2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
