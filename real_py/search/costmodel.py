@@ -48,9 +48,13 @@ class Workload:
     """Passes over the batch per train call."""
     micro_tokens: int = 16384
     """Tokens per micro-batch of a forward/backward pass (per dp replica)."""
+    micro_batches: int = 1
+    """Minimum rows per mini-batch (ppo.micro_batches; its default), a feasibility rule only."""
+    group_size: int = 1
+    """GRPO group size (ppo.group_size); 1 for PPO."""
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens"):
+        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens", "micro_batches", "group_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
 

@@ -11,6 +11,8 @@ meshes smaller than `min_mesh_size` are skipped, and `fixed` replaces the candid
 
 from __future__ import annotations
 
+from ..rlhf.plan_rules import call_rule_errors
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,15 +88,24 @@ class Problem:
         t, persist, transient, weights = hit
         return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t)
 
+    def _rule_errors(self, call, dp: int) -> list[str]:
+        wl = self.wl
+        return call_rule_errors(call.name, call.kind == "train", False, dp, wl.batch_size,
+                                wl.ppo_minibatches, wl.micro_batches, wl.group_size)
+
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
         model = self.models.of(call.model)
         limit = self.hw.mem_limit
-        out, smallest = [], None
+        out, smallest, refused = [], None, {}
         for mesh in cluster_meshes(self.num_gpus, self.rpn):
             if mesh.size < min_mesh_size:
                 continue
             opts = []
             for dp, tp, pp in strategies(model, mesh.size, self.rpn, self.wl):
+                errs = self._rule_errors(call, dp)
+                if errs:  # the trainer would refuse it (rlhf/plan_rules.py)
+                    refused.setdefault(mesh.size, errs[0])
+                    continue
                 o = self._option(call, mesh, dp, tp, pp)
                 need = o.persist + o.transient
                 if smallest is None or need < smallest[0]:
@@ -105,9 +116,12 @@ class Problem:
             out += opts[:per_mesh]
         have = {o.key for o in out}
         for key in extra:
-            if key not in have:
+            if key not in have and not self._rule_errors(call, key[1]):
                 out.append(self._option(call, *key))
                 have.add(key)
+        if not out and smallest is None and refused:
+            raise ValueError(f"no layout of call {call.name} meets the batch rules; per mesh size: "
+                             + "; ".join(f"{k} devices: {v}" for k, v in sorted(refused.items())))
         if not out:
             need, o = smallest if smallest else (float("inf"), None)
             raise ValueError(

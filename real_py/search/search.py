@@ -81,6 +81,8 @@ def symmetric_baseline(prob: Problem) -> Baseline:
     least_mem = math.inf
     for s in common:
         layouts = {name: (full,) + s for name in prob.names}
+        if any(layouts[n] not in prob.index[i] for i, n in enumerate(prob.names)):
+            continue  # breaks a batch rule for some call (rlhf/plan_rules.py)
         r = ev.simulate(prob.choice(layouts))
         least_mem = min(least_mem, r["peak_mem"])
         if r["iter_time"] < best.iter_time:
