@@ -56,3 +56,9 @@ def test_tiny_cpu_searched_plan_validates(tmp_path, batch, mini):
     cfg2 = CF.from_dict({"data": {"batch_size": batch}, "ppo": {"mini_batches": mini},
                          "plan": {"path": str(path)}, "allow_idle_ranks": True})
     CF.validate(cfg2, 4)  # raises ValueError if the trainer would refuse the plan
+
+
+def test_no_plan_names_the_rule_per_mesh_size():
+    with pytest.raises(ValueError, match=r"meets the batch rules.*1 devices: .*ppo.mini_batches=4.*4 devices: "):
+        plan_search("llama2-7b", "llama2-7b", num_gpus=4, hardware="h100",
+                    workload=Workload(batch_size=6, ppo_minibatches=4), time_budget=1, chains=1)
