@@ -9,7 +9,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   tp         ring all-reduce: lat + 2 (n-1)/n * bytes / bw; 2 per layer forward, 4 forward+backward,
              plus HEAD_COLLS small ones per pass (vocab-parallel embedding and log-probs).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
-             hops on the critical path.
+             hops on the critical path; m is the cheapest count from ceil(tokens / micro_tokens)
+             up to 4 * pp, so more work never costs less (tests/test_search_monotone.py).
   dp         one gradient all-reduce per optimizer step (no overlap with backward assumed), plus
              the small loss / token-count / grad-norm collectives of the step.
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
@@ -47,9 +48,13 @@ class Workload:
     """Passes over the batch per train call."""
     micro_tokens: int = 16384
     """Tokens per micro-batch of a forward/backward pass (per dp replica)."""
+    micro_batches: int = 1
+    """Minimum rows per mini-batch (ppo.micro_batches; its default), a feasibility rule only."""
+    group_size: int = 1
+    """GRPO group size (ppo.group_size); 1 for PPO."""
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens"):
+        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens", "micro_batches", "group_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
 
@@ -146,9 +151,29 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     S = wl.seq_len
     pass_tokens = seqs * S / (wl.ppo_minibatches if kind == "train" else 1)  # per replica and pass
 
-    def forward(tok: float, ctx: float, train: bool) -> dict[str, float]:
-        """One pass (forward, or forward + backward when train) over tok tokens per replica."""
-        m, bubble = _pipeline(pp, tok, wl.micro_tokens)
+    def forward(tok: float, ctx: float, train: bool) -> tuple[int, dict[str, float]]:
+        """(micro-batches, seconds per term) of one pass over tok tokens per replica, with the
+        cheapest micro-batch count.
+
+        The count is a choice: at least m0 = ceil(tok / micro_tokens) (memory), and more up
+        to 4 * pp. Taking the cheapest keeps the cost monotone in tok: with a fixed count every term
+        grows with tok, and a larger tok only removes choices. With the smallest count alone, a
+        pass just over micro_tokens split in two and its bubble fell from pp to (pp + 1) / 2, so
+        longer generations were estimated faster (issue 25).
+        """
+        m0 = _pipeline(pp, tok, wl.micro_tokens)[0]
+        best = (m0, _pass(tok, ctx, train, m0))
+        if pp > 1:  # with one stage, more micro-batches only add latency and overhead
+            # Counts up to 4 * pp: past that the bubble is within (pp - 1) / (4 * pp) of none.
+            # The choice set [m0, max(m0, 4 pp)] only shrinks as tok grows.
+            for m in range(m0 + 1, 4 * pp + 1):
+                cand = _pass(tok, ctx, train, m)
+                if sum(cand.values()) < sum(best[1].values()):
+                    best = (m, cand)
+        return best
+
+    def _pass(tok: float, ctx: float, train: bool, m: int) -> dict[str, float]:
+        bubble = (m + pp - 1) / m
         passes = 3 if train else 1
         k = 2 if train else 1  # forward only, or forward + backward
         # Per layer: 2 all-reduces of the hidden states per direction, on the critical path of
@@ -165,7 +190,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
 
     if kind == "generate":
         P, G = wl.prompt_len, wl.gen_len
-        pre = forward(seqs * P, P / 2, False)
+        pre = forward(seqs * P, P / 2, False)[1]
         out["prefill"], out["prefill_tp"], out["prefill_pp"] = pre["compute"], pre["tp"], pre["pp"]
         ctx = P + G / 2
         step_flops = fwd_flops(model, seqs, ctx) / (tp * pp)
@@ -181,12 +206,12 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         out["decode"] = G * step
         out["decode_tp"] = G * step_tp
         out["decode_pp"] = G * step_pp
-        score = forward(seqs * S, S / 2, False)
+        score = forward(seqs * S, S / 2, False)[1]
         out["score"], out["score_tp"], out["score_pp"] = score["compute"], score["tp"], score["pp"]
         out["overhead"] = pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
     else:
         steps = wl.ppo_epochs * wl.ppo_minibatches if kind == "train" else 1
-        f = forward(pass_tokens, S / 2, kind == "train")
+        pass_m, f = forward(pass_tokens, S / 2, kind == "train")
         for k, v in f.items():
             out[k] = steps * v
         if kind == "train":
@@ -202,7 +227,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # processors do and, less, the wait for a message (a peer may wait for a core). Pipeline
     # stages are busy together only with several micro-batches in flight; a decode step runs
     # its stages one after another.
-    busy = dp * tp * (1 if kind == "generate" else min(pp, _pipeline(pp, pass_tokens, wl.micro_tokens)[0]))
+    busy = dp * tp * (1 if kind == "generate" else min(pp, pass_m))
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
     # After the pipeline flush every stage reduces its gradients and steps at the same time.

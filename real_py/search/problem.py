@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..rlhf.execplan import ExecutionPlan
+from ..rlhf.plan_rules import call_rule_errors
 from ..layout import Layout
 from .costmodel import Mesh, Workload, call_memory, call_time
 from .graph import PPO_GRAPH, PPOModels, cluster_meshes, dep_bytes, strategies
@@ -55,9 +56,11 @@ class Problem:
     def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
                  iters: int = 3, per_mesh: int = 3, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
-                 graph: tuple | None = None):
+                 graph: tuple | None = None, grouped: bool = False):
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
         self.calls = PPO_GRAPH if graph is None else graph
+        self.grouped = grouped
+        """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole groups)."""
         self.names = [c.name for c in self.calls]
         self.rpn = min(hw.ranks_per_node, num_gpus)
         self.realloc_cost = realloc or ReallocCost(hw)
@@ -87,15 +90,25 @@ class Problem:
         t, persist, transient, weights = hit
         return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t)
 
+    def _rule_errors(self, call, dp: int) -> list[str]:
+        wl = self.wl
+        grpo_actor = self.grouped and call.kind == "train" and call.model == "actor"
+        return call_rule_errors(call.name, call.kind == "train", grpo_actor, dp, wl.batch_size,
+                                wl.ppo_minibatches, wl.micro_batches, wl.group_size)
+
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
         model = self.models.of(call.model)
         limit = self.hw.mem_limit
-        out, smallest = [], None
+        out, smallest, refused = [], None, {}
         for mesh in cluster_meshes(self.num_gpus, self.rpn):
             if mesh.size < min_mesh_size:
                 continue
             opts = []
             for dp, tp, pp in strategies(model, mesh.size, self.rpn, self.wl):
+                errs = self._rule_errors(call, dp)
+                if errs:  # the trainer would refuse it (rlhf/plan_rules.py)
+                    refused.setdefault(mesh.size, errs[0])
+                    continue
                 o = self._option(call, mesh, dp, tp, pp)
                 need = o.persist + o.transient
                 if smallest is None or need < smallest[0]:
@@ -106,9 +119,12 @@ class Problem:
             out += opts[:per_mesh]
         have = {o.key for o in out}
         for key in extra:
-            if key not in have:
+            if key not in have and not self._rule_errors(call, key[1]):
                 out.append(self._option(call, *key))
                 have.add(key)
+        if not out and smallest is None and refused:
+            raise ValueError(f"no layout of call {call.name} meets the batch rules; per mesh size: "
+                             + "; ".join(f"{k} devices: {v}" for k, v in sorted(refused.items())))
         if not out:
             need, o = smallest if smallest else (float("inf"), None)
             raise ValueError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..rlhf.execplan import ExecutionPlan
 from .costmodel import Mesh, Workload
+from ..rlhf.graph import GROUPED
 from .graph import PPO_GRAPH, PPOModels, ppo_models, search_graph, strategies
 from .hardware import HardwareProfile
 from .profiles import get_profile
@@ -79,6 +80,8 @@ def symmetric_baseline(prob: Problem) -> Baseline:
     least_mem = math.inf
     for s in common:
         layouts = {name: (full,) + s for name in prob.names}
+        if any(layouts[n] not in prob.index[i] for i, n in enumerate(prob.names)):
+            continue  # breaks a batch rule for some call (rlhf/plan_rules.py)
         r = ev.simulate(prob.choice(layouts))
         least_mem = min(least_mem, r["peak_mem"])
         if r["iter_time"] < best.iter_time:
@@ -120,7 +123,7 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     graph = search_graph(algo)
-    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph,
+    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph, grouped=algo in GROUPED,
                    extra=baseline_layouts(models, hw, num_gpus, wl, graph))
     sym = symmetric_baseline(prob)
     heu = heuristic_baseline(prob, sym)

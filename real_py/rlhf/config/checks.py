@@ -5,6 +5,8 @@ models, vocabularies and tokenizers against each other, the prompt data and the 
 
 from __future__ import annotations
 
+from ..plan_rules import call_rule_errors
+
 import json
 import os
 
@@ -172,17 +174,10 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
             check_fits(spec, layout)
         except ValueError as e:
             raise ValueError(f"call {n} ({call.model} on {layout}): {e}") from None
-        if B % layout.dp:
-            raise ValueError(f"call {n}: dp={layout.dp} does not divide data.batch_size={B}")
-        local = B // layout.dp
-        if call.trains:
-            if local % cfg.ppo.mini_batches or local // cfg.ppo.mini_batches < cfg.ppo.micro_batches:
-                raise ValueError(f"call {n}: the DP-local batch of {local} rows cannot be cut into "
-                                 f"ppo.mini_batches={cfg.ppo.mini_batches} mini-batches of at least "
-                                 f"ppo.micro_batches={cfg.ppo.micro_batches} rows")
-            if cfg.algo in GROUPED and call.kind == "train_grpo_actor" and (local // cfg.ppo.mini_batches) % cfg.ppo.group_size:
-                raise ValueError(f"call {n}: ppo.group_size={cfg.ppo.group_size} must divide the "
-                                 f"DP-local mini-batch of {local // cfg.ppo.mini_batches} rows")
+        errs = call_rule_errors(n, call.trains, cfg.algo in GROUPED and call.kind == "train_grpo_actor",
+                                layout.dp, B, cfg.ppo.mini_batches, cfg.ppo.micro_batches, cfg.ppo.group_size)
+        if errs:
+            raise ValueError(errs[0])
     if cfg.ppo.dynamic_sampling and (cfg.algo not in GROUPED or cfg.ppo.group_size < 2):
         raise ValueError(f"config ppo.dynamic_sampling needs groups: algo one of {list(GROUPED)} and "
                          f"ppo.group_size >= 2 (got algo={cfg.algo!r}, group_size={cfg.ppo.group_size})")
