@@ -25,6 +25,10 @@ def add_parser(sub):
     p.add_argument("--gen-len", type=int, default=384)
     p.add_argument("--ppo-minibatches", type=int, default=4, help="optimizer steps per PPO epoch")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the batch per train call")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="ppo.micro_batches: every mini-batch of every DP rank must hold at least this many rows")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="ppo.group_size of a grouped algorithm: DP-local actor mini-batches hold whole groups")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds for the whole search")
     p.add_argument("--chains", type=int, default=4)
@@ -46,6 +50,7 @@ def run(args) -> int:
     for flag, v in (("--time-budget", args.time_budget), ("--batch-size", args.batch_size),
                     ("--prompt-len", args.prompt_len), ("--gen-len", args.gen_len),
                     ("--ppo-minibatches", args.ppo_minibatches), ("--ppo-epochs", args.ppo_epochs),
+                    ("--micro-batches", args.micro_batches), ("--group-size", args.group_size),
                     ("--chains", args.chains)):
         if not v > 0:
             raise ValueError(f"{flag}={v} must be > 0")
@@ -54,7 +59,8 @@ def run(args) -> int:
     critic = (args.critic if args.critic is None or args.critic in PRESETS
               else model_config(args.critic, "--critic"))
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                  ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs)
+                  ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs,
+                  micro_batches=args.micro_batches, group_size=args.group_size)
     res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
                       algo=args.algo)
