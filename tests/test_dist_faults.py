@@ -170,11 +170,10 @@ def _early_failure_and_stopped_rank(rank: int, world: int) -> dict:
     out = {}
 
     t = DistTransport(groups[0], timeout=60)
+    if rank != 2:  # rank 2 reports its failure before its peers have even set up: still seen
+        time.sleep(3)
     r = Reallocator(plan, t, bucket_bytes=2048)
     s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
-    # Every rank has set up before rank 2 fails: a report written before a peer's setup is not
-    # seen by that peer (README "Known gaps").
-    dist.barrier()
     t0 = time.monotonic()
     with pytest.raises((TransferError, ValueError)) as e:
         r.run(None if rank == 2 else s, d)

@@ -12,8 +12,9 @@ and then one async broadcast per multi-receiver chunk, sorted by (sender, receiv
 rank issues collectives in one global order. `Handle.wait()` polls the works against a deadline
 of `timeout` seconds; a failed or late op becomes a TransferError naming this rank, the peer and
 the round. A rank that gives up writes a line to the store (the default store unless one is
-passed); a rank whose wait fails adds those lines to its error, so a chain of failures still
-names the rank that failed first.
+passed), filed under the group's setup count (the k-th setup is the same reallocation on every
+rank, even when a peer has not reached it yet); a rank whose wait fails adds those lines to its
+error, so a chain of failures still names the rank that failed first.
 
 Waiting watches the peers (real_py/liveness.py): every process beats through the store, and
 `Handle.wait()` runs the blocking waits in a helper thread while it reads, every 0.1 s, the
@@ -36,6 +37,10 @@ import torch.distributed as dist
 
 from ...liveness import PeerWatch, start_heartbeat, wait_watched
 from .base import Handle, Recvs, Sends, TransferError, Transport
+
+_EPOCHS: dict[str, int] = {}
+"""Setups per report prefix (process group) in this process. Setup is collective, so the k-th
+setup on a group is the same reallocation on every rank: reports are filed under that count."""
 
 REPORT_GRACE_S = 0.5
 """Seconds a wait still gives its ops after a peer reported a failure: ops that do not depend on
@@ -71,7 +76,10 @@ class DistTransport(Transport):
                 store = None
         self.store = store
         self._watch = PeerWatch(start_heartbeat(store, dist.get_rank())) if store is not None else None
-        self._seen = self._num_reports()
+        # Reports are filed per setup epoch: a report written by a rank that failed before a
+        # peer's setup is still read by that peer (same epoch), and a later reallocation on the
+        # group never reads an earlier one's reports (next epoch).
+        self._epoch = _EPOCHS.get(self._prefix, 0)
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -99,7 +107,7 @@ class DistTransport(Transport):
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
                             group=self.group)
         self._warm = True
-        self._seen = self._num_reports()
+        self._epoch = _EPOCHS[self._prefix] = _EPOCHS.get(self._prefix, 0) + 1
 
     # ------------------------------------------------------------------ rounds
 
@@ -157,24 +165,27 @@ class DistTransport(Transport):
         if self.store is None:
             return
         try:
-            n = self.store.add(self._prefix + "/n", 1)
-            self.store.set(f"{self._prefix}/{n}", line[:2000])
+            n = self.store.add(self._key("n"), 1)
+            self.store.set(self._key(n), line[:2000])
         except Exception:  # noqa: BLE001 - reporting is best effort; the raise that follows is not
             pass
+
+    def _key(self, what) -> str:
+        return f"{self._prefix}/{self._epoch}/{what}"
 
     def _num_reports(self) -> int:
         if self.store is None:
             return 0
         try:
-            return int(self.store.add(self._prefix + "/n", 0))
+            return int(self.store.add(self._key("n"), 0))
         except Exception:  # noqa: BLE001
             return 0
 
     def reports(self) -> list[str]:
-        """Failure lines written by other ranks since setup."""
+        """Failure lines written by other ranks in this reallocation (setup epoch)."""
         out = []
-        for i in range(self._seen + 1, self._num_reports() + 1):
-            key = f"{self._prefix}/{i}"
+        for i in range(1, self._num_reports() + 1):
+            key = self._key(i)
             try:
                 if self.store.check([key]):
                     line = self.store.get(key).decode(errors="replace")
