@@ -16,6 +16,10 @@ blocked on a third rank) keeps beating and is waited for as before.
 
 A wait abandoned this way leaves its helper thread blocked until the op's own timeout ends it;
 the process group should be considered broken after such an error (as after any transfer error).
+
+Collectives that are not waited on through here (TP / DP all-reduces inside a call) are covered
+by `Watchdog`: a thread that, while the process is inside a named section, ends the process with
+a message naming the section and the silent peer.
 """
 
 from __future__ import annotations
@@ -130,6 +134,73 @@ class _Waiter:
 
 _idle: list[_Waiter] = []
 
+EXIT_SILENT_PEER = 75
+"""Exit code of a process whose Watchdog found a silent peer (EX_TEMPFAIL)."""
+
+
+class Watchdog:
+    """Names a stopped peer while this process may be blocked in a collective it cannot watch
+    op by op (TP / DP all-reduces inside a call, the end-of-step all-reduce: wrapping each of
+    those in a helper-thread wait would tax every layer of every step).
+
+        dog = Watchdog(store)
+        with dog.section("rank 0, step 3, call actor_train", peers=[0, 1, 2, 3]):
+            ...                                   # collectives
+
+    A daemon thread reads the peers' heartbeats every HEARTBEAT_S; inside a section, a peer
+    silent for `silent_s` seconds is fatal: the process cannot get out of a blocked gloo / NCCL
+    wait by itself, so (as torch's NCCL heartbeat monitor does) `on_silent(message)` runs, by
+    default printing the message (section, silent peer, seconds) to stderr, filing it with the
+    store and exiting with EXIT_SILENT_PEER. The default threshold is SILENT_S + 3 s, so waits
+    that watch their peers themselves (DistTransport rounds, row pushes) raise their own, more
+    precise error first."""
+
+    def __init__(self, store, silent_s: float | None = None, on_silent=None):
+        self.watch = PeerWatch(store, SILENT_S + 3.0 if silent_s is None else silent_s)
+        self.store = store
+        self.on_silent = on_silent or self._exit
+        self._section: tuple[str, tuple[int, ...]] | None = None
+        self._fired = False
+        threading.Thread(target=self._loop, name="real_py-watchdog", daemon=True).start()
+
+    def section(self, what: str, peers):
+        dog = self
+
+        class _Section:
+            def __enter__(self):
+                dog._section = (what, tuple(int(p) for p in peers))
+
+            def __exit__(self, *exc):
+                dog._section = None
+                return False
+
+        return _Section()
+
+    def _loop(self):
+        while not self._fired:
+            time.sleep(HEARTBEAT_S)
+            cur = self._section
+            if cur is None:
+                continue
+            silent = self.watch.silent(cur[1])
+            if silent and self._section is cur:
+                p, secs = silent[0]
+                self._fired = True
+                self.on_silent(f"{cur[0]}: peer rank {p} is silent (no heartbeat for {secs:.1f} s: "
+                               "stopped or wedged); a blocked collective cannot be given up, so "
+                               "this process exits")
+
+    def _exit(self, message: str) -> None:
+        import sys
+
+        print(f"real_py watchdog: {message}", file=sys.stderr, flush=True)
+        try:
+            n = self.store.add("real_py/watchdog/n", 1)
+            self.store.set(f"real_py/watchdog/{n}", message[:2000])
+        except Exception:  # noqa: BLE001 - best effort: exiting is what matters
+            pass
+        os._exit(EXIT_SILENT_PEER)
+
 
 def wait_watched(wait, check, poll: float = POLL_S) -> None:
     """Run the blocking `wait()` in a helper thread; every `poll` seconds until it returns, call
@@ -152,5 +223,5 @@ def wait_watched(wait, check, poll: float = POLL_S) -> None:
         raise err
 
 
-__all__ = ["start_heartbeat", "PeerWatch", "SilentPeer", "wait_watched", "default_store",
-           "HEARTBEAT_S", "SILENT_S"]
+__all__ = ["start_heartbeat", "PeerWatch", "SilentPeer", "Watchdog", "wait_watched",
+           "default_store", "HEARTBEAT_S", "SILENT_S", "EXIT_SILENT_PEER"]

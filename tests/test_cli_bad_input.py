@@ -219,3 +219,18 @@ def test_error_is_one_line_without_traceback(tmp_path):
                         "--out-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr == "error: config steps='ten': expected an integer\n", r.stderr
     assert "launching" not in r.stdout and not (tmp_path / "run").exists()
+
+
+def test_bench_gpu_memory_checked_before_launch(env, capsys, monkeypatch):
+    """--device cuda: a pair whose shards do not fit one GPU's free memory is refused before any
+    process starts (CUDA faked: 8 GPUs of 80 GiB with 10 GiB free each)."""
+    import torch
+
+    from real_py.cli import bench as cli_bench
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (10 << 30, 80 << 30))
+    monkeypatch.setattr(cli_bench, "_launch", lambda args, n: (_ for _ in ()).throw(AssertionError("launched")))
+    _expect_error(["bench", "--device", "cuda", "--model", "llama2-70b", "--src", "tp4", "--dst", "tp2"],
+                  "rank 0's shards of dp1tp4pp1 -> dp1tp2pp1 need about 96.9 GiB, but cuda:0 has 10.0 "
+                  "of 80.0 GiB free", capsys, env)

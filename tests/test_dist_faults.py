@@ -251,3 +251,44 @@ def test_early_failure_and_stopped_rank_are_named_in_seconds():
     print("row pushes: detection seconds after SIGSTOP:", {r: round(out[r]["push"][1], 2) for r in (0, 1)})
     print("detection seconds after SIGSTOP:", {r: round(out[r]["stopped"][1], 2) for r in (0, 1, 2)},
           "; after the early failure:", {r: round(early[r][2], 2) for r in (0, 1, 3)})
+
+
+def _stopped_in_collective(rank: int, world: int, out_dir: str) -> None:
+    """Rank 3 is SIGSTOPped while ranks 0-2 are blocked in an all-reduce with it (as in a TP
+    all-reduce inside a call): the runtime's Watchdog names it within seconds, not at the
+    process group's 60 s timeout. Each survivor writes its message, rank 0 SIGKILLs rank 3."""
+    import signal
+
+    from real_py.liveness import Watchdog, default_store, start_heartbeat
+
+    store = start_heartbeat()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+
+    def on_silent(msg: str) -> None:
+        took = time.time() - float(store.get("stopped_at"))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump([msg, took], f)
+        if rank == 0:
+            os.kill(pids[3], signal.SIGKILL)
+        os._exit(75)
+
+    dog = Watchdog(default_store(), on_silent=on_silent)
+    dist.barrier()
+    if rank == 3:
+        store.set("stopped_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    with dog.section(f"rank {rank}, step 7, call actor_train", peers=range(world)):
+        dist.all_reduce(torch.ones(4))
+    raise AssertionError(f"rank {rank}: the all-reduce finished although rank 3 is stopped")
+
+
+@pytest.mark.timeout(120)
+def test_watchdog_names_a_rank_stopped_in_a_collective(tmp_path):
+    out = run_distributed(_stopped_in_collective, 4, str(tmp_path), timeout=90, allow_exit=(0, 1, 2, 3))
+    assert out == [None] * 4, out
+    for r in (0, 1, 2):
+        msg, took = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert msg.startswith(f"rank {r}, step 7, call actor_train: peer rank 3 is silent"), msg
+        assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (pg timeout 60 s)"
+        print(f"rank {r}: watchdog named rank 3 after {took:.1f} s")

@@ -305,10 +305,11 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
     text = "".join(out)
     assert victim is not None, text[-3000:]
     assert p.returncode != 0, text[-3000:]
-    # Where the others wait on rank 2 decides how fast it is named: in a transfer or a row push
-    # (watched) within seconds; blocked in a collective inside a call (a pipeline recv, a TP
-    # all-reduce: not watched, README "Known gaps") only at the collective --timeout (120 s).
-    silent = re.search(r"rank [013], step 1.*peer rank 2 is silent: no heartbeat", text)
-    assert silent or "Timed out" in text, text[-3000:]
-    assert took < (60 if silent else 120 + 60), f"job ended {took:.1f} s after the stop (timeout 120 s)"
+    # Wherever the others wait on rank 2, it is named within seconds: in a transfer or a row
+    # push by the wait itself, in a collective inside a call (a pipeline recv, a TP all-reduce)
+    # or at the end of the step by the runtime's watchdog.
+    silent = re.search(r"rank [013], step \d+, (call \w+|end of iteration).*peer rank 2 is silent", text)
+    assert silent, text[-3000:]
+    assert took < 60, f"job ended {took:.1f} s after the stop (collective timeout 120 s)"
+    print(f"job ended {took:.1f} s after the stop:", silent.group(0)[:200])
     assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"

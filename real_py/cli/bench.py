@@ -185,6 +185,7 @@ def run(args) -> int:
             if torch.cuda.device_count() < nproc:
                 raise ValueError(f"--device cuda with {nproc} processes, but this machine has "
                                  f"{torch.cuda.device_count()} GPUs")
+            _check_gpu_memory(model, pairs, args.bucket_mb)
         return _launch(args, nproc)
     return _spmd(args, model, pairs, need)
 
@@ -215,6 +216,26 @@ def _check_memory(model, pairs, nproc: int, bucket_mb: float) -> None:
         raise ValueError(f"--model {model.name} ({model.numel / 1e9:.2f}B params, {model.dtype}): the "
                          f"shards of one pair on {nproc} local CPU ranks need about {need / 2**30:.1f} GiB, "
                          f"but {avail / 2**30:.1f} GiB is available; pick a smaller model or run on GPUs")
+
+
+def _check_gpu_memory(model, pairs, bucket_mb: float) -> None:
+    """Refuse before launching when one rank's source + destination shards of a pair, plus its
+    staging, would not fit in the free memory of its GPU (local rank r uses cuda:r)."""
+    import torch
+
+    from ..realloc.plan import _shard_data_numel
+
+    staging = 2 * int(bucket_mb * (1 << 20))
+    for src, dst in pairs:
+        for r in sorted(set(src.ranks) | set(dst.ranks)):
+            numel = sum(_shard_data_numel(model, layout, r) for layout in (src, dst) if r in layout.ranks)
+            need = numel * model.element_size + staging
+            free, total = torch.cuda.mem_get_info(r)
+            if need > 0.9 * free:
+                raise ValueError(f"--model {model.name} ({model.numel / 1e9:.2f}B params, {model.dtype}): "
+                                 f"rank {r}'s shards of {src} -> {dst} need about {need / 2**30:.1f} GiB, "
+                                 f"but cuda:{r} has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; "
+                                 "use more GPUs or a smaller model")
 
 
 def _simulate(args, model, pairs, need: int) -> int:

@@ -19,6 +19,7 @@ and offloaded right after it (after posting its pushes).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import peak_memory_mib, reset_peak_memory, resolve_device
-from ..liveness import PeerWatch, start_heartbeat
+from ..liveness import PeerWatch, Watchdog, start_heartbeat
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
@@ -108,6 +109,9 @@ class Runtime:
         # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
         store = start_heartbeat()
         self.watch = PeerWatch(store) if store is not None else None
+        # Collectives inside a call and at the end of a step cannot be watched op by op: a
+        # watchdog names a peer that stops beating meanwhile (and ends this process).
+        self.dog = Watchdog(store) if store is not None else None
         self.data = D.load(cfg, configs["actor"].vocab_size)
         self.tokenizer = D.tokenizer(cfg, self.data)
         self.reward_fn = FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None
@@ -167,12 +171,14 @@ class Runtime:
             order = [(i, n) for i, n in order if self.graph.calls[n].trains]
         self._run(order, step, store, pusher, sums, events, reallocs, offloads, peaks)
         try:
-            pusher.finish(store, step)
-            sums = sums.to(self.device)
-            dist.all_reduce(sums)
-            sums = sums.cpu()
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
+            with self._watched(f"rank {self.rank}, step {step}, end of iteration",
+                               range(dist.get_world_size())):
+                pusher.finish(store, step)
+                sums = sums.to(self.device)
+                dist.all_reduce(sums)
+                sums = sums.cpu()
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
@@ -227,12 +233,17 @@ class Runtime:
         for i, name in calls:
             try:
                 reset_peak_memory(self.device)
-                self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
+                with self._watched(f"rank {self.rank}, step {step}, call {name}",
+                                   self.plan.calls[name].ranks):
+                    self._call(i, name, store, pusher, sums, events, reallocs, offloads, step)
                 if self.device.type == "cuda":
                     peaks[name] = peak_memory_mib(self.device)
             except Exception as e:
                 raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
                                    f"{type(e).__name__}: {e}") from e
+
+    def _watched(self, what: str, peers):
+        return self.dog.section(what, peers) if self.dog is not None else contextlib.nullcontext()
 
     def _call(self, i, name, store, pusher, sums, events, reallocs, offloads, step) -> None:
         call = self.graph.calls[name]
