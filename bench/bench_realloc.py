@@ -211,8 +211,19 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
     del expected
     prof = {}
     if "real_py" in runnable:
-        for k, v in runnable["real_py"].profile().items():
+        got = runnable["real_py"].profile()
+        per_round = got.pop("per_round")
+        for k, v in got.items():
             prof[k] = _max(v)
+        # Per round: each phase's max over ranks (rank-local round indices are global ones).
+        rounds = [None] * dist.get_world_size()
+        dist.all_gather_object(rounds, per_round)
+        merged = {}
+        for rows in rounds:
+            for idx, *secs in rows:
+                m = merged.setdefault(idx, [0.0] * 4)
+                merged[idx] = [max(a, b) for a, b in zip(m, secs)]
+        prof["per_round"] = [[i] + [round(x, 6) for x in merged[i]] for i in sorted(merged)]
         log(f"real_py phases (max over ranks, s): {prof}")
     from realloc_methods import GlooFloor
 

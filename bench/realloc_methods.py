@@ -161,45 +161,17 @@ class RealPy:
         self.last_stats = self.realloc.run(self.src_shard, self.dst_shard)
 
     def profile(self) -> dict:
-        """One run with the reallocator's phases timed on this rank: seconds in local copies,
-        pack, posting the transfers, waiting for them, unpack, and the rest (Python)."""
-        from real_py import ops
-
-        acc = {"local": 0.0, "pack": 0.0, "post": 0.0, "wait": 0.0, "unpack": 0.0}
-        orig_pack, orig_unpack, transport = ops.pack, ops.unpack, self.realloc.transport
-        orig_start = transport.start
-        local_descs = self.realloc._descs.get((-1, "local"))
-
-        def timed(key, fn):
-            def wrapper(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    acc[key] += time.perf_counter() - t0
-            return wrapper
-
-        def unpack(packed, descs, dst):
-            key = "local" if descs is local_descs or packed is getattr(self.src_shard, "flat", None) \
-                else "unpack"
-            return timed(key, orig_unpack)(packed, descs, dst)
-
-        def start(*a, **k):
-            handle = timed("post", orig_start)(*a, **k)
-            handle.wait = timed("wait", handle.wait)
-            return handle
-
-        ops.pack, ops.unpack, transport.start = timed("pack", orig_pack), unpack, start
-        try:
-            t0 = time.perf_counter()
-            self.run()
-            total = time.perf_counter() - t0
-        finally:
-            ops.pack, ops.unpack = orig_pack, orig_unpack
-            del transport.start
+        """One run's phases on this rank, as the Reallocator reports them: seconds in local
+        copies, pack, posting the transfers, waiting for them, unpack, the rest (Python), and
+        per round [index, pack, post, wait, unpack]."""
+        t0 = time.perf_counter()
+        self.run()
+        total = time.perf_counter() - t0
+        acc = dict(self.last_stats["phases"])
         acc["python_other"] = total - sum(acc.values())
         acc["total"] = total
         acc["rounds"] = len(self.realloc.rounds)
+        acc["per_round"] = self.last_stats["per_round"]
         return acc
 
 

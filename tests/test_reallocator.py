@@ -201,3 +201,29 @@ def test_bucket_too_small():
     model, full, src, dst, plan = _setup()
     with pytest.raises(ValueError, match=r"bucket_bytes=4 is smaller than two elements"):
         Reallocator(plan, InProcessHub().transport(0), bucket_bytes=4)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_stats_phases_per_round(pipeline):
+    """run() reports seconds per phase and per round: one row per round of the rank, phases
+    non-negative, their sum within the run's seconds; pack / unpack time where rounds stage."""
+    model = SPECS[1]
+    full = random_full(model, 6)
+    src, dst = Layout.parse("dp1,tp2,pp2"), Layout.parse("dp2,tp3,pp1", ranks=range(4, 10))
+    plan = plan_realloc(model, src, dst)
+    srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
+    dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
+    stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=2048,
+                           direct_min_bytes=0, pipeline=pipeline)
+    for r, st in stats.items():
+        assert [row[0] for row in st["per_round"]] == sorted({row[0] for row in st["per_round"]})
+        assert len(st["per_round"]) == st["rounds"] > 0, (r, st["rounds"])
+        assert set(st["phases"]) == {"local", "pack", "post", "wait", "unpack"}
+        assert all(v >= 0 for v in st["phases"].values())
+        assert sum(st["phases"].values()) <= st["seconds"]
+        for j, k in enumerate(("pack", "post", "wait", "unpack"), 1):
+            assert abs(sum(row[j] for row in st["per_round"]) - st["phases"][k]) < 1e-9
+    assert any(st["phases"]["pack"] > 0 for r, st in stats.items() if r in src.ranks)
+    assert any(st["phases"]["unpack"] > 0 for r, st in stats.items() if r in dst.ranks)
+    for r in dst.ranks:
+        assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full))

@@ -159,7 +159,9 @@ class Reallocator:
 
     def run(self, src: ModelShard | None, dst: ModelShard | None, *,
             free_source: bool = False) -> dict:
-        """Move this rank's part of the plan; returns stats (bytes, rounds, seconds)."""
+        """Move this rank's part of the plan; returns stats: bytes, rounds, seconds, "phases"
+        (seconds in local copies, pack, post, wait, unpack) and "per_round" ([round index, pack,
+        post, wait, unpack] seconds of each of this rank's rounds)."""
         t0 = time.perf_counter()
         mine = self.schedule
         es = self.plan.element_size
@@ -176,32 +178,55 @@ class Reallocator:
                 raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
                                  "move one so both sides share a device")
             step = "local copies"
+            clock = time.perf_counter
+            # Seconds per phase and per round [index, pack, post, wait, unpack] (host time: on
+            # CUDA, pack / unpack are asynchronous launches and their work shows up in `wait`).
+            per_round = {rr.index: [rr.index, 0.0, 0.0, 0.0, 0.0] for rr in self.rounds}
+            t = clock()
             if len(mine.local):
                 ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
+            local_s = clock() - t
             pending = None
             for i, rr in enumerate(self.rounds):
                 step = cur = f"round {rr.index}/{total}"
+                row = per_round[rr.index]
+                t = clock()
                 staging = self._staging_half(i, (src or dst).flat) if rr.staging_numel else None
                 if len(rr.pack_descs):
                     ops.pack(src.flat, self._tensor(rr.pack_descs, (rr.index, "pack")), staging)
                 sends, recvs = self._messages(rr, src, dst, staging)
+                row[1] += clock() - t
                 if pending is not None:
                     step = pending[4]
+                    t = clock()
                     pending[0].wait()
+                    per_round[pending[1].index][3] += clock() - t
                 step = cur
+                t = clock()
                 handle = self.transport.start(sends, recvs, step)
+                row[2] += clock() - t
                 if pending is not None:
                     step = pending[4]
+                    t = clock()
                     self._finish(*pending[1:], dst)
+                    per_round[pending[1].index][4] += clock() - t
                 pending = (handle, rr, staging, recvs, cur)
                 if not self.pipeline:  # one staging buffer: finish before the next pack
+                    t = clock()
                     handle.wait()
+                    row[3] += clock() - t
+                    t = clock()
                     self._finish(rr, staging, recvs, cur, dst)
+                    row[4] += clock() - t
                     pending = None
             if pending is not None:
                 step = pending[4]
+                t = clock()
                 pending[0].wait()
+                per_round[pending[1].index][3] += clock() - t
+                t = clock()
                 self._finish(*pending[1:], dst)
+                per_round[pending[1].index][4] += clock() - t
         except BaseException as e:
             if not getattr(e, "reported", False):  # the transport's own errors are reported
                 self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
@@ -212,7 +237,11 @@ class Reallocator:
         return {"rank": self.rank, "sent_bytes": sent, "received_bytes": received,
                 "local_bytes": mine.local_numel * es, "rounds": len(self.rounds),
                 "staging_bytes": 0 if self.staging is None else self.staging.numel() * es,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0,
+                "phases": {"local": local_s,
+                           **{k: sum(r[j] for r in per_round.values())
+                              for j, k in enumerate(("pack", "post", "wait", "unpack"), 1)}},
+                "per_round": list(per_round.values())}
 
     def _messages(self, rr, src, dst, staging):
         sends, recvs = [], []
