@@ -15,6 +15,7 @@ Writes bench/results/plan_cpu2_<date>.{json,md}. The machine is shared: timings 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -65,6 +66,10 @@ def one_rank(model, src, dst, mode, rpn, rank, trace=False):
     """Cold plan + schedule of one rank; with trace=True (not timed: tracemalloc slows Python
     down several times) the Python peak allocation instead."""
     clear_caches()
+    # A garbage collection owed by earlier allocations (torch's import, the previous pair) would
+    # otherwise land in whichever call crosses the threshold: ~80 ms in the first timed call of
+    # a fresh process here. Collect first, as timeit disables the collector while timing.
+    gc.collect()
     if trace:
         tracemalloc.start()
     t0 = time.perf_counter()
