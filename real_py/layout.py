@@ -239,11 +239,17 @@ def _balanced_partition(model: ModelSpec, pp: int) -> tuple[int, ...]:
         best[0][i] = prefix[i] + first + (last if pp == 1 else 0)
     for s in range(1, pp):
         extra = last if s == pp - 1 else 0
+        prev, row, pick = best[s - 1], best[s], choice[s]
         for i in range(s + 1, L + 1):
-            for a in range(s, i):
-                v = max(best[s - 1][a], prefix[i] - prefix[a] + extra)
-                if v < best[s][i]:
-                    best[s][i], choice[s][i] = v, a
+            # Last stage's first layer a, from i - 1 down: its cost only grows, so stop once it
+            # alone exceeds the best found; "<=" keeps the smallest a among equal optima.
+            for a in range(i - 1, s - 1, -1):
+                seg = prefix[i] - prefix[a] + extra
+                if seg > row[i]:
+                    break
+                v = max(prev[a], seg)
+                if v <= row[i]:
+                    row[i], pick[i] = v, a
     counts, i = [], L
     for s in range(pp - 1, 0, -1):
         a = choice[s][i]
@@ -312,8 +318,17 @@ def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
     align = max(1, ALIGN_BYTES // model.element_size)
     head_copy = []
     ordered = []
+    # param_stages inlined for this one stage (it runs for every parameter of every stage).
+    lo, hi = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)[stage]
+    last = layout.pp - 1
     for p in model.params:
-        if stage in param_stages(model, layout, p):
+        if p.owner == "layer":
+            held = lo <= p.layer < hi
+        elif p.owner == "embed":
+            held = stage == 0 or (stage == last and p.tied_to_head)
+        else:
+            held = stage == last
+        if held:
             if p.owner == "embed" and stage != 0:
                 head_copy.append(p)
             else:

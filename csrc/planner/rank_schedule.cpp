@@ -214,26 +214,51 @@ struct Lane {
     for (int64_t p : path) skip0[p - first] = k;
     return k;
   }
-  // Earliest round >= k with room for n elements.
+  // Earliest round >= k with room for n elements. Rounds whose leftover is too small for n are
+  // never full, so `skip` cannot jump them: whole blocks of kBlock rounds whose least-used
+  // round has no room are jumped by their minimum instead (one read per block, not per round).
   int64_t fit(int64_t k, int64_t n) {
     if (n >= limit_) return empty(k);
-    for (k = open(k); at(k) + n > limit_; k = open(k + 1)) {
+    const int64_t cap = limit_ - n, end = first + static_cast<int64_t>(used.size());
+    for (k = open(k); k < end;) {
+      if (k % kBlock == 0 && k + kBlock <= end && bmin[k / kBlock - bfirst] > cap) {
+        k += kBlock;
+        continue;
+      }
+      if (used[k - first] <= cap) return k;
+      k = open(k + 1);
     }
     return k;
   }
   void take(int64_t k, int64_t n) {
     const int64_t i = k - first;
     while (static_cast<int64_t>(used.size()) <= i) {
-      skip.push_back(first + static_cast<int64_t>(used.size()));
-      skip0.push_back(first + static_cast<int64_t>(used.size()));
+      const int64_t r = first + static_cast<int64_t>(used.size());
+      skip.push_back(r);
+      skip0.push_back(r);
       used.push_back(0);
+      if (r % kBlock == 0 || bmin.empty()) bmin.push_back(0);
     }
+    const int64_t old = used[i];
     used[i] += n;
     if (used[i] >= limit_) skip[i] = k + 1;
     skip0[i] = std::max(skip0[i], k + 1);
-    while (!used.empty() && used.front() >= limit_)
+    // The block's minimum rises only when its least-used round was this one.
+    int64_t& m = bmin[k / kBlock - bfirst];
+    if (old == m) {
+      const int64_t lo = std::max(first, k / kBlock * kBlock), end = first + static_cast<int64_t>(used.size());
+      const int64_t hi = std::min(end, (k / kBlock + 1) * kBlock);
+      m = hi - lo < kBlock ? 0 : used[lo - first];  // a block not complete yet has empty rounds
+      for (int64_t r = lo; r < hi && m > 0; ++r) m = std::min(m, used[r - first]);
+    }
+    while (!used.empty() && used.front() >= limit_) {
       used.pop_front(), skip.pop_front(), skip0.pop_front(), ++first;
+      while (bfirst < first / kBlock) bmin.pop_front(), ++bfirst;
+    }
   }
+  static constexpr int64_t kBlock = 32;
+  Window bmin;  // least elements used in each block of kBlock rounds, from block bfirst
+  int64_t bfirst = 0;
   int64_t limit_ = 0;
 };
 
