@@ -182,10 +182,19 @@ class Reallocator:
             # Seconds per phase and per round [index, pack, post, wait, unpack] (host time: on
             # CUDA, pack / unpack are asynchronous launches and their work shows up in `wait`).
             per_round = {rr.index: [rr.index, 0.0, 0.0, 0.0, 0.0] for rr in self.rounds}
-            t = clock()
-            if len(mine.local):
-                ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
-            local_s = clock() - t
+            local_s = 0.0
+
+            def local_copies():
+                # Run while the first round's transfers are in flight (disjoint destination
+                # ranges: each element comes either from this rank's source or from a peer).
+                nonlocal local_s
+                t = clock()
+                if len(mine.local):
+                    ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
+                local_s = clock() - t
+
+            if not self.rounds:
+                local_copies()
             pending = None
             for i, rr in enumerate(self.rounds):
                 step = cur = f"round {rr.index}/{total}"
@@ -205,6 +214,10 @@ class Reallocator:
                 t = clock()
                 handle = self.transport.start(sends, recvs, step)
                 row[2] += clock() - t
+                if i == 0:
+                    step = "local copies"
+                    local_copies()
+                    step = cur
                 if pending is not None:
                     step = pending[4]
                     t = clock()
