@@ -87,6 +87,9 @@ class Reallocator:
         if pipeline is None:
             pipeline = transport.asynchronous
         self.pipeline = pipeline and bucket_elems // 2 >= 2
+        # An asynchronous transport posts every direct piece at the start (they use no
+        # staging); with verify=True they stay in their rounds, beside their checksums.
+        self.direct_first = transport.asynchronous and not verify
         self.round_elems = bucket_elems // 2 if self.pipeline else bucket_elems
         # Rounded up to whole elements, so a tiny positive threshold never turns the feature off.
         es = plan.element_size
@@ -180,31 +183,47 @@ class Reallocator:
             step = "local copies"
             clock = time.perf_counter
             # Seconds per phase and per round [index, pack, post, wait, unpack] (host time: on
-            # CUDA, pack / unpack are asynchronous launches and their work shows up in `wait`).
+            # CUDA, pack / unpack are asynchronous launches and their work shows up in `wait`);
+            # round -1: the direct pieces of every round, posted at once.
             per_round = {rr.index: [rr.index, 0.0, 0.0, 0.0, 0.0] for rr in self.rounds}
             local_s = 0.0
 
             def local_copies():
-                # Run while the first round's transfers are in flight (disjoint destination
-                # ranges: each element comes either from this rank's source or from a peer).
+                # Run while transfers are in flight (disjoint destination ranges: each element
+                # comes either from this rank's source or from a peer).
                 nonlocal local_s
                 t = clock()
                 if len(mine.local):
                     ops.unpack(src.flat, self._tensor(mine.local, (-1, "local")), dst.flat)
                 local_s = clock() - t
 
-            if not self.rounds:
+            direct = None
+            if self.direct_first:
+                # Pieces sent straight from / into the shard buffers need no staging, so the
+                # memory bound does not hold them to their rounds: post them all now, in round
+                # order (both ends derive the same order), and wait for them at the end.
+                step = f"direct pieces of rounds 0-{total - 1}"
+                t = clock()
+                sends, recvs = self._direct_messages(src, dst)
+                if sends or recvs:
+                    direct = (self.transport.start(sends, recvs, step), step)
+                    per_round[-1] = [-1, 0.0, clock() - t, 0.0, 0.0]
+            if direct is not None or not self.rounds:
+                step = "local copies"
                 local_copies()
-            pending = None
-            for i, rr in enumerate(self.rounds):
+            pending, posted = None, 0
+            for rr in self.rounds:
                 step = cur = f"round {rr.index}/{total}"
                 row = per_round[rr.index]
                 t = clock()
-                staging = self._staging_half(i, (src or dst).flat) if rr.staging_numel else None
+                staging = self._staging_half(posted, (src or dst).flat) if rr.staging_numel else None
                 if len(rr.pack_descs):
                     ops.pack(src.flat, self._tensor(rr.pack_descs, (rr.index, "pack")), staging)
                 sends, recvs = self._messages(rr, src, dst, staging)
                 row[1] += clock() - t
+                if not sends and not recvs:  # only direct pieces, posted above
+                    continue
+                posted += 1
                 if pending is not None:
                     step = pending[4]
                     t = clock()
@@ -214,7 +233,7 @@ class Reallocator:
                 t = clock()
                 handle = self.transport.start(sends, recvs, step)
                 row[2] += clock() - t
-                if i == 0:
+                if posted == 1 and direct is None:
                     step = "local copies"
                     local_copies()
                     step = cur
@@ -240,6 +259,11 @@ class Reallocator:
                 t = clock()
                 self._finish(*pending[1:], dst)
                 per_round[pending[1].index][4] += clock() - t
+            if direct is not None:
+                step = direct[1]
+                t = clock()
+                direct[0].wait()
+                per_round[-1][3] += clock() - t
         except BaseException as e:
             if not getattr(e, "reported", False):  # the transport's own errors are reported
                 self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
@@ -254,17 +278,36 @@ class Reallocator:
                 "phases": {"local": local_s,
                            **{k: sum(r[j] for r in per_round.values())
                               for j, k in enumerate(("pack", "post", "wait", "unpack"), 1)}},
-                "per_round": list(per_round.values())}
+                "per_round": sorted(per_round.values())}
+
+    def _direct_messages(self, src, dst):
+        """Every round's direct pieces (slot -1 on both ends of a chunk: one contiguous run in
+        source and destination), in round order."""
+        sends, recvs = [], []
+        for rr in self.rounds:
+            for c, slot in zip(rr.sends, rr.send_slots):
+                if slot < 0:
+                    off = int(c.descs[0, 0])
+                    sends.append((c.receivers, src.flat[off:off + c.numel]))
+            for c, slot in zip(rr.recvs, rr.recv_slots):
+                if slot < 0:
+                    off = int(c.descs[0, 1])
+                    recvs.append((c.sender, dst.flat[off:off + c.numel], c.receivers))
+        return sends, recvs
 
     def _messages(self, rr, src, dst, staging):
         sends, recvs = [], []
         for c, slot in zip(rr.sends, rr.send_slots):
+            if slot < 0 and self.direct_first:
+                continue
             if slot < 0:
                 off = int(c.descs[0, 0])
                 sends.append((c.receivers, src.flat[off:off + c.numel]))
             else:
                 sends.append((c.receivers, staging[slot:slot + c.numel]))
         for c, slot in zip(rr.recvs, rr.recv_slots):
+            if slot < 0 and self.direct_first:
+                continue
             if slot < 0:
                 off = int(c.descs[0, 1])
                 recvs.append((c.sender, dst.flat[off:off + c.numel], c.receivers))
