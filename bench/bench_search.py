@@ -40,6 +40,20 @@ def settings(quick: bool):
     return out[:2] if quick else out
 
 
+def per_call(res, heu) -> dict:
+    """Per call: the searched and the heuristic option's layout, estimated seconds and cost
+    terms (costmodel.call_time's breakdown), to say which costs the searched plan avoids."""
+    prob, out = res.problem, {}
+    for i, name in enumerate(prob.names):
+        o = prob.options[i][res.choice[i]]
+        h = prob.options[i][prob.index[i][heu.layouts[name]]] if heu.layouts else None
+        terms = lambda opt: {k: round(v, 4) for k, v in opt.breakdown.items() if isinstance(v, float) and v}
+        out[name] = {"searched": str(o), "searched_s": o.time, "searched_terms": terms(o),
+                     "heuristic": str(h) if h else None, "heuristic_s": h.time if h else None,
+                     "heuristic_terms": terms(h) if h else None}
+    return out
+
+
 def layouts_text(prob, choice):
     return {n: str(prob.options[i][choice[i]]) for i, n in enumerate(prob.names)}
 
@@ -50,7 +64,10 @@ def main() -> None:
     ap.add_argument("--big-budget", type=float, default=60.0, help="seconds for 70B + 70B on 128")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "search_cpu2_20261202"))
+    ap.add_argument("--per-mesh", type=int, default=None,
+                    help="prune to this many fastest strategies per (call, mesh); default: all")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "search_cpu2_" + datetime.date.today().strftime("%Y%m%d")))
     args = ap.parse_args()
     args.load_start = os.getloadavg()
     rows = []
@@ -59,7 +76,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             res = plan_search(actor, critic, num_gpus=n, hardware=args.hardware, workload=wl,
-                              time_budget=budget, chains=4, seed=0)
+                              time_budget=budget, chains=4, seed=0, per_mesh=args.per_mesh)
         except ValueError as e:
             rows.append({"theme": theme, "actor": actor, "critic": critic, "gpus": n, "prompt_len": wl.prompt_len,
                          "gen_len": wl.gen_len, "batch_size": wl.batch_size, "error": str(e)})
@@ -80,7 +97,9 @@ def main() -> None:
                "options_per_call": res.stats["options"], "planner_calls": res.stats["planner_calls"],
                "steps": sum(c["steps"] for c in res.stats["chains"]),
                "acceptance": [round(c["acceptance"], 5) for c in res.stats["chains"]],
-               "execution_plan": res.plan.to_json()}
+               "execution_plan": res.plan.to_json(),
+               "seconds_tables": res.stats["seconds_tables"], "seconds_anneal": res.stats["seconds_anneal"],
+               "per_call": per_call(res, heu)}
         rows.append(row)
         print(f"{theme:12s} {actor}+{critic} {n:3d} gpus gen {wl.gen_len:3d}: search {res.iter_time:7.2f} s, "
               f"symmetric {sym.iter_time:7.2f} s ({row['speedup_vs_symmetric']:.2f}x), heuristic "
@@ -132,6 +151,17 @@ def write(args, rows) -> None:
     for name, s in summary.items():
         lines.append(f"- {name}: mean speedup vs heuristic {s['mean_speedup_vs_heuristic']:.2f}x, "
                      f"vs symmetric {s['mean_speedup_vs_symmetric']:.2f}x")
+    lines += ["", "Options per call (every memory-feasible strategy per mesh unless --per-mesh) and search "
+              "time per setting: in the JSON (`options_per_call`, `seconds_tables`, `seconds_anneal`).", ""]
+    for r in long:
+        lines += [f"### Long context, {r['actor']} + {r['critic']} on {r['gpus']} GPUs: per call, estimated "
+                  "seconds (searched vs heuristic) and the searched call's largest terms", "",
+                  "| call | searched | s | heuristic | s | searched terms (s) |", "|---|---|---|---|---|---|"]
+        for name, c in r["per_call"].items():
+            top = sorted(c["searched_terms"].items(), key=lambda kv: -kv[1])[:3]
+            lines.append(f"| {name} | {c['searched']} | {c['searched_s']:.2f} | {c['heuristic']} | "
+                         f"{c['heuristic_s']:.2f} | " + ", ".join(f"{k} {v:.2f}" for k, v in top) + " |")
+        lines.append("")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -62,3 +62,46 @@ def test_no_plan_names_the_rule_per_mesh_size():
     with pytest.raises(ValueError, match=r"meets the batch rules.*1 devices: .*ppo.mini_batches=4.*4 devices: "):
         plan_search("llama2-7b", "llama2-7b", num_gpus=4, hardware="h100",
                     workload=Workload(batch_size=6, ppo_minibatches=4), time_budget=1, chains=1)
+
+
+def test_every_bench_setting_returns_a_valid_plan():
+    """Every setting of bench/bench_search.py (standard and long-context, 8-128 GPUs): the
+    searched plan passes the rules the trainer enforces (short budget: feasibility, not quality)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_search
+
+    for theme, actor, critic, n, wl in bench_search.settings(quick=False):
+        res = plan_search(actor, critic, num_gpus=n, hardware="h100", workload=wl, time_budget=0.5,
+                          chains=1, seed=0, per_mesh=2)
+        assert math.isfinite(res.iter_time), (theme, actor, critic, n)
+        _check(res.plan, wl)
+
+
+def test_searched_cpu_plan_runs_two_steps(tmp_path):
+    """The 4-rank CPU setting with batch 12 and mini_batches 4 (refused by the trainer before
+    issue 25): its searched plan runs two steps through `python -m real_py train`."""
+    import json
+    import subprocess
+    import sys
+
+    batch, mini = 12, 4
+    cfg = CF.from_dict({"data": {"batch_size": batch}, "ppo": {"mini_batches": mini}})
+    models, p = cfg.model_configs(), cfg.ppo
+    wl = Workload(batch_size=batch, prompt_len=cfg.data.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
+                  ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches)
+    res = plan_search(models["actor"], models["critic"], num_gpus=4, hardware="cpu", workload=wl,
+                      dtype=models["actor"].dtype, time_budget=2.0, seed=0)
+    plan = tmp_path / "plan.json"
+    res.plan.save(str(plan))
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "real_py", "train", "--out-dir", str(tmp_path / "run"),
+                          "--no-progress", "--timeout", "120", "steps=2", "save_every=0",
+                          f"data.batch_size={batch}", f"ppo.mini_batches={mini}", f"plan.path={plan}",
+                          "allow_idle_ranks=true"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], steps

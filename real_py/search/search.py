@@ -114,10 +114,12 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
                 restart_steps: int = 100_000,
-                per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
+                per_mesh: int | None = None, iters: int = 3, dtype: str = "bfloat16",
                 models: PPOModels | None = None, algo: str = "ppo") -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
-    algorithms have no critic calls). time_budget: seconds for everything (tables included)."""
+    algorithms have no critic calls). time_budget: seconds for everything (tables included).
+    per_mesh: keep only that many fastest strategies per (call, mesh) (default: every
+    memory-feasible one, so the optimum found is that of the whole plan space)."""
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
