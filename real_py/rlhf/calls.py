@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import asyncrl as A
 from . import ppo as P
 from .data import decode
 from .dataflow import dp_rows
@@ -43,6 +44,13 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         if len(call.writes) > 2:
             lp = engine.inference(out["tokens"], out["lengths"])["logprobs"]
             store.write(call.writes[2], rows, lp)
+        if "versions" in call.writes:
+            # Async mode: the weight version of every response token (generation is not
+            # interrupted, so one version per row), -1 off the response.
+            m = P.response_mask(store.rows("prompt_lengths", rows), out["lengths"], rt.T)
+            ver = torch.where(m > 0, torch.full_like(m, rt.gen_version, dtype=torch.int64),
+                              torch.full_like(m, -1, dtype=torch.int64))
+            store.write("versions", rows, ver)
     elif call.kind == "logprobs":
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
         store.write(call.writes[0], rows, lp)
@@ -199,6 +207,24 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
     d = {k: store.rows(k, rows) for k in keys}
     d = _advantages(rt, call, g, d)
     critic = call.kind == "train_critic"
+    st = getattr(rt, "astate", None)
+    if "versions" in d:
+        # Async mode: rows generated more than k versions ago leave the loss (counted dropped).
+        d["mask"], old = A.version_mask(d["versions"], d["mask"], st.version, st.k)
+        if reporter:
+            _add(rt, sums, "rows_dropped_step", float(old.sum()), 0.0)
+            s_sum, s_cnt = A.staleness(d["versions"], d["mask"], st.version)
+            _add(rt, sums, "staleness", s_sum, s_cnt)
+        if rt.cfg.async_.check_versions:
+            e_rec, e_new, ntok = A.version_errors(st, rt.configs["actor"], rt.models.specs["actor"], g,
+                                                  engine, d, d["mask"])
+            if reporter:
+                _add(rt, sums, "version_err", e_rec, ntok)
+                _add(rt, sums, "version_err_newest", e_new, ntok)
+    decoupled = pc.decoupled and not critic
+    if decoupled:
+        # The proximal policy: this train engine's weights before the step's first update.
+        d["prox_logp"] = engine.inference(d["tokens"], d["lengths"])["logprobs"]
     if reporter and not critic:
         resp = d["mask"].sum(1)
         _add(rt, sums, "reward", float(d["raw_scores"].sum()), len(rows))
@@ -211,6 +237,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
     est, coef, max_len = kl_estimator(rt.cfg), rt.kl_coef, rt.cfg.generation.max_new_tokens
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
+    fields += ["prox_logp"] if decoupled else []
     local = torch.arange(len(rows))
     base_lr = pc.critic_lr if critic else pc.actor_lr
     total = rt.cfg.steps * pc.ppo_epochs * pc.mini_batches
@@ -232,8 +259,13 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
                                                m, pc.value_clip)
                     extra.append((float(nclip), 0.0, float(m.sum())))
                     return loss / n_tok
-                loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
-                                                     pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                if decoupled:
+                    loss, clipped = P.decoupled_policy_loss_tokens(
+                        out["logprobs"], data["prox_logp"], data["old_logp"], data["adv"], m, pc.clip,
+                        pc.clip_high, pc.dual_clip, pc.ratio, pc.behav_imp_weight_cap)
+                else:
+                    loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
+                                                         pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
                 if kl_loss:
                     loss = loss + coef * P.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
                 ent_tok = out["entropy"] * m

@@ -31,6 +31,7 @@ from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
 from . import ppo as P
+from .asyncrl import AsyncState
 from .dataflow import Pusher, Store, dp_rows, key_schema, push_plan
 from .models import Models
 from .observe import METRICS
@@ -125,6 +126,10 @@ class Runtime:
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
         self.pushes = {n: push_plan(graph, plan, n, self.B, self.mini_batches) for n in graph.order}
+        # Async mode (async.max_staleness >= 1): queue, versions, ledger (asyncrl.py).
+        ac = cfg.async_
+        self.astate = AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
+        self.gen_version = 0     # weight version the rollout calls in flight generate with
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
@@ -133,6 +138,8 @@ class Runtime:
         offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
         "peak_mem_mib" (per call: max over ranks of the GPU memory peak, MiB; {} on CPU),
         "events" (rank, call, start, end), "store"} on every rank."""
+        if self.astate is not None:
+            return self._async_iteration(step)
         store = Store(self.schema, self.B)
         self._write_batch(store, step, list(range(self.B)))
         pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
@@ -186,6 +193,90 @@ class Runtime:
         if self.cfg.ppo.kl_target is not None:
             out["metrics"]["kl_coef"] = self.kl_coef
         self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
+        return out
+
+    def _async_iteration(self, step: int) -> dict:
+        """One step of async mode (see asyncrl.py): rollout calls of batch step + k with the
+        weights of version `step`, then the train calls of the queued batch `step`."""
+        st, k = self.astate, self.astate.k
+        st.version = step
+        sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
+        events, reallocs, offloads, peaks = [], [], [], {}
+        lists = (events, reallocs, offloads, peaks)
+        order = list(enumerate(self.graph.order))
+        rollout = [(i, n) for i, n in order if not self.graph.calls[n].trains]
+        train = [(i, n) for i, n in order if self.graph.calls[n].trains]
+        actor_home = self.models.engines.get("actor")
+        st.snapshot(actor_home)
+        t_pro = time.time()
+        if not st.queue:
+            # Prologue (first step or resume): batches step .. step+k-1 with the current weights.
+            for b in range(step, min(step + k, self.cfg.steps)):
+                store, pusher = self._rollout(b, rollout, sums, lists)
+                pusher.finish(store, b)
+                st.queue.append((b, store, st.version))
+        t_pro = time.time() - t_pro
+        new, b = None, step + k
+        if b < self.cfg.steps:
+            # The train ranks send the weights and post their receives, then train below while
+            # the generation ranks generate; receives complete at pusher.finish.
+            new = self._rollout(b, rollout, sums, lists)
+        if not st.queue or st.queue[0][0] != step:
+            raise RuntimeError(f"rank {self.rank}, step {step}: async queue holds batches "
+                               f"{[q[0] for q in st.queue]}, expected batch {step} first")
+        _, cur, gen_v = st.queue.popleft()
+        tpush = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
+        self._run(train, step, cur, tpush, sums, *lists)
+        t_wait = time.time()
+        if new is not None:
+            new[1].finish(new[0], b)
+            st.queue.append((b, new[0], st.version))
+        t_wait = time.time() - t_wait
+        out = self._finish(step, sums, tpush, cur, lists)
+        m = out["metrics"]
+        dropped = int(self._last_sums[METRICS.index("rows_dropped_step"), 0])
+        st.trained += self.B - dropped
+        st.dropped += dropped
+        m.update(st.ledger())
+        m["rows_dropped"] = float(dropped)
+        m["version"] = float(step + 1)
+        m["batch_version"] = float(gen_v)
+        out["async"] = {"prologue_seconds": t_pro, "wait_rows_seconds": t_wait}
+        return out
+
+    def _rollout(self, b: int, rollout, sums, lists):
+        """Run the rollout calls of batch b into a fresh Store with the current actor version;
+        returns (store, pusher) with the pushes still in flight."""
+        store = Store(self.schema, self.B)
+        self._write_batch(store, b, list(range(self.B)))
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
+        self.gen_version = self.astate.version
+        self._run(rollout, b, store, pusher, sums, *lists)
+        self.astate.generated += self.B
+        return store, pusher
+
+    def _finish(self, step, sums, pusher, store, lists) -> dict:
+        """End of an async step: pushes done, metrics all-reduced, summary (as iteration's tail)."""
+        events, reallocs, offloads, peaks = lists
+        try:
+            pusher.finish(store, step)
+            sums = sums.to(self.device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
+                               f"{type(e).__name__}: {e}") from e
+        out = self._summary(sums, gathered, store)
+        r = METRICS.index("reward")
+        self.reward_moments += torch.tensor([sums[r, 0], sums[len(METRICS), 0], sums[r, 1]],
+                                            dtype=torch.float64)
+        if self.cfg.ppo.kl_target is not None:
+            out["metrics"]["kl_coef"] = self.kl_coef
+        self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
+        out["metrics"].pop("rows_dropped_step", None)
+        self._last_sums = sums
         return out
 
     def _write_batch(self, store, step: int, rows: list[int]) -> None:

@@ -1,0 +1,90 @@
+"""Asynchronous RL state: the bounded queue of generated batches, weight versions, row ledger,
+and the per-version check of behaviour log-probs (async.check_versions).
+
+Execution (runtime.Runtime._async_iteration), with k = async.max_staleness >= 1 and s the step:
+
+    version of the actor weights = train steps applied so far = s at the start of step s
+    rollout calls of batch s + k   (weights of version s, reallocated train -> gen layout)
+      || train calls of batch s    (queued; generated with version max(0, s - k))
+
+Every rank walks the rollout calls first, then the train calls, in the global order. On a plan
+where generation and training ranks are disjoint, the train ranks only send the weights (the
+reallocation) and post their receives of the new batch's rows before training; the generation
+ranks then generate while the train ranks train, and the step ends when both are done (the
+metrics all-reduce). A batch's rows enter the queue when their pushes completed; the queue holds
+at most k batches, so a batch is trained exactly once, at most k versions after the weights that
+generated it. The first step (and a resumed one) fills the queue synchronously with the current
+weights (prologue). Rows over the bound (none by construction; the rule guards a plan change or
+a resume) are masked out of the loss and counted as dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from ..engines import Engine
+from ..realloc.shard import ModelShard
+
+
+class AsyncState:
+    def __init__(self, k: int, B: int, keep_versions: bool):
+        self.k, self.B = k, B
+        self.queue: deque = deque()            # (batch step, Store, version that generated it)
+        self.version = 0                       # actor train steps applied
+        self.generated = self.trained = self.dropped = 0
+        self.keep_versions = keep_versions
+        self.snapshots: dict[int, torch.Tensor] = {}   # version -> this rank's home actor shard
+
+    def snapshot(self, engine) -> None:
+        """Keep this rank's actor home shard of the current version (async.check_versions)."""
+        if not self.keep_versions or engine is None:
+            return
+        self.snapshots[self.version] = engine.shard.flat.detach().clone()
+        for v in [v for v in self.snapshots if v < self.version - self.k]:
+            del self.snapshots[v]
+
+    def ledger(self) -> dict[str, float]:
+        return {"rows_generated": float(self.generated), "rows_trained": float(self.trained),
+                "rows_dropped": float(self.dropped), "rows_queued": float(len(self.queue) * self.B)}
+
+
+def version_mask(versions: torch.Tensor, mask: torch.Tensor, current: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """versions, mask [b, N] -> (mask of the rows within the bound, [b] bool rows dropped): a row
+    with any response token older than current - k is dropped as a whole."""
+    old = ((versions < current - k) & (mask > 0)).any(1)
+    return mask * (~old).float().unsqueeze(1), old
+
+
+def staleness(versions: torch.Tensor, mask: torch.Tensor, current: int) -> tuple[float, float]:
+    """(sum over response tokens of current - version, number of response tokens)."""
+    return float(((current - versions) * mask).sum()), float(mask.sum())
+
+
+def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
+                   ) -> tuple[float, float, float]:
+    """Recompute the behaviour log-probs of the batch with the weights of each row's recorded
+    version (this rank's kept shard of it, in the train layout) and with the newest weights.
+    Returns (sum |old_logp - logp(recorded version)|, sum |old_logp - logp(newest)|, tokens).
+    Collective over the train call's group (every rank of it runs the same rows)."""
+    per_row = torch.where(mask > 0, d["versions"], torch.full_like(d["versions"], -1)).amax(1)
+    err = torch.zeros_like(mask)
+    for v in sorted(set(per_row.tolist())):
+        rows = (per_row == v).nonzero().flatten()
+        if v < 0:
+            continue
+        if v not in st.snapshots:
+            raise RuntimeError(f"async.check_versions: no kept weights of version {v} (have "
+                               f"{sorted(st.snapshots)}) on rank {dist.get_rank()}")
+        shard = ModelShard(spec, g.layout, dist.get_rank(), st.snapshots[v])
+        lp = Engine(cfg, g.layout, g, shard).inference(d["tokens"][rows], d["lengths"][rows])["logprobs"]
+        err[rows] = (lp - d["old_logp"][rows]).abs() * mask[rows]
+    newest = engine.inference(d["tokens"], d["lengths"])["logprobs"]
+    err_new = (newest - d["old_logp"]).abs() * mask
+    return float(err.sum()), float(err_new.sum()), float(mask.sum())
+
+
+__all__ = ["AsyncState", "version_mask", "staleness", "version_errors"]
