@@ -1,4 +1,4 @@
-# Checks async RL (issue 22) on 4 gloo ranks with generation (ranks 2, 3) and training (ranks 0, 1) on disjoint ranks, on the shipped copy task: async.max_staleness=0 equals the synchronous run bit for bit (metrics and actor weights); with k=1 and k=2 every trained row's behaviour log-probs are those of the weight version it recorded (recomputed with that version's kept weights) and not the newest, staleness is min(step, k), and every generated row is trained once or queued; GRPO with the decoupled loss learns the copy task in async mode.
+# Checks async RL (issue 22) on 4 gloo ranks (kill and resume included: the resumed run equals the uninterrupted one) with generation (ranks 2, 3) and training (ranks 0, 1) on disjoint ranks, on the shipped copy task: async.max_staleness=0 equals the synchronous run bit for bit (metrics and actor weights); with k=1 and k=2 every trained row's behaviour log-probs are those of the weight version it recorded (recomputed with that version's kept weights) and not the newest, staleness is min(step, k), and every generated row is trained once or queued; GRPO with the decoupled loss learns the copy task in async mode.
 # A failure points to real_py/rlhf/runtime.py (_async_iteration, _rollout), real_py/rlhf/asyncrl.py (queue, versions, checks) or real_py/rlhf/calls.py (versions key, decoupled loss).
 import io
 import os
@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from real_py.rlhf import checkpoint
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
@@ -21,14 +22,18 @@ SHORT = 4
 LEARN_STEPS, WINDOW, MARGIN = 30, 5, 0.3
 
 
-def _run(tmp, name, steps, **over):
+def _runtime(tmp, name, steps, **over):
     d = task_config("grpo", steps=steps, out_dir=os.path.join(tmp, name), plan=PLAN, **over)
     cfg = CF.from_dict(d)
     plan, graph, models = CF.validate(cfg, 4)
-    rt = Runtime(cfg, plan, graph, models, timeout_s=120)
-    ms = [rt.iteration(s)["metrics"] for s in range(steps)]
+    return Runtime(cfg, plan, graph, models, timeout_s=120)
+
+
+def _run(tmp, name, steps, start=0, stop=None, rt=None, **over):
+    rt = rt or _runtime(tmp, name, steps, **over)
+    ms = [rt.iteration(s)["metrics"] for s in range(start, steps if stop is None else stop)]
     eng = rt.models.engines.get("actor")
-    return ms, (eng.shard.flat.clone() if eng is not None else None)
+    return ms, (eng.shard.flat.clone() if eng is not None else None), rt
 
 
 def _worker(rank, world, tmp):
@@ -36,11 +41,23 @@ def _worker(rank, world, tmp):
     short = {"data": {**task_config("grpo")["data"], "batch_size": 16}}
     out["sync"] = _run(tmp, "sync", SHORT, **short)
     out["k0"] = _run(tmp, "k0", SHORT, **short, **{"async": {"max_staleness": 0}})
+    ak = {"ppo": {**task_config("grpo")["ppo"], "decoupled": True}, **short}
     for k in (1, 2):
-        out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **short, **{"async": {"max_staleness": k, "check_versions": True}},
-                            ppo={**task_config("grpo")["ppo"], "decoupled": True})
+        out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **ak, **{"async": {"max_staleness": k, "check_versions": True}})
+    # Kill and resume in async mode (k=2: two batches queued at the save): stop after 2 steps,
+    # save, build a fresh runtime, load, run the rest.
+    a2 = {"async": {"max_staleness": 2, "check_versions": True}}
+    first, _, rt = _run(tmp, "resume", SHORT, stop=2, **ak, **a2)
+    path = checkpoint.save(rt, os.path.join(tmp, "resume"), 2)
+    queued = [(b, v) for b, _, v in rt.astate.queue]
+    rt2 = _runtime(tmp, "resume", SHORT, **ak, **a2)
+    start = checkpoint.load(rt2, path)
+    assert [(b, v) for b, _, v in rt2.astate.queue] == queued and start == 2
+    rest, flat, _ = _run(tmp, "resume", SHORT, start=start, rt=rt2)
+    out["resume"] = (first + rest, flat, queued)
     out["learn"] = _run(tmp, "learn", LEARN_STEPS, **{"async": {"max_staleness": 1}},
                         ppo={**task_config("grpo")["ppo"], "decoupled": True})
+    out = {k: v[:2] if k != "resume" else v for k, v in out.items()}
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -81,6 +98,16 @@ def test_logprobs_entering_the_loss_are_of_the_recorded_versions(runs, k):
     last = ms[-1]
     assert last["rows_trained"] == SHORT * B and last["rows_queued"] == 0
     assert last["rows_generated"] == SHORT * B
+
+
+@pytest.mark.timeout(600)
+def test_resume_in_async_mode_continues_the_same_queue_and_versions(runs):
+    for r in runs:
+        ms, flat, queued = r["resume"]
+        assert queued == [(2, 0), (3, 1)]             # batches 2, 3 generated with versions 0, 1
+        assert ms == r["k2"][0], "resumed async run differs from the uninterrupted one"
+        if flat is not None:
+            assert torch.equal(flat, r["k2"][1])
 
 
 @pytest.mark.timeout(600)

@@ -13,8 +13,9 @@ reallocation) and post their receives of the new batch's rows before training; t
 ranks then generate while the train ranks train, and the step ends when both are done (the
 metrics all-reduce). A batch's rows enter the queue when their pushes completed; the queue holds
 at most k batches, so a batch is trained exactly once, at most k versions after the weights that
-generated it. The first step (and a resumed one) fills the queue synchronously with the current
-weights (prologue). Rows over the bound (none by construction; the rule guards a plan change or
+generated it. The first step fills the queue synchronously with the current weights (prologue);
+a checkpoint saves every rank's queued rows, versions and ledger, so a resume continues with the
+same queue (a checkpoint without them refills it by a prologue). Rows over the bound (none by construction; the rule guards a plan change or
 a resume) are masked out of the loss and counted as dropped.
 """
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from ..engines import Engine
 from ..realloc.shard import ModelShard
+from .dataflow import Store
 
 
 class AsyncState:
@@ -46,9 +48,55 @@ class AsyncState:
         for v in [v for v in self.snapshots if v < self.version - self.k]:
             del self.snapshots[v]
 
+    def state_dict(self) -> dict:
+        """This rank's queue (the rows of each queued batch it holds: every key of its Store),
+        versions and ledger, for the checkpoint's rank file (tensors and ints only)."""
+        return {"k": self.k, "queue": [{"batch": b, "version": v, "data": dict(st.data)}
+                                       for b, st, v in self.queue],
+                "counts": [self.generated, self.trained, self.dropped],
+                "snapshots": dict(self.snapshots)}
+
+    def load_state_dict(self, state: dict, schema: dict, where: str) -> None:
+        if state["k"] != self.k:
+            raise ValueError(f"{where}: saved with async.max_staleness={state['k']}, the config has "
+                             f"{self.k}; resume with the same bound")
+        self.queue.clear()
+        for q in state["queue"]:
+            st = Store(schema, self.B)
+            for key, t in q["data"].items():
+                if key not in st.data or st.data[key].shape != t.shape:
+                    raise ValueError(f"{where}: queued batch {q['batch']} key {key!r} of shape "
+                                     f"{tuple(t.shape)} does not match this run's rows")
+                st.data[key].copy_(t)
+            self.queue.append((int(q["batch"]), st, int(q["version"])))
+        self.generated, self.trained, self.dropped = (int(x) for x in state["counts"])
+        self.snapshots = {int(v): t.clone() for v, t in state["snapshots"].items()}
+
     def ledger(self) -> dict[str, float]:
         return {"rows_generated": float(self.generated), "rows_trained": float(self.trained),
                 "rows_dropped": float(self.dropped), "rows_queued": float(len(self.queue) * self.B)}
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap_seconds(events, first, second) -> float:
+    """Seconds during which some rank ran an event named in `first` while some rank ran one in
+    `second` (events: (rank, name, start, end), wall clock of one machine)."""
+    u1 = _union([(a, b) for _, n, a, b in events if n in first])
+    u2 = _union([(a, b) for _, n, a, b in events if n in second])
+    total, j = 0.0, 0
+    for a, b in u1:
+        for c, d in u2:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
 
 
 def version_mask(versions: torch.Tensor, mask: torch.Tensor, current: int, k: int
@@ -87,4 +135,4 @@ def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Te
     return float(err.sum()), float(err_new.sum()), float(mask.sum())
 
 
-__all__ = ["AsyncState", "version_mask", "staleness", "version_errors"]
+__all__ = ["AsyncState", "overlap_seconds", "version_mask", "staleness", "version_errors"]

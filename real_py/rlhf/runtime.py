@@ -31,7 +31,7 @@ from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
 from . import ppo as P
-from .asyncrl import AsyncState
+from .asyncrl import AsyncState, overlap_seconds
 from .dataflow import Pusher, Store, dp_rows, key_schema, push_plan
 from .models import Models
 from .observe import METRICS
@@ -241,7 +241,17 @@ class Runtime:
         m["rows_dropped"] = float(dropped)
         m["version"] = float(step + 1)
         m["batch_version"] = float(gen_v)
-        out["async"] = {"prologue_seconds": t_pro, "wait_rows_seconds": t_wait}
+        gen = {n for _, n in rollout}
+        trn = {n for _, n in train}
+        rea = {"realloc:" + n for _, n in rollout}
+        out["async"] = {"prologue_seconds": t_pro, "wait_rows_seconds": t_wait,
+                        # seconds in which a rollout call ran while a train call ran (any ranks)
+                        "overlap_seconds": overlap_seconds(out["events"], gen, trn),
+                        # seconds of rollout-side reallocation during which a rollout call ran
+                        # elsewhere (0 here: the weights move before generation, not double-buffered)
+                        "realloc_hidden_seconds": overlap_seconds(out["events"], rea, gen),
+                        "realloc_seconds": sum(b - a for _, n, a, b in out["events"] if n in rea)
+                        / max(1, len({r for r, n, _, _ in out["events"] if n in rea}))}
         return out
 
     def _rollout(self, b: int, rollout, sums, lists):
@@ -330,9 +340,12 @@ class Runtime:
         offloaded = call.model in self.models.offloads
         if offloaded:
             in_bytes, in_sec = self.models.reload(call.model)
+        t_r = time.time()
         engine, rstats = self.models.engine_for(name)
         if rstats is not None:
             reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
+            if self.astate is not None:   # async mode: reallocation intervals, for the overlap
+                events.append((self.rank, "realloc:" + name, t_r, time.time()))
         g = self.groups[name]
         pusher.post(store, self.pushes[name], i + 1, name, sending=False)
         if g.member:
