@@ -248,10 +248,11 @@ class Runtime:
                         # seconds in which a rollout call ran while a train call ran (any ranks)
                         "overlap_seconds": overlap_seconds(out["events"], gen, trn),
                         # seconds of rollout-side reallocation during which a rollout call ran
-                        # elsewhere (0 here: the weights move before generation, not double-buffered)
+                        # elsewhere (small: only the senders' wait for the transfer to complete can
+                        # overlap generation; the weights move before it starts, no double buffer)
                         "realloc_hidden_seconds": overlap_seconds(out["events"], rea, gen),
-                        "realloc_seconds": sum(b - a for _, n, a, b in out["events"] if n in rea)
-                        / max(1, len({r for r, n, _, _ in out["events"] if n in rea}))}
+                        # wall seconds in which some rank reallocated for a rollout call
+                        "realloc_seconds": overlap_seconds(out["events"], rea, rea)}
         return out
 
     def _rollout(self, b: int, rollout, sums, lists):
