@@ -1,6 +1,6 @@
 """Async RL vs sync on the same plan, generation and training on disjoint ranks (issue 22).
 
-    python bench/bench_async.py [--steps 20] [--max-new-tokens 16] [--k 1]
+    python bench/bench_async.py [--steps 20] [--max-new-tokens 16] [--k 1] [--repeats 3]
 
 Runs `python -m real_py train` on the copy task (configs/copy_task/grpo.yaml, 4 gloo ranks) with
 the plan below (rollout calls on ranks 2, 3; the actor's training on ranks 0, 1, tp 2), once
@@ -57,39 +57,51 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating (machine noise)")
     args = ap.parse_args()
     rows, curves = [], {}
+    modes = (("sync", 0), (f"async k={args.k}", args.k))
+    recs_of = {name: [] for name, _ in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, k in (("sync", 0), (f"async k={args.k}", args.k)):
-            recs = run(tmp, name.replace(" ", "_").replace("=", ""), args.steps, args.max_new_tokens, k)
-            sec = [x["seconds"] for x in recs]
-            r = [x["metrics"]["reward"] for x in recs]
-            wall = [sum(sec[:i + 1]) for i in range(len(sec))]
-            gen = [x["calls"].get("actor_gen", 0.0) for x in recs]
-            train = [x["calls"].get("actor_train", 0.0) for x in recs]
-            realloc = [x["realloc_seconds"].get("actor", 0.0) for x in recs]
-            row = {"mode": name, "steps": len(r), "s/step (median, after 1st)": statistics.median(sec[1:]),
-                   "actor_gen s": statistics.median(gen[1:]), "actor_train s": statistics.median(train[1:]),
-                   "actor realloc s": statistics.median(realloc[1:]),
-                   f"reward 1-{WINDOW}": statistics.fmean(r[:WINDOW]),
-                   f"reward last {WINDOW}": statistics.fmean(r[-WINDOW:]), "wall s": wall[-1]}
-            if k:
-                a = [x["async"] for x in recs[1:]]
-                row["gen||train overlap s"] = statistics.median(x["overlap_seconds"] for x in a)
-                hidden = sum(x["realloc_hidden_seconds"] for x in a)
-                total = sum(x["realloc_seconds"] for x in a)
-                row["realloc hidden share"] = hidden / total if total else 0.0
-                row["staleness"] = statistics.fmean(x["metrics"]["staleness"] for x in recs[1:])
-            rows.append(row)
-            curves[name] = {"reward": r, "seconds": sec, "wall": wall}
-            print(row, flush=True)
+        for rep in range(args.repeats):
+            for name, k in modes:
+                tag = name.replace(" ", "_").replace("=", "") + f"_{rep}"
+                recs_of[name].append(run(tmp, tag, args.steps, args.max_new_tokens, k))
+    for name, k in modes:
+        runs_ = recs_of[name]
+        after = [x for recs in runs_ for x in recs[1:]]       # every step but each run's first
+        med = lambda f: statistics.median(f(x) for x in after)  # noqa: E731
+        per_run = [statistics.median(x["seconds"] for x in recs[1:]) for recs in runs_]
+        rew = [[x["metrics"]["reward"] for x in recs] for recs in runs_]
+        row = {"mode": name, "runs x steps": f"{len(runs_)} x {args.steps}",
+               "s/step (median)": med(lambda x: x["seconds"]),
+               "s/step per run": " / ".join(f"{v:.3f}" for v in per_run),
+               "actor_gen s": med(lambda x: x["calls"].get("actor_gen", 0.0)),
+               "actor_train s": med(lambda x: x["calls"].get("actor_train", 0.0)),
+               "actor realloc s": med(lambda x: x["realloc_seconds"].get("actor", 0.0)),
+               f"reward 1-{WINDOW}": statistics.fmean(v for r in rew for v in r[:WINDOW]),
+               f"reward last {WINDOW}": statistics.fmean(v for r in rew for v in r[-WINDOW:])}
+        if k:
+            a = [x["async"] for x in after]
+            row["gen||train overlap s"] = statistics.median(x["overlap_seconds"] for x in a)
+            hidden = sum(x["realloc_hidden_seconds"] for x in a)
+            total = sum(x["realloc_seconds"] for x in a)
+            row["realloc hidden share"] = hidden / total if total else 0.0
+            row["staleness"] = statistics.fmean(x["metrics"]["staleness"] for x in after)
+        rows.append(row)
+        curves[name] = [{"reward": [x["metrics"]["reward"] for x in recs],
+                         "wall": [sum(x["seconds"] for x in recs[:i + 1]) for i in range(len(recs))]}
+                        for recs in runs_]
+        print(row, flush=True)
     s, a = rows
-    speed = s["s/step (median, after 1st)"] / a["s/step (median, after 1st)"]
+    speed = s["s/step (median)"] / a["s/step (median)"]
     cols = list(dict.fromkeys(c for row in rows for c in row))
     jpath, mpath = write_results(
         "async", "cpu2", rows, columns=cols,
         title=f"Async RL (k={args.k}, decoupled GRPO) vs sync, copy task, gen ranks 2-3 / train ranks 0-1",
-        notes=(f"Speed-up of s/step: {speed:.2f}x. Same plan both ways (rollout calls on ranks 2, 3 dp 2; "
+        notes=(f"Sync / async median s/step: {speed:.2f}. Each mode {args.repeats} runs (alternating), "
+               "medians over every step but each run's first; per-step reward and wall-clock of every "
+               "run in the JSON (extra.curves). Same plan both ways (rollout calls on ranks 2, 3 dp 2; "
                f"actor_train on ranks 0, 1 tp 2), {args.max_new_tokens} new tokens so generation is the "
                "slower side; seed 1, batch 64. Sync: generation waits for the train step and vice versa. "
                "Async: the rollout of batch s+k runs while batch s trains; the step then costs about "

@@ -130,6 +130,11 @@ class Runtime:
         ac = cfg.async_
         self.astate = AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
         self.gen_version = 0     # weight version the rollout calls in flight generate with
+        self._prefetch = self._prefetch_calls() if self.astate is not None and ac.overlap_realloc else []
+        self._prefetched: dict = {}      # call -> engine (or None): weights already moved
+        self._start_after: tuple | None = None   # (call, fn): start the receive thread after its realloc
+        self._thread = None
+        self._used_prefetch: list[str] = []    # calls of this step that ran on moved-ahead weights
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
@@ -200,6 +205,7 @@ class Runtime:
         weights of version `step`, then the train calls of the queued batch `step`."""
         st, k = self.astate, self.astate.k
         st.version = step
+        self._used_prefetch = []
         sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
         events, reallocs, offloads, peaks = [], [], [], {}
         lists = (events, reallocs, offloads, peaks)
@@ -217,6 +223,10 @@ class Runtime:
                 st.queue.append((b, store, st.version))
         t_pro = time.time() - t_pro
         new, b = None, step + k
+        # Double buffer: version step+1 moves during this step when step+1 generates a batch.
+        pre = bool(self._prefetch) and b + 1 < self.cfg.steps
+        if pre:
+            self._start_after = (self._prefetch[-1], lambda: self._start_prefetch(step))
         if b < self.cfg.steps:
             # The train ranks send the weights and post their receives, then train below while
             # the generation ranks generate; receives complete at pusher.finish.
@@ -227,6 +237,9 @@ class Runtime:
         _, cur, gen_v = st.queue.popleft()
         tpush = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
         self._run(train, step, cur, tpush, sums, *lists)
+        self._start_after = None
+        if pre:
+            self._send_prefetch(step, reallocs, events)
         t_wait = time.time()
         if new is not None:
             new[1].finish(new[0], b)
@@ -241,6 +254,7 @@ class Runtime:
         m["rows_dropped"] = float(dropped)
         m["version"] = float(step + 1)
         m["batch_version"] = float(gen_v)
+        m["prefetched_calls"] = float(len(self._used_prefetch))
         gen = {n for _, n in rollout}
         trn = {n for _, n in train}
         rea = {"realloc:" + n for _, n in rollout}
@@ -248,12 +262,87 @@ class Runtime:
                         # seconds in which a rollout call ran while a train call ran (any ranks)
                         "overlap_seconds": overlap_seconds(out["events"], gen, trn),
                         # seconds of rollout-side reallocation during which a rollout call ran
-                        # elsewhere (small: only the senders' wait for the transfer to complete can
-                        # overlap generation; the weights move before it starts, no double buffer)
+                        # (double buffer: the receive runs under generation; without it only
+                        # the senders' wait for completion can overlap generation)
                         "realloc_hidden_seconds": overlap_seconds(out["events"], rea, gen),
                         # wall seconds in which some rank reallocated for a rollout call
                         "realloc_seconds": overlap_seconds(out["events"], rea, rea)}
         return out
+
+    def _prefetch_calls(self) -> list[str]:
+        """The actor's rollout calls whose weights can move during generation (double buffer):
+        all on ranks disjoint from the actor's train ranks, and no other model reallocated for a
+        rollout call (the receive thread would share the reallocation group with it)."""
+        home = self.models.home.get("actor")
+        if home is None:
+            return []
+        src = set(self.plan.calls[home].ranks)
+        calls = []
+        for n in self.graph.order:
+            c = self.graph.calls[n]
+            h = self.models.home.get(c.model)
+            if c.trains or h is None or self.plan.calls[n] == self.plan.calls[h]:
+                continue
+            if c.model != "actor" or src & set(self.plan.calls[n].ranks):
+                return []
+            calls.append(n)
+        return calls
+
+    def _start_prefetch(self, step: int) -> None:
+        """Generation ranks: begin receiving the next version in a thread (during this step's
+        generation); the train ranks send it after their train calls."""
+        import threading
+
+        dst = set().union(*(self.plan.calls[n].ranks for n in self._prefetch))
+        if self.rank not in dst:
+            return
+        box: dict = {}
+
+        def recv():
+            try:
+                for n in self._prefetch:
+                    t0 = time.time()
+                    eng, stats = self.models.engine_for(n)
+                    box[n] = (eng, stats, t0, time.time())
+            except BaseException as e:   # re-raised by the main thread at the join
+                box["error"] = e
+        th = threading.Thread(target=recv, name=f"realloc-prefetch-{step}", daemon=True)
+        th.start()
+        self._thread = (th, box)
+
+    def _join_prefetch(self, step: int, reallocs, events) -> None:
+        th, box = self._thread
+        self._thread = None
+        th.join(self.timeout_s)
+        if th.is_alive():
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights "
+                               f"({self._prefetch}) did not finish within {self.timeout_s:.0f} s")
+        if "error" in box:
+            e = box["error"]
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights: "
+                               f"{type(e).__name__}: {e}") from e
+        for n in self._prefetch:
+            eng, stats, t0, t1 = box[n]
+            reallocs.append(("actor", stats["seconds"], stats["sent_bytes"]))
+            events.append((self.rank, "realloc:" + n, t0, t1))
+            self._prefetched[n] = eng
+
+    def _send_prefetch(self, step: int, reallocs, events) -> None:
+        """Train ranks: send the new version to the generation layout (after the train calls)."""
+        home_ranks = set(self.plan.calls[self.models.home["actor"]].ranks)
+        for n in self._prefetch:
+            if self.rank in home_ranks:
+                t0 = time.time()
+                try:
+                    _, stats = self.models.engine_for(n)
+                except Exception as e:
+                    raise RuntimeError(f"rank {self.rank}, step {step}: sending the next actor "
+                                       f"weights for {n}: {type(e).__name__}: {e}") from e
+                reallocs.append(("actor", stats["seconds"], stats["sent_bytes"]))
+                events.append((self.rank, "realloc:" + n, t0, time.time()))
+            self._prefetched[n] = None
+        if self._thread is not None:
+            self._join_prefetch(step, reallocs, events)
 
     def _rollout(self, b: int, rollout, sums, lists):
         """Run the rollout calls of batch b into a fresh Store with the current actor version;
@@ -342,7 +431,14 @@ class Runtime:
         if offloaded:
             in_bytes, in_sec = self.models.reload(call.model)
         t_r = time.time()
-        engine, rstats = self.models.engine_for(name)
+        if name in self._prefetched:     # async double buffer: moved during the previous step
+            engine, rstats = self._prefetched.pop(name), None
+            self._used_prefetch.append(name)
+        else:
+            engine, rstats = self.models.engine_for(name)
+        if self._start_after is not None and self._start_after[0] == name:
+            fn, self._start_after = self._start_after[1], None
+            fn()
         if rstats is not None:
             reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
             if self.astate is not None:   # async mode: reallocation intervals, for the overlap

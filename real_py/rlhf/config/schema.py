@@ -207,6 +207,13 @@ class AsyncConfig:
     version that trains on it. 0: the synchronous iteration (generation waits for the previous
     train step), bit for bit. k >= 1: the rollout calls of batch s + k run (on their ranks) while
     the train calls of batch s run, with the weights of version s; see rlhf/asyncrl.py."""
+    overlap_realloc: bool = True
+    """Double-buffered weight transfer: right after step s's actor update the train ranks send
+    version s + 1 to the generation layout while the generation ranks, in a background thread,
+    receive it into a second buffer during their generation of step s; step s + 1 generates with
+    that buffer without a reallocation at its start. Used when the actor's rollout calls sit on
+    ranks disjoint from its train ranks and no other model is reallocated before a rollout call
+    (else the transfer happens at the step's start, as with false)."""
     check_versions: bool = False
     """Keep the train ranks' actor shard of the last k + 1 versions and recompute the behaviour
     log-probs of each trained row with the weights of the version it recorded; the step reports
