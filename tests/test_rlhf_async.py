@@ -46,6 +46,9 @@ def _worker(rank, world, tmp):
         out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **ak, **{"async": {"max_staleness": k, "check_versions": True}})
     out["k1_no_overlap"] = _run(tmp, "k1n", SHORT, **ak, **{"async": {"max_staleness": 1, "check_versions": True,
                                                                      "overlap_realloc": False}})
+    # Interruptible generation: the rollout switches to version s+1 before its decode step 1.
+    out["interrupt"] = _run(tmp, "int", SHORT, **ak, **{"async": {
+        "max_staleness": 1, "check_versions": True, "interrupt": True, "interrupt_wait_step": 1}})
     # Kill and resume in async mode (k=2: two batches queued at the save): stop after 2 steps,
     # save, build a fresh runtime, load, run the rest.
     a2 = {"async": {"max_staleness": 2, "check_versions": True}}
@@ -113,6 +116,23 @@ def test_double_buffered_weights_are_the_same_weights(runs):
         assert on == off
         if r["k1"][1] is not None:
             assert torch.equal(r["k1"][1], r["k1_no_overlap"][1])
+
+
+@pytest.mark.timeout(600)
+def test_interrupted_rollouts_record_per_token_versions(runs):
+    """Batches 1 and 2 (generated in steps 0, 1 while a next version was on its way) switch to
+    the new weights at decode step 1: their first response token has version s, the second s+1,
+    each token's behaviour log-prob is that of its own version, staleness is per token."""
+    ms = runs[0]["interrupt"][0]
+    assert all(r["interrupt"][0] == ms for r in runs[1:])
+    assert [m.get("interrupted", 0.0) for m in ms] == [1.0, 1.0, 0.0, 0.0]
+    for s, m in enumerate(ms):
+        assert m["version_err"] < 2e-5, (s, m)
+    # steps 1, 2 train interrupted batches: tokens of staleness 1 (first) and 0 (second)
+    for s in (1, 2):
+        assert 0.0 < ms[s]["staleness"] < 1.0, (s, ms[s]["staleness"])
+        assert ms[s]["version_err_newest"] > 50 * max(ms[s]["version_err"], 1e-7)
+    assert ms[3]["staleness"] == 1.0
 
 
 @pytest.mark.timeout(600)

@@ -112,24 +112,57 @@ def staleness(versions: torch.Tensor, mask: torch.Tensor, current: int) -> tuple
     return float(((current - versions) * mask).sum()), float(mask.sum())
 
 
+def swap_hook(rt, call, g, engine):
+    """(swap, state) for engines.generate when the call may pick up the next version mid-rollout
+    (async.interrupt, a receive thread running for this call), else None. The ranks of the
+    replica agree (MIN over TP, then PP) before swapping, so they swap at the same step. state:
+    {"at": decode step of the swap or None, "old": the replaced weights (for behaviour log-probs)}."""
+    ac = rt.cfg.async_
+    th = getattr(rt, "_thread", None)
+    if not ac.interrupt or th is None or call.name not in rt._prefetch:
+        return None
+    thread, box = th
+    state = {"at": None, "old": None}
+
+    def swap(step: int) -> bool:
+        if state["at"] is not None:
+            return False                   # one new version per step
+        if ac.interrupt_wait_step is not None:
+            if step != ac.interrupt_wait_step:
+                return False
+            thread.join(rt.timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
+                                   f"the next weights did not arrive within {rt.timeout_s:.0f} s")
+        ready = torch.tensor([1 if call.name in box else 0], device=rt.device)
+        for grp, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
+            if size > 1:
+                dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=grp)
+        if not int(ready.item()):
+            return False
+        state["old"] = engine.shard.flat.clone()
+        engine.shard.flat.copy_(box[call.name][0].shard.flat)
+        state["at"] = step
+        return True
+    return swap, state
+
+
 def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
                    ) -> tuple[float, float, float]:
     """Recompute the behaviour log-probs of the batch with the weights of each row's recorded
     version (this rank's kept shard of it, in the train layout) and with the newest weights.
     Returns (sum |old_logp - logp(recorded version)|, sum |old_logp - logp(newest)|, tokens).
     Collective over the train call's group (every rank of it runs the same rows)."""
-    per_row = torch.where(mask > 0, d["versions"], torch.full_like(d["versions"], -1)).amax(1)
+    ver = torch.where(mask > 0, d["versions"], torch.full_like(d["versions"], -1))
     err = torch.zeros_like(mask)
-    for v in sorted(set(per_row.tolist())):
-        rows = (per_row == v).nonzero().flatten()
-        if v < 0:
-            continue
+    for v in sorted(set(ver.unique().tolist()) - {-1}):
         if v not in st.snapshots:
             raise RuntimeError(f"async.check_versions: no kept weights of version {v} (have "
                                f"{sorted(st.snapshots)}) on rank {dist.get_rank()}")
         shard = ModelShard(spec, g.layout, dist.get_rank(), st.snapshots[v])
-        lp = Engine(cfg, g.layout, g, shard).inference(d["tokens"][rows], d["lengths"][rows])["logprobs"]
-        err[rows] = (lp - d["old_logp"][rows]).abs() * mask[rows]
+        lp = Engine(cfg, g.layout, g, shard).inference(d["tokens"], d["lengths"])["logprobs"]
+        sel = (ver == v).float()
+        err += (lp - d["old_logp"]).abs() * sel
     newest = engine.inference(d["tokens"], d["lengths"])["logprobs"]
     err_new = (newest - d["old_logp"]).abs() * mask
     return float(err.sum()), float(err_new.sum()), float(mask.sum())

@@ -35,22 +35,38 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
     if call.kind in ("generate", "generate_greedy"):
         gc = cfg.generation
         greedy = gc.greedy or call.kind == "generate_greedy"
+        hook = A.swap_hook(rt, call, g, engine) if call.kind == "generate" else None
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode)
+                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode,
+                              swap=hook[0] if hook else None)
+        at = hook[1]["at"] if hook else None
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
+        ver = None
+        if "versions" in call.writes:
+            # Async mode: the weight version of every response token, -1 off the response;
+            # after an interrupt (new weights from decode step `at`) the later tokens are newer.
+            pl = store.rows("prompt_lengths", rows)
+            T1 = rt.T - 1
+            m = P.response_mask(pl, out["lengths"], T1 + 1)
+            j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(1)   # new-token index of each prediction
+            ver = torch.full_like(j, rt.gen_version) + (0 if at is None else (j >= at).long())
+            ver = torch.where(m > 0, ver, torch.full_like(ver, -1))
+            store.write("versions", rows, ver)
         if len(call.writes) > 2:
             lp = engine.inference(out["tokens"], out["lengths"])["logprobs"]
+            if at is not None:
+                # Behaviour log-probs of the tokens sampled before the swap: the old weights.
+                new_w = engine.shard.flat.clone()
+                engine.shard.flat.copy_(hook[1]["old"])
+                lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
+                engine.shard.flat.copy_(new_w)
+                lp = torch.where(ver[:, :lp.shape[1]] == rt.gen_version, lp_old, lp)
             store.write(call.writes[2], rows, lp)
-        if "versions" in call.writes:
-            # Async mode: the weight version of every response token (generation is not
-            # interrupted, so one version per row), -1 off the response.
-            m = P.response_mask(store.rows("prompt_lengths", rows), out["lengths"], rt.T)
-            ver = torch.where(m > 0, torch.full_like(m, rt.gen_version, dtype=torch.int64),
-                              torch.full_like(m, -1, dtype=torch.int64))
-            store.write("versions", rows, ver)
+        if hook and reporter:
+            _add(rt, sums, "interrupted", float(len(rows)) if at is not None else 0.0, float(len(rows)))
     elif call.kind == "logprobs":
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
         store.write(call.writes[0], rows, lp)

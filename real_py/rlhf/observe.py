@@ -24,7 +24,7 @@ METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip
            # version that generated the token), rows dropped over the bound (a sum, see runtime),
            # and with async.check_versions the mean |behaviour log-prob - recomputation| with the
            # recorded version's weights / with the newest weights.
-           "staleness", "rows_dropped_step", "version_err", "version_err_newest")
+           "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest")
 """Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
 
 

@@ -39,6 +39,7 @@ _RANGES = (
     ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
     ("ppo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 or null"),
     ("async_.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
+    ("async_.interrupt_wait_step", lambda v: v is None or v >= 1, ">= 1 or null"),
     ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
@@ -187,6 +188,8 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
         raise ValueError(f"config async.max_staleness={cfg.async_.max_staleness} with ppo.dynamic_sampling: "
                          "refill rounds regenerate rows of the batch being trained; not supported in "
                          "async mode (set one of them off)")
+    if cfg.async_.interrupt and not (cfg.async_.max_staleness and cfg.async_.overlap_realloc):
+        raise ValueError("config async.interrupt needs async.max_staleness >= 1 and async.overlap_realloc")
     if cfg.async_.check_versions and cfg.async_.max_staleness == 0:
         raise ValueError("config async.check_versions needs async.max_staleness >= 1")
     if cfg.algo in GROUPED and B % cfg.ppo.group_size:

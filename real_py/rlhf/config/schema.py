@@ -214,6 +214,15 @@ class AsyncConfig:
     that buffer without a reallocation at its start. Used when the actor's rollout calls sit on
     ranks disjoint from its train ranks and no other model is reallocated before a rollout call
     (else the transfer happens at the step's start, as with false)."""
+    interrupt: bool = False
+    """Interruptible generation (with overlap_realloc): between decode steps the generation ranks
+    of a replica agree whether version s + 1 has arrived; if so the rollout continues with it
+    (KV cache recomputed by one prefill, engines/generate.py). Its tokens then carry two versions
+    (per token in `versions`) and their behaviour log-probs are computed with each token's own
+    version."""
+    interrupt_wait_step: int | None = None
+    """With interrupt: wait (up to the timeout) for version s + 1 before decode step j, so the swap
+    happens exactly there (deterministic runs and tests); None: swap whenever it has arrived."""
     check_versions: bool = False
     """Keep the train ranks' actor shard of the last k + 1 versions and recompute the behaviour
     log-probs of each trained row with the weights of the version it recorded; the step reports
