@@ -322,9 +322,10 @@ class Runtime:
             raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights: "
                                f"{type(e).__name__}: {e}") from e
         for n in self._prefetch:
+            # The receive thread's interval includes waiting for the train step to end: kept as
+            # its own event, not as reallocation time (the senders' interval is the transfer).
             eng, stats, t0, t1 = box[n]
-            reallocs.append(("actor", stats["seconds"], stats["sent_bytes"]))
-            events.append((self.rank, "realloc:" + n, t0, t1))
+            events.append((self.rank, "recv_thread:" + n, t0, t1))
             self._prefetched[n] = eng
 
     def _send_prefetch(self, step: int, reallocs, events) -> None:
