@@ -39,7 +39,7 @@ def run(tmp: str, name: str, steps: int, new_tokens: int, k: int) -> list[dict]:
     cfg.update(steps=steps, plan=PLAN, out_dir=os.path.join(tmp, name))
     cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens)
     if k:
-        cfg["async"] = {"max_staleness": k}
+        cfg["async"] = {"max_staleness": k, "overlap_realloc": True}
         cfg["ppo"] = dict(cfg["ppo"], decoupled=True)
     path = os.path.join(tmp, f"{name}.yaml")
     with open(path, "w") as f:

@@ -43,15 +43,17 @@ def _worker(rank, world, tmp):
     out["k0"] = _run(tmp, "k0", SHORT, **short, **{"async": {"max_staleness": 0}})
     ak = {"ppo": {**task_config("grpo")["ppo"], "decoupled": True}, **short}
     for k in (1, 2):
-        out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **ak, **{"async": {"max_staleness": k, "check_versions": True}})
+        out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **ak, **{"async": {"max_staleness": k, "check_versions": True,
+                                                                 "overlap_realloc": True}})
     out["k1_no_overlap"] = _run(tmp, "k1n", SHORT, **ak, **{"async": {"max_staleness": 1, "check_versions": True,
                                                                      "overlap_realloc": False}})
     # Interruptible generation: the rollout switches to version s+1 before its decode step 1.
     out["interrupt"] = _run(tmp, "int", SHORT, **ak, **{"async": {
-        "max_staleness": 1, "check_versions": True, "interrupt": True, "interrupt_wait_step": 1}})
+        "max_staleness": 1, "check_versions": True, "interrupt": True, "interrupt_wait_step": 1,
+        "overlap_realloc": True}})
     # Kill and resume in async mode (k=2: two batches queued at the save): stop after 2 steps,
     # save, build a fresh runtime, load, run the rest.
-    a2 = {"async": {"max_staleness": 2, "check_versions": True}}
+    a2 = {"async": {"max_staleness": 2, "check_versions": True, "overlap_realloc": True}}
     first, _, rt = _run(tmp, "resume", SHORT, stop=2, **ak, **a2)
     path = checkpoint.save(rt, os.path.join(tmp, "resume"), 2)
     queued = [(b, v) for b, _, v in rt.astate.queue]
