@@ -300,6 +300,9 @@ class Runtime:
 
         def recv():
             try:
+                if self.device.type == "cuda":
+                    # The current CUDA device is per thread: this one's must be the rank's.
+                    torch.cuda.set_device(self.device)
                 for n in self._prefetch:
                     t0 = time.time()
                     eng, stats = self.models.engine_for(n)
