@@ -125,6 +125,11 @@ def _line(step: int, out: dict) -> str:
         # Milliseconds: a frozen model's copy out and back is well under a realloc's time.
         off = " ".join(f"{k} {v * 1e3:.2f}ms" for k, v in out["offload_seconds"].items())
         line += f" | offload {off} {out['offload_bytes'] / 2**20:.2f} MiB"
+    if "async" in out:  # async mode: staleness, queue, overlap of generation with training
+        a = out["async"]
+        line += (f" | async staleness {m.get('staleness', 0):.2g} batch_v {m['batch_version']:.0f} "
+                 f"queued {m['rows_queued']:.0f} dropped {m['rows_dropped']:.0f} "
+                 f"gen||train {a['overlap_seconds']:.2f}s realloc hidden {a['realloc_hidden_seconds']:.2f}s")
     if out.get("peak_mem_mib"):  # CUDA only: peak GPU memory of each call, max over ranks
         line += " | peak " + " ".join(f"{k} {v:.0f}MiB" for k, v in out["peak_mem_mib"].items())
     return line
@@ -178,6 +183,8 @@ def _spmd(args, cfg, ckpt) -> int:
                        "realloc_bytes": out["realloc_bytes"], "offload_seconds": out["offload_seconds"],
                        "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"],
                        "peak_mem_mib": out.get("peak_mem_mib", {})}
+                if "async" in out:
+                    rec["async"] = out["async"]
                 log.log(rec)
                 tqdm.write(_line(step + 1, out))
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):

@@ -46,15 +46,24 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
 @torch.no_grad()
 def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
              max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-             eos_token_id=None, pad_token_id: int = 0, decode: str = "auto", top_k: int = 0) -> dict:
+             eos_token_id=None, pad_token_id: int = 0, decode: str = "auto", top_k: int = 0,
+             swap=None) -> dict:
     """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
     eos_token_id: a token id or a list of them (any ends a response, and is kept in it) or None.
     decode: "auto" (CUDA graph on CUDA with tp == 1, else static cache), "dynamic", "static" or
     "graph" (see decode.py).
 
+    swap: interruptible generation (async RL). None, or a callable swap(step) -> bool called
+    before every decode step step >= 1 on every rank of the replica (it must answer the same on
+    all of them); True means the caller has just replaced the engine's weights in place (a new
+    version). The KV cache is then RECOMPUTED: one prefill of prompt + the step tokens so far
+    with the new weights (the cache of the old weights is dropped), so token `step` onwards is
+    exactly what the new weights generate from that prefix. "swaps" in the result lists the
+    steps at which weights changed: new token j was sampled by version (number of swaps <= j).
+
     Returns {"tokens": [B, P' + N] right-padded prompt + generated tokens, "lengths": [B],
-    "prompt_lengths": [B], "new_tokens": [B, N]} (N <= max_new_tokens, P' = max prompt length),
-    identical on every rank of the DP replica.
+    "prompt_lengths": [B], "new_tokens": [B, N], "swaps": [steps]} (N <= max_new_tokens,
+    P' = max prompt length), identical on every rank of the DP replica.
     """
     c, g, dev = engine.config, engine.groups, engine.device
     mode = pick_mode(engine, decode)
@@ -92,12 +101,26 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     p2p = P2P(g, dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64, device=dev)
-    x, steps = left, 0
+    x, steps, swaps = left, 0, []
     for step in range(max_new_tokens):
+        recompute = step > 0 and swap is not None and bool(swap(step))
+        if recompute:
+            # New weights: drop the cache, prefill prompt + tokens so far (positions and padding
+            # as the first prefill, the generated tokens after the prompt).
+            swaps.append(step)
+            n = P + step
+            x = torch.cat([left, new[:, :step]], 1)
+            pos = (torch.arange(n, device=dev).unsqueeze(0) - pad.to(dev).unsqueeze(1)).clamp(min=0)
+            mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() & valid[:, None, None, :n]
+            mask = mask | torch.eye(n, dtype=torch.bool, device=dev)
+            dec = Decoder(engine, B, total, valid, mode)
         n = x.shape[1]
         inp = x if g.is_first_stage else p2p.recv((B, n, c.hidden_size), engine.dtype, g.prev_rank)
         # Step s >= 1 feeds the token of step s - 1, which lands in cache slot P + s - 1.
-        out = dec.prefill(inp, pos, mask) if step == 0 else dec.step(inp, pos, P + step - 1)
+        if step == 0 or recompute:
+            out = dec.prefill(inp, pos, mask)
+        else:
+            out = dec.step(inp, pos, P + step - 1)
         nxt = torch.empty(B, dtype=torch.int64, device=dev)
         if g.is_last_stage:
             logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
@@ -130,4 +153,6 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         out[b, n:n + m] = new[b, :m]
     res = {"tokens": out, "lengths": prompt_lengths + gen_len, "prompt_lengths": prompt_lengths.clone(),
            "new_tokens": new}
-    return {k: v.to(where) for k, v in res.items()}
+    res = {k: v.to(where) for k, v in res.items()}
+    res["swaps"] = swaps
+    return res

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import asyncrl as A
 from . import ppo as P
 from .data import decode
 from .dataflow import dp_rows
@@ -34,15 +35,38 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
     if call.kind in ("generate", "generate_greedy"):
         gc = cfg.generation
         greedy = gc.greedy or call.kind == "generate_greedy"
+        hook = A.swap_hook(rt, call, g, engine) if call.kind == "generate" else None
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode)
+                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode,
+                              swap=hook[0] if hook else None)
+        at = hook[1]["at"] if hook else None
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
+        ver = None
+        if "versions" in call.writes:
+            # Async mode: the weight version of every response token, -1 off the response;
+            # after an interrupt (new weights from decode step `at`) the later tokens are newer.
+            pl = store.rows("prompt_lengths", rows)
+            T1 = rt.T - 1
+            m = P.response_mask(pl, out["lengths"], T1 + 1)
+            j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(1)   # new-token index of each prediction
+            ver = torch.full_like(j, rt.gen_version) + (0 if at is None else (j >= at).long())
+            ver = torch.where(m > 0, ver, torch.full_like(ver, -1))
+            store.write("versions", rows, ver)
         if len(call.writes) > 2:
             lp = engine.inference(out["tokens"], out["lengths"])["logprobs"]
+            if at is not None:
+                # Behaviour log-probs of the tokens sampled before the swap: the old weights.
+                new_w = engine.shard.flat.clone()
+                engine.shard.flat.copy_(hook[1]["old"])
+                lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
+                engine.shard.flat.copy_(new_w)
+                lp = torch.where(ver[:, :lp.shape[1]] == rt.gen_version, lp_old, lp)
             store.write(call.writes[2], rows, lp)
+        if hook and reporter:
+            _add(rt, sums, "interrupted", float(len(rows)) if at is not None else 0.0, float(len(rows)))
     elif call.kind == "logprobs":
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
         store.write(call.writes[0], rows, lp)
@@ -199,6 +223,24 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
     d = {k: store.rows(k, rows) for k in keys}
     d = _advantages(rt, call, g, d)
     critic = call.kind == "train_critic"
+    st = getattr(rt, "astate", None)
+    if "versions" in d:
+        # Async mode: rows generated more than k versions ago leave the loss (counted dropped).
+        d["mask"], old = A.version_mask(d["versions"], d["mask"], st.version, st.k)
+        if reporter:
+            _add(rt, sums, "rows_dropped_step", float(old.sum()), 0.0)
+            s_sum, s_cnt = A.staleness(d["versions"], d["mask"], st.version)
+            _add(rt, sums, "staleness", s_sum, s_cnt)
+        if rt.cfg.async_.check_versions:
+            e_rec, e_new, ntok = A.version_errors(st, rt.configs["actor"], rt.models.specs["actor"], g,
+                                                  engine, d, d["mask"])
+            if reporter:
+                _add(rt, sums, "version_err", e_rec, ntok)
+                _add(rt, sums, "version_err_newest", e_new, ntok)
+    decoupled = pc.decoupled and not critic
+    if decoupled:
+        # The proximal policy: this train engine's weights before the step's first update.
+        d["prox_logp"] = engine.inference(d["tokens"], d["lengths"])["logprobs"]
     if reporter and not critic:
         resp = d["mask"].sum(1)
         _add(rt, sums, "reward", float(d["raw_scores"].sum()), len(rows))
@@ -211,6 +253,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
     est, coef, max_len = kl_estimator(rt.cfg), rt.kl_coef, rt.cfg.generation.max_new_tokens
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
+    fields += ["prox_logp"] if decoupled else []
     local = torch.arange(len(rows))
     base_lr = pc.critic_lr if critic else pc.actor_lr
     total = rt.cfg.steps * pc.ppo_epochs * pc.mini_batches
@@ -232,8 +275,13 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
                                                m, pc.value_clip)
                     extra.append((float(nclip), 0.0, float(m.sum())))
                     return loss / n_tok
-                loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
-                                                     pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                if decoupled:
+                    loss, clipped = P.decoupled_policy_loss_tokens(
+                        out["logprobs"], data["prox_logp"], data["old_logp"], data["adv"], m, pc.clip,
+                        pc.clip_high, pc.dual_clip, pc.ratio, pc.behav_imp_weight_cap)
+                else:
+                    loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
+                                                         pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
                 if kl_loss:
                     loss = loss + coef * P.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
                 ent_tok = out["entropy"] * m

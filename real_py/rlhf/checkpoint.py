@@ -108,6 +108,9 @@ def save(rt, out_dir: str, step: int) -> str:
     state = {"step": step, "rng": torch.get_rng_state(), "models": {}}
     if hasattr(rt, "kl_coef"):          # a Runtime (tests may pass a bare holder of models)
         state |= {"kl_coef": float(rt.kl_coef), "reward_moments": rt.reward_moments.clone()}
+    if getattr(rt, "astate", None) is not None:
+        # Async mode: the queued batches' rows this rank holds, their versions, the row ledger.
+        state["async"] = rt.astate.state_dict()
     for m, eng in rt.models.engines.items():
         if eng is None or eng.optim is None:
             continue
@@ -289,6 +292,8 @@ def load(rt, path: str) -> int:
     if "kl_coef" in state:       # absent in checkpoints written before adaptive KL existed
         rt.kl_coef = float(state["kl_coef"])
         rt.reward_moments = state["reward_moments"].to(torch.float64).clone()
+    if getattr(rt, "astate", None) is not None and "async" in state:
+        rt.astate.load_state_dict(state["async"], rt.schema, f"checkpoint {path} rank {dist.get_rank()}")
     return int(state["step"])
 
 

@@ -35,7 +35,9 @@ def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     return {"prompts": ((P,), i64), "prompt_lengths": ((), i64), "seeds": ((), i64),
             "tokens": ((T,), i64), "lengths": ((), i64), "old_logp": ((T - 1,), f32),
             "ref_logp": ((T - 1,), f32), "scores": ((), f32), "values": ((T,), f32),
-            "base_tokens": ((T,), i64), "base_lengths": ((), i64), "base_scores": ((), f32)}
+            "base_tokens": ((T,), i64), "base_lengths": ((), i64), "base_scores": ((), f32),
+            # async mode: actor weight version of every response token (-1 off the response)
+            "versions": ((T - 1,), i64)}
 
 
 def dp_rows(layout, dp_rank: int, B: int, mini_batches: int = 1) -> list[int]:

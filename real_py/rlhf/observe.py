@@ -19,7 +19,12 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
 
 METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
-           "value_clip_frac", "entropy")
+           "value_clip_frac", "entropy",
+           # async mode (async.max_staleness >= 1): token-mean staleness (train version minus the
+           # version that generated the token), rows dropped over the bound (a sum, see runtime),
+           # and with async.check_versions the mean |behaviour log-prob - recomputation| with the
+           # recorded version's weights / with the newest weights.
+           "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest")
 """Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
 
 

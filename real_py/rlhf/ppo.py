@@ -150,6 +150,28 @@ def policy_loss_tokens(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Te
     return loss * mask, clipped.float() * mask
 
 
+def decoupled_policy_loss_tokens(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+                                 adv: torch.Tensor, mask: torch.Tensor, clip_low: float,
+                                 clip_high: float | None = None, dual_clip: float | None = None,
+                                 ratio: str = "token", imp_cap: float | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO (AReaL, Fu et al. 2025, eq. 5), all [B, N]: per token
+
+        w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),  r = pi / pi_prox,
+        w = pi_prox / pi_behav  (no gradient)
+
+    behav_logp: log-probs of the policy that sampled the tokens (possibly stale); prox_logp: of
+    the proximal policy (the weights before this update), the clip's anchor. Tokens with
+    w > imp_cap get weight 0 (AReaL's behav_imp_weight_cap). dual_clip / ratio as in
+    policy_loss_tokens (the ratio is always against pi_prox). With prox == behav it is
+    policy_loss_tokens. Returns (loss [B, N], clipped [B, N] 0/1), 0 off the mask."""
+    loss, clipped = policy_loss_tokens(logp, prox_logp, adv, mask, clip_low, clip_high, dual_clip, ratio)
+    w = torch.exp((prox_logp - behav_logp).detach() * mask)
+    if imp_cap is not None:
+        w = torch.where(w > imp_cap, torch.zeros_like(w), w)
+    return loss * w, clipped
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 clip: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped surrogate, all [B, N]. Returns (sum over masked tokens of the loss, number of

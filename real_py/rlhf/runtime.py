@@ -32,6 +32,7 @@ from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
 from . import ppo as P
+from .asyncrl import AsyncState, overlap_seconds
 from .dataflow import Pusher, Store, dp_rows, key_schema, push_plan
 from .models import Models
 from .observe import METRICS
@@ -129,6 +130,15 @@ class Runtime:
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: cfg.ppo.mini_batches for n in graph.order if graph.calls[n].trains}
         self.pushes = {n: push_plan(graph, plan, n, self.B, self.mini_batches) for n in graph.order}
+        # Async mode (async.max_staleness >= 1): queue, versions, ledger (asyncrl.py).
+        ac = cfg.async_
+        self.astate = AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
+        self.gen_version = 0     # weight version the rollout calls in flight generate with
+        self._prefetch = self._prefetch_calls() if self.astate is not None and ac.overlap_realloc else []
+        self._prefetched: dict = {}      # call -> engine (or None): weights already moved
+        self._start_after: tuple | None = None   # (call, fn): start the receive thread after its realloc
+        self._thread = None
+        self._used_prefetch: list[str] = []    # calls of this step that ran on moved-ahead weights
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
@@ -137,6 +147,8 @@ class Runtime:
         offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
         "peak_mem_mib" (per call: max over ranks of the GPU memory peak, MiB; {} on CPU),
         "events" (rank, call, start, end), "store"} on every rank."""
+        if self.astate is not None:
+            return self._async_iteration(step)
         store = Store(self.schema, self.B)
         self._write_batch(store, step, list(range(self.B)))
         pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
@@ -192,6 +204,189 @@ class Runtime:
         if self.cfg.ppo.kl_target is not None:
             out["metrics"]["kl_coef"] = self.kl_coef
         self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
+        return out
+
+    def _async_iteration(self, step: int) -> dict:
+        """One step of async mode (see asyncrl.py): rollout calls of batch step + k with the
+        weights of version `step`, then the train calls of the queued batch `step`."""
+        st, k = self.astate, self.astate.k
+        st.version = step
+        self._used_prefetch = []
+        sums = torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
+        events, reallocs, offloads, peaks = [], [], [], {}
+        lists = (events, reallocs, offloads, peaks)
+        order = list(enumerate(self.graph.order))
+        rollout = [(i, n) for i, n in order if not self.graph.calls[n].trains]
+        train = [(i, n) for i, n in order if self.graph.calls[n].trains]
+        actor_home = self.models.engines.get("actor")
+        st.snapshot(actor_home)
+        t_pro = time.time()
+        if not st.queue:
+            # Prologue (first step or resume): batches step .. step+k-1 with the current weights.
+            for b in range(step, min(step + k, self.cfg.steps)):
+                store, pusher = self._rollout(b, rollout, sums, lists)
+                pusher.finish(store, b)
+                st.queue.append((b, store, st.version))
+        t_pro = time.time() - t_pro
+        new, b = None, step + k
+        # Double buffer: version step+1 moves during this step when step+1 generates a batch.
+        pre = bool(self._prefetch) and b + 1 < self.cfg.steps
+        if pre:
+            self._start_after = (self._prefetch[-1], lambda: self._start_prefetch(step))
+        if b < self.cfg.steps:
+            # The train ranks send the weights and post their receives, then train below while
+            # the generation ranks generate; receives complete at pusher.finish.
+            new = self._rollout(b, rollout, sums, lists)
+        if not st.queue or st.queue[0][0] != step:
+            raise RuntimeError(f"rank {self.rank}, step {step}: async queue holds batches "
+                               f"{[q[0] for q in st.queue]}, expected batch {step} first")
+        _, cur, gen_v = st.queue.popleft()
+        tpush = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
+        self._run(train, step, cur, tpush, sums, *lists)
+        self._start_after = None
+        if pre:
+            self._send_prefetch(step, reallocs, events)
+        t_wait = time.time()
+        if new is not None:
+            new[1].finish(new[0], b)
+            st.queue.append((b, new[0], st.version))
+        t_wait = time.time() - t_wait
+        out = self._finish(step, sums, tpush, cur, lists)
+        m = out["metrics"]
+        dropped = int(self._last_sums[METRICS.index("rows_dropped_step"), 0])
+        st.trained += self.B - dropped
+        st.dropped += dropped
+        m.update(st.ledger())
+        m["rows_dropped"] = float(dropped)
+        m["version"] = float(step + 1)
+        m["batch_version"] = float(gen_v)
+        m["prefetched_calls"] = float(len(self._used_prefetch))
+        gen = {n for _, n in rollout}
+        trn = {n for _, n in train}
+        rea = {"realloc:" + n for _, n in rollout}
+        out["async"] = {"prologue_seconds": t_pro, "wait_rows_seconds": t_wait,
+                        # seconds in which a rollout call ran while a train call ran (any ranks)
+                        "overlap_seconds": overlap_seconds(out["events"], gen, trn),
+                        # seconds of rollout-side reallocation during which a rollout call ran
+                        # (double buffer: the receive runs under generation; without it only
+                        # the senders' wait for completion can overlap generation)
+                        "realloc_hidden_seconds": overlap_seconds(out["events"], rea, gen),
+                        # wall seconds in which some rank reallocated for a rollout call
+                        "realloc_seconds": overlap_seconds(out["events"], rea, rea)}
+        return out
+
+    def _prefetch_calls(self) -> list[str]:
+        """The actor's rollout calls whose weights can move during generation (double buffer):
+        all on ranks disjoint from the actor's train ranks, and no other model reallocated for a
+        rollout call (the receive thread would share the reallocation group with it)."""
+        home = self.models.home.get("actor")
+        if home is None:
+            return []
+        src = set(self.plan.calls[home].ranks)
+        calls = []
+        for n in self.graph.order:
+            c = self.graph.calls[n]
+            h = self.models.home.get(c.model)
+            if c.trains or h is None or self.plan.calls[n] == self.plan.calls[h]:
+                continue
+            if c.model != "actor" or src & set(self.plan.calls[n].ranks):
+                return []
+            calls.append(n)
+        return calls
+
+    def _start_prefetch(self, step: int) -> None:
+        """Generation ranks: begin receiving the next version in a thread (during this step's
+        generation); the train ranks send it after their train calls."""
+        import threading
+
+        dst = set().union(*(self.plan.calls[n].ranks for n in self._prefetch))
+        if self.rank not in dst:
+            return
+        box: dict = {}
+
+        def recv():
+            try:
+                if self.device.type == "cuda":
+                    # The current CUDA device is per thread: this one's must be the rank's.
+                    torch.cuda.set_device(self.device)
+                for n in self._prefetch:
+                    t0 = time.time()
+                    eng, stats = self.models.engine_for(n)
+                    box[n] = (eng, stats, t0, time.time())
+            except BaseException as e:   # re-raised by the main thread at the join
+                box["error"] = e
+        th = threading.Thread(target=recv, name=f"realloc-prefetch-{step}", daemon=True)
+        th.start()
+        self._thread = (th, box)
+
+    def _join_prefetch(self, step: int, reallocs, events) -> None:
+        th, box = self._thread
+        self._thread = None
+        th.join(self.timeout_s)
+        if th.is_alive():
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights "
+                               f"({self._prefetch}) did not finish within {self.timeout_s:.0f} s")
+        if "error" in box:
+            e = box["error"]
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights: "
+                               f"{type(e).__name__}: {e}") from e
+        for n in self._prefetch:
+            # The receive thread's interval includes waiting for the train step to end: kept as
+            # its own event, not as reallocation time (the senders' interval is the transfer).
+            eng, stats, t0, t1 = box[n]
+            events.append((self.rank, "recv_thread:" + n, t0, t1))
+            self._prefetched[n] = eng
+
+    def _send_prefetch(self, step: int, reallocs, events) -> None:
+        """Train ranks: send the new version to the generation layout (after the train calls)."""
+        home_ranks = set(self.plan.calls[self.models.home["actor"]].ranks)
+        for n in self._prefetch:
+            if self.rank in home_ranks:
+                t0 = time.time()
+                try:
+                    _, stats = self.models.engine_for(n)
+                except Exception as e:
+                    raise RuntimeError(f"rank {self.rank}, step {step}: sending the next actor "
+                                       f"weights for {n}: {type(e).__name__}: {e}") from e
+                reallocs.append(("actor", stats["seconds"], stats["sent_bytes"]))
+                events.append((self.rank, "realloc:" + n, t0, time.time()))
+            self._prefetched[n] = None
+        if self._thread is not None:
+            self._join_prefetch(step, reallocs, events)
+
+    def _rollout(self, b: int, rollout, sums, lists):
+        """Run the rollout calls of batch b into a fresh Store with the current actor version;
+        returns (store, pusher) with the pushes still in flight."""
+        store = Store(self.schema, self.B)
+        self._write_batch(store, b, list(range(self.B)))
+        pusher = Pusher(self.rank, self.timeout_s, self.device, self.batched_pushes, watch=self.watch)
+        self.gen_version = self.astate.version
+        self._run(rollout, b, store, pusher, sums, *lists)
+        self.astate.generated += self.B
+        return store, pusher
+
+    def _finish(self, step, sums, pusher, store, lists) -> dict:
+        """End of an async step: pushes done, metrics all-reduced, summary (as iteration's tail)."""
+        events, reallocs, offloads, peaks = lists
+        try:
+            pusher.finish(store, step)
+            sums = sums.to(self.device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
+                               f"{type(e).__name__}: {e}") from e
+        out = self._summary(sums, gathered, store)
+        r = METRICS.index("reward")
+        self.reward_moments += torch.tensor([sums[r, 0], sums[len(METRICS), 0], sums[r, 1]],
+                                            dtype=torch.float64)
+        if self.cfg.ppo.kl_target is not None:
+            out["metrics"]["kl_coef"] = self.kl_coef
+        self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
+        out["metrics"].pop("rows_dropped_step", None)
+        self._last_sums = sums
         return out
 
     def _write_batch(self, store, step: int, rows: list[int]) -> None:
@@ -250,9 +445,19 @@ class Runtime:
         offloaded = call.model in self.models.offloads
         if offloaded:
             in_bytes, in_sec = self.models.reload(call.model)
-        engine, rstats = self.models.engine_for(name)
+        t_r = time.time()
+        if name in self._prefetched:     # async double buffer: moved during the previous step
+            engine, rstats = self._prefetched.pop(name), None
+            self._used_prefetch.append(name)
+        else:
+            engine, rstats = self.models.engine_for(name)
+        if self._start_after is not None and self._start_after[0] == name:
+            fn, self._start_after = self._start_after[1], None
+            fn()
         if rstats is not None:
             reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
+            if self.astate is not None:   # async mode: reallocation intervals, for the overlap
+                events.append((self.rank, "realloc:" + name, t_r, time.time()))
         g = self.groups[name]
         pusher.post(store, self.pushes[name], i + 1, name, sending=False)
         if g.member:

@@ -37,6 +37,9 @@ _RANGES = (
     ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
     ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
     ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
+    ("ppo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 or null"),
+    ("async_.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
+    ("async_.interrupt_wait_step", lambda v: v is None or v >= 1, ">= 1 or null"),
     ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
@@ -62,7 +65,7 @@ def check_values(cfg: TrainConfig) -> None:
     for key, ok, allowed in _RANGES:
         v = _get(cfg, key)
         if not ok(v):
-            raise ValueError(f"config {key}={v!r} is out of range; allowed: {allowed}")
+            raise ValueError(f"config {key.replace('async_', 'async')}={v!r} is out of range; allowed: {allowed}")
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ValueError(f"config out_dir={cfg.out_dir!r} is a file, not a directory; pick another out_dir")
     for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
@@ -181,6 +184,14 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     if cfg.ppo.dynamic_sampling and (cfg.algo not in GROUPED or cfg.ppo.group_size < 2):
         raise ValueError(f"config ppo.dynamic_sampling needs groups: algo one of {list(GROUPED)} and "
                          f"ppo.group_size >= 2 (got algo={cfg.algo!r}, group_size={cfg.ppo.group_size})")
+    if cfg.async_.max_staleness > 0 and cfg.ppo.dynamic_sampling:
+        raise ValueError(f"config async.max_staleness={cfg.async_.max_staleness} with ppo.dynamic_sampling: "
+                         "refill rounds regenerate rows of the batch being trained; not supported in "
+                         "async mode (set one of them off)")
+    if cfg.async_.interrupt and not (cfg.async_.max_staleness and cfg.async_.overlap_realloc):
+        raise ValueError("config async.interrupt needs async.max_staleness >= 1 and async.overlap_realloc")
+    if cfg.async_.check_versions and cfg.async_.max_staleness == 0:
+        raise ValueError("config async.check_versions needs async.max_staleness >= 1")
     if cfg.algo in GROUPED and B % cfg.ppo.group_size:
         raise ValueError(f"ppo.group_size={cfg.ppo.group_size} does not divide data.batch_size={B}")
     total = cfg.data.max_prompt_len + cfg.generation.max_new_tokens

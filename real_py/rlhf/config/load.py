@@ -102,7 +102,9 @@ def _build(cls, d: dict, where: str):
 
 
 def from_dict(d: dict | None) -> TrainConfig:
-    cfg = _build(TrainConfig, d or {}, "top level")
+    # `async` is a Python keyword: the section's field is async_.
+    d = {("async_" if k == "async" else k): v for k, v in (d or {}).items()}
+    cfg = _build(TrainConfig, d, "top level")
     model_hints = typing.get_type_hints(ModelConfig)
     for name in ("actor", "critic"):
         md = getattr(cfg, name)
@@ -207,4 +209,4 @@ def load(path: str | None, overrides=()) -> TrainConfig:
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    return {("async" if k == "async_" else k): v for k, v in dataclasses.asdict(cfg).items()}

@@ -160,6 +160,16 @@ class PPOConfig:
     after the last round stay (advantage 0). Grouped algorithms only."""
     max_gen_rounds: int = 3
     """Generation rounds at most per step with dynamic_sampling (1: no refill)."""
+    decoupled: bool = False
+    """Decoupled PPO objective (AReaL, Fu et al. 2025, eq. 5): per token
+    w * clipped-surrogate(pi / pi_prox) with w = pi_prox / pi_behav (detached). pi_behav: the
+    log-probs recorded at generation (old_logp); pi_prox: recomputed by an inference call of the
+    train engine with the weights before this step's update (the previous version). Works with
+    every actor loss (ppo, grpo, rloo, reinforce_pp*, remax); with fresh rollouts w is 1 up to
+    layout rounding."""
+    behav_imp_weight_cap: float | None = None
+    """With decoupled: tokens whose w = pi_prox / pi_behav exceeds this cap get weight 0 (AReaL's
+    behav_imp_weight_cap); None: no cap."""
     whiten_returns: bool = True
     """reinforce_pp / reinforce_pp_baseline: whiten the returns over the global batch (REINFORCE++)."""
 
@@ -188,6 +198,37 @@ class RewardConfig:
     mask_truncated: bool = False
     """Leave truncated responses (no stop token) out of the policy and value losses (DAPO's
     overlong filtering): their tokens get mask 0. They still count in the reward metric."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    max_staleness: int = 0
+    """k: the actor weight version that generated a batch is at most k train steps behind the
+    version that trains on it. 0: the synchronous iteration (generation waits for the previous
+    train step), bit for bit. k >= 1: the rollout calls of batch s + k run (on their ranks) while
+    the train calls of batch s run, with the weights of version s; see rlhf/asyncrl.py."""
+    overlap_realloc: bool = False
+    """Double-buffered weight transfer (opt-in: an unexplained abort at process exit after the
+    last step, "terminate called without an active exception", was seen in 2 of 19 CPU runs): right after step s's actor update the train ranks send
+    version s + 1 to the generation layout while the generation ranks, in a background thread,
+    receive it into a second buffer during their generation of step s; step s + 1 generates with
+    that buffer without a reallocation at its start. Used when the actor's rollout calls sit on
+    ranks disjoint from its train ranks and no other model is reallocated before a rollout call
+    (else the transfer happens at the step's start, as with false)."""
+    interrupt: bool = False
+    """Interruptible generation (with overlap_realloc): between decode steps the generation ranks
+    of a replica agree whether version s + 1 has arrived; if so the rollout continues with it
+    (KV cache recomputed by one prefill, engines/generate.py). Its tokens then carry two versions
+    (per token in `versions`) and their behaviour log-probs are computed with each token's own
+    version."""
+    interrupt_wait_step: int | None = None
+    """With interrupt: wait (up to the timeout) for version s + 1 before decode step j, so the swap
+    happens exactly there (deterministic runs and tests); None: swap whenever it has arrived."""
+    check_versions: bool = False
+    """Keep the train ranks' actor shard of the last k + 1 versions and recompute the behaviour
+    log-probs of each trained row with the weights of the version it recorded; the step reports
+    the max abs difference (version_err) and the one against the newest version
+    (version_err_newest). A diagnostic (costs k + 1 shard copies and one inference per step)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,6 +272,8 @@ class TrainConfig:
     generation: GenConfig = field(default_factory=GenConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    """YAML key `async` (a Python keyword): asynchronous RL, generation overlapped with training."""
     plan: dict = field(default_factory=dict)
     """ExecutionPlan JSON (or {"path": file.json}); empty: default_plan(algo)."""
     allow_idle_ranks: bool = False
@@ -296,7 +339,14 @@ class TrainConfig:
         return ExecutionPlan.from_json(data)
 
     def graph(self) -> Graph:
-        return Graph(ALGORITHMS[self.algo])
+        calls = ALGORITHMS[self.algo]
+        if self.async_.max_staleness > 0:
+            # The actor's sampling call also writes the weight version of every response token,
+            # and the actor's train call reads it (staleness, drop rule, version checks).
+            calls = tuple(dataclasses.replace(c, writes=c.writes + ("versions",)) if c.kind == "generate"
+                          else dataclasses.replace(c, reads=c.reads + ("versions",))
+                          if c.trains and c.model == "actor" else c for c in calls)
+        return Graph(calls)
 
     def group_size(self) -> int:
         """Rows per prompt: ppo.group_size for the grouped algorithms, else 1."""

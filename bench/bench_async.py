@@ -1,0 +1,135 @@
+"""Async RL vs sync on the same plan, generation and training on disjoint ranks (issue 22).
+
+    python bench/bench_async.py [--steps 20] [--max-new-tokens 16] [--learn-steps 30] [--k 1] [--repeats 3]
+
+Runs `python -m real_py train` on the copy task (configs/copy_task/grpo.yaml, 4 gloo ranks) with
+the plan below (rollout calls on ranks 2, 3; the actor's training on ranks 0, 1, tp 2), once
+synchronous and once with async.max_staleness=k and the decoupled loss. Longer responses
+(--max-new-tokens; the reward reads only the first response character) make generation the
+slower side. Writes bench/results/async_cpu2_<date>.{json,md}: seconds per step, reward per
+window and against wall-clock, the overlap of rollout calls with train calls, and the share of
+the actor's reallocation (train -> generation layout) hidden under generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+from timing import environment, write_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = {"world_size": 4, "calls": {
+    "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+    "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+    "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+    "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}}}
+WINDOW = 5
+
+
+def run(tmp: str, name: str, steps: int, new_tokens: int, k: int) -> list[dict]:
+    with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg.update(steps=steps, plan=PLAN, out_dir=os.path.join(tmp, name))
+    cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens)
+    if k:
+        cfg["async"] = {"max_staleness": k, "overlap_realloc": True}
+        cfg["ppo"] = dict(cfg["ppo"], decoupled=True)
+    path = os.path.join(tmp, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    subprocess.run([sys.executable, "-m", "real_py", "train", "--config", path, "--no-progress"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(tmp, name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def measure(tmp: str, setting: str, steps: int, new_tokens: int, k: int, repeats: int):
+    """Rows (sync, async) of one setting, each mode `repeats` runs (alternating), and the curves."""
+    modes = (("sync", 0), (f"async k={k}", k))
+    recs_of = {name: [] for name, _ in modes}
+    for rep in range(repeats):
+        for name, kk in modes:
+            tag = f"{setting}_{name.replace(' ', '_').replace('=', '')}_{rep}"
+            recs_of[name].append(run(tmp, tag, steps, new_tokens, kk))
+    rows, curves = [], {}
+    for name, kk in modes:
+        runs_ = recs_of[name]
+        after = [x for recs in runs_ for x in recs[1:]]       # every step but each run's first
+        med = lambda f: statistics.median(f(x) for x in after)  # noqa: E731
+        per_run = [statistics.median(x["seconds"] for x in recs[1:]) for recs in runs_]
+        rew = [[x["metrics"]["reward"] for x in recs] for recs in runs_]
+        row = {"setting": setting, "mode": name, "runs x steps": f"{len(runs_)} x {steps}",
+               "s/step (median)": med(lambda x: x["seconds"]),
+               "s/step per run": " / ".join(f"{v:.3f}" for v in per_run),
+               "actor_gen s": med(lambda x: x["calls"].get("actor_gen", 0.0)),
+               "actor_train s": med(lambda x: x["calls"].get("actor_train", 0.0)),
+               "actor realloc s": med(lambda x: x["realloc_seconds"].get("actor", 0.0)),
+               f"reward 1-{WINDOW}": statistics.fmean(v for r in rew for v in r[:WINDOW]),
+               f"reward last {WINDOW}": statistics.fmean(v for r in rew for v in r[-WINDOW:]),
+               "wall s (mean)": statistics.fmean(sum(x["seconds"] for x in recs) for recs in runs_)}
+        if kk:
+            a = [x["async"] for x in after]
+            row["gen||train overlap s"] = statistics.median(x["overlap_seconds"] for x in a)
+            hidden = sum(x["realloc_hidden_seconds"] for x in a)
+            total = sum(x["realloc_seconds"] for x in a)
+            row["realloc hidden share"] = hidden / total if total else 0.0
+            row["staleness"] = statistics.fmean(x["metrics"]["staleness"] for x in after)
+        rows.append(row)
+        curves[f"{setting} {name}"] = [
+            {"reward": [x["metrics"]["reward"] for x in recs],
+             "wall": [sum(x["seconds"] for x in recs[:i + 1]) for i in range(len(recs))]} for recs in runs_]
+        print(row, flush=True)
+    return rows, curves
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20, help="steps of the speed setting")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="response budget of the speed setting")
+    ap.add_argument("--learn-steps", type=int, default=30, help="steps of the learning setting (2 new tokens)")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating (machine noise)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, curves = measure(tmp, f"speed ({args.max_new_tokens} tokens)", args.steps,
+                               args.max_new_tokens, args.k, args.repeats)
+        lrows, lcurves = measure(tmp, "learning (2 tokens)", args.learn_steps, 2, args.k, 1)
+    speed = rows[0]["s/step (median)"] / rows[1]["s/step (median)"]
+    rows += lrows
+    curves |= lcurves
+    cols = list(dict.fromkeys(c for row in rows for c in row))
+    jpath, mpath = write_results(
+        "async", "cpu2", rows, columns=cols,
+        title=f"Async RL (k={args.k}, decoupled GRPO) vs sync, copy task, gen ranks 2-3 / train ranks 0-1",
+        notes=(f"Speed setting, sync / async median s/step: {speed:.2f}. Each mode of the speed setting "
+               f"{args.repeats} runs (alternating), medians over every step but each run's first; the "
+               "learning setting is the shipped copy-task config (2 new tokens), one run per mode. "
+               "Per-step reward and wall-clock of every run in the JSON (extra.curves). Same plan both "
+               "ways (rollout calls on ranks 2, 3 dp 2; actor_train on ranks 0, 1 tp 2); seed 1, batch 64. "
+               "Sync: generation waits for the train step and vice versa. Async: the rollout of batch "
+               "s+k runs while batch s trains, the step costs about max(gen, train) + what of the "
+               "weight transfer is not hidden. 'realloc hidden share': share of the wall seconds of "
+               "rollout-side reallocation during which a rollout call ran (async.overlap_realloc: the "
+               "generation ranks receive version s+1 in a thread during generation). CPU: 2 shared "
+               "cores run 4 ranks (and other agents' jobs), so in async mode the two sides compete "
+               "for the same cores and no speed-up from overlap can be expected or read here; call "
+               "times of the async rows are inflated by that contention. What carries over to a GPU "
+               "cluster: the schedule (which calls overlap, that the transfer runs under generation, "
+               "staleness and row accounting); what does not: any ratio of times. On GPUs each side "
+               "has its own devices, so the step tends to max(gen, train) + unhidden transfer instead "
+               "of gen + train + transfer."),
+        extra={"curves": curves, "speedup_speed_setting": speed, "date": environment()["date_utc"]})
+    print(jpath, mpath)
+
+
+if __name__ == "__main__":
+    main()

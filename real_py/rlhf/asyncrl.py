@@ -1,0 +1,171 @@
+"""Asynchronous RL state: the bounded queue of generated batches, weight versions, row ledger,
+and the per-version check of behaviour log-probs (async.check_versions).
+
+Execution (runtime.Runtime._async_iteration), with k = async.max_staleness >= 1 and s the step:
+
+    version of the actor weights = train steps applied so far = s at the start of step s
+    rollout calls of batch s + k   (weights of version s, reallocated train -> gen layout)
+      || train calls of batch s    (queued; generated with version max(0, s - k))
+
+Every rank walks the rollout calls first, then the train calls, in the global order. On a plan
+where generation and training ranks are disjoint, the train ranks only send the weights (the
+reallocation) and post their receives of the new batch's rows before training; the generation
+ranks then generate while the train ranks train, and the step ends when both are done (the
+metrics all-reduce). A batch's rows enter the queue when their pushes completed; the queue holds
+at most k batches, so a batch is trained exactly once, at most k versions after the weights that
+generated it. The first step fills the queue synchronously with the current weights (prologue);
+a checkpoint saves every rank's queued rows, versions and ledger, so a resume continues with the
+same queue (a checkpoint without them refills it by a prologue). Rows over the bound (none by construction; the rule guards a plan change or
+a resume) are masked out of the loss and counted as dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from ..engines import Engine
+from ..realloc.shard import ModelShard
+from .dataflow import Store
+
+
+class AsyncState:
+    def __init__(self, k: int, B: int, keep_versions: bool):
+        self.k, self.B = k, B
+        self.queue: deque = deque()            # (batch step, Store, version that generated it)
+        self.version = 0                       # actor train steps applied
+        self.generated = self.trained = self.dropped = 0
+        self.keep_versions = keep_versions
+        self.snapshots: dict[int, torch.Tensor] = {}   # version -> this rank's home actor shard
+
+    def snapshot(self, engine) -> None:
+        """Keep this rank's actor home shard of the current version (async.check_versions)."""
+        if not self.keep_versions or engine is None:
+            return
+        self.snapshots[self.version] = engine.shard.flat.detach().clone()
+        for v in [v for v in self.snapshots if v < self.version - self.k]:
+            del self.snapshots[v]
+
+    def state_dict(self) -> dict:
+        """This rank's queue (the rows of each queued batch it holds: every key of its Store),
+        versions and ledger, for the checkpoint's rank file (tensors and ints only)."""
+        return {"k": self.k, "queue": [{"batch": b, "version": v, "data": dict(st.data)}
+                                       for b, st, v in self.queue],
+                "counts": [self.generated, self.trained, self.dropped],
+                "snapshots": dict(self.snapshots)}
+
+    def load_state_dict(self, state: dict, schema: dict, where: str) -> None:
+        if state["k"] != self.k:
+            raise ValueError(f"{where}: saved with async.max_staleness={state['k']}, the config has "
+                             f"{self.k}; resume with the same bound")
+        self.queue.clear()
+        for q in state["queue"]:
+            st = Store(schema, self.B)
+            for key, t in q["data"].items():
+                if key not in st.data or st.data[key].shape != t.shape:
+                    raise ValueError(f"{where}: queued batch {q['batch']} key {key!r} of shape "
+                                     f"{tuple(t.shape)} does not match this run's rows")
+                st.data[key].copy_(t)
+            self.queue.append((int(q["batch"]), st, int(q["version"])))
+        self.generated, self.trained, self.dropped = (int(x) for x in state["counts"])
+        self.snapshots = {int(v): t.clone() for v, t in state["snapshots"].items()}
+
+    def ledger(self) -> dict[str, float]:
+        return {"rows_generated": float(self.generated), "rows_trained": float(self.trained),
+                "rows_dropped": float(self.dropped), "rows_queued": float(len(self.queue) * self.B)}
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap_seconds(events, first, second) -> float:
+    """Seconds during which some rank ran an event named in `first` while some rank ran one in
+    `second` (events: (rank, name, start, end), wall clock of one machine)."""
+    u1 = _union([(a, b) for _, n, a, b in events if n in first])
+    u2 = _union([(a, b) for _, n, a, b in events if n in second])
+    total, j = 0.0, 0
+    for a, b in u1:
+        for c, d in u2:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def version_mask(versions: torch.Tensor, mask: torch.Tensor, current: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """versions, mask [b, N] -> (mask of the rows within the bound, [b] bool rows dropped): a row
+    with any response token older than current - k is dropped as a whole."""
+    old = ((versions < current - k) & (mask > 0)).any(1)
+    return mask * (~old).float().unsqueeze(1), old
+
+
+def staleness(versions: torch.Tensor, mask: torch.Tensor, current: int) -> tuple[float, float]:
+    """(sum over response tokens of current - version, number of response tokens)."""
+    return float(((current - versions) * mask).sum()), float(mask.sum())
+
+
+def swap_hook(rt, call, g, engine):
+    """(swap, state) for engines.generate when the call may pick up the next version mid-rollout
+    (async.interrupt, a receive thread running for this call), else None. The ranks of the
+    replica agree (MIN over TP, then PP) before swapping, so they swap at the same step. state:
+    {"at": decode step of the swap or None, "old": the replaced weights (for behaviour log-probs)}."""
+    ac = rt.cfg.async_
+    th = getattr(rt, "_thread", None)
+    if not ac.interrupt or th is None or call.name not in rt._prefetch:
+        return None
+    thread, box = th
+    state = {"at": None, "old": None}
+
+    def swap(step: int) -> bool:
+        if state["at"] is not None:
+            return False                   # one new version per step
+        if ac.interrupt_wait_step is not None:
+            if step != ac.interrupt_wait_step:
+                return False
+            thread.join(rt.timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
+                                   f"the next weights did not arrive within {rt.timeout_s:.0f} s")
+        ready = torch.tensor([1 if call.name in box else 0], device=rt.device)
+        for grp, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
+            if size > 1:
+                dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=grp)
+        if not int(ready.item()):
+            return False
+        state["old"] = engine.shard.flat.clone()
+        engine.shard.flat.copy_(box[call.name][0].shard.flat)
+        state["at"] = step
+        return True
+    return swap, state
+
+
+def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
+                   ) -> tuple[float, float, float]:
+    """Recompute the behaviour log-probs of the batch with the weights of each row's recorded
+    version (this rank's kept shard of it, in the train layout) and with the newest weights.
+    Returns (sum |old_logp - logp(recorded version)|, sum |old_logp - logp(newest)|, tokens).
+    Collective over the train call's group (every rank of it runs the same rows)."""
+    ver = torch.where(mask > 0, d["versions"], torch.full_like(d["versions"], -1))
+    err = torch.zeros_like(mask)
+    for v in sorted(set(ver.unique().tolist()) - {-1}):
+        if v not in st.snapshots:
+            raise RuntimeError(f"async.check_versions: no kept weights of version {v} (have "
+                               f"{sorted(st.snapshots)}) on rank {dist.get_rank()}")
+        shard = ModelShard(spec, g.layout, dist.get_rank(), st.snapshots[v])
+        lp = Engine(cfg, g.layout, g, shard).inference(d["tokens"], d["lengths"])["logprobs"]
+        sel = (ver == v).float()
+        err += (lp - d["old_logp"]).abs() * sel
+    newest = engine.inference(d["tokens"], d["lengths"])["logprobs"]
+    err_new = (newest - d["old_logp"]).abs() * mask
+    return float(err.sum()), float(err_new.sum()), float(mask.sum())
+
+
+__all__ = ["AsyncState", "overlap_seconds", "version_mask", "staleness", "version_errors"]
