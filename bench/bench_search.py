@@ -158,7 +158,8 @@ def write(args, rows) -> None:
                   "seconds (searched vs heuristic) and the searched call's largest terms", "",
                   "| call | searched | s | heuristic | s | searched terms (s) |", "|---|---|---|---|---|---|"]
         for name, c in r["per_call"].items():
-            top = sorted(c["searched_terms"].items(), key=lambda kv: -kv[1])[:3]
+            top = sorted(((k, v) for k, v in c["searched_terms"].items() if k != "total"),
+                         key=lambda kv: -kv[1])[:3]
             lines.append(f"| {name} | {c['searched']} | {c['searched_s']:.2f} | {c['heuristic']} | "
                          f"{c['heuristic_s']:.2f} | " + ", ".join(f"{k} {v:.2f}" for k, v in top) + " |")
         lines.append("")
