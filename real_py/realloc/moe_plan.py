@@ -99,21 +99,64 @@ class MoePlan:
                 "max_egress_bytes": max(egress.values(), default=0)}
 
     def transfers(self, round_elems: int | None = None) -> Transfers:
-        """Every part's chunks, the parts running side by side (round k of each together)."""
+        """One schedule for all parts (for the cluster simulator): every part's chunks (sizes
+        from C++), taken in (round within its part, part) order and each placed in the earliest
+        round where its sender and receivers still have room -- the rule of the C++ schedule,
+        at most half a bucket (`round_elems`) per rank, round and direction, applied to the
+        union. The Reallocator today runs the parts one after the other (module docstring)."""
         ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
-        rnd = np.concatenate([t.round for t in ts])
-        order = np.argsort(rnd, kind="stable")
-        sender = np.concatenate([t.sender for t in ts])[order]
-        nbytes = np.concatenate([t.nbytes for t in ts])[order]
+        cap = (round_elems or (256 << 20) // self.model.element_size // 2) * self.model.element_size
+        key = np.concatenate([t.round for t in ts]) * len(ts) + np.concatenate(
+            [np.full(len(t.round), i) for i, t in enumerate(ts)])
+        order = np.argsort(key, kind="stable")
+        sender = np.concatenate([t.sender for t in ts])
+        nbytes = np.concatenate([t.nbytes for t in ts])
+        recv_lists = [t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]] for t in ts for i in range(len(t.round))]
+        egress: dict[int, list] = {}   # rank -> bytes per round
+        ingress: dict[int, list] = {}
+        first: dict[int, int] = {}     # rank -> first round that may have room (either direction)
+        rounds = np.zeros(len(order), np.int64)
+
+        def room(load: list, k: int, nb: int) -> bool:
+            return k >= len(load) or load[k] == 0 or load[k] + nb <= cap
+
+        for j, i in enumerate(order):
+            s, rc, nb = int(sender[i]), recv_lists[i].tolist(), int(nbytes[i])
+            k = max([first.get(s, 0)] + [first.get(r, 0) for r in rc])
+            eg = egress.setdefault(s, [])
+            ins = [ingress.setdefault(r, []) for r in rc]
+            while not (room(eg, k, nb) and all(room(x, k, nb) for x in ins)):
+                k += 1
+            for load in [eg] + ins:
+                load.extend([0] * (k + 1 - len(load)))
+                load[k] += nb
+            # a rank whose round is full in both directions never takes a chunk there again
+            for r in [s] + rc:
+                f = first.get(r, 0)
+                e, n = egress.get(r, []), ingress.get(r, [])
+                while f < len(e) and f < len(n) and e[f] >= cap and n[f] >= cap:
+                    f += 1
+                first[r] = f
+            rounds[j] = k
+        srt = np.argsort(rounds, kind="stable")
+        picked = order[srt]
+        counts = np.array([len(recv_lists[i]) for i in picked], np.int64)
+        ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        receivers = (np.concatenate([recv_lists[i] for i in picked]) if len(picked)
+                     else np.zeros(0, np.int64))
+        return Transfers(rounds[srt], sender[picked], ptr, receivers.astype(np.int64), nbytes[picked],
+                         label="real_py MoE schedule (all parts, earliest fit)")
+
+    def sequential_transfers(self, round_elems: int | None = None) -> Transfers:
+        """The parts one after the other, each with its own rounds (what the Reallocator runs)."""
+        ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
+        offs = np.cumsum([0] + [t.num_rounds for t in ts[:-1]])
         counts = np.concatenate([np.diff(t.recv_ptr) for t in ts])
-        recv_lists = []
-        for t in ts:
-            recv_lists += [t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]] for i in range(len(t.round))]
-        recv = [recv_lists[i] for i in order]
-        ptr = np.concatenate(([0], np.cumsum(counts[order]))).astype(np.int64)
-        receivers = np.concatenate(recv) if recv else np.zeros(0, np.int64)
-        return Transfers(rnd[order], sender, ptr, receivers.astype(np.int64), nbytes,
-                         label="real_py MoE schedule (parts side by side)")
+        return Transfers(np.concatenate([t.round + o for t, o in zip(ts, offs)]),
+                         np.concatenate([t.sender for t in ts]),
+                         np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                         np.concatenate([t.receivers for t in ts]).astype(np.int64),
+                         np.concatenate([t.nbytes for t in ts]), label="real_py MoE parts in sequence")
 
     def __repr__(self) -> str:
         return f"MoePlan({self.model.name}, {self.src} -> {self.dst}, {len(self.parts)} parts)"

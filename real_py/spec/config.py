@@ -304,9 +304,9 @@ PRESETS: dict[str, ModelConfig] = {
                                    num_experts_per_tok=8, qk_norm=True, model_type="qwen3",
                                    dtype="bfloat16", rope_theta=1e6),
     # Kimi-K2's sizes (61 layers, first dense, 384 experts of 2048 + one shared, 8 active, BF16);
-    # its MLA attention is stood in for by GQA of about the same parameter count (64 x 128, kv 8).
+    # its MLA attention is stood in for by GQA (64 heads x 128, 16 kv heads so that TP16 splits it).
     "kimi-k2-shaped": ModelConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
-                                  num_key_value_heads=8, head_dim=128, vocab_size=163840,
+                                  num_key_value_heads=16, head_dim=128, vocab_size=163840,
                                   num_hidden_layers=61, num_experts=384, moe_intermediate_size=2048,
                                   num_experts_per_tok=8, shared_expert_intermediate_size=2048,
                                   mlp_only_layers=(0,), dtype="bfloat16"),
