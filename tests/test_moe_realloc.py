@@ -104,6 +104,7 @@ def test_expert_storage_views():
             flat[e.offset:e.offset + e.numel] = want[e.param.name].reshape(-1)
         per = expert_views(MOE, lay, r, flat, "per_expert")
         stacked = expert_views(MOE, lay, r, flat, "stacked")
+        mixtral = expert_views(MOE, lay, r, flat, "mixtral")
         Im, H = MOE.config.moe_intermediate_size, MOE.config.hidden_size
         k = r % 2  # etp index: i = dp * tp + tp_idx, etp fastest
         for j in range(ep_rank * 4, ep_rank * 4 + 4):
@@ -111,6 +112,11 @@ def test_expert_storage_views():
             g = full[name + "gate_up_proj.weight"]
             assert torch.equal(per[name + "gate_proj.weight"], g[k * Im // 2:(k + 1) * Im // 2])
             assert torch.equal(per[name + "up_proj.weight"], g[Im + k * Im // 2:Im + (k + 1) * Im // 2])
+            mx = name.replace(".mlp.", ".block_sparse_moe.")
+            assert torch.equal(mixtral[mx + "w3.weight"], per[name + "up_proj.weight"])
+            assert torch.equal(mixtral[mx + "w2.weight"], per[name + "down_proj.weight"])
+            assert torch.equal(mixtral[mx + "w2.weight"],
+                               full[name + "down_proj.weight"][:, k * Im // 2:(k + 1) * Im // 2])
         gu = stacked["layers.1.mlp.experts.gate_up_proj.weight"]
         assert gu.shape == (4, Im, H)
         assert torch.equal(gu, torch.stack([want[f"layers.1.mlp.experts.{j}.gate_up_proj.weight"]

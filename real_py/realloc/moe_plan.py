@@ -198,24 +198,28 @@ def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = 
     """Named views of `rank`'s expert shard `flat` (layout.expert_shard_layout) in a storage form.
 
     per_expert: HF names layers.i.mlp.experts.j.{gate_proj, up_proj, down_proj}.weight (etp pieces).
+    mixtral: Mixtral's layers.i.block_sparse_moe.experts.j.{w1 (gate), w3 (up), w2 (down)}.weight.
     stacked: layers.i.mlp.experts.{gate_up_proj [E_local, 2I/etp, H], down_proj [E_local, H, I/etp]}
     (ValueError when alignment padding separates experts: a piece not a multiple of ALIGN_BYTES).
     """
-    if form not in ("per_expert", "stacked"):
-        raise ValueError(f"form={form!r}; allowed: 'per_expert', 'stacked'")
+    if form not in ("per_expert", "mixtral", "stacked"):
+        raise ValueError(f"form={form!r}; allowed: 'per_expert', 'mixtral', 'stacked'")
     _, ep_rank, _, stage = layout.expert_coords(rank)
     sl = expert_shard_layout(model, layout, stage, ep_rank)
     out = {}
-    if form == "per_expert":
+    if form != "stacked":
+        gate, up, down = (("w1", "w3", "w2") if form == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
         for e in sl.entries:
             v = flat[e.offset:e.offset + e.numel].view(e.local_shape)
             base = e.param.name.removesuffix(".weight")
+            if form == "mixtral":
+                base = base.replace(".mlp.experts.", ".block_sparse_moe.experts.", 1)
             if base.endswith("gate_up_proj"):
                 half = e.local_shape[0] // 2
                 stem = base.removesuffix("gate_up_proj")
-                out[stem + "gate_proj.weight"], out[stem + "up_proj.weight"] = v[:half], v[half:]
+                out[f"{stem}{gate}.weight"], out[f"{stem}{up}.weight"] = v[:half], v[half:]
             else:
-                out[e.param.name] = v
+                out[f"{base.removesuffix('down_proj')}{down}.weight"] = v
         return out
     groups: dict[str, list] = {}
     for e in sl.entries:
