@@ -315,7 +315,8 @@ MOE_PAIRS = [("dp4,ep2", "dp2,tp2,etp2"), ("dp2,tp2,etp2", "dp4,ep2"),
              ("dp4,ep4", "dp2,tp2,etp2"), ("dp2,tp2,ep2", "dp2,tp2,ep4")]
 MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's published seconds, what it measured)
     ("qwen3-235b-a22b", 8, "dp2,tp4,ep8", "dp2,tp4,etp8", 6.22, "8 H800, vLLM TP8, BF16"),
-    ("qwen3-235b-a22b", 8, "dp2,tp4,ep8", "dp2,tp4,ep8", 6.22, "8 H800, vLLM TP8, BF16"),
+    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,etp8", 6.22, "8 H800, vLLM TP8, BF16"),
+    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,ep8", 6.22, "8 H800, vLLM TP8, BF16"),
     ("kimi-k2-shaped", 256, "dp4,tp8,pp8,ep32", "dp16,tp16,etp16", 16.04,
      "256 H20, 16 vLLM TP16 instances, FP8"),
 ]
