@@ -80,13 +80,19 @@ class Layout:
     replica holds the whole shard), "dim0" (FSDP2: each parameter's local tensor chunked along
     dim 0 with torch.chunk semantics, padded storage) or "flat" (ZeRO-3 / FSDP1: the shard's flat
     buffer split evenly). See dp_shard_layout. dp=1 normalizes to "none"."""
+    ep: int = 1
+    """Expert parallel: each MoE layer's experts split by index over ep ranks (real_py.layout_moe)."""
+    etp: int = 1
+    """Expert tensor parallel: each expert's tensors split over etp ranks. Experts are folded
+    over the (dp, tp) ranks of each pipeline stage as (etp fastest, then ep, then expert-dp),
+    as Megatron-core's parallel folding; ep * etp must divide dp * tp."""
     partition: str = "params"
     """Default pipeline split when layers_per_stage is None: "params" (contiguous stages
     minimizing the largest stage's parameter count) or "layers" (num_layers / pp each, as
     Megatron-core splits; pp must divide num_layers)."""
 
     def __post_init__(self):
-        for axis in _AXES:
+        for axis in _AXES + ("ep", "etp"):
             v = getattr(self, axis)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Layout.{axis}={v!r} must be a positive int")
@@ -118,6 +124,13 @@ class Layout:
             raise ValueError(f"Layout.dp_shard={self.dp_shard!r}; allowed: {DP_SHARD}")
         if self.dp == 1:
             object.__setattr__(self, "dp_shard", "none")
+        if (self.dp * self.tp) % (self.ep * self.etp):
+            raise ValueError(f"Layout ep{self.ep} x etp{self.etp} = {self.ep * self.etp} expert ranks "
+                             f"must divide the {self.dp * self.tp} (dp x tp) ranks of each pipeline "
+                             f"stage of {self}")
+        if (self.ep > 1 or self.etp > 1) and self.dp_shard != "none":
+            raise ValueError(f"Layout {self}: expert layouts (ep, etp) with dp_shard="
+                             f"{self.dp_shard!r} are not supported; use dp_shard='none'")
         if self.layers_per_stage is not None:  # an explicit split leaves no rule to choose
             object.__setattr__(self, "partition", "params")
 
@@ -128,16 +141,17 @@ class Layout:
         dp_shard."""
         shard = re.findall(r"dim0|flat", text)
         axes = re.sub(r"dim0|flat", "", text)
-        pairs = re.findall(r"(dp|tp|pp)\s*=?\s*(\d+)", axes)
+        pairs = re.findall(r"(etp|ep|dp|tp|pp)\s*=?\s*(\d+)", axes)
         found = dict(pairs)
         repeated = sorted({k for k, _ in pairs if sum(a == k for a, _ in pairs) > 1})
         if repeated:
             raise ValueError(f"cannot parse layout {text!r}: axis {', '.join(repeated)} given more "
-                             "than once; give each of dp, tp, pp at most once, e.g. 'dp2,tp4'")
-        rest = re.sub(r"(dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
+                             "than once; give each of dp, tp, pp, ep, etp at most once, e.g. 'dp2,tp4'")
+        rest = re.sub(r"(etp|ep|dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
         if not found or rest or len(shard) > 1:
-            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1' or "
-                             "'dp4,tp2,dim0' (dp sharding: dim0 or flat)")
+            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1', "
+                             "'dp4,tp2,dim0' (dp sharding: dim0 or flat) or 'dp4,tp2,ep8,etp1' "
+                             "(experts)")
         if shard:
             kwargs.setdefault("dp_shard", shard[0])
         return cls(**{k: int(v) for k, v in found.items()}, **kwargs)
@@ -148,7 +162,28 @@ class Layout:
 
     def __str__(self) -> str:
         shard = "" if self.dp_shard == "none" else f"-{self.dp_shard}"
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}{shard}"
+        experts = (f"ep{self.ep}" if self.ep > 1 else "") + (f"etp{self.etp}" if self.etp > 1 else "")
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}{experts}{shard}"
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: replicas of each expert piece per stage, dp * tp / (ep * etp)."""
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int, int] | None:
+        """(edp_idx, ep_idx, etp_idx, pp_idx) of a global rank (parallel folding: the stage's
+        ranks walked tp fastest then dp, cut etp fastest, then ep, then expert-dp)."""
+        c = self.coords(rank)
+        if c is None:
+            return None
+        d, t, p = c
+        i = d * self.tp + t
+        return i // (self.etp * self.ep), (i // self.etp) % self.ep, i % self.etp, p
+
+    def expert_rank(self, edp: int, ep: int, etp: int, pp: int) -> int:
+        """Global rank at expert position (edp_idx, ep_idx, etp_idx, pp_idx)."""
+        i = (edp * self.ep + ep) * self.etp + etp
+        return self.rank(i // self.tp, i % self.tp, pp)
 
     def rank(self, dp: int, tp: int, pp: int) -> int:
         """Global rank at position (dp_idx, tp_idx, pp_idx)."""
@@ -179,6 +214,7 @@ def check_fits(model: ModelSpec, layout: Layout) -> None:
     require_spec(model)
     require_layout(layout)
     model.check_tp(layout.tp)
+    check_experts(model, layout)
     if layout.pp > model.num_layers:
         raise ValueError(f"pp={layout.pp} exceeds num_layers={model.num_layers} of {model.name}; "
                          f"pick pp in 1..{model.num_layers}")
@@ -188,6 +224,24 @@ def check_fits(model: ModelSpec, layout: Layout) -> None:
     if layout.layers_per_stage is None and layout.partition == "layers" and model.num_layers % layout.pp:
         raise ValueError(f"partition='layers' needs pp={layout.pp} to divide num_layers="
                          f"{model.num_layers} of {model.name}; give layers_per_stage=... instead")
+
+
+def check_experts(model: ModelSpec, layout: Layout) -> None:
+    """ValueError naming the field when ep / etp cannot split the model's experts."""
+    experts = model.num_experts
+    if not experts:
+        if layout.ep > 1 or layout.etp > 1:
+            raise ValueError(f"layout {layout} sets ep={layout.ep}, etp={layout.etp}, but {model.name} "
+                             "has no experts (num_experts=0); drop ep/etp")
+        return
+    if experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} does not divide num_experts={experts} of {model.name}")
+    for p in model.params:
+        if p.expert >= 0:
+            why = p.tp_error(layout.etp)
+            if why:
+                raise ValueError(f"etp={layout.etp}: {why} of {p.name}")
+            break
 
 
 @functools.lru_cache(maxsize=256)
@@ -322,6 +376,8 @@ def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
     lo, hi = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)[stage]
     last = layout.pp - 1
     for p in model.params:
+        if p.expert >= 0:  # expert tensors live in expert shards (expert_shard_layout)
+            continue
         if p.owner == "layer":
             held = lo <= p.layer < hi
         elif p.owner == "embed":
@@ -339,6 +395,37 @@ def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
         e = ShardEntry(p, off, ls)
         entries.append(e)
         off = -(-(off + e.numel) // align) * align
+    return ShardLayout(tuple(entries), off)
+
+
+def expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: int) -> ShardLayout:
+    """Flat-buffer layout of the expert shard of (stage, ep_rank): the experts
+    [ep_rank E/ep, (ep_rank + 1) E/ep) of the stage's MoE layers, each expert tensor's etp piece,
+    in spec order (per layer: every local expert's gate_up, then every local expert's down, so
+    the stacked [E/ep, 2I/etp, H] and [E/ep, H, I/etp] views are contiguous when each piece is a
+    multiple of ALIGN_BYTES). Identical on the etp ranks and expert-dp replicas."""
+    require_spec(model)
+    require_layout(layout)
+    if not 0 <= stage < layout.pp or not 0 <= ep_rank < layout.ep:
+        raise ValueError(f"stage={stage}, ep_rank={ep_rank} outside pp={layout.pp}, ep={layout.ep} "
+                         f"of layout {layout}")
+    return _expert_shard_layout(model, Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep,
+                                              etp=layout.etp, layers_per_stage=layout.layers_per_stage,
+                                              partition=layout.partition), stage, ep_rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: int) -> ShardLayout:
+    check_fits(model, layout)
+    align = max(1, ALIGN_BYTES // model.element_size)
+    per = model.num_experts // layout.ep
+    lo, hi = ep_rank * per, (ep_rank + 1) * per
+    entries, off = [], 0
+    for p in model.params:
+        if p.expert >= 0 and lo <= p.expert < hi and stage in param_stages(model, layout, p):
+            e = ShardEntry(p, off, p.local_shape(layout.etp))
+            entries.append(e)
+            off = -(-(off + e.numel) // align) * align
     return ShardLayout(tuple(entries), off)
 
 

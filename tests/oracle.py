@@ -203,3 +203,71 @@ def random_dp_layout(rng: random.Random, world: int, num_layers: int, max_ranks:
     shard = rng.choice(["none", "dim0", "flat"])
     return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, ranks=layout.ranks, order=layout.order,
                   layers_per_stage=layout.layers_per_stage, dp_shard=shard)
+
+
+# Mixture of experts. A rank's expert pieces by index math, apart from real_py.layout's
+# expert_coords / expert_shard_layout and the MoE planner: the stage's (dp, tp) ranks are
+# numbered i = dp_idx * tp + tp_idx (Megatron-core's parallel folding) and cut etp fastest,
+# then ep; ep group g holds experts [g E/ep, (g + 1) E/ep), etp rank k the k-th etp piece.
+def expert_position(layout: Layout, rank: int):
+    """(ep_idx, etp_idx, stage) of `rank`, or None."""
+    c = layout.coords(rank)
+    if c is None:
+        return None
+    i = c[0] * layout.tp + c[1]
+    return (i // layout.etp) % layout.ep, i % layout.etp, c[2]
+
+
+def expert_held(model: ModelSpec, layout: Layout, rank: int):
+    """[(param, held global flat indices)] of every expert tensor `rank` holds."""
+    pos = expert_position(layout, rank)
+    if pos is None:
+        return []
+    g, k, stage = pos
+    per = model.num_experts // layout.ep
+    return [(p, held_indices(p, layout.etp, k)) for p in model.params
+            if p.expert >= 0 and g * per <= p.expert < (g + 1) * per
+            and stage in param_stages(model, layout, p)]
+
+
+def expert_oracle(model: ModelSpec, layout: Layout, rank: int, full: dict) -> dict:
+    """name -> the etp piece of that expert tensor `rank` must hold, sliced from full tensors."""
+    return {p.name: full[p.name].reshape(-1).index_select(0, idx).view(p.local_shape(layout.etp))
+            for p, idx in expert_held(model, layout, rank)}
+
+
+def dense_only(model: ModelSpec) -> ModelSpec:
+    return ModelSpec(name=model.name + "-dense-oracle", params=tuple(p for p in model.params
+                                                                    if p.expert < 0),
+                     num_layers=model.num_layers)
+
+
+def min_network_elems_moe(model: ModelSpec, src: Layout, dst: Layout) -> int:
+    """Elements every destination rank needs (dense and experts) that it does not hold already."""
+    from dataclasses import replace
+
+    total = min_network_elems(dense_only(model), replace(src, ep=1, etp=1), replace(dst, ep=1, etp=1))
+    for r in dst.ranks:
+        have = {p.name: idx for p, idx in expert_held(model, src, r)}
+        for p, need in expert_held(model, dst, r):
+            total += (int((~torch.isin(need, have[p.name])).sum()) if p.name in have
+                      else need.numel())
+    return total
+
+
+def random_moe_layout(rng: random.Random, world: int, model: ModelSpec, max_ranks: int = 8) -> Layout:
+    """A random MoE layout of `model` (tp in model.tp_choices, ep | experts, ep etp | dp tp)."""
+    E = model.num_experts
+    while True:
+        tp = rng.choice([t for t in model.tp_choices(8)])
+        dp, pp = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3])
+        n = dp * tp * pp
+        if n > min(world, max_ranks) or pp > model.num_layers:
+            continue
+        combos = [(e, t) for e in range(1, E + 1) for t in (1, 2, 4, 8)
+                  if E % e == 0 and (dp * tp) % (e * t) == 0]
+        ep, etp = rng.choice(combos)
+        break
+    ranks = rng.sample(range(world), n)
+    order = rng.choice(["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp"])
+    return Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, ranks=tuple(ranks), order=order)

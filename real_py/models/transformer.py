@@ -163,6 +163,9 @@ class StageModel(nn.Module):
 
     def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None):
         super().__init__()
+        if config.num_experts:  # layouts and reallocation handle MoE; the forward does not yet
+            raise ValueError(f"ModelConfig.num_experts={config.num_experts}: mixture-of-experts "
+                             "models have no forward in real_py yet (only their reallocation)")
         layout = shard.layout
         self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
         self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1

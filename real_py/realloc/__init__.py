@@ -5,10 +5,12 @@
   schedule.py     chunks in rounds of bounded size, replayed identically by every rank (global)
   rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
+  moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, torch.distributed (gloo / NCCL), cupy-NCCL
 """
 
+from .moe_plan import MoePlan, plan_moe_realloc
 from .offload import HostOffload
 from .plan import MODES, ReallocPlan, plan_realloc
 from .reallocator import Reallocator, checksum, new_destination, run_in_process
@@ -17,6 +19,6 @@ from .schedule import Schedule
 from .shard import ModelShard, gather_full, tp_slice
 from .transports import DistTransport, InProcessHub, TransferError, Transport
 
-__all__ = ["MODES", "DistTransport", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
+__all__ = ["MODES", "DistTransport", "MoePlan", "plan_moe_realloc", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
            "RankSchedule", "Schedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
            "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]

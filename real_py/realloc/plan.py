@@ -290,6 +290,9 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
         require_spec(dst_model, "dst_model")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {MODES}")
+    if model.num_experts:
+        raise ValueError(f"{model.name} has {model.num_experts} experts per MoE layer: plan it with "
+                         "real_py.realloc.moe_plan.plan_moe_realloc (dense and expert parts)")
     if ranks_per_node < 0:
         raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 0")
     if dst_model is not None and dst_model != model:

@@ -83,8 +83,28 @@ class ModelConfig:
     qk_norm: bool = False
     """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
     projection and before RoPE."""
+    num_experts: int = 0
+    """Mixture of experts: experts per MoE layer (0: dense model)."""
+    moe_intermediate_size: int = 0
+    """Each expert's intermediate size."""
+    num_experts_per_tok: int = 0
+    """Top-k experts per token (routing; planning does not depend on it)."""
+    shared_expert_intermediate_size: int = 0
+    """A shared expert (dense MLP beside the routed ones) of this size; 0: none."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: a sigmoid gate [1, H] on the shared expert's output."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers with a dense MLP in an MoE model (Qwen3-MoE mlp_only_layers, DeepSeek / Kimi
+    first_k_dense_replace)."""
+    decoder_sparse_step: int = 1
+    """Qwen-MoE: layer i is MoE when (i + 1) % decoder_sparse_step == 0 (and not mlp_only)."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has routed experts instead of a dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def uses_window(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window."""
@@ -124,6 +144,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.vocab_pad_multiple={self.vocab_pad_multiple!r} must be "
                              "a positive int (Megatron-core: 128)")
         _check_attention_fields(self)
+        _check_moe_fields(self)
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> "ModelConfig":
@@ -188,6 +209,35 @@ def _check_config_types(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 
 
+def _check_moe_fields(c: ModelConfig) -> None:
+    """ValueError naming the field for inconsistent MoE fields."""
+    for f in ("num_experts", "moe_intermediate_size", "num_experts_per_tok",
+              "shared_expert_intermediate_size", "decoder_sparse_step"):
+        v = getattr(c, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"ModelConfig.{f}={v!r} must be a non-negative int")
+    if not c.num_experts:
+        if c.moe_intermediate_size or c.num_experts_per_tok or c.shared_expert_intermediate_size:
+            raise ValueError("ModelConfig.moe_intermediate_size / num_experts_per_tok / "
+                             "shared_expert_intermediate_size are set but num_experts=0")
+        return
+    if c.moe_intermediate_size < 1:
+        raise ValueError(f"ModelConfig.num_experts={c.num_experts} needs moe_intermediate_size >= 1")
+    if not 1 <= c.num_experts_per_tok <= c.num_experts:
+        raise ValueError(f"ModelConfig.num_experts_per_tok={c.num_experts_per_tok} must be in "
+                         f"[1, num_experts={c.num_experts}]")
+    if c.decoder_sparse_step < 1:
+        raise ValueError(f"ModelConfig.decoder_sparse_step={c.decoder_sparse_step} must be >= 1")
+    if c.shared_expert_gate and not c.shared_expert_intermediate_size:
+        raise ValueError("ModelConfig.shared_expert_gate needs shared_expert_intermediate_size > 0")
+    layers = tuple(c.mlp_only_layers)
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < c.num_hidden_layers
+           for i in layers):
+        raise ValueError(f"ModelConfig.mlp_only_layers={c.mlp_only_layers!r} must list layer indices "
+                         f"in [0, {c.num_hidden_layers})")
+    object.__setattr__(c, "mlp_only_layers", layers)
+
+
 def _check_attention_fields(c: ModelConfig) -> None:
     """model_type, rope_scaling (frozen to sorted pairs), sliding_window, window_layers."""
     if c.model_type not in MODEL_TYPES:
@@ -237,6 +287,29 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.1-405b": ModelConfig(hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
                                  num_key_value_heads=8, vocab_size=128256, num_hidden_layers=126,
                                  rope_theta=500000.0),
+    # Mixture of experts (shapes for planning and simulation; the MoE forward is not in real_py yet).
+    "moe-tiny": ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=8,
+                            num_key_value_heads=4, vocab_size=97, num_hidden_layers=3,
+                            num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
+                            shared_expert_intermediate_size=16, shared_expert_gate=True,
+                            mlp_only_layers=(0,), model_type="qwen3", qk_norm=True),
+    "qwen3-30b-a3b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                 num_hidden_layers=48, num_experts=128, moe_intermediate_size=768,
+                                 num_experts_per_tok=8, qk_norm=True, model_type="qwen3",
+                                 dtype="bfloat16", rope_theta=1e6),
+    "qwen3-235b-a22b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_attention_heads=64,
+                                   num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                   num_hidden_layers=94, num_experts=128, moe_intermediate_size=1536,
+                                   num_experts_per_tok=8, qk_norm=True, model_type="qwen3",
+                                   dtype="bfloat16", rope_theta=1e6),
+    # Kimi-K2's sizes (61 layers, first dense, 384 experts of 2048 + one shared, 8 active, BF16);
+    # its MLA attention is stood in for by GQA (64 heads x 128, 16 kv heads so that TP16 splits it).
+    "kimi-k2-shaped": ModelConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
+                                  num_key_value_heads=16, head_dim=128, vocab_size=163840,
+                                  num_hidden_layers=61, num_experts=384, moe_intermediate_size=2048,
+                                  num_experts_per_tok=8, shared_expert_intermediate_size=2048,
+                                  mlp_only_layers=(0,), dtype="bfloat16"),
 }
 
 

@@ -73,6 +73,9 @@ class ParamSpec:
     tp: TPRule = REPLICATED
     tied_to_head: bool = False
     """Tied input embedding: the head's pipeline stage holds a copy too."""
+    expert: int = -1
+    """Expert index of an MoE expert tensor (split over ep by index, within it by etp under
+    `tp`); -1 for every other parameter."""
 
     def __post_init__(self):
         if self.owner not in ("embed", "layer", "final_norm", "head"):
@@ -138,6 +141,7 @@ class ModelSpec:
     config: ModelConfig | None = field(default=None, compare=False)
     """The config it was built from (None for hand-built specs); not part of equality."""
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    _experts: int = field(default=0, init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
         # Specs key every plan/layout cache; hashing 700+ params per lookup dominated planning.
@@ -145,6 +149,7 @@ class ModelSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash((self.name, self.params, self.num_layers)))
+        object.__setattr__(self, "_experts", max((p.expert for p in self.params), default=-1) + 1)
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -169,6 +174,11 @@ class ModelSpec:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0: a dense model)."""
+        return self._experts
+
     def param(self, name: str) -> ParamSpec:
         for p in self.params:
             if p.name == name:
@@ -177,12 +187,13 @@ class ModelSpec:
 
     def tp_choices(self, limit: int = 1024) -> list[int]:
         """Every tp in [1, limit] that splits all parameters."""
-        return [t for t in range(1, limit + 1) if all(p.tp_error(t) is None for p in self.params)]
+        return [t for t in range(1, limit + 1)
+                if all(p.tp_error(t) is None for p in self.params if p.expert < 0)]
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError naming the first parameter that tp cannot split."""
         for p in self.params:
-            why = p.tp_error(tp)
+            why = p.tp_error(tp) if p.expert < 0 else None  # experts split by etp (check_experts)
             if why:
                 name = p.name if p.owner != "layer" else p.name.replace(f"layers.{p.layer}.", "layers.*.", 1)
                 choices = [t for t in self.tp_choices(limit=max(64, tp)) if t <= max(64, tp)]
@@ -201,7 +212,7 @@ class ModelSpec:
                              f"only in dst {only_b[:5]}")
         for name, a in mine.items():
             b = theirs[name]
-            for attr in ("shape", "dtype", "tp", "owner", "layer", "tied_to_head"):
+            for attr in ("shape", "dtype", "tp", "owner", "layer", "tied_to_head", "expert"):
                 if storage and attr == "tp" and _logical(a.tp) == _logical(b.tp):
                     continue
                 if getattr(a, attr) != getattr(b, attr):
@@ -214,6 +225,29 @@ def _logical(rule: TPRule) -> TPRule:
     from dataclasses import replace
 
     return replace(rule, groups=0, vocab_multiple=1)
+
+
+def _moe_params(c: ModelConfig, pre: str, lp: list) -> list:
+    """An MoE layer's MLP: router and shared expert appended to `lp` (dense rules), the expert
+    tensors returned as (name, shape, rule, expert): every expert's fused gate|up, then every
+    expert's down, so that a rank's consecutive experts form the stacked grouped-GEMM tensors
+    [E_local, 2I/etp, H] and [E_local, H, I/etp] (spec.moe.stacked_views)."""
+    H, Im, E = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    lp.append((pre + "mlp.gate.weight", (E, H), REPLICATED))  # router: replicated, fp32 compute
+    Is = c.shared_expert_intermediate_size
+    if Is:
+        lp += [(pre + "mlp.shared_expert.gate_up_proj.weight", (2 * Is, H),
+                TPRule(kind="split", dim=0, blocks=(Is, Is),
+                       units=(("shared_expert_intermediate_size", Is),) * 2)),
+               (pre + "mlp.shared_expert.down_proj.weight", (H, Is),
+                TPRule(kind="split", dim=1, blocks=(Is,),
+                       units=(("shared_expert_intermediate_size", Is),)))]
+        if c.shared_expert_gate:
+            lp.append((pre + "mlp.shared_expert_gate.weight", (1, H), REPLICATED))
+    gu = TPRule(kind="split", dim=0, blocks=(Im, Im), units=(("moe_intermediate_size", Im),) * 2)
+    down = TPRule(kind="split", dim=1, blocks=(Im,), units=(("moe_intermediate_size", Im),))
+    return ([(f"{pre}mlp.experts.{j}.gate_up_proj.weight", (2 * Im, H), gu, j) for j in range(E)]
+            + [(f"{pre}mlp.experts.{j}.down_proj.weight", (H, Im), down, j) for j in range(E)])
 
 
 def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
@@ -235,6 +269,12 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
       layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
       layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2)
+    MoE layers (ModelConfig.is_moe_layer; Im = moe_intermediate_size, E experts) instead of mlp.*:
+      layers.i.mlp.gate.weight              [E, H]            replicated (router)
+      layers.i.mlp.shared_expert.gate_up_proj.weight / down_proj.weight  (shared expert, dense rules)
+      layers.i.mlp.shared_expert_gate.weight [1, H]           replicated (Qwen2-MoE)
+      layers.i.mlp.experts.j.gate_up_proj.w [2Im, H]          expert j; etp split dim 0, gate|up
+      layers.i.mlp.experts.j.down_proj.w    [H, Im]           expert j; etp split dim 1
       norm.weight                           [H]               replicated
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
@@ -276,17 +316,23 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
                    TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))))
         if c.o_proj_bias:  # added once, after the row-parallel all-reduce
             lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
-        lp += [(pre + "post_attention_layernorm.weight", (H,), REPLICATED),
-               (pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up)]
-        if c.mlp_bias:
-            lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
-        lp.append((pre + "mlp.down_proj.weight", (H, I),
-                   TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
-        if c.mlp_bias:
-            lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
+        lp.append((pre + "post_attention_layernorm.weight", (H,), REPLICATED))
+        experts = []
+        if c.is_moe_layer(i):
+            experts = _moe_params(c, pre, lp)
+        else:
+            lp.append((pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up))
+            if c.mlp_bias:
+                lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
+            lp.append((pre + "mlp.down_proj.weight", (H, I),
+                       TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
+            if c.mlp_bias:
+                lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
         if c.norm_after:
             lp.append((pre + "post_feedforward_layernorm.weight", (H,), REPLICATED))
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
+        params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r, expert=j)
+                   for n, s, r, j in experts]
     params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
     if c.head == "value":
         params.append(ParamSpec(name="value_head.weight", shape=(1, H), dtype=dt, owner="head"))

@@ -1,0 +1,240 @@
+"""Reallocation of mixture-of-experts models: `plan_moe_realloc(model, src, dst) -> MoePlan`.
+
+An MoE layout (Layout.ep, Layout.etp) holds two kinds of shards per rank: the dense shard
+(every non-expert parameter, today's (dp, tp, pp) rules) and the expert shard of its
+(stage, ep rank): experts [g E/ep, (g + 1) E/ep), each tensor cut by etp (layout.
+expert_shard_layout). The ranks of ep group g of one layout, walked (expert-dp, etp) per
+stage, form an ordinary layout dp=edp, tp=etp over those ranks (`expert_sublayout`). So:
+
+  dense part      plan_realloc(dense spec, src without ep, dst without ep)
+  expert part     for every pair (src ep group gs, dst ep group gd) whose expert ranges meet,
+                  plan_realloc(experts of gs n gd, expert_sublayout(src, gs),
+                               expert_sublayout(dst, gd))
+
+Each part is an exact C++ plan (2-D strided descriptors, byte-minimal on its own); the parts
+move disjoint parameters, and a destination byte of expert j can only come from a source rank
+holding expert j, which only the part containing j sees: so the union is exact and its network
+bytes equal the minimum (sum of the parts' minima; tests check it against an oracle count).
+
+Storage forms: per-expert HF tensors (experts.{j}.gate_proj / up_proj / down_proj) and the
+stacked grouped-GEMM tensors ([E_local, 2I/etp, H] gate|up, [E_local, H, I/etp] down) are two
+views of the same expert-shard bytes (spec order puts a layer's gate|up pieces, then its down
+pieces, one expert after the other; `expert_views`), so choosing a form per side costs nothing.
+
+Execution: each part runs on its own flat buffers through the Reallocator (the part's shards
+are ModelShards of the part's spec); `run_moe_in_process` runs them one after the other.
+Not done yet: one flat expert buffer per rank shared by the parts (the C++ planner takes
+entry offsets per side, so the parts could address the rank's expert shard directly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..layout import (Layout, check_fits, expert_shard_layout, require_layout, require_spec,
+                      stage_layer_ranges)
+from ..spec import ALIGN_BYTES, ModelSpec
+from .plan import ReallocPlan, plan_realloc
+from .simulate import Transfers, schedule_transfers
+
+
+@dataclass(frozen=True, slots=True)
+class MoePart:
+    label: str
+    """"dense" or "experts[a:b] ep gs -> gd"."""
+    plan: ReallocPlan
+    experts: tuple[int, int] | None
+    """[a, b) expert range of an expert part."""
+
+
+def dense_spec(model: ModelSpec) -> ModelSpec:
+    """The model without its expert tensors (router, shared expert and attention included)."""
+    return ModelSpec(name=f"{model.name}.dense", params=tuple(p for p in model.params if p.expert < 0),
+                     num_layers=model.num_layers, config=model.config)
+
+
+def expert_spec(model: ModelSpec, lo: int, hi: int) -> ModelSpec:
+    """Experts [lo, hi) of every MoE layer as an ordinary spec (etp is its tp)."""
+    params = tuple(replace(p, expert=-1) for p in model.params if lo <= p.expert < hi)
+    return ModelSpec(name=f"{model.name}.experts[{lo}:{hi}]", params=params,
+                     num_layers=model.num_layers, config=model.config)
+
+
+def expert_sublayout(model: ModelSpec, layout: Layout, ep_rank: int) -> Layout:
+    """The ranks holding ep group `ep_rank`, as a layout dp=edp, tp=etp with the same stages."""
+    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
+    ranks = [layout.expert_rank(d, ep_rank, t, s) for s in range(layout.pp)
+             for d in range(layout.edp) for t in range(layout.etp)]
+    return Layout(dp=layout.edp, tp=layout.etp, pp=layout.pp, ranks=tuple(ranks),
+                  layers_per_stage=tuple(hi - lo for lo, hi in ranges))
+
+
+def _dense_layout(layout: Layout) -> Layout:
+    return replace(layout, ep=1, etp=1)
+
+
+class MoePlan:
+    """The parts of an MoE reallocation (dense part first) and their byte totals."""
+
+    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, parts: list[MoePart]):
+        self.model, self.src, self.dst, self.parts = model, src, dst, tuple(parts)
+
+    def summary(self) -> dict:
+        keys = ("total_bytes", "network_bytes", "local_bytes", "min_network_bytes", "num_messages")
+        sums = {k: 0 for k in keys}
+        ingress: dict[int, int] = {}
+        egress: dict[int, int] = {}
+        for part in self.parts:
+            s = part.plan.summary()
+            for k in keys:
+                sums[k] += s[k]
+            for r, v in s["per_rank"].items():
+                ingress[r] = ingress.get(r, 0) + v["recv"]
+                egress[r] = egress.get(r, 0) + v["send"]
+        return {"model": self.model.name, "src": str(self.src), "dst": str(self.dst),
+                "parts": len(self.parts), **sums,
+                "max_ingress_bytes": max(ingress.values(), default=0),
+                "max_egress_bytes": max(egress.values(), default=0)}
+
+    def transfers(self, round_elems: int | None = None) -> Transfers:
+        """One schedule for all parts (for the cluster simulator): every part's chunks (sizes
+        from C++), taken in (round within its part, part) order and each placed in the earliest
+        round where its sender and receivers still have room -- the rule of the C++ schedule,
+        at most half a bucket (`round_elems`) per rank, round and direction, applied to the
+        union. The Reallocator today runs the parts one after the other (module docstring)."""
+        ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
+        cap = (round_elems or (256 << 20) // self.model.element_size // 2) * self.model.element_size
+        key = np.concatenate([t.round for t in ts]) * len(ts) + np.concatenate(
+            [np.full(len(t.round), i) for i, t in enumerate(ts)])
+        order = np.argsort(key, kind="stable")
+        sender = np.concatenate([t.sender for t in ts])
+        nbytes = np.concatenate([t.nbytes for t in ts])
+        recv_lists = [t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]] for t in ts for i in range(len(t.round))]
+        egress: dict[int, list] = {}   # rank -> bytes per round
+        ingress: dict[int, list] = {}
+        first: dict[int, int] = {}     # rank -> first round that may have room (either direction)
+        rounds = np.zeros(len(order), np.int64)
+
+        def room(load: list, k: int, nb: int) -> bool:
+            return k >= len(load) or load[k] == 0 or load[k] + nb <= cap
+
+        for j, i in enumerate(order):
+            s, rc, nb = int(sender[i]), recv_lists[i].tolist(), int(nbytes[i])
+            k = max([first.get(s, 0)] + [first.get(r, 0) for r in rc])
+            eg = egress.setdefault(s, [])
+            ins = [ingress.setdefault(r, []) for r in rc]
+            while not (room(eg, k, nb) and all(room(x, k, nb) for x in ins)):
+                k += 1
+            for load in [eg] + ins:
+                load.extend([0] * (k + 1 - len(load)))
+                load[k] += nb
+            # a rank whose round is full in both directions never takes a chunk there again
+            for r in [s] + rc:
+                f = first.get(r, 0)
+                e, n = egress.get(r, []), ingress.get(r, [])
+                while f < len(e) and f < len(n) and e[f] >= cap and n[f] >= cap:
+                    f += 1
+                first[r] = f
+            rounds[j] = k
+        srt = np.argsort(rounds, kind="stable")
+        picked = order[srt]
+        counts = np.array([len(recv_lists[i]) for i in picked], np.int64)
+        ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        receivers = (np.concatenate([recv_lists[i] for i in picked]) if len(picked)
+                     else np.zeros(0, np.int64))
+        return Transfers(rounds[srt], sender[picked], ptr, receivers.astype(np.int64), nbytes[picked],
+                         label="real_py MoE schedule (all parts, earliest fit)")
+
+    def sequential_transfers(self, round_elems: int | None = None) -> Transfers:
+        """The parts one after the other, each with its own rounds (what the Reallocator runs)."""
+        ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
+        offs = np.cumsum([0] + [t.num_rounds for t in ts[:-1]])
+        counts = np.concatenate([np.diff(t.recv_ptr) for t in ts])
+        return Transfers(np.concatenate([t.round + o for t, o in zip(ts, offs)]),
+                         np.concatenate([t.sender for t in ts]),
+                         np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                         np.concatenate([t.receivers for t in ts]).astype(np.int64),
+                         np.concatenate([t.nbytes for t in ts]), label="real_py MoE parts in sequence")
+
+    def __repr__(self) -> str:
+        return f"MoePlan({self.model.name}, {self.src} -> {self.dst}, {len(self.parts)} parts)"
+
+
+def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",
+                     ranks_per_node: int = 0) -> MoePlan:
+    """Exact, byte-minimal plan moving an MoE `model` from `src` to `dst` (module docstring)."""
+    require_spec(model)
+    require_layout(src, "src")
+    require_layout(dst, "dst")
+    if not model.num_experts:
+        raise ValueError(f"{model.name} has no experts; use plan_realloc")
+    for side, layout in (("src", src), ("dst", dst)):
+        if layout.dp_shard != "none":
+            raise ValueError(f"{side} layout {layout}: dp-sharded MoE layouts are not supported")
+        try:
+            check_fits(model, layout)
+        except ValueError as e:
+            raise ValueError(f"{side} layout {layout}: {e}") from None
+    kw = dict(mode=mode, ranks_per_node=ranks_per_node)
+    parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(src), _dense_layout(dst),
+                                           **kw), None)]
+    E = model.num_experts
+    es, ed = E // src.ep, E // dst.ep
+    for gs in range(src.ep):
+        for gd in range(dst.ep):
+            lo, hi = max(gs * es, gd * ed), min((gs + 1) * es, (gd + 1) * ed)
+            if lo >= hi:
+                continue
+            spec = expert_spec(model, lo, hi)
+            plan = plan_realloc(spec, expert_sublayout(model, src, gs),
+                                expert_sublayout(model, dst, gd), **kw)
+            parts.append(MoePart(f"experts[{lo}:{hi}] ep {gs} -> {gd}", plan, (lo, hi)))
+    return MoePlan(model, src, dst, parts)
+
+
+def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = "per_expert") -> dict:
+    """Named views of `rank`'s expert shard `flat` (layout.expert_shard_layout) in a storage form.
+
+    per_expert: HF names layers.i.mlp.experts.j.{gate_proj, up_proj, down_proj}.weight (etp pieces).
+    mixtral: Mixtral's layers.i.block_sparse_moe.experts.j.{w1 (gate), w3 (up), w2 (down)}.weight.
+    stacked: layers.i.mlp.experts.{gate_up_proj [E_local, 2I/etp, H], down_proj [E_local, H, I/etp]}
+    (ValueError when alignment padding separates experts: a piece not a multiple of ALIGN_BYTES).
+    """
+    if form not in ("per_expert", "mixtral", "stacked"):
+        raise ValueError(f"form={form!r}; allowed: 'per_expert', 'mixtral', 'stacked'")
+    _, ep_rank, _, stage = layout.expert_coords(rank)
+    sl = expert_shard_layout(model, layout, stage, ep_rank)
+    out = {}
+    if form != "stacked":
+        gate, up, down = (("w1", "w3", "w2") if form == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
+        for e in sl.entries:
+            v = flat[e.offset:e.offset + e.numel].view(e.local_shape)
+            base = e.param.name.removesuffix(".weight")
+            if form == "mixtral":
+                base = base.replace(".mlp.experts.", ".block_sparse_moe.experts.", 1)
+            if base.endswith("gate_up_proj"):
+                half = e.local_shape[0] // 2
+                stem = base.removesuffix("gate_up_proj")
+                out[f"{stem}{gate}.weight"], out[f"{stem}{up}.weight"] = v[:half], v[half:]
+            else:
+                out[f"{base.removesuffix('down_proj')}{down}.weight"] = v
+        return out
+    groups: dict[str, list] = {}
+    for e in sl.entries:
+        pre, _, rest = e.param.name.partition(".mlp.experts.")
+        groups.setdefault(f"{pre}.mlp.experts.{rest.split('.', 1)[1]}", []).append(e)
+    for name, es in groups.items():
+        first = es[0]
+        if len(es) > 1 and (first.numel * model.element_size) % ALIGN_BYTES:
+            raise ValueError(f"{name}: one expert's piece {first.local_shape} is "
+                             f"{first.numel * model.element_size} bytes, not a multiple of "
+                             f"{ALIGN_BYTES}: padding separates the experts, no stacked view")
+        out[name] = flat[first.offset:first.offset + first.numel * len(es)].view(
+            (len(es),) + first.local_shape)
+    return out
+
+
+__all__ = ["plan_moe_realloc", "MoePlan", "MoePart", "dense_spec", "expert_spec",
+           "expert_sublayout", "expert_views"]
