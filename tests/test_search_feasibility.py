@@ -62,3 +62,17 @@ def test_no_plan_names_the_rule_per_mesh_size():
     with pytest.raises(ValueError, match=r"meets the batch rules.*1 devices: .*ppo.mini_batches=4.*4 devices: "):
         plan_search("llama2-7b", "llama2-7b", num_gpus=4, hardware="h100",
                     workload=Workload(batch_size=6, ppo_minibatches=4), time_budget=1, chains=1)
+
+
+def test_estimate_refuses_a_plan_that_breaks_a_rule_naming_it():
+    from real_py.layout import Layout
+    from real_py.rlhf.execplan import ExecutionPlan
+    from real_py.search import estimate
+
+    lay = Layout(dp=4, tp=1, pp=1, ranks=(0, 1, 2, 3))
+    plan = ExecutionPlan(world_size=4, ranks_per_node=4, calls={c.name: lay for c in PPO_GRAPH})
+    # 6 rows over dp=4 breaks the divisibility rule for every call; the first named is the first call.
+    with pytest.raises(ValueError, match=r"breaks a batch rule: call actor_gen: dp=4 does not divide data.batch_size=6"):
+        estimate(plan, "llama2-7b", "llama2-7b", workload=Workload(batch_size=6))
+    ok = estimate(plan, "llama2-7b", "llama2-7b", workload=Workload(batch_size=8, ppo_minibatches=2))
+    assert all(math.isfinite(c["seconds"]) and c["seconds"] > 0 for c in ok["calls"].values())

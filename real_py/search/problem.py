@@ -4,7 +4,8 @@
 indexes: per call a [num_options, 9] float64 array (start, size, dp, tp, pp, seconds,
 persistent bytes, transient bytes, weight-copy bytes), the graph (deps, bytes per edge, which
 layout holds each trainable model's weights) and a reallocation-cost callback (exact planner,
-cached). Options are pruned to the `per_mesh` fastest strategies of each (call, mesh); layouts
+cached). Every memory-feasible strategy of each (call, mesh) is a candidate unless `per_mesh`
+prunes them to that many fastest (an option, issue 25 item 4); layouts
 given in `extra` are always kept (memory permitting or not: the plan-level check decides),
 meshes smaller than `min_mesh_size` are skipped, and `fixed` replaces the candidates by exactly one layout per call.
 """
@@ -54,7 +55,7 @@ class Option:
 
 class Problem:
     def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
-                 iters: int = 3, per_mesh: int = 3, min_mesh_size: int = 1, extra: dict | None = None,
+                 iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
                  graph: tuple | None = None, grouped: bool = False):
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
@@ -71,6 +72,9 @@ class Problem:
             if fixed is not None:
                 if call.name not in fixed:
                     raise ValueError(f"plan has no layout for call {call.name}; calls: {self.names}")
+                errs = self._rule_errors(call, fixed[call.name][1])
+                if errs:  # a plan the trainer refuses has no meaningful estimate (rlhf/plan_rules.py)
+                    raise ValueError("plan breaks a batch rule: " + "; ".join(errs))
                 self.options.append([self._option(call, *fixed[call.name])])
                 continue
             self.options.append(self._candidates(call, per_mesh, min_mesh_size, extra.get(call.name, ())))
@@ -116,7 +120,7 @@ class Problem:
                 if need <= limit:
                     opts.append(o)
             opts.sort(key=lambda o: o.time)
-            out += opts[:per_mesh]
+            out += opts if per_mesh is None else opts[:per_mesh]
         have = {o.key for o in out}
         for key in extra:
             if key not in have and not self._rule_errors(call, key[1]):

@@ -114,7 +114,7 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
                 restart_steps: int = 100_000,
-                per_mesh: int = 3, iters: int = 3, dtype: str = "bfloat16",
+                per_mesh: int | None = None, iters: int = 3, dtype: str = "bfloat16",
                 models: PPOModels | None = None, algo: str = "ppo") -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
     algorithms have no critic calls). time_budget: seconds for everything (tables included)."""
@@ -156,12 +156,14 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
 
     For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
     runs, hardware="cpu" (calibrated on this machine) and dtype of its parameters.
+    A plan that breaks a batch rule (rlhf/plan_rules.py) is refused with a ValueError naming
+    the call and the rule: the trainer would not run it.
     """
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
-                   graph=search_graph(algo))
+                   graph=search_graph(algo), grouped=algo in GROUPED)
     r = simulate(prob, [0] * len(prob.calls))
     calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
                     "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}
