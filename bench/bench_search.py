@@ -5,7 +5,7 @@ same or smaller size, 8 to 128 H100, batch 512 prompts of 128 tokens, generation
 tokens, plus a long-context setting (8k-token prompts, batch 64). Every number is an ESTIMATE
 of the runtime model (real_py/search), not a measurement.
 
-    python bench/bench_search.py [--budget 20] [--big-budget 60] [--quick]
+    python bench/bench_search.py [--budget 20] [--big-budget 60] [--quick] [--per-mesh K]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--big-budget", type=float, default=60.0, help="seconds for 70B + 70B on 128")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--per-mesh", type=int, default=None,
+                    help="prune to this many fastest strategies per (call, mesh); default: all memory-feasible")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "search_cpu2_20261202"))
     args = ap.parse_args()
     args.load_start = os.getloadavg()
@@ -59,7 +61,8 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             res = plan_search(actor, critic, num_gpus=n, hardware=args.hardware, workload=wl,
-                              time_budget=budget, chains=4, seed=0)
+                              time_budget=budget, chains=4, seed=0,
+                              per_mesh=args.per_mesh)
         except ValueError as e:
             rows.append({"theme": theme, "actor": actor, "critic": critic, "gpus": n, "prompt_len": wl.prompt_len,
                          "gen_len": wl.gen_len, "batch_size": wl.batch_size, "error": str(e)})
@@ -97,7 +100,7 @@ def write(args, rows) -> None:
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (cpu2, shared)", "python": platform.python_version(),
             "numpy": numpy.__version__, "torch": torch.__version__, "commit": commit,
-            "hardware_profile": args.hardware, "note": "all iteration times are estimates of the cost model",
+            "hardware_profile": args.hardware, "per_mesh": args.per_mesh, "note": "all iteration times are estimates of the cost model",
             "loadavg_start": args.load_start, "loadavg_end": os.getloadavg()}
     std = [r for r in rows if r["theme"] == "standard" and "error" not in r]
     long = [r for r in rows if r["theme"] == "long-context" and "error" not in r]

@@ -76,3 +76,24 @@ def test_estimate_refuses_a_plan_that_breaks_a_rule_naming_it():
         estimate(plan, "llama2-7b", "llama2-7b", workload=Workload(batch_size=6))
     ok = estimate(plan, "llama2-7b", "llama2-7b", workload=Workload(batch_size=8, ppo_minibatches=2))
     assert all(math.isfinite(c["seconds"]) and c["seconds"] > 0 for c in ok["calls"].values())
+
+
+def _bench_settings():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_search
+
+    return bench_search.settings(False)
+
+
+@pytest.mark.parametrize("i", range(18))
+def test_every_bench_search_setting_returns_a_plan_that_passes_the_rules(i):
+    # The settings of bench/bench_search.py, searched briefly: the rules hold for any plan returned,
+    # whatever the budget, since rule-breaking layouts are never candidates.
+    settings = _bench_settings()
+    assert len(settings) == 18, "bench/bench_search.py settings changed: update the range"
+    _theme, actor, critic, n, wl = settings[i]
+    res = plan_search(actor, critic, num_gpus=n, hardware="h100", workload=wl, time_budget=0.5, chains=1)
+    _check(res.plan, wl)
