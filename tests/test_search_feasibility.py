@@ -97,3 +97,9 @@ def test_every_bench_search_setting_returns_a_plan_that_passes_the_rules(i):
     _theme, actor, critic, n, wl = settings[i]
     res = plan_search(actor, critic, num_gpus=n, hardware="h100", workload=wl, time_budget=0.5, chains=1)
     _check(res.plan, wl)
+
+
+def test_no_plan_for_memory_names_the_need_per_mesh_size():
+    # 70B actor + 70B critic on 2 H100s: no layout fits; each mesh size is named with its need.
+    with pytest.raises(ValueError, match=r"per mesh size: 1 devices: call actor_gen: memory, needs [0-9.]+ GiB .*; 2 devices: call \w+: memory, needs"):
+        plan_search("llama2-70b", "llama2-70b", num_gpus=2, hardware="h100", time_budget=1, chains=1)

@@ -67,6 +67,8 @@ class Problem:
         self.realloc_cost = realloc or ReallocCost(hw)
         self._memo: dict = {}
         self.options: list[list[Option]] = []
+        self.excluded: dict[int, dict[str, str]] = {}
+        """{mesh size: {call: why no layout of that size is a candidate}}."""
         extra = extra or {}
         for call in self.calls:
             if fixed is not None:
@@ -103,7 +105,7 @@ class Problem:
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
         model = self.models.of(call.model)
         limit = self.hw.mem_limit
-        out, smallest, refused = [], None, {}
+        out, smallest, refused, least = [], None, {}, {}
         for mesh in cluster_meshes(self.num_gpus, self.rpn):
             if mesh.size < min_mesh_size:
                 continue
@@ -117,8 +119,14 @@ class Problem:
                 need = o.persist + o.transient
                 if smallest is None or need < smallest[0]:
                     smallest = (need, o)
+                if mesh.size not in least or need < least[mesh.size][0]:
+                    least[mesh.size] = (need, o)
                 if need <= limit:
                     opts.append(o)
+            if not opts:  # why this mesh size has no candidate for this call (for the no-plan error)
+                self.excluded.setdefault(mesh.size, {}).setdefault(call.name, (
+                    f"memory, needs {least[mesh.size][0] / GiB:.1f} GiB ({least[mesh.size][1]})"
+                    if mesh.size in least else refused.get(mesh.size, "no strategy")))
             opts.sort(key=lambda o: o.time)
             out += opts if per_mesh is None else opts[:per_mesh]
         have = {o.key for o in out}
@@ -134,7 +142,10 @@ class Problem:
             raise ValueError(
                 f"no layout of call {call.name} ({model.name}, {call.kind}) fits {self.hw.name} memory "
                 f"({limit / GiB:.1f} GiB usable per device) on {self.num_gpus} devices: the smallest "
-                f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile")
+                f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile; "
+                f"per mesh size: " + "; ".join(
+                    f"{k} devices: " + (f"memory, needs {least[k][0] / GiB:.1f} GiB ({least[k][1]})" if k in least
+                                        else refused[k]) for k in sorted(set(least) | set(refused))))
         return out
 
     # --- tables for C++ -------------------------------------------------------------------

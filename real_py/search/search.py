@@ -110,6 +110,17 @@ def heuristic_baseline(prob: Problem, sym: Baseline) -> Baseline:
     return Baseline("heuristic", layouts, r["iter_time"], r["peak_mem"])
 
 
+def _excluded_text(prob: Problem) -> str:
+    """Per mesh size, the first call (graph order) that has no layout of that size, and why."""
+    parts = []
+    for size in sorted(prob.excluded):
+        why = prob.excluded[size]
+        name = next(n for n in prob.names if n in why)
+        parts.append(f"{size} devices: call {name}: {why[name]}")
+    return "per mesh size: " + ("; ".join(parts) if parts else "every size has a layout for every call; "
+                                "their combination exceeds memory")
+
+
 def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
@@ -137,7 +148,8 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
         raise ValueError(
             f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
             f"{hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the smallest per-device memory "
-            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB")
+            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB; "
+            + _excluded_text(prob))
     chains_out = res["chains"]
     for st in chains_out:
         st["acceptance"] = st["accepted"] / max(1, st["steps"])
