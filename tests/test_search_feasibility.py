@@ -103,3 +103,36 @@ def test_no_plan_for_memory_names_the_need_per_mesh_size():
     # 70B actor + 70B critic on 2 H100s: no layout fits; each mesh size is named with its need.
     with pytest.raises(ValueError, match=r"per mesh size: 1 devices: call actor_gen: memory, needs [0-9.]+ GiB .*; 2 devices: call \w+: memory, needs"):
         plan_search("llama2-70b", "llama2-70b", num_gpus=2, hardware="h100", time_budget=1, chains=1)
+
+
+@pytest.mark.timeout(500)
+def test_cpu_searched_plan_trains_two_steps_through_the_cli(tmp_path):
+    # The 4-rank CPU setting of issue 25 (batch 12, mini_batches 4): the searched plan file goes
+    # through `python -m real_py train plan.path=FILE` on 4 gloo ranks and runs two steps.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    over = {"data": {"batch_size": 12}, "ppo": {"mini_batches": 4, "ppo_epochs": 1},
+            "generation": {"max_new_tokens": 6}}
+    cfg = CF.from_dict(over)
+    models = cfg.model_configs()
+    p = cfg.ppo
+    wl = Workload(batch_size=12, prompt_len=cfg.data.max_prompt_len, gen_len=6, ppo_epochs=1,
+                  ppo_minibatches=4, micro_batches=p.micro_batches)
+    hw = HardwareProfile(name="lat", flops_eff=1.0, hbm_eff=1.0, mem_bytes=8e9, mem_usable=0.5, ranks_per_node=64,
+                         peak_flops=20e9, hbm_bw=10e9, intra_bw=1e9, inter_bw=1e9, intra_lat=2e-3, inter_lat=2e-3)
+    res = plan_search(models["actor"], models["critic"], num_gpus=4, hardware=hw, workload=wl,
+                      dtype=models["actor"].dtype, time_budget=1.0, seed=0)
+    path = tmp_path / "plan.json"
+    res.plan.save(str(path))
+    out = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "data.batch_size=12", "ppo.mini_batches=4",
+                        "ppo.ppo_epochs=1", "generation.max_new_tokens=6", f"plan.path={path}",
+                        "allow_idle_ranks=true", "steps=2", "save_every=0", "--out-dir", str(out),
+                        "--no-progress", "--timeout", "120"], cwd=root, capture_output=True, text=True, timeout=450)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2, rows
