@@ -58,6 +58,8 @@ class Problem:
                  iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
                  graph: tuple | None = None, grouped: bool = False):
+        if per_mesh is not None and per_mesh < 1:
+            raise ValueError(f"per_mesh must be None (no pruning) or >= 1, got {per_mesh}")
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
         self.calls = PPO_GRAPH if graph is None else graph
         self.grouped = grouped
