@@ -32,6 +32,8 @@ def add_parser(sub):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--time-budget", type=float, default=30.0, help="seconds for the whole search")
     p.add_argument("--chains", type=int, default=4)
+    p.add_argument("--per-mesh", type=int, default=None,
+                   help="prune to the K fastest strategies per (call, mesh); default: every memory-feasible one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the ExecutionPlan JSON here")
     p.add_argument("--plot", help="write a timeline PNG here")
@@ -61,7 +63,9 @@ def run(args) -> int:
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
                   ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs,
                   micro_batches=args.micro_batches, group_size=args.group_size)
-    res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl,
+    if args.per_mesh is not None and args.per_mesh < 1:
+        raise ValueError(f"--per-mesh must be >= 1, got {args.per_mesh}")
+    res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl, per_mesh=args.per_mesh,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
                       algo=args.algo)
     sim = res.simulate()

@@ -4,8 +4,8 @@
 indexes: per call a [num_options, 9] float64 array (start, size, dp, tp, pp, seconds,
 persistent bytes, transient bytes, weight-copy bytes), the graph (deps, bytes per edge, which
 layout holds each trainable model's weights) and a reallocation-cost callback (exact planner,
-cached). Every memory-feasible strategy of each (call, mesh) is an option unless `per_mesh`
-prunes them to that many fastest (an option for quick searches, not the default); layouts
+cached). Every memory-feasible strategy of each (call, mesh) is a candidate unless `per_mesh`
+prunes them to that many fastest (an option, issue 25 item 4); layouts
 given in `extra` are always kept (memory permitting or not: the plan-level check decides),
 meshes smaller than `min_mesh_size` are skipped, and `fixed` replaces the candidates by exactly one layout per call.
 """
@@ -58,6 +58,8 @@ class Problem:
                  iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
                  graph: tuple | None = None, grouped: bool = False):
+        if per_mesh is not None and per_mesh < 1:
+            raise ValueError(f"per_mesh must be None (no pruning) or >= 1, got {per_mesh}")
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
         self.calls = PPO_GRAPH if graph is None else graph
         self.grouped = grouped
@@ -67,11 +69,16 @@ class Problem:
         self.realloc_cost = realloc or ReallocCost(hw)
         self._memo: dict = {}
         self.options: list[list[Option]] = []
+        self.excluded: dict[int, dict[str, str]] = {}
+        """{mesh size: {call: why no layout of that size is a candidate}}."""
         extra = extra or {}
         for call in self.calls:
             if fixed is not None:
                 if call.name not in fixed:
                     raise ValueError(f"plan has no layout for call {call.name}; calls: {self.names}")
+                errs = self._rule_errors(call, fixed[call.name][1])
+                if errs:  # a plan the trainer refuses has no meaningful estimate (rlhf/plan_rules.py)
+                    raise ValueError("plan breaks a batch rule: " + "; ".join(errs))
                 self.options.append([self._option(call, *fixed[call.name])])
                 continue
             self.options.append(self._candidates(call, per_mesh, min_mesh_size, extra.get(call.name, ())))
@@ -100,7 +107,7 @@ class Problem:
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
         model = self.models.of(call.model)
         limit = self.hw.mem_limit
-        out, smallest, refused = [], None, {}
+        out, smallest, refused, least = [], None, {}, {}
         for mesh in cluster_meshes(self.num_gpus, self.rpn):
             if mesh.size < min_mesh_size:
                 continue
@@ -114,8 +121,14 @@ class Problem:
                 need = o.persist + o.transient
                 if smallest is None or need < smallest[0]:
                     smallest = (need, o)
+                if mesh.size not in least or need < least[mesh.size][0]:
+                    least[mesh.size] = (need, o)
                 if need <= limit:
                     opts.append(o)
+            if not opts:  # why this mesh size has no candidate for this call (for the no-plan error)
+                self.excluded.setdefault(mesh.size, {}).setdefault(call.name, (
+                    f"memory, needs {least[mesh.size][0] / GiB:.1f} GiB ({least[mesh.size][1]})"
+                    if mesh.size in least else refused.get(mesh.size, "no strategy")))
             opts.sort(key=lambda o: o.time)
             out += opts if per_mesh is None else opts[:per_mesh]
         have = {o.key for o in out}
@@ -131,7 +144,10 @@ class Problem:
             raise ValueError(
                 f"no layout of call {call.name} ({model.name}, {call.kind}) fits {self.hw.name} memory "
                 f"({limit / GiB:.1f} GiB usable per device) on {self.num_gpus} devices: the smallest "
-                f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile")
+                f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile; "
+                f"per mesh size: " + "; ".join(
+                    f"{k} devices: " + (f"memory, needs {least[k][0] / GiB:.1f} GiB ({least[k][1]})" if k in least
+                                        else refused[k]) for k in sorted(set(least) | set(refused))))
         return out
 
     # --- tables for C++ -------------------------------------------------------------------

@@ -110,6 +110,17 @@ def heuristic_baseline(prob: Problem, sym: Baseline) -> Baseline:
     return Baseline("heuristic", layouts, r["iter_time"], r["peak_mem"])
 
 
+def _excluded_text(prob: Problem) -> str:
+    """Per mesh size, the first call (graph order) that has no layout of that size, and why."""
+    parts = []
+    for size in sorted(prob.excluded):
+        why = prob.excluded[size]
+        name = next(n for n in prob.names if n in why)
+        parts.append(f"{size} devices: call {name}: {why[name]}")
+    return "per mesh size: " + ("; ".join(parts) if parts else "every size has a layout for every call; "
+                                "their combination exceeds memory")
+
+
 def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
                 workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
@@ -139,7 +150,8 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
         raise ValueError(
             f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
             f"{hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the smallest per-device memory "
-            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB")
+            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB; "
+            + _excluded_text(prob))
     chains_out = res["chains"]
     for st in chains_out:
         st["acceptance"] = st["accepted"] / max(1, st["steps"])
@@ -158,12 +170,14 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
 
     For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
     runs, hardware="cpu" (calibrated on this machine) and dtype of its parameters.
+    A plan that breaks a batch rule (rlhf/plan_rules.py) is refused with a ValueError naming
+    the call and the rule: the trainer would not run it.
     """
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
-                   graph=search_graph(algo))
+                   graph=search_graph(algo), grouped=algo in GROUPED)
     r = simulate(prob, [0] * len(prob.calls))
     calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
                     "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}
