@@ -58,6 +58,15 @@ CASES = {
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
+    # Gemma 2: caps low enough that tanh bends (scores ~ 1-10 with weights N(0, 0.2)); window 4 on the
+    # default sliding/global alternation; query_pre_attn_scalar != head_dim
+    "gemma2-tied-tp4": ("gemma2", True, dict(head_dim=16, num_key_value_heads=4, sliding_window=4,
+                                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                             query_pre_attn_scalar=24, max_position_embeddings=64)),
+    "gemma2-untied-layer_types": ("gemma2", False, dict(head_dim=16, sliding_window=4, attention_bias=True,
+                                                        layer_types=["full_attention", "sliding_attention",
+                                                                     "sliding_attention"],
+                                                        max_position_embeddings=64)),
 }
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
@@ -134,11 +143,22 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
             q = StageModel(silu, load_hf_shard(path, silu, Layout(), 0))
             if cfg.hidden_act != "silu":
                 assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
-            for k, v in m.shard_params.items():
-                if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
-                    v.zero_()
-            assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
+            if cfg.o_proj_bias or cfg.mlp_bias:
+                for k, v in m.shard_params.items():
+                    if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
+                        v.zero_()
+                assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
         m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
+    if cfg.norm_plus_one:  # Gemma: each field moves the logits of this test
+        gemma = dict(attn_logit_softcapping=0.0, final_logit_softcapping=0.0, query_pre_attn_scalar=0.0,
+                     norm_plus_one=False)
+        for f, off in gemma.items():
+            if not getattr(cfg, f):
+                continue
+            other = replace(cfg, **{f: off})
+            with torch.no_grad():
+                q = StageModel(other, load_hf_shard(path, other, Layout(), 0))
+                assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: {f} must matter"
     if cfg.qk_norm:  # Qwen3's per-head q/k norm weights must reach the logits too
         with torch.no_grad():
             for k, v in m.shard_params.items():

@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2" or "phi3"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3" or "gemma2"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -83,6 +83,18 @@ class ModelConfig:
     qk_norm: bool = False
     """Qwen3: RMSNorm over each head's dim of q and k (weights [head_dim], replicated), after the
     projection and before RoPE."""
+    norm_plus_one: bool = False
+    """Gemma: every RMSNorm scales by (1 + w) in fp32 and the embedding output is multiplied by
+    sqrt(hidden_size) (rounded to the embedding dtype, as transformers does)."""
+    sandwich_norm: bool = False
+    """Gemma 2/3: post_attention_layernorm on the attention output, pre_feedforward_layernorm on the
+    MLP input and post_feedforward_layernorm on its output (all replicated [H])."""
+    attn_logit_softcapping: float = 0.0
+    """Gemma 2: attention scores become cap * tanh(scores / cap) before the mask; 0: off."""
+    final_logit_softcapping: float = 0.0
+    """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off."""
+    query_pre_attn_scalar: float = 0.0
+    """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
 
@@ -167,7 +179,7 @@ ROPE_SCALING_KEYS = {
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -182,8 +194,12 @@ def _check_config_types(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
     if c.hidden_act not in HIDDEN_ACTS:
         raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
+    for f in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        v = getattr(c, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"ModelConfig.{f}={v!r} must be a number >= 0 (0: off)")
     for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
-              "qk_norm_whole"):
+              "qk_norm_whole", "norm_plus_one", "sandwich_norm"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -13,6 +13,7 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
 | phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), tied (its only rope_scaling, longrope, is refused) |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
+| gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
 any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
@@ -33,8 +34,10 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     "olmo2": ("Olmo2ForCausalLM",),
     "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
+                 "gemma2": "Gemma2"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -61,6 +64,9 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
                        "attention_dropout", "hidden_act"}}
 _PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
 _PER_TYPE["olmo2"] = {"attention_dropout", "hidden_act"}
+_PER_TYPE["gemma2"] = {"attention_dropout", "hidden_activation", "hidden_act", "sliding_window", "layer_types",
+                       "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                       "cache_implementation"}
 # resid_pdrop / embd_pdrop: dropout, checked to be 0 below; original_max_position_embeddings is
 # read by longrope only (refused)
 _PER_TYPE["phi3"] = {"attention_dropout", "hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
@@ -110,7 +116,8 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if labels != 1:
             _refuse(where, "num_labels", labels, "a value head is one scalar per token; need num_labels=1")
         kw["head"] = "value"
-    act = config.get("hidden_act", "silu")
+    # Gemma's MLP reads hidden_activation (its hidden_act is a legacy field transformers ignores)
+    act = (config.get("hidden_activation") or "gelu_pytorch_tanh") if mt == "gemma2" else config.get("hidden_act", "silu")
     if act not in _HIDDEN_ACTS:
         _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
     kw["hidden_act"] = act
@@ -127,8 +134,8 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt in ("llama", "qwen3", "olmo2"):
-        # transformers' llama / qwen3 / olmo2 attention_bias biases q, k, v and o_proj
+    if mt in ("llama", "qwen3", "olmo2", "gemma2"):
+        # transformers' llama / qwen3 / olmo2 / gemma2 attention_bias biases q, k, v and o_proj
         kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
         kw["qk_norm"] = mt in ("qwen3", "olmo2")
         kw["qk_norm_whole"] = kw["norm_after"] = mt == "olmo2"
@@ -139,6 +146,8 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if not isinstance(rs, dict):
             _refuse(where, "rope_scaling", rs, "expected a mapping")
         kw["rope_scaling"] = rs
+    if mt == "gemma2":
+        _gemma2_kwargs(config, kw, where)
     if mt == "phi3":
         kw["attention_bias"] = False  # fused qkv_proj / gate_up_proj tensors in the checkpoint
     if mt in ("mistral", "phi3") and config.get("sliding_window") is not None:
@@ -167,6 +176,27 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
     return kw
 
 
+def _gemma2_kwargs(config: dict, kw: dict, where: str) -> None:
+    """Gemma 2's fields, with Gemma2Config's defaults for the ones a config.json leaves out."""
+    kw.update(norm_plus_one=True, sandwich_norm=True)
+    kw["query_pre_attn_scalar"] = config.get("query_pre_attn_scalar", 256)
+    kw["attn_logit_softcapping"] = config.get("attn_logit_softcapping") or 0.0
+    kw["final_logit_softcapping"] = config.get("final_logit_softcapping") or 0.0
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(config["num_hidden_layers"])]
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if len(types) != config["num_hidden_layers"] or bad:
+        _refuse(where, "layer_types", types, "one of sliding_attention / full_attention per layer")
+    window = config.get("sliding_window", 4096)
+    if window and "sliding_attention" in types:
+        kw["sliding_window"] = window
+        kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    kw.setdefault("rms_norm_eps", 1e-6)
+    kw.setdefault("tie_word_embeddings", True)
+    kw.setdefault("head_dim", 256)
+    kw.setdefault("max_position_embeddings", 8192)
+
+
 def export_config(config, source: dict | None = None) -> dict:
     """A complete transformers config dict for a ModelConfig: model_type, architectures, shape,
     rope_scaling, sliding window, tie_word_embeddings, torch_dtype, pad_token_id and num_labels=1
@@ -188,7 +218,11 @@ def export_config(config, source: dict | None = None) -> dict:
               rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
     if c.mlp_bias and mt != "llama":
         raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
-    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2")):
+    if mt != "gemma2" and (c.norm_plus_one or c.sandwich_norm or c.attn_logit_softcapping
+                           or c.final_logit_softcapping or c.query_pre_attn_scalar):
+        raise ValueError(f"Gemma fields (norm_plus_one, sandwich_norm, soft-capping, query_pre_attn_scalar) "
+                         f"cannot export as model_type {mt!r}")
+    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2", "gemma2")):
         raise ValueError(f"attention_bias={c.attention_bias}, o_proj_bias={c.o_proj_bias} cannot export as "
                          f"model_type {mt!r} (llama / qwen3: both or neither; qwen2: q/k/v only)")
     kw["hidden_act"] = c.hidden_act
@@ -203,6 +237,17 @@ def export_config(config, source: dict | None = None) -> dict:
         kw.pop("head_dim")  # Olmo2Config has none: hidden_size // num_attention_heads
         if c.head_dim * c.num_attention_heads != c.hidden_size:
             raise ValueError(f"olmo2 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
+    elif mt == "gemma2":
+        if not (c.norm_plus_one and c.sandwich_norm) or c.qk_norm or c.norm_after or c.mlp_bias:
+            raise ValueError("gemma2 needs (1 + w) norms and sandwich norms, no q/k norms or MLP biases")
+        kw.pop("hidden_act")
+        layers = range(c.num_hidden_layers)
+        kw.update(hidden_activation=c.hidden_act, attention_bias=c.attention_bias,
+                  query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
+                  attn_logit_softcapping=c.attn_logit_softcapping or None,
+                  final_logit_softcapping=c.final_logit_softcapping or None,
+                  sliding_window=c.sliding_window or None,
+                  layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
     elif mt == "phi3":
         if c.attention_bias or c.o_proj_bias or c.mlp_bias or c.window_layers is not None:
             raise ValueError("phi3 has no biases and slides every layer or none")
@@ -238,7 +283,8 @@ def export_config(config, source: dict | None = None) -> dict:
         kw["pad_token_id"] = c.pad_token_id
     out = dict(source or {})
     for k in ("rope_scaling", "sliding_window", "original_max_position_embeddings", "use_sliding_window", "max_window_layers", "layer_types",
-              "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias"):
+              "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias",
+              "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         out.pop(k, None)
     out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())
     return out

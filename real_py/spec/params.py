@@ -234,7 +234,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.mlp.gate_up_proj.bias        [2I]              split like the weight (mlp_bias)
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
       layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
-      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2)
+      layers.i.pre_feedforward_layernorm.w  [H]               replicated (sandwich_norm, Gemma)
+      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2; sandwich_norm)
       norm.weight                           [H]               replicated
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
@@ -276,15 +277,17 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
                    TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))))
         if c.o_proj_bias:  # added once, after the row-parallel all-reduce
             lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
-        lp += [(pre + "post_attention_layernorm.weight", (H,), REPLICATED),
-               (pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up)]
+        lp.append((pre + "post_attention_layernorm.weight", (H,), REPLICATED))
+        if c.sandwich_norm:  # Gemma 2/3: norm on the MLP input as well as on both sublayer outputs
+            lp.append((pre + "pre_feedforward_layernorm.weight", (H,), REPLICATED))
+        lp.append((pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up))
         if c.mlp_bias:
             lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
         lp.append((pre + "mlp.down_proj.weight", (H, I),
                    TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
         if c.mlp_bias:
             lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
-        if c.norm_after:
+        if c.norm_after or c.sandwich_norm:
             lp.append((pre + "post_feedforward_layernorm.weight", (H,), REPLICATED))
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
     params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
