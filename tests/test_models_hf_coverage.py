@@ -68,6 +68,8 @@ CASES = {
                                                                      "sliding_attention"],
                                                         max_position_embeddings=64)),
 }
+if os.environ.get("MODELS_CASES"):  # targeted runs: a substring of the case names, e.g. "gemma"
+    CASES = {k: v for k, v in CASES.items() if os.environ["MODELS_CASES"] in k}
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
 # Three full rows: micro-batches are trimmed to their longest row, and dynamic RoPE (like
@@ -343,6 +345,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
                  "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
+                 "gemma2-tied-tp4", "gemma2-untied-layer_types",
                  "phi3-tied-gqa", "phi3-sliding-tp4"):
         path = ckpts[name]
         for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
@@ -364,7 +367,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
+                 "gemma2": "Gemma2"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -414,7 +418,7 @@ def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
                                   "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
-                                  "phi3-sliding-tp4"])
+                                  "phi3-sliding-tp4", "gemma2-tied-tp4", "gemma2-untied-layer_types"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;
