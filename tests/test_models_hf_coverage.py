@@ -67,6 +67,18 @@ CASES = {
                                                         layer_types=["full_attention", "sliding_attention",
                                                                      "sliding_attention"],
                                                         max_position_embeddings=64)),
+    # Gemma 3 text: q/k norms, local RoPE base on sliding layers, linear scaling on the global one only
+    "gemma3-tied-tp4": ("gemma3_text", True, dict(head_dim=16, num_key_value_heads=4, sliding_window=4,
+                                                  sliding_window_pattern=3, rope_local_base_freq=100.0,
+                                                  rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                                  final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                                                  max_position_embeddings=64)),
+    "gemma3-untied-softcap": ("gemma3_text", False, dict(head_dim=16, sliding_window=4, attn_logit_softcapping=2.0,
+                                                         layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"],
+                                                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                       "original_max_position_embeddings": 16},
+                                                         max_position_embeddings=64)),
 }
 if os.environ.get("MODELS_CASES"):  # targeted runs: a substring of the case names, e.g. "gemma"
     CASES = {k: v for k, v in CASES.items() if os.environ["MODELS_CASES"] in k}
@@ -153,7 +165,7 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
         m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
     if cfg.norm_plus_one:  # Gemma: each field moves the logits of this test
         gemma = dict(attn_logit_softcapping=0.0, final_logit_softcapping=0.0, query_pre_attn_scalar=0.0,
-                     norm_plus_one=False)
+                     norm_plus_one=False, rope_local_base_freq=0.0)
         for f, off in gemma.items():
             if not getattr(cfg, f):
                 continue
@@ -286,6 +298,15 @@ REFUSALS = [
      r"layer_types=.*need use_sliding_window"),
     ("missing-num_attention_heads", lambda: {k: v for k, v in _llama().items() if k != "num_attention_heads"},
      r"config has no 'num_attention_heads'"),
+    ("gemma3-multimodal", lambda: {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                   "text_config": dict(O.TINY)},
+     r"architecture 'gemma3' is not supported \(Gemma 3 multimodal"),
+    ("gemma3-bidirectional", lambda: transformers.Gemma3TextConfig(**O.TINY, use_bidirectional_attention=True).to_dict(),
+     r"use_bidirectional_attention=True is not supported"),
+    ("gemma2-layer_types", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), layer_types=["chunked_attention"] * 3),
+     r"config field layer_types=.*one of sliding_attention"),
+    ("gemma2-mlp_bias", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), mlp_bias=True),
+     r"mlp_bias=True is not supported \(gemma2 has no MLP biases\)"),
     ("string-hidden_size", lambda: _llama(hidden_size="64"), r"ModelConfig.hidden_size='64' must be an int"),
 ]
 
@@ -345,10 +366,13 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
                  "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
-                 "gemma2-tied-tp4", "gemma2-untied-layer_types",
+                 "gemma2-tied-tp4", "gemma2-untied-layer_types", "gemma3-tied-tp4", "gemma3-untied-softcap",
                  "phi3-tied-gqa", "phi3-sliding-tp4"):
+        if name not in ckpts:  # MODELS_CASES run
+            continue
         path = ckpts[name]
-        for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
+        # no Olmo2ForSequenceClassification; Gemma3TextForSequenceClassification is not exported yet
+        for head in ("lm", "value") if CASES[name][0] not in ("olmo2", "gemma3_text") else ("lm",):
             cfg = ModelConfig.from_hf(path, head=head)
             layout = Layout(tp=2, pp=2)
             full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
@@ -368,7 +392,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
                 {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
-                 "gemma2": "Gemma2"}[mt]
+                 "gemma2": "Gemma2", "gemma3_text": "Gemma3"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -418,7 +442,8 @@ def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
                                   "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
-                                  "phi3-sliding-tp4", "gemma2-tied-tp4", "gemma2-untied-layer_types"])
+                                  "phi3-sliding-tp4", "gemma2-tied-tp4", "gemma2-untied-layer_types",
+                                  "gemma3-tied-tp4", "gemma3-untied-softcap"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

@@ -15,6 +15,8 @@ frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -198,6 +200,9 @@ class StageModel(nn.Module):
                                               layout.partition)[shard.stage]
         p = {name: nn.Parameter(view) for name, view in shard.params().items()}
         self.shard_params = p
+        # Gemma 3: sliding layers rotate with plain RoPE of base rope_local_base_freq
+        self.local_rope = (replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
+                           if config.rope_local_base_freq else None)
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group)
@@ -217,10 +222,13 @@ class StageModel(nn.Module):
         if self.is_first and self.config.norm_plus_one:  # Gemma: sqrt(H) rounded to the embedding dtype
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         cos, sin = rope_cos_sin_scaled(self.config, positions, h.dtype)
+        local = rope_cos_sin_scaled(self.local_rope, positions, h.dtype) if self.local_rope else (cos, sin)
         windowed = self._window_mask(mask, h.shape[1], caches)
         for j, (i, layer) in enumerate(self.layers.items()):
-            m = windowed if windowed is not None and self.config.uses_window(int(i)) else mask
-            h = layer(h, cos, sin, m, caches[j] if caches is not None else None)
+            slides = self.config.uses_window(int(i))
+            m = windowed if windowed is not None and slides else mask
+            cs = local if slides else (cos, sin)
+            h = layer(h, *cs, m, caches[j] if caches is not None else None)
         return self.norm(h) if self.is_last else h
 
     def _window_mask(self, mask, T: int, caches) -> torch.Tensor | None:

@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3" or "gemma2"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2" or "gemma3_text"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -95,6 +95,9 @@ class ModelConfig:
     """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off."""
     query_pre_attn_scalar: float = 0.0
     """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
+    rope_local_base_freq: float = 0.0
+    """Gemma 3: the sliding-window layers (window_layers) use plain RoPE with this base; rope_theta
+    and rope_scaling apply to the global layers only. 0: every layer uses rope_theta/rope_scaling."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
 
@@ -179,7 +182,7 @@ ROPE_SCALING_KEYS = {
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -194,7 +197,7 @@ def _check_config_types(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
     if c.hidden_act not in HIDDEN_ACTS:
         raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
-    for f in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+    for f in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "rope_local_base_freq"):
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number >= 0 (0: off)")
