@@ -58,6 +58,14 @@ CASES = {
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
+    # longrope: original_max_position_embeddings 16 < 24 tokens, so full forwards use long_factor and
+    # generation switches from short to long factors mid-decode (prompts of 6, up to 20 positions)
+    "llama-longrope": ("llama", False, dict(original_max_position_embeddings=16, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0, 1.2, 4.0, 8.0, 16.0],
+        long_factor=[2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0]))),
+    "phi3-tied-longrope": ("phi3", True, dict(pad_token_id=0, original_max_position_embeddings=16, rope_scaling=dict(
+        type="longrope", short_factor=[1.0, 1.1, 1.3, 2.0, 2.5, 3.0, 6.0, 9.0],
+        long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 24.0, 30.0]))),
     # Gemma 2: caps low enough that tanh bends (scores ~ 1-10 with weights N(0, 0.2)); window 4 on the
     # default sliding/global alternation; query_pre_attn_scalar != head_dim
     "gemma2-tied-tp4": ("gemma2", True, dict(head_dim=16, num_key_value_heads=4, sliding_window=4,
@@ -283,8 +291,14 @@ REFUSALS = [
      r"config field mlp_bias=True is not supported \(mistral has no MLP biases\)"),
     ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
-    ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
-     r"rope_type='longrope' is not supported; supported: \['dynamic', 'linear', 'llama3', 'yarn'\]"),
+    ("longrope-qwen2", lambda: dict(transformers.Qwen2Config(**O.TINY).to_dict(), rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "factor": 2.0}),
+     r"longrope is implemented for llama and phi3, not qwen2"),
+    ("longrope-short-factors", lambda: _llama(original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8}),
+     r"short_factor must be 8 numbers"),
+    ("rope-su", lambda: _llama(rope_scaling={"rope_type": "su", "factor": 2.0}),
+     r"rope_type='su' is not supported; supported: \['dynamic', 'linear', 'llama3', 'longrope', 'yarn'\]"),
     ("llama3-missing-key", lambda: _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
      r"rope_scaling \(llama3\): missing keys \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]"),
     ("attn_logit_softcapping", lambda: _llama(attn_logit_softcapping=50.0), r"config field attn_logit_softcapping=50.0"),
@@ -367,7 +381,7 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
                  "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
                  "gemma2-tied-tp4", "gemma2-untied-layer_types", "gemma3-tied-tp4", "gemma3-untied-softcap",
-                 "phi3-tied-gqa", "phi3-sliding-tp4"):
+                 "llama-longrope", "phi3-tied-longrope", "phi3-tied-gqa", "phi3-sliding-tp4"):
         if name not in ckpts:  # MODELS_CASES run
             continue
         path = ckpts[name]
@@ -443,7 +457,7 @@ def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
                                   "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
                                   "phi3-sliding-tp4", "gemma2-tied-tp4", "gemma2-untied-layer_types",
-                                  "gemma3-tied-tp4", "gemma3-untied-softcap"])
+                                  "gemma3-tied-tp4", "gemma3-untied-softcap", "llama-longrope", "phi3-tied-longrope"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

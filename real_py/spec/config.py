@@ -95,6 +95,9 @@ class ModelConfig:
     """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off."""
     query_pre_attn_scalar: float = 0.0
     """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
+    original_max_position_embeddings: int = 0
+    """longrope only: the pre-training length (transformers reads the top-level config field, Phi-3's
+    default 4096); it sets factor = max_position_embeddings / it and the short/long switch. 0: unset."""
     rope_local_base_freq: float = 0.0
     """Gemma 3: the sliding-window layers (window_layers) use plain RoPE with this base; rope_theta
     and rope_scaling apply to the global layers only. 0: every layer uses rope_theta/rope_scaling."""
@@ -170,12 +173,16 @@ class ModelConfig:
 
 
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "vocab_size", "num_hidden_layers", "max_position_embeddings", "head_dim", "sliding_window")
+               "vocab_size", "num_hidden_layers", "max_position_embeddings", "head_dim", "sliding_window",
+               "original_max_position_embeddings")
 ROPE_SCALING_KEYS = {
     # rope_type: (required keys, optional keys), as transformers 4.57 validates them
     "linear": ({"factor"}, set()),
     "dynamic": ({"factor"}, set()),
     "llama3": ({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}, set()),
+    # longrope: factor optional (original_max_position_embeddings overrides it); the rope_scaling
+    # key original_max_position_embeddings is accepted but, as in transformers, not read
+    "longrope": ({"short_factor", "long_factor"}, {"attention_factor", "factor", "original_max_position_embeddings"}),
     "yarn": ({"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "mscale", "mscale_all_dim", "truncate"}),
 }
@@ -228,9 +235,13 @@ def _check_attention_fields(c: ModelConfig) -> None:
             if missing or unknown:
                 raise ValueError(f"rope_scaling ({kind}): missing keys {sorted(missing)}, unknown keys "
                                  f"{sorted(unknown)}; allowed: {sorted(required | optional)}")
-            if not isinstance(rs["factor"], (int, float)) or rs["factor"] <= 0:
+            if kind == "longrope":
+                _check_longrope(c, rs)
+            elif not isinstance(rs["factor"], (int, float)) or rs["factor"] <= 0:
                 raise ValueError(f"rope_scaling factor={rs['factor']!r} must be a positive number")
-        object.__setattr__(c, "rope_scaling", tuple(sorted(rs.items())) if rs else None)
+        # lists (longrope factors) frozen to tuples: the config stays hashable
+        object.__setattr__(c, "rope_scaling", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                           for k, v in rs.items())) if rs else None)
     if c.sliding_window < 0:
         raise ValueError(f"ModelConfig.sliding_window={c.sliding_window} must be >= 0 (0: full attention)")
     if c.window_layers is not None:
@@ -240,6 +251,16 @@ def _check_attention_fields(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.window_layers={c.window_layers!r} must list layer indices in "
                              f"[0, {c.num_hidden_layers})")
         object.__setattr__(c, "window_layers", layers)
+
+
+def _check_longrope(c: ModelConfig, rs: dict) -> None:
+    for k in ("short_factor", "long_factor"):
+        v = rs[k]
+        if (not isinstance(v, (list, tuple)) or len(v) != c.head_dim // 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
+            raise ValueError(f"rope_scaling (longrope) {k} must be {c.head_dim // 2} numbers (head_dim / 2), got {v!r}")
+    if not c.original_max_position_embeddings and not isinstance(rs.get("factor"), (int, float)):
+        raise ValueError("rope_scaling (longrope) needs factor or the config's original_max_position_embeddings")
 
 
 PRESETS: dict[str, ModelConfig] = {

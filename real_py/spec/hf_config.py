@@ -11,15 +11,16 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
 | olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
-| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), tied (its only rope_scaling, longrope, is refused) |
+| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), longrope, tied |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 | gemma3_text | Gemma3ForCausalLM                                | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 refused |
 | gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
 
-rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
+rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
+(short/long factors switched per forward at original_max_position_embeddings, attention factor). Refused, naming the field:
 any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
 differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
-rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
+longrope outside llama / phi3, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
 """
 
@@ -155,6 +156,11 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if not isinstance(rs, dict):
             _refuse(where, "rope_scaling", rs, "expected a mapping")
         kw["rope_scaling"] = rs
+    longrope = isinstance(rs, dict) and (rs.get("rope_type") or rs.get("type")) == "longrope"
+    if longrope and mt not in ("llama", "phi3"):
+        _refuse(where, "rope_scaling", rs, f"longrope is implemented for llama and phi3, not {mt}")
+    if longrope and config.get("original_max_position_embeddings"):
+        kw["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     if mt in ("gemma2", "gemma3_text"):
         _gemma_kwargs(config, kw, where, mt)
     if mt == "phi3":
@@ -174,7 +180,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     elif mt in ("qwen2", "qwen3") and any(t != "full_attention" for t in config.get("layer_types") or ()):
         _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
-    allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
+    allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ) | ({"original_max_position_embeddings"} if longrope else set())
     for k, v in config.items():
         if k in allowed or k.startswith("_") or v is None or v is False or v == {} or v == []:
             continue
@@ -237,7 +243,10 @@ def export_config(config, source: dict | None = None) -> dict:
               vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
               tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
               max_position_embeddings=c.max_position_embeddings, torch_dtype=c.dtype, hidden_act="silu",
-              rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
+              rope_scaling=({k: list(v) if isinstance(v, tuple) else v for k, v in c.rope_scaling}
+                            if c.rope_scaling else None), head_dim=c.head_dim)
+    if c.original_max_position_embeddings:
+        kw["original_max_position_embeddings"] = c.original_max_position_embeddings
     if c.mlp_bias and mt != "llama":
         raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
     if not mt.startswith("gemma") and (c.rope_local_base_freq or c.norm_plus_one or c.sandwich_norm or c.attn_logit_softcapping
@@ -279,6 +288,11 @@ def export_config(config, source: dict | None = None) -> dict:
         if c.attention_bias or c.o_proj_bias or c.mlp_bias or c.window_layers is not None:
             raise ValueError("phi3 has no biases and slides every layer or none")
         kw.update(sliding_window=c.sliding_window or None)
+        if kw["rope_scaling"]:  # Phi3Config wants exactly type, short_factor, long_factor
+            rs = kw["rope_scaling"]
+            if set(rs) != {"rope_type", "short_factor", "long_factor"}:
+                raise ValueError(f"phi3 exports rope_scaling longrope with short/long factors only, got {sorted(rs)}")
+            kw["rope_scaling"] = {"type": rs.pop("rope_type"), **rs}
         kw.pop("head_dim")  # Phi3Config has none: hidden_size // num_attention_heads
         if c.head_dim * c.num_attention_heads != c.hidden_size:
             raise ValueError(f"phi3 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
