@@ -183,7 +183,7 @@ def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
     for mt, over in FAMILIES:
         a = O.make_checkpoint(str(tmp_path / mt), mt, seed=4, **over)
         runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, critic=CRITIC)))
-        runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward=CRITIC)))
+        runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"})))
     per_rank = [torch.load(io.BytesIO(b), weights_only=False)
                 for b in run_distributed(_families_worker, 4, runs, timeout=1100)]
     for mt, d in runs:
