@@ -362,7 +362,7 @@ def test_direct_construction_errors_name_the_field():
 def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
     """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
     src = ckpts["llama-rope-linear-head_dim"]
-    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gemma2", transformers.Gemma2Config(**O.TINY))):
+    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gpt2", transformers.GPT2Config(n_layer=2))):
         d = tmp_path / mt
         d.mkdir()
         os.link(os.path.join(src, "model.safetensors"), d / "model.safetensors")
