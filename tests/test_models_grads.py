@@ -263,6 +263,7 @@ FAMILIES = {
     "qwen3": ("qwen3", False, "lm", dict(attention_bias=True)),
     "qwen3-value": ("qwen3", False, "value", {}),
     "olmo2-tied": ("olmo2", True, "lm", {}),
+    "olmo2-untied": ("olmo2", False, "lm", dict(attention_bias=True)),
     "qwen3-tied": ("qwen3", True, "lm", {}),
     "phi3": ("phi3", False, "lm", dict(pad_token_id=0, original_max_position_embeddings=6, rope_scaling=dict(
         type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))),
@@ -295,9 +296,9 @@ def family_runs(tmp_path_factory):
     return cases, refs, outs
 
 
-# Known bug found by this test (issue 20 follow-up): OLMo 2 with tied embeddings on tp >= 2 (pp 1
-# or 2) gets embed_tokens.weight gradients off by 2-10% (every other tensor, and tp=1, match).
-KNOWN_BAD = ("olmo2-tied",)
+# Known bug found by this test (issue 20 follow-up): OLMo 2 on tp >= 2 (pp 1 or 2, tied or not) gets
+# embed_tokens.weight gradients off by 2-40% (every other tensor matches; tp=1 matches).
+KNOWN_BAD = ("olmo2-tied", "olmo2-untied")
 
 
 @pytest.mark.timeout(900)
@@ -306,16 +307,18 @@ def test_family_gradients_and_logits_match_autograd(family_runs):
     _check_families(family_runs, lambda name: name not in KNOWN_BAD)
 
 
-@pytest.mark.xfail(strict=True, reason="OLMo 2 tied embeddings on tp>=2: embed_tokens.weight gradient off (open bug)")
-def test_olmo2_tied_embedding_gradient_on_tp(family_runs):
+@pytest.mark.xfail(strict=True, reason="OLMo 2 on tp>=2: embed_tokens.weight gradient off (open bug)")
+def test_olmo2_embedding_gradient_on_tp(family_runs):
     if not any(c[0] in KNOWN_BAD for c in family_runs[0]):
-        pytest.fail("FAMILY_CASES run without olmo2-tied")
+        pytest.fail("FAMILY_CASES run without the olmo2 cases")
     _check_families(family_runs, lambda name: name in KNOWN_BAD)
 
 
 def _check_families(family_runs, which):
     cases, refs, outs = family_runs
     cases = [c for c in cases if which(c[0])]
+    if not cases:
+        pytest.skip("no such case in this FAMILY_CASES run")
     n, failed = 0, []
     for name, _, head, layouts, _ in cases:
         grads, want = refs[name]
@@ -331,4 +334,4 @@ def _check_families(family_runs, which):
                 torch.testing.assert_close(torch.cat(logits), want, atol=1e-5, rtol=0,
                                            msg=lambda m: f"{name} {layout}: {m}")
     assert not failed, "\n".join(failed)
-    assert n == len(FAMILY_LAYOUTS) * sum(len(TERMS[c[2]]) for c in cases) and cases
+    assert n == len(FAMILY_LAYOUTS) * sum(len(TERMS[c[2]]) for c in cases)
