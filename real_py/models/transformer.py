@@ -166,7 +166,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         pre = f"layers.{i}."
         self.norm_after, self.sandwich = c.norm_after, c.sandwich_norm
-        norm = lambda n: RMSNorm(p[pre + n + ".weight"], c.rms_norm_eps, plus_one=c.norm_plus_one)  # noqa: E731
+        norm = lambda n: RMSNorm(p[pre + n + ".weight"], c.rms_norm_eps, plus_one=c.norm_plus_one)
         if not c.norm_after:
             self.input_layernorm = norm("input_layernorm")
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
