@@ -6,6 +6,9 @@ for value heads) plus torch.optim.AdamW and clip_grad_norm_: nothing here calls 
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import transformers
 
@@ -40,7 +43,10 @@ def make_checkpoint(path, model_type="llama", tied=False, head="lm", seed=0, **o
 def load_oracle(path, head="lm"):
     cls = (transformers.AutoModelForCausalLM if head == "lm"
            else transformers.AutoModelForSequenceClassification)
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    # Gemma 2's soft-capping runs in eager attention only (SDPA ignores it)
+    with open(os.path.join(path, "config.json")) as f:
+        gemma = json.load(f).get("model_type") in ("gemma2", "gemma3_text")
+    return cls.from_pretrained(path, dtype=torch.float32, **({"attn_implementation": "eager"} if gemma else {})).eval()
 
 
 def fused_state(model) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ and PP reorder sums, a few ulps; a missing term or reduction is off by percents,
 """
 
 import io
+import os
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def _reference(path, head, d):
     return extra, grads, None if logits is None else logits.detach()
 
 
-def _worker(rank, world, cases, d):
+def _worker(rank, world, cases, d, realloc=True):
     out = {}
     n_tok = float(d["mask"].sum())
     for name, path, head, layouts, extra in cases:
@@ -120,7 +121,8 @@ def _worker(rank, world, cases, d):
                 g = ModelShard(spec, layout, rank, eng._trainer.grad.clone())
                 r[term] = gather_state_dict(g, groups)
             out[(name, str(layout), layout.ranks)] = (groups.dp_rank, r)
-    out["realloc"] = _realloc_trained(rank, cases[1], d | cases[1][4], n_tok)
+    if realloc:
+        out["realloc"] = _realloc_trained(rank, cases[1], d | cases[1][4], n_tok)
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -249,3 +251,87 @@ def test_tied_pp3_reallocates_bit_for_bit(runs):
     for dst in REALLOC_DSTS:
         assert f"{REALLOC_SRC}->{dst}" in done and f"{dst}->{REALLOC_SRC}" in done, done
     assert sum(c.startswith("tied copy") for c in done) == 2, done
+
+
+# -- the families of issue 20: every loss term's gradients on TP x PP (fused Phi-3 storage, q/k
+# norms, biases, Gemma's (1 + w) norms / soft-capping / sandwich norms, longrope) ----------------
+LONGROPE = dict(original_max_position_embeddings=6, rope_scaling=dict(
+    rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))
+GEMMA = dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=12, final_logit_softcapping=3.0)
+# name -> (model_type, tied, head, config fields); every case runs tp2pp2 (permuted ranks) and tp4
+FAMILIES = {
+    "qwen3": ("qwen3", False, "lm", dict(attention_bias=True)),
+    "qwen3-value": ("qwen3", False, "value", {}),
+    "olmo2-tied": ("olmo2", True, "lm", {}),
+    "olmo2-untied": ("olmo2", False, "lm", dict(attention_bias=True)),
+    "qwen3-tied": ("qwen3", True, "lm", {}),
+    "phi3": ("phi3", False, "lm", dict(pad_token_id=0, original_max_position_embeddings=6, rope_scaling=dict(
+        type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))),
+    "phi3-value": ("phi3", False, "value", dict(pad_token_id=0)),
+    "llama-biases": ("llama", False, "lm", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
+                                               **LONGROPE)),
+    "llama-biases-value": ("llama", False, "value", dict(attention_bias=True, mlp_bias=True)),
+    "gemma2-tied": ("gemma2", True, "lm", dict(GEMMA, attn_logit_softcapping=2.0)),
+    "gemma2-value": ("gemma2", False, "value", dict(GEMMA, attn_logit_softcapping=2.0)),
+    "gemma3-tied": ("gemma3_text", True, "lm", dict(GEMMA, rope_local_base_freq=100.0, sliding_window_pattern=2,
+                                                    rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the case names
+    FAMILIES = {k: v for k, v in FAMILIES.items() if os.environ["FAMILY_CASES"] in k}
+FAMILY_LAYOUTS = [Layout(tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(tp=4)]
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("family_grads")
+    d = _data()
+    refs, cases = {}, []
+    for i, (name, (mt, tied, head, over)) in enumerate(FAMILIES.items()):
+        path = O.make_checkpoint(str(tmp / name), mt, tied=tied, head=head, seed=20 + i,
+                                 **SIZES, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()})
+        extra, grads, logits = _reference(path, head, d)
+        refs[name] = (grads, logits)
+        cases.append((name, path, head, FAMILY_LAYOUTS, extra))
+    outs = [torch.load(io.BytesIO(b)) for b in run_distributed(_worker, 4, cases, d, False, timeout=600)]
+    return cases, refs, outs
+
+
+# Known bug found by this test (issue 20 follow-up): OLMo 2 on tp >= 2 (pp 1 or 2, tied or not) gets
+# embed_tokens.weight gradients off by 2-40% (every other tensor matches; tp=1 matches).
+KNOWN_BAD = ("olmo2-tied", "olmo2-untied")
+
+
+@pytest.mark.timeout(900)
+def test_family_gradients_and_logits_match_autograd(family_runs):
+    """logprob / entropy (lm) and value-loss gradients of every family, and lm logits."""
+    _check_families(family_runs, lambda name: name not in KNOWN_BAD)
+
+
+@pytest.mark.xfail(strict=True, reason="OLMo 2 on tp>=2: embed_tokens.weight gradient off (open bug)")
+def test_olmo2_embedding_gradient_on_tp(family_runs):
+    if not any(c[0] in KNOWN_BAD for c in family_runs[0]):
+        pytest.fail("FAMILY_CASES run without the olmo2 cases")
+    _check_families(family_runs, lambda name: name in KNOWN_BAD)
+
+
+def _check_families(family_runs, which):
+    cases, refs, outs = family_runs
+    cases = [c for c in cases if which(c[0])]
+    if not cases:
+        pytest.skip("no such case in this FAMILY_CASES run")
+    n, failed = 0, []
+    for name, _, head, layouts, _ in cases:
+        grads, want = refs[name]
+        for layout in layouts:
+            full, logits = _gathered(outs, (name, str(layout), layout.ranks), head)
+            for term in TERMS[head]:
+                try:  # every failing (case, layout, term), not just the first
+                    _check_grads(full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}")
+                except AssertionError as e:
+                    failed.append(str(e))
+                n += 1
+            if head == "lm":
+                torch.testing.assert_close(torch.cat(logits), want, atol=1e-5, rtol=0,
+                                           msg=lambda m: f"{name} {layout}: {m}")
+    assert not failed, "\n".join(failed)
+    assert n == len(FAMILY_LAYOUTS) * sum(len(TERMS[c[2]]) for c in cases)

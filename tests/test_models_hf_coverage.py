@@ -58,7 +58,38 @@ CASES = {
     "llama-biases-gelu-tanh": ("llama", False, dict(attention_bias=True, mlp_bias=True,
                                                      hidden_act="gelu_pytorch_tanh")),
     "llama-tied-biases-relu": ("llama", True, dict(attention_bias=True, mlp_bias=True, hidden_act="relu")),
+    # longrope: original_max_position_embeddings 16 < 24 tokens, so full forwards use long_factor and
+    # generation switches from short to long factors mid-decode (prompts of 6, up to 20 positions)
+    "llama-longrope": ("llama", False, dict(original_max_position_embeddings=16, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0, 1.2, 4.0, 8.0, 16.0],
+        long_factor=[2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0]))),
+    "phi3-tied-longrope": ("phi3", True, dict(pad_token_id=0, original_max_position_embeddings=16, rope_scaling=dict(
+        type="longrope", short_factor=[1.0, 1.1, 1.3, 2.0, 2.5, 3.0, 6.0, 9.0],
+        long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 24.0, 30.0]))),
+    # Gemma 2: caps low enough that tanh bends (scores ~ 1-10 with weights N(0, 0.2)); window 4 on the
+    # default sliding/global alternation; query_pre_attn_scalar != head_dim
+    "gemma2-tied-tp4": ("gemma2", True, dict(head_dim=16, num_key_value_heads=4, sliding_window=4,
+                                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                             query_pre_attn_scalar=24, max_position_embeddings=64)),
+    "gemma2-untied-layer_types": ("gemma2", False, dict(head_dim=16, sliding_window=4, attention_bias=True,
+                                                        layer_types=["full_attention", "sliding_attention",
+                                                                     "sliding_attention"],
+                                                        max_position_embeddings=64)),
+    # Gemma 3 text: q/k norms, local RoPE base on sliding layers, linear scaling on the global one only
+    "gemma3-tied-tp4": ("gemma3_text", True, dict(head_dim=16, num_key_value_heads=4, sliding_window=4,
+                                                  sliding_window_pattern=3, rope_local_base_freq=100.0,
+                                                  rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                                  final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                                                  max_position_embeddings=64)),
+    "gemma3-untied-softcap": ("gemma3_text", False, dict(head_dim=16, sliding_window=4, attn_logit_softcapping=2.0,
+                                                         layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"],
+                                                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                       "original_max_position_embeddings": 16},
+                                                         max_position_embeddings=64)),
 }
+if os.environ.get("MODELS_CASES"):  # targeted runs: a substring of the case names, e.g. "gemma"
+    CASES = {k: v for k, v in CASES.items() if os.environ["MODELS_CASES"] in k}
 T = 24
 TOKENS = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(5))
 # Three full rows: micro-batches are trimmed to their longest row, and dynamic RoPE (like
@@ -134,11 +165,22 @@ def test_logits_match_transformers_and_the_field_matters(ckpts, name):
             q = StageModel(silu, load_hf_shard(path, silu, Layout(), 0))
             if cfg.hidden_act != "silu":
                 assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: hidden_act must matter"
-            for k, v in m.shard_params.items():
-                if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
-                    v.zero_()
-            assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
+            if cfg.o_proj_bias or cfg.mlp_bias:
+                for k, v in m.shard_params.items():
+                    if k.endswith(("o_proj.bias", "down_proj.bias", "gate_up_proj.bias")):
+                        v.zero_()
+                assert (m.head(m(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: o/mlp biases must matter"
         m = StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
+    if cfg.norm_plus_one:  # Gemma: each field moves the logits of this test
+        gemma = dict(attn_logit_softcapping=0.0, final_logit_softcapping=0.0, query_pre_attn_scalar=0.0,
+                     norm_plus_one=False, rope_local_base_freq=0.0)
+        for f, off in gemma.items():
+            if not getattr(cfg, f):
+                continue
+            other = replace(cfg, **{f: off})
+            with torch.no_grad():
+                q = StageModel(other, load_hf_shard(path, other, Layout(), 0))
+                assert (q.head(q(TOKENS, pos)) - want).abs().max() > 1e-3, f"{name}: {f} must matter"
     if cfg.qk_norm:  # Qwen3's per-head q/k norm weights must reach the logits too
         with torch.no_grad():
             for k, v in m.shard_params.items():
@@ -249,8 +291,14 @@ REFUSALS = [
      r"config field mlp_bias=True is not supported \(mistral has no MLP biases\)"),
     ("attention_dropout", lambda: _llama(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("partial_rotary_factor", lambda: _llama(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
-    ("longrope", lambda: _llama(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
-     r"rope_type='longrope' is not supported; supported: \['dynamic', 'linear', 'llama3', 'yarn'\]"),
+    ("longrope-qwen2", lambda: dict(transformers.Qwen2Config(**O.TINY).to_dict(), rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "factor": 2.0}),
+     r"longrope is implemented for llama and phi3, not qwen2"),
+    ("longrope-short-factors", lambda: _llama(original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8}),
+     r"short_factor must be 8 numbers"),
+    ("rope-su", lambda: _llama(rope_scaling={"rope_type": "su", "factor": 2.0}),
+     r"rope_type='su' is not supported; supported: \['dynamic', 'linear', 'llama3', 'longrope', 'yarn'\]"),
     ("llama3-missing-key", lambda: _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
      r"rope_scaling \(llama3\): missing keys \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]"),
     ("attn_logit_softcapping", lambda: _llama(attn_logit_softcapping=50.0), r"config field attn_logit_softcapping=50.0"),
@@ -264,6 +312,15 @@ REFUSALS = [
      r"layer_types=.*need use_sliding_window"),
     ("missing-num_attention_heads", lambda: {k: v for k, v in _llama().items() if k != "num_attention_heads"},
      r"config has no 'num_attention_heads'"),
+    ("gemma3-multimodal", lambda: {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                   "text_config": dict(O.TINY)},
+     r"architecture 'gemma3' is not supported \(Gemma 3 multimodal"),
+    ("gemma3-bidirectional", lambda: transformers.Gemma3TextConfig(**O.TINY, use_bidirectional_attention=True).to_dict(),
+     r"use_bidirectional_attention=True is not supported"),
+    ("gemma2-layer_types", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), layer_types=["chunked_attention"] * 3),
+     r"config field layer_types=.*one of sliding_attention"),
+    ("gemma2-mlp_bias", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), mlp_bias=True),
+     r"mlp_bias=True is not supported \(gemma2 has no MLP biases\)"),
     ("string-hidden_size", lambda: _llama(hidden_size="64"), r"ModelConfig.hidden_size='64' must be an int"),
 ]
 
@@ -305,7 +362,7 @@ def test_direct_construction_errors_name_the_field():
 def test_loader_refuses_a_checkpoint_of_another_architecture(ckpts, tmp_path):
     """load_hf_shard (and the CLI through it) names the architecture, not a missing tensor."""
     src = ckpts["llama-rope-linear-head_dim"]
-    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gemma2", transformers.Gemma2Config(**O.TINY))):
+    for mt, cfg in (("gemma", transformers.GemmaConfig(**O.TINY)), ("gpt2", transformers.GPT2Config(n_layer=2))):
         d = tmp_path / mt
         d.mkdir()
         os.link(os.path.join(src, "model.safetensors"), d / "model.safetensors")
@@ -323,9 +380,13 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
     tied, pad_token_id), batches of 2+ work for value models, tensors and outputs are equal."""
     for name in ("qwen2-tied-sliding-yarn", "mistral-sliding-window", "llama-rope-llama3", "qwen3-tied-yarn",
                  "qwen3-head_dim-sliding", "llama-biases-gelu-tanh", "llama-tied-biases-relu", "olmo2-tied-gqa-bias",
-                 "phi3-tied-gqa", "phi3-sliding-tp4"):
+                 "gemma2-tied-tp4", "gemma2-untied-layer_types", "gemma3-tied-tp4", "gemma3-untied-softcap",
+                 "llama-longrope", "phi3-tied-longrope", "phi3-tied-gqa", "phi3-sliding-tp4"):
+        if name not in ckpts:  # MODELS_CASES run
+            continue
         path = ckpts[name]
-        for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):  # no Olmo2ForSequenceClassification
+        # no Olmo2ForSequenceClassification; Gemma3TextForSequenceClassification is not exported yet
+        for head in ("lm", "value") if CASES[name][0] not in ("olmo2", "gemma3_text") else ("lm",):
             cfg = ModelConfig.from_hf(path, head=head)
             layout = Layout(tp=2, pp=2)
             full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
@@ -344,7 +405,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
             assert written["model_type"] == mt and written["architectures"] == [
-                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}[mt]
+                {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
+                 "gemma2": "Gemma2", "gemma3_text": "Gemma3"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -394,7 +456,8 @@ def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):
 
 @pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-max-window-layers", "llama-rope-dynamic",
                                   "qwen3-head_dim-sliding", "qwen3-tied-yarn", "llama-biases-gelu-tanh", "olmo2-tied-gqa-bias",
-                                  "phi3-sliding-tp4"])
+                                  "phi3-sliding-tp4", "gemma2-tied-tp4", "gemma2-untied-layer_types",
+                                  "gemma3-tied-tp4", "gemma3-untied-softcap", "llama-longrope", "phi3-tied-longrope"])
 def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
     """Prefill 6 tokens, then 18 one-token steps through the KV cache: every step's logits equal
     transformers' own past_key_values steps (keys older than the window masked at decode time;

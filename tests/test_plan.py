@@ -108,8 +108,10 @@ def test_random_pairs():
              # Qwen3 q/k norms (replicated [hd]), LLaMA o_proj / mlp biases (replicated, split gate|up)
              tiny_spec(bias=True, qk_norm=True, o_proj_bias=True, mlp_bias=True, name="tiny-norms-biases"),
              # OLMo 2: whole-projection q/k norms split by heads, norms after the sublayers
-             tiny_spec(tied=True, qk_norm=True, qk_norm_whole=True, norm_after=True, name="tiny-olmo2")]
-    for i in range(448):
+             tiny_spec(tied=True, qk_norm=True, qk_norm_whole=True, norm_after=True, name="tiny-olmo2"),
+             # Gemma 3: sandwich norms (pre/post feed-forward, replicated) and per-head q/k norms
+             tiny_spec(tied=True, qk_norm=True, sandwich_norm=True, norm_plus_one=True, name="tiny-gemma3")]
+    for i in range(512):
         model = specs[i % len(specs)]
         src = random_layout(rng, 8, model.num_layers)
         dst = random_layout(rng, 8, model.num_layers)

@@ -153,8 +153,9 @@ def _families_worker(rank, world, runs):
         plan, graph, models = CF.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=120)
         it = rt.iteration(0)
-        call = graph.train_call("critic")
-        full = gather_state_dict(rt.models.engines["critic"].shard, rt.groups[call]) \
+        role = "critic" if cfg.algo == "ppo" else "actor"  # GRPO: no critic; the trained actor
+        call = graph.train_call(role)
+        full = gather_state_dict(rt.models.engines[role].shard, rt.groups[call]) \
             if rt.groups[call].member else None
         out[name] = {"metrics": it["metrics"], "critic": full}
     buf = io.BytesIO()
@@ -162,19 +163,39 @@ def _families_worker(rank, world, runs):
     return buf.getvalue()
 
 
-@pytest.mark.timeout(500)
-def test_new_families_run_ppo_from_hf_checkpoints(tmp_path):
+# issue 20's families; each runs one PPO (critic from the actor's body) and one GRPO iteration
+FAMILIES = (("qwen3", {}), ("olmo2", {}), ("phi3", {"pad_token_id": 0}),
+            ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
+                       "original_max_position_embeddings": 8,
+                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 1.0, 2.0, 4.0, 8.0],
+                                        "long_factor": [2.0, 3.0, 5.0, 7.0, 2.0, 3.0, 5.0, 9.0]}}),
+            ("gemma2", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0}),
+            ("gemma3_text", {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2}))
+
+
+@pytest.mark.timeout(1200)
+def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
     """qwen3 (per-head q/k norms), olmo2 (norms after, whole-projection q/k norms), phi3 (fused
-    checkpoint tensors): PPO runs from the checkpoint; after one iteration the critic's weights
+    checkpoint tensors), llama with biases / gelu / longrope, gemma2, gemma3_text: PPO and GRPO run
+    from the checkpoint (GRPO: the trained actor is finite and moved); after one iteration the critic's weights
     (trained from a zero value head on the actor's body) are finite and moved."""
     runs = []
-    for mt, over in (("qwen3", {}), ("olmo2", {}), ("phi3", {"pad_token_id": 0})):
+    for mt, over in FAMILIES:
         a = O.make_checkpoint(str(tmp_path / mt), mt, seed=4, **over)
         runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, critic=CRITIC)))
+        runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"})))
     per_rank = [torch.load(io.BytesIO(b), weights_only=False)
-                for b in run_distributed(_families_worker, 4, runs, timeout=450)]
+                for b in run_distributed(_families_worker, 4, runs, timeout=1100)]
     for mt, d in runs:
         m = per_rank[0][mt]["metrics"]
+        assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), (mt, m)
+        if d.get("algo") == "grpo":  # the actor trained one iteration: finite, moved from the checkpoint
+            act = [p[mt]["critic"] for p in per_rank if p[mt]["critic"] is not None]
+            want = O.fused_state(O.load_oracle(d["actor_path"]))
+            assert len(act) == 1 and sorted(act[0]) == sorted(want), mt
+            assert all(torch.isfinite(v).all() for v in act[0].values()), mt
+            assert any(not torch.equal(act[0][k], want[k]) for k in want), (mt, "actor did not move")
+            continue
         assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), (mt, m)
         crit = [p[mt]["critic"] for p in per_rank if p[mt]["critic"] is not None]
         assert len(crit) == 1, mt

@@ -5,13 +5,17 @@
     keep = window_mask(q_slots, k_slots, window)            # bool [Tq, Tk], True = attend
 
 The frequency formulas reproduce transformers 4.57.6 `modeling_rope_utils` (default, linear,
-dynamic, yarn, llama3) operation for operation, so the fp32 results are bit-identical to the
+dynamic, yarn, llama3, longrope) operation for operation, so the fp32 results are bit-identical to the
 oracle's `inv_freq` and `attention_scaling` (yarn multiplies cos and sin by it). Dynamic NTK
 recomputes the frequencies from the forward's sequence length, seq_len = max(positions) + 1,
 whenever it exceeds max_position_embeddings. transformers does the same, but statefully (a grown
 inv_freq persists until a call shorter than max_position_embeddings resets it); here every
 forward starts fresh, which equals transformers within one generate call (prefill, then decode
 steps of growing length) and for every full-sequence forward that starts from a reset state.
+longrope switches from short_factor to long_factor per forward when max(positions) + 1 exceeds
+original_max_position_embeddings, as transformers' longrope_frequency_update does (so a decode
+step past that length rotates its new keys with the long factors while older cached keys keep
+the short ones, exactly as in transformers' generate).
 Like transformers, dynamic scaling depends on the width of each forward: a micro-batch trimmed to
 its longest row rescales by that length, not by the whole batch's.
 """
@@ -38,7 +42,7 @@ def rope_parameters(c: ModelConfig, seq_len: torch.Tensor | None = None, device=
     kind = rs.get("rope_type", "default")
     if kind == "default":
         return _default_inv_freq(base, dim, device), 1.0
-    factor = rs["factor"]
+    factor = rs.get("factor")
     if kind == "linear":
         return _default_inv_freq(base, dim, device) / factor, 1.0
     if kind == "dynamic":
@@ -60,6 +64,8 @@ def rope_parameters(c: ModelConfig, seq_len: torch.Tensor | None = None, device=
         return torch.where(medium, smoothed, out), 1.0
     if kind == "yarn":
         return _yarn(c, rs, dim, base, factor, device)
+    if kind == "longrope":
+        return _longrope(c, rs, dim, base, seq_len, device)
     raise AssertionError(f"rope_type {kind!r} passed ModelConfig validation")
 
 
@@ -91,6 +97,23 @@ def _yarn(c: ModelConfig, rs: dict, dim: int, base: float, factor: float, device
     return inv_freq, attention
 
 
+def _longrope(c: ModelConfig, rs: dict, dim: int, base: float, seq_len, device) -> tuple:
+    """transformers' _compute_longrope_parameters with its per-forward switch (dynamic_rope_update):
+    long_factor when max(positions) + 1 > original_max_position_embeddings, else short_factor."""
+    factor, attention = rs.get("factor"), rs.get("attention_factor")
+    orig = c.original_max_position_embeddings
+    if orig:
+        factor = c.max_position_embeddings / orig
+    else:
+        orig = c.max_position_embeddings
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    long = seq_len is not None and int(seq_len) > orig
+    ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (ext * base ** shape), attention
+
+
 @functools.lru_cache(maxsize=64)
 def _fixed_parameters(c: ModelConfig, device: torch.device) -> tuple:
     # Every rope_type but dynamic is independent of the sequence: computed once per device, so a
@@ -100,7 +123,7 @@ def _fixed_parameters(c: ModelConfig, device: torch.device) -> tuple:
 
 def rope_cos_sin_scaled(c: ModelConfig, positions: torch.Tensor, dtype) -> tuple:
     """positions [B, T] int64 -> cos, sin [B, T, head_dim] (fp32 math, scaled, then cast)."""
-    if dict(c.rope_scaling or ()).get("rope_type") == "dynamic":
+    if dict(c.rope_scaling or ()).get("rope_type") in ("dynamic", "longrope"):
         seq_len = positions.max() + 1 if positions.numel() else None
         inv_freq, scale = rope_parameters(c, seq_len, positions.device)
     else:

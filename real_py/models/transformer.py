@@ -15,6 +15,8 @@ frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,14 +32,16 @@ class RMSNorm(nn.Module):
     """tp_group: the norm is applied to a TP rank's own heads only (Qwen3's per-head q/k norm), so
     its replicated weight's gradient is the sum over the TP group (copy_to_tp on the weight)."""
 
-    def __init__(self, weight: nn.Parameter, eps: float, tp_group=None):
+    def __init__(self, weight: nn.Parameter, eps: float, tp_group=None, plus_one: bool = False):
         super().__init__()
-        self.weight, self.eps, self.tp_group = weight, eps, tp_group
+        self.weight, self.eps, self.tp_group, self.plus_one = weight, eps, tp_group, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight if self.tp_group is None else copy_to_tp(self.weight, self.tp_group)
+        if self.plus_one:  # Gemma: (x * (1 + w)) in fp32, then the input dtype
+            return (xf * (1.0 + w.float())).to(x.dtype)
         return w * xf.to(x.dtype)
 
 
@@ -97,8 +101,10 @@ class Attention(nn.Module):
             self.whole_k_norm = WholeRMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps,
                                              c.num_key_value_heads * c.head_dim, group)
         elif c.qk_norm:
-            self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps, group)
-            self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps, group)
+            self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps, group, c.norm_plus_one)
+            self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps, group, c.norm_plus_one)
+        self.scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
+        self.softcap = c.attn_logit_softcapping
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
@@ -116,8 +122,26 @@ class Attention(nn.Module):
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+        if self.softcap:
+            out = _softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+def _softcapped_attention(q, k, v, mask, scale, cap):
+    """transformers' eager attention with Gemma 2's logit soft-capping: scores * scale, then
+    cap * tanh(scores / cap), masked, softmax in fp32, back to q's dtype. q [B, n, T, hd],
+    k/v [B, n, T_kv, hd]; mask None (causal, queries at the last T slots) or bool (True = attend)."""
+    T, Tk = q.shape[2], k.shape[2]
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
@@ -141,16 +165,22 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group):
         super().__init__()
         pre = f"layers.{i}."
-        self.norm_after = c.norm_after
+        self.norm_after, self.sandwich = c.norm_after, c.sandwich_norm
+        norm = lambda n: RMSNorm(p[pre + n + ".weight"], c.rms_norm_eps, plus_one=c.norm_plus_one)
         if not c.norm_after:
-            self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+            self.input_layernorm = norm("input_layernorm")
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
-        self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        self.post_attention_layernorm = norm("post_attention_layernorm")
         self.mlp = MLP(p, pre + "mlp.", group, c.hidden_act)
-        if c.norm_after:
-            self.post_feedforward_layernorm = RMSNorm(p[pre + "post_feedforward_layernorm.weight"], c.rms_norm_eps)
+        if c.sandwich_norm:
+            self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+        if c.norm_after or c.sandwich_norm:
+            self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
 
     def forward(self, h, cos, sin, mask, cache):
+        if self.sandwich:  # Gemma 2/3: norms on both sides of each sublayer
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.norm_after:  # OLMo 2: norm the sublayer outputs, not their inputs
             h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache))
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -173,12 +203,15 @@ class StageModel(nn.Module):
                                               layout.partition)[shard.stage]
         p = {name: nn.Parameter(view) for name, view in shard.params().items()}
         self.shard_params = p
+        # Gemma 3: sliding layers rotate with plain RoPE of base rope_local_base_freq
+        self.local_rope = (replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
+                           if config.rope_local_base_freq else None)
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group)
                                      for i in range(self.lo, self.hi)})
         if self.is_last:
-            self.norm = RMSNorm(p["norm.weight"], config.rms_norm_eps)
+            self.norm = RMSNorm(p["norm.weight"], config.rms_norm_eps, plus_one=config.norm_plus_one)
             if config.head == "value":
                 self.head_weight = p["value_head.weight"]
             else:
@@ -189,11 +222,16 @@ class StageModel(nn.Module):
         """x: tokens [B, T] int64 (first stage) or hidden [B, T, H]; positions [B, T];
         mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H]."""
         h = self.embed_tokens(x) if self.is_first else x
+        if self.is_first and self.config.norm_plus_one:  # Gemma: sqrt(H) rounded to the embedding dtype
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         cos, sin = rope_cos_sin_scaled(self.config, positions, h.dtype)
+        local = rope_cos_sin_scaled(self.local_rope, positions, h.dtype) if self.local_rope else (cos, sin)
         windowed = self._window_mask(mask, h.shape[1], caches)
         for j, (i, layer) in enumerate(self.layers.items()):
-            m = windowed if windowed is not None and self.config.uses_window(int(i)) else mask
-            h = layer(h, cos, sin, m, caches[j] if caches is not None else None)
+            slides = self.config.uses_window(int(i))
+            m = windowed if windowed is not None and slides else mask
+            cs = local if slides else (cos, sin)
+            h = layer(h, *cs, m, caches[j] if caches is not None else None)
         return self.norm(h) if self.is_last else h
 
     def _window_mask(self, mask, T: int, caches) -> torch.Tensor | None:
@@ -212,7 +250,9 @@ class StageModel(nn.Module):
         """Last stage: local logits [B, T, V_local] (lm) or values [B, T] (value head)."""
         if self.config.head == "value":
             return F.linear(h, self.head_weight).squeeze(-1)
-        return F.linear(copy_to_tp(h, self.tp_group), self.head_weight)
+        logits = F.linear(copy_to_tp(h, self.tp_group), self.head_weight)
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits  # elementwise: fine on a vocab slice
 
     def new_caches(self, batch: int, max_len: int) -> list:
         """One KVCache per local layer."""

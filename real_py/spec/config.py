@@ -60,7 +60,7 @@ class ModelConfig:
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2" or "phi3"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2" or "gemma3_text"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -98,6 +98,24 @@ class ModelConfig:
     first_k_dense_replace)."""
     decoder_sparse_step: int = 1
     """Qwen-MoE: layer i is MoE when (i + 1) % decoder_sparse_step == 0 (and not mlp_only)."""
+    norm_plus_one: bool = False
+    """Gemma: every RMSNorm scales by (1 + w) in fp32 and the embedding output is multiplied by
+    sqrt(hidden_size) (rounded to the embedding dtype, as transformers does)."""
+    sandwich_norm: bool = False
+    """Gemma 2/3: post_attention_layernorm on the attention output, pre_feedforward_layernorm on the
+    MLP input and post_feedforward_layernorm on its output (all replicated [H])."""
+    attn_logit_softcapping: float = 0.0
+    """Gemma 2: attention scores become cap * tanh(scores / cap) before the mask; 0: off."""
+    final_logit_softcapping: float = 0.0
+    """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off."""
+    query_pre_attn_scalar: float = 0.0
+    """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
+    original_max_position_embeddings: int = 0
+    """longrope only: the pre-training length (transformers reads the top-level config field, Phi-3's
+    default 4096); it sets factor = max_position_embeddings / it and the short/long switch. 0: unset."""
+    rope_local_base_freq: float = 0.0
+    """Gemma 3: the sliding-window layers (window_layers) use plain RoPE with this base; rope_theta
+    and rope_scaling apply to the global layers only. 0: every layer uses rope_theta/rope_scaling."""
     pad_token_id: int | None = None
     """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
 
@@ -176,19 +194,23 @@ class ModelConfig:
 
 
 _INT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "vocab_size", "num_hidden_layers", "max_position_embeddings", "head_dim", "sliding_window")
+               "vocab_size", "num_hidden_layers", "max_position_embeddings", "head_dim", "sliding_window",
+               "original_max_position_embeddings")
 ROPE_SCALING_KEYS = {
     # rope_type: (required keys, optional keys), as transformers 4.57 validates them
     "linear": ({"factor"}, set()),
     "dynamic": ({"factor"}, set()),
     "llama3": ({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}, set()),
+    # longrope: factor optional (original_max_position_embeddings overrides it); the rope_scaling
+    # key original_max_position_embeddings is accepted but, as in transformers, not read
+    "longrope": ({"short_factor", "long_factor"}, {"attention_factor", "factor", "original_max_position_embeddings"}),
     "yarn": ({"factor"}, {"attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings",
                           "mscale", "mscale_all_dim", "truncate"}),
 }
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -203,8 +225,12 @@ def _check_config_types(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
     if c.hidden_act not in HIDDEN_ACTS:
         raise ValueError(f"ModelConfig.hidden_act={c.hidden_act!r}; allowed: {list(HIDDEN_ACTS)}")
+    for f in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "rope_local_base_freq"):
+        v = getattr(c, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"ModelConfig.{f}={v!r} must be a number >= 0 (0: off)")
     for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
-              "qk_norm_whole"):
+              "qk_norm_whole", "norm_plus_one", "sandwich_norm"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 
@@ -259,9 +285,13 @@ def _check_attention_fields(c: ModelConfig) -> None:
             if missing or unknown:
                 raise ValueError(f"rope_scaling ({kind}): missing keys {sorted(missing)}, unknown keys "
                                  f"{sorted(unknown)}; allowed: {sorted(required | optional)}")
-            if not isinstance(rs["factor"], (int, float)) or rs["factor"] <= 0:
+            if kind == "longrope":
+                _check_longrope(c, rs)
+            elif not isinstance(rs["factor"], (int, float)) or rs["factor"] <= 0:
                 raise ValueError(f"rope_scaling factor={rs['factor']!r} must be a positive number")
-        object.__setattr__(c, "rope_scaling", tuple(sorted(rs.items())) if rs else None)
+        # lists (longrope factors) frozen to tuples: the config stays hashable
+        object.__setattr__(c, "rope_scaling", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                           for k, v in rs.items())) if rs else None)
     if c.sliding_window < 0:
         raise ValueError(f"ModelConfig.sliding_window={c.sliding_window} must be >= 0 (0: full attention)")
     if c.window_layers is not None:
@@ -271,6 +301,16 @@ def _check_attention_fields(c: ModelConfig) -> None:
             raise ValueError(f"ModelConfig.window_layers={c.window_layers!r} must list layer indices in "
                              f"[0, {c.num_hidden_layers})")
         object.__setattr__(c, "window_layers", layers)
+
+
+def _check_longrope(c: ModelConfig, rs: dict) -> None:
+    for k in ("short_factor", "long_factor"):
+        v = rs[k]
+        if (not isinstance(v, (list, tuple)) or len(v) != c.head_dim // 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
+            raise ValueError(f"rope_scaling (longrope) {k} must be {c.head_dim // 2} numbers (head_dim / 2), got {v!r}")
+    if not c.original_max_position_embeddings and not isinstance(rs.get("factor"), (int, float)):
+        raise ValueError("rope_scaling (longrope) needs factor or the config's original_max_position_embeddings")
 
 
 PRESETS: dict[str, ModelConfig] = {

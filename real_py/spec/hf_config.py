@@ -11,13 +11,16 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
 | qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
 | olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
-| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), tied (its only rope_scaling, longrope, is refused) |
+| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), longrope, tied |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
+| gemma3_text | Gemma3ForCausalLM                                | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 refused |
+| gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
 
-rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default). Refused, naming the field:
+rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
+(short/long factors switched per forward at original_max_position_embeddings, attention factor). Refused, naming the field:
 any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
 differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
-rope_scaling longrope, pruned_heads, quantization_config, custom code (auto_map), and any field not
+longrope outside llama / phi3, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
 """
 
@@ -33,8 +36,13 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     "olmo2": ("Olmo2ForCausalLM",),
     "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
+    "gemma3_text": ("Gemma3ForCausalLM",),
 }
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3"}
+# multimodal wrappers refused by name (their text stack is gemma3_text)
+_MULTIMODAL = {"gemma3": "Gemma 3 multimodal (vision tower); use a text-only gemma3_text checkpoint"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
+                 "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -61,6 +69,11 @@ _PER_TYPE = {"llama": {"mlp_bias", "attention_dropout", "hidden_act"},
                        "attention_dropout", "hidden_act"}}
 _PER_TYPE["qwen3"] = _PER_TYPE["qwen2"]
 _PER_TYPE["olmo2"] = {"attention_dropout", "hidden_act"}
+_PER_TYPE["gemma2"] = {"attention_dropout", "hidden_activation", "hidden_act", "sliding_window", "layer_types",
+                       "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                       "cache_implementation"}
+_PER_TYPE["gemma3_text"] = _PER_TYPE["gemma2"] | {"rope_local_base_freq", "sliding_window_pattern",
+                                                   "use_bidirectional_attention"}
 # resid_pdrop / embd_pdrop: dropout, checked to be 0 below; original_max_position_embeddings is
 # read by longrope only (refused)
 _PER_TYPE["phi3"] = {"attention_dropout", "hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
@@ -77,6 +90,9 @@ def check_architecture(config: dict, where: str) -> str:
     archs = config.get("architectures") or []
     if mt is None and not archs:
         mt = "llama"  # a bare dict of shape fields
+    if mt in _MULTIMODAL:
+        raise ValueError(f"{where}: architecture {mt!r} is not supported ({_MULTIMODAL[mt]}); supported: "
+                         f"{_supported()}")
     if mt not in ARCHITECTURES:
         name = mt if mt is not None else "/".join(map(str, archs))
         raise ValueError(f"{where}: architecture {name!r} is not supported; supported: {_supported()}")
@@ -110,7 +126,8 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if labels != 1:
             _refuse(where, "num_labels", labels, "a value head is one scalar per token; need num_labels=1")
         kw["head"] = "value"
-    act = config.get("hidden_act", "silu")
+    # Gemma's MLP reads hidden_activation (its hidden_act is a legacy field transformers ignores)
+    act = (config.get("hidden_activation") or "gelu_pytorch_tanh") if mt.startswith("gemma") else config.get("hidden_act", "silu")
     if act not in _HIDDEN_ACTS:
         _refuse(where, "hidden_act", act, f"implemented: {list(_HIDDEN_ACTS)}")
     kw["hidden_act"] = act
@@ -127,10 +144,10 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt in ("llama", "qwen3", "olmo2"):
-        # transformers' llama / qwen3 / olmo2 attention_bias biases q, k, v and o_proj
+    if mt in ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text"):
+        # transformers' llama / qwen3 / olmo2 / gemma attention_bias biases q, k, v and o_proj
         kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
-        kw["qk_norm"] = mt in ("qwen3", "olmo2")
+        kw["qk_norm"] = mt in ("qwen3", "olmo2", "gemma3_text")
         kw["qk_norm_whole"] = kw["norm_after"] = mt == "olmo2"
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
@@ -139,6 +156,13 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         if not isinstance(rs, dict):
             _refuse(where, "rope_scaling", rs, "expected a mapping")
         kw["rope_scaling"] = rs
+    longrope = isinstance(rs, dict) and (rs.get("rope_type") or rs.get("type")) == "longrope"
+    if longrope and mt not in ("llama", "phi3"):
+        _refuse(where, "rope_scaling", rs, f"longrope is implemented for llama and phi3, not {mt}")
+    if longrope and config.get("original_max_position_embeddings"):
+        kw["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    if mt in ("gemma2", "gemma3_text"):
+        _gemma_kwargs(config, kw, where, mt)
     if mt == "phi3":
         kw["attention_bias"] = False  # fused qkv_proj / gate_up_proj tensors in the checkpoint
     if mt in ("mistral", "phi3") and config.get("sliding_window") is not None:
@@ -156,7 +180,7 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     elif mt in ("qwen2", "qwen3") and any(t != "full_attention" for t in config.get("layer_types") or ()):
         _refuse(where, "layer_types", config["layer_types"], "sliding layers need use_sliding_window")
-    allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ)
+    allowed = _HARMLESS | _PER_TYPE[mt] | set(_SHAPE) | set(_READ) | ({"original_max_position_embeddings"} if longrope else set())
     for k, v in config.items():
         if k in allowed or k.startswith("_") or v is None or v is False or v == {} or v == []:
             continue
@@ -165,6 +189,40 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, k, v, f"not a field real_py implements for {mt}; supported {mt} fields: "
                 f"{sorted(set(_SHAPE) | set(_READ) | _PER_TYPE[mt] | {'rope_scaling', 'num_key_value_heads'})}")
     return kw
+
+
+def _gemma_kwargs(config: dict, kw: dict, where: str, mt: str) -> None:
+    """Gemma 2 / Gemma 3 text fields, with their transformers config defaults for the ones a
+    config.json leaves out (Gemma2Config / Gemma3TextConfig)."""
+    g3 = mt == "gemma3_text"
+    kw.update(norm_plus_one=True, sandwich_norm=True)
+    kw["query_pre_attn_scalar"] = config.get("query_pre_attn_scalar", 256)
+    caps = (None, None) if g3 else (50.0, 30.0)
+    # transformers 4.57's Gemma3Attention stores attn_logit_softcapping but never passes it to the
+    # attention function: Gemma 3 text attends uncapped whatever the field says, and so does real_py
+    kw["attn_logit_softcapping"] = 0.0 if g3 else config.get("attn_logit_softcapping", caps[0]) or 0.0
+    kw["final_logit_softcapping"] = config.get("final_logit_softcapping", caps[1]) or 0.0
+    if config.get("use_bidirectional_attention"):
+        _refuse(where, "use_bidirectional_attention", True, "real_py decoders are causal")
+    pattern = config.get("sliding_window_pattern", 6) if g3 else 2
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(config["num_hidden_layers"])]
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if len(types) != config["num_hidden_layers"] or bad:
+        _refuse(where, "layer_types", types, "one of sliding_attention / full_attention per layer")
+    window = config.get("sliding_window", 4096)
+    if "sliding_attention" in types:
+        if not window:
+            _refuse(where, "sliding_window", window, "sliding_attention layers need a window size")
+        kw["sliding_window"] = window
+        kw["window_layers"] = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    kw.setdefault("rms_norm_eps", 1e-6)
+    kw.setdefault("tie_word_embeddings", True)
+    kw.setdefault("head_dim", 256)
+    kw.setdefault("max_position_embeddings", 131072 if g3 else 8192)
+    if g3:
+        kw.setdefault("rope_theta", 1_000_000.0)
+        kw["rope_local_base_freq"] = float(config.get("rope_local_base_freq", 10_000.0))
 
 
 def export_config(config, source: dict | None = None) -> dict:
@@ -176,7 +234,7 @@ def export_config(config, source: dict | None = None) -> dict:
 
     c, mt = config, config.model_type
     olmo = c.qk_norm and c.qk_norm_whole and c.norm_after
-    if c.qk_norm != (mt in ("qwen3", "olmo2")) or (mt == "olmo2") != olmo or (c.norm_after and not olmo):
+    if c.qk_norm != (mt in ("qwen3", "olmo2", "gemma3_text")) or (mt == "olmo2") != olmo or (c.norm_after and not olmo):
         raise ValueError(f"qk_norm={c.qk_norm}, qk_norm_whole={c.qk_norm_whole}, norm_after={c.norm_after} "
                          f"cannot export as model_type {mt!r} (per-head q/k norms: qwen3; whole-projection "
                          "q/k norms with norms after the sublayers: olmo2)")
@@ -185,10 +243,17 @@ def export_config(config, source: dict | None = None) -> dict:
               vocab_size=c.vocab_size, num_hidden_layers=c.num_hidden_layers,
               tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
               max_position_embeddings=c.max_position_embeddings, torch_dtype=c.dtype, hidden_act="silu",
-              rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None, head_dim=c.head_dim)
+              rope_scaling=({k: list(v) if isinstance(v, tuple) else v for k, v in c.rope_scaling}
+                            if c.rope_scaling else None), head_dim=c.head_dim)
+    if c.original_max_position_embeddings:
+        kw["original_max_position_embeddings"] = c.original_max_position_embeddings
     if c.mlp_bias and mt != "llama":
         raise ValueError(f"mlp_bias exports as model_type 'llama' only, not {mt!r}")
-    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2")):
+    if not mt.startswith("gemma") and (c.rope_local_base_freq or c.norm_plus_one or c.sandwich_norm or c.attn_logit_softcapping
+                           or c.final_logit_softcapping or c.query_pre_attn_scalar):
+        raise ValueError(f"Gemma fields (norm_plus_one, sandwich_norm, soft-capping, query_pre_attn_scalar) "
+                         f"cannot export as model_type {mt!r}")
+    if c.o_proj_bias != (c.attention_bias and mt in ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text")):
         raise ValueError(f"attention_bias={c.attention_bias}, o_proj_bias={c.o_proj_bias} cannot export as "
                          f"model_type {mt!r} (llama / qwen3: both or neither; qwen2: q/k/v only)")
     kw["hidden_act"] = c.hidden_act
@@ -203,10 +268,31 @@ def export_config(config, source: dict | None = None) -> dict:
         kw.pop("head_dim")  # Olmo2Config has none: hidden_size // num_attention_heads
         if c.head_dim * c.num_attention_heads != c.hidden_size:
             raise ValueError(f"olmo2 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
+    elif mt in ("gemma2", "gemma3_text"):
+        g3 = mt == "gemma3_text"
+        if (not (c.norm_plus_one and c.sandwich_norm) or c.qk_norm != g3 or c.qk_norm_whole or c.norm_after
+                or c.mlp_bias or bool(c.rope_local_base_freq) != g3):
+            raise ValueError(f"{mt} needs (1 + w) norms and sandwich norms, no MLP biases; per-head q/k norms "
+                             "and rope_local_base_freq exactly for gemma3_text")
+        if g3:
+            kw["rope_local_base_freq"] = c.rope_local_base_freq
+        kw.pop("hidden_act")
+        layers = range(c.num_hidden_layers)
+        kw.update(hidden_activation=c.hidden_act, attention_bias=c.attention_bias,
+                  query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
+                  attn_logit_softcapping=c.attn_logit_softcapping or None,
+                  final_logit_softcapping=c.final_logit_softcapping or None,
+                  sliding_window=c.sliding_window or None,
+                  layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
     elif mt == "phi3":
         if c.attention_bias or c.o_proj_bias or c.mlp_bias or c.window_layers is not None:
             raise ValueError("phi3 has no biases and slides every layer or none")
         kw.update(sliding_window=c.sliding_window or None)
+        if kw["rope_scaling"]:  # Phi3Config wants exactly type, short_factor, long_factor
+            rs = kw["rope_scaling"]
+            if set(rs) != {"rope_type", "short_factor", "long_factor"}:
+                raise ValueError(f"phi3 exports rope_scaling longrope with short/long factors only, got {sorted(rs)}")
+            kw["rope_scaling"] = {"type": rs.pop("rope_type"), **rs}
         kw.pop("head_dim")  # Phi3Config has none: hidden_size // num_attention_heads
         if c.head_dim * c.num_attention_heads != c.hidden_size:
             raise ValueError(f"phi3 needs head_dim = hidden_size / num_attention_heads, got {c.head_dim}")
@@ -238,7 +324,9 @@ def export_config(config, source: dict | None = None) -> dict:
         kw["pad_token_id"] = c.pad_token_id
     out = dict(source or {})
     for k in ("rope_scaling", "sliding_window", "original_max_position_embeddings", "use_sliding_window", "max_window_layers", "layer_types",
-              "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias"):
+              "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias",
+              "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+              "rope_local_base_freq", "sliding_window_pattern"):
         out.pop(k, None)
     out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())
     return out

@@ -268,7 +268,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.mlp.gate_up_proj.bias        [2I]              split like the weight (mlp_bias)
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
       layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
-      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2)
+      layers.i.pre_feedforward_layernorm.w  [H]               replicated (sandwich_norm, Gemma)
+      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2; sandwich_norm)
     MoE layers (ModelConfig.is_moe_layer; Im = moe_intermediate_size, E experts) instead of mlp.*:
       layers.i.mlp.gate.weight              [E, H]            replicated (router)
       layers.i.mlp.shared_expert.gate_up_proj.weight / down_proj.weight  (shared expert, dense rules)
@@ -317,6 +318,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         if c.o_proj_bias:  # added once, after the row-parallel all-reduce
             lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
         lp.append((pre + "post_attention_layernorm.weight", (H,), REPLICATED))
+        if c.sandwich_norm:  # Gemma 2/3: norm on the MLP input as well as on both sublayer outputs
+            lp.append((pre + "pre_feedforward_layernorm.weight", (H,), REPLICATED))
         experts = []
         if c.is_moe_layer(i):
             experts = _moe_params(c, pre, lp)
@@ -328,7 +331,7 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
                        TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
             if c.mlp_bias:
                 lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
-        if c.norm_after:
+        if c.norm_after or c.sandwich_norm:
             lp.append((pre + "post_feedforward_layernorm.weight", (H,), REPLICATED))
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
         params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r, expert=j)
