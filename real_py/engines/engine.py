@@ -55,6 +55,10 @@ class Engine:
             raise ValueError(f"tied embeddings with pp > 1: groups for {layout} have no tied group on "
                              f"stage {groups.stage}; build them with real_py.parallel.ParallelGroups")
         self.config, self.layout, self.groups, self.shard = config, layout, groups, shard
+        self.logit_temperature = 1.0
+        """Log-probs and entropy (inference and training) are those of logits / logit_temperature:
+        the RL runtime sets it to generation.temperature, so the PPO ratio, the KL and the entropy
+        describe the distribution the sampler drew from (as verl and OpenRLHF do)."""
         self.model = StageModel(config, shard, groups.tp_group)
         self.dtype = torch_dtype(config.dtype)
         self.device = shard.flat.device
@@ -133,6 +137,8 @@ class Engine:
         out = self.model.head(h)
         if self.config.head == "value":
             return {"values": out}
+        if self.logit_temperature != 1.0:
+            out = out / self.logit_temperature
         lp, ent = vocab_parallel_logprobs(out[:, :-1], tokens[:, 1:], self.groups.tp_group,
                                           self.groups.tp_rank, self.config.vocab_size, with_entropy)
         return {"logprobs": lp, "entropy": ent} if with_entropy else {"logprobs": lp}

@@ -32,11 +32,15 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    if 0 < top_k < sorted_p.shape[-1]:
+    truncated = 0 < top_k < sorted_p.shape[-1]
+    if truncated:
         sorted_p[:, top_k:] = 0.0
     cum = sorted_p.cumsum(-1)
     if top_p < 1.0:
-        sorted_p = sorted_p.masked_fill(cum - sorted_p >= top_p, 0.0)
+        # top-p on the top-k distribution renormalised (as transformers' and vLLM's warpers do):
+        # keep a token while the mass before it is below top_p of the kept mass.
+        kept = top_p * cum[:, -1:] if truncated else top_p
+        sorted_p = sorted_p.masked_fill(cum - sorted_p >= kept, 0.0)
         cum = sorted_p.cumsum(-1)
     target = (uniforms * cum[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cum, target, right=True).clamp(max=logits.shape[-1] - 1)

@@ -160,7 +160,9 @@ def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Te
             raise RuntimeError(f"async.check_versions: no kept weights of version {v} (have "
                                f"{sorted(st.snapshots)}) on rank {dist.get_rank()}")
         shard = ModelShard(spec, g.layout, dist.get_rank(), st.snapshots[v])
-        lp = Engine(cfg, g.layout, g, shard).inference(d["tokens"], d["lengths"])["logprobs"]
+        eng = Engine(cfg, g.layout, g, shard)
+        eng.logit_temperature = engine.logit_temperature
+        lp = eng.inference(d["tokens"], d["lengths"])["logprobs"]
         sel = (ver == v).float()
         err += (lp - d["old_logp"]).abs() * sel
     newest = engine.inference(d["tokens"], d["lengths"])["logprobs"]

@@ -53,8 +53,10 @@ class Models:
     def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
                  paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
-                 critic_init: str = "checkpoint", device: torch.device | str = "cpu"):
+                 critic_init: str = "checkpoint", device: torch.device | str = "cpu",
+                 temperature: float = 1.0):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.temperature = temperature  # every engine's logit_temperature (generation.temperature)
         self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
@@ -87,6 +89,7 @@ class Models:
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+            self.engines[m].logit_temperature = temperature
             if offload_frozen and optim is None:
                 # Off from the start: the weights are resident only during their call.
                 self.offloads[m] = HostOffload(shard.flat, name=f"{m} shard on rank {self.rank}")
@@ -126,7 +129,9 @@ class Models:
         stats["seconds"] = time.perf_counter() - t0
         if dst_shard is None:
             return None, stats
-        return Engine(self.configs[c.model], dst, self.groups[call], dst_shard), stats
+        engine = Engine(self.configs[c.model], dst, self.groups[call], dst_shard)
+        engine.logit_temperature = self.temperature
+        return engine, stats
 
     def reload(self, model: str) -> tuple[int, float]:
         """Bring an offloaded frozen model's weights back; (bytes, seconds); (0, 0.0) if this rank

@@ -106,7 +106,7 @@ class Runtime:
                              timeout_s=timeout_s, rule_reward=rule,
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
                              offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
-                             device=self.device)
+                             device=self.device, temperature=cfg.generation.temperature)
         # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
         store = start_heartbeat()
         self.watch = PeerWatch(store) if store is not None else None
