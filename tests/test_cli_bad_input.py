@@ -84,7 +84,8 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
     ("bench-70b-on-cpu", ["bench", "--model", "llama2-70b", "--src", "tp2", "--dst", "dp2"],
      "GiB is available; pick a smaller model"),
     ("plan-unknown-preset", ["plan", "--model", "llama3", "--src", "dp2", "--dst", "tp2"],
-     "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b, llama3.1-405b)"),
+     "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b, llama3.1-405b, "
+     "moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b, kimi-k2-shaped) nor an existing HF config.json"),
     ("plan-src-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--src-ranks", "0,x"],
      "--src-ranks '0,x': expected comma-separated non-negative integers"),
     ("plan-dst-ranks", ["plan", "--src", "dp2", "--dst", "tp2", "--dst-ranks", "1;2"], "--dst-ranks '1;2'"),
