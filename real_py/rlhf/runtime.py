@@ -182,28 +182,10 @@ class Runtime:
                 rounds += 1
             order = [(i, n) for i, n in order if self.graph.calls[n].trains]
         self._run(order, step, store, pusher, sums, events, reallocs, offloads, peaks)
-        try:
-            with self._watched(f"rank {self.rank}, step {step}, end of iteration",
-                               range(dist.get_world_size())):
-                pusher.finish(store, step)
-                sums = sums.to(self.device)
-                dist.all_reduce(sums)
-                sums = sums.cpu()
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
-        except Exception as e:
-            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
-                               f"{type(e).__name__}: {e}") from e
-        out = self._summary(sums, gathered, store)
+        out = self._finish(step, sums, pusher, store, (events, reallocs, offloads, peaks))
         if pc.dynamic_sampling:
             out["metrics"]["dropped_groups"] = float(dropped)
             out["metrics"]["gen_rounds"] = float(rounds)
-        r = METRICS.index("reward")
-        self.reward_moments += torch.tensor([sums[r, 0], sums[len(METRICS), 0], sums[r, 1]],
-                                            dtype=torch.float64)
-        if self.cfg.ppo.kl_target is not None:
-            out["metrics"]["kl_coef"] = self.kl_coef
-        self.kl_coef = adaptive_kl(self.kl_coef, out["metrics"].get("kl"), self.cfg)
         return out
 
     def _async_iteration(self, step: int) -> dict:
@@ -366,15 +348,18 @@ class Runtime:
         return store, pusher
 
     def _finish(self, step, sums, pusher, store, lists) -> dict:
-        """End of an async step: pushes done, metrics all-reduced, summary (as iteration's tail)."""
+        """End of a step (sync or async): pushes done, metrics all-reduced, summary, reward
+        moments and the adaptive KL coefficient updated."""
         events, reallocs, offloads, peaks = lists
         try:
-            pusher.finish(store, step)
-            sums = sums.to(self.device)
-            dist.all_reduce(sums)
-            sums = sums.cpu()
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
+            with self._watched(f"rank {self.rank}, step {step}, end of iteration",
+                               range(dist.get_world_size())):
+                pusher.finish(store, step)
+                sums = sums.to(self.device)
+                dist.all_reduce(sums)
+                sums = sums.cpu()
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, (events, reallocs, offloads, pusher.bytes_sent, peaks))
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
                                f"{type(e).__name__}: {e}") from e
