@@ -71,6 +71,8 @@ def _cases(tmp):
         ("layout parse repeated axes", lambda: Layout.parse("tp2 pp2 tp=4 pp1"), ValueError, "axis pp, tp given more", []),
         ("layout order int", lambda: Layout(order=3), ValueError, "Layout.order=3; allowed", []),
         ("layout dp bool", lambda: Layout(dp=True), ValueError, "Layout.dp=True must be a positive int", []),
+        ("config pad_token_id outside vocab", lambda: ModelConfig(**O.TINY, pad_token_id=97), ValueError,
+         r"ModelConfig.pad_token_id=97 is outside the vocabulary \(vocab_size=97", []),
         # ModelSpec / Layout arguments
         ("plan_realloc config", lambda: plan_realloc(CFG, SRC, DST), TypeError, M + "ModelConfig", []),
         ("plan_realloc name", lambda: plan_realloc("llama-7b", SRC, DST), TypeError, M + "str 'llama-7b'", []),

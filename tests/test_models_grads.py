@@ -258,9 +258,12 @@ def test_tied_pp3_reallocates_bit_for_bit(runs):
 LONGROPE = dict(original_max_position_embeddings=6, rope_scaling=dict(
     rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))
 GEMMA = dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=12, final_logit_softcapping=3.0)
-# name -> (model_type, tied, head, config fields); every case runs tp2pp2 (permuted ranks) and tp4
+# name -> (model_type, tied, head, config fields); every case runs tp2pp2 (permuted ranks), tp4 and
+# pp3. pad_token_id: transformers' embedding row of the pad token gets no gradient from lookups
+# (nn.Embedding padding_idx). The batch holds OLMo 2's default pad 1 once, 60 (a later TP rank's
+# rows) and 96 (the last row) at real positions; 0 only in the padding, where no gradient reaches.
 FAMILIES = {
-    "qwen3": ("qwen3", False, "lm", dict(attention_bias=True)),
+    "qwen3": ("qwen3", False, "lm", dict(attention_bias=True, pad_token_id=60)),
     "qwen3-value": ("qwen3", False, "value", {}),
     "olmo2-tied": ("olmo2", True, "lm", {}),
     "olmo2-untied": ("olmo2", False, "lm", dict(attention_bias=True)),
@@ -269,7 +272,7 @@ FAMILIES = {
         type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))),
     "phi3-value": ("phi3", False, "value", dict(pad_token_id=0)),
     "llama-biases": ("llama", False, "lm", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
-                                               **LONGROPE)),
+                                               pad_token_id=96, **LONGROPE)),
     "llama-biases-value": ("llama", False, "value", dict(attention_bias=True, mlp_bias=True)),
     "gemma2-tied": ("gemma2", True, "lm", dict(GEMMA, attn_logit_softcapping=2.0)),
     "gemma2-value": ("gemma2", False, "value", dict(GEMMA, attn_logit_softcapping=2.0)),
@@ -278,7 +281,7 @@ FAMILIES = {
 }
 if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the case names
     FAMILIES = {k: v for k, v in FAMILIES.items() if os.environ["FAMILY_CASES"] in k}
-FAMILY_LAYOUTS = [Layout(tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(tp=4)]
+FAMILY_LAYOUTS = [Layout(tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(tp=4), Layout(pp=3, ranks=(2, 0, 3))]
 
 
 @pytest.fixture(scope="module")
@@ -296,29 +299,14 @@ def family_runs(tmp_path_factory):
     return cases, refs, outs
 
 
-# Known bug found by this test (issue 20 follow-up): OLMo 2 on tp >= 2 (pp 1 or 2, tied or not) gets
-# embed_tokens.weight gradients off by 2-40% (every other tensor matches; tp=1 matches).
-KNOWN_BAD = ("olmo2-tied", "olmo2-untied")
-
-
 @pytest.mark.timeout(900)
 def test_family_gradients_and_logits_match_autograd(family_runs):
     """logprob / entropy (lm) and value-loss gradients of every family, and lm logits."""
-    _check_families(family_runs, lambda name: name not in KNOWN_BAD)
+    _check_families(family_runs)
 
 
-@pytest.mark.xfail(strict=True, reason="OLMo 2 on tp>=2: embed_tokens.weight gradient off (open bug)")
-def test_olmo2_embedding_gradient_on_tp(family_runs):
-    if not any(c[0] in KNOWN_BAD for c in family_runs[0]):
-        pytest.fail("FAMILY_CASES run without the olmo2 cases")
-    _check_families(family_runs, lambda name: name in KNOWN_BAD)
-
-
-def _check_families(family_runs, which):
+def _check_families(family_runs):
     cases, refs, outs = family_runs
-    cases = [c for c in cases if which(c[0])]
-    if not cases:
-        pytest.skip("no such case in this FAMILY_CASES run")
     n, failed = 0, []
     for name, _, head, layouts, _ in cases:
         grads, want = refs[name]

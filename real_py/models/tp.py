@@ -116,18 +116,25 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [tp_rank * V_local, (tp_rank + 1) * V_local) of the (zero-padded) table per rank."""
+    """Rows [tp_rank * V_local, (tp_rank + 1) * V_local) of the (zero-padded) table per rank.
 
-    def __init__(self, weight: nn.Parameter, group, tp_rank: int):
+    padding_row: a global row (the pad token) whose lookups add no gradient, as transformers'
+    nn.Embedding(padding_idx=pad_token_id) in every supported family; the forward still reads it.
+    """
+
+    def __init__(self, weight: nn.Parameter, group, tp_rank: int, padding_row: int | None = None):
         super().__init__()
         self.weight, self.group = weight, group
         self.lo = tp_rank * weight.shape[0]
+        local = None if padding_row is None else padding_row - self.lo
+        self.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if _size(self.group) == 1:
-            return F.embedding(tokens, self.weight)
+            return F.embedding(tokens, self.weight, self.padding_idx)
         local = tokens - self.lo
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        # outside tokens read row 0 and are zeroed below, so they add no gradient to it either
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)

@@ -10,7 +10,8 @@ ModelSpec names (layers.3.self_attn.qkv_proj.weight ...); `model.shard_params` m
 name to its Parameter, including the tied embedding copy on the last stage.
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoPE with fp32
 frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads, SDPA with scale
-1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q.
+1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q;
+lookups of pad_token_id add no gradient to its embedding row (nn.Embedding's padding_idx).
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ class StageModel(nn.Module):
         self.local_rope = (replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
                            if config.rope_local_base_freq else None)
         if self.is_first:
-            self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank)
+            self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank,
+                                                       config.padding_row)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group)
                                      for i in range(self.lo, self.hi)})
         if self.is_last:

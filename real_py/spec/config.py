@@ -117,7 +117,10 @@ class ModelConfig:
     """Gemma 3: the sliding-window layers (window_layers) use plain RoPE with this base; rope_theta
     and rope_scaling apply to the global layers only. 0: every layer uses rope_theta/rope_scaling."""
     pad_token_id: int | None = None
-    """Kept for export: a value model's ...ForSequenceClassification needs it for batches > 1."""
+    """The embedding row whose lookups get no gradient (transformers' nn.Embedding(padding_idx):
+    the row still embeds, but training leaves it to the tied head, if any); negative counts from
+    the end of the vocabulary, as in torch. Also needed for export: a value model's
+    ...ForSequenceClassification reads it for batches > 1."""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` has routed experts instead of a dense MLP."""
@@ -161,8 +164,17 @@ class ModelConfig:
         if not isinstance(self.vocab_pad_multiple, int) or self.vocab_pad_multiple < 1:
             raise ValueError(f"ModelConfig.vocab_pad_multiple={self.vocab_pad_multiple!r} must be "
                              "a positive int (Megatron-core: 128)")
+        if self.pad_token_id is not None and not -self.vocab_size <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"ModelConfig.pad_token_id={self.pad_token_id} is outside the vocabulary "
+                             f"(vocab_size={self.vocab_size}; transformers' nn.Embedding refuses it too)")
         _check_attention_fields(self)
         _check_moe_fields(self)
+
+    @property
+    def padding_row(self) -> int | None:
+        """pad_token_id as a row of the embedding table (negative ids count from vocab_size)."""
+        p = self.pad_token_id
+        return None if p is None else p % self.vocab_size
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> "ModelConfig":
