@@ -124,9 +124,10 @@ class Models:
         home_engine = self.engines[c.model]
         dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
                      if self.rank in dst.ranks else None)
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
         stats["seconds"] = time.perf_counter() - t0
+        stats["start"], stats["end"] = wall, wall + stats["seconds"]   # for the span over ranks
         if dst_shard is None:
             return None, stats
         engine = Engine(self.configs[c.model], dst, self.groups[call], dst_shard)

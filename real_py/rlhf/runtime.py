@@ -20,6 +20,9 @@ and offloaded right after it (after posting its pushes).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
+import json
+import os
 import math
 import time
 
@@ -141,8 +144,10 @@ class Runtime:
         self._used_prefetch: list[str] = []    # calls of this step that ran on moved-ahead weights
 
     def iteration(self, step: int) -> dict:
-        """Run one iteration; returns {"metrics", "calls" (per call: max seconds over ranks),
-        "realloc_seconds" (per model: max over ranks), "realloc_bytes" (sum over ranks),
+        """Run one iteration; returns {"metrics", "calls" (per call: seconds from its last rank's
+        start to its last rank's end),
+        "realloc_seconds" (per model: summed over its reallocations, each from its last rank's
+        start to its last rank's end), "realloc_bytes" (sum over ranks),
         "offload_seconds" (per frozen model: max over ranks of reload + offload seconds; {} without
         offload_frozen), "offload_bytes" (sum over ranks of bytes copied in and out), "data_bytes",
         "peak_mem_mib" (per call: max over ranks of the GPU memory peak, MiB; {} on CPU),
@@ -330,7 +335,7 @@ class Runtime:
                 except Exception as e:
                     raise RuntimeError(f"rank {self.rank}, step {step}: sending the next actor "
                                        f"weights for {n}: {type(e).__name__}: {e}") from e
-                reallocs.append(("actor", stats["seconds"], stats["sent_bytes"]))
+                reallocs.append(("actor", n, stats["start"], stats["end"], stats["sent_bytes"]))
                 events.append((self.rank, "realloc:" + n, t0, time.time()))
             self._prefetched[n] = None
         if self._thread is not None:
@@ -440,7 +445,7 @@ class Runtime:
             fn, self._start_after = self._start_after[1], None
             fn()
         if rstats is not None:
-            reallocs.append((call.model, rstats["seconds"], rstats["sent_bytes"]))
+            reallocs.append((call.model, name, rstats["start"], rstats["end"], rstats["sent_bytes"]))
             if self.astate is not None:   # async mode: reallocation intervals, for the overlap
                 events.append((self.rank, "realloc:" + name, t_r, time.time()))
         g = self.groups[name]
@@ -459,26 +464,49 @@ class Runtime:
 
     def _summary(self, sums, gathered, store) -> dict:
         metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
-        calls, events = {}, []
-        r_sec, r_bytes, o_sec, o_bytes, d_bytes, peak = {}, 0, {}, 0, 0, {}
+        events, spans, r_spans = [], {}, {}
+        r_bytes, o_sec, o_bytes, d_bytes, peak = 0, {}, 0, 0, {}
         for ev, rl, ol, pushed, pk in gathered:
             events += ev
             for name, mib in pk.items():
                 peak[name] = max(peak.get(name, 0.0), mib)
+            # The k-th run of a call on this rank (a refill round runs it again), and the k-th
+            # reallocation of a model for a call: the same run on every rank that takes part.
+            seen = Counter()
             for _, name, a, b in ev:
-                calls[name] = max(calls.get(name, 0.0), b - a)
-            for model, sec, nbytes in rl:
-                r_sec[model] = max(r_sec.get(model, 0.0), sec)
+                _span(spans, (name, seen[name]), a, b)
+                seen[name] += 1
+            for model, call, a, b, nbytes in rl:
+                _span(r_spans, (model, call, seen[model, call]), a, b)
+                seen[model, call] += 1
                 r_bytes += nbytes
             for model, sec, nbytes in ol:
                 o_sec[model] = max(o_sec.get(model, 0.0), sec)
                 o_bytes += nbytes
             d_bytes += pushed
+        # A call's (a reallocation's) seconds run from the moment its last rank enters it to the
+        # moment its last rank leaves, summed over its runs: a rank that arrives late from earlier
+        # work (rank 0 writing the previous step's logs) is not charged to the call its peers
+        # wait in. Wall clocks of the ranks are compared, as for the async overlap figures.
+        calls, r_sec = {}, {}
+        for (name, _), (a, b) in spans.items():
+            calls[name] = calls.get(name, 0.0) + max(b - a, 0.0)
+        for (model, _, _), (a, b) in r_spans.items():
+            r_sec[model] = r_sec.get(model, 0.0) + max(b - a, 0.0)
         calls = {n: calls[n] for n in self.graph.order if n in calls}
+        if os.environ.get("TMP_DUMP_EVENTS") and self.rank == 0:  # TMPHACK
+            with open(os.environ["TMP_DUMP_EVENTS"], "a") as f:
+                f.write(json.dumps(events) + "\n")
         return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
                 "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
                 "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in self.graph.order if n in peak},
                 "events": events, "store": store}
+
+
+def _span(spans: dict, key, start: float, end: float) -> None:
+    """Widen spans[key] to (latest start, latest end) over the ranks."""
+    a, b = spans.get(key, (start, end))
+    spans[key] = (max(a, start), max(b, end))
 
 
 __all__ = ["Runtime", "make_batch", "adaptive_kl"]

@@ -227,17 +227,18 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
         spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=L))
         return max(raw[key] - passes * fwd_flops(spec, B * T, T / 2) / flops, 0.0)
 
-    def line(prefix: str, passes: int) -> tuple[float, float]:
-        """(per layer, per pass), averaged over the lm and value heads: the cost model has one."""
-        per_layer, fixed = [], []
-        for h in ("lm", "value"):
-            t0, t1 = net(f"{h}_{prefix}_{l0}", l0, passes), net(f"{h}_{prefix}_{l1}", l1, passes)
-            per_layer.append(max((t1 - t0) / (l1 - l0), 0.0))
-            fixed.append(max(t0 - l0 * per_layer[-1], 0.0))
-        return statistics.mean(per_layer), statistics.mean(fixed)
+    def line(prefix: str, passes: int) -> tuple[float, float, float]:
+        """(per layer, per pass of the lm head, per pass of the value head). The layers are the
+        same under both heads: one slope, averaged over them; each head's fixed part is what is
+        left of its timings at both layer counts (the lm head's log-probs and entropy over the
+        vocabulary cost more than a value head's one output per token)."""
+        t = {(h, L): net(f"{h}_{prefix}_{L}", L, passes) for h in ("lm", "value") for L in (l0, l1)}
+        per_layer = max(statistics.mean((t[h, l1] - t[h, l0]) / (l1 - l0) for h in ("lm", "value")), 0.0)
+        fixed = [max(statistics.mean(t[h, L] - L * per_layer for L in (l0, l1)), 0.0) for h in ("lm", "value")]
+        return per_layer, fixed[0], fixed[1]
 
-    layer, head = line("inf", 1)
-    train_layer, train = line("train", 3)
+    layer, head, value_head = line("inf", 1)
+    train_layer, train, value_train = line("train", 3)
     lo, hi = G
 
     def decode_slope(prefix: str) -> tuple[float, float]:
@@ -276,7 +277,8 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
     # What tensor parallelism adds outside the layers beyond the collectives the cost model
     # counts (HEAD_COLLS per pass, one all-gather per decode step): gathers of Python objects,
     # masking and slicing of the vocab-parallel head.
-    return {"layer_lat": layer, "head_lat": head, "train_layer_lat": train_layer, "train_lat": train,
+    return {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
+            "train_lat": train, "value_train_lat": value_train,
             "decode_layer_lat": decode_layer, "decode_lat": decode, "intra_lat": coll,
             "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio,
             "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),

@@ -182,7 +182,8 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         tp_t = (k * 2 * L / pp * bubble * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
                 + m * (k * HEAD_COLLS * tp_lat + head_host)) if tp > 1 else 0.0
         hops = k * (m + pp - 2) if pp > 1 else 0
-        layer, head = (hw.train_layer_lat, hw.train_lat) if train else (hw.layer_lat, hw.head_lat)
+        layer = hw.train_layer_lat if train else hw.layer_lat
+        head = hw.pass_lat(c.head, train)
         return {"compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
                 "tp": tp_t,
                 "pp": hops * (pp_lat + tok / m * H * es / pp_bw),

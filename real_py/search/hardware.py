@@ -51,6 +51,11 @@ class HardwareProfile:
     """Per transformer layer per optimizer step of one micro-batch: forward, backward, Adam."""
     train_lat: float = 0.0
     """Per optimizer step of one micro-batch: embedding, head, loss, their backward, Adam."""
+    value_head_lat: float | None = None
+    """head_lat of a model with a value head (one output per token instead of log-probs over the
+    vocabulary, no entropy); None: head_lat."""
+    value_train_lat: float | None = None
+    """train_lat of a model with a value head; None: train_lat."""
     tp_head_lat: float = 0.0
     """Per forward pass with tp > 1: host work of the vocab-parallel embedding and head beyond
     the latency of their collectives."""
@@ -79,6 +84,9 @@ class HardwareProfile:
                   "p2p_lat_ratio", "lat_contention"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
+        for f in ("value_head_lat", "value_train_lat"):
+            if getattr(self, f) is not None and not getattr(self, f) >= 0:
+                raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0 (or None)")
         if self.shared_cores < 0:
             raise ValueError(f"HardwareProfile.shared_cores={self.shared_cores} must be >= 0")
         if self.ranks_per_node < 1:
@@ -93,6 +101,13 @@ class HardwareProfile:
     def mem_bw(self) -> float:
         """Achieved memory bandwidth, bytes/s."""
         return self.hbm_bw * self.hbm_eff
+
+    def pass_lat(self, head: str, train: bool) -> float:
+        """Fixed seconds per forward pass (train: per optimizer step of one micro-batch) outside
+        the layers, for a model with an `lm` or a `value` head."""
+        if train:
+            return self.value_train_lat if head == "value" and self.value_train_lat is not None else self.train_lat
+        return self.value_head_lat if head == "value" and self.value_head_lat is not None else self.head_lat
 
     def contention(self, ranks: int) -> float:
         """Slow-down of processor work when `ranks` devices are busy on `shared_cores` cores."""
