@@ -113,6 +113,28 @@ def test_host_overheads_by_hand():
     assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
 
 
+def test_value_head_pass_costs_by_hand():
+    """A value model's passes carry value_head_lat / value_train_lat; unset, the lm head's."""
+    v = model_spec(replace(TINY, head="value"), "tiny-value")
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    hw = HardwareProfile(**FREE | dict(value_head_lat=3.0, value_train_lat=7.0))
+    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(2 * 1.0 + 3.0)
+    assert call_time("train", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(4 * (2 * 1e4 + 7.0))
+    assert call_time("inference", tiny(), Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(2 + 10.0)
+    same = HardwareProfile(**FREE)
+    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, same, wl)["overhead"] == pytest.approx(2 + 10.0)
+    with pytest.raises(ValueError, match="value_head_lat"):
+        replace(same, value_head_lat=-1.0)
+
+
+def test_calibration_line_fit():
+    from real_py.search.calibrate import _fit_line
+
+    assert _fit_line({1: 3.0, 3: 7.0, 5: 11.0}) == pytest.approx((2.0, 1.0))
+    assert _fit_line({1: 3.0, 5: 12.2}) == pytest.approx((2.3, 0.7))
+    assert _fit_line({1: 3.0, 2: 4.0, 5: 12.2})[0] == pytest.approx(2.4)
+
+
 def test_contention_by_hand():
     m = tiny()
     wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)

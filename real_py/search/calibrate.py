@@ -17,11 +17,11 @@ A. uncontended: n busy ranks, one per core (the others wait in a barrier):
    - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
      engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
      head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
-   - a real Reallocator over DistTransport (tp -> pp on the busy ranks) minus its planned
-     transfer time: the fixed cost per reallocation.
 B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n = cores): how
    much the collective latency grows when busy ranks share cores (`lat_contention`; processor
-   work grows with the number of busy ranks per core, `shared_cores`).
+   work grows with the number of busy ranks per core, `shared_cores`); and a real Reallocator
+   over DistTransport on all 2n ranks (tp2 x pp -> dp, as a training -> generation move) minus
+   its planned transfer time: the fixed cost per reallocation.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ CAL_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, 
 B, T, P_LEN, G = 2, 24, 8, (2, 10)
 """Rows, sequence length, prompt length and the two generation lengths per calibration rank."""
 LAYERS = (1, 5)
-"""Layer counts of the calibration model: the per-layer cost is the slope between them."""
+"""Layer counts of the calibration model: the per-layer cost is the least-squares slope over them,
+the fixed cost the mean of what is left at each count."""
 PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
 
@@ -157,11 +158,13 @@ def _link_bandwidth(rank: int, pair, reps: int) -> dict:
     return {"bw_bytes_per_s": big.numel() * 4 / seconds}
 
 
-def _realloc_plan(n: int):
-    """The calibration reallocation: the calibration model from tp=n to pp=n on ranks 0..n-1."""
+def _realloc_plan(world: int):
+    """The calibration reallocation: the calibration model from tp=2 x pp=world/2 (a training
+    layout) to dp=world (a generation layout) on every rank, busy at once as in the runtime."""
     spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=4))
-    ranks = tuple(range(n))
-    return plan_realloc(spec, Layout(tp=n, ranks=ranks), Layout(pp=n, ranks=ranks), ranks_per_node=n)
+    ranks = tuple(range(world))
+    return plan_realloc(spec, Layout(tp=2, pp=world // 2, ranks=ranks), Layout(dp=world, ranks=ranks),
+                        ranks_per_node=world)
 
 
 def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
@@ -204,37 +207,50 @@ def _worker(rank: int, world: int, n: int, reps: int) -> dict:
     pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, n, 2)]
     out = {}
     if rank < n:  # phase A: one busy rank per core
-        transport = DistTransport(busy, timeout=60)
         out |= _roofline(busy)
         out |= _link_bandwidth(rank, pairs[rank // 2], reps)
         out |= _single_rank_costs(rank, singles[rank], busy, reps)
         out |= _pair_costs(rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
         out |= _pair_costs(rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
-        out |= _realloc_cost(rank, transport, n, busy, reps)
     dist.barrier()
-    # Phase B: every pair at once, two busy ranks per core.
+    # Phase B: every pair at once, two busy ranks per core; a reallocation over every rank.
     out |= _pair_costs(rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
+    out |= _realloc_cost(rank, DistTransport(dist.group.WORLD, timeout=60), world, None, reps)
     return out
+
+
+def _fit_line(points: dict) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through {x: y}."""
+    xs, ys = list(points), list(points.values())
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
 
 
 def _fit(raw: dict, prof_kw: dict) -> dict:
     """Per-layer and per-pass seconds from the engine timings (slope over LAYERS), after removing
     the calibration model's roofline compute (FLOPs at the measured rate)."""
 
-    flops, (l0, l1) = prof_kw["peak_flops"], LAYERS
+    flops = prof_kw["peak_flops"]
 
-    def net(key: str, L: int, passes: int) -> float:
-        spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=L))
-        return max(raw[key] - passes * fwd_flops(spec, B * T, T / 2) / flops, 0.0)
+    def net(key: str, L: int, passes: int, head: str = "lm") -> float:
+        """The timing minus what the cost model charges as roofline work: the FLOPs of every
+        pass, and for a train step (3 passes) the optimizer's memory traffic (costmodel.call_time),
+        so the fixed costs fitted here are not counted twice."""
+        spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=L, head=head))
+        work = passes * fwd_flops(spec, B * T, T / 2) / flops
+        if passes == 3:
+            work += spec.numel * (24 + 3 * spec.element_size) / prof_kw["hbm_bw"]
+        return max(raw[key] - work, 0.0)
 
     def line(prefix: str, passes: int) -> tuple[float, float, float]:
         """(per layer, per pass of the lm head, per pass of the value head). The layers are the
         same under both heads: one slope, averaged over them; each head's fixed part is what is
         left of its timings at both layer counts (the lm head's log-probs and entropy over the
         vocabulary cost more than a value head's one output per token)."""
-        t = {(h, L): net(f"{h}_{prefix}_{L}", L, passes) for h in ("lm", "value") for L in (l0, l1)}
-        per_layer = max(statistics.mean((t[h, l1] - t[h, l0]) / (l1 - l0) for h in ("lm", "value")), 0.0)
-        fixed = [max(statistics.mean(t[h, L] - L * per_layer for L in (l0, l1)), 0.0) for h in ("lm", "value")]
+        t = {(h, L): net(f"{h}_{prefix}_{L}", L, passes, h) for h in ("lm", "value") for L in LAYERS}
+        per_layer = max(statistics.mean(_fit_line({L: t[h, L] for L in LAYERS})[0] for h in ("lm", "value")), 0.0)
+        fixed = [max(statistics.mean(t[h, L] - L * per_layer for L in LAYERS), 0.0) for h in ("lm", "value")]
         return per_layer, fixed[0], fixed[1]
 
     layer, head, value_head = line("inf", 1)
@@ -245,16 +261,16 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
         """(per layer, per step) of a decode step: generate(n) = prefill + (n - 1) decode steps;
         the decode FLOPs are negligible here."""
         step = {L: (raw[f"{prefix}gen{hi}_{L}"] - raw[f"{prefix}gen{lo}_{L}"]) / (hi - lo) for L in LAYERS}
-        per_layer = max((step[l1] - step[l0]) / (l1 - l0), 0.0)
-        return per_layer, max(step[l0] - l0 * per_layer, 0.0)
+        per_layer = _fit_line(step)[0]
+        per_layer = max(per_layer, 0.0)
+        return per_layer, max(statistics.mean(step[L] - L * per_layer for L in LAYERS), 0.0)
 
     decode_layer, decode = decode_slope("")
     tp_decode_layer, tp_decode = decode_slope("tp2_")
     busy_decode_layer, _ = decode_slope("tp2busy_")
     slope, fixed = {}, {}
     for k in ("lm_inf", "tp2_inf", "lm_train", "tp2_train", "tp2busy_inf"):
-        slope[k] = (raw[f"{k}_{l1}"] - raw[f"{k}_{l0}"]) / (l1 - l0)
-        fixed[k] = raw[f"{k}_{l0}"] - l0 * slope[k]
+        slope[k], fixed[k] = _fit_line({L: raw[f"{k}_{L}"] for L in LAYERS})
     # The tp=2 engine's extra seconds per layer over the same lm engine on one rank are its
     # collectives: 2 all-reduces per layer in inference and decode steps, 4 in a train step
     # (forward and backward). One latency, least squares over the three.
@@ -286,7 +302,7 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
             "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
 
 
-def calibrate_cpu(reps: int = 15):
+def calibrate_cpu(reps: int = 25):
     """Measure this machine (phases A and B of the module docstring); returns (profile, raw)."""
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
@@ -306,6 +322,9 @@ def calibrate_cpu(reps: int = 15):
               mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores)
     kw |= _fit(raw, kw)
     kw["inter_lat"] = kw["intra_lat"]
-    kw["realloc_lat"] = max(raw["realloc_s"] - transfer_time(_realloc_plan(n), HardwareProfile(**kw)), 0.0)
+    # transfer_time scales (transfer + realloc_lat) by the contention of the plan's ranks.
+    plan = _realloc_plan(2 * n)
+    kw["realloc_lat"] = max(raw["realloc_s"] / HardwareProfile(**kw).contention(2 * n)
+                            - transfer_time(plan, HardwareProfile(**kw | {"shared_cores": 0})), 0.0)
     raw["mem_bytes"] = mem
     return HardwareProfile(**kw), raw

@@ -33,7 +33,7 @@ CACHE_VERSION = 4
 """Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
 
 
-def cpu_profile(refresh: bool = False, reps: int = 15) -> HardwareProfile:
+def cpu_profile(refresh: bool = False, reps: int = 25) -> HardwareProfile:
     """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
     $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure)."""
     path = _cache_path()
