@@ -4,7 +4,8 @@
 //   graph["options"]: per call a float64 array [num_options, 9] with columns
 //     (start, size, dp, tp, pp, time_s, persist_bytes, transient_bytes, weights_bytes)
 //   graph["weight_src"], ["deps"], ["dep_bytes"], ["num_gpus"], ["ranks_per_node"],
-//   ["intra_bw"], ["inter_bw"], ["intra_lat"], ["inter_lat"], ["mem_limit"], ["iters"].
+//   ["intra_bw"], ["inter_bw"], ["intra_lat"], ["inter_lat"], ["mem_limit"], ["iters"];
+//   optional ["staleness"] (async RL bound, default 0) and ["trains"] (per call: a train call).
 // The GIL stays held: the reallocation callback runs Python (cached per option pair).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -52,6 +53,11 @@ rs::Graph graph_from(const py::dict& d) {
   g.inter_lat = d["inter_lat"].cast<double>();
   g.mem_limit = d["mem_limit"].cast<double>();
   g.iters = d["iters"].cast<int>();
+  if (d.contains("staleness")) g.staleness = d["staleness"].cast<int>();
+  if (d.contains("trains")) {
+    for (bool t : d["trains"].cast<std::vector<bool>>()) g.trains.push_back(t ? 1 : 0);
+    if (g.trains.size() != g.options.size()) throw std::invalid_argument("graph: trains needs one entry per call");
+  }
   return g;
 }
 

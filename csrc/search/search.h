@@ -33,6 +33,10 @@ struct Graph {
   double intra_bw = 1, inter_bw = 1, intra_lat = 0, inter_lat = 0;
   double mem_limit = 0;  // bytes per device
   int iters = 3;
+  // Asynchronous RL (real_py/rlhf/asyncrl.py): the rollout calls of batch s + staleness run with
+  // the weights trained by step s - 1, placed before the train calls of batch s; 0: synchronous.
+  int staleness = 0;
+  std::vector<char> trains;  // per call: a train call (empty: none; only read when staleness > 0)
 };
 
 // seconds to move call c's weights from option `src` of weight_src[c] to option `dst` of c.
@@ -40,13 +44,13 @@ using ReallocFn = std::function<double(int call, int src, int dst)>;
 
 struct Task {
   int call;       // call index
-  int iter;
+  int iter;       // step (-1: the rollouts of the asynchronous prologue)
   bool realloc;   // true: the reallocation before the call
   double start, end;
 };
 
 struct SimResult {
-  double iter_time = 0;  // makespan / iters, seconds; +inf when infeasible
+  double iter_time = 0;  // seconds per step after the prologue ((makespan - prologue) / iters); +inf when infeasible
   double makespan = 0;
   double peak_mem = 0;   // largest per-device bytes
   std::string infeasible;  // why, empty when feasible

@@ -3,6 +3,9 @@
 //
 // Per iteration, tasks are placed in this order: the reallocation of every call whose layout
 // differs from its weights' training layout (in call order), then every call in call order.
+// With staleness k > 0 (asynchronous RL) a prologue places the rollout calls of batches
+// 0 .. k-1 with the initial weights, then step s places the rollout calls of batch s + k (with
+// the weights trained by step s - 1) before the train calls of batch s.
 // A task starts when its inputs are ready and all of its devices are free, then holds them
 // until it ends. Memory: per device, the persistent bytes of every option on it plus the
 // largest transient bytes of any call on it must fit mem_limit.
@@ -112,7 +115,6 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
     return res;
   }
   std::fill(gpu_free_.begin(), gpu_free_.begin() + nseg, 0.0);
-  std::vector<double> prev_end(n, 0.0), end(n, 0.0), rend(n, 0.0);
   auto occupy = [&](int c, double t) {
     for (int s = span[c].first; s < span[c].second; ++s) t = std::max(t, gpu_free_[s]);
     return t;
@@ -120,11 +122,26 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
   auto release = [&](int c, double t) {
     for (int s = span[c].first; s < span[c].second; ++s) gpu_free_[s] = t;
   };
-  for (int k = 0; k < g_.iters; ++k) {
-    for (int c = 0; c < n; ++c) {
+  const int k = g_.staleness;
+  if (k < 0) throw std::invalid_argument("graph: staleness must be >= 0");
+  // ends[b]: end of every call of batch b; the weights of step s are those trained by batch
+  // s - 1 (zeros before the first step).
+  std::vector<std::vector<double>> ends(g_.iters + k, std::vector<double>(n, 0.0));
+  const std::vector<double> initial(n, 0.0);
+  std::vector<double> rend(n, 0.0);
+  std::vector<int> all, roll, train;
+  for (int c = 0; c < n; ++c) {
+    all.push_back(c);
+    const bool t = c < static_cast<int>(g_.trains.size()) && g_.trains[c];
+    (t ? train : roll).push_back(c);
+  }
+  // Reallocations of `cs` first (in call order), then the calls of `cs`, of batch b at step.
+  auto place = [&](int b, const std::vector<int>& cs, const std::vector<double>& wts, int step) {
+    std::vector<double>& end = ends[b];
+    for (int c : cs) {
       if (!copy[c]) continue;
       const int w = g_.weight_src[c];
-      const double start = occupy(c, occupy(w, prev_end[w]));
+      const double start = occupy(c, occupy(w, wts[w]));
       double dur;
       if (bound) {
         auto it = cache_[c].find((static_cast<int64_t>(plan[w]) << 32) | static_cast<int64_t>(plan[c]));
@@ -135,12 +152,12 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
       rend[c] = start + dur;
       release(w, rend[c]);
       release(c, rend[c]);
-      if (keep_tasks) res.tasks.push_back({c, k, true, start, rend[c]});
+      if (keep_tasks) res.tasks.push_back({c, step, true, start, rend[c]});
     }
-    for (int c = 0; c < n; ++c) {
+    for (int c : cs) {
       const Option& o = g_.options[c][plan[c]];
       const int w = g_.weight_src[c];
-      double ready = copy[c] ? rend[c] : (w >= 0 ? prev_end[w] : 0.0);
+      double ready = copy[c] ? rend[c] : (w >= 0 ? wts[w] : 0.0);
       for (size_t i = 0; i < g_.deps[c].size(); ++i) {
         const int d = g_.deps[c][i];
         ready = std::max(ready, end[d] + transfer_time(g_.options[d][plan[d]], o, g_.dep_bytes[c][i]));
@@ -149,11 +166,21 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
       end[c] = start + o.time;
       release(c, end[c]);
       res.makespan = std::max(res.makespan, end[c]);
-      if (keep_tasks) res.tasks.push_back({c, k, false, start, end[c]});
+      if (keep_tasks) res.tasks.push_back({c, step, false, start, end[c]});
     }
-    prev_end = end;
+  };
+  for (int b = 0; b < k; ++b) place(b, roll, initial, -1);  // prologue: the initial weights
+  const double t0 = res.makespan;
+  for (int s = 0; s < g_.iters; ++s) {
+    const std::vector<double>& wts = s ? ends[s - 1] : initial;
+    if (k == 0) {
+      place(s, all, wts, s);
+    } else {
+      place(s + k, roll, wts, s);
+      place(s, train, wts, s);
+    }
   }
-  res.iter_time = res.makespan / g_.iters;
+  res.iter_time = (res.makespan - t0) / g_.iters;
   return res;
 }
 

@@ -35,6 +35,9 @@ def add_parser(sub):
     p.add_argument("--per-mesh", type=int, default=None,
                    help="prune to the K fastest strategies per (call, mesh); default: every memory-feasible one")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-staleness", type=int, default=0,
+                   help="async RL bound the run allows (async.max_staleness); the search scores plans in async "
+                        "mode and says whether running asynchronously pays (default 0: synchronous)")
     p.add_argument("--out", help="write the ExecutionPlan JSON here")
     p.add_argument("--plot", help="write a timeline PNG here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -63,11 +66,13 @@ def run(args) -> int:
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
                   ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs,
                   micro_batches=args.micro_batches, group_size=args.group_size)
+    if args.max_staleness < 0:
+        raise ValueError(f"--max-staleness={args.max_staleness} must be >= 0 (0: synchronous)")
     if args.per_mesh is not None and args.per_mesh < 1:
         raise ValueError(f"--per-mesh must be >= 1, got {args.per_mesh}")
     res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl, per_mesh=args.per_mesh,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
-                      algo=args.algo)
+                      algo=args.algo, max_staleness=args.max_staleness)
     sim = res.simulate()
     if args.out:
         res.plan.save(args.out)
@@ -76,16 +81,22 @@ def run(args) -> int:
 
         second = "critic" if args.algo == "ppo" else "reward model"
         title = (f"{args.algo}: {args.model} actor + {args.critic or args.model} {second}, {args.gpus} x {args.hardware}, "
-                 f"gen {args.gen_len}: {res.iter_time:.2f} s/iter (symmetric "
+                 f"gen {args.gen_len}{f', async k={res.staleness}' if res.staleness else ''}: "
+                 f"{res.iter_time:.2f} s/iter (symmetric "
                  f"{res.baselines['symmetric'].iter_time:.2f}, heuristic {res.baselines['heuristic'].iter_time:.2f})")
         plot_timeline(sim.events, args.gpus, args.plot, title)
-    out = {"iter_time_s": res.iter_time, "plan": res.plan.to_json(),
+    out = {"iter_time_s": res.iter_time, "max_staleness": res.staleness, "plan": res.plan.to_json(),
            "baselines": {k: {"iter_time_s": b.iter_time, "layouts": _fmt(b.layouts)} for k, b in res.baselines.items()},
            "stats": res.stats}
     if args.json:
         print(json.dumps(out, indent=1, default=str))
         return 0
     print(f"searched plan: {res.iter_time:.3f} s/iteration (estimated, {args.hardware})")
+    if args.max_staleness:
+        sync = res.stats["sync_iter_time"]
+        print(f"  mode: " + (f"asynchronous, set `async: {{max_staleness: {res.staleness}}}` in the train config "
+                             f"({sync:.3f} s/iteration synchronously)" if res.staleness else
+                             "synchronous (running this plan asynchronously gains nothing)"))
     for i, name in enumerate(res.problem.names):
         o = res.problem.options[i][res.choice[i]]
         print(f"  {name:13s} {str(o):28s} {o.time:8.3f} s")

@@ -57,10 +57,14 @@ class Problem:
     def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
                  iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
-                 graph: tuple | None = None, grouped: bool = False):
+                 graph: tuple | None = None, grouped: bool = False, staleness: int = 0):
         if per_mesh is not None and per_mesh < 1:
             raise ValueError(f"per_mesh must be None (no pruning) or >= 1, got {per_mesh}")
+        if staleness < 0:
+            raise ValueError(f"max_staleness={staleness} must be >= 0 (0: synchronous)")
         self.models, self.hw, self.num_gpus, self.wl, self.iters = models, hw, num_gpus, wl, iters
+        self.staleness = staleness
+        """Asynchronous RL bound k (async.max_staleness) the simulators place the steps with."""
         self.calls = PPO_GRAPH if graph is None else graph
         self.grouped = grouped
         """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole groups)."""
@@ -163,6 +167,7 @@ class Problem:
             "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
             "intra_lat": self.hw.intra_lat, "inter_lat": self.hw.inter_lat,
             "mem_limit": self.hw.mem_limit, "iters": self.iters,
+            "staleness": getattr(self, "staleness", 0), "trains": [c.kind == "train" for c in self.calls],
         }
 
     def realloc_time(self, call: int, src: int, dst: int) -> float:

@@ -44,12 +44,14 @@ class SearchResult:
     problem: Problem
     baselines: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    staleness: int = 0
+    """async.max_staleness to run the plan with (0: synchronous); see plan_search."""
 
     def speedup(self, baseline: str) -> float:
         return self.baselines[baseline].iter_time / self.iter_time
 
     def simulate(self) -> SimResult:
-        return simulate(self.problem, self.choice)
+        return simulate(self.problem, self.choice, staleness=self.staleness)
 
 
 def _full(models: PPOModels, hw, n, wl, graph=PPO_GRAPH):
@@ -126,18 +128,25 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
                 restart_steps: int = 100_000,
                 per_mesh: int | None = None, iters: int = 3, dtype: str = "bfloat16",
-                models: PPOModels | None = None, algo: str = "ppo") -> SearchResult:
+                models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0) -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
     algorithms have no critic calls). time_budget: seconds for everything (tables included).
     per_mesh: keep only that many fastest strategies per (call, mesh) (default: every
-    memory-feasible one, so the optimum found is that of the whole plan space)."""
+    memory-feasible one, so the optimum found is that of the whole plan space).
+
+    max_staleness: the asynchronous RL bound k the run allows (async.max_staleness). With k >= 1
+    plans are scored in async mode (a step costs about the slower of the rollout and train sides
+    plus the weight transfer, not their sum: simulate.py), and the result's `staleness` is the
+    smallest k' <= k at which the plan found reaches its time: 0 when running it asynchronously
+    gains nothing (e.g. generation and training on the same devices), so the search chooses
+    between the two modes. stats["sync_iter_time"] is the same plan run synchronously."""
     t0 = time.perf_counter()
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     graph = search_graph(algo)
     prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph, grouped=algo in GROUPED,
-                   extra=baseline_layouts(models, hw, num_gpus, wl, graph))
+                   extra=baseline_layouts(models, hw, num_gpus, wl, graph), staleness=max_staleness)
     sym = symmetric_baseline(prob)
     heu = heuristic_baseline(prob, sym)
     t_tables = time.perf_counter() - t0
@@ -155,18 +164,23 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     chains_out = res["chains"]
     for st in chains_out:
         st["acceptance"] = st["accepted"] / max(1, st["steps"])
+    best = list(res["best"])
+    # The mode: the smallest staleness at which the plan reaches its (async) time.
+    times = [simulate(prob, best, staleness=k).iter_time for k in range(max_staleness + 1)]
+    chosen = next(k for k, t in enumerate(times) if t <= res["best_cost"] * (1 + 1e-9) + 1e-12)
     stats = {"seconds_total": time.perf_counter() - t0, "seconds_tables": t_tables,
              "seconds_anneal": res["seconds"], "options": [len(o) for o in prob.options],
              "planner_calls": prob.realloc_cost.planner_calls, "realloc_pairs": res["realloc_calls"],
-             "chains": chains_out}
-    return SearchResult(prob.execution_plan(res["best"]), res["best_cost"], list(res["best"]), prob,
-                        {"symmetric": sym, "heuristic": heu}, stats)
+             "chains": chains_out, "sync_iter_time": times[0]}
+    return SearchResult(prob.execution_plan(best), res["best_cost"], best, prob,
+                        {"symmetric": sym, "heuristic": heu}, stats, staleness=chosen)
 
 
 def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",
              workload: Workload | None = None, iters: int = 3, dtype: str = "bfloat16",
-             models: PPOModels | None = None, algo: str = "ppo") -> dict:
-    """Estimated seconds per iteration of a given plan, with per-call and reallocation times.
+             models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0) -> dict:
+    """Estimated seconds per iteration of a given plan, with per-call and reallocation times;
+    max_staleness >= 1: run in async mode with that bound (async.max_staleness).
 
     For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
     runs, hardware="cpu" (calibrated on this machine) and dtype of its parameters.
@@ -177,7 +191,7 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
-                   graph=search_graph(algo), grouped=algo in GROUPED)
+                   graph=search_graph(algo), grouped=algo in GROUPED, staleness=max_staleness)
     r = simulate(prob, [0] * len(prob.calls))
     calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
                     "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}

@@ -12,6 +12,13 @@ Rules (seconds, bytes):
   its inputs are ready (dependencies ended + data transfer) and all of its devices are free.
   Calls on disjoint meshes therefore overlap; calls sharing a device are serialized.
 - Iteration time = makespan of `iters` iterations / iters.
+- Asynchronous RL (staleness k >= 1, real_py/rlhf/asyncrl.py): a prologue places the rollout
+  calls of batches 0 .. k-1 with the initial weights; step s then places the rollout calls of
+  batch s + k (their reallocation reads the weights trained by step s - 1, occupying both
+  layouts as the runtime's transfer at the step's start does) before the train calls of batch
+  s. With generation and training on disjoint devices the steady-state step is max(rollout
+  side, train side) + reallocation instead of their sum. Iteration time = (makespan - end of
+  the prologue) / iters.
 """
 
 from __future__ import annotations
@@ -52,11 +59,15 @@ def _transfer(a, b, nbytes, prob) -> float:
     return lat + nbytes / (bw * float(min(a.mesh.size, b.mesh.size)))
 
 
-def simulate(prob, choice, iters: int | None = None) -> SimResult:
-    """prob: a Problem; choice: one option index per call."""
+def simulate(prob, choice, iters: int | None = None, staleness: int | None = None) -> SimResult:
+    """prob: a Problem; choice: one option index per call; staleness: the async RL bound k
+    (default: prob.staleness, else 0). iter_time: seconds per step after the prologue."""
     from .graph import dep_bytes
 
     iters = prob.iters if iters is None else iters
+    k = getattr(prob, "staleness", 0) if staleness is None else staleness
+    if k < 0:
+        raise ValueError(f"max_staleness k={k} must be >= 0")
     calls, n = prob.calls, len(prob.calls)
     pos = {c.name: i for i, c in enumerate(calls)}
     opts = [prob.options[i][choice[i]] for i in range(n)]
@@ -73,8 +84,9 @@ def simulate(prob, choice, iters: int | None = None) -> SimResult:
     if peak > prob.hw.mem_limit:
         return SimResult(math.inf, math.inf, peak, "memory")
     free = [0.0] * prob.num_gpus
-    prev_end, end, rend = [0.0] * n, [0.0] * n, [0.0] * n
-    events, makespan = [], 0.0
+    ends = [[0.0] * n for _ in range(iters + k)]     # batch -> end of every call
+    initial = [0.0] * n
+    events: list[Event] = []
 
     def occupy(o, t):
         return max([t] + free[o.mesh.start:o.mesh.start + o.mesh.size])
@@ -82,28 +94,43 @@ def simulate(prob, choice, iters: int | None = None) -> SimResult:
     def release(o, t):
         free[o.mesh.start:o.mesh.start + o.mesh.size] = [t] * o.mesh.size
 
-    for k in range(iters):
-        for c in range(n):
+    def place(b: int, cs: list[int], wts: list[float], step: int) -> None:
+        """Reallocations of `cs` (reading the weights `wts`), then the calls of `cs`, of batch b."""
+        end, rend = ends[b], {}
+        for c in cs:
             if not copy[c]:
                 continue
             w = wsrc[c]
-            start = occupy(opts[c], occupy(opts[w], prev_end[w]))
+            start = occupy(opts[c], occupy(opts[w], wts[w]))
             rend[c] = start + prob.realloc_time(c, choice[w], choice[c])
             release(opts[w], rend[c])
             release(opts[c], rend[c])
             ranks = tuple(sorted({(o.mesh.start, o.mesh.start + o.mesh.size) for o in (opts[w], opts[c])}))
-            events.append(Event(ranks, start, rend[c], f"realloc {calls[c].model}", calls[c].name, k, True))
-        for c in range(n):
+            events.append(Event(ranks, start, rend[c], f"realloc {calls[c].model}", calls[c].name, step, True))
+        for c in cs:
             o, w = opts[c], wsrc[c]
-            ready = rend[c] if copy[c] else (prev_end[w] if w >= 0 else 0.0)
+            ready = rend[c] if c in rend else (wts[w] if w >= 0 else 0.0)
             for d in calls[c].deps:
                 i = pos[d]
                 ready = max(ready, end[i] + _transfer(opts[i], o, dep_bytes(d, calls[c].name, prob.wl), prob))
             start = occupy(o, ready)
             end[c] = start + o.time
             release(o, end[c])
-            makespan = max(makespan, end[c])
             events.append(Event(((o.mesh.start, o.mesh.start + o.mesh.size),), start, end[c],
-                                calls[c].name, calls[c].name, k, False))
-        prev_end = list(end)
-    return SimResult(makespan / iters, makespan, peak, "", events)
+                                calls[c].name, calls[c].name, step, False))
+
+    every = list(range(n))
+    roll = [c for c in every if calls[c].kind != "train"]
+    train = [c for c in every if calls[c].kind == "train"]
+    for b in range(k):                                   # async prologue: the initial weights
+        place(b, roll, initial, -1)
+    t0 = max((e.end for e in events), default=0.0)
+    for s in range(iters):
+        wts = ends[s - 1] if s else initial              # weights trained by step s - 1
+        if k == 0:
+            place(s, every, wts, s)
+        else:
+            place(s + k, roll, wts, s)                   # batch s + k generates while ...
+            place(s, train, wts, s)                      # ... batch s trains
+    makespan = max((e.end for e in events), default=0.0)
+    return SimResult((makespan - t0) / iters, makespan, peak, "", events)
