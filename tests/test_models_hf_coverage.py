@@ -317,8 +317,8 @@ REFUSALS = [
      r"architecture 'gemma3' is not supported \(Gemma 3 multimodal"),
     ("gemma3-multimodal-classifier", lambda: {"model_type": "gemma3", "architectures": ["Gemma3ForSequenceClassification"],
                                               "text_config": dict(O.TINY)},
-     r"architecture 'gemma3' is not supported .*Gemma3ForSequenceClassification wraps it.*"
-     r"Gemma3TextForSequenceClassification for a value head"),
+     (r"architecture 'gemma3' is not supported .*Gemma3ForSequenceClassification wraps it.*"
+      r"Gemma3TextForSequenceClassification for a value head")),
     ("gemma3-bidirectional", lambda: transformers.Gemma3TextConfig(**O.TINY, use_bidirectional_attention=True).to_dict(),
      r"use_bidirectional_attention=True is not supported"),
     ("gemma2-layer_types", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), layer_types=["chunked_attention"] * 3),
@@ -359,9 +359,9 @@ def test_sequence_classification_checkpoint_builds_the_value_head(tmp_path):
 # Gemma 3 text value model (Gemma3TextForSequenceClassification): q/k norms, local RoPE base on the
 # sliding layers, linear scaling on the global one, window 4 < 12 tokens; final_logit_softcapping set
 # to show the value head is not capped (transformers' score head ignores it)
-G3V = dict(head_dim=16, sliding_window=4, sliding_window_pattern=3, rope_local_base_freq=100.0,
-           rope_scaling={"rope_type": "linear", "factor": 4.0}, final_logit_softcapping=3.0,
-           query_pre_attn_scalar=24)
+G3V = {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 3, "rope_local_base_freq": 100.0,
+       "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "final_logit_softcapping": 3.0,
+       "query_pre_attn_scalar": 24}
 G3V_LAYOUTS = [Layout(), Layout(tp=2, ranks=(1, 0)), Layout(pp=2, ranks=(3, 2)),
                Layout(tp=2, pp=2, layers_per_stage=(2, 1), ranks=(2, 0, 3, 1))]  # uneven: 2 + 1 layers
 G3V_LENGTHS = torch.tensor([12, 9, 12, 5])
@@ -406,9 +406,9 @@ def test_gemma3_value_model_matches_transformers_on_layouts(tmp_path):
         got = [r[repr(layout)] for r in per_rank if repr(layout) in r]
         assert len(got) == layout.world, layout
         for v in got:  # every rank of the layout holds the values
-            torch.testing.assert_close(v, want, atol=1e-5, rtol=0, msg=lambda m: f"{layout}: {m}")
+            torch.testing.assert_close(v, want, atol=1e-5, rtol=0, msg=lambda m, lay=layout: f"{lay}: {m}")
             torch.testing.assert_close(v[torch.arange(4), G3V_LENGTHS - 1], pooled, atol=1e-5, rtol=0,
-                                       msg=lambda m: f"{layout} pooled: {m}")
+                                       msg=lambda m, lay=layout: f"{lay} pooled: {m}")
 
 
 def test_direct_construction_errors_name_the_field():
