@@ -278,6 +278,9 @@ FAMILIES = {
     "gemma2-value": ("gemma2", False, "value", dict(GEMMA, attn_logit_softcapping=2.0)),
     "gemma3-tied": ("gemma3_text", True, "lm", dict(GEMMA, rope_local_base_freq=100.0, sliding_window_pattern=2,
                                                     rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Gemma3TextForSequenceClassification; its final_logit_softcapping does not reach the value head
+    "gemma3-value": ("gemma3_text", False, "value", dict(GEMMA, rope_local_base_freq=100.0, sliding_window_pattern=2,
+                                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
 if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the case names
     FAMILIES = {k: v for k, v in FAMILIES.items() if os.environ["FAMILY_CASES"] in k}

@@ -315,6 +315,10 @@ REFUSALS = [
     ("gemma3-multimodal", lambda: {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
                                    "text_config": dict(O.TINY)},
      r"architecture 'gemma3' is not supported \(Gemma 3 multimodal"),
+    ("gemma3-multimodal-classifier", lambda: {"model_type": "gemma3", "architectures": ["Gemma3ForSequenceClassification"],
+                                              "text_config": dict(O.TINY)},
+     (r"architecture 'gemma3' is not supported .*Gemma3ForSequenceClassification wraps it.*"
+      r"Gemma3TextForSequenceClassification for a value head")),
     ("gemma3-bidirectional", lambda: transformers.Gemma3TextConfig(**O.TINY, use_bidirectional_attention=True).to_dict(),
      r"use_bidirectional_attention=True is not supported"),
     ("gemma2-layer_types", lambda: dict(transformers.Gemma2Config(**O.TINY).to_dict(), layer_types=["chunked_attention"] * 3),
@@ -352,6 +356,61 @@ def test_sequence_classification_checkpoint_builds_the_value_head(tmp_path):
         ModelConfig.from_hf(two)
 
 
+# Gemma 3 text value model (Gemma3TextForSequenceClassification): q/k norms, local RoPE base on the
+# sliding layers, linear scaling on the global one, window 4 < 12 tokens; final_logit_softcapping set
+# to show the value head is not capped (transformers' score head ignores it)
+G3V = {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 3, "rope_local_base_freq": 100.0,
+       "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "final_logit_softcapping": 3.0,
+       "query_pre_attn_scalar": 24}
+G3V_LAYOUTS = [Layout(), Layout(tp=2, ranks=(1, 0)), Layout(pp=2, ranks=(3, 2)),
+               Layout(tp=2, pp=2, layers_per_stage=(2, 1), ranks=(2, 0, 3, 1))]  # uneven: 2 + 1 layers
+G3V_LENGTHS = torch.tensor([12, 9, 12, 5])
+# no pad (0) inside a sequence: transformers pools at the rightmost token != pad_token_id
+G3V_TOKENS = TOKENS[:, :12].clamp(min=1).masked_fill(torch.arange(12) >= G3V_LENGTHS.unsqueeze(1), 0)
+
+
+def _g3v_worker(rank, world, path):
+    cfg = ModelConfig.from_hf(path)
+    out = {}
+    for layout in G3V_LAYOUTS:
+        groups = ParallelGroups(layout)
+        if not groups.member:
+            continue
+        eng = Engine(cfg, layout, groups, load_hf_shard(path, cfg, layout, rank))
+        out[repr(layout)] = eng.inference(G3V_TOKENS, G3V_LENGTHS, micro_batches=2)["values"]
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.timeout(300)
+def test_gemma3_value_model_matches_transformers_on_layouts(tmp_path):
+    """A Gemma3TextForSequenceClassification checkpoint builds the value head (score.weight) and
+    its per-token values on tp1, tp2, pp2 and an uneven tp2pp2 equal transformers' score(hidden);
+    the value at each sequence's last token is the model's pooled reward (right padding)."""
+    path = O.make_checkpoint(str(tmp_path / "g3v"), "gemma3_text", head="value", seed=7,
+                             **{k: (dict(v) if isinstance(v, dict) else v) for k, v in G3V.items()})
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.head == "value" and cfg.model_type == "gemma3_text" and cfg.final_logit_softcapping == 3.0
+    with pytest.raises(ValueError, match=r"no tensor 'lm_head.weight'.*value head 'score.weight'.*head='value'"):
+        load_hf_shard(path, ModelConfig.from_hf(path, head="lm"), Layout(), 0)
+    ref = O.load_oracle(path, "value")
+    assert type(ref).__name__ == "Gemma3TextForSequenceClassification"
+    valid = torch.arange(12) < G3V_LENGTHS.unsqueeze(1)
+    with torch.no_grad():
+        want = ref.score(ref.model(G3V_TOKENS).last_hidden_state).squeeze(-1).masked_fill(~valid, 0.0)
+        pooled = ref(G3V_TOKENS).logits.squeeze(-1)  # batch of 4: pools by pad_token_id
+    assert (want - 3.0 * torch.tanh(want / 3.0)).abs().max() > 1e-3, "capping must change these values"
+    per_rank = [torch.load(io.BytesIO(b)) for b in run_distributed(_g3v_worker, 4, path, timeout=240)]
+    for layout in G3V_LAYOUTS:
+        got = [r[repr(layout)] for r in per_rank if repr(layout) in r]
+        assert len(got) == layout.world, layout
+        for v in got:  # every rank of the layout holds the values
+            torch.testing.assert_close(v, want, atol=1e-5, rtol=0, msg=lambda m, lay=layout: f"{lay}: {m}")
+            torch.testing.assert_close(v[torch.arange(4), G3V_LENGTHS - 1], pooled, atol=1e-5, rtol=0,
+                                       msg=lambda m, lay=layout: f"{lay} pooled: {m}")
+
+
 def test_direct_construction_errors_name_the_field():
     with pytest.raises(ValueError, match=r"ModelConfig.hidden_size='64' must be an int"):
         ModelConfig(**dict(O.TINY, hidden_size="64"))
@@ -385,8 +444,8 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
         if name not in ckpts:  # MODELS_CASES run
             continue
         path = ckpts[name]
-        # no Olmo2ForSequenceClassification; Gemma3TextForSequenceClassification is not exported yet
-        for head in ("lm", "value") if CASES[name][0] not in ("olmo2", "gemma3_text") else ("lm",):
+        # no Olmo2ForSequenceClassification
+        for head in ("lm", "value") if CASES[name][0] != "olmo2" else ("lm",):
             cfg = ModelConfig.from_hf(path, head=head)
             layout = Layout(tp=2, pp=2)
             full = (gather_full(model_spec(cfg), [load_hf_shard(path, cfg, layout, r) for r in layout.ranks])
@@ -404,9 +463,10 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
             if head == "value":
                 assert (written["bos_token_id"], written["eos_token_id"]) == (5, 6), name
             mt = CASES[name][0]
+            # transformers' text-only Gemma 3 classifier is Gemma3Text..., its causal LM Gemma3...
             assert written["model_type"] == mt and written["architectures"] == [
                 {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
-                 "gemma2": "Gemma2", "gemma3_text": "Gemma3"}[mt]
+                 "gemma2": "Gemma2", "gemma3_text": "Gemma3" if head == "lm" else "Gemma3Text"}[mt]
                 + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")], written
             back_cfg = ModelConfig.from_hf(out, head=head)
             assert replace(back_cfg, pad_token_id=cfg.pad_token_id) == cfg, (name, head)
@@ -426,10 +486,10 @@ def test_save_hf_writes_a_complete_config(ckpts, tmp_path):
                     vals = m.head(m(tokens, torch.arange(T).expand(3, T)))
                     last = torch.tensor([T - 1, 19, T - 1])
                     torch.testing.assert_close(pooled.squeeze(-1), vals[torch.arange(3), last], atol=1e-5, rtol=0)
-            sd = back.state_dict()
+            got = O.fused_state(back)  # every tensor reloads equal (value head: score.weight)
+            assert sorted(got) == sorted(full), (name, head, sorted(set(got) ^ set(full)))
             for k, v in full.items():
-                if k == "value_head.weight":
-                    assert torch.equal(sd["score.weight"], v)
+                assert torch.equal(got[k], v), (name, head, k)
 
 
 def test_export_is_a_standalone_checkpoint(ckpts, tmp_path):

@@ -171,6 +171,8 @@ FAMILIES = (("qwen3", {}), ("olmo2", {}), ("phi3", {"pad_token_id": 0}),
                                         "long_factor": [2.0, 3.0, 5.0, 7.0, 2.0, 3.0, 5.0, 9.0]}}),
             ("gemma2", {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 2.0}),
             ("gemma3_text", {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2}))
+if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the model_types, e.g. "gemma3"
+    FAMILIES = tuple(f for f in FAMILIES if os.environ["FAMILY_CASES"] in f[0])
 
 
 @pytest.mark.timeout(1200)
@@ -178,11 +180,16 @@ def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
     """qwen3 (per-head q/k norms), olmo2 (norms after, whole-projection q/k norms), phi3 (fused
     checkpoint tensors), llama with biases / gelu / longrope, gemma2, gemma3_text: PPO and GRPO run
     from the checkpoint (GRPO: the trained actor is finite and moved); after one iteration the critic's weights
-    (trained from a zero value head on the actor's body) are finite and moved."""
+    (trained from a zero value head on the actor's body) are finite and moved. gemma3_text's PPO
+    reads its critic and reward from a Gemma3TextForSequenceClassification checkpoint instead."""
     runs = []
     for mt, over in FAMILIES:
         a = O.make_checkpoint(str(tmp_path / mt), mt, seed=4, **over)
-        runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, critic=CRITIC)))
+        if mt == "gemma3_text":
+            v = O.make_checkpoint(str(tmp_path / (mt + "-value")), mt, head="value", seed=5, **over)
+            runs.append((mt, dict(BASE, actor_path=a, critic_path=v, reward_path=v, ref_path=a, critic=CRITIC)))
+        else:
+            runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, critic=CRITIC)))
         runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"})))
     per_rank = [torch.load(io.BytesIO(b), weights_only=False)
                 for b in run_distributed(_families_worker, 4, runs, timeout=1100)]
@@ -199,6 +206,14 @@ def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
         assert all(torch.isfinite(torch.tensor(float(v))) for v in m.values()), (mt, m)
         crit = [p[mt]["critic"] for p in per_rank if p[mt]["critic"] is not None]
         assert len(crit) == 1, mt
+        if d.get("critic_init") is None:  # a value checkpoint: every tensor finite and trained away from it
+            want = O.fused_state(O.load_oracle(d["critic_path"], "value"))
+            assert sorted(crit[0]) == sorted(want), mt
+            assert all(torch.isfinite(v).all() for v in crit[0].values()), mt
+            assert not torch.equal(crit[0]["value_head.weight"], want["value_head.weight"]), (mt, "critic did not move")
+            # read from the checkpoint (weights ~ N(0, 0.2)): two Adam steps of lr 1e-3 stay within 1e-2
+            assert all(float((crit[0][k] - w).abs().max()) < 1e-2 for k, w in want.items()), mt
+            continue
         body = O.fused_state(O.load_oracle(d["actor_path"]))
         assert sorted(k for k in crit[0] if k != "value_head.weight") == sorted(k for k in body if k != "lm_head.weight")
         assert not torch.equal(crit[0]["value_head.weight"], torch.zeros_like(crit[0]["value_head.weight"])), mt

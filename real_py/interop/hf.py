@@ -6,8 +6,8 @@
 
 HF names map onto the fused spec names: q_proj|k_proj|v_proj -> qkv_proj (blocks along dim 0),
 gate_proj|up_proj -> gate_up_proj, the rest one to one under "model."; a value head is stored as
-"score.weight" [1, H] (LlamaForSequenceClassification / Qwen2ForSequenceClassification with
-num_labels=1). Every tensor the config needs is checked (presence, shape) from the safetensors
+"score.weight" [1, H] (the *ForSequenceClassification of spec.hf_config.ARCHITECTURES, e.g.
+Gemma3TextForSequenceClassification, with num_labels=1). Every tensor the config needs is checked (presence, shape) from the safetensors
 headers before anything is read; a mismatch raises ValueError naming the tensor and the cause.
 """
 

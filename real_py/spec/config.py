@@ -107,7 +107,8 @@ class ModelConfig:
     attn_logit_softcapping: float = 0.0
     """Gemma 2: attention scores become cap * tanh(scores / cap) before the mask; 0: off."""
     final_logit_softcapping: float = 0.0
-    """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off."""
+    """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off. A value head is never capped
+    (transformers' Gemma2/Gemma3Text ForSequenceClassification apply score.weight uncapped)."""
     query_pre_attn_scalar: float = 0.0
     """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
     original_max_position_embeddings: int = 0

@@ -13,7 +13,7 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
 | phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), longrope, tied |
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
-| gemma3_text | Gemma3ForCausalLM                                | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 refused |
+| gemma3_text | Gemma3ForCausalLM, Gemma3TextForSequenceClassification | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 (also its Gemma3ForSequenceClassification) refused |
 | gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
@@ -37,12 +37,16 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM",),
     "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
-    "gemma3_text": ("Gemma3ForCausalLM",),
+    # transformers names Gemma 3's text-only value model Gemma3TextForSequenceClassification
+    # (Gemma3TextConfig, weights model.* + score.weight); Gemma3ForSequenceClassification wraps
+    # the multimodal Gemma3Model (model_type gemma3), refused below
+    "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextForSequenceClassification"),
 }
+# ARCHITECTURES[mt][0] is the causal LM, [1] (where there is one) the sequence classifier
 # multimodal wrappers refused by name (their text stack is gemma3_text)
-_MULTIMODAL = {"gemma3": "Gemma 3 multimodal (vision tower); use a text-only gemma3_text checkpoint"}
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "olmo2": "Olmo2", "phi3": "Phi3",
-                 "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+_MULTIMODAL = {"gemma3": "Gemma 3 multimodal (vision tower; Gemma3ForSequenceClassification wraps it too); use a "
+                         "text-only gemma3_text checkpoint: Gemma3ForCausalLM, or Gemma3TextForSequenceClassification "
+                         "for a value head"}
 
 _SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
 _READ = ("tie_word_embeddings", "rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim",
@@ -311,11 +315,10 @@ def export_config(config, source: dict | None = None) -> dict:
         kw.update(use_sliding_window=bool(c.sliding_window), sliding_window=c.sliding_window or None,
                   max_window_layers=c.num_hidden_layers,
                   layer_types=["sliding_attention" if c.uses_window(i) else "full_attention" for i in layers])
-    head = "ForSequenceClassification" if c.head == "value" else "ForCausalLM"
-    if _CLASS_PREFIX[mt] + head not in ARCHITECTURES[mt]:
-        raise ValueError(f"transformers has no {_CLASS_PREFIX[mt] + head}: a {c.head} head cannot export as "
-                         f"model_type {mt!r}")
-    kw["architectures"] = [_CLASS_PREFIX[mt] + head]
+    if c.head == "value" and len(ARCHITECTURES[mt]) < 2:
+        raise ValueError(f"transformers has no sequence-classification model for model_type {mt!r}: a value "
+                         "head cannot export as it")
+    kw["architectures"] = [ARCHITECTURES[mt][1 if c.head == "value" else 0]]
     if c.head == "value":
         # ...ForSequenceClassification reads the last non-pad token; without pad_token_id it
         # refuses batches > 1. real_py pads with 0 unless the config says otherwise.
