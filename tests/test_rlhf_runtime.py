@@ -219,7 +219,10 @@ def test_kill_and_resume(tmp_path):
 def _hf_worker(rank, world, tmp):
     from real_py.interop.hf import save_hf
 
-    base = dict(BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()))
+    # A value model is exported with a pad id (transformers' sequence classifier pools by it;
+    # real_py writes 0 when the config has none) and the embedding's pad row then gets no
+    # gradient, as in transformers: give the random-init critic that pad id too.
+    base = dict(BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()), critic={"pad_token_id": 0})
     cfg = CF.from_dict(base)
     confs = cfg.model_configs()
     for m, seed in (("actor", cfg.seed + 1), ("critic", cfg.seed + 2), ("reward", cfg.seed + 3)):

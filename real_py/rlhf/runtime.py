@@ -20,11 +20,9 @@ and offloaded right after it (after posting its pushes).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-import json
-import os
 import math
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -494,9 +492,6 @@ class Runtime:
         for (model, _, _), (a, b) in r_spans.items():
             r_sec[model] = r_sec.get(model, 0.0) + max(b - a, 0.0)
         calls = {n: calls[n] for n in self.graph.order if n in calls}
-        if os.environ.get("TMP_DUMP_EVENTS") and self.rank == 0:  # TMPHACK
-            with open(os.environ["TMP_DUMP_EVENTS"], "a") as f:
-                f.write(json.dumps(events) + "\n")
         return {"metrics": metrics, "calls": calls, "realloc_seconds": r_sec,
                 "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
                 "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in self.graph.order if n in peak},
