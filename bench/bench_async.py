@@ -38,14 +38,20 @@ def run(tmp: str, name: str, steps: int, new_tokens: int, k: int) -> list[dict]:
         cfg = yaml.safe_load(f)
     cfg.update(steps=steps, plan=PLAN, out_dir=os.path.join(tmp, name))
     cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens)
+    # Longer responses than the shipped config's position table holds (generation made the
+    # slower side): the actor's table grows to fit prompt + response.
+    need = cfg["data"]["max_prompt_len"] + new_tokens
+    cfg["actor"] = dict(cfg["actor"], max_position_embeddings=max(cfg["actor"]["max_position_embeddings"], need))
     if k:
         cfg["async"] = {"max_staleness": k, "overlap_realloc": True}
         cfg["ppo"] = dict(cfg["ppo"], decoupled=True)
     path = os.path.join(tmp, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    subprocess.run([sys.executable, "-m", "real_py", "train", "--config", path, "--no-progress"],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", path, "--no-progress"],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"run {name} exited {done.returncode}; its stderr ends:\n{done.stderr[-3000:]}")
     with open(os.path.join(tmp, name, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -94,7 +100,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20, help="steps of the speed setting")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="response budget of the speed setting")
+    ap.add_argument("--max-new-tokens", type=int, default=96,
+                    help="response budget of the speed setting (96: generation is the slower side on CPU)")
     ap.add_argument("--learn-steps", type=int, default=30, help="steps of the learning setting (2 new tokens)")
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating (machine noise)")
