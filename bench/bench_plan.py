@@ -58,6 +58,7 @@ def spec(name: str):
 def clear_caches():
     plan_mod._plan_cached.cache_clear()
     layout_mod._shard_layout.cache_clear()
+    layout_mod._fits.cache_clear()
     layout_mod.stage_layer_ranges.cache_clear()
     layout_mod._coords_table.cache_clear()
 

@@ -366,9 +366,17 @@ def shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
                                        partition=layout.partition), stage)
 
 
+@functools.lru_cache(maxsize=256)
+def _fits(model: ModelSpec, layout: Layout) -> None:
+    """check_fits, once per (model, layout) rather than once per stage (it asks every
+    parameter; for pp=16 the per-stage calls were half of a cold plan_realloc). A failing
+    check raises and is not cached."""
+    check_fits(model, layout)
+
+
 @functools.lru_cache(maxsize=1024)
 def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
-    check_fits(model, layout)
+    _fits(model, layout)
     align = max(1, ALIGN_BYTES // model.element_size)
     head_copy = []
     ordered = []
@@ -416,7 +424,7 @@ def expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: i
 
 @functools.lru_cache(maxsize=1024)
 def _expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: int) -> ShardLayout:
-    check_fits(model, layout)
+    _fits(model, layout)
     align = max(1, ALIGN_BYTES // model.element_size)
     per = model.num_experts // layout.ep
     lo, hi = ep_rank * per, (ep_rank + 1) * per

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <unordered_map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -20,6 +19,51 @@ struct MsgInfo {
   std::vector<int64_t> big;  // sizes of its committed big one-run descriptors, in order
   bool mine = false;
   std::vector<Desc> descs;
+};
+
+// Packed (sender, receiver) key -> message index, open addressing with linear probing: the
+// planner calls the sink once per piece, and std::unordered_map's lookup was a third of the
+// planner loop's time.
+class P2PIndex {
+ public:
+  // The index stored for `key`, or `fresh` (stored, inserted = true) when the key is new.
+  size_t find_or_add(uint64_t key, size_t fresh, bool& inserted) {
+    if (2 * (count_ + 1) > keys_.size()) grow();
+    for (size_t i = slot(key);; i = (i + 1) & (keys_.size() - 1)) {
+      if (vals_[i] == kEmpty) {
+        keys_[i] = key, vals_[i] = fresh, ++count_, inserted = true;
+        return fresh;
+      }
+      if (keys_[i] == key) {
+        inserted = false;
+        return vals_[i];
+      }
+    }
+  }
+  int64_t bytes() const { return static_cast<int64_t>(keys_.capacity() * 8 + vals_.capacity() * 8); }
+
+ private:
+  static constexpr size_t kEmpty = ~size_t{0};
+  size_t slot(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ULL) >> shift_; }
+  void grow() {
+    std::vector<uint64_t> keys = std::move(keys_);
+    std::vector<size_t> vals = std::move(vals_);
+    const size_t cap = keys.empty() ? 1024 : 2 * keys.size();
+    keys_.assign(cap, 0);
+    vals_.assign(cap, kEmpty);
+    shift_ = 64;
+    for (size_t c = cap; c > 1; c >>= 1) --shift_;
+    for (size_t j = 0; j < keys.size(); ++j)
+      if (vals[j] != kEmpty) {
+        size_t i = slot(keys[j]);
+        while (vals_[i] != kEmpty) i = (i + 1) & (cap - 1);
+        keys_[i] = keys[j], vals_[i] = vals[j];
+      }
+  }
+  std::vector<uint64_t> keys_;
+  std::vector<size_t> vals_;
+  size_t count_ = 0;
+  int shift_ = 64;
 };
 
 class RankSink : public PlanSink {
@@ -52,8 +96,7 @@ class RankSink : public PlanSink {
     int64_t b = static_cast<int64_t>(keys.capacity() * sizeof(keys[0]) +
                                      infos.capacity() * sizeof(MsgInfo) +
                                      own_local.capacity() * sizeof(Desc) +
-                                     p2p_.size() * (sizeof(uint64_t) + 2 * sizeof(size_t)) +
-                                     p2p_.bucket_count() * sizeof(void*));
+                                     p2p_.bytes());
     for (size_t i = 0; i < keys.size(); ++i)
       b += static_cast<int64_t>(keys[i].second.capacity() * 8 + infos[i].big.capacity() * 8 +
                                 infos[i].descs.capacity() * sizeof(Desc));
@@ -77,8 +120,8 @@ class RankSink : public PlanSink {
     size_t idx;
     if (receivers.size() == 1) {
       const uint64_t k = (static_cast<uint64_t>(sender) << 32) ^ static_cast<uint64_t>(receivers[0]);
-      auto [it, fresh] = p2p_.try_emplace(k, infos.size());
-      idx = it->second;
+      bool fresh;
+      idx = p2p_.find_or_add(k, infos.size(), fresh);
       if (fresh) add(sender, receivers);
     } else {
       auto it = multi_.find({sender, receivers});
@@ -93,7 +136,7 @@ class RankSink : public PlanSink {
     infos.back().mine = sender == rank_ ||
                         std::find(receivers.begin(), receivers.end(), rank_) != receivers.end();
   }
-  std::unordered_map<uint64_t, size_t> p2p_;
+  P2PIndex p2p_;
   std::map<std::pair<int64_t, std::vector<int64_t>>, size_t> multi_;
 
  private:
