@@ -297,13 +297,18 @@ def _balanced_partition(model: ModelSpec, pp: int) -> tuple[int, ...]:
         for i in range(s + 1, L + 1):
             # Last stage's first layer a, from i - 1 down: its cost only grows, so stop once it
             # alone exceeds the best found; "<=" keeps the smallest a among equal optima.
+            # (Locals, no max(): this loop is most of a cold plan's layout time at pp=16.)
+            top, best_v, best_a = prefix[i] + extra, row[i], pick[i]
             for a in range(i - 1, s - 1, -1):
-                seg = prefix[i] - prefix[a] + extra
-                if seg > row[i]:
+                seg = top - prefix[a]
+                if seg > best_v:
                     break
-                v = max(prev[a], seg)
-                if v <= row[i]:
-                    row[i], pick[i] = v, a
+                v = prev[a]
+                if v < seg:
+                    v = seg
+                if v <= best_v:
+                    best_v, best_a = v, a
+            row[i], pick[i] = best_v, best_a
     counts, i = [], L
     for s in range(pp - 1, 0, -1):
         a = choice[s][i]

@@ -225,33 +225,20 @@ class Window {
 // round that is not full (rounds before it are never looked at again, so they are dropped:
 // the window stays short and memory does not grow with the number of rounds).
 //
-// fit(k, n) is "the earliest round >= k with room for n", asked ~5 times per chunk, so it is
-// the fill's hot path. Rounds are grouped in blocks of kBlock; bmin holds a lower bound of
+// fit(k, n) is "the earliest round >= k with room for n", asked a few times per chunk, so it
+// is the fill's hot path. Rounds are grouped in blocks of kBlock; bmin holds a lower bound of
 // each block's least-used round, so a block with no room for n is jumped in one read, and a
 // block that may have room is scanned in a tight loop over `used` (cheaper per round than
-// pointer chasing). The bound is only raised by a scan that found no room in a whole block
-// (lazily: take() never rescans a block), so it stays a lower bound as rounds only fill up.
-// skip0 (union-find with path compression) finds empty rounds for full-size chunks.
+// the union-find pointer chasing this replaced). The bound is only raised by a scan that
+// found no room in a whole block (take() never rescans a block), so it stays a lower bound
+// as rounds only fill up. A full-size chunk (n >= limit) needs an empty round: the same
+// search with no room to spare.
 struct Lane {
   int64_t first = 0;
   Window used;
-  Window skip0;               // skip0[i]: a round >= first + i that may be empty
-  std::vector<int64_t> path;  // scratch of empty(), kept to avoid an allocation per call
-  // Earliest round >= k that is empty (what a full-size chunk needs).
-  int64_t empty(int64_t k) {
-    path.clear();
-    const int64_t end = first + static_cast<int64_t>(used.size());
-    while (k < end && used[k - first] > 0) {
-      path.push_back(k);
-      k = std::max(skip0[k - first], k + 1);
-    }
-    for (int64_t p : path) skip0[p - first] = k;
-    return k;
-  }
   // Earliest round >= k (k >= first) with room for n elements.
   int64_t fit(int64_t k, int64_t n) {
-    if (n >= limit_) return empty(k);
-    const int64_t cap = limit_ - n, end = first + static_cast<int64_t>(used.size());
+    const int64_t cap = std::max<int64_t>(0, limit_ - n), end = first + static_cast<int64_t>(used.size());
     while (k < end) {
       const int64_t b = k / kBlock, lo = b * kBlock, hi = std::min(end, lo + kBlock);
       int64_t& m = bmin[b - bfirst];
@@ -274,14 +261,12 @@ struct Lane {
     const int64_t i = k - first;
     while (static_cast<int64_t>(used.size()) <= i) {
       const int64_t r = first + static_cast<int64_t>(used.size());
-      skip0.push_back(r);
       used.push_back(0);
       if (r % kBlock == 0 || bmin.empty()) bmin.push_back(0);
     }
     used[i] += n;
-    skip0[i] = std::max(skip0[i], k + 1);
     while (!used.empty() && used.front() >= limit_) {
-      used.pop_front(), skip0.pop_front(), ++first;
+      used.pop_front(), ++first;
       while (bfirst < first / kBlock) bmin.pop_front(), ++bfirst;
     }
   }
