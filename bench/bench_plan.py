@@ -1,6 +1,6 @@
 """Planning cost per rank, 16 ... 1024 ranks: plan + own schedule, and memory, per rank.
 
-    python bench/bench_plan.py [--repeats 3] [--max-ranks 1024]
+    python bench/bench_plan.py [--repeats 3] [--max-ranks 1024] [--note TEXT]
 
 For every pair: the global plan (C++ `_C.plan`, every rank's descriptors; what each rank built
 before per-rank schedules) and, for three sample ranks (first, middle, last), a cold per-rank
@@ -90,6 +90,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-ranks", type=int, default=1024)
+    ap.add_argument("--note", default="", help="appended to the results' notes (e.g. the load the "
+                    "run shared the machine with)")
     args = ap.parse_args()
     rows = []
     for name, src_s, dst_s, mode, rpn in PAIRS:
@@ -141,7 +143,8 @@ def main():
               f"{args.repeats} repeats. rank_cpp_MiB: the C++ side's peak data for that rank "
               "(size summaries of every message + its own descriptors + output); "
               "global_arrays_MiB: the whole plan's arrays, which every rank held before. "
-              "Shared 2-core machine (4-5 agents): timings are noisy.")
+              "Shared 2-core machine (4-5 agents): timings are noisy." +
+              (f" {args.note}" if args.note else ""))
     print("wrote", *paths)
 
 
