@@ -21,9 +21,9 @@ struct MsgInfo {
   std::vector<Desc> descs;
 };
 
-// Packed (sender, receiver) key -> message index, open addressing with linear probing: the
-// planner calls the sink once per piece, and std::unordered_map's lookup was a third of the
-// planner loop's time.
+// Packed (sender, receiver) key -> message index, open addressing with linear probing (no
+// node allocation or bucket chain per lookup, as std::unordered_map has): the planner calls the
+// sink once per piece and receiver, 162k times for 70B dp1,tp8,pp16 -> dp32,tp4,pp1.
 class P2PIndex {
  public:
   // The index stored for `key`, or `fresh` (stored, inserted = true) when the key is new.
