@@ -297,13 +297,18 @@ def _balanced_partition(model: ModelSpec, pp: int) -> tuple[int, ...]:
         for i in range(s + 1, L + 1):
             # Last stage's first layer a, from i - 1 down: its cost only grows, so stop once it
             # alone exceeds the best found; "<=" keeps the smallest a among equal optima.
+            # (Locals, no max(): this loop is most of a cold plan's layout time at pp=16.)
+            top, best_v, best_a = prefix[i] + extra, row[i], pick[i]
             for a in range(i - 1, s - 1, -1):
-                seg = prefix[i] - prefix[a] + extra
-                if seg > row[i]:
+                seg = top - prefix[a]
+                if seg > best_v:
                     break
-                v = max(prev[a], seg)
-                if v <= row[i]:
-                    row[i], pick[i] = v, a
+                v = prev[a]
+                if v < seg:
+                    v = seg
+                if v <= best_v:
+                    best_v, best_a = v, a
+            row[i], pick[i] = best_v, best_a
     counts, i = [], L
     for s in range(pp - 1, 0, -1):
         a = choice[s][i]
@@ -366,9 +371,17 @@ def shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
                                        partition=layout.partition), stage)
 
 
+@functools.lru_cache(maxsize=256)
+def _fits(model: ModelSpec, layout: Layout) -> None:
+    """check_fits, once per (model, layout) rather than once per stage (it asks every
+    parameter; for pp=16 the per-stage calls were half of a cold plan_realloc). A failing
+    check raises and is not cached."""
+    check_fits(model, layout)
+
+
 @functools.lru_cache(maxsize=1024)
 def _shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
-    check_fits(model, layout)
+    _fits(model, layout)
     align = max(1, ALIGN_BYTES // model.element_size)
     head_copy = []
     ordered = []
@@ -416,7 +429,7 @@ def expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: i
 
 @functools.lru_cache(maxsize=1024)
 def _expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: int) -> ShardLayout:
-    check_fits(model, layout)
+    _fits(model, layout)
     align = max(1, ALIGN_BYTES // model.element_size)
     per = model.num_experts // layout.ep
     lo, hi = ep_rank * per, (ep_rank + 1) * per

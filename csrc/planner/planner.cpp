@@ -71,8 +71,9 @@ void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
 
   SenderPicker picker(num_ranks, opt.ranks_per_node);
   std::vector<Holder> holders;
-  std::vector<int64_t> net_recv;
-  std::vector<std::vector<int64_t>> groups;
+  // Receiver groups: the sorted receivers (broadcast) or one receiver at a time (p2p, in
+  // net_recv order), kept in reused vectors: the sink is called once per piece and group.
+  std::vector<int64_t> net_recv, bcast, one(1);
 
   for (size_t p = 0; p < P; ++p) {
     const ParamGeom& g = params[p];
@@ -114,18 +115,17 @@ void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
                 }
               }
               if (net_recv.empty()) continue;
-              groups.clear();
-              if (opt.mode == Mode::kBroadcast) {
-                groups.push_back(net_recv);
-                std::sort(groups.back().begin(), groups.back().end());
-              } else {
-                for (int64_t r : net_recv) groups.push_back({r});
+              const bool broadcast = opt.mode == Mode::kBroadcast;
+              if (broadcast) {
+                bcast = net_recv;
+                std::sort(bcast.begin(), bcast.end());
               }
+              const int64_t num_groups = broadcast ? 1 : static_cast<int64_t>(net_recv.size());
               // Split big pieces so that every holder sends when holders outnumber groups.
               const int64_t numel = g.A * (hi - lo) * g.B;
               int64_t chunks = 1;
               const int64_t H = static_cast<int64_t>(holders.size());
-              if (H > static_cast<int64_t>(groups.size()) && numel >= 2 * opt.min_split_elems)
+              if (H > num_groups && numel >= 2 * opt.min_split_elems)
                 chunks = std::min(H, numel / opt.min_split_elems);
               const bool along_a = g.A >= chunks;
               if (!along_a) chunks = std::min(chunks, hi - lo);
@@ -135,9 +135,10 @@ void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
                 const int64_t a_lo = along_a ? c_lo : 0, a_hi = along_a ? c_hi : g.A;
                 const int64_t x_lo = along_a ? lo : lo + c_lo, x_hi = along_a ? hi : lo + c_hi;
                 const int64_t chunk_numel = (a_hi - a_lo) * (x_hi - x_lo) * g.B;
-                for (const auto& group : groups) {
-                  const int64_t near = opt.mode == Mode::kP2P ? group[0] : -1;
-                  const Holder& h = picker.pick(holders, near, chunk_numel);
+                for (int64_t i = 0; i < num_groups; ++i) {
+                  if (!broadcast) one[0] = net_recv[i];
+                  const std::vector<int64_t>& group = broadcast ? bcast : one;
+                  const Holder& h = picker.pick(holders, broadcast ? -1 : one[0], chunk_numel);
                   sink.message(h.rank, group,
                                make_desc(g, a_lo, a_hi, x_lo, x_hi, h.offset, src_ext, ss, dst_off,
                                          dst_ext, ds));

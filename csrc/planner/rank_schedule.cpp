@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <unordered_map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -20,6 +19,51 @@ struct MsgInfo {
   std::vector<int64_t> big;  // sizes of its committed big one-run descriptors, in order
   bool mine = false;
   std::vector<Desc> descs;
+};
+
+// Packed (sender, receiver) key -> message index, open addressing with linear probing (no
+// node allocation or bucket chain per lookup, as std::unordered_map has): the planner calls the
+// sink once per piece and receiver, 162k times for 70B dp1,tp8,pp16 -> dp32,tp4,pp1.
+class P2PIndex {
+ public:
+  // The index stored for `key`, or `fresh` (stored, inserted = true) when the key is new.
+  size_t find_or_add(uint64_t key, size_t fresh, bool& inserted) {
+    if (2 * (count_ + 1) > keys_.size()) grow();
+    for (size_t i = slot(key);; i = (i + 1) & (keys_.size() - 1)) {
+      if (vals_[i] == kEmpty) {
+        keys_[i] = key, vals_[i] = fresh, ++count_, inserted = true;
+        return fresh;
+      }
+      if (keys_[i] == key) {
+        inserted = false;
+        return vals_[i];
+      }
+    }
+  }
+  int64_t bytes() const { return static_cast<int64_t>(keys_.capacity() * 8 + vals_.capacity() * 8); }
+
+ private:
+  static constexpr size_t kEmpty = ~size_t{0};
+  size_t slot(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ULL) >> shift_; }
+  void grow() {
+    std::vector<uint64_t> keys = std::move(keys_);
+    std::vector<size_t> vals = std::move(vals_);
+    const size_t cap = keys.empty() ? 1024 : 2 * keys.size();
+    keys_.assign(cap, 0);
+    vals_.assign(cap, kEmpty);
+    shift_ = 64;
+    for (size_t c = cap; c > 1; c >>= 1) --shift_;
+    for (size_t j = 0; j < keys.size(); ++j)
+      if (vals[j] != kEmpty) {
+        size_t i = slot(keys[j]);
+        while (vals_[i] != kEmpty) i = (i + 1) & (cap - 1);
+        keys_[i] = keys[j], vals_[i] = vals[j];
+      }
+  }
+  std::vector<uint64_t> keys_;
+  std::vector<size_t> vals_;
+  size_t count_ = 0;
+  int shift_ = 64;
 };
 
 class RankSink : public PlanSink {
@@ -52,8 +96,7 @@ class RankSink : public PlanSink {
     int64_t b = static_cast<int64_t>(keys.capacity() * sizeof(keys[0]) +
                                      infos.capacity() * sizeof(MsgInfo) +
                                      own_local.capacity() * sizeof(Desc) +
-                                     p2p_.size() * (sizeof(uint64_t) + 2 * sizeof(size_t)) +
-                                     p2p_.bucket_count() * sizeof(void*));
+                                     p2p_.bytes());
     for (size_t i = 0; i < keys.size(); ++i)
       b += static_cast<int64_t>(keys[i].second.capacity() * 8 + infos[i].big.capacity() * 8 +
                                 infos[i].descs.capacity() * sizeof(Desc));
@@ -77,8 +120,8 @@ class RankSink : public PlanSink {
     size_t idx;
     if (receivers.size() == 1) {
       const uint64_t k = (static_cast<uint64_t>(sender) << 32) ^ static_cast<uint64_t>(receivers[0]);
-      auto [it, fresh] = p2p_.try_emplace(k, infos.size());
-      idx = it->second;
+      bool fresh;
+      idx = p2p_.find_or_add(k, infos.size(), fresh);
       if (fresh) add(sender, receivers);
     } else {
       auto it = multi_.find({sender, receivers});
@@ -93,7 +136,7 @@ class RankSink : public PlanSink {
     infos.back().mine = sender == rank_ ||
                         std::find(receivers.begin(), receivers.end(), rank_) != receivers.end();
   }
-  std::unordered_map<uint64_t, size_t> p2p_;
+  P2PIndex p2p_;
   std::map<std::pair<int64_t, std::vector<int64_t>>, size_t> multi_;
 
  private:
@@ -180,53 +223,37 @@ class Window {
 
 // One rank's send or receive side in the fill: elements per round from `first`, its earliest
 // round that is not full (rounds before it are never looked at again, so they are dropped:
-// the window stays short and memory does not grow with the number of rounds). `skip` jumps
-// over runs of full rounds inside the window (union-find with path compression), so finding
-// the earliest fit does not walk every busy round of a rank again for each chunk.
+// the window stays short and memory does not grow with the number of rounds).
+//
+// fit(k, n) is "the earliest round >= k with room for n", asked a few times per chunk, so it
+// is the fill's hot path. Rounds are grouped in blocks of kBlock; bmin holds a lower bound of
+// each block's least-used round, so a block with no room for n is jumped in one read, and a
+// block that may have room is scanned in a tight loop over `used` (cheaper per round than
+// the union-find pointer chasing this replaced). The bound is only raised by a scan that
+// found no room in a whole block (take() never rescans a block), so it stays a lower bound
+// as rounds only fill up. A full-size chunk (n >= limit) needs an empty round: the same
+// search with no room to spare.
 struct Lane {
   int64_t first = 0;
-  Window used, skip;  // skip[i]: a round >= first + i that may have room
-  Window skip0;       // skip0[i]: a round >= first + i that may be empty
-  std::vector<int64_t> path;  // scratch of open() / empty(), kept to avoid an allocation per call
-  int64_t at(int64_t k) const {
-    const int64_t i = k - first;
-    return i < static_cast<int64_t>(used.size()) ? used[i] : 0;
-  }
-  // Earliest round >= k that is not full.
-  int64_t open(int64_t k) {
-    path.clear();
-    int64_t end = first + static_cast<int64_t>(used.size());
-    while (k < end && used[k - first] >= limit_) {
-      path.push_back(k);
-      k = std::max(skip[k - first], k + 1);
-    }
-    for (int64_t p : path) skip[p - first] = k;
-    return k;
-  }
-  // Earliest round >= k that is empty (what a full-size chunk needs).
-  int64_t empty(int64_t k) {
-    path.clear();
-    int64_t end = first + static_cast<int64_t>(used.size());
-    while (k < end && used[k - first] > 0) {
-      path.push_back(k);
-      k = std::max(skip0[k - first], k + 1);
-    }
-    for (int64_t p : path) skip0[p - first] = k;
-    return k;
-  }
-  // Earliest round >= k with room for n elements. Rounds whose leftover is too small for n are
-  // never full, so `skip` cannot jump them: whole blocks of kBlock rounds whose least-used
-  // round has no room are jumped by their minimum instead (one read per block, not per round).
+  Window used;
+  // Earliest round >= k (k >= first) with room for n elements.
   int64_t fit(int64_t k, int64_t n) {
-    if (n >= limit_) return empty(k);
-    const int64_t cap = limit_ - n, end = first + static_cast<int64_t>(used.size());
-    for (k = open(k); k < end;) {
-      if (k % kBlock == 0 && k + kBlock <= end && bmin[k / kBlock - bfirst] > cap) {
-        k += kBlock;
+    const int64_t cap = std::max<int64_t>(0, limit_ - n), end = first + static_cast<int64_t>(used.size());
+    while (k < end) {
+      const int64_t b = k / kBlock, lo = b * kBlock, hi = std::min(end, lo + kBlock);
+      int64_t& m = bmin[b - bfirst];
+      if (m > cap) {
+        k = lo + kBlock;  // m > 0: the block was whole when m was set, so hi == lo + kBlock
         continue;
       }
-      if (used[k - first] <= cap) return k;
-      k = open(k + 1);
+      for (; k < hi; ++k)
+        if (used[k - first] <= cap) return k;
+      // No room in [k, hi): when the block is whole, its true minimum replaces the bound.
+      if (lo >= first && hi == lo + kBlock) {
+        int64_t mm = used[lo - first];
+        for (int64_t r = lo + 1; r < hi; ++r) mm = std::min(mm, used[r - first]);
+        m = mm;
+      }
     }
     return k;
   }
@@ -234,30 +261,17 @@ struct Lane {
     const int64_t i = k - first;
     while (static_cast<int64_t>(used.size()) <= i) {
       const int64_t r = first + static_cast<int64_t>(used.size());
-      skip.push_back(r);
-      skip0.push_back(r);
       used.push_back(0);
       if (r % kBlock == 0 || bmin.empty()) bmin.push_back(0);
     }
-    const int64_t old = used[i];
     used[i] += n;
-    if (used[i] >= limit_) skip[i] = k + 1;
-    skip0[i] = std::max(skip0[i], k + 1);
-    // The block's minimum rises only when its least-used round was this one.
-    int64_t& m = bmin[k / kBlock - bfirst];
-    if (old == m) {
-      const int64_t lo = std::max(first, k / kBlock * kBlock), end = first + static_cast<int64_t>(used.size());
-      const int64_t hi = std::min(end, (k / kBlock + 1) * kBlock);
-      m = hi - lo < kBlock ? 0 : used[lo - first];  // a block not complete yet has empty rounds
-      for (int64_t r = lo; r < hi && m > 0; ++r) m = std::min(m, used[r - first]);
-    }
     while (!used.empty() && used.front() >= limit_) {
-      used.pop_front(), skip.pop_front(), skip0.pop_front(), ++first;
+      used.pop_front(), ++first;
       while (bfirst < first / kBlock) bmin.pop_front(), ++bfirst;
     }
   }
   static constexpr int64_t kBlock = 32;
-  Window bmin;  // least elements used in each block of kBlock rounds, from block bfirst
+  Window bmin;  // a lower bound of the least elements used in each block, from block bfirst
   int64_t bfirst = 0;
   int64_t limit_ = 0;
 };
@@ -335,6 +349,7 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   for (auto& side : lanes)
     for (Lane& l : side) l.limit_ = limit;
   std::vector<int64_t> sizes;
+  std::vector<std::pair<int64_t, int64_t>> stair;  // (chunk size, round) of this message's chunks
   std::vector<OwnChunk> own;
   int64_t m = 0;
   for (size_t idx : order) {
@@ -355,20 +370,37 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     } else {
       ++out.summary_count;
     }
+    stair.clear();
     for (size_t c = 0; c < sizes.size(); ++c) {
       const int64_t n = sizes[c];
       // The earliest round where every end fits: each lane's next fit is monotone in k, so
       // iterating them to a fixed point gives the smallest common round (schedule.py's scan).
       int64_t k = lanes[0][sender].first;
       for (int64_t r : receivers) k = std::max(k, lanes[1][r].first);
-      for (;;) {
-        int64_t k2 = lanes[0][sender].fit(k, n);
-        for (int64_t r : receivers) k2 = std::max(k2, lanes[1][r].fit(k2, n));
-        if (k2 == k) break;
+      // An earlier chunk of this message of size n' <= n went to round k': no round before
+      // k' had room for n' at every end then, and rounds only fill up, so none has room for
+      // n now. `stair` keeps those (n', k') with k' rising in n' (dominated ones dropped).
+      auto st = std::upper_bound(stair.begin(), stair.end(), n,
+                                 [](int64_t v, const std::pair<int64_t, int64_t>& e) { return v < e.first; });
+      if (st != stair.begin()) k = std::max(k, std::prev(st)->second);
+      // Round robin over the lanes until every one accepted the same k (a lane that already
+      // accepted k is not asked again).
+      const size_t L = receivers.size() + 1;
+      for (size_t i = 0, agreed = 0; agreed < L; i = i + 1 == L ? 0 : i + 1) {
+        Lane& lane = i == 0 ? lanes[0][sender] : lanes[1][receivers[i - 1]];
+        const int64_t k2 = lane.fit(k, n);
+        agreed = k2 == k ? agreed + 1 : 1;
         k = k2;
       }
       lanes[0][sender].take(k, n);
       for (int64_t r : receivers) lanes[1][r].take(k, n);
+      {  // k is at least the bound for n; entries of sizes >= n and rounds <= k are dominated
+        auto pos = std::lower_bound(stair.begin(), stair.end(), n,
+                                    [](const std::pair<int64_t, int64_t>& e, int64_t v) { return e.first < v; });
+        auto stop = pos;
+        while (stop != stair.end() && stop->second <= k) ++stop;
+        stair.insert(stair.erase(pos, stop), {n, k});
+      }
       out.num_rounds = std::max(out.num_rounds, k + 1);
       if (rank < 0) out.all_round.push_back(k), out.all_msg.push_back(m), out.all_numel.push_back(n);
       if (info.mine) {

@@ -50,23 +50,28 @@ def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
     if rank < 0:
         raise ValueError(f"rank {rank} must be >= 0")
     a = plan.rank_arrays(rank, round_elems, direct_min_elems or 0)
-    rp, recv = a["msg_recv_ptr"], a["msg_receivers"]
-    sender, cmsg, cnumel = a["msg_sender"], a["chunk_msg"].tolist(), a["chunk_numel"].tolist()
-    cside, cslot, cptr = a["chunk_side"].tolist(), a["chunk_slot"].tolist(), a["chunk_desc_ptr"]
+    # Python ints and per-message (sender, receivers) looked up once: numpy scalar indexing per
+    # chunk was most of this function's time.
+    rp, recv, sender = a["msg_recv_ptr"], a["msg_receivers"], a["msg_sender"]
+    cmsg, cnumel = a["chunk_msg"].tolist(), a["chunk_numel"].tolist()
+    cside, cslot, cptr = a["chunk_side"].tolist(), a["chunk_slot"].tolist(), a["chunk_desc_ptr"].tolist()
     cdescs = a["chunk_descs"]
-    chunks = [Chunk(m, int(sender[m]), tuple(recv[rp[m]:rp[m + 1]].tolist()), n,
-                    cdescs[cptr[i]:cptr[i + 1]]) for i, (m, n) in enumerate(zip(cmsg, cnumel))]
+    ends = {m: (int(sender[m]), tuple(recv[rp[m]:rp[m + 1]].tolist())) for m in set(cmsg)}
+    chunks = [Chunk(m, *ends[m], n, cdescs[lo:hi])
+              for m, n, lo, hi in zip(cmsg, cnumel, cptr, cptr[1:])]
     rounds = []
-    ch, pk, up = a["round_chunk_ptr"], a["round_pack_ptr"], a["round_unpack_ptr"]
+    ch, pk, up = a["round_chunk_ptr"].tolist(), a["round_pack_ptr"].tolist(), a["round_unpack_ptr"].tolist()
+    pack, unpack, staging = a["pack_descs"], a["unpack_descs"], a["round_staging"].tolist()
     for j, k in enumerate(a["round_index"].tolist()):
-        lo, hi = int(ch[j]), int(ch[j + 1])
-        sends = [i for i in range(lo, hi) if cside[i] == 0]
-        recvs = [i for i in range(lo, hi) if cside[i] == 1]
+        # A round's chunks are its sends, then its receives (C++ order).
+        lo, hi = ch[j], ch[j + 1]
+        mid = lo
+        while mid < hi and cside[mid] == 0:
+            mid += 1
         rounds.append(RankRound(
-            k, tuple(chunks[i] for i in sends), tuple(chunks[i] for i in recvs),
-            a["pack_descs"][pk[j]:pk[j + 1]], a["unpack_descs"][up[j]:up[j + 1]],
-            tuple(cslot[i] for i in sends), tuple(cslot[i] for i in recvs),
-            int(a["round_staging"][j])))
+            k, tuple(chunks[lo:mid]), tuple(chunks[mid:hi]),
+            pack[pk[j]:pk[j + 1]], unpack[up[j]:up[j + 1]],
+            tuple(cslot[lo:mid]), tuple(cslot[mid:hi]), staging[j]))
     return RankSchedule(rank, int(a["num_rounds"]), tuple(rounds), a["local"],
                         int(a["summary_count"]), int(a["held_bytes"]))
 

@@ -123,9 +123,12 @@ class ParamSpec:
         """Why `tp` cannot split this parameter, or None."""
         if self.tp.kind != "split":
             return None
-        units = self.tp.units or tuple((f"{self.name}.shape[{self.tp.dim}]", b) for b in self.blocks)
-        for (unit, count), block in zip(units, self.blocks):
-            if count % tp or block % tp:
+        # Checked for every parameter of every layout a plan touches: name the unit (an
+        # f-string per block) only once a block fails.
+        units = self.tp.units
+        for i, block in enumerate(self.blocks):
+            if block % tp or (units and units[i][1] % tp):
+                unit, count = units[i] if units else (f"{self.name}.shape[{self.tp.dim}]", block)
                 return f"tp={tp} does not divide {unit}={count}"
         if self.tp.groups % tp:
             return f"tp={tp} does not divide the {self.tp.groups} interleaved groups"
