@@ -11,6 +11,8 @@ Axes (coords from Layout.coords: dp_idx, tp_idx, pp_idx):
   tp_group   ranks sharing (dp, pp), varying tp     tensor-parallel collectives
   dp_group   ranks sharing (tp, pp), varying dp     gradient all-reduce
   pp_group   ranks sharing (dp, tp), varying pp     pipeline broadcasts (tokens, results)
+  ep_group   ranks sharing (expert-dp, etp, pp), varying ep (Layout.expert_coords; built only
+             when ep > 1): the all-to-all of MoE token dispatch. ep_ranks in ep order.
   tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings);
              None on middle stages, which hold no embedding copy (any pp >= 2 works)
 
@@ -72,6 +74,15 @@ class ParallelGroups:
                     g = dist.new_group(list(pair), **kw)
                     if self.rank in pair:
                         self.tied_group = g
+        self.ep_group, self.ep_ranks = None, ()
+        if L.ep > 1:  # every world rank builds them, in this order, like the groups above
+            for p in range(L.pp):
+                for e in range(L.edp):
+                    for t in range(L.etp):
+                        ranks = tuple(L.expert_rank(e, g, t, p) for g in range(L.ep))
+                        grp = dist.new_group(list(ranks), **kw)
+                        if self.rank in ranks:
+                            self.ep_group, self.ep_ranks = grp, ranks
 
     @property
     def is_first_stage(self) -> bool:

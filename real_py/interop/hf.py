@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..spec.hf_config import ARCHITECTURES, check_architecture, export_config
 from ..layout import Layout, require_layout
-from ..realloc.shard import ModelShard, gather_full
+from ..realloc.shard import ExpertShard, ModelShard, gather_full
 from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,12 +41,22 @@ def _fused(model: ModelSpec) -> bool:
     return model.config is not None and model.config.model_type in FUSED_CHECKPOINTS
 
 
-def hf_names(p: ParamSpec, fused: bool = False) -> list[str]:
+def _names(model: ModelSpec, p: ParamSpec) -> list[str]:
+    return hf_names(p, _fused(model), model.config is not None and model.config.model_type == "mixtral")
+
+
+def hf_names(p: ParamSpec, fused: bool = False, mixtral: bool = False) -> list[str]:
     """HF tensor names whose concatenation (along the split dim, in block order) is p. fused: the
-    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3)."""
+    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3). mixtral: the MoE block
+    is block_sparse_moe, experts' gate | up | down are w1 | w3 | w2."""
     n = p.name
     if fused and n.startswith("layers."):
         return ["model." + n]
+    if mixtral and ".mlp." in n:
+        n = "model." + n.replace(".mlp.", ".block_sparse_moe.", 1)
+        if ".gate_up_proj." in n:
+            return [n.replace("gate_up_proj", "w1"), n.replace("gate_up_proj", "w3")]
+        return [n.replace("down_proj", "w2")]
     if n.startswith("layers."):
         if ".qkv_proj." in n:
             return ["model." + n.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
@@ -114,7 +124,7 @@ class HFCheckpoint:
         for p in model.params:
             if fresh_head and p.owner == "head":
                 continue
-            for j, name in enumerate(hf_names(p, _fused(model))):
+            for j, name in enumerate(_names(model, p)):
                 wanted[name] = _block_shape(p, j, _fused(model))
         for name, shape in wanted.items():
             if name not in self.shapes:
@@ -162,11 +172,32 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     ckpt = HFCheckpoint(path)
     ckpt.check(model, fresh_head=value_head_init is not None)
     shard = ModelShard.empty(model, layout, rank, device)
-    tp, k = layout.tp, shard.tp_rank
+    _read_entries(ckpt, model, shard, layout.tp, shard.tp_rank, value_head_init, seed)
+    return shard
+
+
+def load_hf_experts(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
+                    name: str | None = None) -> ExpertShard:
+    """This rank's expert shard of an MoE `layout` (experts of its ep rank, their etp pieces),
+    reading only those tensors (or their etp slices) from the checkpoint."""
+    require_layout(layout)
+    _check_checkpoint_config(path)
+    model = model_spec(config, name=name)
+    if not model.num_experts:
+        raise ValueError(f"load_hf_experts: {path} config has no experts (num_experts=0)")
+    ckpt = HFCheckpoint(path)
+    ckpt.check(model)
+    shard = ExpertShard.empty(model, layout, rank, device)
+    _read_entries(ckpt, model, shard, layout.etp, shard.etp_rank, None, 0)
+    return shard
+
+
+def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) -> None:
+    """Fill every entry of `shard` (a ModelShard or ExpertShard) with its tp-rank-k piece."""
     dtype = torch_dtype(model.dtype)
     for e in shard.shard_layout.entries:
         p, dst = e.param, shard.view(e.param.name)
-        names = hf_names(p, _fused(model))
+        names = _names(model, p)
         if value_head_init is not None and p.owner == "head":
             fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
                 torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
@@ -189,14 +220,13 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
                     dst.narrow(p.tp.dim, off, piece).copy_(
                         ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(dtype))
                     off += piece
-    return shard
 
 
 def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
     out = {}
     for p in model.params:
-        names = hf_names(p, _fused(model))
+        names = _names(model, p)
         if len(names) == 1:
             out[names[0]] = full[p.name].contiguous()
         else:
