@@ -47,7 +47,8 @@ MAX_NEW = 8
 LAYOUTS = [  # 4 gloo ranks at most
     Layout(dp=2, ep=2),                                       # experts split, dp tokens exchanged
     Layout(tp=2, ep=2),                                       # ep group = TP group: row blocks exchanged
-    Layout(dp=2, tp=2, ep=4, ranks=(3, 1, 2, 0), order="dp-tp-pp"),  # ep over dp x tp, permuted ranks
+    # ep over dp x tp; permuted ranks: group rank -> ep index (3, 0, 2, 1) is not its own inverse
+    Layout(dp=2, tp=2, ep=4, ranks=(1, 2, 3, 0), order="dp-tp-pp"),
     Layout(dp=2, pp=2, ep=2),                                 # one ep group per pipeline stage
 ]
 
