@@ -6,6 +6,7 @@
   rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
   moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
+  moe_exec.py     MoeReallocator: runs a MoePlan on a rank's ModelShard + ExpertShard
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, torch.distributed (gloo / NCCL), cupy-NCCL
 """
