@@ -177,16 +177,17 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
 
 
 def load_hf_experts(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
-                    name: str | None = None) -> ExpertShard:
+                    name: str | None = None, fresh_head: bool = False) -> ExpertShard:
     """This rank's expert shard of an MoE `layout` (experts of its ep rank, their etp pieces),
-    reading only those tensors (or their etp slices) from the checkpoint."""
+    reading only those tensors (or their etp slices) from the checkpoint. fresh_head: a value
+    model on a causal-LM checkpoint (load_hf_shard's value_head_init), whose head is not read."""
     require_layout(layout)
     _check_checkpoint_config(path)
     model = model_spec(config, name=name)
     if not model.num_experts:
         raise ValueError(f"load_hf_experts: {path} config has no experts (num_experts=0)")
     ckpt = HFCheckpoint(path)
-    ckpt.check(model)
+    ckpt.check(model, fresh_head=fresh_head)
     shard = ExpertShard.empty(model, layout, rank, device)
     _read_entries(ckpt, model, shard, layout.etp, shard.etp_rank, None, 0)
     return shard
