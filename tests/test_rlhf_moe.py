@@ -29,7 +29,10 @@ BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 1, "adam_ep
         "generation": {"max_new_tokens": 6}, "critic": {"vocab_size": 97}}
 
 
-def _worker(rank, world, runs):
+def _worker(rank, world, runs, out_dir):
+    from real_py.cli.export import export_checkpoint, export_live
+    from real_py.rlhf import checkpoint
+
     out = {}
     for name, d in runs:
         cfg = CF.from_dict(d)
@@ -39,7 +42,17 @@ def _worker(rank, world, runs):
         eng = rt.models.engines["actor"]
         out[name] = {"metrics": it["metrics"], "actor": None if eng is None else
                      {n: p.detach().clone() for n, p in {**eng.model.shard_params, **eng.model.expert_params}.items()},
-                     "layout": None if eng is None else (eng.layout.tp, eng.shard.tp_rank)}
+                     "tp_rank": None if eng is None else eng.shard.tp_rank}
+        if name == "qwen3_moe-grpo":  # HF export of the live run and of a saved step; resume restores experts
+            export_live(rt, f"{out_dir}/{name}-live")
+            step = checkpoint.save(rt, f"{out_dir}/{name}-run", 1)
+            if rank == 0:
+                export_checkpoint(step, f"{out_dir}/{name}-ckpt")
+            saved = None if eng is None else eng.experts.flat.clone()
+            if eng is not None:
+                eng.experts.flat.zero_()
+            checkpoint.load(rt, step)
+            out[name]["resumed"] = eng is None or torch.equal(eng.experts.flat, saved)
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -56,7 +69,7 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
         runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"},
                                         plan=grpo)))
     per_rank = [torch.load(io.BytesIO(b), weights_only=False)
-                for b in run_distributed(_worker, 4, runs, timeout=850)]
+                for b in run_distributed(_worker, 4, runs, str(tmp_path), timeout=850)]
     for name, d in runs:
         m = per_rank[0][name]["metrics"]
         assert "moe_aux_loss" in m and m["moe_aux_loss"] > 0, (name, m)
@@ -80,3 +93,22 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
                 orig = hf[n.replace("down_proj", "w2")] if name.startswith("mixtral") else hf[n]
             changed += not torch.equal(v, orig)
         assert changed > 0, (name, "no expert moved")
+
+    # export: transformers reloads the written actor; its tensors equal every rank's pieces
+    from real_py import ModelConfig, model_spec
+    from real_py.realloc.shard import tp_slice
+    from test_models_moe import hf_grads
+
+    spec = {p.name: p for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"])).params}
+    assert all(r["qwen3_moe-grpo"]["resumed"] for r in per_rank)
+    for kind in ("live", "ckpt"):
+        ref = O.load_oracle(str(tmp_path / f"qwen3_moe-grpo-{kind}" / "actor"))
+        for p in ref.parameters():
+            p.grad = p.detach().clone()
+        fused = hf_grads(ref)  # the parameters themselves, under real_py's fused names
+        assert set(fused) == set(spec)
+        for r in per_rank:
+            k = r["qwen3_moe-grpo"]["tp_rank"]
+            for n, v in r["qwen3_moe-grpo"]["actor"].items():
+                want = fused[n] if spec[n].expert >= 0 else tp_slice(spec[n], fused[n], 2, k)
+                assert torch.equal(v, want), (kind, n, k)

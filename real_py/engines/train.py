@@ -80,7 +80,7 @@ class Trainer:
                 self.counted.append((e.offset, e.numel))
         self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
         self._setup_buckets()
-        self.experts = ExpertBuffers(engine) if engine.experts is not None else None
+        self.experts = ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
 
     def _setup_buckets(self):
         """DP buckets: contiguous flat ranges in reverse forward order (the order backward makes

@@ -279,6 +279,18 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
     missing = [p.name for p in model.params if p.name not in full]
     if missing:
         raise ValueError(f"save_hf: state dict lacks {missing[:5]}")
+    if config.num_experts and hf_config is None:
+        # no MoE config writer (export_config refuses): the source's own config.json, after
+        # checking that it describes this very model (training does not change the architecture)
+        if config.head == "value":
+            raise ValueError(f"save_hf: value-head mixture-of-experts models ({config.model_type}) are not "
+                             "exported (no *MoeForSequenceClassification support in real_py)")
+        if source is None or ModelConfig.from_hf(source, dtype=config.dtype) != config:
+            raise ValueError(f"save_hf: a mixture-of-experts model ({config.model_type}, head={config.head}) is "
+                             "written with the config.json of the checkpoint it was loaded from, which must "
+                             "describe the same model; pass source= (that checkpoint) or hf_config=")
+        hf_config = dict(source, torch_dtype=config.dtype)
+        hf_config.pop("dtype", None)
     os.makedirs(path, exist_ok=True)
     save_file(to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
@@ -320,6 +332,45 @@ def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | No
         for name, t in gather_full_stage(model, stage_shards).items():
             full.setdefault(name, t)
     return full
+
+
+def experts_full(shards: list[ExpertShard]) -> dict[str, torch.Tensor]:
+    """Full expert tensors from expert shards covering every (stage, ep rank) of one etp1 layout."""
+    out = {}
+    for s in shards:
+        if s.layout.etp != 1:
+            raise ValueError(f"experts_full: layout {s.layout} splits experts by etp={s.layout.etp}; "
+                             "reallocate to an etp1 layout first")
+        out.update({name: v.clone() for name, v in s.params().items()})
+    missing = [p.name for p in shards[0].model.params if p.expert >= 0 and p.name not in out] if shards else []
+    if missing:
+        raise ValueError(f"experts_full: no shard holds {missing[:3]}")
+    return out
+
+
+def gather_experts(experts: ExpertShard, groups) -> dict[str, torch.Tensor] | None:
+    """Collective over the layout (as gather_state_dict): full expert tensors on the rank that
+    gets the dense ones (layout.rank(0, 0, 0)), None elsewhere. Expert-dp replica 0 of every
+    (stage, ep rank) sends its expert buffer."""
+    layout, model = experts.layout, experts.model
+    dst = layout.rank(0, 0, 0)
+    if layout.etp != 1:
+        raise ValueError(f"gather_experts: layout {layout} has etp={layout.etp}; only etp1 is gathered")
+    if groups.rank != dst:
+        if experts.edp_rank == 0:
+            dist.send(experts.flat, dst)
+        return None
+    shards = []
+    for s in range(layout.pp):
+        for g in range(layout.ep):
+            src = layout.expert_rank(0, g, 0, s)
+            if src == dst:
+                shards.append(experts)
+                continue
+            other = ExpertShard.empty(model, layout, src, experts.flat.device)
+            dist.recv(other.flat, src)
+            shards.append(other)
+    return experts_full(shards)
 
 
 def gather_full_stage(model: ModelSpec, shards: list[ModelShard]) -> dict[str, torch.Tensor]:

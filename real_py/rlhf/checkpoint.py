@@ -120,7 +120,7 @@ def save(rt, out_dir: str, step: int) -> str:
                               "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
                               "num_steps": 0 if tr is None else tr.num_steps,
                               "master": None if tr is None else tr.master}
-        if eng.experts is not None:  # MoE: the expert shard and its optimizer buffers
+        if getattr(eng, "experts", None) is not None:  # MoE: the expert shard and its optimizer buffers
             ex = None if tr is None else tr.experts
             state["models"][m]["experts"] = {
                 "flat": eng.experts.flat.clone(), "exp_avg": None if ex is None else ex.exp_avg,
@@ -293,7 +293,7 @@ def load(rt, path: str) -> int:
             eng._trainer.num_steps = s["num_steps"]
             if s.get("master") is not None:  # bf16 shards: the fp32 master weights
                 eng._trainer.master.copy_(s["master"])
-        if eng.experts is not None:
+        if getattr(eng, "experts", None) is not None:
             e = s.get("experts")
             if e is None or e["flat"].shape != eng.experts.flat.shape:
                 raise ValueError(f"checkpoint {path} rank {dist.get_rank()}: no matching {m} expert shard "
