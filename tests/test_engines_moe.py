@@ -5,8 +5,8 @@
 """Oracle: transformers' model, its aux_loss (output_router_logits, attention_mask), autograd,
 clip_grad_norm_ and torch.optim.AdamW on the whole batch (tests/test_models_moe.py builds the
 checkpoints). Layouts on 4 gloo ranks: dp2ep2 (tokens of two dp replicas meet in one ep group),
-dp2pp2ep2 (the aux loss's counts summed across stages inside 1F1B) and ep1 dp2 (experts replicated,
-gradients summed over the stage)."""
+dp2pp2ep2 (the aux loss's counts summed across stages inside 1F1B), ep1 dp2 (experts replicated,
+gradients summed over the stage) and tp2pp2ep2 (TP row blocks routed per rank, stages)."""
 
 import io
 
@@ -23,7 +23,7 @@ import models_oracle as O
 from test_models_moe import B, CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, hf_grads
 
 LR, WD, EPS, MAX_NORM = 1e-3, 0.1, 1e-3, 0.5  # eps 1e-3: Adam does not blow up ulp-level noise of ~0 gradients
-LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2)]
+LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2), Layout(tp=2, pp=2, ep=2)]
 FAMILIES = ["qwen3_moe", "qwen2_moe"]
 
 

@@ -50,6 +50,7 @@ LAYOUTS = [  # 4 gloo ranks at most
     # ep over dp x tp; permuted ranks: group rank -> ep index (3, 0, 2, 1) is not its own inverse
     Layout(dp=2, tp=2, ep=4, ranks=(1, 2, 3, 0), order="dp-tp-pp"),
     Layout(dp=2, pp=2, ep=2),                                 # one ep group per pipeline stage
+    Layout(tp=2, pp=2, ep=2),                                 # tp row blocks and stages together
 ]
 
 
