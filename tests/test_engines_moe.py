@@ -12,6 +12,7 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from real_py import Layout, ModelConfig, model_spec
 from real_py.engines import Engine, OptimConfig
@@ -50,6 +51,17 @@ def _worker(rank, world, cases):
             r = {"logits": eng.forward_logits(TOKENS[rows]),
                  "greedy": eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
                                         torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW)["new_tokens"]}
+            r["static"] = eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
+                                       torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW,
+                                       decode="static")["new_tokens"]
+            # stop tokens that end dp replica 0's rows at once: with ep > 1 the other replica's
+            # all-to-alls still need replica 0 to step (generate stops every replica together)
+            eos = r["greedy"][:, 0].clone() if g.dp_rank == 0 else torch.zeros(per, dtype=torch.int64)
+            dist.broadcast(eos, layout.rank(0, 0, 0), group=g.layout_group)
+            r["eos"] = eos
+            r["eos_new"] = eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
+                                        torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW,
+                                        eos_token_id=eos.tolist())["new_tokens"]
             loss_fn = lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total)  # noqa: E731
             r["stats"] = eng.train_step(loss_fn, {"tokens": TOKENS[rows], "lengths": LENGTHS[rows]})
             r["full"] = gather_state_dict(eng.shard, g)
@@ -113,6 +125,13 @@ def test_engine_logits_generation_train_step(ckpts, runs, mt):
         got = torch.cat([first[d]["logits"] for d in range(layout.dp)])
         torch.testing.assert_close(got[keep], logits[keep], atol=1e-5, rtol=0, msg=lambda s: f"{key} logits {s}")
         assert torch.equal(torch.cat([first[d]["greedy"] for d in range(layout.dp)]), greedy), (key, "greedy")
+        assert torch.equal(torch.cat([first[d]["static"] for d in range(layout.dp)]), greedy), (key, "static")
+        eos = set(first[0]["eos"].tolist())
+        for d in range(layout.dp):
+            got = first[d]["eos_new"]
+            for b, row in enumerate(greedy[d * got.shape[0]:(d + 1) * got.shape[0]].tolist()):
+                n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                assert got[b, :n].tolist() == row[:n] and not got[b, n:].any(), (key, d, b, got[b], row)
         st = first[0]["stats"]
         assert abs(st["loss"] - nll) < 1e-5 and abs(st["aux_loss"] - aux) < 1e-6, (key, st, nll, aux)
         assert abs(st["grad_norm"] - norm) < 1e-4, (key, st["grad_norm"], norm)
