@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from real_py import Layout, ModelConfig, model_spec
+from real_py import Layout, ModelConfig, ModelShard, model_spec
 from real_py.interop.hf import load_hf_experts, load_hf_shard
 from real_py.models import (StageModel, expert_token_counts, load_balancing_loss, router_records,
                             router_z_loss, vocab_parallel_logprobs)
@@ -290,3 +290,24 @@ def test_refusals(ckpts):
     lay = Layout(dp=2, etp=2)
     with pytest.raises(ValueError, match=r"etp=2; the MoE forward splits experts by ep only"):
         StageModel(cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0))
+
+
+def test_bad_expert_inputs(ckpts):
+    """Wrong expert buffers, a rank outside the layout and an incomplete shared expert are refused
+    naming the cause."""
+    path = ckpts["qwen3_moe"]
+    cfg = ModelConfig.from_hf(path)
+    spec = model_spec(cfg)
+    lay = Layout(dp=2, ep=2)
+    with pytest.raises(ValueError, match=r"expert flat buffer for .* rank 1 must be a contiguous 1-D torch.float32 tensor"):
+        ExpertShard(spec, lay, 1, torch.zeros(5))
+    with pytest.raises(ValueError, match=r"rank 7 is not in layout"):
+        ExpertShard.empty(spec, lay, 7)
+    with pytest.raises(ValueError, match=r"is not of layout .* rank 0"):
+        StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0), None, ExpertShard.empty(spec, Layout(dp=2), 1))
+    q2 = transformers.Qwen2MoeConfig(**O.TINY, shared_expert_intermediate_size=0).to_dict()
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=0 is not supported"):
+        ModelConfig.from_hf(q2)
+    dense = ModelConfig.from_hf(transformers.Qwen3Config(**O.TINY).to_dict())
+    with pytest.raises(ValueError, match=r"experts given but ModelConfig.num_experts=0"):
+        StageModel(dense, ModelShard.empty(model_spec(dense), Layout(), 0), None, ExpertShard.empty(spec, Layout(), 0))
