@@ -1,4 +1,4 @@
-"""transformers LLaMA / Qwen2 checkpoints <-> shard buffers.
+"""transformers checkpoints (dense families and Qwen3-MoE / Qwen2-MoE / Mixtral) <-> shard buffers.
 
     shard = load_hf_shard(path, config, layout, rank)   # reads only this rank's slices
     full = gather_state_dict(shard, groups)             # collective; full tensors on layout.ranks[0]
@@ -7,7 +7,9 @@
 HF names map onto the fused spec names: q_proj|k_proj|v_proj -> qkv_proj (blocks along dim 0),
 gate_proj|up_proj -> gate_up_proj, the rest one to one under "model."; a value head is stored as
 "score.weight" [1, H] (LlamaForSequenceClassification / Qwen2ForSequenceClassification with
-num_labels=1). Every tensor the config needs is checked (presence, shape) from the safetensors
+num_labels=1). MoE: expert j's gate_proj|up_proj -> experts.j.gate_up_proj (Mixtral's
+block_sparse_moe.experts.j.w1|w3; w2 -> down_proj), read into a rank's ExpertShard by
+load_hf_experts; the router (mlp.gate), shared expert and its gate load with the dense shard. Every tensor the config needs is checked (presence, shape) from the safetensors
 headers before anything is read; a mismatch raises ValueError naming the tensor and the cause.
 """
 

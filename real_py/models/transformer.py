@@ -12,6 +12,8 @@ Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoP
 frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads, SDPA with scale
 1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q;
 lookups of pad_token_id add no gradient to its embedding row (nn.Embedding's padding_idx).
+MoE layers (config.is_moe_layer) run moe.MoEBlock instead of the MLP: StageModel(config, shard,
+tp_group, experts=ExpertShard, ep_group=...) with the expert Parameters in `expert_params`.
 """
 
 from __future__ import annotations
