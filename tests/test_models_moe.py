@@ -212,6 +212,10 @@ def _worker(rank, world, cases):
                 dist.send(inp.grad, g.prev_rank)
             r["grads"] = {n: p.grad.clone() for n, p in {**m.shard_params, **m.expert_params}.items()}
             r["greedy"] = _generate(m, g, PROMPT[rows])
+            with torch.no_grad():  # one token per rank: fewer rows than TP ranks (empty row blocks)
+                _, h1 = _stage_forward(m, g, tokens[:1, :1], torch.zeros(1, 1, dtype=torch.int64))
+                if g.is_last_stage:
+                    r["one"] = gather_from_tp(m.head(h1), g.tp_group, g.tp_ranks)[..., :cfg.vocab_size]
             out[(mt, repr(layout))] = (g.dp_rank, g.tp_rank, g.stage, r)
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -255,6 +259,9 @@ def test_ep_layouts_logits_generation_gradients(ckpts, runs, mt):
         torch.testing.assert_close(torch.cat([last[d]["logits"] for d in range(layout.dp)])[keep], out.logits[keep],
                                    atol=1e-5, rtol=0, msg=lambda s: f"{key} logits: {s}")
         assert torch.equal(torch.cat([last[d]["greedy"] for d in range(layout.dp)]), greedy), (key, "greedy")
+        per = B // layout.dp
+        torch.testing.assert_close(torch.cat([last[d]["one"] for d in range(layout.dp)]),
+                                   out.logits[::per, :1], atol=1e-5, rtol=0, msg=lambda s: f"{key} one token: {s}")
         torch.testing.assert_close(torch.tensor(sum(r["aux"] for *_, r in res)), out.aux_loss.detach(),
                                    atol=1e-6, rtol=0, msg=lambda s: f"{key} aux loss: {s}")
         summed: dict = {}
