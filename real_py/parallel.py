@@ -16,6 +16,8 @@ Axes (coords from Layout.coords: dp_idx, tp_idx, pp_idx):
   edp_group  (moe=True or ep > 1) ranks holding the same experts: sharing (ep, etp, pp), varying
              expert-dp (all dp x tp ranks of the stage when ep = 1); None when that is one rank.
              Expert gradients are summed over it.
+  etp_group  (etp > 1) ranks holding the other etp pieces of this rank's experts (same expert-dp,
+             ep index and stage): MoE rows gathered / partial outputs reduced over it.
   layout_group (moe=True or ep > 1) every rank of the layout: the MoE aux loss's token counts.
   tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings);
              None on middle stages, which hold no embedding copy (any pp >= 2 works)
@@ -80,7 +82,15 @@ class ParallelGroups:
                     if self.rank in pair:
                         self.tied_group = g
         self.ep_group, self.ep_ranks = None, ()
-        self.edp_group = self.layout_group = None
+        self.edp_group = self.layout_group = self.etp_group = None
+        if L.etp > 1:  # the pieces of one rank's experts: same expert-dp, ep index and stage
+            for p in range(L.pp):
+                for e in range(L.edp):
+                    for g in range(L.ep):
+                        ranks = tuple(L.expert_rank(e, g, t, p) for t in range(L.etp))
+                        grp = dist.new_group(list(ranks), **kw)
+                        if self.rank in ranks:
+                            self.etp_group = grp
         if L.ep > 1:  # every world rank builds them, in this order, like the groups above
             for p in range(L.pp):
                 for e in range(L.edp):

@@ -51,6 +51,10 @@ LAYOUTS = [  # 4 gloo ranks at most
     Layout(dp=2, tp=2, ep=4, ranks=(1, 2, 3, 0), order="dp-tp-pp"),
     Layout(dp=2, pp=2, ep=2),                                 # one ep group per pipeline stage
     Layout(tp=2, pp=2, ep=2),                                 # tp row blocks and stages together
+    # etp: each expert's intermediate dim split; rows gathered over the etp group, partial outputs summed
+    Layout(tp=2, etp=2),                                      # etp group = TP group (vLLM's TP experts)
+    Layout(dp=2, etp=2),                                      # etp group across two dp replicas
+    Layout(dp=2, tp=2, ep=2, etp=2),                          # etp over tp, ep over dp
 ]
 
 
@@ -94,7 +98,8 @@ def oracle(path):
 
 def _model(path, cfg, layout=Layout(), rank=0, groups=None):
     return StageModel(cfg, load_hf_shard(path, cfg, layout, rank), groups.tp_group if groups else None,
-                      load_hf_experts(path, cfg, layout, rank), groups.ep_group if groups else None)
+                      load_hf_experts(path, cfg, layout, rank), groups.ep_group if groups else None,
+                      groups.etp_group if groups else None)
 
 
 @pytest.mark.parametrize("mt", list(CASES))
@@ -216,6 +221,7 @@ def _worker(rank, world, cases):
                 _, h1 = _stage_forward(m, g, tokens[:1, :1], torch.zeros(1, 1, dtype=torch.int64))
                 if g.is_last_stage:
                     r["one"] = gather_from_tp(m.head(h1), g.tp_group, g.tp_ranks)[..., :cfg.vocab_size]
+            r["etp_rank"] = layout.expert_coords(rank)[2]
             out[(mt, repr(layout))] = (g.dp_rank, g.tp_rank, g.stage, r)
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -267,10 +273,10 @@ def test_ep_layouts_logits_generation_gradients(ckpts, runs, mt):
         summed: dict = {}
         for _, tp, stage, r in res:
             for n, gr in r["grads"].items():
-                k = (n, tp if spec[n].expert < 0 else 0)  # experts (etp=1) are whole on every holder
+                k = (n, tp if spec[n].expert < 0 else r["etp_rank"])  # experts: their etp piece
                 summed[k] = summed.get(k, 0) + gr
         for (n, tp), gr in summed.items():
-            exp = want[n] if spec[n].expert >= 0 else tp_slice(spec[n], want[n], layout.tp, tp)
+            exp = tp_slice(spec[n], want[n], layout.tp if spec[n].expert < 0 else layout.etp, tp)
             torch.testing.assert_close(gr, exp, atol=1e-5, rtol=0, msg=lambda s: f"{key} {n} tp {tp}: {s}")
         assert {n for n, _ in summed} == set(want), key
 
@@ -295,7 +301,7 @@ def test_refusals(ckpts):
     with pytest.raises(ValueError, match=r"ep=2; pass ep_group"):
         StageModel(cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0))
     lay = Layout(dp=2, etp=2)
-    with pytest.raises(ValueError, match=r"etp=2; the MoE forward splits experts by ep only"):
+    with pytest.raises(ValueError, match=r"etp=2; pass etp_group"):
         StageModel(cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0))
 
 

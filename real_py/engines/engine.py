@@ -64,7 +64,8 @@ class Engine:
             raise ValueError(f"Engine: {config.model_type} has experts; build its groups with "
                              "ParallelGroups(layout, moe=True) (expert-dp and layout groups)")
         self.experts = experts
-        self.model = StageModel(config, shard, groups.tp_group, experts, groups.ep_group)
+        self.model = StageModel(config, shard, groups.tp_group, experts, groups.ep_group,
+                                getattr(groups, "etp_group", None))
         self.dtype = torch_dtype(config.dtype)
         self.device = shard.flat.device
         self.optim = optim

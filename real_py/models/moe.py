@@ -36,6 +36,7 @@ from torch import nn
 
 from ..spec import ModelConfig
 from .mlp import ACTS, MLP
+from .etp import gather_etp_plain, gather_etp_rows, reduce_scatter_etp_rows
 from .tp import copy_to_tp, gather_rows_from_tp, scatter_rows_to_tp
 
 
@@ -48,6 +49,8 @@ class EPInfo:
     ep_rank: int = 0
     group: object = None
     group_ep: tuple[int, ...] = (0,)
+    etp_group: object = None
+    """etp > 1: the ranks holding the other pieces of this rank's experts (same expert-dp, ep, stage)."""
 
 
 @dataclass
@@ -119,7 +122,15 @@ class MoEBlock(nn.Module):
         if self.norm_topk:
             w = w / w.sum(-1, keepdim=True)
         self.router = RouterRecord(logits, probs, chosen, lo, hi)
-        y = gather_rows_from_tp(self._routed(xs, chosen, w.to(x.dtype)), flat.shape[0], self.tp_group)
+        w = w.to(x.dtype)
+        if self.ep.etp_group is None:
+            routed = self._routed(xs, chosen, w)
+        else:  # etp > 1: this rank's expert pieces on the rows of its whole etp group (etp.py)
+            xg, sizes = gather_etp_rows(xs, self.ep.etp_group)
+            part = self._routed(xg, gather_etp_plain(chosen, sizes, self.ep.etp_group),
+                                gather_etp_rows(w, self.ep.etp_group)[0])
+            routed = reduce_scatter_etp_rows(part, sizes, self.ep.etp_group)
+        y = gather_rows_from_tp(routed, flat.shape[0], self.tp_group)
         if self.shared_expert is not None:
             s = self.shared_expert(flat)
             if self.shared_expert_gate is not None:

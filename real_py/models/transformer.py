@@ -183,10 +183,10 @@ class StageModel(nn.Module):
     """Layers [lo, hi) of one pipeline stage, plus the embedding (first) and norm + head (last)."""
 
     def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None,
-                 experts: ExpertShard | None = None, ep_group=None):
+                 experts: ExpertShard | None = None, ep_group=None, etp_group=None):
         super().__init__()
         layout = shard.layout
-        ep = _ep_info(config, shard, experts, ep_group)
+        ep = _ep_info(config, shard, experts, ep_group, etp_group)
         self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
         self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1
         self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage,
@@ -256,7 +256,8 @@ class StageModel(nn.Module):
                 for _ in range(self.hi - self.lo)]
 
 
-def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_group) -> EPInfo | None:
+def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_group,
+             etp_group=None) -> EPInfo | None:
     """Checks the expert shard and ep group of an MoE model; None for a dense one."""
     layout = shard.layout
     if not c.num_experts:
@@ -269,10 +270,16 @@ def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_
     if experts.layout != layout or experts.rank != shard.rank:
         raise ValueError(f"StageModel: expert shard {experts} is not of layout {layout} rank {shard.rank}")
     if layout.etp > 1:
-        raise ValueError(f"StageModel: layout {layout} has etp={layout.etp}; the MoE forward splits experts "
-                         "by ep only (etp=1): reallocate to an etp1 layout to run the model")
+        if etp_group is None:
+            raise ValueError(f"StageModel: layout {layout} has etp={layout.etp}; pass etp_group "
+                             "(ParallelGroups(layout).etp_group)")
+        members = dist.get_process_group_ranks(etp_group)
+        want = {layout.expert_rank(experts.edp_rank, experts.ep_rank, t, shard.stage) for t in range(layout.etp)}
+        if set(members) != want:
+            raise ValueError(f"StageModel: etp_group ranks {members} are not the etp group {sorted(want)} of "
+                             f"rank {shard.rank} in {layout}")
     if layout.ep == 1:
-        return EPInfo()
+        return EPInfo(etp_group=etp_group)
     if ep_group is None:
         raise ValueError(f"StageModel: layout {layout} has ep={layout.ep}; pass ep_group "
                          "(ParallelGroups(layout).ep_group)")
@@ -281,4 +288,4 @@ def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_
     if sorted(group_ep) != list(range(layout.ep)) or shard.rank not in members:
         raise ValueError(f"StageModel: ep_group ranks {members} are not an ep group of {layout} holding rank "
                          f"{shard.rank}")
-    return EPInfo(layout.ep, experts.ep_rank, ep_group, group_ep)
+    return EPInfo(layout.ep, experts.ep_rank, ep_group, group_ep, etp_group)
