@@ -6,7 +6,8 @@
 clip_grad_norm_ and torch.optim.AdamW on the whole batch (tests/test_models_moe.py builds the
 checkpoints). Layouts on 4 gloo ranks: dp2ep2 (tokens of two dp replicas meet in one ep group),
 dp2pp2ep2 (the aux loss's counts summed across stages inside 1F1B), ep1 dp2 (experts replicated,
-gradients summed over the stage) and tp2pp2ep2 (TP row blocks routed per rank, stages)."""
+gradients summed over the stage), tp2pp2ep2 (TP row blocks routed per rank, stages) and
+dp2tp2ep2etp2 (expert pieces over the TP ranks, experts over the dp ranks)."""
 
 import io
 
@@ -18,13 +19,15 @@ from real_py import Layout, ModelConfig, model_spec
 from real_py.engines import Engine, OptimConfig
 from real_py.interop.hf import gather_state_dict, load_hf_experts, load_hf_shard
 from real_py.parallel import ParallelGroups
+from real_py.realloc.shard import tp_slice
 from real_py.testing import run_distributed
 
 import models_oracle as O
 from test_models_moe import B, CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, hf_grads
 
 LR, WD, EPS, MAX_NORM = 1e-3, 0.1, 1e-3, 0.5  # eps 1e-3: Adam does not blow up ulp-level noise of ~0 gradients
-LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2), Layout(tp=2, pp=2, ep=2)]
+LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2), Layout(tp=2, pp=2, ep=2),
+           Layout(dp=2, tp=2, ep=2, etp=2)]
 FAMILIES = ["qwen3_moe", "qwen2_moe"]
 
 
@@ -66,6 +69,7 @@ def _worker(rank, world, cases):
             r["stats"] = eng.train_step(loss_fn, {"tokens": TOKENS[rows], "lengths": LENGTHS[rows]})
             r["full"] = gather_state_dict(eng.shard, g)
             r["experts"] = {n: p.detach().clone() for n, p in eng.model.expert_params.items()}
+            r["etp_rank"] = layout.expert_coords(rank)[2]
             out[(mt, repr(layout))] = (g.dp_rank, g.stage, r)
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -146,9 +150,12 @@ def test_engine_logits_generation_train_step(ckpts, runs, mt):
         held = {}
         for *_, r in res:
             for n, v in r["experts"].items():
-                if n in held:  # expert-dp replicas stay equal
-                    assert torch.equal(held[n], v), (key, n)
-                held[n] = v
-        assert set(held) == {p.name for p in spec.params if p.expert >= 0}, key
-        for n, v in held.items():
-            torch.testing.assert_close(v, after[n], atol=1e-5, rtol=0, msg=lambda s: f"{key} {n}: {s}")
+                k = (n, r["etp_rank"])
+                if k in held:  # expert-dp replicas stay equal
+                    assert torch.equal(held[k], v), (key, n)
+                held[k] = v
+        assert {n for n, _ in held} == {p.name for p in spec.params if p.expert >= 0}, key
+        params = {p.name: p for p in spec.params}
+        for (n, t), v in held.items():
+            torch.testing.assert_close(v, tp_slice(params[n], after[n], layout.etp, t), atol=1e-5, rtol=0,
+                                       msg=lambda s: f"{key} {n} etp {t}: {s}")

@@ -1,5 +1,6 @@
 # Checks PPO and GRPO from mixture-of-experts HF checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral) through
-# the runtime, on a plan whose actor train and generation layouts differ in ep (dp2tp2ep4 -> dp4ep2).
+# the runtime, on a plan whose actor trains with experts split by ep (dp2tp2ep4) and generates with
+# every expert split by TP (dp2tp2etp2, vLLM's TP experts).
 # A failure points to real_py/rlhf/models.py (experts, MoeReallocator), real_py/realloc/moe_exec.py,
 # real_py/engines/moe_train.py or real_py/rlhf/execplan.py (ep / etp keys).
 """After one iteration: every metric finite (the aux loss among them), the trained actor's dense and
@@ -19,7 +20,7 @@ import models_oracle as O
 from test_models_moe import CASES
 
 PLAN = {"world_size": 4, "calls": {
-    "actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "ep": 2},
+    "actor_gen": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "etp": 2},   # experts split by TP, as vLLM
     "ref_inf": {"ranks": [0, 1], "dp": 2, "ep": 2},
     "rew_inf": {"ranks": [2, 3], "dp": 1, "tp": 2},
     "critic_inf": {"ranks": [2, 3], "dp": 1, "pp": 2},
