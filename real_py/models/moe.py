@@ -8,7 +8,7 @@ Routing as transformers: logits = x W_gate^T in the activation dtype, softmax in
 each chosen expert's SwiGLU output times its weight, summed per token; Qwen2-MoE adds the shared
 expert times sigmoid(x W_shared_gate^T). No capacity, no dropped tokens.
 
-Tokens and TP (etp=1): the TP ranks of a (dp, pp) position hold the same tokens, so each TP rank
+Tokens and TP: the TP ranks of a (dp, pp) position hold the same tokens, so each TP rank
 routes and dispatches only its block of ceil(n / tp) rows (scatter_rows_to_tp), and the routed
 outputs are gathered back over TP (gather_rows_from_tp; backward: each rank's block of the
 replicated gradient). Every token is then computed once, by exactly one rank of the stage, which
@@ -23,6 +23,12 @@ experts on what it received, and a second all-to-all returns the outputs in the 
 sent; the sender combines them with its routing weights. Backward is the same exchange reversed.
 ep=1: the same loop over the experts, locally. The expert weights are Parameters on views of the
 rank's ExpertShard (per-expert fused gate|up [2Im, H] and down [H, Im], the spec's stored form).
+
+Expert pieces (etp > 1): each expert's gate|up rows and down columns are split over the etp
+ranks (ParallelGroups.etp_group); every etp rank gathers the routed rows (and their choices and
+weights) of its whole etp group, dispatches them over its ep group to its pieces, and the partial
+outputs (an expert's output is a sum over its intermediate dim) are summed back to each row's
+owner (etp.py), as Megatron-core's etp all-gather / reduce-scatter around the all-to-all.
 """
 
 from __future__ import annotations
