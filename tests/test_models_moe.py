@@ -1,5 +1,6 @@
 # Checks the mixture-of-experts forward (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers: logits,
-# KV-cache decode steps, greedy generation, the load-balancing aux loss and one step's gradients, on
+# KV-cache decode steps, greedy generation, the load-balancing aux loss and one step's gradients
+# (log-prob, entropy and aux-loss terms), on
 # ep1 and on expert-parallel layouts (ep2 / ep4 with dp, tp2 and pp2) over 4 gloo ranks.
 # A failure points to real_py/models/moe.py (routing, dispatch, aux loss), real_py/models/tp.py (TP
 # row split), real_py/spec/hf_config.py (MoE fields) or real_py/interop/hf.py (expert tensor names).
@@ -86,12 +87,23 @@ def hf_grads(ref) -> dict:
     return out
 
 
+ENT = 0.1  # entropy bonus: the PPO loss's entropy term
+
+
+def entropy_term(logp_all: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """-ENT * sum of the next-token distributions' entropies over real positions / all of them."""
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    mask = torch.arange(ent.shape[1]) < (lengths - 1).unsqueeze(1)
+    return -ENT * (ent * mask).sum() / float((LENGTHS - 1).sum())
+
+
 def oracle(path):
-    """transformers' logits, aux loss, router logits and gradients of nll + coef * aux."""
+    """transformers' logits, aux loss, router logits and gradients of nll - ENT entropy + coef aux."""
     ref = O.load_oracle(path)
     out = ref(TOKENS, attention_mask=MASK, output_router_logits=True)
-    lp = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
-    loss = O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + COEF * out.aux_loss
+    logp = torch.log_softmax(out.logits[:, :-1], -1)
+    lp = logp.gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
+    loss = O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + entropy_term(logp, LENGTHS) + COEF * out.aux_loss
     loss.backward()
     return ref, out, hf_grads(ref)
 
@@ -116,8 +128,10 @@ def test_ep1_logits_aux_loss_gradients(ckpts, mt):
     assert len(recs) == len(out.router_logits) > 0
     aux = load_balancing_loss(recs, cfg.num_experts, cfg.num_experts_per_tok, MASK)
     torch.testing.assert_close(aux, out.aux_loss, atol=1e-6, rtol=0)
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
-    (O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + cfg.router_aux_loss_coef * aux).backward()
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    lp = logp.gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
+    (O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + entropy_term(logp, LENGTHS)
+     + cfg.router_aux_loss_coef * aux).backward()
     params = {**m.shard_params, **m.expert_params}
     assert sorted(params) == sorted(want)
     for n, p in params.items():
@@ -206,8 +220,11 @@ def _worker(rank, world, cases):
             if g.is_last_stage:
                 logits = m.head(h)
                 r["logits"] = gather_from_tp(logits.detach(), g.tp_group, g.tp_ranks)[..., :cfg.vocab_size]
-                lp, _ = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], g.tp_group, g.tp_rank, cfg.vocab_size)
-                loss = O.nll_loss(lp, LENGTHS[rows], float((LENGTHS - 1).sum())) + cfg.router_aux_loss_coef * aux
+                lp, ent = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], g.tp_group, g.tp_rank,
+                                                  cfg.vocab_size, with_entropy=True)
+                mask = torch.arange(T - 1) < (LENGTHS[rows] - 1).unsqueeze(1)
+                loss = (O.nll_loss(lp, LENGTHS[rows], float((LENGTHS - 1).sum()))
+                        - ENT * (ent * mask).sum() / float((LENGTHS - 1).sum()) + cfg.router_aux_loss_coef * aux)
                 loss.backward()
             else:
                 grad = torch.empty_like(h)
