@@ -1,7 +1,7 @@
 # Checks the mixture-of-experts forward (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers: logits,
 # KV-cache decode steps, greedy generation, the load-balancing aux loss and one step's gradients
-# (log-prob, entropy and aux-loss terms), on
-# ep1 and on expert-parallel layouts (ep2 / ep4 with dp, tp2 and pp2) over 4 gloo ranks.
+# (log-prob, entropy and aux-loss terms), on ep1 and on expert-parallel layouts (ep2 / ep4 with dp,
+# tp2 and pp2; experts split by etp2) over 4 gloo ranks.
 # A failure points to real_py/models/moe.py (routing, dispatch, aux loss), real_py/models/tp.py (TP
 # row split), real_py/spec/hf_config.py (MoE fields) or real_py/interop/hf.py (expert tensor names).
 """Oracle: transformers 4.57 itself on random-init checkpoints it wrote (models_oracle.make_checkpoint),
