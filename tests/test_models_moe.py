@@ -341,3 +341,30 @@ def test_bad_expert_inputs(ckpts):
     dense = ModelConfig.from_hf(transformers.Qwen3Config(**O.TINY).to_dict())
     with pytest.raises(ValueError, match=r"experts given but ModelConfig.num_experts=0"):
         StageModel(dense, ModelShard.empty(model_spec(dense), Layout(), 0), None, ExpertShard.empty(spec, Layout(), 0))
+
+
+@pytest.mark.parametrize("mt", list(CASES))
+def test_value_head_checkpoints(tmp_path, mt):
+    """*ForSequenceClassification MoE checkpoints (num_labels=1) load as value models: per-token
+    values equal transformers' score(hidden) and the value gradients (with the aux loss) equal
+    autograd's."""
+    path = O.make_checkpoint(str(tmp_path / mt), mt, seed=6, head="value", **CASES[mt])
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.head == "value"
+    ref = O.load_oracle(path, "value")
+    out = ref.model(TOKENS, attention_mask=MASK, output_router_logits=True)
+    want = ref.score(out.last_hidden_state).squeeze(-1)
+    m = _model(path, cfg)
+    got = m.head(m(TOKENS, torch.arange(T).expand(B, T)))
+    keep = MASK.bool()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)
+    targets = torch.randn(B, T, generator=torch.Generator().manual_seed(2))
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    hf_aux = load_balancing_loss_func(out.router_logits, 8, cfg.num_experts_per_tok, MASK)
+    (O.value_loss(want, LENGTHS, targets, float(LENGTHS.sum())) + COEF * hf_aux).backward()
+    aux = load_balancing_loss(router_records(m), cfg.num_experts, cfg.num_experts_per_tok, MASK)
+    (O.value_loss(got, LENGTHS, targets, float(LENGTHS.sum())) + COEF * aux).backward()
+    grads = hf_grads(ref)
+    grads["value_head.weight"] = grads.pop("score.weight")
+    for n, p in {**m.shard_params, **m.expert_params}.items():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=0, msg=lambda s: f"{mt} {n}: {s}")

@@ -40,11 +40,15 @@ def _worker(rank, world, runs, out_dir):
         plan, graph, models = CF.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=120)
         it = rt.iteration(0)
+        out[name] = {"metrics": it["metrics"]}
+        for role in ("actor", "critic"):
+            eng = rt.models.engines.get(role)
+            if eng is not None:
+                out[name][role] = {n: p.detach().clone()
+                                   for n, p in {**eng.model.shard_params, **eng.model.expert_params}.items()}
+                out[name][role + "_tp"] = eng.shard.tp_rank
         eng = rt.models.engines["actor"]
-        out[name] = {"metrics": it["metrics"], "actor": None if eng is None else
-                     {n: p.detach().clone() for n, p in {**eng.model.shard_params, **eng.model.expert_params}.items()},
-                     "tp_rank": None if eng is None else eng.shard.tp_rank}
-        if name == "qwen3_moe-grpo":  # HF export of the live run and of a saved step; resume restores experts
+        if name == "qwen3_moe":  # HF export (actor and critic) of the live run and of a saved step; resume restores experts
             export_live(rt, f"{out_dir}/{name}-live")
             step = checkpoint.save(rt, f"{out_dir}/{name}-run", 1)
             if rank == 0:
@@ -78,7 +82,7 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
         want = O.load_oracle(d["actor_path"]).state_dict()
         for r in per_rank:
             act = r[name]["actor"]
-            assert act is not None and all(torch.isfinite(v).all() for v in act.values()), name
+            assert all(torch.isfinite(v).all() for v in act.values()), name
         experts = [n for n in per_rank[0][name]["actor"] if ".experts." in n]
         assert experts, name
         # the experts were trained: some differ from the checkpoint's (gate|up fused in real_py)
@@ -101,18 +105,22 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
     from test_models_moe import hf_grads
 
     spec = {p.name: p for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"])).params}
-    assert all(r["qwen3_moe-grpo"]["resumed"] for r in per_rank)
+    assert all(r["qwen3_moe"]["resumed"] for r in per_rank)
+    critic_spec = {p.name: p for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"], head="value")).params}
     for kind in ("live", "ckpt"):
-        ref = O.load_oracle(str(tmp_path / f"qwen3_moe-grpo-{kind}" / "actor"))
-        for p in ref.parameters():
-            p.grad = p.detach().clone()
-        fused = hf_grads(ref)  # the parameters themselves, under real_py's fused names
-        assert set(fused) == set(spec)
-        for r in per_rank:
-            k = r["qwen3_moe-grpo"]["tp_rank"]
-            for n, v in r["qwen3_moe-grpo"]["actor"].items():
-                want = fused[n] if spec[n].expert >= 0 else tp_slice(spec[n], fused[n], 2, k)
-                assert torch.equal(v, want), (kind, n, k)
+        for role, head, sp in (("actor", "lm", spec), ("critic", "value", critic_spec)):
+            ref = O.load_oracle(str(tmp_path / f"qwen3_moe-{kind}" / role), head)
+            for p in ref.parameters():
+                p.grad = p.detach().clone()
+            fused = hf_grads(ref)  # the parameters themselves, under real_py's fused names
+            if head == "value":
+                fused["value_head.weight"] = fused.pop("score.weight")
+            assert set(fused) == set(sp), (kind, role)
+            for r in per_rank:
+                k = r["qwen3_moe"][role + "_tp"]
+                for n, v in r["qwen3_moe"][role].items():
+                    want = fused[n] if sp[n].expert >= 0 else tp_slice(sp[n], fused[n], 2, k)
+                    assert torch.equal(v, want), (kind, role, n, k)
 
 
 def _learn(rank, world, tmp, steps):

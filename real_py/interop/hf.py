@@ -284,9 +284,12 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
     if config.num_experts and hf_config is None:
         # no MoE config writer (export_config refuses): the source's own config.json, after
         # checking that it describes this very model (training does not change the architecture)
-        if config.head == "value":
-            raise ValueError(f"save_hf: value-head mixture-of-experts models ({config.model_type}) are not "
-                             "exported (no *MoeForSequenceClassification support in real_py)")
+        if source is not None and config.head == "value":  # a critic / reward model on the source's body
+            cls = next(a for a in ARCHITECTURES[config.model_type] if a.endswith("ForSequenceClassification"))
+            source = {k: v for k, v in source.items() if k not in ("id2label", "label2id")}
+            source.update(architectures=[cls], num_labels=1,
+                          pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0)
+            config = dataclasses.replace(config, pad_token_id=source["pad_token_id"])
         if source is None or ModelConfig.from_hf(source, dtype=config.dtype) != config:
             raise ValueError(f"save_hf: a mixture-of-experts model ({config.model_type}, head={config.head}) is "
                              "written with the config.json of the checkpoint it was loaded from, which must "

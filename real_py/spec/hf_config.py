@@ -15,9 +15,9 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 | gemma3_text | Gemma3ForCausalLM                                | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 refused |
 | gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
-| qwen3_moe | Qwen3MoeForCausalLM                                | as qwen3 (no sliding window) plus routed experts: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
-| qwen2_moe | Qwen2MoeForCausalLM                                | qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared expert with its sigmoid gate); no sliding window |
-| mixtral | MixtralForCausalLM                                   | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
+| qwen3_moe | Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification | as qwen3 (no sliding window) plus routed experts: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
+| qwen2_moe | Qwen2MoeForCausalLM, Qwen2MoeForSequenceClassification | qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared expert with its sigmoid gate); no sliding window |
+| mixtral | MixtralForCausalLM, MixtralForSequenceClassification | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
 (short/long factors switched per forward at original_max_position_embeddings, attention factor). Refused, naming the field:
@@ -41,9 +41,9 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
     "gemma3_text": ("Gemma3ForCausalLM",),
-    "qwen3_moe": ("Qwen3MoeForCausalLM",),
-    "qwen2_moe": ("Qwen2MoeForCausalLM",),
-    "mixtral": ("MixtralForCausalLM",),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # mixture-of-experts families whose attention or routing real_py does not implement, refused by name
