@@ -115,7 +115,7 @@ class MoEBlock(nn.Module):
         self.down = nn.ParameterList([experts[n + "down_proj.weight"] for n in names])
         self.act = ACTS[c.hidden_act]
         self.router: RouterRecord | None = None
-        # group rank -> ep index, and ep index -> group rank
+        # ep index -> the group rank (in ep.group) of the rank holding those experts
         self._dest = torch.tensor([ep.group_ep.index(g) for g in range(ep.ep)]) if ep.ep > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
