@@ -11,6 +11,14 @@ Axes (coords from Layout.coords: dp_idx, tp_idx, pp_idx):
   tp_group   ranks sharing (dp, pp), varying tp     tensor-parallel collectives
   dp_group   ranks sharing (tp, pp), varying dp     gradient all-reduce
   pp_group   ranks sharing (dp, tp), varying pp     pipeline broadcasts (tokens, results)
+  ep_group   ranks sharing (expert-dp, etp, pp), varying ep (Layout.expert_coords; built only
+             when ep > 1): the all-to-all of MoE token dispatch. ep_ranks in ep order.
+  edp_group  (moe=True or ep > 1) ranks holding the same experts: sharing (ep, etp, pp), varying
+             expert-dp (all dp x tp ranks of the stage when ep = 1); None when that is one rank.
+             Expert gradients are summed over it.
+  etp_group  (etp > 1) ranks holding the other etp pieces of this rank's experts (same expert-dp,
+             ep index and stage): MoE rows gathered / partial outputs reduced over it.
+  layout_group (moe=True or ep > 1) every rank of the layout: the MoE aux loss's token counts.
   tied_group (first stage, last stage) of one (dp, tp) pipeline when pp > 1 (tied embeddings);
              None on middle stages, which hold no embedding copy (any pp >= 2 works)
 
@@ -30,7 +38,8 @@ from .layout import Layout, require_layout
 
 
 class ParallelGroups:
-    def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None):
+    def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None,
+                 moe: bool = False):
         require_layout(layout)
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
@@ -72,6 +81,35 @@ class ParallelGroups:
                     g = dist.new_group(list(pair), **kw)
                     if self.rank in pair:
                         self.tied_group = g
+        self.ep_group, self.ep_ranks = None, ()
+        self.edp_group = self.layout_group = self.etp_group = None
+        if L.etp > 1:  # the pieces of one rank's experts: same expert-dp, ep index and stage
+            for p in range(L.pp):
+                for e in range(L.edp):
+                    for g in range(L.ep):
+                        ranks = tuple(L.expert_rank(e, g, t, p) for t in range(L.etp))
+                        grp = dist.new_group(list(ranks), **kw)
+                        if self.rank in ranks:
+                            self.etp_group = grp
+        if L.ep > 1:  # every world rank builds them, in this order, like the groups above
+            for p in range(L.pp):
+                for e in range(L.edp):
+                    for t in range(L.etp):
+                        ranks = tuple(L.expert_rank(e, g, t, p) for g in range(L.ep))
+                        grp = dist.new_group(list(ranks), **kw)
+                        if self.rank in ranks:
+                            self.ep_group, self.ep_ranks = grp, ranks
+        if moe or L.ep > 1:
+            for p in range(L.pp):
+                for g in range(L.ep):
+                    for t in range(L.etp):
+                        ranks = tuple(L.expert_rank(e, g, t, p) for e in range(L.edp))
+                        grp = dist.new_group(list(ranks), **kw) if len(ranks) > 1 else None
+                        if self.rank in ranks:
+                            self.edp_group = grp
+            grp = dist.new_group(list(L.ranks), **kw)
+            if self.member:
+                self.layout_group = grp
 
     @property
     def is_first_stage(self) -> bool:

@@ -242,11 +242,20 @@ def dense_only(model: ModelSpec) -> ModelSpec:
                      num_layers=model.num_layers)
 
 
-def min_network_elems_moe(model: ModelSpec, src: Layout, dst: Layout) -> int:
-    """Elements every destination rank needs (dense and experts) that it does not hold already."""
+def dense_layout(model: ModelSpec, layout: Layout) -> Layout:
+    """`layout` without expert axes, keeping the full model's pipeline stages (the dense tensors
+    stay on the stages the whole model's split puts them on)."""
     from dataclasses import replace
 
-    total = min_network_elems(dense_only(model), replace(src, ep=1, etp=1), replace(dst, ep=1, etp=1))
+    from real_py.layout import stage_layer_ranges
+
+    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
+    return replace(layout, ep=1, etp=1, layers_per_stage=tuple(hi - lo for lo, hi in ranges))
+
+
+def min_network_elems_moe(model: ModelSpec, src: Layout, dst: Layout) -> int:
+    """Elements every destination rank needs (dense and experts) that it does not hold already."""
+    total = min_network_elems(dense_only(model), dense_layout(model, src), dense_layout(model, dst))
     for r in dst.ranks:
         have = {p.name: idx for p, idx in expert_held(model, src, r)}
         for p, need in expert_held(model, dst, r):

@@ -40,7 +40,7 @@ def export_live(rt, out: str) -> list[str]:
     (on that layout's first rank). Returns the directories written (on every rank)."""
     import torch.distributed as dist
 
-    from ..interop.hf import gather_state_dict, save_hf
+    from ..interop.hf import gather_experts, gather_state_dict, save_hf
 
     written = []
     paths = rt.cfg.model_paths()
@@ -51,7 +51,11 @@ def export_live(rt, out: str) -> list[str]:
         path = os.path.join(out, m)
         g = rt.groups[call]
         if g.member:
-            full = gather_state_dict(rt.models.engines[m].shard, g)
+            eng = rt.models.engines[m]
+            full = gather_state_dict(eng.shard, g)
+            if eng.experts is not None:  # MoE: the expert tensors from every (stage, ep rank)
+                ex = gather_experts(eng.experts, g)
+                full = None if full is None else {**full, **ex}
             if full is not None:
                 save_hf(path, rt.configs[m], full, source=_source_config(paths.get(m)))
         written.append(path)
@@ -62,10 +66,10 @@ def export_live(rt, out: str) -> list[str]:
 def export_checkpoint(step_dir: str, out: str) -> list[str]:
     """Reassemble the trained models of one saved step from its rank files and write them."""
     from ..rlhf.execplan import ExecutionPlan
-    from ..interop.hf import gather_full_stage, save_hf
+    from ..interop.hf import experts_full, gather_full_stage, save_hf
     from ..rlhf.checkpoint import read_meta, read_rank_file
     from ..rlhf.graph import ALGORITHMS, Graph
-    from ..realloc.shard import ModelShard
+    from ..realloc.shard import ExpertShard, ModelShard
     from ..spec import ModelConfig, model_spec
 
     meta = read_meta(step_dir)
@@ -96,6 +100,18 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
         for shards in by_stage.values():
             for name, t in gather_full_stage(spec, shards).items():
                 full.setdefault(name, t)
+        if spec.num_experts:  # MoE: expert-dp replica 0 of every (stage, ep rank)
+            ex = []
+            for s in range(layout.pp):
+                for g in range(layout.ep):
+                    r = layout.expert_rank(0, g, 0, s)
+                    if r not in states:
+                        states[r] = read_rank_file(step_dir, r)
+                    st = states[r]["models"].get(m)
+                    if st is None or "experts" not in st:
+                        raise ValueError(f"checkpoint {step_dir} rank {r}: no {m} expert shard of {layout}")
+                    ex.append(ExpertShard(spec, layout, r, st["experts"]["flat"]))
+            full.update(experts_full(ex))
         path = os.path.join(out, m)
         save_hf(path, config, full, source=_source_config(meta.get("paths", {}).get(m)))
         written.append(path)

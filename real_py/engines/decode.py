@@ -65,15 +65,17 @@ def pick_mode(engine, mode: str) -> str:
     # (and a captured graph) does not track.
     length_bound = (any(c.uses_window(i) for i in range(c.num_hidden_layers))
                     or dict(c.rope_scaling or ()).get("rope_type") == "dynamic")
-    cuda_ok = engine.device.type == "cuda" and engine.groups.tp_size == 1
+    # MoE: the routing reads expert counts on the host (and ep > 1 runs gloo/NCCL all-to-alls),
+    # which a CUDA graph cannot capture
+    cuda_ok = engine.device.type == "cuda" and engine.groups.tp_size == 1 and not c.num_experts
     if mode == "auto":
         return "graph" if cuda_ok and not length_bound else "dynamic"
     if mode != "dynamic" and length_bound:
         raise ValueError(f"decode={mode!r} needs a model without sliding-window attention and "
                          "dynamic RoPE scaling; use decode='dynamic' (or 'auto')")
     if mode == "graph" and not cuda_ok:
-        raise ValueError(f"decode='graph' needs a CUDA engine with tp == 1; this one is on "
-                         f"{engine.device} with tp={engine.groups.tp_size}")
+        raise ValueError(f"decode='graph' needs a CUDA engine with tp == 1 and no experts; this one is "
+                         f"on {engine.device} with tp={engine.groups.tp_size}, num_experts={c.num_experts}")
     return mode
 
 

@@ -9,7 +9,8 @@
 Every rank of a DP replica (all its TP and PP ranks) calls with the same DP-local batch and gets
 the same result tensors back. The engine computes on the device of its shard (`engine.device`:
 the runtime puts shards on cuda:{local_rank} on a GPU); inputs may live anywhere and results
-come back on the device of the inputs (CPU tensors in, CPU tensors out). The model reads the shard's flat buffer directly, so writing new
+come back on the device of the inputs (CPU tensors in, CPU tensors out). MoE models also take the rank's ExpertShard (`experts=`) and groups built with
+ParallelGroups(layout, moe=True). The model reads the shard's flat buffer directly, so writing new
 weights into `shard.flat` (a reallocation) takes effect on the next call without a copy.
 """
 
@@ -25,14 +26,14 @@ from ..layout import Layout
 from ..models import StageModel
 from ..models.tp import gather_from_tp
 from ..models.vocab import vocab_parallel_logprobs
-from ..realloc.shard import ModelShard
+from ..realloc.shard import ExpertShard, ModelShard
 from ..spec import ModelConfig, model_spec, torch_dtype
 from .pipeline import P2P, split_micro_batches
 
 
 class Engine:
     def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
-                 optim=None):
+                 optim=None, experts: ExpertShard | None = None):
         if layout.dp_shard != "none":
             raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
                              "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
@@ -59,7 +60,12 @@ class Engine:
         """Log-probs and entropy (inference and training) are those of logits / logit_temperature:
         the RL runtime sets it to generation.temperature, so the PPO ratio, the KL and the entropy
         describe the distribution the sampler drew from (as verl and OpenRLHF do)."""
-        self.model = StageModel(config, shard, groups.tp_group)
+        if config.num_experts and groups.layout_group is None and layout.world > 1:
+            raise ValueError(f"Engine: {config.model_type} has experts; build its groups with "
+                             "ParallelGroups(layout, moe=True) (expert-dp and layout groups)")
+        self.experts = experts
+        self.model = StageModel(config, shard, groups.tp_group, experts, groups.ep_group,
+                                getattr(groups, "etp_group", None))
         self.dtype = torch_dtype(config.dtype)
         self.device = shard.flat.device
         self.optim = optim

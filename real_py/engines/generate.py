@@ -139,7 +139,11 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         steps = step + 1
         if stops is not None:
             done |= torch.isin(nxt, stops.to(nxt.device))
-            if bool(done.all()):
+            finished = done.all().to(torch.int64).reshape(1)
+            if engine.layout.ep > 1 and g.dp_size > 1:
+                # an ep group can span dp replicas: its all-to-alls need every replica to step
+                dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=g.dp_group)
+            if bool(finished.item()):
                 break
         valid[:, P + step] = True
         x = nxt.unsqueeze(1)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .moe_train import ExpertBuffers, RouterLosses
 from .pipeline import P2P, split_micro_batches
 
 
@@ -79,6 +80,7 @@ class Trainer:
                 self.counted.append((e.offset, e.numel))
         self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
         self._setup_buckets()
+        self.experts = ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
 
     def _setup_buckets(self):
         """DP buckets: contiguous flat ranges in reverse forward order (the order backward makes
@@ -123,9 +125,15 @@ class Trainer:
         return self.red[lo:hi]
 
     def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False,
-             lr: float | None = None) -> dict:
-        """lr: the learning rate of this and later steps (a schedule's value); None: unchanged."""
+             lr: float | None = None, moe_aux_coef: float | None = None, moe_z_coef: float = 0.0) -> dict:
+        """lr: the learning rate of this and later steps (a schedule's value); None: unchanged.
+        MoE models: moe_aux_coef (None: the config's router_aux_loss_coef) and moe_z_coef weigh the
+        router losses added to every micro-batch's backward (moe_train.py)."""
         eng, g = self.engine, self.engine.groups
+        self._router = None
+        if eng.config.num_experts:
+            aux = eng.config.router_aux_loss_coef if moe_aux_coef is None else moe_aux_coef
+            self._router = RouterLosses(eng, float(aux), float(moe_z_coef))
         if lr is not None:
             if not lr >= 0:
                 raise ValueError(f"train_step: lr={lr} must be >= 0")
@@ -134,6 +142,8 @@ class Trainer:
         batch = {k: v.to(dev) for k, v in batch.items()}
         mbs = split_micro_batches(batch, micro_batches)
         self.grad.zero_()
+        if self.experts is not None:
+            self.experts.grad.zero_()
         losses = self._one_f_one_b(loss_fn, mbs, with_entropy)
         self._check_grads_in_place()
         self._reduce_grads()
@@ -141,15 +151,20 @@ class Trainer:
         cfg = self.cfg
         if cfg.max_grad_norm > 0:
             self.red.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
+            if self.experts is not None:
+                self.experts.red.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
         self._adamw()
         loss = torch.tensor([float(sum(losses)) if g.is_last_stage else 0.0], dtype=torch.float64,
                             device=dev)
         if g.dp_size > 1:
             dist.all_reduce(loss, group=g.dp_group)
         eng._bcast_from_last(loss)
-        return {"loss": loss.item(), "grad_norm": norm, "lr": cfg.lr, "step": self.num_steps,
-                "micro_batches": len(mbs), "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
-                "dp_buckets_in_backward": self.buckets_in_backward}
+        out = {"loss": loss.item(), "grad_norm": norm, "lr": cfg.lr, "step": self.num_steps,
+               "micro_batches": len(mbs), "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
+               "dp_buckets_in_backward": self.buckets_in_backward}
+        if self._router is not None:  # "loss" is loss_fn's sum; the router losses come on their own
+            out.update(self._router.stats())
+        return out
 
     def _one_f_one_b(self, loss_fn, mbs, with_entropy):
         eng, g, model = self.engine, self.engine.groups, self.engine.model
@@ -166,6 +181,7 @@ class Trainer:
             else:
                 x = p2p.recv((b, n, H), eng.dtype, g.prev_rank).requires_grad_()
             h = model(x, torch.arange(n, device=eng.device).expand(b, n))
+            extra = None
             if g.is_last_stage:
                 out = loss_fn(eng.head_outputs(h, tok, with_entropy), mb.data)
                 loss = out[0] if isinstance(out, tuple) else out
@@ -173,11 +189,17 @@ class Trainer:
                     raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
                 losses.append(loss.item())
                 y = loss
+                if self._router is not None:
+                    extra = self._router(mb)
+                    y = y if extra is None else y + extra
+                    extra = None
             else:
                 p2p.send(h, g.next_rank)
                 y = h
+                if self._router is not None:  # after the send: the layout-wide count all-reduce
+                    extra = self._router(mb)  # waits for the later stages' forward of mb
             inputs.append(None if g.is_first_stage else x)
-            outputs.append(y)
+            outputs.append((y, extra))
 
         done = [0]
 
@@ -186,11 +208,15 @@ class Trainer:
             if done[0] == M and g.dp_size > 1:
                 self._overlap, self._next, self._works = True, 0, []
                 self._pending = [len(ns) for _, _, ns in self.buckets]
-            x, y = inputs.popleft(), outputs.popleft()
+            x, (y, extra) = inputs.popleft(), outputs.popleft()
             if g.is_last_stage:
                 y.backward()
             else:
-                torch.autograd.backward(y, p2p.recv(y.shape, y.dtype, g.next_rank))
+                grad = p2p.recv(y.shape, y.dtype, g.next_rank)
+                if extra is None:
+                    torch.autograd.backward(y, grad)
+                else:
+                    torch.autograd.backward([y, extra], [grad, torch.ones_like(extra)])
             if x is not None:
                 p2p.send(x.grad, g.prev_rank)
 
@@ -209,6 +235,8 @@ class Trainer:
             grad = self.engine.model.shard_params[e.param.name].grad
             assert grad is not None and grad.data_ptr() == self.grad[e.offset:].data_ptr(), \
                 f"{e.param.name}: autograd replaced the flat-buffer gradient view"
+        if self.experts is not None:
+            self.experts.check_in_place()
 
     def _reduce_grads(self):
         g = self.engine.groups
@@ -227,6 +255,8 @@ class Trainer:
             for w in self._works:
                 w.wait()
             self._works = []
+        if self.experts is not None:
+            self.experts.reduce()
 
     def _global_norm(self) -> float:
         g = self.engine.groups
@@ -236,19 +266,28 @@ class Trainer:
         for group, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
             if size > 1:
                 dist.all_reduce(sq, group=group)
+        if self.experts is not None:
+            sq += self.experts.squares()
         return math.sqrt(sq.item())
 
     @torch.no_grad()
     def _adamw(self):
-        cfg, grad = self.cfg, self.red
-        p = self.engine.shard.flat if self.master is None else self.master
         self.num_steps += 1
+        sets = [(self.engine.shard.flat, self)]
+        if self.experts is not None:
+            sets.append((self.engine.experts.flat, self.experts))
+        for flat, b in sets:
+            self._adamw_flat(flat, b.master, b.red, b.exp_avg, b.exp_avg_sq)
+
+    def _adamw_flat(self, flat, master, grad, exp_avg, exp_avg_sq):
+        cfg = self.cfg
+        p = flat if master is None else master
         b1, b2 = cfg.betas
         p.mul_(1 - cfg.lr * cfg.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        exp_avg.lerp_(grad, 1 - b1)
+        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         step_size = cfg.lr / (1 - b1 ** self.num_steps)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
-        p.addcdiv_(self.exp_avg, denom, value=-step_size)
-        if self.master is not None:
-            self.engine.shard.flat.copy_(self.master)  # round to the shard dtype (bf16)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+        if master is not None:
+            flat.copy_(master)  # round to the shard dtype (bf16)

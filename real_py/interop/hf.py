@@ -1,4 +1,4 @@
-"""transformers LLaMA / Qwen2 checkpoints <-> shard buffers.
+"""transformers checkpoints (dense families and Qwen3-MoE / Qwen2-MoE / Mixtral) <-> shard buffers.
 
     shard = load_hf_shard(path, config, layout, rank)   # reads only this rank's slices
     full = gather_state_dict(shard, groups)             # collective; full tensors on layout.ranks[0]
@@ -7,7 +7,10 @@
 HF names map onto the fused spec names: q_proj|k_proj|v_proj -> qkv_proj (blocks along dim 0),
 gate_proj|up_proj -> gate_up_proj, the rest one to one under "model."; a value head is stored as
 "score.weight" [1, H] (the *ForSequenceClassification of spec.hf_config.ARCHITECTURES, e.g.
-Gemma3TextForSequenceClassification, with num_labels=1). Every tensor the config needs is checked (presence, shape) from the safetensors
+Gemma3TextForSequenceClassification, with num_labels=1). MoE: expert j's gate_proj|up_proj ->
+experts.j.gate_up_proj (Mixtral's block_sparse_moe.experts.j.w1|w3; w2 -> down_proj), read into a
+rank's ExpertShard by load_hf_experts; the router (mlp.gate), shared expert and its gate load with
+the dense shard. Every tensor the config needs is checked (presence, shape) from the safetensors
 headers before anything is read; a mismatch raises ValueError naming the tensor and the cause.
 """
 
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from ..spec.hf_config import ARCHITECTURES, check_architecture, export_config
 from ..layout import Layout, require_layout
-from ..realloc.shard import ModelShard, gather_full
+from ..realloc.shard import ExpertShard, ModelShard, gather_full
 from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,12 +44,22 @@ def _fused(model: ModelSpec) -> bool:
     return model.config is not None and model.config.model_type in FUSED_CHECKPOINTS
 
 
-def hf_names(p: ParamSpec, fused: bool = False) -> list[str]:
+def _names(model: ModelSpec, p: ParamSpec) -> list[str]:
+    return hf_names(p, _fused(model), model.config is not None and model.config.model_type == "mixtral")
+
+
+def hf_names(p: ParamSpec, fused: bool = False, mixtral: bool = False) -> list[str]:
     """HF tensor names whose concatenation (along the split dim, in block order) is p. fused: the
-    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3)."""
+    checkpoint stores qkv_proj and gate_up_proj as one tensor each (Phi-3). mixtral: the MoE block
+    is block_sparse_moe, experts' gate | up | down are w1 | w3 | w2."""
     n = p.name
     if fused and n.startswith("layers."):
         return ["model." + n]
+    if mixtral and ".mlp." in n:
+        n = "model." + n.replace(".mlp.", ".block_sparse_moe.", 1)
+        if ".gate_up_proj." in n:
+            return [n.replace("gate_up_proj", "w1"), n.replace("gate_up_proj", "w3")]
+        return [n.replace("down_proj", "w2")]
     if n.startswith("layers."):
         if ".qkv_proj." in n:
             return ["model." + n.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
@@ -114,7 +127,7 @@ class HFCheckpoint:
         for p in model.params:
             if fresh_head and p.owner == "head":
                 continue
-            for j, name in enumerate(hf_names(p, _fused(model))):
+            for j, name in enumerate(_names(model, p)):
                 wanted[name] = _block_shape(p, j, _fused(model))
         for name, shape in wanted.items():
             if name not in self.shapes:
@@ -162,11 +175,33 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     ckpt = HFCheckpoint(path)
     ckpt.check(model, fresh_head=value_head_init is not None)
     shard = ModelShard.empty(model, layout, rank, device)
-    tp, k = layout.tp, shard.tp_rank
+    _read_entries(ckpt, model, shard, layout.tp, shard.tp_rank, value_head_init, seed)
+    return shard
+
+
+def load_hf_experts(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
+                    name: str | None = None, fresh_head: bool = False) -> ExpertShard:
+    """This rank's expert shard of an MoE `layout` (experts of its ep rank, their etp pieces),
+    reading only those tensors (or their etp slices) from the checkpoint. fresh_head: a value
+    model on a causal-LM checkpoint (load_hf_shard's value_head_init), whose head is not read."""
+    require_layout(layout)
+    _check_checkpoint_config(path)
+    model = model_spec(config, name=name)
+    if not model.num_experts:
+        raise ValueError(f"load_hf_experts: {path} config has no experts (num_experts=0)")
+    ckpt = HFCheckpoint(path)
+    ckpt.check(model, fresh_head=fresh_head)
+    shard = ExpertShard.empty(model, layout, rank, device)
+    _read_entries(ckpt, model, shard, layout.etp, shard.etp_rank, None, 0)
+    return shard
+
+
+def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) -> None:
+    """Fill every entry of `shard` (a ModelShard or ExpertShard) with its tp-rank-k piece."""
     dtype = torch_dtype(model.dtype)
     for e in shard.shard_layout.entries:
         p, dst = e.param, shard.view(e.param.name)
-        names = hf_names(p, _fused(model))
+        names = _names(model, p)
         if value_head_init is not None and p.owner == "head":
             fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
                 torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
@@ -189,14 +224,13 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
                     dst.narrow(p.tp.dim, off, piece).copy_(
                         ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(dtype))
                     off += piece
-    return shard
 
 
 def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
     out = {}
     for p in model.params:
-        names = hf_names(p, _fused(model))
+        names = _names(model, p)
         if len(names) == 1:
             out[names[0]] = full[p.name].contiguous()
         else:
@@ -248,6 +282,21 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
     missing = [p.name for p in model.params if p.name not in full]
     if missing:
         raise ValueError(f"save_hf: state dict lacks {missing[:5]}")
+    if config.num_experts and hf_config is None:
+        # no MoE config writer (export_config refuses): the source's own config.json, after
+        # checking that it describes this very model (training does not change the architecture)
+        if source is not None and config.head == "value":  # a critic / reward model on the source's body
+            cls = next(a for a in ARCHITECTURES[config.model_type] if a.endswith("ForSequenceClassification"))
+            source = {k: v for k, v in source.items() if k not in ("id2label", "label2id")}
+            source.update(architectures=[cls], num_labels=1,
+                          pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0)
+            config = dataclasses.replace(config, pad_token_id=source["pad_token_id"])
+        if source is None or ModelConfig.from_hf(source, dtype=config.dtype) != config:
+            raise ValueError(f"save_hf: a mixture-of-experts model ({config.model_type}, head={config.head}) is "
+                             "written with the config.json of the checkpoint it was loaded from, which must "
+                             "describe the same model; pass source= (that checkpoint) or hf_config=")
+        hf_config = dict(source, torch_dtype=config.dtype)
+        hf_config.pop("dtype", None)
     os.makedirs(path, exist_ok=True)
     save_file(to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
@@ -289,6 +338,45 @@ def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | No
         for name, t in gather_full_stage(model, stage_shards).items():
             full.setdefault(name, t)
     return full
+
+
+def experts_full(shards: list[ExpertShard]) -> dict[str, torch.Tensor]:
+    """Full expert tensors from expert shards covering every (stage, ep rank) of one etp1 layout."""
+    out = {}
+    for s in shards:
+        if s.layout.etp != 1:
+            raise ValueError(f"experts_full: layout {s.layout} splits experts by etp={s.layout.etp}; "
+                             "reallocate to an etp1 layout first")
+        out.update({name: v.clone() for name, v in s.params().items()})
+    missing = [p.name for p in shards[0].model.params if p.expert >= 0 and p.name not in out] if shards else []
+    if missing:
+        raise ValueError(f"experts_full: no shard holds {missing[:3]}")
+    return out
+
+
+def gather_experts(experts: ExpertShard, groups) -> dict[str, torch.Tensor] | None:
+    """Collective over the layout (as gather_state_dict): full expert tensors on the rank that
+    gets the dense ones (layout.rank(0, 0, 0)), None elsewhere. Expert-dp replica 0 of every
+    (stage, ep rank) sends its expert buffer."""
+    layout, model = experts.layout, experts.model
+    dst = layout.rank(0, 0, 0)
+    if layout.etp != 1:
+        raise ValueError(f"gather_experts: layout {layout} has etp={layout.etp}; only etp1 is gathered")
+    if groups.rank != dst:
+        if experts.edp_rank == 0:
+            dist.send(experts.flat, dst)
+        return None
+    shards = []
+    for s in range(layout.pp):
+        for g in range(layout.ep):
+            src = layout.expert_rank(0, g, 0, s)
+            if src == dst:
+                shards.append(experts)
+                continue
+            other = ExpertShard.empty(model, layout, src, experts.flat.device)
+            dist.recv(other.flat, src)
+            shards.append(other)
+    return experts_full(shards)
 
 
 def gather_full_stage(model: ModelSpec, shards: list[ModelShard]) -> dict[str, torch.Tensor]:

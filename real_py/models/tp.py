@@ -138,3 +138,65 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
+
+
+def _rows_of(n: int, size: int, rank: int) -> tuple[int, int]:
+    """Rows [lo, hi) of n that group rank `rank` of `size` takes: ceil(n / size) each, the last
+    ranks short or empty."""
+    c = -(-n // size)
+    return min(n, rank * c), min(n, (rank + 1) * c)
+
+
+def _all_gather_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """The group ranks' row blocks (rank order, each at most ceil(n / size) rows) as one [n, ...]."""
+    size = dist.get_world_size(group)
+    c = -(-n // size)
+    pad = x.new_zeros((c,) + tuple(x.shape[1:]))
+    pad[:x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in range(size)]
+    dist.all_gather(parts, pad, group=group)
+    sizes = [hi - lo for lo, hi in (_rows_of(n, size, r) for r in range(size))]
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Forward: this rank's block of rows of a TP-replicated tensor; backward: the blocks'
+    gradients gathered, so every rank again holds the whole (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[0]
+        lo, hi = _rows_of(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+        return x[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad.contiguous(), ctx.n, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's block of rows, concatenated (replicated result); backward: this
+    rank's block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, n, group):
+        ctx.lo, ctx.hi = _rows_of(n, dist.get_world_size(group), dist.get_rank(group))
+        return _all_gather_rows(x.contiguous(), n, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.lo:ctx.hi].contiguous(), None, None
+
+
+def scatter_rows_to_tp(x: torch.Tensor, group) -> tuple[torch.Tensor, int, int]:
+    """(rows [lo, hi) of the TP-replicated x [n, ...] that this TP rank computes, lo, hi); blocks of
+    ceil(n / tp) rows by rank in the group. The whole x on a group of one."""
+    if _size(group) == 1:
+        return x, 0, x.shape[0]
+    lo, hi = _rows_of(x.shape[0], dist.get_world_size(group), dist.get_rank(group))
+    return _ScatterRows.apply(x, group), lo, hi
+
+
+def gather_rows_from_tp(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """Inverse of scatter_rows_to_tp: the [n, ...] tensor of every rank's rows, on every rank."""
+    return x if _size(group) == 1 else _GatherRows.apply(x, n, group)

@@ -12,6 +12,8 @@ Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32, rotate-half RoP
 frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads, SDPA with scale
 1/sqrt(head_dim); layers with a sliding window (Mistral, Qwen2) see keys q - window < k <= q;
 lookups of pad_token_id add no gradient to its embedding row (nn.Embedding's padding_idx).
+MoE layers (config.is_moe_layer) run moe.MoEBlock instead of the MLP: StageModel(config, shard,
+tp_group, experts=ExpertShard, ep_group=...) with the expert Parameters in `expert_params`.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..layout import stage_layer_ranges
-from ..realloc.shard import ModelShard
+from ..realloc.shard import ExpertShard, ModelShard
 from ..spec import ModelConfig
 from .rope import rope_cos_sin_scaled, window_mask
+from .mlp import MLP
+from .moe import EPInfo, MoEBlock
 from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, sum_over_tp
 
 
@@ -145,25 +150,9 @@ def _softcapped_attention(q, k, v, mask, scale, cap):
     return torch.matmul(probs, v)
 
 
-_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
-         "tanh": torch.tanh, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class MLP(nn.Module):
-    def __init__(self, p: dict, pre: str, group, act: str = "silu"):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(p[pre + "gate_up_proj.weight"], p.get(pre + "gate_up_proj.bias"),
-                                                 group)
-        self.down_proj = RowParallelLinear(p[pre + "down_proj.weight"], group, p.get(pre + "down_proj.bias"))
-        self.act = _ACTS[act]
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group):
+    def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group, experts: dict | None = None,
+                 ep: EPInfo | None = None):
         super().__init__()
         pre = f"layers.{i}."
         self.norm_after, self.sandwich = c.norm_after, c.sandwich_norm
@@ -172,7 +161,8 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = norm("input_layernorm")
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
         self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.mlp = MLP(p, pre + "mlp.", group, c.hidden_act)
+        self.mlp = (MoEBlock(c, p, experts, pre + "mlp.", group, ep) if c.is_moe_layer(i)
+                    else MLP(p, pre + "mlp.", group, c.hidden_act))
         if c.sandwich_norm:
             self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
         if c.norm_after or c.sandwich_norm:
@@ -192,25 +182,28 @@ class DecoderLayer(nn.Module):
 class StageModel(nn.Module):
     """Layers [lo, hi) of one pipeline stage, plus the embedding (first) and norm + head (last)."""
 
-    def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None):
+    def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None,
+                 experts: ExpertShard | None = None, ep_group=None, etp_group=None):
         super().__init__()
-        if config.num_experts:  # layouts and reallocation handle MoE; the forward does not yet
-            raise ValueError(f"ModelConfig.num_experts={config.num_experts}: mixture-of-experts "
-                             "models have no forward in real_py yet (only their reallocation)")
         layout = shard.layout
+        ep = _ep_info(config, shard, experts, ep_group, etp_group)
         self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
         self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1
         self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage,
                                               layout.partition)[shard.stage]
         p = {name: nn.Parameter(view) for name, view in shard.params().items()}
         self.shard_params = p
+        # MoE: Parameters on views of the expert shard (their own buffer, not shard.flat)
+        self.expert_params = ({name: nn.Parameter(view) for name, view in experts.params().items()}
+                              if experts is not None else {})
         # Gemma 3: sliding layers rotate with plain RoPE of base rope_local_base_freq
         self.local_rope = (replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
                            if config.rope_local_base_freq else None)
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank,
                                                        config.padding_row)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group,
+                                                          self.expert_params, ep)
                                      for i in range(self.lo, self.hi)})
         if self.is_last:
             self.norm = RMSNorm(p["norm.weight"], config.rms_norm_eps, plus_one=config.norm_plus_one)
@@ -261,3 +254,38 @@ class StageModel(nn.Module):
         c, w = self.config, next(iter(self.shard_params.values()))
         return [KVCache(batch, c.num_key_value_heads // self.tp, max_len, c.head_dim, w.dtype, w.device)
                 for _ in range(self.hi - self.lo)]
+
+
+def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_group,
+             etp_group=None) -> EPInfo | None:
+    """Checks the expert shard and ep group of an MoE model; None for a dense one."""
+    layout = shard.layout
+    if not c.num_experts:
+        if experts is not None:
+            raise ValueError(f"StageModel: experts given but ModelConfig.num_experts=0 ({shard.model.name})")
+        return None
+    if experts is None:
+        raise ValueError(f"StageModel: {shard.model.name} has {c.num_experts} experts per MoE layer; pass "
+                         "experts=ExpertShard(...) of the same layout and rank (load_hf_experts)")
+    if experts.layout != layout or experts.rank != shard.rank:
+        raise ValueError(f"StageModel: expert shard {experts} is not of layout {layout} rank {shard.rank}")
+    if layout.etp > 1:
+        if etp_group is None:
+            raise ValueError(f"StageModel: layout {layout} has etp={layout.etp}; pass etp_group "
+                             "(ParallelGroups(layout).etp_group)")
+        members = dist.get_process_group_ranks(etp_group)
+        want = {layout.expert_rank(experts.edp_rank, experts.ep_rank, t, shard.stage) for t in range(layout.etp)}
+        if set(members) != want:
+            raise ValueError(f"StageModel: etp_group ranks {members} are not the etp group {sorted(want)} of "
+                             f"rank {shard.rank} in {layout}")
+    if layout.ep == 1:
+        return EPInfo(etp_group=etp_group)
+    if ep_group is None:
+        raise ValueError(f"StageModel: layout {layout} has ep={layout.ep}; pass ep_group "
+                         "(ParallelGroups(layout).ep_group)")
+    members = dist.get_process_group_ranks(ep_group)
+    group_ep = tuple(layout.expert_coords(r)[1] for r in members)
+    if sorted(group_ep) != list(range(layout.ep)) or shard.rank not in members:
+        raise ValueError(f"StageModel: ep_group ranks {members} are not an ep group of {layout} holding rank "
+                         f"{shard.rank}")
+    return EPInfo(layout.ep, experts.ep_rank, ep_group, group_ep, etp_group)

@@ -1,11 +1,12 @@
 """The reallocation path: plan -> schedule -> pack -> transport -> unpack, on shard buffers.
 
-  shard.py        ModelShard: one rank's flat buffer with named views; tp_slice, gather_full
+  shard.py        ModelShard: one rank's flat buffer with named views; ExpertShard (MoE experts); tp_slice, gather_full
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
   schedule.py     chunks in rounds of bounded size, replayed identically by every rank (global)
   rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
   moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
+  moe_exec.py     MoeReallocator: runs a MoePlan on a rank's ModelShard + ExpertShard
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, torch.distributed (gloo / NCCL), cupy-NCCL
 """
@@ -16,9 +17,9 @@ from .plan import MODES, ReallocPlan, plan_realloc
 from .reallocator import Reallocator, checksum, new_destination, run_in_process
 from .rank_schedule import RankSchedule, rank_schedule
 from .schedule import Schedule
-from .shard import ModelShard, gather_full, tp_slice
+from .shard import ExpertShard, ModelShard, gather_full, tp_slice
 from .transports import DistTransport, InProcessHub, TransferError, Transport
 
-__all__ = ["MODES", "DistTransport", "MoePlan", "plan_moe_realloc", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
+__all__ = ["MODES", "DistTransport", "ExpertShard", "MoePlan", "plan_moe_realloc", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
            "RankSchedule", "Schedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
            "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]

@@ -71,8 +71,12 @@ def expert_sublayout(model: ModelSpec, layout: Layout, ep_rank: int) -> Layout:
                   layers_per_stage=tuple(hi - lo for lo, hi in ranges))
 
 
-def _dense_layout(layout: Layout) -> Layout:
-    return replace(layout, ep=1, etp=1)
+def _dense_layout(model: ModelSpec, layout: Layout) -> Layout:
+    """The layout without expert axes, with the full model's pipeline split made explicit: the
+    dense spec alone would balance its stages differently (it lacks the expert tensors), and the
+    dense part must address the same shard buffers as the model's own ModelShards."""
+    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
+    return replace(layout, ep=1, etp=1, layers_per_stage=tuple(hi - lo for lo, hi in ranges))
 
 
 class MoePlan:
@@ -178,8 +182,8 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
     kw = dict(mode=mode, ranks_per_node=ranks_per_node)
-    parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(src), _dense_layout(dst),
-                                           **kw), None)]
+    parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(model, src),
+                                           _dense_layout(model, dst), **kw), None)]
     E = model.num_experts
     es, ed = E // src.ep, E // dst.ep
     for gs in range(src.ep):

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ..layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, require_layout,
-                     require_spec, shard_layout)
+from ..layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, expert_shard_layout,
+                     require_layout, require_spec, shard_layout)
 from ..spec import ModelSpec, ParamSpec, torch_dtype
 
 
@@ -119,6 +119,68 @@ class ModelShard:
     def __repr__(self) -> str:
         return (f"ModelShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
                 f"tp_rank={self.tp_rank}, numel={self.flat.numel()})")
+
+
+class ExpertShard:
+    """One rank's expert shard of an MoE layout: `flat` laid out by layout.expert_shard_layout
+    (experts [ep_rank E/ep, (ep_rank + 1) E/ep) of the stage's MoE layers, each tensor's etp piece),
+    `params()` name -> view (spec names layers.i.mlp.experts.j.{gate_up_proj, down_proj}.weight).
+    Each etp rank holds its own piece; the expert-dp replicas hold identical shards."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, rank: int, flat: torch.Tensor):
+        require_spec(model)
+        require_layout(layout)
+        if not model.num_experts:
+            raise ValueError(f"ExpertShard: {model.name} has no experts (num_experts=0)")
+        coords = layout.expert_coords(rank)
+        if coords is None:
+            raise ValueError(f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})")
+        self.model, self.layout, self.rank = model, layout, rank
+        self.edp_rank, self.ep_rank, self.etp_rank, self.stage = coords
+        self.shard_layout: ShardLayout = expert_shard_layout(model, layout, self.stage, self.ep_rank)
+        want = torch_dtype(model.dtype)
+        if (not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self.shard_layout.numel
+                or flat.dtype != want or not flat.is_contiguous()):
+            got = (f"{tuple(flat.shape)} {flat.dtype}" if isinstance(flat, torch.Tensor) else type(flat).__name__)
+            raise ValueError(f"expert flat buffer for {model.name} {layout} rank {rank} must be a contiguous "
+                             f"1-D {want} tensor of {self.shard_layout.numel} elements, got {got}")
+        self.flat = flat
+
+    @classmethod
+    def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ExpertShard":
+        check_fits(model, layout)
+        coords = layout.expert_coords(rank)
+        if coords is None:
+            raise ValueError(f"rank {rank} is not in layout {layout}")
+        n = expert_shard_layout(model, layout, coords[3], coords[1]).numel
+        return cls(model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device))
+
+    @classmethod
+    def from_full(cls, model: ModelSpec, layout: Layout, rank: int,
+                  state_dict: Mapping[str, torch.Tensor], device="cpu") -> "ExpertShard":
+        """Slice full expert tensors (spec names) into this rank's expert shard."""
+        shard = cls.empty(model, layout, rank, device)
+        for e in shard.shard_layout.entries:
+            p = e.param
+            if p.name not in state_dict:
+                raise ValueError(f"state dict has no {p.name} (needed by {layout} rank {rank})")
+            full = state_dict[p.name]
+            if tuple(full.shape) != p.shape:
+                raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
+            shard.view(p.name).copy_(tp_slice(p, full.to(shard.flat.dtype), layout.etp, shard.etp_rank))
+        return shard
+
+    def view(self, name: str) -> torch.Tensor:
+        e = self.shard_layout.entry(name)
+        return self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
+                for e in self.shard_layout.entries}
+
+    def __repr__(self) -> str:
+        return (f"ExpertShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
+                f"ep_rank={self.ep_rank}, etp_rank={self.etp_rank}, numel={self.flat.numel()})")
 
 
 def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, torch.Tensor]:

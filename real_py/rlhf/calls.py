@@ -300,3 +300,5 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
                     _add(rt, sums, "entropy", ent, ntk)
                 if g.dp_rank == 0:
                     _add(rt, sums, "value_loss" if critic else "policy_loss", res["loss"], 1)
+                    if "aux_loss" in res and not critic:
+                        _add(rt, sums, "moe_aux_loss", res["aux_loss"], 1)

@@ -120,6 +120,11 @@ def save(rt, out_dir: str, step: int) -> str:
                               "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
                               "num_steps": 0 if tr is None else tr.num_steps,
                               "master": None if tr is None else tr.master}
+        if getattr(eng, "experts", None) is not None:  # MoE: the expert shard and its optimizer buffers
+            ex = None if tr is None else tr.experts
+            state["models"][m]["experts"] = {
+                "flat": eng.experts.flat.clone(), "exp_avg": None if ex is None else ex.exp_avg,
+                "exp_avg_sq": None if ex is None else ex.exp_avg_sq, "master": None if ex is None else ex.master}
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
@@ -288,6 +293,18 @@ def load(rt, path: str) -> int:
             eng._trainer.num_steps = s["num_steps"]
             if s.get("master") is not None:  # bf16 shards: the fp32 master weights
                 eng._trainer.master.copy_(s["master"])
+        if getattr(eng, "experts", None) is not None:
+            e = s.get("experts")
+            if e is None or e["flat"].shape != eng.experts.flat.shape:
+                raise ValueError(f"checkpoint {path} rank {dist.get_rank()}: no matching {m} expert shard "
+                                 f"for {eng.layout}")
+            eng.experts.flat.copy_(e["flat"])
+            if e["exp_avg"] is not None:
+                eng._trainer = eng._trainer or Trainer(eng, eng.optim)
+                eng._trainer.experts.exp_avg.copy_(e["exp_avg"])
+                eng._trainer.experts.exp_avg_sq.copy_(e["exp_avg_sq"])
+                if e.get("master") is not None:
+                    eng._trainer.experts.master.copy_(e["master"])
     torch.set_rng_state(state["rng"])
     if "kl_coef" in state:       # absent in checkpoints written before adaptive KL existed
         rt.kl_coef = float(state["kl_coef"])

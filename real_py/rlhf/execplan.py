@@ -48,6 +48,7 @@ class ExecutionPlan:
                 "calls": {name: {"ranks": list(l.ranks), "dp": l.dp, "tp": l.tp, "pp": l.pp}
                           | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
                           | ({"partition": l.partition} if l.partition != "params" else {})
+                          | ({"ep": l.ep} if l.ep > 1 else {}) | ({"etp": l.etp} if l.etp > 1 else {})
                           for name, l in self.calls.items()}}
 
     @classmethod
@@ -83,16 +84,17 @@ class ExecutionPlan:
         for name, c in data["calls"].items():
             if not isinstance(c, dict) or not isinstance(c.get("ranks"), list):
                 raise ValueError(f"{where}: call {name} must be a mapping with a list of ranks, got {c!r}")
-            extra = set(c) - {"ranks", "dp", "tp", "pp", "layers_per_stage", "partition"}
+            extra = set(c) - {"ranks", "dp", "tp", "pp", "ep", "etp", "layers_per_stage", "partition"}
             if extra:
                 raise ValueError(f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
-                                 "pp, layers_per_stage, partition")
+                                 "pp, ep, etp, layers_per_stage, partition")
             try:
                 lps = c.get("layers_per_stage")
                 calls[name] = Layout(dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1),
                                      ranks=tuple(c["ranks"]),
                                      layers_per_stage=tuple(lps) if lps else None,
-                                     partition=c.get("partition", "params"))
+                                     partition=c.get("partition", "params"),
+                                     ep=c.get("ep", 1), etp=c.get("etp", 1))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
         return cls(world_size=data["world_size"], calls=calls,

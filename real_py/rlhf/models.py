@@ -27,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ..engines import Engine, OptimConfig
-from ..interop.hf import load_hf_shard
+from ..interop.hf import load_hf_experts, load_hf_shard
+from ..realloc.moe_exec import MoeReallocator
+from ..realloc.moe_plan import plan_moe_realloc
 from ..realloc.offload import HostOffload
 from ..realloc.plan import plan_realloc
 from ..realloc.reallocator import Reallocator
-from ..realloc.shard import ModelShard
+from ..realloc.shard import ExpertShard, ModelShard
 from ..spec import ModelConfig, model_spec, torch_dtype
 from ..realloc.transports.dist import DistTransport
 
@@ -66,6 +68,7 @@ class Models:
         self.engines: dict[str, Engine | None] = {}
         self._reallocators: dict = {}
         self.offloads: dict[str, HostOffload] = {}   # frozen model -> its offloader (holding ranks)
+        self.expert_offloads: dict[str, HostOffload] = {}  # MoE: the same for its expert shard
         inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
         for m, calls in graph.models().items():
             if m == "reward" and rule_reward:
@@ -79,24 +82,38 @@ class Models:
             if not g.member:
                 self.engines[m] = None
                 continue
+            experts = None
             if paths.get(m):
                 fresh = critic_init if m == "critic" and critic_init != "checkpoint" else None
                 shard = load_hf_shard(paths[m], configs[m], layout, self.rank, self.device, name=m,
                                       value_head_init=fresh, seed=inits[m])
+                if configs[m].num_experts:
+                    experts = load_hf_experts(paths[m], configs[m], layout, self.rank, self.device, name=m,
+                                              fresh_head=fresh is not None)
             else:
-                shard = ModelShard.from_full(self.specs[m], layout, self.rank,
-                                             init_weights(configs[m], inits[m], self.device), self.device)
+                full = init_weights(configs[m], inits[m], self.device)
+                shard = ModelShard.from_full(self.specs[m], layout, self.rank, full, self.device)
+                if configs[m].num_experts:
+                    experts = ExpertShard.from_full(self.specs[m], layout, self.rank, full, self.device)
             optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
                      if graph.calls[home].trains else None)
-            self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim)
+            self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim, experts=experts)
             self.engines[m].logit_temperature = temperature
             if offload_frozen and optim is None:
                 # Off from the start: the weights are resident only during their call.
                 self.offloads[m] = HostOffload(shard.flat, name=f"{m} shard on rank {self.rank}")
                 self.offloads[m].offload()
+                if experts is not None:
+                    self.expert_offloads[m] = HostOffload(experts.flat, name=f"{m} experts on rank {self.rank}")
+                    self.expert_offloads[m].offload()
         for call in graph.order:
             m = graph.calls[call].model
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
+                if self.specs[m].num_experts:  # dense part + one part per pair of ep groups
+                    mplan = plan_moe_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
+                                             ranks_per_node=plan.ranks_per_node)
+                    self._reallocators[(m, call)] = MoeReallocator(mplan, self.transport, verify=verify)
+                    continue
                 rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
                                      ranks_per_node=plan.ranks_per_node)
                 self._reallocators[(m, call)] = Reallocator(rplan, self.transport, verify=verify)
@@ -124,27 +141,42 @@ class Models:
         home_engine = self.engines[c.model]
         dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
                      if self.rank in dst.ranks else None)
+        dst_experts = None
         t0, wall = time.perf_counter(), time.time()
-        stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
+        if isinstance(realloc, MoeReallocator):
+            dst_experts = (ExpertShard.empty(self.specs[c.model], dst, self.rank, self.device)
+                           if dst_shard is not None else None)
+            stats = realloc.run(home_engine.shard if home_engine else None,
+                                home_engine.experts if home_engine else None, dst_shard, dst_experts)
+        else:
+            stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
         stats["seconds"] = time.perf_counter() - t0
         stats["start"], stats["end"] = wall, wall + stats["seconds"]   # for the span over ranks
         if dst_shard is None:
             return None, stats
-        engine = Engine(self.configs[c.model], dst, self.groups[call], dst_shard)
+        engine = Engine(self.configs[c.model], dst, self.groups[call], dst_shard, experts=dst_experts)
         engine.logit_temperature = self.temperature
         return engine, stats
 
     def reload(self, model: str) -> tuple[int, float]:
         """Bring an offloaded frozen model's weights back; (bytes, seconds); (0, 0.0) if this rank
         holds no offloaded copy of it."""
-        off = self.offloads.get(model)
-        return off.reload() if off is not None else (0, 0.0)
+        return self._each_offload(model, "reload")
+
+    def _each_offload(self, model: str, op: str) -> tuple[int, float]:
+        """(bytes, seconds) of `op` on the model's offloaders (its shard and, MoE, its experts)."""
+        nbytes, secs = 0, 0.0
+        for offs in (self.offloads, self.expert_offloads):
+            off = offs.get(model)
+            if off is not None:
+                b, s = getattr(off, op)()
+                nbytes, secs = nbytes + b, secs + s
+        return nbytes, secs
 
     def offload(self, model: str) -> tuple[int, float]:
         """Move a frozen model's weights to its host buffer; (bytes, seconds); (0, 0.0) if this
         rank holds no offloadable copy of it."""
-        off = self.offloads.get(model)
-        return off.offload() if off is not None else (0, 0.0)
+        return self._each_offload(model, "offload")
 
 
 __all__ = ["Models", "init_weights"]

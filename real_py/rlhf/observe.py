@@ -24,7 +24,10 @@ METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip
            # version that generated the token), rows dropped over the bound (a sum, see runtime),
            # and with async.check_versions the mean |behaviour log-prob - recomputation| with the
            # recorded version's weights / with the newest weights.
-           "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest")
+           "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest",
+           # MoE models: the load-balancing aux loss of each train step (transformers' formula, in
+           # the actor's / critic's loss with the config's router_aux_loss_coef)
+           "moe_aux_loss")
 """Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
 
 

@@ -89,10 +89,15 @@ class Runtime:
                              f"{'nccl' if self.device.type == 'cuda' else 'gloo'}")
         # new_group is collective over the world: every rank builds every call's groups, in order.
         by_layout, self.groups = {}, {}
+        moe = any(c.num_experts for c in configs.values())
+        if moe and cfg.async_.max_staleness:
+            raise ValueError("async RL (async.max_staleness >= 1) with mixture-of-experts models is not "
+                             "implemented; use max_staleness: 0")
         for n in graph.order:
             layout = plan.calls[n]
             if layout not in by_layout:
-                by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s)
+                # MoE: expert-dp and layout groups for the experts' gradients and the aux loss
+                by_layout[layout] = ParallelGroups(layout, timeout_s=timeout_s, moe=moe)
             self.groups[n] = by_layout[layout]
         if self.device.type == "cuda":
             # NCCL builds a communicator on its first collective, which every rank must join:

@@ -98,6 +98,12 @@ class ModelConfig:
     first_k_dense_replace)."""
     decoder_sparse_step: int = 1
     """Qwen-MoE: layer i is MoE when (i + 1) % decoder_sparse_step == 0 (and not mlp_only)."""
+    norm_topk_prob: bool = False
+    """Routing: the top-k softmax probabilities renormalised to sum 1 (Mixtral always; Qwen-MoE
+    norm_topk_prob) before weighting the experts' outputs."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing auxiliary loss (transformers' router_aux_loss_coef; read by
+    the training loss, not by the forward)."""
     norm_plus_one: bool = False
     """Gemma: every RMSNorm scales by (1 + w) in fp32 and the embedding output is multiplied by
     sqrt(hidden_size) (rounded to the embedding dtype, as transformers does)."""
@@ -223,7 +229,8 @@ ROPE_SCALING_KEYS = {
 # transformers ACT2FN names whose torch function real_py uses identically (gelu_new / gelu_fast are
 # hand-written tanh formulas in transformers whose rounding differs; refused).
 HIDDEN_ACTS = _HIDDEN_ACTS
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text",
+               "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def _check_config_types(c: ModelConfig) -> None:
@@ -232,7 +239,7 @@ def _check_config_types(c: ModelConfig) -> None:
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"ModelConfig.{f}={v!r} must be an int")
-    for f in ("rms_norm_eps", "rope_theta"):
+    for f in ("rms_norm_eps", "rope_theta", "router_aux_loss_coef"):
         v = getattr(c, f)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number")
@@ -243,7 +250,7 @@ def _check_config_types(c: ModelConfig) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number >= 0 (0: off)")
     for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
-              "qk_norm_whole", "norm_plus_one", "sandwich_norm"):
+              "qk_norm_whole", "norm_plus_one", "sandwich_norm", "norm_topk_prob"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

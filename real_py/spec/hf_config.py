@@ -15,6 +15,9 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 | gemma3_text | Gemma3ForCausalLM, Gemma3TextForSequenceClassification | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 (also its Gemma3ForSequenceClassification) refused |
 | gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
+| qwen3_moe | Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification | as qwen3 (no sliding window) plus routed experts: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
+| qwen2_moe | Qwen2MoeForCausalLM, Qwen2MoeForSequenceClassification | qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared expert with its sigmoid gate); no sliding window |
+| mixtral | MixtralForCausalLM, MixtralForSequenceClassification | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
 (short/long factors switched per forward at original_max_position_embeddings, attention factor). Refused, naming the field:
@@ -41,8 +44,26 @@ ARCHITECTURES = {
     # (Gemma3TextConfig, weights model.* + score.weight); Gemma3ForSequenceClassification wraps
     # the multimodal Gemma3Model (model_type gemma3), refused below
     "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
 # ARCHITECTURES[mt][0] is the causal LM, [1] (where there is one) the sequence classifier
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# mixture-of-experts families whose attention or routing real_py does not implement, refused by name
+_UNSUPPORTED_MOE = {
+    "deepseek_v2": "DeepSeek-V2: multi-head latent attention (MLA) and grouped top-k routing are not implemented",
+    "deepseek_v3": "DeepSeek-V3: multi-head latent attention (MLA), grouped top-k routing and the expert "
+                   "score-correction bias are not implemented",
+    "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture): MLA, grouped routing and expert bias are not implemented",
+    "glm4_moe": "GLM-4.5 MoE: sigmoid routing with expert bias (e_score_correction_bias) is not implemented",
+    "dots1": "dots.llm1: grouped routing with expert bias is not implemented",
+    "olmoe": "OLMoE: whole-projection q/k norms with routed experts are not implemented",
+    "phimoe": "PhiMoE: sparsemixer routing is not implemented",
+    "granitemoe": "GraniteMoE: scaled residuals and its fused expert layout are not implemented",
+    "jamba": "Jamba: Mamba layers are not implemented",
+    "qwen3_next": "Qwen3-Next: gated delta-net attention is not implemented",
+}
 # multimodal wrappers refused by name (their text stack is gemma3_text)
 _MULTIMODAL = {"gemma3": "Gemma 3 multimodal (vision tower; Gemma3ForSequenceClassification wraps it too); use a "
                          "text-only gemma3_text checkpoint: Gemma3ForCausalLM, or Gemma3TextForSequenceClassification "
@@ -80,6 +101,14 @@ _PER_TYPE["gemma3_text"] = _PER_TYPE["gemma2"] | {"rope_local_base_freq", "slidi
                                                    "use_bidirectional_attention"}
 # resid_pdrop / embd_pdrop: dropout, checked to be 0 below; original_max_position_embeddings is
 # read by longrope only (refused)
+_MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+               "attention_dropout", "hidden_act", "use_sliding_window", "sliding_window"}
+_PER_TYPE["qwen3_moe"] = _MOE_FIELDS
+# max_window_layers is read by nothing in transformers' Qwen2MoE without use_sliding_window (refused)
+_PER_TYPE["qwen2_moe"] = _MOE_FIELDS | {"shared_expert_intermediate_size", "qkv_bias", "max_window_layers"}
+_PER_TYPE["mixtral"] = {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+                        "router_jitter_noise", "attention_dropout", "hidden_act", "sliding_window"}
 _PER_TYPE["phi3"] = {"attention_dropout", "hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
                      "original_max_position_embeddings", "partial_rotary_factor"}
 
@@ -94,9 +123,9 @@ def check_architecture(config: dict, where: str) -> str:
     archs = config.get("architectures") or []
     if mt is None and not archs:
         mt = "llama"  # a bare dict of shape fields
-    if mt in _MULTIMODAL:
-        raise ValueError(f"{where}: architecture {mt!r} is not supported ({_MULTIMODAL[mt]}); supported: "
-                         f"{_supported()}")
+    if mt in _MULTIMODAL or mt in _UNSUPPORTED_MOE:
+        why = _MULTIMODAL.get(mt) or _UNSUPPORTED_MOE[mt]
+        raise ValueError(f"{where}: architecture {mt!r} is not supported ({why}); supported: {_supported()}")
     if mt not in ARCHITECTURES:
         name = mt if mt is not None else "/".join(map(str, archs))
         raise ValueError(f"{where}: architecture {name!r} is not supported; supported: {_supported()}")
@@ -148,11 +177,13 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, "partial_rotary_factor", config["partial_rotary_factor"], "RoPE covers the whole head")
     if config.get("pruned_heads"):
         _refuse(where, "pruned_heads", config["pruned_heads"], "heads must be complete")
-    if mt in ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text"):
+    if mt in ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text", "qwen3_moe"):
         # transformers' llama / qwen3 / olmo2 / gemma attention_bias biases q, k, v and o_proj
         kw["attention_bias"] = kw["o_proj_bias"] = bool(config.get("attention_bias"))
-        kw["qk_norm"] = mt in ("qwen3", "olmo2", "gemma3_text")
+        kw["qk_norm"] = mt in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe")
         kw["qk_norm_whole"] = kw["norm_after"] = mt == "olmo2"
+    elif mt == "qwen2_moe":
+        kw["attention_bias"] = bool(config.get("qkv_bias", True))  # Qwen2MoeConfig.qkv_bias: q/k/v only
     else:
         kw["attention_bias"] = mt == "qwen2"  # transformers' qwen2 always has q/k/v biases, mistral none
     rs = config.get("rope_scaling")
@@ -169,7 +200,9 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _gemma_kwargs(config, kw, where, mt)
     if mt == "phi3":
         kw["attention_bias"] = False  # fused qkv_proj / gate_up_proj tensors in the checkpoint
-    if mt in ("mistral", "phi3") and config.get("sliding_window") is not None:
+    if mt in MOE_TYPES:
+        _moe_kwargs(config, kw, where, mt)
+    if mt in ("mistral", "phi3", "mixtral") and config.get("sliding_window") is not None:
         kw["sliding_window"] = config["sliding_window"]
     if mt in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         window = config.get("sliding_window")
@@ -193,6 +226,34 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
         _refuse(where, k, v, f"not a field real_py implements for {mt}; supported {mt} fields: "
                 f"{sorted(set(_SHAPE) | set(_READ) | _PER_TYPE[mt] | {'rope_scaling', 'num_key_value_heads'})}")
     return kw
+
+
+def _moe_kwargs(config: dict, kw: dict, where: str, mt: str) -> None:
+    """Routed-expert fields of qwen3_moe / qwen2_moe / mixtral, with their transformers config
+    defaults (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig) for the ones a config.json leaves out."""
+    if mt == "mixtral":
+        kw.update(num_experts=config.get("num_local_experts", 8), moe_intermediate_size=kw["intermediate_size"],
+                  num_experts_per_tok=config.get("num_experts_per_tok", 2), norm_topk_prob=True)
+        if config.get("router_jitter_noise") not in (None, 0, 0.0):
+            _refuse(where, "router_jitter_noise", config["router_jitter_noise"],
+                    "random jitter of the router input in training; need 0")
+    else:
+        defaults = ((128, 8, 768) if mt == "qwen3_moe" else (60, 4, 1408))
+        kw.update(num_experts=config.get("num_experts", defaults[0]),
+                  num_experts_per_tok=config.get("num_experts_per_tok", defaults[1]),
+                  moe_intermediate_size=config.get("moe_intermediate_size", defaults[2]),
+                  norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                  decoder_sparse_step=config.get("decoder_sparse_step", 1),
+                  mlp_only_layers=tuple(config.get("mlp_only_layers") or ()))
+        if config.get("use_sliding_window"):
+            _refuse(where, "use_sliding_window", True, f"sliding windows are not implemented for {mt}")
+        if mt == "qwen2_moe":
+            shared = config.get("shared_expert_intermediate_size", 5632)
+            if not shared:
+                _refuse(where, "shared_expert_intermediate_size", shared,
+                        "transformers' Qwen2MoE always has a shared expert; need > 0")
+            kw.update(shared_expert_intermediate_size=shared, shared_expert_gate=True)
+    kw["router_aux_loss_coef"] = float(config.get("router_aux_loss_coef", 0.001))
 
 
 def _gemma_kwargs(config: dict, kw: dict, where: str, mt: str) -> None:
@@ -237,6 +298,9 @@ def export_config(config, source: dict | None = None) -> dict:
     import transformers
 
     c, mt = config, config.model_type
+    if mt in MOE_TYPES or c.num_experts:
+        raise ValueError(f"export of mixture-of-experts configs (model_type {mt!r}) is not implemented; "
+                         "pass hf_config= (the source config.json) to save_hf")
     olmo = c.qk_norm and c.qk_norm_whole and c.norm_after
     if c.qk_norm != (mt in ("qwen3", "olmo2", "gemma3_text")) or (mt == "olmo2") != olmo or (c.norm_after and not olmo):
         raise ValueError(f"qk_norm={c.qk_norm}, qk_norm_whole={c.qk_norm_whole}, norm_after={c.norm_after} "
