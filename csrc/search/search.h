@@ -79,6 +79,8 @@ class Evaluator {
   int64_t realloc_misses_ = 0;
   std::vector<double> gpu_free_, persist_, transient_;  // per device segment
   std::vector<int64_t> cuts_;
+  std::vector<int> all_, roll_, train_;  // call indices: every call, rollout calls, train calls
+  std::vector<double> ends_, initial_, rend_;  // per batch x call end times; zeros; realloc ends
 };
 
 struct AnnealConfig {

@@ -34,6 +34,14 @@ Evaluator::Evaluator(Graph g, ReallocFn realloc) : g_(std::move(g)), realloc_(st
         throw std::invalid_argument("graph: option mesh outside the cluster");
   }
   if (g_.iters < 1) throw std::invalid_argument("graph: iters must be >= 1");
+  if (g_.staleness < 0) throw std::invalid_argument("graph: staleness must be >= 0");
+  if (!g_.trains.empty() && g_.trains.size() != n) throw std::invalid_argument("graph: trains needs one entry per call");
+  for (size_t c = 0; c < n; ++c) {
+    all_.push_back(static_cast<int>(c));
+    (c < g_.trains.size() && g_.trains[c] ? train_ : roll_).push_back(static_cast<int>(c));
+  }
+  initial_.assign(n, 0.0);
+  rend_.assign(n, 0.0);
   cache_.resize(n);
   gpu_free_.resize(g_.num_gpus);
   persist_.resize(g_.num_gpus);
@@ -123,21 +131,13 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
     for (int s = span[c].first; s < span[c].second; ++s) gpu_free_[s] = t;
   };
   const int k = g_.staleness;
-  if (k < 0) throw std::invalid_argument("graph: staleness must be >= 0");
-  // ends[b]: end of every call of batch b; the weights of step s are those trained by batch
-  // s - 1 (zeros before the first step).
-  std::vector<std::vector<double>> ends(g_.iters + k, std::vector<double>(n, 0.0));
-  const std::vector<double> initial(n, 0.0);
-  std::vector<double> rend(n, 0.0);
-  std::vector<int> all, roll, train;
-  for (int c = 0; c < n; ++c) {
-    all.push_back(c);
-    const bool t = c < static_cast<int>(g_.trains.size()) && g_.trains[c];
-    (t ? train : roll).push_back(c);
-  }
+  // ends_[b * n + c]: end of call c of batch b; the weights of step s are those trained by batch
+  // s - 1 (initial_: zeros before the first step). Buffers are members: no allocation per call.
+  ends_.assign(static_cast<size_t>(g_.iters + k) * n, 0.0);
   // Reallocations of `cs` first (in call order), then the calls of `cs`, of batch b at step.
-  auto place = [&](int b, const std::vector<int>& cs, const std::vector<double>& wts, int step) {
-    std::vector<double>& end = ends[b];
+  auto place = [&](int b, const std::vector<int>& cs, const double* wts, int step) {
+    double* end = ends_.data() + static_cast<size_t>(b) * n;
+    double* rend = rend_.data();
     for (int c : cs) {
       if (!copy[c]) continue;
       const int w = g_.weight_src[c];
@@ -169,15 +169,15 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
       if (keep_tasks) res.tasks.push_back({c, step, false, start, end[c]});
     }
   };
-  for (int b = 0; b < k; ++b) place(b, roll, initial, -1);  // prologue: the initial weights
+  for (int b = 0; b < k; ++b) place(b, roll_, initial_.data(), -1);  // prologue: the initial weights
   const double t0 = res.makespan;
   for (int s = 0; s < g_.iters; ++s) {
-    const std::vector<double>& wts = s ? ends[s - 1] : initial;
+    const double* wts = s ? ends_.data() + static_cast<size_t>(s - 1) * n : initial_.data();
     if (k == 0) {
-      place(s, all, wts, s);
+      place(s, all_, wts, s);
     } else {
-      place(s + k, roll, wts, s);
-      place(s, train, wts, s);
+      place(s + k, roll_, wts, s);
+      place(s, train_, wts, s);
     }
   }
   res.iter_time = (res.makespan - t0) / g_.iters;
