@@ -37,6 +37,16 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
     return torch.cat(pieces, d)
 
 
+
+def _full_tensor(state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: Layout, rank: int) -> torch.Tensor:
+    """state_dict[p.name], checked against the spec's shape (from_full of either shard kind)."""
+    if p.name not in state_dict:
+        raise ValueError(f"state dict has no {p.name} (needed by {layout} rank {rank})")
+    full = state_dict[p.name]
+    if tuple(full.shape) != p.shape:
+        raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
+    return full
+
 class ModelShard:
     """One rank's shard: `flat` [numel] of the model dtype, and `params()` name -> view.
 
@@ -88,11 +98,7 @@ class ModelShard:
         shard = cls.empty(model, layout, rank, device)
         for e in shard.shard_layout.entries:
             p = e.param
-            if p.name not in state_dict:
-                raise ValueError(f"state dict has no {p.name} (needed by {layout} rank {rank})")
-            full = state_dict[p.name]
-            if tuple(full.shape) != p.shape:
-                raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
+            full = _full_tensor(state_dict, p, layout, rank)
             local = tp_slice(p, full.to(shard.flat.dtype), layout.tp, shard.tp_rank)
             if shard.dp_layout is not None:
                 piece = shard.dp_layout.piece(p.name)
@@ -162,11 +168,7 @@ class ExpertShard:
         shard = cls.empty(model, layout, rank, device)
         for e in shard.shard_layout.entries:
             p = e.param
-            if p.name not in state_dict:
-                raise ValueError(f"state dict has no {p.name} (needed by {layout} rank {rank})")
-            full = state_dict[p.name]
-            if tuple(full.shape) != p.shape:
-                raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
+            full = _full_tensor(state_dict, p, layout, rank)
             shard.view(p.name).copy_(tp_slice(p, full.to(shard.flat.dtype), layout.etp, shard.etp_rank))
         return shard
 
