@@ -123,7 +123,7 @@ def main() -> None:
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
-                        f"train` (default config with each plan, slowest rank per call). Estimated: "
+                        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end). Estimated: "
                         f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
                         f"(real_py/search/calibrate.py) and Workload {job()[3]}. Median |rel err| over all "
                         f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "

@@ -130,6 +130,11 @@ class _Waiter:
                 result.put(None)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 result.put(e)
+            # Drop the finished job now: its closure holds the round's gloo / NCCL Work objects
+            # (and their tensors). Kept in this daemon thread's frame until the next job, they
+            # outlived destroy_process_group and were freed during interpreter shutdown, which
+            # aborted the process ("terminate called without an active exception", SIGABRT).
+            del wait, result
 
 
 _idle: list[_Waiter] = []

@@ -292,3 +292,29 @@ def test_watchdog_names_a_rank_stopped_in_a_collective(tmp_path):
         assert msg.startswith(f"rank {r}, step 7, call actor_train: peer rank 3 is silent"), msg
         assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (pg timeout 60 s)"
         print(f"rank {r}: watchdog named rank 3 after {took:.1f} s")
+
+
+def test_finished_waits_hold_no_references():
+    """A watched wait's job (its closure and what it holds: a round's Work objects and tensors)
+    is released as soon as it returns, not kept in the helper thread until the next job: kept,
+    they outlived destroy_process_group and were freed during interpreter shutdown, which
+    aborted train runs at exit ("terminate called without an active exception")."""
+    import gc
+    import weakref
+
+    from real_py.liveness import wait_watched
+
+    class Held:  # stands in for a gloo Work object the wait closes over
+        pass
+
+    held = Held()
+    ref = weakref.ref(held)
+
+    def wait(h=held):
+        time.sleep(0.01)
+
+    wait_watched(wait, lambda: None, poll=0.005)
+    del held, wait
+    time.sleep(0.05)  # the helper thread finishes its loop iteration
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref()) if ref() is not None else ""

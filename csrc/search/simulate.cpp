@@ -36,6 +36,8 @@ Evaluator::Evaluator(Graph g, ReallocFn realloc) : g_(std::move(g)), realloc_(st
   if (g_.iters < 1) throw std::invalid_argument("graph: iters must be >= 1");
   if (g_.staleness < 0) throw std::invalid_argument("graph: staleness must be >= 0");
   if (!g_.trains.empty() && g_.trains.size() != n) throw std::invalid_argument("graph: trains needs one entry per call");
+  if (g_.staleness > 0 && g_.trains.empty())
+    throw std::invalid_argument("graph: staleness > 0 needs trains (which calls train) to place the async steps");
   for (size_t c = 0; c < n; ++c) {
     all_.push_back(static_cast<int>(c));
     (c < g_.trains.size() && g_.trains[c] ? train_ : roll_).push_back(static_cast<int>(c));

@@ -37,7 +37,6 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
     return torch.cat(pieces, d)
 
 
-
 def _full_tensor(state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: Layout, rank: int) -> torch.Tensor:
     """state_dict[p.name], checked against the spec's shape (from_full of either shard kind)."""
     if p.name not in state_dict:
@@ -46,6 +45,7 @@ def _full_tensor(state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: L
     if tuple(full.shape) != p.shape:
         raise ValueError(f"{p.name}: state dict shape {tuple(full.shape)} != spec {p.shape}")
     return full
+
 
 class ModelShard:
     """One rank's shard: `flat` [numel] of the model dtype, and `params()` name -> view.

@@ -23,13 +23,15 @@ def _add(rt, sums, name: str, value: float, count: float) -> None:
     sums[METRICS.index(name), 1] += count
 
 
-def run_call(rt, call, g, engine, store, sums, step: int) -> None:
+def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
+    """Run `call` on this rank's rows; False when it had none (a refill round of dynamic
+    sampling that regenerates no row of this rank's replica)."""
     rows = dp_rows(g.layout, g.dp_rank, rt.B, rt.mini_batches.get(call.name, 1))
     if rt.active_rows is not None and not call.trains:
         # A refill round of dynamic sampling: only the rows of dropped groups are regenerated.
         rows = [r for r in rows if r in rt.active_rows]
         if not rows:
-            return
+            return False
     reporter = g.tp_rank == 0 and g.is_last_stage
     cfg = rt.cfg
     if call.kind in ("generate", "generate_greedy"):
@@ -82,6 +84,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> None:
         _train(rt, call, g, engine, store, sums, rows, reporter, step)
     else:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
+    return True
 
 
 def _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, writer) -> None:

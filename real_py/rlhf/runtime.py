@@ -148,7 +148,7 @@ class Runtime:
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: seconds from its last rank's
-        start to its last rank's end),
+        start to its last rank's end, summed over its runs: async prologue batches, refill rounds),
         "realloc_seconds" (per model: summed over its reallocations, each from its last rank's
         start to its last rank's end), "realloc_bytes" (sum over ranks),
         "offload_seconds" (per frozen model: max over ranks of reload + offload seconds; {} without
@@ -456,8 +456,11 @@ class Runtime:
         if g.member:
             pusher.wait_for(store, call.reads, step)
             t0 = time.time()
-            C.run_call(self, call, g, engine, store, sums, step)
-            events.append((self.rank, name, t0, time.time()))
+            worked = C.run_call(self, call, g, engine, store, sums, step)
+            t1 = time.time()
+            # A run with no rows of this rank leaves a zero-length marker: it counts the run
+            # (runs are matched across ranks by their order) but does not open its span.
+            events.append((self.rank, name, t0 if worked else t1, t1))
         # Every rank (senders are members; on NCCL the held receives go out here too).
         pusher.post(store, self.pushes[name], i + 1, name, sending=True)
         if offloaded:
@@ -477,7 +480,8 @@ class Runtime:
             # reallocation of a model for a call: the same run on every rank that takes part.
             seen = Counter()
             for _, name, a, b in ev:
-                _span(spans, (name, seen[name]), a, b)
+                if b > a:   # not a rank's marker of a run it had no rows for
+                    _span(spans, (name, seen[name]), a, b)
                 seen[name] += 1
             for model, call, a, b, nbytes in rl:
                 _span(r_spans, (model, call, seen[model, call]), a, b)

@@ -274,6 +274,9 @@ class _DistHandle(Handle):
         else:
             peers = sorted({p for _, _, ps in self.pending for p in ps})
             wait_watched(run, lambda: t._check_peers(self.step, peers, state))
+        # The round is over: release its Work objects (and their tensors) now, not whenever
+        # this handle is collected (see liveness._Waiter).
+        self.pending = []
         if state["failed"] is not None:
             what, e, when = state["failed"]
             if when >= deadline - 0.05:

@@ -1,0 +1,62 @@
+"""Checks how the runtime turns every rank's call and reallocation intervals into the step's
+per-call and per-model seconds (Runtime._summary): a call runs from its last rank's start to its
+last rank's end, summed over its runs; a rank that arrives late from earlier work opens the span;
+a rank's marker of a run it had no rows for (a dynamic-sampling refill round) does not; runs are
+matched across ranks by their order. A failure points to real_py/rlhf/runtime.py (_summary,
+_call) or real_py/rlhf/calls.py (run_call's return value).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from real_py.rlhf.observe import METRICS
+from real_py.rlhf.runtime import Runtime
+
+ORDER = ["actor_gen", "ref_inf", "rew_inf", "actor_train"]
+
+
+def summary(per_rank):
+    """per_rank: list of (events, reallocs); the rest of the gathered tuple empty."""
+    rt = SimpleNamespace(graph=SimpleNamespace(order=ORDER))
+    sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
+    gathered = [(ev, rl, [], 0, {}) for ev, rl in per_rank]
+    return Runtime._summary(rt, sums, gathered, None)
+
+
+def test_span_from_last_start_to_last_end():
+    # rank 1 arrives 5 s late at actor_gen (rank 0 waited for it): the call took 2 s, not 7.
+    out = summary([([(0, "actor_gen", 0.0, 7.0)], []), ([(1, "actor_gen", 5.0, 7.0)], [])])
+    assert out["calls"] == {"actor_gen": pytest.approx(2.0)}
+
+
+def test_runs_are_summed_and_matched_by_order():
+    # Two runs of ref_inf (a refill round runs it again) on both ranks.
+    r0 = [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.5)]
+    r1 = [(1, "ref_inf", 0.2, 1.1), (1, "ref_inf", 10.1, 10.4)]
+    assert summary([(r0, []), (r1, [])])["calls"]["ref_inf"] == pytest.approx(0.9 + 0.4)
+
+
+def test_a_rank_without_rows_does_not_open_the_span():
+    # The reviewer's case: rank 0 does ref_inf 10-20 s, then has no rew_inf rows (marker at 20);
+    # rank 1 has no ref_inf rows (marker at 10) and does rew_inf 11-15 s.
+    r0 = [(0, "ref_inf", 10.0, 20.0), (0, "rew_inf", 20.0, 20.0)]
+    r1 = [(1, "ref_inf", 10.0, 10.0), (1, "rew_inf", 11.0, 15.0)]
+    calls = summary([(r0, []), (r1, [])])["calls"]
+    assert calls == {"ref_inf": pytest.approx(10.0), "rew_inf": pytest.approx(4.0)}
+    assert list(calls) == ["ref_inf", "rew_inf"]  # graph order
+
+
+def test_reallocations_are_spans_summed_per_model():
+    # actor moved twice (for actor_gen, then for ref_inf), critic once; rank 1 only sends.
+    r0 = [("actor", "actor_gen", 0.0, 1.0, 100), ("actor", "ref_inf", 5.0, 5.5, 10)]
+    r1 = [("actor", "actor_gen", 0.4, 0.9, 50), ("critic", "critic_inf", 2.0, 3.0, 7)]
+    out = summary([([], r0), ([], r1)])
+    assert out["realloc_seconds"] == {"actor": pytest.approx(0.6 + 0.5), "critic": pytest.approx(1.0)}
+    assert out["realloc_bytes"] == 167
+
+
+def test_async_events_other_than_calls_are_not_calls():
+    ev = [(0, "realloc:actor_gen", 0.0, 1.0), (0, "recv_thread:actor_gen", 0.0, 3.0), (0, "actor_gen", 1.0, 2.0)]
+    assert summary([(ev, [])])["calls"] == {"actor_gen": pytest.approx(1.0)}
