@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import expert_token_counts, load_balancing_loss, router_records, router_z_loss
+from .buffers import init_optim_buffers
 
 
 class ExpertBuffers:
@@ -32,12 +33,7 @@ class ExpertBuffers:
         ex = engine.experts
         flat = ex.flat
         self.engine, self.flat = engine, flat
-        self.grad = torch.zeros_like(flat)
-        lowp = flat.dtype != torch.float32
-        self.master = flat.float() if lowp else None
-        self.red = torch.zeros_like(flat, dtype=torch.float32) if lowp else self.grad
-        self.exp_avg = torch.zeros_like(flat, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros_like(flat, dtype=torch.float32)
+        init_optim_buffers(self, flat)
         for e in ex.shard_layout.entries:
             engine.model.expert_params[e.param.name].grad = self.grad[e.offset:e.offset + e.numel].view(e.local_shape)
         self.counted = ex.edp_rank == 0

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .buffers import init_optim_buffers
 from .moe_train import ExpertBuffers, RouterLosses
 from .pipeline import P2P, split_micro_batches
 
@@ -60,14 +61,7 @@ class Trainer:
         self.engine, self.cfg = engine, optim or OptimConfig()
         shard = engine.shard
         flat = shard.flat
-        self.grad = torch.zeros_like(flat)
-        lowp = flat.dtype != torch.float32
-        # fp32 master weights (None for an fp32 shard: the shard is its own master) and the
-        # fp32 gradients that get reduced (the bf16 grad converted bucket by bucket).
-        self.master = flat.float() if lowp else None
-        self.red = torch.zeros_like(flat, dtype=torch.float32) if lowp else self.grad
-        self.exp_avg = torch.zeros_like(flat, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros_like(flat, dtype=torch.float32)
+        init_optim_buffers(self, flat)
         self.num_steps = 0
         g = engine.groups
         self.counted = []  # (offset, numel) of gradients counted once in the global norm
