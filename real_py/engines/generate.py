@@ -51,11 +51,15 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
 def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
              max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id=None, pad_token_id: int = 0, decode: str = "auto", top_k: int = 0,
-             swap=None) -> dict:
+             swap=None, min_new_tokens: int = 0) -> dict:
     """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
     eos_token_id: a token id or a list of them (any ends a response, and is kept in it) or None.
     decode: "auto" (CUDA graph on CUDA with tp == 1, else static cache), "dynamic", "static" or
     "graph" (see decode.py).
+    min_new_tokens: the stop tokens (eos_token_id) get probability zero for the first
+    min_new_tokens new tokens, so no response ends earlier (transformers' min_new_tokens, vLLM's
+    min_tokens: their logits set to -inf before temperature, top-k and top-p). Only sampling is
+    changed: log-probs computed later by an inference call are the model's own.
 
     swap: interruptible generation (async RL). None, or a callable swap(step) -> bool called
     before every decode step step >= 1 on every rank of the replica (it must answer the same on
@@ -69,16 +73,20 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     "prompt_lengths": [B], "new_tokens": [B, N], "swaps": [steps]} (N <= max_new_tokens,
     P' = max prompt length), identical on every rank of the DP replica.
     """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens={min_new_tokens} must be in [0, max_new_tokens={max_new_tokens}]")
     c, g, dev = engine.config, engine.groups, engine.device
     mode = pick_mode(engine, decode)
     if eos_token_id is not None and not isinstance(eos_token_id, (list, tuple)):
         eos_token_id = [eos_token_id]
     stops = torch.tensor(list(eos_token_id), dtype=torch.int64) if eos_token_id else None
+    # ids past the vocabulary can never be sampled, so only the others need banning
+    banned = None if stops is None else stops[stops < c.vocab_size].to(dev)
     where = prompt_tokens.device
     prompt_tokens, prompt_lengths = prompt_tokens.cpu(), prompt_lengths.cpu()
     B = prompt_tokens.shape[0]
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not greedy and (temperature <= 0 or not 0 < top_p <= 1):
         raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1]; got {temperature}, {top_p}")
     if prompt_lengths.shape != (B,) or seeds.shape != (B,) or int(prompt_lengths.min()) < 1:
@@ -128,6 +136,8 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         nxt = torch.empty(B, dtype=torch.int64, device=dev)
         if g.is_last_stage:
             logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
+            if step < min_new_tokens and banned is not None:
+                logits = logits.index_fill(-1, banned, float("-inf"))
             u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens]).to(dev)
             nxt = pick_tokens(logits.float(), u, temperature, top_p, top_k).masked_fill(done, pad_token_id)
         else:

@@ -40,6 +40,7 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
         hook = A.swap_hook(rt, call, g, engine) if call.kind == "generate" else None
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
+                              min_new_tokens=gc.min_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
                               top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode,
                               swap=hook[0] if hook else None)

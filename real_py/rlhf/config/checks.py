@@ -44,6 +44,7 @@ _RANGES = (
     ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
     ("generation.temperature", lambda v: v > 0, "> 0"),
     ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
+    ("generation.min_new_tokens", lambda v: v >= 0, ">= 0 (0: off)"),
     ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
     ("reward.overlong_penalty", lambda v: v >= 0, ">= 0"),
     ("reward.clip", lambda v: v is None or v > 0, "> 0 or null"),
@@ -97,6 +98,9 @@ def check_values(cfg: TrainConfig) -> None:
     stops = cfg.generation.stop_token_ids or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
         raise ValueError(f"config generation.stop_token_ids={stops!r}: expected a list of token ids")
+    if cfg.generation.min_new_tokens > cfg.generation.max_new_tokens:
+        raise ValueError(f"config generation.min_new_tokens={cfg.generation.min_new_tokens} exceeds "
+                         f"generation.max_new_tokens={cfg.generation.max_new_tokens}")
     if cfg.reward.overlong_buffer > cfg.generation.max_new_tokens:
         raise ValueError(f"config reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
                          f"generation.max_new_tokens={cfg.generation.max_new_tokens}")

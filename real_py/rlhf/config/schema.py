@@ -79,6 +79,9 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class GenConfig:
     max_new_tokens: int = 12
+    min_new_tokens: int = 0
+    """No response ends before this many new tokens: the EOS and stop_token_ids are never sampled
+    earlier (transformers' min_new_tokens, vLLM's min_tokens); 0: off."""
     greedy: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
