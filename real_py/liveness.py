@@ -24,6 +24,7 @@ a message naming the section and the silent peer.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -38,7 +39,38 @@ POLL_S = 0.1
 
 _PREFIX = "real_py/heartbeat/"
 _started: dict[int, threading.Thread] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()
+_running: list[tuple[threading.Thread, threading.Event]] = []
+"""Heartbeat and watchdog threads with their stop events (stop_threads)."""
+
+
+def _spawn(target, name: str) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    th = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
+    th.start()
+    with _lock:
+        _running.append((th, stop))
+    return th, stop
+
+
+def stop_threads(timeout: float = 5.0) -> None:
+    """Stop every heartbeat and watchdog thread of this process and wait for them; runs at
+    exit too. Why: at interpreter shutdown CPython ends a daemon thread that wants the GIL back
+    with pthread_exit, and when that thread is returning from a store call (C++ via pybind11)
+    the forced unwind aborts the process ("terminate called without an active exception",
+    SIGABRT after a finished run). Call it before destroy_process_group; a later
+    start_heartbeat / Watchdog starts fresh threads."""
+    with _lock:
+        running, _running[:] = list(_running), []
+        _started.clear()
+    for _, stop in running:
+        stop.set()
+    for th, _ in running:
+        if th is not threading.current_thread():
+            th.join(timeout)
+
+
+atexit.register(stop_threads)
 
 
 def default_store():
@@ -67,19 +99,17 @@ def start_heartbeat(store=None, rank: int | None = None):
             return store
         key = f"{_PREFIX}{rank}"
 
-        def beat():
+        def beat(stop):
             n = 0
-            while True:
+            while not stop.is_set():
                 n += 1
                 try:
                     store.set(key, str(n))
                 except Exception:  # noqa: BLE001 - store gone (shutdown): stop beating
                     return
-                time.sleep(HEARTBEAT_S)
+                stop.wait(HEARTBEAT_S)
 
-        th = threading.Thread(target=beat, name=f"real_py-heartbeat-{rank}", daemon=True)
-        th.start()
-        _started[id(store)] = th
+        _started[id(store)] = _spawn(beat, f"real_py-heartbeat-{rank}")[0]
     return store
 
 
@@ -166,7 +196,7 @@ class Watchdog:
         self.on_silent = on_silent or self._exit
         self._section: tuple[str, tuple[int, ...]] | None = None
         self._fired = False
-        threading.Thread(target=self._loop, name="real_py-watchdog", daemon=True).start()
+        _spawn(self._loop, "real_py-watchdog")
 
     def section(self, what: str, peers):
         dog = self
@@ -181,9 +211,8 @@ class Watchdog:
 
         return _Section()
 
-    def _loop(self):
-        while not self._fired:
-            time.sleep(HEARTBEAT_S)
+    def _loop(self, stop):
+        while not self._fired and not stop.wait(HEARTBEAT_S):
             cur = self._section
             if cur is None:
                 continue
@@ -228,5 +257,5 @@ def wait_watched(wait, check, poll: float = POLL_S) -> None:
         raise err
 
 
-__all__ = ["start_heartbeat", "PeerWatch", "SilentPeer", "Watchdog", "wait_watched",
+__all__ = ["start_heartbeat", "stop_threads", "PeerWatch", "SilentPeer", "Watchdog", "wait_watched",
            "default_store", "HEARTBEAT_S", "SILENT_S", "EXIT_SILENT_PEER"]

@@ -316,3 +316,43 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
     assert took < 60, f"job ended {took:.1f} s after the stop (collective timeout 120 s)"
     print(f"job ended {took:.1f} s after the stop:", silent.group(0)[:200])
     assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"
+
+
+@pytest.mark.timeout(600)
+def test_kill_and_resume_in_async_mode(tmp_path):
+    """Async GRPO (k=2, decoupled loss, weights received during generation) on the copy task with
+    generation and training on disjoint ranks: run A does 3 steps; run B is SIGKILLed after its
+    step-1 checkpoint (batches 2 and 3 already generated and queued), run C resumes it. C's steps
+    2 and 3 (metrics, including staleness and dropped rows) and every rank's step-3 shards and
+    Adam moments must equal A's."""
+    import yaml
+
+    with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
+        d = yaml.safe_load(f)
+    d.update(steps=3, save_every=1, verify_realloc=True,
+             data=dict(d["data"], batch_size=16),
+             ppo=dict(d["ppo"], decoupled=True),
+             plan={"world_size": 4, "calls": {
+                 "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                 "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                 "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                 "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}}})
+    d["async"] = {"max_staleness": 2, "check_versions": True, "overlap_realloc": True}
+    cfg = tmp_path / "async.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _, ma = _train([], a, str(cfg))
+    _run_killed_after_step_1(b, str(cfg))
+    _, mb = _train(["--resume", os.path.join(b, "step_1")], b, str(cfg))
+    assert [m["step"] for m in ma] == [1, 2, 3] and [m["step"] for m in mb] == [1, 2, 3]
+    strip = lambda m: {k: v for k, v in m.items() if k != "prefetched_calls"}  # noqa: E731
+    assert [strip(m["metrics"]) for m in mb[1:]] == [strip(m["metrics"]) for m in ma[1:]]
+    assert "staleness" in ma[2]["metrics"]
+    for r in range(4):
+        sa = torch.load(os.path.join(a, "step_3", f"rank{r}.pt"), weights_only=False)
+        sb = torch.load(os.path.join(b, "step_3", f"rank{r}.pt"), weights_only=False)
+        assert sa["models"].keys() == sb["models"].keys()
+        for m, s in sa["models"].items():
+            for k in ("flat", "exp_avg", "exp_avg_sq"):
+                if k in s:
+                    assert torch.equal(s[k], sb["models"][m][k]), (r, m, k)

@@ -499,6 +499,9 @@ def _spmd(args, model, pairs, need: int) -> int:
             print(f"wrote {out}", flush=True)
         dist.barrier()
     finally:
+        from ..liveness import stop_threads
+
+        stop_threads()  # before the group goes (liveness.stop_threads says why)
         dist.destroy_process_group()
     return 0
 

@@ -201,5 +201,8 @@ def _spmd(args, cfg, ckpt) -> int:
             summary = log.close()
             print(format_summary(summary) + f"; {os.path.join(cfg.out_dir, 'summary.json')}", flush=True)
     finally:
+        from ..liveness import stop_threads
+
+        stop_threads()  # before the group goes (liveness.stop_threads says why)
         dist.destroy_process_group()
     return 0
