@@ -1,12 +1,15 @@
 """Async RL vs sync on the same plan, generation and training on disjoint ranks (issue 22).
 
-    python bench/bench_async.py [--steps 20] [--max-new-tokens 16] [--learn-steps 30] [--k 1] [--repeats 3]
+    python bench/bench_async.py [--steps 20] [--max-new-tokens 96] [--min-new-tokens N]
+                                [--learn-steps 30] [--k 1] [--repeats 3]
 
 Runs `python -m real_py train` on the copy task (configs/copy_task/grpo.yaml, 4 gloo ranks) with
-the plan below (rollout calls on ranks 2, 3; the actor's training on ranks 0, 1, tp 2), once
-synchronous and once with async.max_staleness=k and the decoupled loss. Longer responses
-(--max-new-tokens; the reward reads only the first response character) make generation the
-slower side. Writes bench/results/async_cpu2_<date>.{json,md}: seconds per step, reward per
+the plan below (rollout calls on ranks 2, 3; the actor's training on ranks 0, 1, dp 2: its
+weights move to the other two ranks after every step), once synchronous and once with
+async.max_staleness=k and the decoupled loss. Long responses make generation the slower side:
+generation.min_new_tokens (default: the whole budget) keeps the EOS from ending them early, as
+responses of long-reasoning RL run to thousands of tokens; the reward reads only the first
+response character. Writes bench/results/async_cpu2_<date>.{json,md}: seconds per step, reward per
 window and against wall-clock, the overlap of rollout calls with train calls, and the share of
 the actor's reallocation (train -> generation layout) hidden under generation.
 """
@@ -29,15 +32,16 @@ PLAN = {"world_size": 4, "calls": {
     "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
     "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
     "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-    "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}}}
+    "actor_train": {"ranks": [0, 1], "dp": 2, "tp": 1, "pp": 1}}}
 WINDOW = 5
+ROLLOUT = ("actor_gen", "ref_inf", "rew_inf")   # the calls on the generation ranks
 
 
-def run(tmp: str, name: str, steps: int, new_tokens: int, k: int) -> list[dict]:
+def run(tmp: str, name: str, steps: int, new_tokens: int, k: int, min_tokens: int = 0) -> list[dict]:
     with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
         cfg = yaml.safe_load(f)
     cfg.update(steps=steps, plan=PLAN, out_dir=os.path.join(tmp, name))
-    cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens)
+    cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens, min_new_tokens=min_tokens)
     # Longer responses than the shipped config's position table holds (generation made the
     # slower side): the actor's table grows to fit prompt + response.
     need = cfg["data"]["max_prompt_len"] + new_tokens
@@ -56,14 +60,14 @@ def run(tmp: str, name: str, steps: int, new_tokens: int, k: int) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def measure(tmp: str, setting: str, steps: int, new_tokens: int, k: int, repeats: int):
+def measure(tmp: str, setting: str, steps: int, new_tokens: int, k: int, repeats: int, min_tokens: int = 0):
     """Rows (sync, async) of one setting, each mode `repeats` runs (alternating), and the curves."""
     modes = (("sync", 0), (f"async k={k}", k))
     recs_of = {name: [] for name, _ in modes}
     for rep in range(repeats):
         for name, kk in modes:
             tag = f"{setting}_{name.replace(' ', '_').replace('=', '')}_{rep}"
-            recs_of[name].append(run(tmp, tag, steps, new_tokens, kk))
+            recs_of[name].append(run(tmp, tag, steps, new_tokens, kk, min_tokens))
     rows, curves = [], {}
     for name, kk in modes:
         runs_ = recs_of[name]
@@ -75,6 +79,7 @@ def measure(tmp: str, setting: str, steps: int, new_tokens: int, k: int, repeats
                "s/step (median)": med(lambda x: x["seconds"]),
                "s/step per run": " / ".join(f"{v:.3f}" for v in per_run),
                "actor_gen s": med(lambda x: x["calls"].get("actor_gen", 0.0)),
+               "rollout side s": med(lambda x: sum(x["calls"].get(c, 0.0) for c in ROLLOUT)),
                "actor_train s": med(lambda x: x["calls"].get("actor_train", 0.0)),
                "actor realloc s": med(lambda x: x["realloc_seconds"].get("actor", 0.0)),
                f"reward 1-{WINDOW}": statistics.fmean(v for r in rew for v in r[:WINDOW]),
@@ -101,14 +106,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20, help="steps of the speed setting")
     ap.add_argument("--max-new-tokens", type=int, default=96,
-                    help="response budget of the speed setting (96: generation is the slower side on CPU)")
+                    help="response budget of the speed setting")
+    ap.add_argument("--min-new-tokens", type=int, default=None,
+                    help="generation.min_new_tokens of the speed setting (default: --max-new-tokens)")
     ap.add_argument("--learn-steps", type=int, default=30, help="steps of the learning setting (2 new tokens)")
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating (machine noise)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows, curves = measure(tmp, f"speed ({args.max_new_tokens} tokens)", args.steps,
-                               args.max_new_tokens, args.k, args.repeats)
+        lo = args.max_new_tokens if args.min_new_tokens is None else args.min_new_tokens
+        rows, curves = measure(tmp, f"speed ({lo}-{args.max_new_tokens} tokens)", args.steps,
+                               args.max_new_tokens, args.k, args.repeats, lo)
         lrows, lcurves = measure(tmp, "learning (2 tokens)", args.learn_steps, 2, args.k, 1)
     speed = rows[0]["s/step (median)"] / rows[1]["s/step (median)"]
     rows += lrows
@@ -121,15 +129,18 @@ def main() -> None:
                f"{args.repeats} runs (alternating), medians over every step but each run's first; the "
                "learning setting is the shipped copy-task config (2 new tokens), one run per mode. "
                "Per-step reward and wall-clock of every run in the JSON (extra.curves). Same plan both "
-               "ways (rollout calls on ranks 2, 3 dp 2; actor_train on ranks 0, 1 tp 2); seed 1, batch 64. "
+               "ways (rollout calls on ranks 2, 3 dp 2; actor_train on ranks 0, 1 dp 2); seed 1, batch 64; "
+               f"speed setting responses of {lo}-{args.max_new_tokens} tokens (generation.min_new_tokens), "
+               "so generation (with the reference inference on its ranks) is the slower side. "
                "Sync: generation waits for the train step and vice versa. Async: the rollout of batch "
                "s+k runs while batch s trains, the step costs about max(gen, train) + what of the "
                "weight transfer is not hidden. 'realloc hidden share': share of the wall seconds of "
                "rollout-side reallocation during which a rollout call ran (async.overlap_realloc: the "
                "generation ranks receive version s+1 in a thread during generation). CPU: 2 shared "
                "cores run 4 ranks (and other agents' jobs), so in async mode the two sides compete "
-               "for the same cores and no speed-up from overlap can be expected or read here; call "
-               "times of the async rows are inflated by that contention. What carries over to a GPU "
+               "for the same cores: overlap gains at most the core time sync mode leaves idle, call "
+               "times of the async rows are inflated by that contention, and the ratio moves with "
+               "the machine's load (it is no estimate of a GPU cluster's). What carries over to a GPU "
                "cluster: the schedule (which calls overlap, that the transfer runs under generation, "
                "staleness and row accounting); what does not: any ratio of times. On GPUs each side "
                "has its own devices, so the step tends to max(gen, train) + unhidden transfer instead "
