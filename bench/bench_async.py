@@ -9,7 +9,7 @@ weights move to the other two ranks after every step), once synchronous and once
 async.max_staleness=k and the decoupled loss. Long responses make generation the slower side:
 generation.min_new_tokens (default: the whole budget) keeps the EOS from ending them early, as
 responses of long-reasoning RL run to thousands of tokens; the reward reads only the first
-response character. Writes bench/results/async_cpu2_<date>.{json,md}: seconds per step, reward per
+response character. Writes bench/results/async_cpu2_<date>.{json,md,png}: seconds per step, reward per
 window and against wall-clock, the overlap of rollout calls with train calls, and the share of
 the actor's reallocation (train -> generation layout) hidden under generation.
 """
@@ -100,6 +100,40 @@ def measure(tmp: str, setting: str, steps: int, new_tokens: int, k: int, repeats
     return rows, curves
 
 
+def plot(jpath: str) -> str | None:
+    """Reward against wall-clock seconds of every run in the result `jpath` (its extra.curves),
+    one panel per setting; written beside it as .png. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    with open(jpath) as f:
+        curves = json.load(f)["extra"]["curves"]
+    settings = list(dict.fromkeys(k.rsplit(" ", 2)[0] if "async" in k else k.rsplit(" ", 1)[0]
+                                  for k in curves))
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4))
+    for ax, setting in zip(list(axes) if len(settings) > 1 else [axes], settings):
+        for name, runs in curves.items():
+            if not name.startswith(setting + " "):
+                continue
+            mode = name[len(setting) + 1:]
+            for i, c in enumerate(runs):
+                ax.plot(c["wall"], c["reward"], color="C1" if "async" in mode else "C0", alpha=0.8,
+                        label=mode if i == 0 else None)
+        ax.set_xlabel("wall-clock s")
+        ax.set_ylabel("batch mean reward")
+        ax.set_title(f"{setting}: reward vs wall-clock")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.splitext(jpath)[0] + ".png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
 def main() -> None:
     import argparse
 
@@ -146,7 +180,7 @@ def main() -> None:
                "has its own devices, so the step tends to max(gen, train) + unhidden transfer instead "
                "of gen + train + transfer."),
         extra={"curves": curves, "speedup_speed_setting": speed, "date": environment()["date_utc"]})
-    print(jpath, mpath)
+    print(jpath, mpath, plot(str(jpath)) or "")
 
 
 if __name__ == "__main__":
