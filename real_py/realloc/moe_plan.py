@@ -102,68 +102,80 @@ class MoePlan:
                 "max_ingress_bytes": max(ingress.values(), default=0),
                 "max_egress_bytes": max(egress.values(), default=0)}
 
-    def transfers(self, round_elems: int | None = None) -> Transfers:
-        """One schedule for all parts (for the cluster simulator): every part's chunks (sizes
-        from C++), taken in (round within its part, part) order and each placed in the earliest
-        round where its sender and receivers still have room -- the rule of the C++ schedule,
-        at most half a bucket (`round_elems`) per rank, round and direction, applied to the
-        union. The Reallocator today runs the parts one after the other (module docstring)."""
-        ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
-        cap = (round_elems or (256 << 20) // self.model.element_size // 2) * self.model.element_size
-        key = np.concatenate([t.round for t in ts]) * len(ts) + np.concatenate(
-            [np.full(len(t.round), i) for i, t in enumerate(ts)])
-        order = np.argsort(key, kind="stable")
-        sender = np.concatenate([t.sender for t in ts])
-        nbytes = np.concatenate([t.nbytes for t in ts])
-        recv_lists = [t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]] for t in ts for i in range(len(t.round))]
-        egress: dict[int, list] = {}   # rank -> bytes per round
-        ingress: dict[int, list] = {}
-        first: dict[int, int] = {}     # rank -> first round that may have room (either direction)
-        rounds = np.zeros(len(order), np.int64)
+    def part_round_elems(self, round_elems: int) -> list[int]:
+        """Round size (elements) of each part when the parts run as one schedule.
 
-        def room(load: list, k: int, nb: int) -> bool:
-            return k >= len(load) or load[k] == 0 or load[k] + nb <= cap
+        Part p gets round_elems // k_p, k_p = the largest number of parts any source rank of p
+        sends in, or any destination rank of p receives in (a rank sends only in the parts whose
+        source layout holds it, and receives only where the destination layout does). A rank
+        then sends at most sum over its parts of (round_elems // k_p) // 2 <= round_elems // 2
+        elements in a merged round, and receives as much: one round's budget per direction, as
+        for a single plan, so the staging bound (bucket_bytes) holds for the merged rounds.
+        Derived from the layouts alone, the same on every rank."""
+        sends: dict[int, int] = {}
+        recvs: dict[int, int] = {}
+        for part in self.parts:
+            for r in part.plan.src.ranks:
+                sends[r] = sends.get(r, 0) + 1
+            for r in part.plan.dst.ranks:
+                recvs[r] = recvs.get(r, 0) + 1
+        out = []
+        for part in self.parts:
+            k = max([sends[r] for r in part.plan.src.ranks] + [recvs[r] for r in part.plan.dst.ranks])
+            if round_elems // k < 2:
+                raise ValueError(f"{self!r}: rounds of {round_elems} elements shared by {k} parts "
+                                 f"({part.label}) leave under 2 elements per part; use a larger "
+                                 "bucket_bytes")
+            out.append(round_elems // k)
+        return out
 
-        for j, i in enumerate(order):
-            s, rc, nb = int(sender[i]), recv_lists[i].tolist(), int(nbytes[i])
-            k = max([first.get(s, 0)] + [first.get(r, 0) for r in rc])
-            eg = egress.setdefault(s, [])
-            ins = [ingress.setdefault(r, []) for r in rc]
-            while not (room(eg, k, nb) and all(room(x, k, nb) for x in ins)):
-                k += 1
-            for load in [eg] + ins:
-                load.extend([0] * (k + 1 - len(load)))
-                load[k] += nb
-            # a rank whose round is full in both directions never takes a chunk there again
-            for r in [s] + rc:
-                f = first.get(r, 0)
-                e, n = egress.get(r, []), ingress.get(r, [])
-                while f < len(e) and f < len(n) and e[f] >= cap and n[f] >= cap:
-                    f += 1
-                first[r] = f
-            rounds[j] = k
-        srt = np.argsort(rounds, kind="stable")
-        picked = order[srt]
-        counts = np.array([len(recv_lists[i]) for i in picked], np.int64)
-        ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        receivers = (np.concatenate([recv_lists[i] for i in picked]) if len(picked)
-                     else np.zeros(0, np.int64))
-        return Transfers(rounds[srt], sender[picked], ptr, receivers.astype(np.int64), nbytes[picked],
-                         label="real_py MoE schedule (all parts, earliest fit)")
+    def round_shift(self, p: int, num_rounds: int) -> int:
+        """Part p's round i runs in merged round (i + shift) % num_rounds: the parts start
+        spread over their rounds (p / parts of the way in), so parts whose messages are listed
+        in the same receiver order do not all load the same receivers in the same round. A
+        rotation of [0, num_rounds): still one round of the part per merged round."""
+        return p * num_rounds // len(self.parts) if num_rounds else 0
 
-    def sequential_transfers(self, round_elems: int | None = None) -> Transfers:
-        """The parts one after the other, each with its own rounds (what the Reallocator runs)."""
-        ts = [schedule_transfers(p.plan, round_elems) for p in self.parts]
+    def transfers(self, round_elems: int | None = None, direct_min_elems: int = 0) -> Transfers:
+        """The merged schedule MoeReallocator runs, as chunks for the cluster simulator: part
+        p's schedule with rounds of part_round_elems (sizes from C++, the rule rank_schedule
+        derives per rank), its round i in merged round (i + round_shift) % its rounds.
+        Defaults: the Reallocator's (256 MiB bucket, pipelined; direct_min_elems as passed to
+        the executor in elements, 0: off)."""
+        if round_elems is None:
+            round_elems = (256 << 20) // self.model.element_size // 2
+        ts = [schedule_transfers(part.plan, n, direct_min_elems)
+              for part, n in zip(self.parts, self.part_round_elems(round_elems))]
+        rounds = np.concatenate([(t.round + self.round_shift(p, t.num_rounds)) % max(t.num_rounds, 1)
+                                 for p, t in enumerate(ts)] + [np.zeros(0, np.int64)])
+        return _union(ts, rounds, "real_py MoE schedule (parts merged by round)")
+
+    def sequential_transfers(self, round_elems: int | None = None, direct_min_elems: int = 0) -> Transfers:
+        """The parts one after the other, each with a whole round's budget (how MoeReallocator
+        ran them before the merged schedule; kept as the comparison column of the bench)."""
+        ts = [schedule_transfers(p.plan, round_elems, direct_min_elems) for p in self.parts]
         offs = np.cumsum([0] + [t.num_rounds for t in ts[:-1]])
-        counts = np.concatenate([np.diff(t.recv_ptr) for t in ts])
-        return Transfers(np.concatenate([t.round + o for t, o in zip(ts, offs)]),
-                         np.concatenate([t.sender for t in ts]),
-                         np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-                         np.concatenate([t.receivers for t in ts]).astype(np.int64),
-                         np.concatenate([t.nbytes for t in ts]), label="real_py MoE parts in sequence")
+        return _union(ts, np.concatenate([t.round + o for t, o in zip(ts, offs)] + [np.zeros(0, np.int64)]),
+                      "real_py MoE parts in sequence")
 
     def __repr__(self) -> str:
         return f"MoePlan({self.model.name}, {self.src} -> {self.dst}, {len(self.parts)} parts)"
+
+
+def _union(ts: list[Transfers], rounds: np.ndarray, label: str) -> Transfers:
+    """The chunks of `ts` with the given rounds (concatenated in part order), sorted by round,
+    stably: within a round, part order and then each part's own chunk order."""
+    order = np.argsort(rounds, kind="stable")
+    counts = np.concatenate([np.diff(t.recv_ptr) for t in ts] + [np.zeros(0, np.int64)])
+    ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    receivers = np.concatenate([t.receivers for t in ts] + [np.zeros(0, np.int64)]).astype(np.int64)
+    new_ptr = np.concatenate(([0], np.cumsum(counts[order]))).astype(np.int64)
+    idx = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts[order]) + np.arange(new_ptr[-1])
+    return Transfers(rounds[order].astype(np.int64),
+                     np.concatenate([t.sender for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
+                     new_ptr, receivers[idx.astype(np.int64)],
+                     np.concatenate([t.nbytes for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
+                     label=label)
 
 
 def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",

@@ -139,11 +139,12 @@ class RoundRunner:
         clock, opts = time.perf_counter, self.opts
         per_round = {k: [k, 0.0, 0.0, 0.0, 0.0] for k, _ in self.merged}
         local_s = 0.0
-        like = next((b for pair in bufs for b in pair if b is not None), None)
+        like = None
         step = "input check"
         try:
             if check is not None:
-                check()
+                check()  # may fill `bufs`
+            like = next((b for pair in bufs for b in pair if b is not None), None)
 
             def local_copies():
                 # Run while transfers are in flight (disjoint destination ranges: each element
