@@ -185,7 +185,7 @@ def test_moe_gloo_4_ranks():
     assert all(n > 0 for n in out)
 
 
-def _dist_executor(rank: int, world: int) -> int:
+def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 << 12) -> int:
     """MoeReallocator on the rank's own ModelShard + ExpertShard (gloo): destination dense buffer
     and expert tensors against the oracle, sources untouched."""
     from dataclasses import replace as _replace
@@ -198,15 +198,22 @@ def _dist_executor(rank: int, world: int) -> int:
     t = DistTransport(dist.group.WORLD, timeout=60)
     full = random_full(MOE, 13)
     checked = 0
-    for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2")):
+    for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2"),
+                     ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2")):
         src, dst = L(src), L(dst)
         s = ModelShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         se = ExpertShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         before = None if s is None else (s.flat.clone(), se.flat.clone())
         d = ModelShard.empty(MOE, dst, rank) if rank in dst.ranks else None
         de = ExpertShard.empty(MOE, dst, rank) if rank in dst.ranks else None
-        MoeReallocator(plan_moe_realloc(MOE, src, dst), t, bucket_bytes=1 << 12).run(s, se, d, de)
-        if before is not None:
+        r = MoeReallocator(plan_moe_realloc(MOE, src, dst), t, bucket_bytes=bucket, verify=verify)
+        assert r.opts.pipeline  # gloo is asynchronous: two staging halves
+        st = r.run(s, se, d, de, free_source=verify)
+        assert st["staging_bytes"] <= bucket
+        if verify and s is not None:  # free_source: released once every round completed
+            assert s.flat.untyped_storage().nbytes() == 0 and se.flat.untyped_storage().nbytes() == 0
+            s = se = None
+        if before is not None and s is not None:
             assert torch.equal(s.flat, before[0]) and torch.equal(se.flat, before[1]), f"rank {rank} source"
         if d is not None:
             # the full model's ModelShard holds the dense tensors of its own stages
@@ -221,7 +228,18 @@ def _dist_executor(rank: int, world: int) -> int:
 
 
 def test_moe_reallocator_on_expert_shards_gloo():
-    out = run_distributed(_dist_executor, 4, timeout=240)
+    out = run_distributed(_dist_executor, 4, timeout=300)
+    assert all(n > 0 for n in out)
+
+
+def _dist_executor_verify(rank: int, world: int) -> int:
+    return _dist_executor(rank, world, verify=True, bucket=1 << 10)
+
+
+def test_moe_merged_gloo_verify_tiny_bucket():
+    """Merged rounds on 4 gloo ranks with checksums, a 1 KiB bucket (many merged rounds, direct
+    pieces in their rounds) and free_source."""
+    out = run_distributed(_dist_executor_verify, 4, timeout=300)
     assert all(n > 0 for n in out)
 
 
@@ -272,3 +290,39 @@ def test_moe_merged_in_process(src, dst, kw):
         assert st["staging_bytes"] <= kw.get("bucket_bytes", 256 << 20), f"rank {r}: {st['staging_bytes']}"
     if kw.get("bucket_bytes") == 1 << 10 and plan.summary()["network_bytes"] > 64 << 10:
         assert max(st["rounds"] for st in stats.values()) > 20  # the merged-round logic is exercised
+
+
+@pytest.mark.parametrize("src,dst", MERGED_PAIRS[:4] + [("dp8,ep8", "dp2,tp4,etp2"), ("dp2,tp4,ep4", "dp8,ep2")])
+@pytest.mark.parametrize("bucket,dmin", [(1 << 10, 0), (1 << 11, 64), (1 << 9, 0)])
+def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
+    """MoePlan.transfers (what the cluster simulator replays) lists, per rank and merged round,
+    exactly the chunks each rank's MoeReallocator sends and receives (derived per rank)."""
+    src, dst = L(src), L(dst)
+    plan = plan_moe_realloc(MOE, src, dst)
+    hub = InProcessHub()
+    ex = {r: MoeReallocator(plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin)
+          for r in sorted(set(src.ranks) | set(dst.ranks))}
+    opts = ex[0].opts
+    t = plan.transfers(opts.round_elems, opts.direct_min_elems)
+    es = MOE.element_size
+    want: dict = {}
+    for i in range(len(t.round)):
+        k, nb = int(t.round[i]), int(t.nbytes[i])
+        want.setdefault((int(t.sender[i]), k, "send"), []).append(nb)
+        for r in t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]].tolist():
+            want.setdefault((r, k, "recv"), []).append(nb)
+    got: dict = {}
+    for r, x in ex.items():
+        for k, lanes in x.runner.merged:
+            for _, rr in lanes:
+                if rr.sends:
+                    got.setdefault((r, k, "send"), []).extend(c.numel * es for c in rr.sends)
+                if rr.recvs:
+                    got.setdefault((r, k, "recv"), []).extend(c.numel * es for c in rr.recvs)
+            sent = sum(c.numel for _, rr in lanes for c in rr.sends)
+            received = sum(c.numel for _, rr in lanes for c in rr.recvs)
+            # one round's budget per rank and direction, whatever the number of parts
+            assert sent <= opts.round_elems // 2 and received <= opts.round_elems // 2, (r, k)
+        assert x.runner.half <= opts.round_elems
+    assert got == want
+    assert t.num_rounds == max((k for x in ex.values() for k, _ in x.runner.merged), default=-1) + 1
