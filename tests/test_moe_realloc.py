@@ -248,7 +248,17 @@ def test_moe_merged_gloo_verify_tiny_bucket():
 MERGED_PAIRS = [  # ep grows, shrinks, vanishes, appears; etp; stages
     ("dp4,ep4", "tp4,etp4"), ("tp4,etp4", "dp4,ep4"), ("dp2,tp2,ep2", "tp2,dp2,ep4"),
     ("dp2,tp2,ep4", "dp2,tp2,ep2"), ("dp4,ep2,etp2", "dp2,tp2,ep2"), ("dp2,tp1,pp2,ep2", "tp2,pp2,ep2"),
+    ("tp2,pp2,ep2", "dp4,ep4"), ("dp4,ep4", "dp1,tp2,pp2,ep2"),   # one expert part per stage window
 ]
+
+
+def test_moe_parts():
+    """One expert part for all layers when every ep group of a pipelined side holds one expert
+    range; else one per window of layers cut by both sides' stages."""
+    parts = lambda s, d: [p.label for p in plan_moe_realloc(MOE, L(s), L(d)).parts]  # noqa: E731
+    assert parts("dp4,ep4", "tp4,etp4") == ["dense", "experts of layers [0, 3)"]
+    assert parts("dp2,tp1,pp2,ep2", "tp2,pp2,ep2") == ["dense", "experts of layers [0, 3)"]
+    assert parts("tp2,pp2,ep2", "dp4,ep4") == ["dense", "experts of layers [0, 2)", "experts of layers [2, 3)"]
 
 
 def _moe_shards(model, src, dst, full):

@@ -55,20 +55,62 @@ def dense_spec(model: ModelSpec) -> ModelSpec:
                      num_layers=model.num_layers, config=model.config)
 
 
-def expert_spec(model: ModelSpec, lo: int, hi: int) -> ModelSpec:
-    """Experts [lo, hi) of every MoE layer as an ordinary spec (etp is its tp)."""
-    params = tuple(replace(p, expert=-1) for p in model.params if lo <= p.expert < hi)
-    return ModelSpec(name=f"{model.name}.experts[{lo}:{hi}]", params=params,
-                     num_layers=model.num_layers, config=model.config)
+def _expert_ranges(model: ModelSpec, src: Layout, dst: Layout) -> list[tuple[int, int]]:
+    """The expert ranges cut by both sides' ep groups, in expert order."""
+    E = model.num_experts
+    cuts = sorted({k * E // src.ep for k in range(src.ep + 1)} | {k * E // dst.ep for k in range(dst.ep + 1)})
+    return list(zip(cuts, cuts[1:]))
 
 
-def expert_sublayout(model: ModelSpec, layout: Layout, ep_rank: int) -> Layout:
-    """The ranks holding ep group `ep_rank`, as a layout dp=edp, tp=etp with the same stages."""
-    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
-    ranks = [layout.expert_rank(d, ep_rank, t, s) for s in range(layout.pp)
-             for d in range(layout.edp) for t in range(layout.etp)]
-    return Layout(dp=layout.edp, tp=layout.etp, pp=layout.pp, ranks=tuple(ranks),
-                  layers_per_stage=tuple(hi - lo for lo, hi in ranges))
+def expert_spec(model: ModelSpec, ranges: list[tuple[int, int]], window: tuple[int, int]) -> ModelSpec:
+    """The expert tensors of layers [wl, wh) as an ordinary spec (etp is its tp) whose "layers"
+    are (expert range j, layer l) in that order: layer j (wh - wl) + l - wl holds layer l's
+    experts of ranges[j]. An ep group's experts of one pipeline stage are then a contiguous
+    range of layers, i.e. a pipeline stage of `expert_layout`."""
+    wl, wh = window
+    params = tuple(replace(p, expert=-1, layer=j * (wh - wl) + p.layer - wl)
+                   for j, (lo, hi) in enumerate(ranges)
+                   for p in model.params if lo <= p.expert < hi and wl <= p.layer < wh)
+    return ModelSpec(name=f"{model.name}.experts[layers {wl}:{wh}]", params=params,
+                     num_layers=len(ranges) * (wh - wl), config=model.config)
+
+
+def expert_layout(model: ModelSpec, layout: Layout, ranges: list[tuple[int, int]],
+                  window: tuple[int, int]) -> Layout:
+    """`layout`'s expert ranks as a layout of expert_spec(model, ranges, window): one stage per
+    (ep group g, pipeline stage s meeting the window), in that order, over the ranks of (g, s)
+    walked (expert-dp, etp): dp=edp, tp=etp. Needs each such stage to be one contiguous range of
+    the spec's layers: g holds one of the ranges, or s covers the whole window."""
+    wl, wh = window
+    per = model.num_experts // layout.ep
+    ranks, layers = [], []
+    for g in range(layout.ep):
+        js = [j for j, (lo, hi) in enumerate(ranges) if g * per <= lo and hi <= (g + 1) * per]
+        for s, (lo, hi) in enumerate(stage_layer_ranges(model, layout.pp, layout.layers_per_stage,
+                                                        layout.partition)):
+            n = min(hi, wh) - max(lo, wl)
+            if n <= 0:
+                continue
+            if len(js) > 1 and n != wh - wl:
+                raise ValueError(f"{layout}: ep group {g} stage {s} is not one range of layers of "
+                                 f"the expert spec of layers [{wl}, {wh})")
+            layers.append(len(js) * n)
+            ranks += [layout.expert_rank(d, g, t, s) for d in range(layout.edp) for t in range(layout.etp)]
+    return Layout(dp=layout.edp, tp=layout.etp, pp=len(layers), ranks=tuple(ranks),
+                  layers_per_stage=tuple(layers))
+
+
+def _windows(model: ModelSpec, src: Layout, dst: Layout, ranges) -> list[tuple[int, int]]:
+    """Layer windows of the expert parts: all layers at once when each side has one pipeline
+    stage or one expert range per ep group; else the layer ranges cut by both sides' stages."""
+    L = model.num_layers
+    if all(x.pp == 1 or x.ep == len(ranges) for x in (src, dst)):
+        return [(0, L)]
+    cuts = {L}
+    for x in (src, dst):
+        cuts |= {lo for lo, _ in stage_layer_ranges(model, x.pp, x.layers_per_stage, x.partition)}
+    cuts = sorted(cuts)
+    return list(zip(cuts, cuts[1:]))
 
 
 def _dense_layout(model: ModelSpec, layout: Layout) -> Layout:
@@ -105,36 +147,43 @@ class MoePlan:
     def part_round_elems(self, round_elems: int) -> list[int]:
         """Round size (elements) of each part when the parts run as one schedule.
 
-        Part p gets round_elems // k_p, k_p = the largest number of parts any source rank of p
-        sends in, or any destination rank of p receives in (a rank sends only in the parts whose
-        source layout holds it, and receives only where the destination layout does). A rank
-        then sends at most sum over its parts of (round_elems // k_p) // 2 <= round_elems // 2
-        elements in a merged round, and receives as much: one round's budget per direction, as
-        for a single plan, so the staging bound (bucket_bytes) holds for the merged rounds.
-        Derived from the layouts alone, the same on every rank."""
+        With w_p = part p's parameter count, S_x (R_x) = the sum of w over the parts whose
+        source (destination) layout holds rank x, and M_p = the largest S_x over p's source
+        ranks and R_x over its destination ranks, part p gets round_elems * w_p // M_p. A rank
+        sends only in parts whose source layout holds it, so in a merged round it sends at most
+        the sum over those parts of round_elems * w_p / M_p / 2 <= round_elems * (sum of their
+        w_p) / S_x / 2 = round_elems / 2 elements, and receives as much: one round's budget per
+        direction, as for a single plan, so the staging bound (bucket_bytes) holds for the
+        merged rounds. Budgets in proportion to size let big and small parts finish together.
+        From the specs and layouts alone: the same on every rank, without any schedule."""
+        w = [part.plan.model.numel for part in self.parts]
         sends: dict[int, int] = {}
         recvs: dict[int, int] = {}
-        for part in self.parts:
+        for part, wp in zip(self.parts, w):
             for r in part.plan.src.ranks:
-                sends[r] = sends.get(r, 0) + 1
+                sends[r] = sends.get(r, 0) + wp
             for r in part.plan.dst.ranks:
-                recvs[r] = recvs.get(r, 0) + 1
+                recvs[r] = recvs.get(r, 0) + wp
         out = []
-        for part in self.parts:
-            k = max([sends[r] for r in part.plan.src.ranks] + [recvs[r] for r in part.plan.dst.ranks])
-            if round_elems // k < 2:
-                raise ValueError(f"{self!r}: rounds of {round_elems} elements shared by {k} parts "
-                                 f"({part.label}) leave under 2 elements per part; use a larger "
-                                 "bucket_bytes")
-            out.append(round_elems // k)
+        for part, wp in zip(self.parts, w):
+            m = max([sends[r] for r in part.plan.src.ranks] + [recvs[r] for r in part.plan.dst.ranks])
+            n = round_elems * wp // m
+            if n < 2:
+                raise ValueError(f"{self!r}: rounds of {round_elems} elements leave part {part.label} "
+                                 f"({wp} of {m} parameters on its busiest rank) under 2 elements; "
+                                 "use a larger bucket_bytes")
+            out.append(n)
         return out
 
     def round_shift(self, p: int, num_rounds: int) -> int:
-        """Part p's round i runs in merged round (i + shift) % num_rounds: the parts start
-        spread over their rounds (p / parts of the way in), so parts whose messages are listed
-        in the same receiver order do not all load the same receivers in the same round. A
-        rotation of [0, num_rounds): still one round of the part per merged round."""
-        return p * num_rounds // len(self.parts) if num_rounds else 0
+        """Part p's round i runs in merged round (i + shift) % num_rounds: the j-th of n expert
+        parts starts j / n of the way into its rounds (the dense part unshifted), so expert
+        parts that list their messages in the same receiver order do not all load the same
+        receivers in the same round. A rotation of [0, num_rounds): one round of the part per
+        merged round, as the budget of part_round_elems needs."""
+        n = sum(part.experts is not None for part in self.parts)
+        j = sum(part.experts is not None for part in self.parts[:p])
+        return j * num_rounds // n if self.parts[p].experts is not None and num_rounds else 0
 
     def transfers(self, round_elems: int | None = None, direct_min_elems: int = 0) -> Transfers:
         """The merged schedule MoeReallocator runs, as chunks for the cluster simulator: part
@@ -196,17 +245,14 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
     kw = dict(mode=mode, ranks_per_node=ranks_per_node)
     parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(model, src),
                                            _dense_layout(model, dst), **kw), None)]
-    E = model.num_experts
-    es, ed = E // src.ep, E // dst.ep
-    for gs in range(src.ep):
-        for gd in range(dst.ep):
-            lo, hi = max(gs * es, gd * ed), min((gs + 1) * es, (gd + 1) * ed)
-            if lo >= hi:
-                continue
-            spec = expert_spec(model, lo, hi)
-            plan = plan_realloc(spec, expert_sublayout(model, src, gs),
-                                expert_sublayout(model, dst, gd), **kw)
-            parts.append(MoePart(f"experts[{lo}:{hi}] ep {gs} -> {gd}", plan, (lo, hi)))
+    ranges = _expert_ranges(model, src, dst)
+    for wl, wh in _windows(model, src, dst, ranges):
+        spec = expert_spec(model, ranges, (wl, wh))
+        if not spec.params:  # layers without experts (mlp_only_layers)
+            continue
+        plan = plan_realloc(spec, expert_layout(model, src, ranges, (wl, wh)),
+                            expert_layout(model, dst, ranges, (wl, wh)), **kw)
+        parts.append(MoePart(f"experts of layers [{wl}, {wh})", plan, (0, model.num_experts)))
     return MoePlan(model, src, dst, parts)
 
 
@@ -253,4 +299,4 @@ def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = 
 
 
 __all__ = ["plan_moe_realloc", "MoePlan", "MoePart", "dense_spec", "expert_spec",
-           "expert_sublayout", "expert_views"]
+           "expert_layout", "expert_views"]
