@@ -9,16 +9,17 @@ MoePlan.round_shift; merged round r posts round r of every such part in one tran
 rank derives its lanes alone (rank_schedule per part, C++), and MoePlan.transfers() is the same
 schedule for the cluster simulator.
 
-Memory bound: part p's rounds hold round_elems // k_p elements, k_p the most parts any of its
-ranks sends (receives) in, so a merged round never carries more than one round's budget per rank
-and direction: staging <= bucket_bytes (two halves with pipelining), as for one plan.
+Memory bound: part p's rounds hold round_elems * w_p // M_p elements (MoePlan.part_round_elems:
+w_p its parameter count, M_p the largest sum of w over the parts any of its ranks sends, or
+receives, in), so a merged round never carries more than one round's budget per rank and
+direction, and the staging buffer stays within bucket_bytes (two halves with pipelining), as
+for one plan. The number of merged rounds is that of the longest part.
 
 Buffers: the dense part runs on the rank's ModelShard buffers themselves (the dense spec lays out
-the same flat buffer: shard layouts skip expert tensors). Each expert part (a pair of source and
-destination ep groups, experts [a, b)) runs on a part-sized buffer filled from the source
-ExpertShard's views by name before and emptied into the destination ExpertShard's views after:
-one copy of the expert bytes on each side, because an expert part's tensors are not one
-contiguous range of the rank's expert buffer. Every world rank constructs the MoeReallocator
+the same flat buffer: shard layouts skip expert tensors). Each expert part runs on a part-sized
+buffer filled from the source ExpertShard's views by name before and emptied into the
+destination ExpertShard's views after: one copy of the expert bytes on each side, because the
+part's spec orders a rank's expert tensors by (expert range, layer), the expert shard by layer. Every world rank constructs the MoeReallocator
 (setup is collective, once per part) and calls run() for every MoePlan in the same order.
 """
 

@@ -3,28 +3,34 @@
 An MoE layout (Layout.ep, Layout.etp) holds two kinds of shards per rank: the dense shard
 (every non-expert parameter, today's (dp, tp, pp) rules) and the expert shard of its
 (stage, ep rank): experts [g E/ep, (g + 1) E/ep), each tensor cut by etp (layout.
-expert_shard_layout). The ranks of ep group g of one layout, walked (expert-dp, etp) per
-stage, form an ordinary layout dp=edp, tp=etp over those ranks (`expert_sublayout`). So:
+expert_shard_layout). The plan is a few ordinary C++ plans (parts):
 
   dense part      plan_realloc(dense spec, src without ep, dst without ep)
-  expert part     for every pair (src ep group gs, dst ep group gd) whose expert ranges meet,
-                  plan_realloc(experts of gs n gd, expert_sublayout(src, gs),
-                               expert_sublayout(dst, gd))
+  expert part(s)  plan_realloc(expert_spec, expert_layout(src), expert_layout(dst))
 
-Each part is an exact C++ plan (2-D strided descriptors, byte-minimal on its own); the parts
-move disjoint parameters, and a destination byte of expert j can only come from a source rank
-holding expert j, which only the part containing j sees: so the union is exact and its network
-bytes equal the minimum (sum of the parts' minima; tests check it against an oracle count).
+Cut the experts into the ranges both sides' ep groups cut them into. expert_spec's "layers" are
+(range j, layer l), range-major: so the experts an ep group holds in one pipeline stage are one
+contiguous range of layers (one stage) whenever the group holds one range or the stage holds
+every layer; expert_layout makes those (group, stage) cells the stages of an ordinary layout
+dp=edp, tp=etp over the cells' ranks. When that holds on both sides (every pp=1 side, and every
+side whose ep groups are the ranges themselves: ep8 -> etp8, ep32 x pp8 -> etp16), ONE expert part
+moves all experts of all layers; otherwise there is one expert part per window of layers cut by
+both sides' stage boundaries (inside a window each side has one stage).
+
+Each part is an exact C++ plan (2-D strided descriptors, byte-minimal); the parts move disjoint
+parameters, and every expert tensor's source and destination ranks are those of its layout, so
+the union is exact and its network bytes equal the minimum (tests check it against an oracle
+count). One expert part also lets the C++ schedule place all expert chunks together.
 
 Storage forms: per-expert HF tensors (experts.{j}.gate_proj / up_proj / down_proj) and the
 stacked grouped-GEMM tensors ([E_local, 2I/etp, H] gate|up, [E_local, H, I/etp] down) are two
 views of the same expert-shard bytes (spec order puts a layer's gate|up pieces, then its down
 pieces, one expert after the other; `expert_views`), so choosing a form per side costs nothing.
 
-Execution: each part runs on its own flat buffers through the Reallocator (the part's shards
-are ModelShards of the part's spec); `run_moe_in_process` runs them one after the other.
-Not done yet: one flat expert buffer per rank shared by the parts (the C++ planner takes
-entry offsets per side, so the parts could address the rank's expert shard directly).
+Execution (moe_exec.MoeReallocator): the parts run as one schedule, merged round r = round r of
+each part (rotated by round_shift), each part with rounds of part_round_elems, so a merged round
+holds at most one round's budget per rank and direction. MoePlan.transfers() is that schedule for
+the cluster simulator; sequential_transfers() the parts one after the other (the comparison).
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ from .simulate import Transfers, schedule_transfers
 @dataclass(frozen=True, slots=True)
 class MoePart:
     label: str
-    """"dense" or "experts[a:b] ep gs -> gd"."""
+    """"dense" or "experts of layers [a, b)"."""
     plan: ReallocPlan
     experts: tuple[int, int] | None
-    """[a, b) expert range of an expert part."""
+    """[0, num_experts) for an expert part (its spec holds every expert of its layers), None
+    for the dense part."""
 
 
 def dense_spec(model: ModelSpec) -> ModelSpec:
@@ -122,7 +129,8 @@ def _dense_layout(model: ModelSpec, layout: Layout) -> Layout:
 
 
 class MoePlan:
-    """The parts of an MoE reallocation (dense part first) and their byte totals."""
+    """The parts of an MoE reallocation (dense part first), their byte totals and the merged
+    schedule's rule (part_round_elems, round_shift, transfers)."""
 
     def __init__(self, model: ModelSpec, src: Layout, dst: Layout, parts: list[MoePart]):
         self.model, self.src, self.dst, self.parts = model, src, dst, tuple(parts)
