@@ -25,12 +25,11 @@ part's spec orders a rank's expert tensors by (expert range, layer), the expert 
 
 from __future__ import annotations
 
-import threading
 import time
 
 from .moe_plan import MoePlan
 from .rank_schedule import rank_schedule
-from .reallocator import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, schedule_bytes
+from .reallocator import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, run_ranks, schedule_bytes
 from .rounds import Lane, RoundOptions, RoundRunner
 from .shard import ExpertShard, ModelShard
 from .transports.base import Transport
@@ -142,25 +141,9 @@ def run_moe_in_process(hub: InProcessHub, plan: MoePlan, srcs: dict, dsts: dict,
     """Run `plan` on every rank of `hub` in its own thread; srcs / dsts map rank ->
     (ModelShard, ExpertShard). Returns rank -> stats; raises the lowest rank's error after
     every thread finished."""
-    results, errors = {}, {}
     ranks = sorted({r for part in plan.parts for r in part.plan.src.ranks + part.plan.dst.ranks})
-
-    def work(rank):
-        try:
-            r = MoeReallocator(plan, hub.transport(rank), **realloc_kwargs)
-            results[rank] = r.run(*srcs.get(rank, (None, None)), *dsts.get(rank, (None, None)))
-        except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
-            errors[rank] = e
-            hub.fail(rank, f"{type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=work, args=(r,), name=f"rank{r}") for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[min(errors)]
-    return results
+    return run_ranks(hub, ranks, lambda rank: MoeReallocator(plan, hub.transport(rank), **realloc_kwargs)
+                     .run(*srcs.get(rank, (None, None)), *dsts.get(rank, (None, None))))
 
 
 __all__ = ["MoeReallocator", "run_moe_in_process"]

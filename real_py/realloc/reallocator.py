@@ -174,17 +174,24 @@ def run_in_process(hub: InProcessHub, plan: ReallocPlan, srcs: dict, dsts: dict,
     Returns rank -> the reallocator's stats. Raises the first rank's error (by rank order)
     after every thread has finished.
     """
+    return run_ranks(hub, plan.ranks(), lambda rank: Reallocator(plan, hub.transport(rank), **realloc_kwargs)
+                     .run(srcs.get(rank), dsts.get(rank)))
+
+
+def run_ranks(hub: InProcessHub, ranks, work) -> dict:
+    """work(rank) for every rank, each in its own thread; rank -> its result. A rank that raises
+    is marked failed on the hub (its peers stop waiting for it); the lowest failed rank's error
+    is raised after every thread has finished."""
     results, errors = {}, {}
 
-    def work(rank):
+    def one(rank):
         try:
-            r = Reallocator(plan, hub.transport(rank), **realloc_kwargs)
-            results[rank] = r.run(srcs.get(rank), dsts.get(rank))
+            results[rank] = work(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
             errors[rank] = e
             hub.fail(rank, f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=work, args=(r,), name=f"rank{r}") for r in plan.ranks()]
+    threads = [threading.Thread(target=one, args=(r,), name=f"rank{r}") for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
