@@ -199,7 +199,8 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
     full = random_full(MOE, 13)
     checked = 0
     for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2"),
-                     ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2")):
+                     ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2"),
+                     ("tp2,pp2,ep2", "dp4,ep4")):  # direct pieces staged on one end only
         src, dst = L(src), L(dst)
         s = ModelShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         se = ExpertShard.from_full(MOE, src, rank, full) if rank in src.ranks else None

@@ -15,20 +15,30 @@ receives, in), so a merged round never carries more than one round's budget per 
 direction, and the staging buffer stays within bucket_bytes (two halves with pipelining), as
 for one plan. The number of merged rounds is that of the longest part.
 
-Buffers: the dense part runs on the rank's ModelShard buffers themselves (the dense spec lays out
-the same flat buffer: shard layouts skip expert tensors). Each expert part runs on a part-sized
-buffer filled from the source ExpertShard's views by name before and emptied into the
-destination ExpertShard's views after: one copy of the expert bytes on each side, because the
-part's spec orders a rank's expert tensors by (expert range, layer), the expert shard by layer. Every world rank constructs the MoeReallocator
-(setup is collective, once per part) and calls run() for every MoePlan in the same order.
+Buffers: no copies. The dense part runs on the rank's ModelShard buffers themselves (the dense
+spec lays out the same flat buffer: shard layouts skip expert tensors). An expert part's spec
+orders a rank's expert tensors by (expert range, layer), its ExpertShard by layer, so its rank
+schedule is re-addressed once, at construction (`readdress`): each descriptor's own-side
+offsets move tensor by tensor into the ExpertShard buffer, cut where they cross tensors that
+moved apart; a direct piece that is no longer one run there is staged on that end (the peer
+may still move it directly). Expert parts keep their direct pieces in their rounds (each end
+decides alone how it moves its side of a piece; only the dense part's go out at the start).
+
+Every world rank constructs the MoeReallocator (setup is collective, once per part) and calls
+run() for every MoePlan in the same order.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+import numpy as np
+
+from ..layout import Layout, expert_shard_layout, shard_layout
+from ..spec import ModelSpec
 from .moe_plan import MoePlan
-from .rank_schedule import rank_schedule
+from .rank_schedule import RankSchedule, rank_schedule
 from .reallocator import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, run_ranks, schedule_bytes
 from .rounds import Lane, RoundOptions, RoundRunner
 from .shard import ExpertShard, ModelShard
@@ -59,7 +69,13 @@ class MoeReallocator:
             if self.rank not in part.plan.src.ranks and self.rank not in part.plan.dst.ranks:
                 continue
             rs = rank_schedule(part.plan, self.rank, sizes[p], self.opts.direct_min_elems)
-            lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label))
+            if part.experts is not None:
+                q = part.plan
+                segs = [_segments(q.model, lay, plan.model, full, self.rank)
+                        if self.rank in lay.ranks else None for lay, full in ((q.src, plan.src), (q.dst, plan.dst))]
+                rs = readdress(rs, *segs)
+            lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label,
+                              direct_first=part.experts is None))
             self.lane_parts.append(p)
         self.runner = RoundRunner(transport, lanes, self.opts)
 
@@ -75,7 +91,6 @@ class MoeReallocator:
         rank completed (never on failure)."""
         t0 = time.perf_counter()
         bufs: list[tuple] = []
-        outs = []  # (part-sized destination shard, lane's part) to empty after the rounds
 
         def check():
             for side, shard, experts in (("source", src, src_experts),
@@ -94,21 +109,12 @@ class MoeReallocator:
                 if part.experts is None:  # the dense spec addresses the ModelShards' own buffers
                     s = ModelShard(q.model, q.src, self.rank, src.flat) if src is not None else None
                     d = ModelShard(q.model, q.dst, self.rank, dst.flat) if dst is not None else None
-                else:
-                    s = d = None
-                    if self.rank in q.src.ranks:
-                        s = ModelShard.empty(q.model, q.src, self.rank, src_experts.flat.device)
-                        for name, v in s.params().items():
-                            v.copy_(src_experts.view(name))
-                    if self.rank in q.dst.ranks:
-                        d = ModelShard.empty(q.model, q.dst, self.rank, dst_experts.flat.device)
-                        outs.append(d)
-                bufs.append((s.flat if s is not None else None, d.flat if d is not None else None))
+                    bufs.append((s.flat if s is not None else None, d.flat if d is not None else None))
+                else:  # expert parts address the ExpertShards (readdress)
+                    bufs.append((src_experts.flat if src_experts is not None else None,
+                                 dst_experts.flat if dst_experts is not None else None))
 
         stats = self.runner.run(bufs, check)
-        for d in outs:
-            for name, v in d.params().items():
-                dst_experts.view(name).copy_(v)
         if free_source and src is not None:
             # Every send of this rank completed (waited in run), so nothing reads them any more.
             src.flat.untyped_storage().resize_(0)
@@ -134,6 +140,111 @@ class MoeReallocator:
                 raise ValueError(f"{side} {what} of rank {self.rank} ({layout}) has no storage behind "
                                  "its buffer: it was freed (free_source=True) or offloaded "
                                  "(HostOffload); reload it before reallocating")
+
+
+def _segments(part_model: ModelSpec, part_layout: Layout, model: ModelSpec, layout: Layout,
+              rank: int) -> np.ndarray:
+    """[k, 3] (start, end, shift): elements [start, end) of `rank`'s flat buffer of an expert
+    part sit at + shift in its ExpertShard buffer (consecutive tensors with one shift merged)."""
+    stage = part_layout.coords(rank)[2]
+    _, ep_rank, _, estage = layout.expert_coords(rank)
+    where = {e.param.name: e.offset for e in expert_shard_layout(model, layout, estage, ep_rank).entries}
+    segs: list[list[int]] = []
+    for e in shard_layout(part_model, part_layout, stage).entries:
+        shift = where[e.param.name] - e.offset
+        if segs and segs[-1][2] == shift:
+            segs[-1][1] = e.offset + e.numel
+        else:
+            segs.append([e.offset, e.offset + e.numel, shift])
+    return np.array(segs, np.int64).reshape(-1, 3)
+
+
+def _move(descs: np.ndarray, col: int, segs: np.ndarray | None) -> np.ndarray:
+    """`descs` with column `col` (0: source side, 1: destination side) moved into the expert
+    shard by `segs`; a descriptor whose runs cross segments is cut (rows of runs inside one
+    segment, and runs cut at segment ends), the other column following element for element."""
+    if segs is None or len(descs) == 0:
+        return descs
+    lo = descs[:, col]
+    hi = lo + (descs[:, 3] - 1) * descs[:, 4 + col] + descs[:, 2]
+    i = np.searchsorted(segs[:, 0], lo, side="right") - 1
+    inside = hi <= segs[i, 1]
+    out = descs[inside].copy()
+    out[:, col] += segs[i[inside], 2]
+    cut = [out]
+    for row in descs[~inside].tolist():
+        cut.append(np.array(_cut(row, col, segs), np.int64).reshape(-1, 6))
+    return np.concatenate(cut)
+
+
+def _cut(row: list[int], col: int, segs: np.ndarray) -> list[tuple]:
+    other = 1 - col
+    so, oo, ln, n, st, ost = row[col], row[other], row[2], row[3], row[4 + col], row[4 + other]
+    out, r = [], 0
+
+    def seg(x):
+        k = int(np.searchsorted(segs[:, 0], x, side="right")) - 1
+        if k < 0 or x >= segs[k, 1]:
+            raise RuntimeError(f"descriptor element {x} outside every tensor of the part")
+        return k
+
+    def put(a, b, length, runs, sa, sb):  # (this column, other column, ...) back in column order
+        out.append((a, b, length, runs, sa, sb) if col == 0 else (b, a, length, runs, sb, sa))
+
+    while r < n:
+        a = so + r * st
+        k = seg(a)
+        end, shift = int(segs[k, 1]), int(segs[k, 2])
+        if a + ln <= end:  # runs r .. rb - 1 all inside segment k
+            rb = n if n == 1 or st <= 0 else min(n, (end - ln - so) // st + 1)
+            put(a + shift, oo + r * ost, ln, rb - r, st, ost)
+            r = rb
+            continue
+        pos = 0
+        while pos < ln:  # one run across segments: cut at their ends
+            k = seg(a + pos)
+            m = min(ln - pos, int(segs[k, 1]) - (a + pos))
+            put(a + pos + int(segs[k, 2]), oo + r * ost + pos, m, 1, m, m)
+            pos += m
+        r += 1
+    return out
+
+
+def readdress(rs: RankSchedule, src_segs, dst_segs) -> RankSchedule:
+    """An expert part's rank schedule addressing the rank's ExpertShard buffers instead of the
+    part's own flat buffers: the source column of local copies, packs and direct sends, the
+    destination column of local copies, unpacks and direct receives (what the round loop
+    reads). A direct chunk no longer one run there is staged on this end instead (its peer may
+    still send / receive it directly: only sizes and order must agree); its round's staging
+    grows by at most its size, within the round's budget, so the staging bound holds."""
+    rounds = []
+    for rr in rs.rounds:
+        pack, unpack = [_move(rr.pack_descs, 0, src_segs)], [_move(rr.unpack_descs, 1, dst_segs)]
+        off, sends, recvs = rr.staging_numel, [], []
+        send_slots, recv_slots = list(rr.send_slots), list(rr.recv_slots)
+        for chunks, slots, col, segs, acc, keep in ((rr.sends, send_slots, 0, src_segs, pack, sends),
+                                                    (rr.recvs, recv_slots, 1, dst_segs, unpack, recvs)):
+            for j, c in enumerate(chunks):
+                if slots[j] >= 0:
+                    keep.append(c)
+                    continue
+                moved = _move(c.descs, col, segs)
+                if len(moved) == 1:
+                    keep.append(replace(c, descs=moved))
+                    continue
+                # Staged on this end: own side as cut above, the staging side at off + position.
+                one = np.array([[0, 0, c.numel, 1, c.numel, c.numel]], np.int64)
+                one[0, col] = int(c.descs[0, col])
+                rows = _move(one, col, segs)
+                rows[:, 1 - col] += off
+                acc.append(rows)
+                slots[j], off = off, off + c.numel
+                keep.append(c)
+        rounds.append(replace(rr, pack_descs=np.concatenate(pack), unpack_descs=np.concatenate(unpack),
+                              sends=tuple(sends), recvs=tuple(recvs), send_slots=tuple(send_slots),
+                              recv_slots=tuple(recv_slots), staging_numel=off))
+    local = _move(_move(rs.local, 0, src_segs), 1, dst_segs)
+    return replace(rs, rounds=tuple(rounds), local=local)
 
 
 def run_moe_in_process(hub: InProcessHub, plan: MoePlan, srcs: dict, dsts: dict,

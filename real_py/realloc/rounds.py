@@ -93,6 +93,10 @@ class Lane:
     """Round i of this lane runs in merged round (i + shift) % schedule.num_rounds."""
     name: str = ""
     """Named in checksum errors ("" for a lone plan)."""
+    direct_first: bool = True
+    """Whether this lane's direct pieces may be posted at the start (RoundOptions.direct_first);
+    False keeps them in their rounds, where each end may stage its side of a piece on its own
+    (moe_exec.readdress): both ends of a chunk read the same lane flag, so they agree."""
 
 
 class RoundRunner:
@@ -164,8 +168,8 @@ class RoundRunner:
                 # the same order) and wait for them at the end.
                 step = "direct pieces of every round"
                 t = clock()
-                sends, recvs = self._messages([(li, rr, None) for _, rs in self.merged for li, rr in rs],
-                                              bufs, direct_only=True)
+                sends, recvs = self._messages([(li, rr, None) for _, rs in self.merged for li, rr in rs
+                                               if self.lanes[li].direct_first], bufs, direct_only=True)
                 if sends or recvs:
                     direct = (self.transport.start(sends, recvs, step), step)
                     per_round[-1] = [-1, 0.0, clock() - t, 0.0, 0.0]
@@ -248,9 +252,9 @@ class RoundRunner:
         direct pieces (slot -1) are left out when posted at the start, and are the only ones
         taken with direct_only. Checksums (verify) follow all the data, in the same order."""
         sends, recvs, chunks = [], [], []
-        skip_direct = self.opts.direct_first and not direct_only
         for li, rr, seg in items:
             src, dst = bufs[li]
+            skip_direct = self.opts.direct_first and self.lanes[li].direct_first and not direct_only
             for c, slot in zip(rr.sends, rr.send_slots):
                 if (slot < 0 and skip_direct) or (slot >= 0 and direct_only):
                     continue
