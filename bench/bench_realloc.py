@@ -426,18 +426,23 @@ def moe_main(args) -> None:
     rows = out["rows"] + moe_sim_rows()
     cols = ["case", "model", "params_M", "src", "dst", "parts", "seconds", "seconds_parts_in_sequence",
             "lb_seconds", "ratio_to_lb", "frac_of_lb", "verified", "network_GB", "min_network_GB",
-            "bottleneck", "checkpoint_engine_s", "frac_of_checkpoint_engine"]
+            "rounds", "schedule_s", "bottleneck", "checkpoint_engine_s", "frac_of_checkpoint_engine"]
     notes = (f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
              f"median of {args.repeats} after a warmup that is the verification run (destination "
              "dense buffer and every expert piece compared bit for bit with tests/oracle.py slicing "
-             "the full tensors); the MoE plan's parts run one after the other. lb_seconds = the "
+             "the full tensors); MoeReallocator runs all parts of the plan as one merged schedule "
+             "on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
              "largest bytes one rank receives / the p2p gloo GB/s measured in the run "
              f"({out['links']['p2p_GBps']:.2f} GB/s). Megatron-core not run on the MoE pairs: its "
              "resharding works on a built Megatron model (TEGroupedMLP experts), which this bench "
              "does not build. Simulated rows: real_py/realloc/simulate.py on DGX H100 nodes "
-             "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU), the union of the "
-             "parts' chunks placed by earliest fit (MoePlan.transfers); seconds_parts_in_sequence "
-             "is the parts one after the other, as the Reallocator runs them today. Qwen3-235B has "
+             "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU) replaying "
+             "MoePlan.transfers(), the merged schedule MoeReallocator runs (chunk for chunk, "
+             "tests/test_moe_realloc.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
+             "direct pieces; the dense part's direct pieces, which the executor posts at the start "
+             "on NCCL, are modelled in their rounds); schedule_s = seconds to derive it (sizes "
+             "only); seconds_parts_in_sequence = the same parts one after the other, each with a "
+             "whole bucket. Qwen3-235B has "
              "4 kv heads, which real_py's TP cannot split 8 ways, so the TP8 generation side is "
              "attention tp4 x dp2 with experts split 8 ways (etp8, 'experts split by tp') or ep8. "
              "kimi-k2-shaped stands GQA (64 x 128, 16 kv heads) in for MLA and is BF16. "
