@@ -37,7 +37,7 @@ import numpy as np
 
 from ..layout import Layout, expert_shard_layout, shard_layout
 from ..spec import ModelSpec
-from .moe_plan import MoePlan
+from .moe_plan import MoePart, MoePlan
 from .rank_schedule import RankSchedule, rank_schedule
 from .reallocator import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, run_ranks, schedule_bytes
 from .rounds import Lane, RoundOptions, RoundRunner
@@ -71,7 +71,7 @@ class MoeReallocator:
             rs = rank_schedule(part.plan, self.rank, sizes[p], self.opts.direct_min_elems)
             if part.experts is not None:
                 q = part.plan
-                segs = [_segments(q.model, lay, plan.model, full, self.rank)
+                segs = [_segments(part, lay, plan.model, full, self.rank)
                         if self.rank in lay.ranks else None for lay, full in ((q.src, plan.src), (q.dst, plan.dst))]
                 rs = readdress(rs, *segs)
             lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label,
@@ -142,20 +142,28 @@ class MoeReallocator:
                                  "(HostOffload); reload it before reallocating")
 
 
-def _segments(part_model: ModelSpec, part_layout: Layout, model: ModelSpec, layout: Layout,
+def _segments(part: MoePart, part_layout: Layout, model: ModelSpec, layout: Layout,
               rank: int) -> np.ndarray:
     """[k, 3] (start, end, shift): elements [start, end) of `rank`'s flat buffer of an expert
-    part sit at + shift in its ExpertShard buffer (consecutive tensors with one shift merged)."""
-    stage = part_layout.coords(rank)[2]
+    part sit at + shift in its ExpertShard buffer (consecutive tensors with one shift merged).
+    A stacked tensor's local piece is the rank's ep group's experts, one after the other."""
+    _, tp_rank, stage = part_layout.coords(rank)
     _, ep_rank, _, estage = layout.expert_coords(rank)
     where = {e.param.name: e.offset for e in expert_shard_layout(model, layout, estage, ep_rank).entries}
     segs: list[list[int]] = []
-    for e in shard_layout(part_model, part_layout, stage).entries:
-        shift = where[e.param.name] - e.offset
-        if segs and segs[-1][2] == shift:
-            segs[-1][1] = e.offset + e.numel
-        else:
-            segs.append([e.offset, e.offset + e.numel, shift])
+    for e in shard_layout(part.plan.model, part_layout, stage).entries:
+        names = (e.param.name,)
+        if part.pieces is not None:
+            every = part.pieces[e.param.name]
+            k = len(every) // part_layout.tp
+            names = every[tp_rank * k:(tp_rank + 1) * k]
+        n = e.numel // len(names)
+        for i, name in enumerate(names):
+            start, shift = e.offset + i * n, where[name] - e.offset - i * n
+            if segs and segs[-1][2] == shift and segs[-1][1] == start:
+                segs[-1][1] = start + n
+            else:
+                segs.append([start, start + n, shift])
     return np.array(segs, np.int64).reshape(-1, 3)
 
 

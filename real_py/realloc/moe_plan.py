@@ -41,7 +41,7 @@ import numpy as np
 
 from ..layout import (Layout, check_fits, expert_shard_layout, require_layout, require_spec,
                       stage_layer_ranges)
-from ..spec import ALIGN_BYTES, ModelSpec
+from ..spec import ALIGN_BYTES, ModelSpec, ParamSpec, TPRule
 from .plan import ReallocPlan, plan_realloc
 from .simulate import Transfers, schedule_transfers
 
@@ -54,6 +54,8 @@ class MoePart:
     experts: tuple[int, int] | None
     """[0, num_experts) for an expert part (its spec holds every expert of its layers), None
     for the dense part."""
+    pieces: dict[str, tuple[str, ...]] | None = None
+    """A stacked part's tensors: stacked name -> the model's expert tensors in it, in order."""
 
 
 def dense_spec(model: ModelSpec) -> ModelSpec:
@@ -105,6 +107,37 @@ def expert_layout(model: ModelSpec, layout: Layout, ranges: list[tuple[int, int]
             ranks += [layout.expert_rank(d, g, t, s) for d in range(layout.edp) for t in range(layout.etp)]
     return Layout(dp=layout.edp, tp=layout.etp, pp=len(layers), ranks=tuple(ranks),
                   layers_per_stage=tuple(layers))
+
+
+def stacked_expert_spec(model: ModelSpec) -> tuple[ModelSpec, dict[str, tuple[str, ...]]]:
+    """Every MoE layer's experts as two stacked tensors, gate|up [E 2I, H] and down [E H, I],
+    split on dim 0 like a tp rule: over tp = ep, a rank's piece is its ep group's experts whole.
+    Valid where etp = 1 on both sides; (spec, stacked name -> expert tensor names)."""
+    groups: dict[tuple[int, str], list] = {}
+    for p in model.params:
+        if p.expert >= 0:
+            kind = "gate_up_proj" if p.name.endswith("gate_up_proj.weight") else "down_proj"
+            groups.setdefault((p.layer, kind), []).append(p)
+    params, pieces = [], {}
+    for (layer, kind), ps in groups.items():
+        ps.sort(key=lambda p: p.expert)
+        name = f"layers.{layer}.mlp.experts.{kind}.stacked"
+        shape = (len(ps) * ps[0].shape[0],) + tuple(ps[0].shape[1:])
+        params.append(ParamSpec(name=name, shape=shape, dtype=ps[0].dtype, owner="layer", layer=layer,
+                                tp=TPRule(kind="split", dim=0)))
+        pieces[name] = tuple(p.name for p in ps)
+    return ModelSpec(name=f"{model.name}.experts.stacked", params=tuple(params),
+                     num_layers=model.num_layers, config=model.config), pieces
+
+
+def stacked_layout(model: ModelSpec, layout: Layout) -> Layout:
+    """`layout`'s expert ranks (etp = 1) as a layout of stacked_expert_spec: tp = ep (rank of ep
+    group g is tp rank g), dp = edp, the model's own stage split."""
+    ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
+    ranks = [layout.expert_rank(d, g, 0, s) for s in range(layout.pp)
+             for d in range(layout.edp) for g in range(layout.ep)]
+    return Layout(dp=layout.edp, tp=layout.ep, pp=layout.pp, ranks=tuple(ranks),
+                  layers_per_stage=tuple(hi - lo for lo, hi in ranges))
 
 
 def _windows(model: ModelSpec, src: Layout, dst: Layout, ranges) -> list[tuple[int, int]]:
@@ -254,7 +287,15 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
     parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(model, src),
                                            _dense_layout(model, dst), **kw), None)]
     ranges = _expert_ranges(model, src, dst)
-    for wl, wh in _windows(model, src, dst, ranges):
+    windows = _windows(model, src, dst, ranges)
+    if len(windows) > 1 and src.etp == dst.etp == 1:
+        # Stages cross expert ranges on some side; whole experts (etp 1 on both sides) let one
+        # plan move them all anyway, with ep as the tp of stacked tensors.
+        spec, pieces = stacked_expert_spec(model)
+        plan = plan_realloc(spec, stacked_layout(model, src), stacked_layout(model, dst), **kw)
+        parts.append(MoePart("experts stacked", plan, (0, model.num_experts), pieces))
+        windows = []
+    for wl, wh in windows:
         spec = expert_spec(model, ranges, (wl, wh))
         if not spec.params:  # layers without experts (mlp_only_layers)
             continue
