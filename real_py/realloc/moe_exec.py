@@ -17,8 +17,8 @@ for one plan. The number of merged rounds is that of the longest part.
 
 Buffers: no copies. The dense part runs on the rank's ModelShard buffers themselves (the dense
 spec lays out the same flat buffer: shard layouts skip expert tensors). An expert part's spec
-orders a rank's expert tensors by (expert range, layer), its ExpertShard by layer, so its rank
-schedule is re-addressed once, at construction (`readdress`): each descriptor's own-side
+orders a rank's expert tensors by (expert range, layer) or stacks them, its ExpertShard orders
+them by layer, so its rank schedule is re-addressed once, at construction (`readdress`): each descriptor's own-side
 offsets move tensor by tensor into the ExpertShard buffer, cut where they cross tensors that
 moved apart; a direct piece that is no longer one run there is staged on that end (the peer
 may still move it directly). Expert parts keep their direct pieces in their rounds (each end

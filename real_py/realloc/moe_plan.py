@@ -14,8 +14,11 @@ contiguous range of layers (one stage) whenever the group holds one range or the
 every layer; expert_layout makes those (group, stage) cells the stages of an ordinary layout
 dp=edp, tp=etp over the cells' ranks. When that holds on both sides (every pp=1 side, and every
 side whose ep groups are the ranges themselves: ep8 -> etp8, ep32 x pp8 -> etp16), ONE expert part
-moves all experts of all layers; otherwise there is one expert part per window of layers cut by
-both sides' stage boundaries (inside a window each side has one stage).
+moves all experts of all layers. Otherwise (a pipelined side whose ep groups hold several ranges),
+with whole experts on both sides (etp = 1) one part still moves them all: stacked_expert_spec
+stacks each layer's experts into [E 2I, H] and [E H, I] tensors split on dim 0 with tp = ep
+(stacked_layout), so any two stage splits meet as in a dense plan; with etp > 1 there is one
+expert part per window of layers cut by both sides' stage boundaries.
 
 Each part is an exact C++ plan (2-D strided descriptors, byte-minimal); the parts move disjoint
 parameters, and every expert tensor's source and destination ranks are those of its layout, so
