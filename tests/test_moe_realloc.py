@@ -286,3 +286,45 @@ def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
         assert x.runner.half <= opts.round_elems
     assert got == want
     assert t.num_rounds == max((k for x in ex.values() for k, _ in x.runner.merged), default=-1) + 1
+
+
+def test_moe_merged_verify_names_rank_round_and_part():
+    """A bit flipped in flight in a merged round: the receiver raises naming itself, the round,
+    the part and the peer; its peers stop waiting and name it; sources stay intact."""
+    import re
+    import threading
+
+    from real_py.realloc import TransferError
+    from real_py.realloc.transports.inprocess import InProcessTransport
+
+    class Flip(InProcessTransport):
+        def exchange(self, sends, recvs, step):
+            super().exchange(sends, recvs, step)
+            if step == "merged round 3" and recvs:
+                recvs[0][1].view(torch.uint8)[0] ^= 4
+
+    src, dst = L("dp4,ep4"), L("tp4,etp4")
+    full = random_full(MOE, 19)
+    plan = plan_moe_realloc(MOE, src, dst)
+    srcs, dsts = _moe_shards(MOE, src, dst, full)
+    before = {r: (s.flat.clone(), e.flat.clone()) for r, (s, e) in srcs.items()}
+    hub, errors = InProcessHub(timeout=10), {}
+
+    def work(r):
+        t = Flip(hub, r) if r == 2 else hub.transport(r)
+        try:
+            MoeReallocator(plan, t, bucket_bytes=1 << 10, verify=True).run(*srcs[r], *dsts[r],
+                                                                           free_source=True)
+        except TransferError as e:
+            errors[r] = str(e)
+            hub.fail(r, str(e))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert re.match(r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
+                    r"plan message \d+, \d+ elements\) from peer rank \d:", errors[2]), errors[2]
+    assert all("peer rank 2 failed during merged round" in m for r, m in errors.items() if r != 2), errors
+    for r in errors:  # free_source never frees on failure
+        s, e = srcs[r]
+        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r
