@@ -252,7 +252,8 @@ def test_moe_merged_in_process(src, dst, kw):
         assert max(st["rounds"] for st in stats.values()) > 20  # the merged-round logic is exercised
 
 
-@pytest.mark.parametrize("src,dst", MERGED_PAIRS[:4] + [("dp8,ep8", "dp2,tp4,etp2"), ("dp2,tp4,ep4", "dp8,ep2")])
+@pytest.mark.parametrize("src,dst", MERGED_PAIRS[:4] + MERGED_PAIRS[6:] + [("dp8,ep8", "dp2,tp4,etp2"),
+                                                                     ("dp2,tp4,ep4", "dp8,ep2")])
 @pytest.mark.parametrize("bucket,dmin", [(1 << 10, 0), (1 << 11, 64), (1 << 9, 0)])
 def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
     """MoePlan.transfers (what the cluster simulator replays) lists, per rank and merged round,
