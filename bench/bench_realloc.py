@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -334,12 +335,14 @@ MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's published seconds, wh
 
 
 def moe_worker(rank, world, args) -> dict | None:
-    """Each MoE pair: real_py (every part through the Reallocator, gloo), verified bit for bit
-    against slicing the full tensors (tests/oracle.py), timed as a median of --repeats."""
+    """Each MoE pair: real_py's MoeReallocator (all parts as one merged schedule, gloo) on the
+    rank's ModelShard + ExpertShard, verified bit for bit against slicing the full tensors
+    (tests/oracle.py), timed as a median of --repeats."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from oracle import expert_oracle, oracle_flat, random_full
 
-    from real_py.realloc import Reallocator, plan_moe_realloc
+    from real_py.realloc import ExpertShard, plan_moe_realloc
+    from real_py.realloc.moe_exec import MoeReallocator
     from real_py.realloc.transports.dist import DistTransport
 
     torch.set_num_threads(1)
@@ -352,28 +355,22 @@ def moe_worker(rank, world, args) -> dict | None:
     for s, d in MOE_PAIRS:
         src, dst = Layout.parse(s), Layout.parse(d)
         plan = plan_moe_realloc(model, src, dst)
-        parts = []
-        for part in plan.parts:
-            p = part.plan
-            parts.append((part, ModelShard.from_full(p.model, p.src, rank, full) if rank in p.src.ranks else None,
-                          ModelShard.empty(p.model, p.dst, rank) if rank in p.dst.ranks else None,
-                          Reallocator(p, t)))
+        r = MoeReallocator(plan, t)
+        a = (ModelShard.from_full(model, src, rank, full), ExpertShard.from_full(model, src, rank, full)) \
+            if rank in src.ranks else (None, None)
+        b = (ModelShard.empty(model, dst, rank), ExpertShard.empty(model, dst, rank)) \
+            if rank in dst.ranks else (None, None)
 
-        def run():
-            for _, a, b, r in parts:
-                r.run(a, b)
+        def run(r=r, a=a, b=b):
+            r.run(*a, *b)
 
         run()  # warmup = verification run
-        ok, got = True, {}
-        for part, _, b, _ in parts:
-            if b is None:
-                continue
-            if part.experts is None:
-                ok &= torch.equal(b.flat, oracle_flat(part.plan.model, part.plan.dst, rank, full))
-            else:
-                got.update(b.params())
-        want = expert_oracle(model, dst, rank, full)
-        ok &= set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        ok = True
+        if b[0] is not None:
+            ok = torch.equal(b[0].flat, oracle_flat(model, replace(dst, ep=1, etp=1), rank, full))
+            want = expert_oracle(model, dst, rank, full)
+            ok &= set(b[1].params()) == set(want) and all(torch.equal(b[1].view(k), v)
+                                                          for k, v in want.items())
         ok = _sum(0.0 if ok else 1.0) == 0
         secs = [timed(run) for _ in range(args.repeats)]
         summ = plan.summary()
@@ -390,6 +387,7 @@ def moe_worker(rank, world, args) -> dict | None:
 
 def moe_sim_rows() -> list[dict]:
     from real_py.realloc import plan_moe_realloc
+    from real_py.realloc.reallocator import DEFAULT_DIRECT_MIN_BYTES
     from real_py.realloc.simulate import CLUSTERS, simulate
 
     rows = []
@@ -399,8 +397,13 @@ def moe_sim_rows() -> list[dict]:
         plan = plan_moe_realloc(model, Layout.parse(s), Layout.parse(d), ranks_per_node=8)
         summ = plan.summary()
         cluster = CLUSTERS["dgx-h100"].sized(gpus=gpus)
-        union = simulate(plan.transfers(), cluster)
-        seq = simulate(plan.sequential_transfers(), cluster)
+        # The executor's defaults: 256 MiB bucket, pipelined (NCCL), 256 KiB direct pieces.
+        dmin = DEFAULT_DIRECT_MIN_BYTES // model.element_size
+        t1 = time.perf_counter()
+        merged = plan.transfers(direct_min_elems=dmin)
+        derive = time.perf_counter() - t1
+        union = simulate(merged, cluster)
+        seq = simulate(plan.sequential_transfers(direct_min_elems=dmin), cluster)
         rows.append({"case": f"simulated dgx-h100 x{gpus // 8}", "model": name,
                      "params_M": round(model.numel / 1e6), "src": s, "dst": d, "parts": len(plan.parts),
                      "seconds": union.seconds, "seconds_parts_in_sequence": seq.seconds,
@@ -409,6 +412,7 @@ def moe_sim_rows() -> list[dict]:
                      "min_network_GB": summ["min_network_bytes"] / 1e9,
                      "checkpoint_engine_s": ce, "checkpoint_engine_setup": what,
                      "frac_of_checkpoint_engine": union.seconds / ce,
+                     "rounds": union.rounds, "schedule_s": derive,
                      "plan_and_sim_s": time.perf_counter() - t0})
         print(rows[-1], file=sys.stderr, flush=True)
     return rows
@@ -422,18 +426,23 @@ def moe_main(args) -> None:
     rows = out["rows"] + moe_sim_rows()
     cols = ["case", "model", "params_M", "src", "dst", "parts", "seconds", "seconds_parts_in_sequence",
             "lb_seconds", "ratio_to_lb", "frac_of_lb", "verified", "network_GB", "min_network_GB",
-            "bottleneck", "checkpoint_engine_s", "frac_of_checkpoint_engine"]
+            "rounds", "schedule_s", "bottleneck", "checkpoint_engine_s", "frac_of_checkpoint_engine"]
     notes = (f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
              f"median of {args.repeats} after a warmup that is the verification run (destination "
              "dense buffer and every expert piece compared bit for bit with tests/oracle.py slicing "
-             "the full tensors); the MoE plan's parts run one after the other. lb_seconds = the "
+             "the full tensors); MoeReallocator runs all parts of the plan as one merged schedule "
+             "on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
              "largest bytes one rank receives / the p2p gloo GB/s measured in the run "
              f"({out['links']['p2p_GBps']:.2f} GB/s). Megatron-core not run on the MoE pairs: its "
              "resharding works on a built Megatron model (TEGroupedMLP experts), which this bench "
              "does not build. Simulated rows: real_py/realloc/simulate.py on DGX H100 nodes "
-             "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU), the union of the "
-             "parts' chunks placed by earliest fit (MoePlan.transfers); seconds_parts_in_sequence "
-             "is the parts one after the other, as the Reallocator runs them today. Qwen3-235B has "
+             "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU) replaying "
+             "MoePlan.transfers(), the merged schedule MoeReallocator runs (chunk for chunk, "
+             "tests/test_moe_realloc.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
+             "direct pieces; the dense part's direct pieces, which the executor posts at the start "
+             "on NCCL, are modelled in their rounds); schedule_s = seconds to derive it (sizes "
+             "only); seconds_parts_in_sequence = the same parts one after the other, each with a "
+             "whole bucket. Qwen3-235B has "
              "4 kv heads, which real_py's TP cannot split 8 ways, so the TP8 generation side is "
              "attention tp4 x dp2 with experts split 8 ways (etp8, 'experts split by tp') or ep8. "
              "kimi-k2-shaped stands GQA (64 x 128, 16 kv heads) in for MLA and is BF16. "

@@ -7,12 +7,14 @@ oracle's count of what destination ranks need and do not hold."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from real_py import Layout, ModelShard
-from real_py.realloc import InProcessHub, plan_moe_realloc, plan_realloc, run_in_process
+from real_py.realloc import ExpertShard, InProcessHub, plan_moe_realloc, plan_realloc
+from real_py.realloc.moe_exec import MoeReallocator, run_moe_in_process
 from real_py.realloc.moe_plan import expert_views
 from real_py.layout import expert_shard_layout
 from real_py.spec import ModelConfig, model_spec
@@ -36,38 +38,20 @@ PAIRS = [  # (src, dst): training -> generation and back, ep changes, replicatio
 
 
 def _execute(model, src, dst, full):
-    """Run every part in process; return rank -> {name: tensor} of what each dst rank holds."""
+    """MoeReallocator on every rank in process (1 KiB bucket: many merged rounds); every
+    destination buffer against the oracle, sources untouched."""
     plan = plan_moe_realloc(model, src, dst)
-    got: dict[int, dict] = {}
-    for part in plan.parts:
-        p = part.plan
-        srcs = {r: ModelShard.from_full(p.model, p.src, r, full) for r in p.src.ranks}
-        before = {r: s.flat.clone() for r, s in srcs.items()}
-        dsts = {r: ModelShard.empty(p.model, p.dst, r) for r in p.dst.ranks}
-        run_in_process(InProcessHub(timeout=30), p, srcs, dsts, bucket_bytes=1 << 12)
-        for r, s in srcs.items():
-            assert torch.equal(s.flat, before[r]), f"{part.label}: source of rank {r} modified"
-        for r, d in dsts.items():
-            if part.experts is None:  # dense part: its whole flat buffer against the oracle
-                assert torch.equal(d.flat, oracle_flat(p.model, p.dst, r, full)), \
-                    f"{src}->{dst} dense part differs from the oracle on rank {r}"
-                continue
-            for name, v in d.params().items():
-                assert name not in got.setdefault(r, {}), f"{name} delivered twice to rank {r}"
-                got[r][name] = v
-    return plan, got
+    srcs, dsts = _moe_shards(model, src, dst, full)
+    before = {r: (s.flat.clone(), e.flat.clone()) for r, (s, e) in srcs.items()}
+    run_moe_in_process(InProcessHub(timeout=30), plan, srcs, dsts, bucket_bytes=1 << 12)
+    _check_against_oracle(model, src, dst, full, srcs, dsts, before)
+    return plan
 
 
 @pytest.mark.parametrize("src,dst", PAIRS)
 def test_moe_pairs_bitwise_and_minimal(src, dst):
     src, dst = L(src), L(dst)
-    full = random_full(MOE, 3)
-    plan, got = _execute(MOE, src, dst, full)
-    for r in dst.ranks:
-        want = expert_oracle(MOE, dst, r, full)
-        assert set(got.get(r, {})) == set(want), f"rank {r}: expert tensors {sorted(got.get(r, {}))[:4]}"
-        for name, v in want.items():
-            assert torch.equal(got[r][name], v), f"{src}->{dst}: {name} on rank {r} differs"
+    plan = _execute(MOE, src, dst, random_full(MOE, 3))
     s = plan.summary()
     assert s["network_bytes"] == s["min_network_bytes"]
     assert s["network_bytes"] == min_network_elems_moe(MOE, src, dst) * MOE.element_size
@@ -85,10 +69,7 @@ def test_moe_random_pairs():
         assert plan.summary()["network_bytes"] == min_network_elems_moe(MOE, src, dst) * MOE.element_size, \
             f"pair {i} {src} -> {dst}"
         if i % 3 == 0:
-            _, got = _execute(MOE, src, dst, full)
-            for r in dst.ranks:
-                for name, v in expert_oracle(MOE, dst, r, full).items():
-                    assert torch.equal(got[r][name], v), f"pair {i} {src}->{dst}: {name} rank {r}"
+            _execute(MOE, src, dst, full)
 
 
 def test_expert_storage_views():
@@ -147,43 +128,7 @@ def test_moe_bad_layouts_and_configs():
     assert str(L("dp4,tp2,pp1,ep8")) == "dp4tp2pp1ep8" and L("dp4tp2pp1ep8") == L("dp4,tp2,ep8,etp1")
 
 
-def _dist_pairs(rank: int, world: int) -> int:
-    """Each part through torch.distributed (gloo) on every rank; dst against the oracle."""
-    import torch.distributed as dist
-
-    from real_py.realloc import Reallocator
-    from real_py.realloc.transports.dist import DistTransport
-
-    t = DistTransport(dist.group.WORLD, timeout=60)
-    full = random_full(MOE, 11)
-    checked = 0
-    for src, dst in (("dp2,tp2,ep2", "tp2,dp2,etp2"), ("tp2,dp2,etp2", "dp2,tp2,ep2"),
-                     ("dp4,ep4", "tp4,etp4")):
-        src, dst = L(src), L(dst)
-        want = expert_oracle(MOE, dst, rank, full)
-        got = {}
-        for part in plan_moe_realloc(MOE, src, dst).parts:
-            p = part.plan
-            s = ModelShard.from_full(p.model, p.src, rank, full) if rank in p.src.ranks else None
-            d = ModelShard.empty(p.model, p.dst, rank) if rank in p.dst.ranks else None
-            Reallocator(p, t, bucket_bytes=1 << 12).run(s, d)
-            if d is not None and part.experts is None:
-                assert torch.equal(d.flat, oracle_flat(p.model, p.dst, rank, full)), f"rank {rank}"
-            elif d is not None:
-                got.update(d.params())
-        assert set(got) == set(want), f"rank {rank} {src}->{dst}"
-        for name, v in want.items():
-            assert torch.equal(got[name], v), f"rank {rank} {src}->{dst}: {name}"
-            checked += 1
-    return checked
-
-
-def test_moe_gloo_4_ranks():
-    out = run_distributed(_dist_pairs, 4, timeout=240)
-    assert all(n > 0 for n in out)
-
-
-def _dist_executor(rank: int, world: int) -> int:
+def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 << 12) -> int:
     """MoeReallocator on the rank's own ModelShard + ExpertShard (gloo): destination dense buffer
     and expert tensors against the oracle, sources untouched."""
     from dataclasses import replace as _replace
@@ -196,15 +141,25 @@ def _dist_executor(rank: int, world: int) -> int:
     t = DistTransport(dist.group.WORLD, timeout=60)
     full = random_full(MOE, 13)
     checked = 0
-    for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2")):
+    for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2"),
+                     ("dp2,tp2,ep2", "tp2,dp2,etp2"), ("tp2,dp2,etp2", "dp2,tp2,ep2"), ("dp4,ep4", "tp4,etp4"),
+                     ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2"),
+                     ("tp2,pp2,ep2", "dp4,ep4"),      # stacked experts
+                     ("tp2,pp2,etp2", "dp4,ep4")):    # windows; direct pieces staged on one end
         src, dst = L(src), L(dst)
         s = ModelShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         se = ExpertShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         before = None if s is None else (s.flat.clone(), se.flat.clone())
         d = ModelShard.empty(MOE, dst, rank) if rank in dst.ranks else None
         de = ExpertShard.empty(MOE, dst, rank) if rank in dst.ranks else None
-        MoeReallocator(plan_moe_realloc(MOE, src, dst), t, bucket_bytes=1 << 12).run(s, se, d, de)
-        if before is not None:
+        r = MoeReallocator(plan_moe_realloc(MOE, src, dst), t, bucket_bytes=bucket, verify=verify)
+        assert r.opts.pipeline  # gloo is asynchronous: two staging halves
+        st = r.run(s, se, d, de, free_source=verify)
+        assert st["staging_bytes"] <= bucket
+        if verify and s is not None:  # free_source: released once every round completed
+            assert s.flat.untyped_storage().nbytes() == 0 and se.flat.untyped_storage().nbytes() == 0
+            s = se = None
+        if before is not None and s is not None:
             assert torch.equal(s.flat, before[0]) and torch.equal(se.flat, before[1]), f"rank {rank} source"
         if d is not None:
             # the full model's ModelShard holds the dense tensors of its own stages
@@ -219,5 +174,158 @@ def _dist_executor(rank: int, world: int) -> int:
 
 
 def test_moe_reallocator_on_expert_shards_gloo():
-    out = run_distributed(_dist_executor, 4, timeout=240)
+    out = run_distributed(_dist_executor, 4, timeout=300)
     assert all(n > 0 for n in out)
+
+
+def _dist_executor_verify(rank: int, world: int) -> int:
+    return _dist_executor(rank, world, verify=True, bucket=1 << 10)
+
+
+def test_moe_merged_gloo_verify_tiny_bucket():
+    """Merged rounds on 4 gloo ranks with checksums, a 1 KiB bucket (many merged rounds, direct
+    pieces in their rounds) and free_source."""
+    out = run_distributed(_dist_executor_verify, 4, timeout=300)
+    assert all(n > 0 for n in out)
+
+
+# The merged schedule: every part's rounds run together (moe_exec.py, rounds.py).
+
+MERGED_PAIRS = [  # ep grows, shrinks, vanishes, appears; etp; stages
+    ("dp4,ep4", "tp4,etp4"), ("tp4,etp4", "dp4,ep4"), ("dp2,tp2,ep2", "tp2,dp2,ep4"),
+    ("dp2,tp2,ep4", "dp2,tp2,ep2"), ("dp4,ep2,etp2", "dp2,tp2,ep2"), ("dp2,tp1,pp2,ep2", "tp2,pp2,ep2"),
+    ("tp2,pp2,ep2", "dp4,ep4"), ("dp4,ep4", "dp1,tp2,pp2,ep2"),   # stacked experts (etp1)
+    ("tp2,pp2,ep2", "dp4,tp2,ep4,etp2"),                          # one expert part per window
+]
+
+
+def test_moe_parts():
+    """One expert part for all layers when every ep group of a pipelined side holds one expert
+    range, or (etp1 on both sides) one of stacked experts; else one per window of layers cut by
+    both sides' stages."""
+    parts = lambda s, d: [p.label for p in plan_moe_realloc(MOE, L(s), L(d)).parts]  # noqa: E731
+    assert parts("dp4,ep4", "tp4,etp4") == ["dense", "experts of layers [0, 3)"]
+    assert parts("dp2,tp1,pp2,ep2", "tp2,pp2,ep2") == ["dense", "experts of layers [0, 3)"]
+    assert parts("tp2,pp2,ep2", "dp4,ep4") == ["dense", "experts stacked"]
+    assert parts("tp2,pp2,ep2", "dp4,tp2,ep4,etp2") == ["dense", "experts of layers [0, 2)",
+                                                        "experts of layers [2, 3)"]
+
+
+def _moe_shards(model, src, dst, full):
+    srcs = {r: (ModelShard.from_full(model, src, r, full), ExpertShard.from_full(model, src, r, full))
+            for r in src.ranks}
+    dsts = {r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r)) for r in dst.ranks}
+    return srcs, dsts
+
+
+def _check_against_oracle(model, src, dst, full, srcs, dsts, before):
+    for r, (s, e) in srcs.items():
+        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), \
+            f"{src}->{dst}: source of rank {r} modified"
+    for r, (d, e) in dsts.items():
+        assert torch.equal(d.flat, oracle_flat(model, replace(dst, ep=1, etp=1), r, full)), \
+            f"{src}->{dst}: dense buffer of rank {r} differs from the oracle"
+        want = expert_oracle(model, dst, r, full)
+        assert set(e.params()) == set(want)
+        for name, v in want.items():
+            assert torch.equal(e.view(name), v), f"{src}->{dst}: {name} on rank {r} differs"
+
+
+@pytest.mark.parametrize("src,dst", MERGED_PAIRS)
+@pytest.mark.parametrize("kw", [dict(bucket_bytes=1 << 10, pipeline=True, verify=True),
+                                dict(bucket_bytes=1 << 12, direct_min_bytes=64),
+                                dict()])
+def test_moe_merged_in_process(src, dst, kw):
+    """All parts as one schedule on the in-process transport, bit for bit against the oracle:
+    tiny buckets (hundreds of merged rounds), pipelined halves with checksums, direct pieces,
+    the default bucket (one round)."""
+    src, dst = L(src), L(dst)
+    full = random_full(MOE, 17)
+    plan = plan_moe_realloc(MOE, src, dst)
+    srcs, dsts = _moe_shards(MOE, src, dst, full)
+    before = {r: (s.flat.clone(), e.flat.clone()) for r, (s, e) in srcs.items()}
+    stats = run_moe_in_process(InProcessHub(timeout=60), plan, srcs, dsts, **kw)
+    _check_against_oracle(MOE, src, dst, full, srcs, dsts, before)
+    for r, st in stats.items():
+        assert st["staging_bytes"] <= kw.get("bucket_bytes", 256 << 20), f"rank {r}: {st['staging_bytes']}"
+    if kw.get("bucket_bytes") == 1 << 10 and plan.summary()["network_bytes"] > 64 << 10:
+        assert max(st["rounds"] for st in stats.values()) > 20  # the merged-round logic is exercised
+
+
+@pytest.mark.parametrize("src,dst", MERGED_PAIRS[:4] + MERGED_PAIRS[6:] + [("dp8,ep8", "dp2,tp4,etp2"),
+                                                                     ("dp2,tp4,ep4", "dp8,ep2")])
+@pytest.mark.parametrize("bucket,dmin", [(1 << 10, 0), (1 << 11, 64), (1 << 9, 0)])
+def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
+    """MoePlan.transfers (what the cluster simulator replays) lists, per rank and merged round,
+    exactly the chunks each rank's MoeReallocator sends and receives (derived per rank)."""
+    src, dst = L(src), L(dst)
+    plan = plan_moe_realloc(MOE, src, dst)
+    hub = InProcessHub()
+    ex = {r: MoeReallocator(plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin)
+          for r in sorted(set(src.ranks) | set(dst.ranks))}
+    opts = ex[0].opts
+    t = plan.transfers(opts.round_elems, opts.direct_min_elems)
+    es = MOE.element_size
+    want: dict = {}
+    for i in range(len(t.round)):
+        k, nb = int(t.round[i]), int(t.nbytes[i])
+        want.setdefault((int(t.sender[i]), k, "send"), []).append(nb)
+        for r in t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]].tolist():
+            want.setdefault((r, k, "recv"), []).append(nb)
+    got: dict = {}
+    for r, x in ex.items():
+        for k, lanes in x.runner.merged:
+            for _, rr in lanes:
+                if rr.sends:
+                    got.setdefault((r, k, "send"), []).extend(c.numel * es for c in rr.sends)
+                if rr.recvs:
+                    got.setdefault((r, k, "recv"), []).extend(c.numel * es for c in rr.recvs)
+            sent = sum(c.numel for _, rr in lanes for c in rr.sends)
+            received = sum(c.numel for _, rr in lanes for c in rr.recvs)
+            # one round's budget per rank and direction, whatever the number of parts
+            assert sent <= opts.round_elems // 2 and received <= opts.round_elems // 2, (r, k)
+        assert x.runner.half <= opts.round_elems
+    assert got == want
+    assert t.num_rounds == max((k for x in ex.values() for k, _ in x.runner.merged), default=-1) + 1
+
+
+def test_moe_merged_verify_names_rank_round_and_part():
+    """A bit flipped in flight in a merged round: the receiver raises naming itself, the round,
+    the part and the peer; its peers stop waiting and name it; sources stay intact."""
+    import re
+    import threading
+
+    from real_py.realloc import TransferError
+    from real_py.realloc.transports.inprocess import InProcessTransport
+
+    class Flip(InProcessTransport):
+        def exchange(self, sends, recvs, step):
+            super().exchange(sends, recvs, step)
+            if step == "merged round 3" and recvs:
+                recvs[0][1].view(torch.uint8)[0] ^= 4
+
+    src, dst = L("dp4,ep4"), L("tp4,etp4")
+    full = random_full(MOE, 19)
+    plan = plan_moe_realloc(MOE, src, dst)
+    srcs, dsts = _moe_shards(MOE, src, dst, full)
+    before = {r: (s.flat.clone(), e.flat.clone()) for r, (s, e) in srcs.items()}
+    hub, errors = InProcessHub(timeout=10), {}
+
+    def work(r):
+        t = Flip(hub, r) if r == 2 else hub.transport(r)
+        try:
+            MoeReallocator(plan, t, bucket_bytes=1 << 10, verify=True).run(*srcs[r], *dsts[r],
+                                                                           free_source=True)
+        except TransferError as e:
+            errors[r] = str(e)
+            hub.fail(r, str(e))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert re.match(r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
+                    r"plan message \d+, \d+ elements\) from peer rank \d:", errors[2]), errors[2]
+    assert all("peer rank 2 failed during merged round" in m for r, m in errors.items() if r != 2), errors
+    for r in errors:  # free_source never frees on failure
+        s, e = srcs[r]
+        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r

@@ -4,9 +4,10 @@
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
   schedule.py     chunks in rounds of bounded size, replayed identically by every rank (global)
   rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
+  rounds.py       the round loop (pack, transport, unpack, verify) over one or several plans' lanes
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
   moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
-  moe_exec.py     MoeReallocator: runs a MoePlan on a rank's ModelShard + ExpertShard
+  moe_exec.py     MoeReallocator: runs a MoePlan's parts as one schedule on a rank's ModelShard + ExpertShard
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, torch.distributed (gloo / NCCL), cupy-NCCL
 """
