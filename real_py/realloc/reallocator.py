@@ -91,16 +91,15 @@ class Reallocator:
                 raise ValueError(f"source shard on {src.flat.device}, destination on {dst.flat.device}: "
                                  "move one so both sides share a device")
 
-        stats = self.runner.run([(src.flat if src is not None else None,
-                                  dst.flat if dst is not None else None)], check)
+        # A non-shard passes no buffer here: check() names it (TypeError) inside the runner,
+        # which reports the failure to the peers.
+        flat = lambda s: s.flat if isinstance(s, ModelShard) else None  # noqa: E731
+        stats = self.runner.run([(flat(src), flat(dst))], check)
         if free_source and src is not None:
             # Every send of this rank completed (waited above), so nothing reads it any more.
             src.flat.untyped_storage().resize_(0)
         return {"rank": self.rank, **schedule_bytes([self.schedule], es), **stats,
                 "seconds": time.perf_counter() - t0}
-
-    def _check(self, shard: ModelShard | None, side: str) -> None:
-        check_shard(self.plan, self.rank, shard, side)
 
 
 def schedule_bytes(schedules: list[RankSchedule], element_size: int) -> dict:
