@@ -361,16 +361,11 @@ def _mcore_moe(ctx, model, plan, rank, full):
     src_e = ExpertShard.from_full(model, src, rank, full) if src.expert_coords(rank) is not None else None
     dst_d = ModelShard.empty(dense.model, dense.dst, rank) if rank in dense.dst.ranks else None
     dst_e = ExpertShard.empty(model, dst, rank) if dst.expert_coords(rank) is not None else None
-    m, err = None, None
-    try:
+    try:  # collective; a refusal raises on every rank alike (MegatronMoeResharder)
         m = realloc_mcore.MegatronMoeResharder(ctx["mcore"], ctx["groups"], ctx["service"], model, dense,
                                                src, dst, src_d, src_e, dst_d, dst_e)
     except (ValueError, RuntimeError, NotImplementedError, KeyError) as e:
-        err = f"{type(e).__name__}: {e}"
-    why = [None] * dist.get_world_size()
-    dist.all_gather_object(why, err)  # every rank learns whether any rank's setup was refused
-    if any(why):
-        return f"n/a: {next(w for w in why if w)}", None, None
+        return f"n/a: {e}", None, None
 
     def check() -> bool:
         ok = dst_d is None or torch.equal(dst_d.flat, oracle_flat(dense.model, dense.dst, rank, full))
@@ -387,8 +382,9 @@ def _mcore_moe(ctx, model, plan, rank, full):
 
 
 def moe_worker(rank, world, args) -> dict | None:
-    """Each MoE pair: real_py (every part through the Reallocator, gloo), verified bit for bit
-    against slicing the full tensors (tests/oracle.py), timed as a median of --repeats."""
+    """Each MoE pair: real_py (every part through the Reallocator, gloo) and Megatron-core's
+    resharding (_mcore_moe), each verified bit for bit against slicing the full tensors
+    (tests/oracle.py), timed interleaved as a median of --repeats."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from oracle import expert_oracle, oracle_flat, random_full
 
@@ -505,9 +501,15 @@ def moe_main(args) -> None:
              "dense buffer and every expert piece compared bit for bit with tests/oracle.py slicing "
              "the full tensors); the MoE plan's parts run one after the other. lb_seconds = the "
              "largest bytes one rank receives / the p2p gloo GB/s measured in the run "
-             f"({out['links']['p2p_GBps']:.2f} GB/s). Megatron-core not run on the MoE pairs: its "
-             "resharding works on a built Megatron model (TEGroupedMLP experts), which this bench "
-             "does not build. Simulated rows: real_py/realloc/simulate.py on DGX H100 nodes "
+             f"({out['links']['p2p_GBps']:.2f} GB/s). megatron-core rows: "
+             "megatron.core.resharding (gloo copy service, CPU shim: bench/realloc_mcore.py) over "
+             "views of its own dense ModelShard and ExpertShard per rank, the experts described as "
+             "TEGroupedMLP per-expert parameters (linear_fc1/linear_fc2.weight{k}, k local, "
+             "allreduce=False, ep/expt_tp/expt_dp groups), fc1's blocked gate|up with "
+             "partition_sizes as for the dense gate_up (with Megatron's own TEGroupedLinear tags, "
+             "partition_stride=1 on fc1, the etp-changing pair comes out wrong); timed interleaved "
+             "with real_py, same warmup/verification; vs_real_py = its seconds / real_py's; 'n/a: "
+             "<reason>' where Megatron refuses a pair. Simulated rows: real_py/realloc/simulate.py on DGX H100 nodes "
              "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU), the union of the "
              "parts' chunks placed by earliest fit (MoePlan.transfers); seconds_parts_in_sequence "
              "is the parts one after the other, as the Reallocator runs them today. Qwen3-235B has "
@@ -521,7 +523,7 @@ def moe_main(args) -> None:
     from timing import write_results
 
     write_results("moe_realloc", "cpu2", rows, columns=cols,
-                  title="MoE reallocation: real_py on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
+                  title="MoE reallocation: real_py vs Megatron-core on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
                   notes=notes, extra={"links": out["links"], "load_average": load, "repeats": args.repeats})
 
 

@@ -238,29 +238,43 @@ class MegatronMoeResharder(MegatronResharder):
     """Megatron's resharding of an MoE model, over a rank's dense ModelShard and ExpertShard.
 
     `dense` is the dense part's ReallocPlan of the MoePlan (dense spec, layouts without expert
-    axes); src/dst_* are None where the rank holds no shard on that side. Raises whatever
-    Megatron's planner raises for a pair it refuses (build_local_reshard_plan is collective:
-    every rank calls this, and a refusal after the metadata all-gather is the same on all)."""
+    axes); src/dst_* are None where the rank holds no shard on that side. Collective: every
+    rank constructs it. What Megatron refuses (building the modules, its metadata extraction,
+    its planner) raises the same RuntimeError on every rank, naming the first refusing rank."""
 
     def __init__(self, resharding, groups: GroupCache, service, model, dense, src, dst,
                  src_dense, src_experts, dst_dense, dst_experts):
-        if any(p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
-               for lay in (src, dst) for p in dense.model.params):
-            raise ValueError("vocab_size must be a multiple of tp for Megatron (it pads the vocab "
-                             "itself, real_py pads per shard)")
         self.resharding, self.service = resharding, service
         rank = dist.get_rank()
-        src_pgs = moe_pg_collections(groups, src, dense.src)
+        src_pgs = moe_pg_collections(groups, src, dense.src)  # collective: before anything can fail
         dst_pgs = moe_pg_collections(groups, dst, dense.dst)
         self.src_mod = self.dst_mod = None
-        if src_dense is not None:
-            self.src_mod = megatron_module(src_dense, src_pgs[rank])
-            add_grouped_experts(self.src_mod, src_experts)
-        if dst_dense is not None:
-            self.dst_mod = megatron_module(dst_dense, dst_pgs[rank])
-            add_grouped_experts(self.dst_mod, dst_experts)
-        self.plan = resharding.build_local_reshard_plan(self.src_mod, self.dst_mod,
-                                                        num_experts=model.num_experts)
+        mine = None
+        try:
+            if any(p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
+                   for lay in (src, dst) for p in dense.model.params):
+                raise ValueError("vocab_size must be a multiple of tp for Megatron (it pads the "
+                                 "vocab itself, real_py pads per shard)")
+            if src_dense is not None:
+                self.src_mod = megatron_module(src_dense, src_pgs[rank])
+                add_grouped_experts(self.src_mod, src_experts)
+            if dst_dense is not None:
+                self.dst_mod = megatron_module(dst_dense, dst_pgs[rank])
+                add_grouped_experts(self.dst_mod, dst_experts)
+            # build_local_reshard_plan's steps, so that a rank-local refusal (before its
+            # all-gather) reaches every rank instead of leaving the others in a collective.
+            cache: dict = {}
+            mine = tuple(resharding.planner._extract_module_metadata(m, rank, model.num_experts, 0, cache)
+                         for m in (self.src_mod, self.dst_mod))
+        except (ValueError, RuntimeError, NotImplementedError, KeyError) as e:
+            mine = f"rank {rank}: {type(e).__name__}: {e}"
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        refused = [g for g in gathered if isinstance(g, str)]
+        if refused:
+            raise RuntimeError(refused[0])
+        # Deterministic replay of the same rosters on every rank: a refusal here is everyone's.
+        self.plan = resharding.build_plan_from_rosters(*resharding.index_metadata_rosters(gathered), rank)
         self.recv_bytes = self._remote_bytes()
 
 
