@@ -3,7 +3,7 @@
     make bench-realloc                       # installs the baselines' pins, then runs this
     python bench/bench_realloc.py [--repeats 5] [--pairs 75m:dp2,tp2,pp1:dp4,tp1,pp1 ...]
     torchrun --standalone --nproc-per-node=4 bench/bench_realloc.py   # instead of self-spawning
-    python bench/bench_realloc.py --moe --repeats 3   # MoE pairs + simulated MoE cases
+    python bench/bench_realloc.py --moe --repeats 3   # MoE pairs (real_py vs Megatron-core) + simulated MoE cases
 
 For each (model, src layout, dst layout) on 4 gloo ranks and each method (real_py, Megatron-core
 resharding, DTensor redistribute where it applies, naive all-gather + slice): seconds (median
