@@ -3,7 +3,7 @@
     make bench-realloc                       # installs the baselines' pins, then runs this
     python bench/bench_realloc.py [--repeats 5] [--pairs 75m:dp2,tp2,pp1:dp4,tp1,pp1 ...]
     torchrun --standalone --nproc-per-node=4 bench/bench_realloc.py   # instead of self-spawning
-    python bench/bench_realloc.py --moe --repeats 3   # MoE pairs + simulated MoE cases
+    python bench/bench_realloc.py --moe --repeats 3   # MoE pairs (real_py vs Megatron-core) + simulated MoE cases
 
 For each (model, src layout, dst layout) on 4 gloo ranks and each method (real_py, Megatron-core
 resharding, DTensor redistribute where it applies, naive all-gather + slice): seconds (median
@@ -334,10 +334,59 @@ MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's published seconds, wh
 ]
 
 
+def _mcore_moe_setup() -> dict | str:
+    """Megatron-core's resharding for the MoE rows: loaded module, groups, copy service; or why not."""
+    try:
+        import realloc_mcore
+
+        mc = realloc_mcore.load()
+        return {"mcore": mc, "groups": realloc_mcore.GroupCache(),
+                "service": mc.copy_services.GlooCopyService()}
+    except (ImportError, RuntimeError) as e:
+        return f"not run: {e}"
+
+
+def _mcore_moe(ctx, model, plan, rank, full):
+    """(MegatronMoeResharder over its own shards (source filled from `full`, destination empty),
+    check() -> bool: destination bit for bit against tests/oracle.py, zero(): clear the
+    destination), or ("n/a: <why>", None, None) where Megatron refuses the pair."""
+    if isinstance(ctx, str):
+        return ctx, None, None
+    import realloc_mcore
+    from oracle import expert_oracle, oracle_flat
+
+    from real_py.realloc import ExpertShard
+
+    dense, src, dst = plan.parts[0].plan, plan.src, plan.dst
+    src_d = ModelShard.from_full(dense.model, dense.src, rank, full) if rank in dense.src.ranks else None
+    src_e = ExpertShard.from_full(model, src, rank, full) if src.expert_coords(rank) is not None else None
+    dst_d = ModelShard.empty(dense.model, dense.dst, rank) if rank in dense.dst.ranks else None
+    dst_e = ExpertShard.empty(model, dst, rank) if dst.expert_coords(rank) is not None else None
+    try:  # collective; a refusal raises on every rank alike (MegatronMoeResharder)
+        m = realloc_mcore.MegatronMoeResharder(ctx["mcore"], ctx["groups"], ctx["service"], model, dense,
+                                               src, dst, src_d, src_e, dst_d, dst_e)
+    except (ValueError, RuntimeError, NotImplementedError, KeyError) as e:
+        return f"n/a: {e}", None, None
+
+    def check() -> bool:
+        ok = dst_d is None or torch.equal(dst_d.flat, oracle_flat(dense.model, dense.dst, rank, full))
+        if dst_e is not None:
+            got, want = dst_e.params(), expert_oracle(model, dst, rank, full)
+            ok &= set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        return _sum(0.0 if ok else 1.0) == 0
+
+    def zero():
+        for b in (dst_d, dst_e):
+            if b is not None:
+                b.flat.zero_()
+    return m, check, zero
+
+
 def moe_worker(rank, world, args) -> dict | None:
     """Each MoE pair: real_py's MoeReallocator (all parts as one merged schedule, gloo) on the
-    rank's ModelShard + ExpertShard, verified bit for bit against slicing the full tensors
-    (tests/oracle.py), timed as a median of --repeats."""
+    rank's ModelShard + ExpertShard, and Megatron-core's resharding (_mcore_moe), each verified
+    bit for bit against slicing the full tensors (tests/oracle.py), timed interleaved as a
+    median of --repeats."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from oracle import expert_oracle, oracle_flat, random_full
 
@@ -348,6 +397,7 @@ def moe_worker(rank, world, args) -> dict | None:
     torch.set_num_threads(1)
     model = model_spec(MOE_CONFIG, "moe-small")
     t = DistTransport(dist.group.WORLD, timeout=300)
+    mc_ctx = _mcore_moe_setup()
     links = measure_links()
     log(f"links: {links}")
     full = random_full(model, 0)
@@ -372,17 +422,40 @@ def moe_worker(rank, world, args) -> dict | None:
             ok &= set(b[1].params()) == set(want) and all(torch.equal(b[1].view(k), v)
                                                           for k, v in want.items())
         ok = _sum(0.0 if ok else 1.0) == 0
-        secs = [timed(run) for _ in range(args.repeats)]
+        mc, mc_check, mc_zero = _mcore_moe(mc_ctx, model, plan, rank, full)
+        if mc_check is not None:
+            mc_zero()
+            mc.run()  # warmup = verification run
+            mc_ok = mc_check()
+            log(f"megatron-core: warmup + verification done ({'ok' if mc_ok else 'WRONG'})")
+        secs, mc_secs = [], []
+        for _ in range(args.repeats):  # methods interleaved
+            secs.append(timed(run))
+            if mc_check is not None:
+                mc_secs.append(timed(mc.run))
         summ = plan.summary()
         lb = summ["max_ingress_bytes"] / (links["p2p_GBps"] * 1e9)
-        rows.append({"case": "gloo 4 ranks", "model": model.name, "params_M": round(model.numel / 1e6, 1),
+        rows.append({"case": "gloo 4 ranks", "method": "real_py", "model": model.name, "params_M": round(model.numel / 1e6, 1),
                      "src": str(src), "dst": str(dst), "parts": len(plan.parts),
                      "seconds": statistics.median(secs), "verified": ok,
                      "network_GB": summ["network_bytes"] / 1e9,
                      "min_network_GB": summ["min_network_bytes"] / 1e9,
                      "lb_seconds": lb, "frac_of_lb": lb / statistics.median(secs)})
         log(f"{src} -> {dst}: {rows[-1]}")
+        rows.append(_mcore_moe_row(rows[-1], mc, mc_secs, mc_ok if mc_check is not None else None, lb))
+        log(f"{src} -> {dst}: {rows[-1]}")
     return {"rows": rows, "links": links} if rank == 0 else None
+
+
+def _mcore_moe_row(rp: dict, mc, secs: list, ok, lb: float) -> dict:
+    """The Megatron-core row of an MoE pair, next to real_py's row `rp`."""
+    row = {k: rp[k] for k in ("case", "model", "params_M", "src", "dst", "min_network_GB", "lb_seconds")}
+    row["method"] = "megatron-core"
+    if isinstance(mc, str):
+        return {**row, "note": mc}
+    t = statistics.median(secs)
+    return {**row, "seconds": t, "verified": ok, "network_GB": _sum(mc.recv_bytes) / 1e9,
+            "frac_of_lb": lb / t, "vs_real_py": t / rp["seconds"]}
 
 
 def moe_sim_rows() -> list[dict]:
@@ -424,21 +497,28 @@ def moe_main(args) -> None:
     load = os.getloadavg()
     out = run_distributed(moe_worker, WORLD, args, timeout=args.timeout, pg_timeout=300)[0]
     rows = out["rows"] + moe_sim_rows()
-    cols = ["case", "model", "params_M", "src", "dst", "parts", "seconds", "seconds_parts_in_sequence",
+    cols = ["case", "model", "params_M", "src", "dst", "method", "parts", "seconds", "seconds_parts_in_sequence",
             "lb_seconds", "ratio_to_lb", "frac_of_lb", "verified", "network_GB", "min_network_GB",
-            "rounds", "schedule_s", "bottleneck", "checkpoint_engine_s", "frac_of_checkpoint_engine"]
+            "vs_real_py", "rounds", "schedule_s", "bottleneck", "checkpoint_engine_s",
+            "frac_of_checkpoint_engine", "note"]
     notes = (f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
              f"median of {args.repeats} after a warmup that is the verification run (destination "
              "dense buffer and every expert piece compared bit for bit with tests/oracle.py slicing "
              "the full tensors); MoeReallocator runs all parts of the plan as one merged schedule "
              "on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
              "largest bytes one rank receives / the p2p gloo GB/s measured in the run "
-             f"({out['links']['p2p_GBps']:.2f} GB/s). Megatron-core not run on the MoE pairs: its "
-             "resharding works on a built Megatron model (TEGroupedMLP experts), which this bench "
-             "does not build. Simulated rows: real_py/realloc/simulate.py on DGX H100 nodes "
-             "(NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU) replaying "
-             "MoePlan.transfers(), the merged schedule MoeReallocator runs (chunk for chunk, "
-             "tests/test_moe_realloc.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
+             f"({out['links']['p2p_GBps']:.2f} GB/s). megatron-core rows: "
+             "megatron.core.resharding (gloo copy service, CPU shim: bench/realloc_mcore.py) over "
+             "views of its own dense ModelShard and ExpertShard per rank, the experts described as "
+             "TEGroupedMLP per-expert parameters (linear_fc1/linear_fc2.weight{k}, k local, "
+             "allreduce=False, ep/expt_tp/expt_dp groups), fc1's blocked gate|up with "
+             "partition_sizes as for the dense gate_up (with Megatron's own TEGroupedLinear tags, "
+             "partition_stride=1 on fc1, the etp-changing pair comes out wrong); timed interleaved "
+             "with real_py, same warmup/verification; vs_real_py = its seconds / real_py's; 'n/a: "
+             "<reason>' where Megatron refuses a pair. Simulated rows: real_py/realloc/simulate.py "
+             "on DGX H100 nodes (NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU) "
+             "replaying MoePlan.transfers(), the merged schedule MoeReallocator runs (chunk for "
+             "chunk, tests/test_moe_realloc.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
              "direct pieces; the dense part's direct pieces, which the executor posts at the start "
              "on NCCL, are modelled in their rounds); schedule_s = seconds to derive it (sizes "
              "only); seconds_parts_in_sequence = the same parts one after the other, each with a "
@@ -453,7 +533,7 @@ def moe_main(args) -> None:
     from timing import write_results
 
     write_results("moe_realloc", "cpu2", rows, columns=cols,
-                  title="MoE reallocation: real_py on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
+                  title="MoE reallocation: real_py vs Megatron-core on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
                   notes=notes, extra={"links": out["links"], "load_average": load, "repeats": args.repeats})
 
 

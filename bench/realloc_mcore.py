@@ -14,6 +14,17 @@ partition_dim, partition_stride, partition_sizes for fused blocks) and a `pg_col
 dp and pp process groups. `MegatronResharder` builds such modules over views of real_py's shard
 buffers, so Megatron reads the source shard and writes the destination shard in place, and the
 benchmark checks its output with the same oracle as every other method.
+
+MoE (`MegatronMoeResharder`): the dense tensors as above, with the groups of the layout without
+expert axes; each expert tensor as the per-expert parameter of a TEGroupedMLP,
+`layers.i.mlp.experts.linear_fc{1,2}.weight{k}` with k the rank-local expert index, tagged as
+Megatron's TEGroupedLinear tags them (allreduce=False: expert-parallel, so the planner resolves
+k to the global expert through the ep group's rank order; tensor_model_parallel, partition_dim
+0 for fc1 and 1 for fc2, split by the expt_tp group). The pg_collection then also carries ep,
+expt_tp and expt_dp. Gate|up (fc1) is real_py's "blocked" layout, each half split on its own:
+described with partition_sizes, as the dense gate_up is (Megatron's own TEGroupedLinear stamps
+partition_stride=1 on fc1 and nothing else, i.e. a contiguous split, which would move a gated
+fc1 wrongly across an etp change; its dense MLP uses partition_stride=2 for the same layout).
 """
 
 from __future__ import annotations
@@ -176,4 +187,96 @@ class MegatronResharder:
             self.resharding.execute_reshard_plan(self.plan, self.src_mod, self.dst_mod, self.service)
 
 
-__all__ = ["load", "GroupCache", "MegatronResharder", "megatron_module"]
+def moe_pg_collections(groups: GroupCache, layout, dense_layout) -> dict[int, types.SimpleNamespace]:
+    """rank -> pg_collection of an MoE model on `layout`: tp, dp, pp of `dense_layout` (the layout
+    without expert axes) plus ep, expt_tp, expt_dp from real_py's expert coordinates (etp fastest,
+    then ep, then expert-dp: Megatron's parallel folding). The ep group lists its ranks in ep
+    order, which is how Megatron maps a local expert index to the global one."""
+    out = groups.for_layout(dense_layout)
+    for s in range(layout.pp):
+        for d in range(layout.edp):
+            for g in range(layout.ep):
+                for t in range(layout.etp):
+                    pg = out[layout.expert_rank(d, g, t, s)]
+                    pg.ep = groups.get(layout.expert_rank(d, k, t, s) for k in range(layout.ep))
+                    pg.expt_tp = groups.get(layout.expert_rank(d, g, k, s) for k in range(layout.etp))
+                    pg.expt_dp = groups.get(layout.expert_rank(k, g, t, s) for k in range(layout.edp))
+    return out
+
+
+_FC = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+def add_grouped_experts(root: torch.nn.Module, experts) -> None:
+    """Add `experts` (an ExpertShard) to `root` as TEGroupedMLP per-expert parameters over views
+    of its flat buffer: layers.i.mlp.experts.linear_fc{1,2}.weight{k}, k = global expert -
+    first expert of the rank's ep group."""
+    layout, model = experts.layout, experts.model
+    first = experts.ep_rank * (model.num_experts // layout.ep)
+    for name, view in experts.params().items():
+        p = model.param(name)
+        layer, rest = name.split(".mlp.experts.")
+        j, proj, _ = rest.split(".")
+        if proj not in _FC:
+            raise ValueError(f"{name}: no TEGroupedMLP counterpart for {proj!r} (known: {sorted(_FC)})")
+        mod = root
+        for part in f"{layer}.mlp.experts.{_FC[proj]}".split("."):
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        param = torch.nn.Parameter(view, requires_grad=False)
+        param.allreduce = False  # expert parallel (Megatron's convention, utils.extract_param_metadata)
+        param.tensor_model_parallel = True
+        param.partition_dim = p.tp.dim
+        param.partition_stride = 1
+        if len(p.blocks) > 1:
+            param.partition_sizes = [b // layout.etp for b in p.blocks]
+        mod.register_parameter(f"weight{int(j) - first}", param)
+
+
+class MegatronMoeResharder(MegatronResharder):
+    """Megatron's resharding of an MoE model, over a rank's dense ModelShard and ExpertShard.
+
+    `dense` is the dense part's ReallocPlan of the MoePlan (dense spec, layouts without expert
+    axes); src/dst_* are None where the rank holds no shard on that side. Collective: every
+    rank constructs it. What Megatron refuses (building the modules, its metadata extraction,
+    its planner) raises the same RuntimeError on every rank, naming the first refusing rank."""
+
+    def __init__(self, resharding, groups: GroupCache, service, model, dense, src, dst,
+                 src_dense, src_experts, dst_dense, dst_experts):
+        self.resharding, self.service = resharding, service
+        rank = dist.get_rank()
+        src_pgs = moe_pg_collections(groups, src, dense.src)  # collective: before anything can fail
+        dst_pgs = moe_pg_collections(groups, dst, dense.dst)
+        self.src_mod = self.dst_mod = None
+        mine = None
+        try:
+            if any(p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
+                   for lay in (src, dst) for p in dense.model.params):
+                raise ValueError("vocab_size must be a multiple of tp for Megatron (it pads the "
+                                 "vocab itself, real_py pads per shard)")
+            if src_dense is not None:
+                self.src_mod = megatron_module(src_dense, src_pgs[rank])
+                add_grouped_experts(self.src_mod, src_experts)
+            if dst_dense is not None:
+                self.dst_mod = megatron_module(dst_dense, dst_pgs[rank])
+                add_grouped_experts(self.dst_mod, dst_experts)
+            # build_local_reshard_plan's steps, so that a rank-local refusal (before its
+            # all-gather) reaches every rank instead of leaving the others in a collective.
+            cache: dict = {}
+            mine = tuple(resharding.planner._extract_module_metadata(m, rank, model.num_experts, 0, cache)
+                         for m in (self.src_mod, self.dst_mod))
+        except (ValueError, RuntimeError, NotImplementedError, KeyError) as e:
+            mine = f"rank {rank}: {type(e).__name__}: {e}"
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        refused = [g for g in gathered if isinstance(g, str)]
+        if refused:
+            raise RuntimeError(refused[0])
+        # Deterministic replay of the same rosters on every rank: a refusal here is everyone's.
+        self.plan = resharding.build_plan_from_rosters(*resharding.index_metadata_rosters(gathered), rank)
+        self.recv_bytes = self._remote_bytes()
+
+
+__all__ = ["load", "GroupCache", "MegatronResharder", "MegatronMoeResharder", "megatron_module",
+           "moe_pg_collections", "add_grouped_experts"]
