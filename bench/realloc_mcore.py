@@ -266,7 +266,7 @@ class MegatronMoeResharder(MegatronResharder):
             cache: dict = {}
             mine = tuple(resharding.planner._extract_module_metadata(m, rank, model.num_experts, 0, cache)
                          for m in (self.src_mod, self.dst_mod))
-        except (ValueError, RuntimeError, NotImplementedError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - any refusal must reach every rank (no one-rank hang)
             mine = f"rank {rank}: {type(e).__name__}: {e}"
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

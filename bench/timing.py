@@ -92,9 +92,13 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str:
+    """HEAD's short hash, with "+dirty" when tracked files differ from it (the run did not
+    measure that commit's code alone)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+        run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                        cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        head = run("rev-parse", "--short", "HEAD") or "unknown"
+        return head + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

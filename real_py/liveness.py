@@ -47,9 +47,9 @@ _running: list[tuple[threading.Thread, threading.Event]] = []
 def _spawn(target, name: str) -> tuple[threading.Thread, threading.Event]:
     stop = threading.Event()
     th = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
-    th.start()
-    with _lock:
+    with _lock:  # registered before it runs, so a concurrent stop_threads cannot miss it
         _running.append((th, stop))
+        th.start()
     return th, stop
 
 

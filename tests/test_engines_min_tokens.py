@@ -72,6 +72,12 @@ def _check(got, model, eos):
             assert tokens[b][:n] == want[b, :n].tolist(), (key, b)
             hits = (want[b] == eos).nonzero()
             assert n == (int(hits[0]) + 1 if len(hits) else MAX_NEW), (key, b, n, want[b])
+    # The boundary: no stop token among the first MIN_NEW new tokens, greedy or sampled (an
+    # off-by-one in the ban lets one through at index MIN_NEW - 1).
+    for key, stops in (("min", {eos}), ("sampled", {eos, 7})):
+        tokens, resp = got[key]
+        for b in range(PROMPTS.shape[0]):
+            assert not set(tokens[b][:MIN_NEW]) & stops, (key, b, tokens[b])
     plain, short = got["plain"][1], got["min"][1]
     assert plain[0] < MIN_NEW, "the EOS must end prompt 0's response early without the option"
     assert min(short) >= MIN_NEW

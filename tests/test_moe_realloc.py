@@ -316,16 +316,38 @@ def test_moe_merged_verify_names_rank_round_and_part():
         try:
             MoeReallocator(plan, t, bucket_bytes=1 << 10, verify=True).run(*srcs[r], *dsts[r],
                                                                            free_source=True)
-        except TransferError as e:
-            errors[r] = str(e)
+        except Exception as e:  # noqa: BLE001 - every rank's outcome is checked below
+            errors[r] = e
             hub.fail(r, str(e))
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    assert all(isinstance(e, TransferError) for e in errors.values()), errors
+    assert len(errors) > 1, f"only {sorted(errors)} failed: the peers of rank 2 must fail too"
+    errors = {r: str(e) for r, e in errors.items()}
     assert re.match(r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
                     r"plan message \d+, \d+ elements\) from peer rank \d:", errors[2]), errors[2]
     assert all("peer rank 2 failed during merged round" in m for r, m in errors.items() if r != 2), errors
     for r in errors:  # free_source never frees on failure
         s, e = srcs[r]
+        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r
+
+
+def test_moe_rank_in_layout_without_shards_is_named():
+    """A rank of the source layout that passes no shards fails before anything moves, naming
+    itself and the layout; its peers stop waiting and name it; sources stay intact."""
+    src, dst = L("dp4,ep4"), L("tp4,etp4")
+    full = random_full(MOE, 23)
+    plan = plan_moe_realloc(MOE, src, dst)
+    srcs, dsts = _moe_shards(MOE, src, dst, full)
+    before = {r: (s.flat.clone(), e.flat.clone()) for r, (s, e) in srcs.items()}
+    srcs_missing = {r: v for r, v in srcs.items() if r != 1}
+    # run_moe_in_process raises rank 0's error: it names rank 1 and rank 1's own ValueError
+    from real_py.realloc import TransferError
+
+    with pytest.raises(TransferError, match=r"rank 0: peer rank 1 failed during merged round 0 \(ValueError: "
+                       r"rank 1 is in the source layout dp4tp1pp1ep4 but passed no source"):
+        run_moe_in_process(InProcessHub(timeout=30), plan, srcs_missing, dsts)
+    for r, (s, e) in srcs_missing.items():
         assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r

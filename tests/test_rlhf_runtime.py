@@ -322,15 +322,18 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
 def test_kill_and_resume_in_async_mode(tmp_path):
     """Async GRPO (k=2, decoupled loss, weights received during generation) on the copy task with
     generation and training on disjoint ranks: run A does 3 steps; run B is SIGKILLed after its
-    step-1 checkpoint (batches 2 and 3 already generated and queued), run C resumes it. C's steps
+    step-1 checkpoint (which holds the queued rollouts of later batches), run C resumes it. C's steps
     2 and 3 (metrics, including staleness and dropped rows) and every rank's step-3 shards and
     Adam moments must equal A's."""
     import yaml
 
     with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
         d = yaml.safe_load(f)
+    # 20-token responses (min_new_tokens) make a step last long enough that the kill lands
+    # after the step-1 checkpoint and before the job ends, even on a loaded machine.
     d.update(steps=3, save_every=1, verify_realloc=True,
              data=dict(d["data"], batch_size=16),
+             generation=dict(d["generation"], max_new_tokens=20, min_new_tokens=20),
              ppo=dict(d["ppo"], decoupled=True),
              plan={"world_size": 4, "calls": {
                  "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},

@@ -59,7 +59,9 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     min_new_tokens: the stop tokens (eos_token_id) get probability zero for the first
     min_new_tokens new tokens, so no response ends earlier (transformers' min_new_tokens, vLLM's
     min_tokens: their logits set to -inf before temperature, top-k and top-p). Only sampling is
-    changed: log-probs computed later by an inference call are the model's own.
+    changed: log-probs computed later by an inference call are the model's own (the
+    unmasked distribution, as verl / vLLM report them), so the first min_new_tokens tokens were
+    drawn from a slightly different distribution than the behaviour log-probs say.
 
     swap: interruptible generation (async RL). None, or a callable swap(step) -> bool called
     before every decode step step >= 1 on every rank of the replica (it must answer the same on
@@ -82,8 +84,8 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     if eos_token_id is not None and not isinstance(eos_token_id, (list, tuple)):
         eos_token_id = [eos_token_id]
     stops = torch.tensor(list(eos_token_id), dtype=torch.int64) if eos_token_id else None
-    # ids past the vocabulary can never be sampled, so only the others need banning
-    banned = None if stops is None else stops[stops < c.vocab_size].to(dev)
+    # ids outside the vocabulary can never be sampled, so only the others need banning
+    banned = None if stops is None else stops[(stops >= 0) & (stops < c.vocab_size)].to(dev)
     where = prompt_tokens.device
     prompt_tokens, prompt_lengths = prompt_tokens.cpu(), prompt_lengths.cpu()
     B = prompt_tokens.shape[0]

@@ -64,19 +64,24 @@ class MoeReallocator:
         lanes = []
         self.lane_parts: list[int] = []
         """Index in plan.parts of each lane (the parts this rank sends or receives in)."""
-        for p, part in enumerate(plan.parts):
+        for part in plan.parts:
             transport.setup(part.plan)  # collective: every rank, every part, in part order
-            if self.rank not in part.plan.src.ranks and self.rank not in part.plan.dst.ranks:
-                continue
-            rs = rank_schedule(part.plan, self.rank, sizes[p], self.opts.direct_min_elems)
-            if part.experts is not None:
-                q = part.plan
-                segs = [_segments(part, lay, plan.model, full, self.rank)
-                        if self.rank in lay.ranks else None for lay, full in ((q.src, plan.src), (q.dst, plan.dst))]
-                rs = readdress(rs, *segs)
-            lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label,
-                              direct_first=part.experts is None))
-            self.lane_parts.append(p)
+        try:  # this rank alone from here: a failure is told to the peers, which then stop waiting
+            for p, part in enumerate(plan.parts):
+                if self.rank not in part.plan.src.ranks and self.rank not in part.plan.dst.ranks:
+                    continue
+                rs = rank_schedule(part.plan, self.rank, sizes[p], self.opts.direct_min_elems)
+                if part.experts is not None:
+                    q = part.plan
+                    segs = [_segments(part, lay, plan.model, full, self.rank) if self.rank in lay.ranks
+                            else None for lay, full in ((q.src, plan.src), (q.dst, plan.dst))]
+                    rs = readdress(rs, *segs)
+                lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label,
+                                  direct_first=part.experts is None))
+                self.lane_parts.append(p)
+        except Exception as e:
+            transport.fail(f"building the rank schedule of rank {self.rank}", f"{type(e).__name__}: {e}"[:1000])
+            raise
         self.runner = RoundRunner(transport, lanes, self.opts)
 
     @property
@@ -127,9 +132,15 @@ class MoeReallocator:
     def _check_side(self, shard: ModelShard | None, experts: ExpertShard | None, side: str) -> None:
         """Both buffers of one side belong to the plan's model, layout and this rank, with storage."""
         layout = self.plan.src if side == "source" else self.plan.dst
+        holds = self.rank in layout.ranks
+        if shard is None and experts is None:
+            if holds:
+                raise ValueError(f"rank {self.rank} is in the {side} layout {layout} but passed no {side} "
+                                 "ModelShard and ExpertShard")
+            return
+        if not holds:
+            raise ValueError(f"rank {self.rank} is not in the {side} layout {layout} but passed {side} shards")
         for what, x, cls in (("ModelShard", shard, ModelShard), ("ExpertShard", experts, ExpertShard)):
-            if x is None:
-                continue
             if not isinstance(x, cls):
                 raise TypeError(f"{side} {what} expected, got {type(x).__name__}")
             if x.model != self.plan.model or x.layout != layout or x.rank != self.rank:

@@ -233,8 +233,9 @@ class MoePlan:
         """The merged schedule MoeReallocator runs, as chunks for the cluster simulator: part
         p's schedule with rounds of part_round_elems (sizes from C++, the rule rank_schedule
         derives per rank), its round i in merged round (i + round_shift) % its rounds.
-        Defaults: the Reallocator's (256 MiB bucket, pipelined; direct_min_elems as passed to
-        the executor in elements, 0: off)."""
+        round_elems default: the executor's (256 MiB bucket, pipelined). direct_min_elems: the
+        executor's direct_min_bytes in elements (its default is DEFAULT_DIRECT_MIN_BYTES; 0 here,
+        as there: off)."""
         if round_elems is None:
             round_elems = (256 << 20) // self.model.element_size // 2
         ts = [schedule_transfers(part.plan, n, direct_min_elems)
