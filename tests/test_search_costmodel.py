@@ -169,6 +169,25 @@ def test_tensor_parallel_host_extras_by_hand():
     assert call_time("inference", m, Mesh(0, 1), 1, 1, 1, hw, wl)["total"] == pytest.approx(0.0)
 
 
+def test_value_head_tensor_parallel_pass_by_hand():
+    """Under tp a value head's pass makes one small collective outside the layers (the
+    vocab-parallel embedding's all-reduce), an lm head's HEAD_COLLS (plus the log-prob
+    reductions), and only the lm head pays the vocab-parallel head's host extras."""
+    from real_py.search.costmodel import HEAD_COLLS
+
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    v = model_spec(replace(TINY, head="value"), "tiny-value")
+    lat = HardwareProfile(**FREE | dict(intra_lat=1.0, intra_bw=1e30, inter_bw=1e30))
+    # inference: 2 layers x 2 all-reduces (latency 1 each) + the head's collectives
+    assert call_time("inference", v, Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(2 * 2 + 1)
+    assert call_time("inference", tiny(), Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(2 * 2 + HEAD_COLLS)
+    # train: 4 optimizer steps, forward + backward: 2 x (4 + 1) per step for the value head
+    assert call_time("train", v, Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(4 * 2 * (2 * 2 + 1))
+    host = HardwareProfile(**FREE | dict(tp_head_lat=1.0, tp_train_lat=10.0))
+    assert call_time("inference", v, Mesh(0, 2), 1, 2, 1, host, wl)["tp"] == pytest.approx(0.0)
+    assert call_time("train", v, Mesh(0, 2), 1, 2, 1, host, wl)["tp"] == pytest.approx(0.0)
+
+
 def test_profile_rejects_negative_overheads():
     for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "shared_cores"):
         with pytest.raises(ValueError, match=f):

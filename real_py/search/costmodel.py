@@ -7,7 +7,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              with pp stages each reading its weights once per micro-batch and pp micro-batches,
              pipelining does not reduce the weight reads of a decode step.
   tp         ring all-reduce: lat + 2 (n-1)/n * bytes / bw; 2 per layer forward, 4 forward+backward,
-             plus HEAD_COLLS small ones per pass (vocab-parallel embedding and log-probs).
+             plus small ones per pass outside the layers: HEAD_COLLS with an lm head (vocab-parallel
+             embedding and log-probs), VALUE_HEAD_COLLS with a value head (embedding only).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
              hops on the critical path; m is the cheapest count from ceil(tokens / micro_tokens)
              up to 4 * pp, so more work never costs less (tests/test_search_monotone.py).
@@ -119,6 +120,9 @@ messages (scaled by HardwareProfile.lat_slowdown)."""
 HEAD_COLLS = 4
 """Tensor-parallel collectives per pass outside the layers: the vocab-parallel embedding and the
 log-prob reductions of the vocab-parallel head (max, log-sum-exp, target logit)."""
+VALUE_HEAD_COLLS = 1
+"""The same for a value head: the embedding's all-reduce only (the [H] -> 1 head is replicated
+and reduces nothing over tp; models/transformer.py StageModel.head)."""
 
 
 def _pipeline(pp: int, tokens: float, micro_tokens: int) -> tuple[int, float]:
@@ -178,9 +182,13 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         k = 2 if train else 1  # forward only, or forward + backward
         # Per layer: 2 all-reduces of the hidden states per direction, on the critical path of
         # every micro-batch; the head's reductions carry a few floats per token (latency only).
-        head_host = hw.tp_train_lat if train else hw.tp_head_lat
+        # A value head adds neither the log-prob reductions nor the vocab-parallel head's host
+        # work (tp_*_lat, calibrated on lm engines) to a tensor-parallel pass.
+        lm = c.head == "lm"
+        head_host = (hw.tp_train_lat if train else hw.tp_head_lat) if lm else 0.0
+        head_colls = HEAD_COLLS if lm else VALUE_HEAD_COLLS
         tp_t = (k * 2 * L / pp * bubble * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
-                + m * (k * HEAD_COLLS * tp_lat + head_host)) if tp > 1 else 0.0
+                + m * (k * head_colls * tp_lat + head_host)) if tp > 1 else 0.0
         hops = k * (m + pp - 2) if pp > 1 else 0
         layer = hw.train_layer_lat if train else hw.layer_lat
         head = hw.pass_lat(c.head, train)
