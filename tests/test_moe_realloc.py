@@ -131,8 +131,6 @@ def test_moe_bad_layouts_and_configs():
 def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 << 12) -> int:
     """MoeReallocator on the rank's own ModelShard + ExpertShard (gloo): destination dense buffer
     and expert tensors against the oracle, sources untouched."""
-    from dataclasses import replace as _replace
-
     import torch.distributed as dist
 
     from real_py.realloc import ExpertShard
@@ -145,7 +143,7 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
                      ("dp2,tp2,ep2", "tp2,dp2,etp2"), ("tp2,dp2,etp2", "dp2,tp2,ep2"), ("dp4,ep4", "tp4,etp4"),
                      ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2"),
                      ("tp2,pp2,ep2", "dp4,ep4"),      # stacked experts
-                     ("tp2,pp2,etp2", "dp4,ep4")):    # windows; direct pieces staged on one end
+                     ("tp2,pp2,etp2", "dp4,ep4")):    # one expert part per stage window
         src, dst = L(src), L(dst)
         s = ModelShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         se = ExpertShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
@@ -162,14 +160,7 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
         if before is not None and s is not None:
             assert torch.equal(s.flat, before[0]) and torch.equal(se.flat, before[1]), f"rank {rank} source"
         if d is not None:
-            # the full model's ModelShard holds the dense tensors of its own stages
-            assert torch.equal(d.flat, oracle_flat(MOE, _replace(dst, ep=1, etp=1), rank, full)), \
-                f"rank {rank} {dst}"
-            want = expert_oracle(MOE, dst, rank, full)
-            assert set(de.params()) == set(want)
-            for name, v in want.items():
-                assert torch.equal(de.view(name), v), f"rank {rank} {src}->{dst}: {name}"
-                checked += 1
+            checked += _check_destination(MOE, src, dst, rank, full, d, de)
     return checked
 
 
@@ -218,17 +209,25 @@ def _moe_shards(model, src, dst, full):
     return srcs, dsts
 
 
+def _check_destination(model, src, dst, rank, full, d, e) -> int:
+    """`rank`'s destination ModelShard d and ExpertShard e against slicing the full tensors (the
+    full model's ModelShard holds the dense tensors of its own stages); returns the expert
+    tensors compared."""
+    assert torch.equal(d.flat, oracle_flat(model, replace(dst, ep=1, etp=1), rank, full)), \
+        f"{src}->{dst}: dense buffer of rank {rank} differs from the oracle"
+    want = expert_oracle(model, dst, rank, full)
+    assert set(e.params()) == set(want)
+    for name, v in want.items():
+        assert torch.equal(e.view(name), v), f"{src}->{dst}: {name} on rank {rank} differs"
+    return len(want)
+
+
 def _check_against_oracle(model, src, dst, full, srcs, dsts, before):
     for r, (s, e) in srcs.items():
         assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), \
             f"{src}->{dst}: source of rank {r} modified"
     for r, (d, e) in dsts.items():
-        assert torch.equal(d.flat, oracle_flat(model, replace(dst, ep=1, etp=1), r, full)), \
-            f"{src}->{dst}: dense buffer of rank {r} differs from the oracle"
-        want = expert_oracle(model, dst, r, full)
-        assert set(e.params()) == set(want)
-        for name, v in want.items():
-            assert torch.equal(e.view(name), v), f"{src}->{dst}: {name} on rank {r} differs"
+        _check_destination(model, src, dst, r, full, d, e)
 
 
 @pytest.mark.parametrize("src,dst", MERGED_PAIRS)
