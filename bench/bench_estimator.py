@@ -30,7 +30,7 @@ from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
-PROFILE_KEYS = ("intra_lat", "lat_contention", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
+PROFILE_KEYS = ("intra_lat", "lat_contention", "coll_lat_growth", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
                 "value_train_lat", "decode_layer_lat",
                 "decode_lat", "train_layer_lat", "train_lat", "tp_head_lat", "tp_train_lat", "tp_decode_lat",
                 "realloc_lat")

@@ -157,6 +157,45 @@ def test_contention_by_hand():
     assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(1.5 * tb["dp"])
 
 
+def test_sync_free_inference_counts_one_busy_rank():
+    """A dp-only inference call has no collective, so its ranks run their shares apart and the
+    processor terms are not stretched by its own peers; with tp (collectives) they are."""
+    m = tiny()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    base = replace(HW, layer_lat=1e-3, head_lat=2e-3)
+    shared = replace(base, shared_cores=2, lat_contention=0.5)
+    assert call_time("inference", m, Mesh(0, 4), 4, 1, 1, shared, wl) == \
+        call_time("inference", m, Mesh(0, 4), 4, 1, 1, base, wl)
+    a = call_time("inference", m, Mesh(0, 4), 2, 2, 1, base, wl)
+    b = call_time("inference", m, Mesh(0, 4), 2, 2, 1, shared, wl)
+    assert b["overhead"] == pytest.approx(2 * a["overhead"])
+    # Generation and train calls on dp alone still share the cores (ranks start together).
+    for kind in ("generate", "train"):
+        g0 = call_time(kind, m, Mesh(0, 4), 4, 1, 1, base, wl)
+        g1 = call_time(kind, m, Mesh(0, 4), 4, 1, 1, shared, wl)
+        assert g1["overhead"] == pytest.approx(2 * g0["overhead"])
+
+
+def test_collective_latency_grows_with_ranks_by_hand():
+    """coll_lat_growth = 1: a collective over n ranks waits n - 1 times a pair's latency (a ring's
+    2 (n - 1) steps against a pair's 2); pipeline hops (point to point) do not grow."""
+    ring = replace(HW, coll_lat_growth=1.0)
+    assert ring.coll_lat(1e-3, 1) == ring.coll_lat(1e-3, 2) == 1e-3
+    assert ring.coll_lat(1e-3, 4) == pytest.approx(3e-3) and HW.coll_lat(1e-3, 4) == 1e-3
+    assert all(get_profile(n).coll_lat_growth == 0.0 for n in ("a100", "h100", "h200"))
+    m = tiny()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
+    fast = dict(intra_bw=1e30, inter_bw=1e30)  # latency only
+    for dp, growth in ((2, 1.0), (4, 3.0)):
+        a = call_time("train", m, Mesh(0, 4), dp, 4 // dp, 1, replace(HW, **fast), wl)
+        b = call_time("train", m, Mesh(0, 4), dp, 4 // dp, 1, replace(ring, **fast), wl)
+        assert b["dp"] == pytest.approx(growth * a["dp"])
+    a = call_time("inference", m, Mesh(0, 4), 1, 1, 4, replace(HW, **fast), wl)
+    b = call_time("inference", m, Mesh(0, 4), 1, 1, 4, replace(ring, **fast), wl)
+    hops = a["pp"] - HW.intra_lat  # the last stage's result broadcast is a collective over 4 ranks
+    assert b["pp"] == pytest.approx(hops + 3 * HW.intra_lat)
+
+
 def test_tensor_parallel_host_extras_by_hand():
     m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
     hw = HardwareProfile(**FREE | dict(layer_lat=0.0, head_lat=0.0, decode_layer_lat=0.0, decode_lat=0.0,

@@ -19,7 +19,9 @@ A. uncontended: n busy ranks, one per core (the others wait in a barrier):
      head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
 B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n = cores): how
    much the collective latency grows when busy ranks share cores (`lat_contention`; processor
-   work grows with the number of busy ranks per core, `shared_cores`); and a real Reallocator
+   work grows with the number of busy ranks per core, `shared_cores`); a small all-reduce over
+   all 2n ranks against one over pairs: how the latency grows with a collective's ranks
+   (`coll_lat_growth`, gloo's ring takes 2 (n - 1) steps); and a real Reallocator
    over DistTransport on all 2n ranks (tp2 x pp -> dp, as a training -> generation move) minus
    its planned transfer time: the fixed cost per reallocation.
 """
@@ -158,6 +160,15 @@ def _link_bandwidth(rank: int, pair, reps: int) -> dict:
     return {"bw_bytes_per_s": big.numel() * 4 / seconds}
 
 
+def _coll_growth(rank: int, pair, reps: int) -> dict:
+    """Seconds of a small all-reduce (the size of a loss or token count) over all ranks and over
+    this rank's pair, every rank busy in both (every pair at once): how a collective's latency
+    grows with its ranks (`coll_lat_growth`)."""
+    x = torch.zeros(8, dtype=torch.float64)
+    return {f"allreduce_{k}_s": v for k, v in _timed(
+        {"world": lambda: dist.all_reduce(x), "pair": lambda: dist.all_reduce(x, group=pair)}, reps).items()}
+
+
 def _realloc_plan(world: int):
     """The calibration reallocation: the calibration model from tp=2 x pp=world/2 (a training
     layout) to dp=world (a generation layout) on every rank, busy at once as in the runtime."""
@@ -215,6 +226,7 @@ def _worker(rank: int, world: int, n: int, reps: int) -> dict:
     dist.barrier()
     # Phase B: every pair at once, two busy ranks per core; a reallocation over every rank.
     out |= _pair_costs(rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
+    out |= _coll_growth(rank, pairs[rank // 2], reps)
     out |= _realloc_cost(rank, DistTransport(dist.group.WORLD, timeout=60), world, None, reps)
     return out
 
@@ -288,13 +300,15 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
     pp_extra = statistics.mean([raw[f"pp2_inf_{Lp}"] - (fixed["lm_inf"] + Lp * slope["lm_inf"]),
                                 pp_step - (decode + Lp * decode_layer)])
     p2p_ratio = max(pp_extra - coll, 0.01 * coll) / coll
+    # Phase B: a collective over all ranks against one over pairs, both with every rank busy.
+    growth = max((raw["allreduce_world_s"] / raw["allreduce_pair_s"] - 1.0) / (raw["ranks"] - 2), 0.0)
     # What tensor parallelism adds outside the layers beyond the collectives the cost model
     # counts (HEAD_COLLS per pass, one all-gather per decode step): gathers of Python objects,
     # masking and slicing of the vocab-parallel head.
     return {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
             "train_lat": train, "value_train_lat": value_train,
             "decode_layer_lat": decode_layer, "decode_lat": decode, "intra_lat": coll,
-            "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio,
+            "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio, "coll_lat_growth": growth,
             "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
             "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
             "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}

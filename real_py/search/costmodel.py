@@ -6,7 +6,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   decode     per generated token: max(compute, (weights / tp + KV cache / (tp * pp)) / HBM);
              with pp stages each reading its weights once per micro-batch and pp micro-batches,
              pipelining does not reduce the weight reads of a decode step.
-  tp         ring all-reduce: lat + 2 (n-1)/n * bytes / bw; 2 per layer forward, 4 forward+backward,
+  tp         ring all-reduce: lat_n + 2 (n-1)/n * bytes / bw, lat_n the profile's collective latency
+             grown for n ranks (HardwareProfile.coll_lat); 2 per layer forward, 4 forward+backward,
              plus small ones per pass outside the layers: HEAD_COLLS with an lm head (vocab-parallel
              embedding and log-probs), VALUE_HEAD_COLLS with a value head (embedding only).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
@@ -18,7 +19,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   overhead   fixed seconds per layer and per pass of one micro-batch (host-side op dispatch);
              measured for the `cpu` profile, zero for GPUs (launches overlap device work).
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
-             waits x HardwareProfile.lat_slowdown (see calibrate.py).
+             waits x HardwareProfile.lat_slowdown (see calibrate.py); an inference call without
+             collectives (dp only) counts one busy rank (its ranks run their shares apart).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
 Ranks are walked tp fastest, then dp, then pp (Layout's default order), so tp groups are
 contiguous and a group of n ranks with stride s shares a node iff s * n <= ranks_per_node.
@@ -148,8 +150,10 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     es, H, L = model.element_size, c.hidden_size, c.num_hidden_layers
     tp_bw, tp_lat = group_link(hw, mesh, 1, tp)
     dp_bw, dp_lat = group_link(hw, mesh, tp, dp)
-    pp_bw, pp_coll_lat = group_link(hw, mesh, tp * dp, pp)
-    pp_lat = pp_coll_lat * hw.p2p_lat_ratio  # pipeline hops are point-to-point messages
+    pp_bw, pp_link_lat = group_link(hw, mesh, tp * dp, pp)
+    pp_lat = pp_link_lat * hw.p2p_lat_ratio  # pipeline hops are point-to-point messages
+    # A collective's latency over n ranks (HardwareProfile.coll_lat_growth: a ring's steps).
+    tp_lat, dp_lat, pp_coll_lat = hw.coll_lat(tp_lat, tp), hw.coll_lat(dp_lat, dp), hw.coll_lat(pp_link_lat, pp)
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
     S = wl.seq_len
@@ -236,7 +240,14 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # processors do and, less, the wait for a message (a peer may wait for a core). Pipeline
     # stages are busy together only with several micro-batches in flight; a decode step runs
     # its stages one after another.
-    busy = dp * tp * (1 if kind == "generate" else min(pp, pass_m))
+    # An inference call on dp replicas alone (tp = pp = 1) has no collective: its ranks never
+    # wait for each other, so each runs its share when it gets there. After a generation call
+    # (whose ranks end apart: the contended ones later) the shares of a short call do not overlap,
+    # and the call's last rank, which sets its end, runs alone (measured: 4 ranks, dp4 on 2
+    # cores, ref / reward / critic inference of 1-2 ms each at 4-10 ms offsets per rank;
+    # bench_estimator). Its peers do not stretch its work.
+    sync_free = kind == "inference" and tp == 1 and pp == 1
+    busy = 1 if sync_free else dp * tp * (1 if kind == "generate" else min(pp, pass_m))
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
     # After the pipeline flush every stage reduces its gradients and steps at the same time.

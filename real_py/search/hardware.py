@@ -67,6 +67,12 @@ class HardwareProfile:
     """Per reallocation: planning lookup, buffer set-up, completion check."""
     lat_contention: float = 0.0
     """Growth of the collective latency per unit of contention above 1 (see contention())."""
+    coll_lat_growth: float = 0.0
+    """Growth of a collective's latency per rank beyond two, relative to intra_lat / inter_lat
+    (the latency of a two-rank collective): a ring all-reduce over n ranks takes 2 (n - 1) steps
+    where a pair takes 2, so 1.0 is a ring whose every step costs what a pair's does (gloo,
+    measured for the `cpu` profile); 0: flat (the GPU profiles: NCCL's small-message trees and
+    LL protocol keep it within a few microseconds on one node)."""
     p2p_lat_ratio: float = 1.0
     """Latency of one point-to-point message relative to a small collective's (intra_lat and
     inter_lat are collective latencies; gloo's all-reduce takes several round trips)."""
@@ -81,7 +87,7 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be positive")
         for f in ("layer_lat", "head_lat", "decode_layer_lat", "decode_lat", "train_layer_lat", "train_lat",
                   "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat",
-                  "p2p_lat_ratio", "lat_contention"):
+                  "p2p_lat_ratio", "lat_contention", "coll_lat_growth"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
         for f in ("value_head_lat", "value_train_lat"):
@@ -112,6 +118,10 @@ class HardwareProfile:
     def contention(self, ranks: int) -> float:
         """Slow-down of processor work when `ranks` devices are busy on `shared_cores` cores."""
         return max(1.0, ranks / self.shared_cores) if self.shared_cores else 1.0
+
+    def coll_lat(self, lat: float, n: int) -> float:
+        """Latency of one collective over n ranks whose two-rank latency is `lat`."""
+        return lat * (1.0 + self.coll_lat_growth * max(n - 2, 0))
 
     def lat_slowdown(self, ranks: int) -> float:
         """Slow-down of a message's latency when `ranks` devices are busy (a peer may be waiting
