@@ -164,9 +164,17 @@ def _coll_growth(rank: int, pair, reps: int) -> dict:
     """Seconds of a small all-reduce (the size of a loss or token count) over all ranks and over
     this rank's pair, every rank busy in both (every pair at once): how a collective's latency
     grows with its ranks (`coll_lat_growth`)."""
-    x = torch.zeros(8, dtype=torch.float64)
-    return {f"allreduce_{k}_s": v for k, v in _timed(
-        {"world": lambda: dist.all_reduce(x), "pair": lambda: dist.all_reduce(x, group=pair)}, reps).items()}
+    x, n = torch.zeros(8, dtype=torch.float64), 10  # n back to back per timing: the steady rate
+
+    def world():
+        for _ in range(n):
+            dist.all_reduce(x)
+
+    def pairs():
+        for _ in range(n):
+            dist.all_reduce(x, group=pair)
+
+    return {f"allreduce_{k}_s": v / n for k, v in _timed({"world": world, "pair": pairs}, reps).items()}
 
 
 def _realloc_plan(world: int):
