@@ -11,7 +11,9 @@ of --repeats, methods interleaved per repeat, after one untimed warmup run that 
 verification run), useful GB/s per rank and in aggregate, network bytes against the minimum,
 and the fraction of the lower bound achieved. Plans, groups and meshes are built before timing.
 A 'gloo floor' row per pair times the plan's messages alone (one batch_isend_irecv between
-preallocated buffers): what the minimum bytes cost over gloo here, which no method can beat.
+preallocated buffers): what the minimum bytes cost over gloo here, which no method can beat; a
+'gloo floor + local copies' row adds each rank's elements that stay on it as one contiguous copy
+during the batch: the least an exact method keeping its source does on this machine.
 
 Lower bound: the largest number of bytes any one rank must receive over the network (what it
 needs and does not hold) divided by the point-to-point gloo bandwidth between two ranks of this
@@ -227,11 +229,12 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
                 merged[idx] = [max(a, b) for a, b in zip(m, secs)]
         prof["per_round"] = [[i] + [round(x, 6) for x in merged[i]] for i in sorted(merged)]
         log(f"real_py phases (max over ranks, s): {prof}")
-    from realloc_methods import GlooFloor
+    from realloc_methods import GlooFloor, GlooFloorLocal
 
-    runnable["gloo floor"] = GlooFloor(plan, src_shard.flat.dtype if src_shard is not None
-                                       else dst_shard.flat.dtype)
-    runnable["gloo floor"].run()  # warmup
+    dtype = src_shard.flat.dtype if src_shard is not None else dst_shard.flat.dtype
+    for cls in (GlooFloor, GlooFloorLocal):
+        runnable[cls.name] = cls(plan, dtype)
+        runnable[cls.name].run()  # warmup
     times = {name: [] for name in runnable}
     for _ in range(repeats):
         for name, m in runnable.items():
@@ -240,7 +243,7 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
     base = {"model": model_key, "params_M": round(model.numel / 1e6, 1), "src": str(src), "dst": str(dst),
             "min_network_GB": min_bytes / 1e9, "lb_rank_GB": lb_bytes / 1e9}
     rp = statistics.median(times["real_py"]) if "real_py" in times else None
-    for name in METHODS + (STAGED, "gloo floor"):
+    for name in METHODS + (STAGED, "gloo floor", "gloo floor + local copies"):
         if name not in methods and name not in runnable:
             continue
         m = methods.get(name, runnable.get(name))
@@ -537,6 +540,21 @@ def moe_main(args) -> None:
                   notes=notes, extra={"links": out["links"], "load_average": load, "repeats": args.repeats})
 
 
+def _floor_summary(rows: list[dict]) -> str:
+    """real_py's seconds over each floor row's, per pair (the issue's 1.2x goal is against the
+    plain floor)."""
+    by = {}
+    for r in rows:
+        if r.get("seconds"):
+            by.setdefault((r["model"], r["src"], r["dst"]), {})[r["method"]] = r["seconds"]
+    parts = []
+    for (m, s, d), t in by.items():
+        if "real_py" in t and "gloo floor" in t and "gloo floor + local copies" in t:
+            parts.append(f"{m} {s}->{d}: {t['real_py'] / t['gloo floor']:.2f}x the floor, "
+                         f"{t['real_py'] / t['gloo floor + local copies']:.2f}x floor + local copies")
+    return ("real_py against the floors: " + "; ".join(parts) + ".") if parts else ""
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -578,6 +596,11 @@ def main():
              "'gloo floor' row is not a method: real_py's plan messages posted as one "
              "batch_isend_irecv between preallocated buffers (no copies, no rounds), i.e. what "
              "moving exactly the minimum bytes over gloo costs here; no exact method can beat it. "
+             "The 'gloo floor + local copies' row adds, while the batch is in flight, each rank's "
+             "elements that stay on it (the plan's local copies) as one contiguous copy between "
+             "preallocated buffers: the least an exact method that keeps its source intact does "
+             "on this machine, where gloo and memory copies share the same cores. "
+             + _floor_summary(out["rows"]) + " "
              "The 'real_py staged' row is real_py with direct_min_bytes=0 (contiguous pieces "
              "inside mixed messages packed into staging, as before they were sent directly), "
              "timed interleaved in the same run.")

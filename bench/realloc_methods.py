@@ -11,6 +11,7 @@ network per run under the method's own scheme (over-sending shows up there).
                   source and destination fit one device mesh
   RealPy          real_py's Reallocator over a torch.distributed transport
   GlooFloor       not a method: the plan's messages alone over gloo (the floor for all)
+  GlooFloorLocal  not a method: the floor plus the plan's rank-local elements as one contiguous copy
   (Megatron-core lives in realloc_mcore.py.)
 """
 
@@ -194,4 +195,29 @@ class GlooFloor:
                 w.wait()
 
 
-__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "dtensor_why_not", "assemble_full"]
+class GlooFloorLocal(GlooFloor):
+    """Not a method either: the gloo floor's batch plus, while it is in flight, this rank's
+    elements that stay on it (the plan's local copies) as ONE contiguous copy between
+    preallocated buffers. Every exact method that keeps its source intact moves these elements
+    from the source buffer to the destination buffer somehow; one contiguous copy is the cheapest
+    way. So this is the floor of an exact reallocation on this machine, where gloo's transfers
+    and memory copies share the same cores."""
+
+    name = "gloo floor + local copies"
+
+    def __init__(self, plan, dtype):
+        super().__init__(plan, dtype)
+        n = plan.for_rank(dist.get_rank()).local_numel
+        self.local = (torch.ones(n, dtype=dtype), torch.empty(n, dtype=dtype)) if n else None
+
+    def run(self) -> None:
+        works = (dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, peer, t in self.ops])
+                 if self.ops else [])
+        if self.local is not None:
+            self.local[1].copy_(self.local[0])
+        for w in works:
+            w.wait()
+
+
+__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "GlooFloorLocal", "dtensor_why_not",
+           "assemble_full"]
