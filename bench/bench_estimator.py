@@ -1,6 +1,7 @@
 """Runtime estimator vs the PPO runtime: measured and estimated seconds per iteration, per plan.
 
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
+    python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
 
 Per round: calibrates the `cpu` hardware profile (refresh=True), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
@@ -13,10 +14,13 @@ asks `estimate()` for the same plan, models and workload. One of the plans is th
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
+from dataclasses import asdict, fields
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +31,7 @@ from real_py.rlhf.execplan import ExecutionPlan  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
+from real_py.search.hardware import HardwareProfile  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
@@ -94,11 +99,72 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         every = sum(est["calls"][c]["seconds"] for c in CALLS)
         row["est host s"], row["est comm s"] = comp, every - comp
         row["layouts"] = "; ".join(f"{c}={est['calls'][c]['layout']}" for c in CALLS)
+        row["plan_json"] = plan
         row["breakdown"] = {c: {k: round(v, 6) for k, v in est["calls"][c]["breakdown"].items()}
                             for c in CALLS}
         rows.append(row)
         print(f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s", flush=True)
     return rows, hw, found.iter_time
+
+
+def _plan_of(row: dict) -> dict:
+    """A recorded row's plan: its JSON, or (older files) parsed from its layouts column."""
+    if "plan_json" in row:
+        return row["plan_json"]
+    calls = {}
+    for part in row["layouts"].split("; "):
+        c, lay = part.split("=")
+        dp, tp, pp, lo, hi = map(int, re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)@\[(\d+),(\d+)\)", lay).groups())
+        calls[c] = {"ranks": list(range(lo, hi)), "dp": dp, "tp": tp, "pp": pp}
+    return {"world_size": 4, "calls": calls}
+
+
+def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
+    """Each round's calibrated profile of a recorded run: whole from its JSON (`extra.profiles`),
+    or (older files) the PROFILE_KEYS printed in its notes with every other field from this
+    machine's cached `cpu` profile; returns the fields so filled in."""
+    if "profiles" in data.get("extra", {}):
+        return {int(k): HardwareProfile(**v) for k, v in data["extra"]["profiles"].items()}, []
+    base = asdict(cpu_profile())
+    out, filled = {}, set()
+    for m in re.finditer(r"round (\d+): ([a-z_]+=[^;]*);", data["notes"]):
+        kw = dict(base)
+        given = dict(kv.split("=") for kv in m.group(2).split(", "))
+        kw |= {k: float(v) for k, v in given.items()}
+        kw["inter_lat"] = kw["intra_lat"]
+        filled |= {f.name for f in fields(HardwareProfile)} - set(given) - {"name", "inter_lat"}
+        out[int(m.group(1))] = HardwareProfile(**kw)
+    return out, sorted(filled)
+
+
+def rescore(path: str) -> None:
+    """Re-estimate a recorded run's plans with this code's cost model and the run's own
+    calibrated profiles: how a cost-model change scores on the same measurements, apart from the
+    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round."""
+    with open(path) as f:
+        data = json.load(f)
+    _, actor, critic, wl = job()
+    profiles, filled = _profiles_of(data)
+    it_errs, call_errs, per = [], [], {}
+    for r in data["rows"]:
+        est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
+                       workload=wl, dtype=actor.dtype)
+        it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
+        pairs = [(c, float(r[f"{c} meas/est s"].split("/")[0]), est["calls"][c]["seconds"]) for c in CALLS]
+        meas_re = r["realloc actor meas s"] + r["realloc critic meas s"]
+        if meas_re > 0:
+            pairs.append(("realloc", meas_re, sum(est["realloc_seconds"].values())))
+        for c, m, e in pairs:
+            call_errs.append(abs(e - m) / m)
+            per.setdefault((r["plan"], c), []).append((e - m) / m)
+    print(f"{path} (measured at {data['environment'].get('git_commit')}), re-estimated with this "
+          f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over {len(it_errs)} rows, "
+          f"per call {statistics.median(call_errs):.3f} over {len(call_errs)} calls and reallocations")
+    if filled:
+        print(f"profile fields not recorded in the file, taken from this machine's cached cpu profile: "
+              f"{', '.join(filled)}")
+    for (plan, c), errs in sorted(per.items()):
+        print(f"  {plan:14s} {c:13s} " + " ".join(f"{x:+.2f}" for x in errs))
 
 
 def main() -> None:
@@ -107,19 +173,25 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
+    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
+                    "code's cost model and the run's profiles (no measurement)")
     args = ap.parse_args()
+    if args.rescore:
+        return rescore(args.rescore)
     rows, profiles, med = [], [], statistics.median
+    saved = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(1, args.rounds + 1):
             r, hw, found = measure_round(rnd, args, tmp)
             rows += r
+            saved[rnd] = asdict(hw)
             profiles.append(f"round {rnd}: " + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
                             + f"; searched plan estimated {found:.4f} s")
     per_round = {rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd])
                  for rnd in range(1, args.rounds + 1)}
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
-    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs")]
+    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json")]
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
@@ -132,7 +204,8 @@ def main() -> None:
                         + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
                         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
-                        "breakdowns are in the JSON.")
+                        "breakdowns are in the JSON.",
+                  extra={"profiles": saved})
 
 
 if __name__ == "__main__":
