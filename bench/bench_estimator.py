@@ -96,7 +96,7 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
         # per-layer and per-pass overheads) vs waiting on messages (tp/dp/pp), over all calls.
         comp = sum(v for c in CALLS for k, v in est["calls"][c]["breakdown"].items() if k in HOST_BOUND)
-        every = sum(est["calls"][c]["seconds"] for c in CALLS)
+        every = sum(est["calls"][c]["alone"] for c in CALLS)
         row["est host s"], row["est comm s"] = comp, every - comp
         row["layouts"] = "; ".join(f"{c}={est['calls'][c]['layout']}" for c in CALLS)
         row["plan_json"] = plan

@@ -47,7 +47,8 @@ def per_call(res, heu) -> dict:
     for i, name in enumerate(prob.names):
         o = prob.options[i][res.choice[i]]
         h = prob.options[i][prob.index[i][heu.layouts[name]]] if heu.layouts else None
-        terms = lambda opt: {k: round(v, 4) for k, v in opt.breakdown.items() if isinstance(v, float) and v}
+        terms = lambda opt: {k: round(v, 4) for k, v in opt.breakdown.items()
+                             if isinstance(v, float) and v and k not in ("busy", "working")}
         out[name] = {"searched": str(o), "searched_s": o.time, "searched_terms": terms(o),
                      "heuristic": str(h) if h else None, "heuristic_s": h.time if h else None,
                      "heuristic_terms": terms(h) if h else None}

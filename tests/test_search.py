@@ -26,17 +26,18 @@ FAST = HardwareProfile(name="fast", peak_flops=1e12, flops_eff=1, hbm_bw=1e12, h
                        ranks_per_node=4)
 
 
-def hand_problem(mem=100.0, iters=1):
+def hand_problem(mem=100.0, iters=1, cores=0):
     # gen [0,2) 1 s (weights from actor_train [0,4)), ref [2,4) 2 s, rew [0,2) 0.5 s,
     # critic_inf on critic_train's layout [0,2) 1 s, actor_train [0,4) 3 s, critic_train [0,2) 2 s.
+    # cores > 0: the ranks share that many cores, every rank of a call busy and working.
     def opt(start, size, dp, t, persist=0.0, transient=0.0, weights=0.0):
-        return Option(Mesh(start, size), dp, 1, 1, t, persist, transient, weights)
+        return Option(Mesh(start, size), dp, 1, 1, t, persist, transient, weights, {}, size, size)
 
     options = [[opt(0, 2, 2, 1.0, transient=5, weights=3)], [opt(2, 2, 2, 2.0)], [opt(0, 2, 2, 0.5)],
                [opt(0, 2, 2, 1.0)], [opt(0, 4, 4, 3.0, persist=10)], [opt(0, 2, 2, 2.0)]]
     calls = []
     prob = SimpleNamespace(calls=PPO_GRAPH, names=[c.name for c in PPO_GRAPH], options=options, num_gpus=4, rpn=4, hw=SimpleNamespace(
-        intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_limit=mem), wl=Workload(),
+        intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_limit=mem, shared_cores=cores), wl=Workload(),
         iters=iters, realloc_time=lambda c, s, d: calls.append(c) or 0.25)
     return prob, calls
 
@@ -59,6 +60,36 @@ def test_hand_built_timeline():
     c = ev.simulate([0] * 6, True)
     assert c["iter_time"] == 8.25
     assert [(t[3], t[4]) for t in c["tasks"]] == [(e.start, e.end) for e in r.events]
+
+
+def test_hand_built_timeline_on_shared_cores():
+    """4 ranks on 2 cores: a call placed beside running calls is stretched by
+    contention(busy + their working ranks over its interval) / contention(busy)."""
+    prob, _ = hand_problem(cores=2)
+    r = simulate(prob, [0] * 6)
+    got = [(e.label, e.start, e.end) for e in r.events]
+    assert got == [
+        ("realloc actor", 0.0, 0.25),
+        ("actor_gen", 0.25, 1.25),
+        ("ref_inf", 1.25, 3.25),       # placed beside nothing running
+        ("rew_inf", 1.25, 2.25),       # beside ref_inf's 2 ranks: 4 busy on 2 cores, 0.5 s -> 1 s
+        ("critic_inf", 2.25, 4.25),    # its whole second beside ref_inf: 1 s -> 2 s
+        ("actor_train", 4.25, 7.25),   # alone: 4 busy, already in its 3 s
+        ("critic_train", 7.25, 9.25),
+    ]
+    assert r.iter_time == 9.25
+    ev = _C.SearchEvaluator(Problem.graph_dict(prob), prob.realloc_time)
+    c = ev.simulate([0] * 6, True)
+    assert c["iter_time"] == 9.25
+    assert [(t[3], t[4]) for t in c["tasks"]] == [(e.start, e.end) for e in r.events]
+    # ref_inf on one rank for 1.5 s: rew_inf beside 1 working rank, (2 + 1) / 2 = 1.5x -> 0.75 s;
+    # critic_inf from 2.0, 0.75 of its 1 s beside it: w = 0.75, (2 + 0.75) / 2 = 1.375x.
+    prob.options[1] = [Option(Mesh(2, 1), 1, 1, 1, 1.5, 0.0, 0.0, 0.0, {}, 1, 1)]
+    r = simulate(prob, [0] * 6)
+    spans = {e.label: (e.start, e.end) for e in r.events}
+    assert spans["rew_inf"] == (1.25, 2.0) and spans["critic_inf"] == pytest.approx((2.0, 3.375))
+    c = _C.SearchEvaluator(Problem.graph_dict(prob), prob.realloc_time).simulate([0] * 6, True)
+    assert [(t[3], t[4]) for t in c["tasks"]] == pytest.approx([(e.start, e.end) for e in r.events])
 
 
 def test_hand_built_iterations_and_memory():

@@ -5,7 +5,9 @@
 //     (start, size, dp, tp, pp, time_s, persist_bytes, transient_bytes, weights_bytes)
 //   graph["weight_src"], ["deps"], ["dep_bytes"], ["num_gpus"], ["ranks_per_node"],
 //   ["intra_bw"], ["inter_bw"], ["intra_lat"], ["inter_lat"], ["mem_limit"], ["iters"];
-//   optional ["staleness"] (async RL bound, default 0) and ["trains"] (per call: a train call).
+//   optional ["staleness"] (async RL bound, default 0), ["trains"] (per call: a train call),
+//   ["shared_cores"] and ["busy"] (per call a float64 array [num_options, 2]: busy and working
+//   ranks of each option, see Option).
 // The GIL stays held: the reallocation callback runs Python (cached per option pair).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -54,6 +56,20 @@ rs::Graph graph_from(const py::dict& d) {
   g.mem_limit = d["mem_limit"].cast<double>();
   g.iters = d["iters"].cast<int>();
   if (d.contains("staleness")) g.staleness = d["staleness"].cast<int>();
+  if (d.contains("shared_cores")) g.shared_cores = d["shared_cores"].cast<double>();
+  if (d.contains("busy")) {
+    py::list items = d["busy"].cast<py::list>();
+    if (items.size() != g.options.size()) throw std::invalid_argument("graph: busy needs one array per call");
+    for (size_t c = 0; c < g.options.size(); ++c) {
+      F64 a = items[c].cast<F64>();
+      if (a.ndim() != 2 || a.shape(1) != 2 || static_cast<size_t>(a.shape(0)) != g.options[c].size())
+        throw std::invalid_argument("graph: busy[" + std::to_string(c) + "] must be [num_options, 2] float64");
+      for (size_t i = 0; i < g.options[c].size(); ++i) {
+        g.options[c][i].busy = a.data()[2 * i];
+        g.options[c][i].working = a.data()[2 * i + 1];
+      }
+    }
+  }
   if (d.contains("trains")) {
     for (bool t : d["trains"].cast<std::vector<bool>>()) g.trains.push_back(t ? 1 : 0);
     if (g.trains.size() != g.options.size()) throw std::invalid_argument("graph: trains needs one entry per call");

@@ -22,6 +22,8 @@ struct Option {
   double persist = 0;    // bytes per device held all iteration (training state, frozen weights)
   double transient = 0;  // bytes per device during the call (activations, KV cache)
   double weights = 0;    // bytes per device of a reallocated weight copy (when layouts differ)
+  double busy = 1;       // ranks whose core sharing `time` includes (Graph::shared_cores > 0)
+  double working = 1;    // ranks computing at once: they slow calls beside this one on shared cores
 };
 
 struct Graph {
@@ -31,6 +33,10 @@ struct Graph {
   std::vector<std::vector<int>> deps;        // per call: calls it reads
   std::vector<std::vector<double>> dep_bytes;  // bytes read from each dep
   double intra_bw = 1, inter_bw = 1, intra_lat = 0, inter_lat = 0;
+  // Ranks sharing this many cores (0: every device its own processor): a call placed beside
+  // calls already placed is stretched by contention(busy + w) / contention(busy), w their working
+  // ranks averaged over its interval (simulate.py states the rule).
+  double shared_cores = 0;
   double mem_limit = 0;  // bytes per device
   int iters = 3;
   // Asynchronous RL (real_py/rlhf/asyncrl.py): the rollout calls of batch s + staleness run with
@@ -81,6 +87,10 @@ class Evaluator {
   std::vector<int64_t> cuts_;
   std::vector<int> all_, roll_, train_;  // call indices: every call, rollout calls, train calls
   std::vector<double> ends_, initial_, rend_;  // per batch x call end times; zeros; realloc ends
+  struct Placed {
+    double start, end, working;
+  };
+  std::vector<Placed> placed_;  // calls placed so far in this simulation (shared cores)
 };
 
 struct AnnealConfig {

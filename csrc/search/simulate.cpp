@@ -136,6 +136,17 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
   // ends_[b * n + c]: end of call c of batch b; the weights of step s are those trained by batch
   // s - 1 (initial_: zeros before the first step). Buffers are members: no allocation per call.
   ends_.assign(static_cast<size_t>(g_.iters + k) * n, 0.0);
+  placed_.clear();
+  const double cores = g_.shared_cores;
+  // o's seconds from `start` beside the calls already placed (shared cores; simulate.py's rule).
+  auto stretched = [&](const Option& o, double start) {
+    if (cores <= 0 || o.time <= 0) return o.time;
+    const double end = start + o.time;
+    double w = 0;
+    for (const Placed& p : placed_) w += p.working * std::max(0.0, std::min(end, p.end) - std::max(start, p.start));
+    w /= o.time;
+    return o.time * std::max(1.0, (o.busy + w) / cores) / std::max(1.0, o.busy / cores);
+  };
   // Reallocations of `cs` first (in call order), then the calls of `cs`, of batch b at step.
   auto place = [&](int b, const std::vector<int>& cs, const double* wts, int step) {
     double* end = ends_.data() + static_cast<size_t>(b) * n;
@@ -165,7 +176,8 @@ SimResult Evaluator::simulate(const std::vector<int>& plan, bool keep_tasks, boo
         ready = std::max(ready, end[d] + transfer_time(g_.options[d][plan[d]], o, g_.dep_bytes[c][i]));
       }
       const double start = occupy(c, ready);
-      end[c] = start + o.time;
+      end[c] = start + stretched(o, start);
+      placed_.push_back({start, end[c], o.working});
       release(c, end[c]);
       res.makespan = std::max(res.makespan, end[c]);
       if (keep_tasks) res.tasks.push_back({c, step, false, start, end[c]});

@@ -21,6 +21,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
              waits x HardwareProfile.lat_slowdown (see calibrate.py); an inference call without
              collectives (dp only) counts one busy rank (its ranks run their shares apart).
+             Calls on disjoint ranks share the cores too: the simulators stretch a call by the
+             working ranks of the calls it overlaps (simulate.py).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
 Ranks are walked tp fastest, then dp, then pp (Layout's default order), so tp groups are
 contiguous and a group of n ranks with stride s shares a node iff s * n <= ranks_per_node.
@@ -139,7 +141,8 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
 
     Terms: roofline compute ("prefill", "decode", "score", "compute", "optimizer"), collectives
     ("*_tp", "*_pp", "tp", "dp", "pp"), and "overhead": the profile's fixed seconds per
-    layer and per pass (op dispatch), zero on the GPU profiles. A generate call also scores its
+    layer and per pass (op dispatch), zero on the GPU profiles. Not terms: "busy" and
+    "working" ranks (core sharing, below; the simulators use them for calls side by side). A generate call also scores its
     sequences with one forward pass ("score"), as the runtime does to get the old log-probs.
     """
     if kind not in KINDS:
@@ -247,7 +250,8 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # cores, ref / reward / critic inference of 1-2 ms each at 4-10 ms offsets per rank;
     # bench_estimator). Its peers do not stretch its work.
     sync_free = kind == "inference" and tp == 1 and pp == 1
-    busy = 1 if sync_free else dp * tp * (1 if kind == "generate" else min(pp, pass_m))
+    working = dp * tp * (1 if kind == "generate" else min(pp, pass_m))  # ranks computing at once
+    busy = 1 if sync_free else working
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
     # After the pipeline flush every stage reduces its gradients and steps at the same time.
@@ -255,6 +259,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         if k in out:
             out[k] *= f(mesh.size) / f(busy)
     out["total"] = sum(out.values())
+    # Not terms: the ranks whose sharing of cores is in this call's time ("busy"), and those
+    # computing at once that slow other calls running beside it on the same cores ("working").
+    out["busy"], out["working"] = float(busy), float(working)
     return out
 
 

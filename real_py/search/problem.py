@@ -41,6 +41,10 @@ class Option:
     weights: float
     """Bytes per device."""
     breakdown: dict = field(compare=False, hash=False, default_factory=dict)
+    busy: float = field(default=1.0, compare=False, hash=False)
+    """Ranks whose core sharing `time` includes (costmodel "busy")."""
+    working: float = field(default=1.0, compare=False, hash=False)
+    """Ranks computing at once, which slow calls beside this one on shared cores."""
 
     @property
     def key(self) -> LayoutKey:
@@ -100,7 +104,7 @@ class Problem:
             persist = m["persist"] + (m["weights"] if call.kind != "train" and call.weight_src is None else 0.0)
             hit = self._memo[key] = (t, persist, m["transient"], m["weights"])
         t, persist, transient, weights = hit
-        return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t)
+        return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t, t["busy"], t["working"])
 
     def _rule_errors(self, call, dp: int) -> list[str]:
         wl = self.wl
@@ -168,6 +172,9 @@ class Problem:
             "intra_lat": self.hw.intra_lat, "inter_lat": self.hw.inter_lat,
             "mem_limit": self.hw.mem_limit, "iters": self.iters,
             "staleness": getattr(self, "staleness", 0), "trains": [c.kind == "train" for c in self.calls],
+            "shared_cores": float(getattr(self.hw, "shared_cores", 0)),
+            "busy": [np.array([[o.busy, o.working] for o in opts], np.float64).reshape(-1, 2)
+                     for opts in self.options],
         }
 
     def realloc_time(self, call: int, src: int, dst: int) -> float:

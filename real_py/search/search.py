@@ -193,8 +193,13 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
                    graph=search_graph(algo), grouped=algo in GROUPED, staleness=max_staleness)
     r = simulate(prob, [0] * len(prob.calls))
-    calls = {name: {"seconds": prob.options[i][0].time, "breakdown": prob.options[i][0].breakdown,
-                    "layout": str(prob.options[i][0])} for i, name in enumerate(prob.names)}
+    # A call's seconds in the timeline of the last simulated step: its own time, stretched by the
+    # calls beside it when ranks share cores (simulate.py); "alone": without them.
+    last = max((e.iter for e in r.events), default=0)
+    span = {e.call: e.end - e.start for e in r.events if not e.realloc and e.iter == last}
+    calls = {name: {"seconds": span.get(name, prob.options[i][0].time), "alone": prob.options[i][0].time,
+                    "breakdown": prob.options[i][0].breakdown, "layout": str(prob.options[i][0])}
+             for i, name in enumerate(prob.names)}
     reallocs = {e.call: e.end - e.start for e in r.events if e.realloc and e.iter == 0}
     return {"iter_time": r.iter_time, "makespan": r.makespan, "peak_mem_bytes": r.peak_mem,
             "feasible": not r.infeasible, "calls": calls, "realloc_seconds": reallocs,

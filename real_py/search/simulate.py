@@ -11,6 +11,11 @@ Rules (seconds, bytes):
   and occupies the devices of both layouts), then the calls in graph order. A task starts when
   its inputs are ready (dependencies ended + data transfer) and all of its devices are free.
   Calls on disjoint meshes therefore overlap; calls sharing a device are serialized.
+- Ranks sharing cores (HardwareProfile.shared_cores, the `cpu` profile): calls on disjoint ranks
+  overlap in the timeline but not on the cores. A call's time includes the sharing among its own
+  busy ranks (costmodel); placed beside calls already placed, it is stretched by
+  contention(busy + w) / contention(busy), w = their working ranks averaged over its interval.
+  (Calls placed earlier are not stretched back: the first-order effect, in placement order.)
 - Iteration time = makespan of `iters` iterations / iters.
 - Asynchronous RL (staleness k >= 1, real_py/rlhf/asyncrl.py): a prologue places the rollout
   calls of batches 0 .. k-1 with the initial weights; step s then places the rollout calls of
@@ -87,6 +92,16 @@ def simulate(prob, choice, iters: int | None = None, staleness: int | None = Non
     ends = [[0.0] * n for _ in range(iters + k)]     # batch -> end of every call
     initial = [0.0] * n
     events: list[Event] = []
+    cores = getattr(prob.hw, "shared_cores", 0)  # 0: every device its own processor
+    placed: list[tuple[float, float, float]] = []   # (start, end, working ranks) of placed calls
+
+    def stretched(o, start: float) -> float:
+        """o's seconds from `start`, beside the calls already placed (shared cores)."""
+        if not cores or o.time <= 0:
+            return o.time
+        end = start + o.time
+        w = sum(wk * max(0.0, min(end, e) - max(start, s)) for s, e, wk in placed) / o.time
+        return o.time * max(1.0, (o.busy + w) / cores) / max(1.0, o.busy / cores)
 
     def occupy(o, t):
         return max([t] + free[o.mesh.start:o.mesh.start + o.mesh.size])
@@ -114,7 +129,8 @@ def simulate(prob, choice, iters: int | None = None, staleness: int | None = Non
                 i = pos[d]
                 ready = max(ready, end[i] + _transfer(opts[i], o, dep_bytes(d, calls[c].name, prob.wl), prob))
             start = occupy(o, ready)
-            end[c] = start + o.time
+            end[c] = start + stretched(o, start)
+            placed.append((start, end[c], o.working))
             release(o, end[c])
             events.append(Event(((o.mesh.start, o.mesh.start + o.mesh.size),), start, end[c],
                                 calls[c].name, calls[c].name, step, False))
