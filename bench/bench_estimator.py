@@ -32,6 +32,7 @@ from real_py.rlhf import config as CF  # noqa: E402
 from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
+from real_py.search import profiles as profiles_module  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
@@ -80,10 +81,11 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         meas = med([r["seconds"] for r in recs])
         row = {"round": rnd, "plan": name, "measured s": meas, "estimated s": est["iter_time"],
                "rel err": (est["iter_time"] - meas) / meas}
-        call_errs = []
+        call_errs, row["calls meas s"] = [], {}
         for c in CALLS:
             m, e = med([r["calls"][c] for r in recs]), est["calls"][c]["seconds"]
             row[f"{c} meas/est s"] = f"{m:.4f}/{e:.4f}"
+            row["calls meas s"][c] = m
             call_errs.append((e - m) / m)
         for m in ("actor", "critic"):
             row[f"realloc {m} meas s"] = med([r["realloc_seconds"].get(m, 0.0) for r in recs])
@@ -122,10 +124,15 @@ def _plan_of(row: dict) -> dict:
 def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     """Each round's calibrated profile of a recorded run: whole from its JSON (`extra.profiles`),
     or (older files) the PROFILE_KEYS printed in its notes with every other field from this
-    machine's cached `cpu` profile; returns the fields so filled in."""
+    machine's cached `cpu` profile (never calibrated here); returns the fields so filled in."""
     if "profiles" in data.get("extra", {}):
         return {int(k): HardwareProfile(**v) for k, v in data["extra"]["profiles"].items()}, []
-    base = asdict(cpu_profile())
+    cache = profiles_module._cache_path()
+    if not os.path.exists(cache):
+        raise SystemExit(f"--rescore: the file records no whole profiles and there is no cached cpu profile "
+                         f"({cache}) to fill them from; calibrate once: python -c \"from real_py.search.profiles import cpu_profile; cpu_profile()\"")
+    with open(cache) as f:
+        base = json.load(f)["profile"]
     out, filled = {}, set()
     for m in re.finditer(r"round (\d+): ([a-z_]+=[^;]*);", data["notes"]):
         kw = dict(base)
@@ -134,6 +141,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
         kw["inter_lat"] = kw["intra_lat"]
         filled |= {f.name for f in fields(HardwareProfile)} - set(given) - {"name", "inter_lat"}
         out[int(m.group(1))] = HardwareProfile(**kw)
+    if not out:
+        raise SystemExit("--rescore: no round profiles in the file (neither extra.profiles nor notes)")
     return out, sorted(filled)
 
 
@@ -150,7 +159,8 @@ def rescore(path: str) -> None:
         est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
                        workload=wl, dtype=actor.dtype)
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
-        pairs = [(c, float(r[f"{c} meas/est s"].split("/")[0]), est["calls"][c]["seconds"]) for c in CALLS]
+        meas = r.get("calls meas s") or {c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS}
+        pairs = [(c, meas[c], est["calls"][c]["seconds"]) for c in CALLS]
         meas_re = r["realloc actor meas s"] + r["realloc critic meas s"]
         if meas_re > 0:
             pairs.append(("realloc", meas_re, sum(est["realloc_seconds"].values())))
@@ -191,7 +201,7 @@ def main() -> None:
                  for rnd in range(1, args.rounds + 1)}
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
-    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json")]
+    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s")]
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "

@@ -290,7 +290,7 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
     from real_py.search.profiles import cpu_profile
 
-    p = cpu_profile(refresh=True, reps=3)
+    p = cpu_profile(refresh=True, reps=3, repeats=2)
     assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7
     assert 0 < p.intra_lat < 0.1 and 0 < p.p2p_lat_ratio < 100 and p.shared_cores >= 2
     # Running a 5-layer engine always costs host time; a slope or an intercept alone can fit to
@@ -300,3 +300,6 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
         assert layer >= 0 and fixed >= 0 and 0 < 5 * layer + fixed < 0.5
     assert (tmp_path / "cpu_profile.json").exists()
     assert get_profile("cpu") == p  # read back from the cache file
+    import json
+    runs = json.loads((tmp_path / "cpu_profile.json").read_text())["measured"]["repeats"]
+    assert len(runs) == 2 and all("allreduce_world_s" in r for r in runs)

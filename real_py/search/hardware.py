@@ -70,9 +70,10 @@ class HardwareProfile:
     coll_lat_growth: float = 0.0
     """Growth of a collective's latency per rank beyond two, relative to intra_lat / inter_lat
     (the latency of a two-rank collective): a ring all-reduce over n ranks takes 2 (n - 1) steps
-    where a pair takes 2, so 1.0 is a ring whose every step costs what a pair's does (gloo,
-    measured for the `cpu` profile); 0: flat (the GPU profiles: NCCL's small-message trees and
-    LL protocol keep it within a few microseconds on one node)."""
+    where a pair takes 2, so 1.0 would be a ring whose every step costs what a pair's does; the
+    `cpu` profile measures it (gloo, 4 busy ranks against pairs: ~0.6 on this machine) and applies
+    it to broadcasts as well; 0: flat (the GPU profiles: NCCL's small-message trees and LL protocol
+    keep it within a few microseconds on one node)."""
     p2p_lat_ratio: float = 1.0
     """Latency of one point-to-point message relative to a small collective's (intra_lat and
     inter_lat are collective latencies; gloo's all-reduce takes several round trips)."""

@@ -29,20 +29,21 @@ def get_profile(name: str) -> HardwareProfile:
     raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
 
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
 
 
-def cpu_profile(refresh: bool = False, reps: int = 25) -> HardwareProfile:
+def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3) -> HardwareProfile:
     """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
-    $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure)."""
+    $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure, each
+    field the median of `repeats` calibrations)."""
     path = _cache_path()
     if not refresh and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
         if data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION:
             return HardwareProfile(**data["profile"])
-    prof, raw = calibrate_cpu(reps)
+    prof, raw = calibrate_cpu(reps, repeats)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"machine": platform.node(), "version": CACHE_VERSION, "measured": raw,
