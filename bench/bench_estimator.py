@@ -3,14 +3,11 @@
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
     python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
 
-Per round: calibrates the `cpu` hardware profile (refresh=True) and probes the machine's speed
-(calibrate.speed_probe), then for six execution
+Per round: calibrates the `cpu` hardware profile (refresh=True), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
 `python -m real_py train` through bench_rlhf.run (median over the steps after the warm-up) and
-asks `estimate()` for the same plan, models and workload: with the round's profile, and with
-that profile at the speed a probe measured right before the plan ran (this shared machine's
-speed moves ~20% within minutes; both errors are recorded). One of the plans is the one
+asks `estimate()` for the same plan, models and workload. One of the plans is the one
 `plan_search(..., hardware=<that profile>, num_gpus=4)` finds for this job.
 """
 
@@ -36,7 +33,6 @@ from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
 from real_py.search import profiles as profiles_module  # noqa: E402
-from real_py.search.calibrate import speed_probe  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
@@ -78,18 +74,13 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
                         time_budget=args.search_budget, seed=0)
     plans = dict(PLANS, searched=found.plan.to_json())
     rows, med = [], (lambda xs: statistics.median(xs) if xs else 0.0)
-    probe0 = speed_probe()
     for i, (name, plan) in enumerate(plans.items()):
         CF.validate(CF.from_dict({"plan": plan, "allow_idle_ranks": True}), 4)
-        speed = speed_probe() / probe0  # the machine's slow-down since the calibration
         recs = run(plan, args.steps, tmp, f"r{rnd}p{i}")[args.warmup:]
         est = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=hw, workload=wl, dtype=dtype)
-        at = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=hw.at_speed(speed), workload=wl,
-                      dtype=dtype)
         meas = med([r["seconds"] for r in recs])
         row = {"round": rnd, "plan": name, "measured s": meas, "estimated s": est["iter_time"],
-               "rel err": (est["iter_time"] - meas) / meas, "speed": speed,
-               "rel err at speed": (at["iter_time"] - meas) / meas}
+               "rel err": (est["iter_time"] - meas) / meas}
         call_errs, row["calls meas s"] = [], {}
         for c in CALLS:
             m, e = med([r["calls"][c] for r in recs]), est["calls"][c]["seconds"]
@@ -104,7 +95,6 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
             call_errs.append((row["realloc est s"] - meas_re) / meas_re)
         row["call rel errs"] = [round(x, 3) for x in call_errs]
         row["median call |rel err|"] = med([abs(x) for x in call_errs])
-        row["call rel errs at speed"] = [round(x, 3) for x in _call_errs(row, at)]
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
         # per-layer and per-pass overheads) vs waiting on messages (tp/dp/pp), over all calls.
         comp = sum(v for c in CALLS for k, v in est["calls"][c]["breakdown"].items() if k in HOST_BOUND)
@@ -117,15 +107,6 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         rows.append(row)
         print(f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s", flush=True)
     return rows, hw, found.iter_time
-
-
-def _call_errs(row: dict, est: dict) -> list[float]:
-    """Relative errors of `est` against a row's measured calls (and its reallocation, if any)."""
-    errs = [(est["calls"][c]["seconds"] - m) / m for c, m in row["calls meas s"].items()]
-    meas_re = row["realloc actor meas s"] + row["realloc critic meas s"]
-    if meas_re > 0:
-        errs.append((sum(est["realloc_seconds"].values()) - meas_re) / meas_re)
-    return errs
 
 
 def _plan_of(row: dict) -> dict:
@@ -175,9 +156,7 @@ def rescore(path: str) -> None:
     profiles, filled = _profiles_of(data)
     it_errs, call_errs, per = [], [], {}
     for r in data["rows"]:
-        # Runs with a speed probe are re-estimated at the speed measured before each plan.
-        hw = profiles[r["round"]].at_speed(r.get("speed", 1.0))
-        est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=hw,
+        est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
                        workload=wl, dtype=actor.dtype)
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
         meas = r.get("calls meas s") or {c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS}
@@ -222,11 +201,7 @@ def main() -> None:
                  for rnd in range(1, args.rounds + 1)}
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
-    errs_at = [abs(r["rel err at speed"]) for r in rows]
-    call_errs_at = [abs(x) for r in rows for x in r["call rel errs at speed"]]
-    speeds = [r["speed"] for r in rows]
-    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s",
-                                            "call rel errs at speed")]
+    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s")]
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
@@ -237,11 +212,7 @@ def main() -> None:
                         f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
                         f"iteration error per round "
                         + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
-                        + f"; max {max(errs):.2f}. At speed (the round's profile carried to the speed a "
-                        f"probe measured right before each plan, HardwareProfile.at_speed; speed = probe / "
-                        f"the probe right after the calibration, {min(speeds):.2f}-{max(speeds):.2f} here): "
-                        f"median |rel err| per iteration {med(errs_at):.3f}, per call {med(call_errs_at):.3f}. "
-                        f"Searched plan: plan_search time_budget {args.search_budget} "
+                        + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
                         "breakdowns are in the JSON.",
                   extra={"profiles": saved})

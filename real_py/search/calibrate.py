@@ -340,28 +340,6 @@ def calibrate_cpu(reps: int = 25, repeats: int = 3):
     return HardwareProfile(**kw), {"repeats": [raw for _, raw in runs]}
 
 
-def _probe_worker(rank: int, world: int, reps: int) -> dict:
-    """A fixed slice of phase B on every rank: the tp=2 engine's inference and a short generation
-    (compute and collectives with every rank busy), and each rank's own train step."""
-    singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(world)]
-    tp2 = [ParallelGroups(Layout(tp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
-    tok, lengths = _inputs(rank)
-    pair = _engine(tp2[rank // 2].layout, tp2[rank // 2], rank, LAYERS[-1])
-    own = _engine(singles[rank].layout, singles[rank], rank, LAYERS[0], train=True)
-    loss = _ppo_loss("lm", tok)
-    return _timed({"tp2_inf": lambda: pair.inference(tok, lengths), "tp2_gen": lambda: _generate(pair, tok, G[0]),
-                   "train": lambda: own.train_step(loss, {"tokens": tok, "lengths": lengths}, with_entropy=True)},
-                  reps)
-
-
-def speed_probe(reps: int = 25, ranks: int = 4) -> float:
-    """Seconds of a fixed workload on `ranks` busy ranks (a few seconds with process start): the
-    ratio of two probes is how much slower the machine runs now than at the first one, which
-    HardwareProfile.at_speed applies to a profile calibrated then (shared machines drift)."""
-    res = run_distributed(_probe_worker, ranks, reps, timeout=300)
-    return sum(max(r[k] for r in res) for k in res[0])
-
-
 def _calibrate_once(reps: int):
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4

@@ -11,7 +11,7 @@ real_py.search.calibrate (the runtime's own engines and gloo, with 4 ranks busy)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,25 +129,10 @@ class HardwareProfile:
         for a core before it answers)."""
         return 1.0 + self.lat_contention * (self.contention(ranks) - 1.0)
 
-    def at_speed(self, slowdown: float) -> HardwareProfile:
-        """This profile on the same machine running `slowdown` times slower (every time constant
-        x slowdown, every rate / slowdown): a calibrated profile carried to the speed a later
-        probe of the machine measures (calibrate.speed_probe)."""
-        if not slowdown > 0:
-            raise ValueError(f"slowdown={slowdown} must be positive")
-        kw = {f: getattr(self, f) * slowdown for f in _TIME_FIELDS if getattr(self, f) is not None}
-        kw |= {f: getattr(self, f) / slowdown for f in _RATE_FIELDS}
-        return replace(self, **kw)
-
     @property
     def mem_limit(self) -> float:
         return self.mem_bytes * self.mem_usable
 
-
-_TIME_FIELDS = ("intra_lat", "inter_lat", "layer_lat", "head_lat", "decode_layer_lat", "decode_lat",
-                "train_layer_lat", "train_lat", "value_head_lat", "value_train_lat", "tp_head_lat",
-                "tp_train_lat", "tp_decode_lat", "realloc_lat")
-_RATE_FIELDS = ("peak_flops", "hbm_bw", "intra_bw", "inter_bw")
 
 GB = 1e9
 PROFILES: dict[str, HardwareProfile] = {
