@@ -142,8 +142,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     Terms: roofline compute ("prefill", "decode", "score", "compute", "optimizer"), collectives
     ("*_tp", "*_pp", "tp", "dp", "pp"), and "overhead": the profile's fixed seconds per
     layer and per pass (op dispatch), zero on the GPU profiles. Not terms: "busy" and
-    "working" ranks (core sharing, below; the simulators use them for calls side by side). A generate call also scores its
-    sequences with one forward pass ("score"), as the runtime does to get the old log-probs.
+    "working" ranks (core sharing, below; the simulators use them for calls side by side).
+    A generate call also scores its sequences with one forward pass ("score"), as the runtime
+    does to get the old log-probs.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; allowed: {KINDS}")
