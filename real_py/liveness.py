@@ -108,9 +108,17 @@ def start_heartbeat(store=None, rank: int | None = None):
                 except Exception:  # noqa: BLE001 - store gone (shutdown): stop beating
                     return
                 stop.wait(HEARTBEAT_S)
+            try:  # stopped on purpose (stop_threads): peers still waiting learn it finished
+                store.set(key, DONE.decode())
+            except Exception:  # noqa: BLE001 - store gone
+                pass
 
         _started[id(store)] = _spawn(beat, f"real_py-heartbeat-{rank}")[0]
     return store
+
+
+DONE = b"done"
+"""A heartbeat's last value when its process stopped it on purpose (a finished run)."""
 
 
 class SilentPeer(RuntimeError):
@@ -142,6 +150,15 @@ class PeerWatch:
             elif now - old[1] >= self.silent_s:
                 out.append((p, now - old[1]))
         return out
+
+    def describe(self, peer: int, secs: float) -> str:
+        """What a silent peer's heartbeat says, for messages after "peer rank N": it ended its
+        run (stopped its heartbeat on purpose: the ranks' schedules differ), or it stopped."""
+        seen = self._seen.get(peer)
+        if seen is not None and seen[0] == DONE:
+            return (f"has finished its run (its heartbeat ended cleanly {secs:.1f} s ago) while this "
+                    "rank still waits on it")
+        return f"is silent: no heartbeat for {secs:.1f} s (process stopped or hung)"
 
 
 class _Waiter:
@@ -220,9 +237,8 @@ class Watchdog:
             if silent and self._section is cur:
                 p, secs = silent[0]
                 self._fired = True
-                self.on_silent(f"{cur[0]}: peer rank {p} is silent (no heartbeat for {secs:.1f} s: "
-                               "stopped or wedged); a blocked collective cannot be given up, so "
-                               "this process exits")
+                self.on_silent(f"{cur[0]}: peer rank {p} {self.watch.describe(p, secs)}; a blocked "
+                               "collective cannot be given up, so this process exits")
 
     def _exit(self, message: str) -> None:
         import sys

@@ -350,6 +350,13 @@ def test_stop_threads_ends_heartbeat_and_watchdog():
     assert {"real_py-heartbeat-7", "real_py-watchdog"} <= names()
     liveness.stop_threads()
     assert not {"real_py-heartbeat-7", "real_py-watchdog"} & names()
+    assert store.kv["real_py/heartbeat/7"] == liveness.DONE  # a finished run says so
+    watch = liveness.PeerWatch(store, silent_s=0.0)
+    assert watch.silent([7]) == [] and [p for p, _ in watch.silent([7])] == [7]
+    assert watch.describe(7, 5.0).startswith("has finished its run")
+    store.set("real_py/heartbeat/8", "12")   # a counter that stopped moving: silent
+    watch.silent([8])
+    assert watch.describe(8, 5.0) == "is silent: no heartbeat for 5.0 s (process stopped or hung)"
     del store.kv["real_py/heartbeat/7"]
     time.sleep(2 * liveness.HEARTBEAT_S)
     assert "real_py/heartbeat/7" not in store.kv          # stopped: no beat any more

@@ -177,8 +177,8 @@ class Pusher:
         def check():
             silent = self.watch.silent([peer])
             if silent:
-                raise SilentPeer(f"rank {self.rank}, step {step}: {what}: peer rank {peer} is silent: no "
-                                 f"heartbeat for {silent[0][1]:.1f} s (process stopped or hung)")
+                raise SilentPeer(f"rank {self.rank}, step {step}: {what}: peer rank {peer} "
+                                 f"{self.watch.describe(peer, silent[0][1])}")
 
         try:
             if self.watch is None:

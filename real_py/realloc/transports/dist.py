@@ -212,8 +212,7 @@ class DistTransport(Transport):
             g, secs = silent[0]
             p = self._global.index(g)
             msg = (f"rank {self.rank}: {step}: peer rank {p}{'' if p == g else f' (global rank {g})'} "
-                   f"is silent: no heartbeat for {secs:.1f} s (process stopped or hung) while "
-                   f"waiting to {state['what']}")
+                   f"{self._watch.describe(g, secs)}, while waiting to {state['what']}")
             self.fail(step, f"TransferError: {msg}")
             raise _reported(TransferError(msg))
 
