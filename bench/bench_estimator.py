@@ -81,18 +81,13 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         meas = med([r["seconds"] for r in recs])
         row = {"round": rnd, "plan": name, "measured s": meas, "estimated s": est["iter_time"],
                "rel err": (est["iter_time"] - meas) / meas}
-        call_errs, row["calls meas s"] = [], {}
-        for c in CALLS:
-            m, e = med([r["calls"][c] for r in recs]), est["calls"][c]["seconds"]
-            row[f"{c} meas/est s"] = f"{m:.4f}/{e:.4f}"
-            row["calls meas s"][c] = m
-            call_errs.append((e - m) / m)
+        row["calls meas s"] = {c: med([r["calls"][c] for r in recs]) for c in CALLS}
+        for c, m in row["calls meas s"].items():
+            row[f"{c} meas/est s"] = f"{m:.4f}/{est['calls'][c]['seconds']:.4f}"
         for m in ("actor", "critic"):
             row[f"realloc {m} meas s"] = med([r["realloc_seconds"].get(m, 0.0) for r in recs])
         row["realloc est s"] = sum(est["realloc_seconds"].values())
-        meas_re = row["realloc actor meas s"] + row["realloc critic meas s"]
-        if meas_re > 0:  # a plan that moves weights: the reallocation is one more "call"
-            call_errs.append((row["realloc est s"] - meas_re) / meas_re)
+        call_errs = [e for _, e in _call_errors(row, row["calls meas s"], est)]
         row["call rel errs"] = [round(x, 3) for x in call_errs]
         row["median call |rel err|"] = med([abs(x) for x in call_errs])
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
@@ -107,6 +102,16 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         rows.append(row)
         print(f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s", flush=True)
     return rows, hw, found.iter_time
+
+
+def _call_errors(row: dict, meas: dict, est: dict) -> list[tuple[str, float]]:
+    """(call, relative error) of `est` against a row's measured calls `meas`, plus the
+    reallocation of a plan that moves weights (one more "call")."""
+    out = [(c, (est["calls"][c]["seconds"] - m) / m) for c, m in meas.items()]
+    meas_re = row["realloc actor meas s"] + row["realloc critic meas s"]
+    if meas_re > 0:
+        out.append(("realloc", (sum(est["realloc_seconds"].values()) - meas_re) / meas_re))
+    return out
 
 
 def _plan_of(row: dict) -> dict:
@@ -160,13 +165,9 @@ def rescore(path: str) -> None:
                        workload=wl, dtype=actor.dtype)
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
         meas = r.get("calls meas s") or {c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS}
-        pairs = [(c, meas[c], est["calls"][c]["seconds"]) for c in CALLS]
-        meas_re = r["realloc actor meas s"] + r["realloc critic meas s"]
-        if meas_re > 0:
-            pairs.append(("realloc", meas_re, sum(est["realloc_seconds"].values())))
-        for c, m, e in pairs:
-            call_errs.append(abs(e - m) / m)
-            per.setdefault((r["plan"], c), []).append((e - m) / m)
+        for c, e in _call_errors(r, meas, est):
+            call_errs.append(abs(e))
+            per.setdefault((r["plan"], c), []).append(e)
     print(f"{path} (measured at {data['environment'].get('git_commit')}), re-estimated with this "
           f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over {len(it_errs)} rows, "
           f"per call {statistics.median(call_errs):.3f} over {len(call_errs)} calls and reallocations")

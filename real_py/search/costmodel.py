@@ -248,10 +248,10 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # wait for each other, so each runs its share when it gets there. After a generation call
     # (whose ranks end apart: the contended ones later) the shares of a short call do not overlap,
     # and the call's last rank, which sets its end, runs alone (measured: 4 ranks, dp4 on 2
-    # cores, ref / reward / critic inference of 1-2 ms each at 4-10 ms offsets per rank;
-    # bench_estimator). Its peers do not stretch its work. A rule for calls short against that
-    # skew: a long one's shares would overlap (not modelled; it still counts as `working` beside
-    # other calls).
+    # cores: ref / reward / critic inference of 1-2 ms each, several ms apart per rank, in an
+    # instrumented bench_estimator run). Its peers do not stretch its work. A rule for calls
+    # short against that skew: a long one's shares would overlap (not modelled; it still counts
+    # as `working` beside other calls).
     sync_free = kind == "inference" and tp == 1 and pp == 1
     working = dp * tp * (1 if kind == "generate" else min(pp, pass_m))  # ranks computing at once
     busy = 1 if sync_free else working
