@@ -5,6 +5,9 @@ Fast path for development: `python setup.py build_ext --inplace` (incremental).
 """
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -51,7 +54,27 @@ def ext_modules():
 def build_ext_cls():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=True)
+    class Build(BuildExtension):
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            check_shared_libstdcxx(self.get_ext_fullpath(ext.name))
+
+    return Build.with_options(use_ninja=True)
+
+
+def check_shared_libstdcxx(so):
+    """The extension must load libstdc++ as a shared library, the one torch uses. A compiler that
+    finds only libstdc++.a (e.g. a relocated gcc wrapper such as /opt/gcc/bin/g++ on the GPU machine,
+    set as CXX there) links a private copy into _C.so; the first error message then crashes the
+    process (SIGSEGV in std::ostream inside c10::str, seen on the H200 on 2026-12-04)."""
+    if not sys.platform.startswith("linux") or shutil.which("readelf") is None:
+        return
+    out = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
+    if "libstdc++.so" not in out:
+        raise RuntimeError(
+            f"{so} does not link libstdc++.so: the C++ compiler ({os.environ.get('CXX', 'c++')}) linked "
+            "libstdc++ statically, and torch's error paths would crash in it; rebuild with the system "
+            "compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ (remove build/ first)")
 
 
 setup(

@@ -8,6 +8,11 @@ seconds per call (generate includes the old log-probs pass), peak GPU memory per
 (torch.cuda.max_memory_allocated, reset before each call), iteration seconds and the metrics.
 The first iteration includes CUDA / cuBLAS warm-up; the last is the steady state.
 
+Estimator check (issue 25, on one GPU): the last iteration's seconds per call against
+real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
+(--profile, default h200) and with that profile calibrated on this GPU (calibrate_gpu: the small
+calibration model's per-layer / per-pass seconds, not this job's models). Skip with --no-estimate.
+
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
 Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
@@ -16,9 +21,11 @@ Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,6 +40,9 @@ from timing import hardware_tag, write_results  # noqa: E402
 from real_py.device import resolve_device  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.rlhf.runtime import Runtime  # noqa: E402
+from real_py.search import Workload, estimate  # noqa: E402
+from real_py.search.calibrate import calibrate_gpu  # noqa: E402
+from real_py.search.hardware import PROFILES  # noqa: E402
 from real_py.spec import model_spec  # noqa: E402
 
 
@@ -48,6 +58,32 @@ def train_config(device: str, small: bool, batch: int, prompt: int, new: int) ->
     return cfg
 
 
+def workload(cfg: CF.TrainConfig) -> Workload:
+    """The estimator's Workload for the runtime's data: prompts padded to max_prompt_len, always
+    max_new_tokens new tokens, each mini-batch cut into micro_batches micro-batches."""
+    p, d = cfg.ppo, cfg.data
+    rows = d.batch_size // p.mini_batches
+    tokens = rows * (d.max_prompt_len + cfg.generation.max_new_tokens)
+    return Workload(batch_size=d.batch_size, prompt_len=d.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
+                    ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches,
+                    micro_tokens=max(1, tokens // p.micro_batches))
+
+
+def estimator_rows(cfg, plan, models, measured: dict, profiles: dict) -> list[dict]:
+    """One row per call: measured seconds (last iteration) and each profile's estimate."""
+    wl = workload(cfg)
+    est = {name: estimate(plan, models["actor"], models["critic"], hardware=hw, workload=wl, dtype="bfloat16")
+           for name, hw in profiles.items()}
+    rows = []
+    for call, m in measured.items():
+        row = {"call": call, "measured s": m}
+        for name, e in est.items():
+            row[f"{name} est s"] = e["calls"][call]["seconds"]
+            row[f"{name} rel err"] = (e["calls"][call]["seconds"] - m) / m
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -57,6 +93,9 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="datasheet profile to check")
+    ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
+    ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
     args = ap.parse_args(argv)
     small = args.small
     cfg = train_config(args.device, small, args.batch or (4 if small else 32),
@@ -81,21 +120,51 @@ def main(argv=None):
                 rows.append({"iteration": step, "call": "(iteration)", "seconds": seconds,
                              "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024})
                 extra[f"metrics_{step}"] = out["metrics"]
+                last = out["calls"]
                 print(f"iteration {step}: {seconds:.2f} s; calls "
                       + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
                       + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
+            if not args.no_estimate:
+                # In this one-rank world, after the job: the job's memory is still held, as in a
+                # run that calibrates beside its models.
+                t0 = time.perf_counter()
+                cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev)
+                extra["calibration_seconds"] = time.perf_counter() - t0
+                profiles = {args.profile: PROFILES[args.profile], cal.name: cal}
+                extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
+                est_rows = estimator_rows(cfg, plan, models, last, profiles)
+                extra["estimator"] = est_rows
+                for r in est_rows:
+                    print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
         finally:
             dist.destroy_process_group()
     extra["config"] = CF.to_dict(cfg)
+    notes_est = ""
+    if "estimator" in extra:
+        errs = {name: statistics.median(abs(r[f"{name} rel err"]) for r in extra["estimator"])
+                for name in extra["profiles"]}
+        extra["median_call_abs_rel_err"] = errs
+        notes_est = ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
+                     + _table(extra["estimator"])
+                     + "\n\nmedian |rel err| per call: " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
+                     + f". {args.profile}_cal: the {args.profile} datasheet profile with per-layer / per-pass seconds "
+                       f"calibrated on this device ({extra['calibration_seconds']:.0f} s).")
     paths = write_results("gpu_ppo", hardware_tag(args.device) + ("_small" if small else ""), rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
                                 f"one {args.device} device",
                           notes="seconds: wall time of each call (generate includes the old log-probs "
                                 "pass); peak GiB: torch.cuda.max_memory_allocated during the call "
-                                "(0 on CPU). Iteration 0 includes warm-up.",
+                                "(0 on CPU). Iteration 0 includes warm-up." + notes_est,
                           extra=extra, out_dir=args.out_dir)
     print("wrote", *paths)
+
+
+def _table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
 
 
 if __name__ == "__main__":

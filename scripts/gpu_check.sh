@@ -38,6 +38,10 @@ if [ -z "${CUDA_HOME:-}" ]; then
   done
 fi
 export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
+# The H200 image sets CC/CXX to a relocated gcc (/opt/gcc/bin) that finds only libstdc++.a: _C.so
+# then carries its own libstdc++ and crashes on its first error message (setup.py refuses such a
+# build). The system compiler links the shared libstdc++ that torch uses.
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
 SUMMARY="$OUT/summary.md"
 printf '# gpu_check %s\n\n| step | exit | seconds |\n|---|---|---|\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"

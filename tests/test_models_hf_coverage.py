@@ -537,3 +537,27 @@ def test_kv_cache_decode_steps_match_transformers_cache(ckpts, name):
             want.append(r.logits)
             pkv = r.past_key_values
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)
+
+
+def _v5(d: dict, rope_parameters: dict) -> dict:
+    """A config dict as transformers >= 5 writes it: RoPE in rope_parameters, no 4.x RoPE fields."""
+    return dict({k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq")},
+                rope_parameters=rope_parameters)
+
+
+def test_transformers5_rope_parameters_read_as_the_4x_fields():
+    linear = {"rope_type": "linear", "factor": 2.0}
+    v4 = _llama(rope_theta=5e5, rope_scaling=linear)
+    assert ModelConfig.from_hf(_v5(v4, dict(linear, rope_theta=5e5))) == ModelConfig.from_hf(v4)
+    plain = _llama(rope_theta=1e4)
+    got = ModelConfig.from_hf(_v5(plain, {"rope_type": "default", "rope_theta": 1e4}))
+    assert got == ModelConfig.from_hf(plain) and got.rope_scaling is None and got.rope_theta == 1e4
+    g4 = transformers.Gemma3TextConfig(**O.TINY, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=linear).to_dict()
+    g5 = _v5(g4, {"full_attention": dict(linear, rope_theta=1e6),
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    want = ModelConfig.from_hf(g4)
+    assert want.rope_local_base_freq == 1e4 and ModelConfig.from_hf(g5) == want
+    with pytest.raises(ValueError, match=r"rope_parameters=.*it says rope_theta=500000.0 and the config says rope_theta=10000.0"):
+        ModelConfig.from_hf(dict(plain, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    with pytest.raises(ValueError, match=r"rope_parameters=.*one RoPE per layer type is gemma3_text's; llama"):
+        ModelConfig.from_hf(_v5(plain, {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e5}}))

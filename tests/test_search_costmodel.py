@@ -303,3 +303,23 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
     import json
     runs = json.loads((tmp_path / "cpu_profile.json").read_text())["measured"]["repeats"]
     assert len(runs) == 2 and all("allreduce_world_s" in r for r in runs)
+
+
+def test_calibrate_gpu_keeps_the_datasheet_and_measures_launch_costs():
+    """calibrate_gpu on the processor (its dry run; the H200 run is bench/bench_gpu_ppo.py): the
+    datasheet fields stay, the per-layer / per-pass fields are measured, bad arguments are refused."""
+    from real_py.search.calibrate import calibrate_gpu
+    from real_py.search.hardware import PROFILES
+
+    p, raw = calibrate_gpu("h100", reps=2, repeats=1, device="cpu")
+    base = PROFILES["h100"]
+    assert p.name == "h100_cal" and len(raw["repeats"]) == 1 and raw["repeats"][0]["device"] == "cpu"
+    for f in ("peak_flops", "flops_eff", "hbm_bw", "intra_bw", "inter_bw", "intra_lat", "mem_bytes"):
+        assert getattr(p, f) == getattr(base, f), f
+    for layer, fixed in ((p.layer_lat, p.head_lat), (p.train_layer_lat, p.train_lat),
+                         (p.decode_layer_lat, p.decode_lat)):
+        assert layer >= 0 and fixed >= 0 and 0 < 5 * layer + fixed < 0.5
+    with pytest.raises(ValueError, match=r"base='v100'; allowed"):
+        calibrate_gpu("v100")
+    with pytest.raises(ValueError, match="repeats=0 must be >= 1"):
+        calibrate_gpu("h200", repeats=0)

@@ -1,4 +1,5 @@
-"""The `cpu` hardware profile: measured on this machine, the way the CPU runtime uses it.
+"""The `cpu` hardware profile: measured on this machine, the way the CPU runtime uses it (and
+calibrate_gpu: a datasheet GPU profile with the per-layer / per-pass seconds measured on one GPU).
 
     prof, raw = calibrate_cpu()      # ~75 s (3 repeats, medians); profiles.cpu_profile() caches it
 
@@ -64,11 +65,12 @@ PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
 
 
-def _timed(fns: dict, reps: int, group=None) -> dict[str, float]:
+def _timed(fns: dict, reps: int, group=None, sync=None) -> dict[str, float]:
     """Median seconds of each function over `reps` runs (what the runtime's per-step medians
     see). The functions take turns, so a drift of the machine's speed (other jobs, clocks) hits
     all of them alike instead of biasing the differences fitted below; the ranks of `group`
-    (default: the world) start every run together."""
+    (default: the world) start every run together. `sync` (e.g. torch.cuda.synchronize) runs
+    after each function, inside its time."""
     for fn in fns.values():
         fn()
     ts = {k: [] for k in fns}
@@ -77,32 +79,36 @@ def _timed(fns: dict, reps: int, group=None) -> dict[str, float]:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             fn()
+            if sync is not None:
+                sync()
             ts[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def _inputs(rank: int):
+def _inputs(rank: int, device="cpu"):
     tok = torch.randint(1, CAL_MODEL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(rank))
-    return tok, torch.full((B,), T)
+    return tok.to(device), torch.full((B,), T, device=device)
 
 
-def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False):
+def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False, device="cpu"):
     cfg = ModelConfig(**CAL_MODEL, num_hidden_layers=layers, head=head)
-    shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0))
+    shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0), device)
     return Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-5) if train else None)
 
 
 def _generate(eng, tok, n: int):
-    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN), torch.arange(B), max_new_tokens=n, greedy=False)
+    d = tok.device
+    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN, device=d), torch.arange(B, device=d),
+                        max_new_tokens=n, greedy=False)
 
 
 def _ppo_loss(head: str, tok):
     """The runtime's train-step loss (real_py.rlhf.calls): clipped policy loss with entropy and
     clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
-    g = torch.Generator().manual_seed(7)
+    g, d = torch.Generator().manual_seed(7), tok.device
     n = T - 1  # log-probs of tokens 1..T-1; values of positions 0..T-2
-    mask = P.response_mask(torch.full((B,), P_LEN), torch.full((B,), T), T)
-    old, adv = torch.randn(B, n, generator=g) - 3.0, torch.randn(B, n, generator=g)
+    mask = P.response_mask(torch.full((B,), P_LEN, device=d), torch.full((B,), T, device=d), T)
+    old, adv = (torch.randn(B, n, generator=g) - 3.0).to(d), torch.randn(B, n, generator=g).to(d)
 
     def loss_fn(out, data):
         if head == "lm":
@@ -116,21 +122,21 @@ def _ppo_loss(head: str, tok):
     return loss_fn
 
 
-def _single_rank_costs(rank: int, g, busy, reps: int) -> dict:
+def _single_rank_costs(rank: int, g, busy, reps: int, device="cpu") -> dict:
     """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
-    tok, lengths = _inputs(rank)
+    tok, lengths = _inputs(rank, device)
     fns = {}
     for head in ("lm", "value"):
         loss = _ppo_loss(head, tok)
         for L in LAYERS:
-            eng = _engine(g.layout, g, rank, L, head, train=True)
+            eng = _engine(g.layout, g, rank, L, head, train=True, device=device)
             fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
             fns[f"{head}_train_{L}"] = lambda eng=eng, loss=loss, head=head: eng.train_step(
                 loss, {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
                     fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
-    return _timed(fns, reps, busy)
+    return _timed(fns, reps, busy, sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
 
 
 def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool) -> dict:
@@ -248,11 +254,19 @@ def _fit_line(points: dict) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _fit(raw: dict, prof_kw: dict) -> dict:
-    """Per-layer and per-pass seconds from the engine timings (slope over LAYERS), after removing
-    the calibration model's roofline compute (FLOPs at the measured rate)."""
+def _decode_slope(raw: dict, prefix: str) -> tuple[float, float]:
+    """(per layer, per step) of a decode step: generate(n) = prefill + (n - 1) decode steps;
+    the decode FLOPs are negligible here."""
+    lo, hi = G
+    step = {L: (raw[f"{prefix}gen{hi}_{L}"] - raw[f"{prefix}gen{lo}_{L}"]) / (hi - lo) for L in LAYERS}
+    per_layer = max(_fit_line(step)[0], 0.0)
+    return per_layer, max(statistics.mean(step[L] - L * per_layer for L in LAYERS), 0.0)
 
-    flops = prof_kw["peak_flops"]
+
+def _fit_single(raw: dict, flops: float) -> dict:
+    """The one-rank fields (per-layer and per-pass seconds of inference, train steps and decode
+    steps) from the engine timings (slope over LAYERS), after removing the calibration model's
+    roofline compute (FLOPs at `flops` per second)."""
 
     def net(key: str, L: int, passes: int, head: str = "lm") -> float:
         """The timing minus the roofline FLOPs of its passes (of the model with that head). The
@@ -274,19 +288,18 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
 
     layer, head, value_head = line("inf", 1)
     train_layer, train, value_train = line("train", 3)
+    decode_layer, decode = _decode_slope(raw, "")
+    return {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
+            "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
+
+
+def _fit(raw: dict, prof_kw: dict) -> dict:
+    """_fit_single's fields, and the collective, contention and pipeline fields of phases A and B."""
+    single = _fit_single(raw, prof_kw["peak_flops"])
+    decode_layer, decode = single["decode_layer_lat"], single["decode_lat"]
     lo, hi = G
-
-    def decode_slope(prefix: str) -> tuple[float, float]:
-        """(per layer, per step) of a decode step: generate(n) = prefill + (n - 1) decode steps;
-        the decode FLOPs are negligible here."""
-        step = {L: (raw[f"{prefix}gen{hi}_{L}"] - raw[f"{prefix}gen{lo}_{L}"]) / (hi - lo) for L in LAYERS}
-        per_layer = _fit_line(step)[0]
-        per_layer = max(per_layer, 0.0)
-        return per_layer, max(statistics.mean(step[L] - L * per_layer for L in LAYERS), 0.0)
-
-    decode_layer, decode = decode_slope("")
-    tp_decode_layer, tp_decode = decode_slope("tp2_")
-    busy_decode_layer, _ = decode_slope("tp2busy_")
+    tp_decode_layer, tp_decode = _decode_slope(raw, "tp2_")
+    busy_decode_layer, _ = _decode_slope(raw, "tp2busy_")
     slope, fixed = {}, {}
     for k in ("lm_inf", "tp2_inf", "lm_train", "tp2_train", "tp2busy_inf"):
         slope[k], fixed[k] = _fit_line({L: raw[f"{k}_{L}"] for L in LAYERS})
@@ -314,13 +327,11 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
     # What tensor parallelism adds outside the layers beyond the collectives the cost model
     # counts (HEAD_COLLS per pass, one all-gather per decode step): gathers of Python objects,
     # masking and slicing of the vocab-parallel head.
-    return {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
-            "train_lat": train, "value_train_lat": value_train,
-            "decode_layer_lat": decode_layer, "decode_lat": decode, "intra_lat": coll,
-            "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio, "coll_lat_growth": growth,
-            "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
-            "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
-            "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
+    return single | {
+        "intra_lat": coll, "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio, "coll_lat_growth": growth,
+        "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
+        "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
+        "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
 
 
 def calibrate_cpu(reps: int = 25, repeats: int = 3):
@@ -365,3 +376,42 @@ def _calibrate_once(reps: int):
                             - transfer_time(plan, HardwareProfile(**kw | {"shared_cores": 0})), 0.0)
     raw["mem_bytes"] = mem
     return HardwareProfile(**kw), raw
+
+
+def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None):
+    """The datasheet profile `base` (hardware.PROFILES) with this GPU's fixed seconds per layer and
+    per pass (kernel launches and host dispatch, which the datasheet profiles leave at zero): the
+    calibration model's engines of phase A, one rank on one GPU, each field the median of
+    `repeats` fits. Returns (profile named "<base>_cal", raw). Runs in this process when
+    torch.distributed is initialized with one rank (any backend), else in one spawned NCCL rank.
+    Collective and pipeline fields stay the datasheet's: one GPU has no peer to time them."""
+    from dataclasses import replace
+
+    from .hardware import PROFILES
+
+    if base not in PROFILES:
+        raise ValueError(f"base={base!r}; allowed: {sorted(PROFILES)}")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ValueError(f"calibrate_gpu times one rank; the initialized world has {dist.get_world_size()}")
+        raws = [_gpu_costs(0, 1, reps, device) for _ in range(repeats)]
+    else:
+        backend = "gloo" if device is not None and torch.device(device).type == "cpu" else "nccl"
+        raws = [run_distributed(_gpu_costs, 1, reps, device, timeout=600, backend=backend)[0] for _ in range(repeats)]
+    prof = PROFILES[base]
+    fits = [_fit_single(raw, prof.flops) for raw in raws]
+    kw = {k: statistics.median(f[k] for f in fits) for k in fits[0]}
+    return replace(prof, name=f"{base}_cal", **kw), {"repeats": raws}
+
+
+def _gpu_costs(rank: int, world: int, reps: int, device=None) -> dict:
+    """Phase A's single-rank timings on `device` (default: the current CUDA device; "cpu" runs
+    the same code on the processor, a dry run of calibrate_gpu)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    out = _single_rank_costs(rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev)
+    return out | {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -20,7 +20,8 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | mixtral | MixtralForCausalLM, MixtralForSequenceClassification | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
-(short/long factors switched per forward at original_max_position_embeddings, attention factor). Refused, naming the field:
+(short/long factors switched per forward at original_max_position_embeddings, attention factor);
+transformers >= 5's `rope_parameters` is read as rope_theta + rope_scaling (per layer type for gemma3_text). Refused, naming the field:
 any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
 differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
 longrope outside llama / phi3, pruned_heads, quantization_config, custom code (auto_map), and any field not
@@ -28,6 +29,8 @@ listed below that is set (softcapping, qk norms, ...).
 """
 
 from __future__ import annotations
+
+import json
 
 # transformers ACT2FN names real_py computes identically (re-exported as spec.config.HIDDEN_ACTS)
 _HIDDEN_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu", "sigmoid", "tanh")
@@ -140,12 +143,46 @@ def _refuse(where: str, field: str, value, why: str):
     raise ValueError(f"{where}: config field {field}={value!r} is not supported ({why})")
 
 
+def _legacy_rope(config: dict, where: str, mt: str) -> dict:
+    """transformers >= 5 writes RoPE as `rope_parameters` ({rope_type, rope_theta, factor, ...}, or
+    one such mapping per layer type for gemma3_text) where 4.x wrote rope_theta / rope_scaling /
+    rope_local_base_freq. Returns the config with the 4.x fields that the rest of this module reads,
+    refusing a rope_parameters that contradicts a 4.x field also present."""
+    rp = config.get("rope_parameters")
+    if rp is None:
+        return config
+    if not isinstance(rp, dict):
+        _refuse(where, "rope_parameters", rp, "expected a mapping")
+    config = {k: v for k, v in config.items() if k != "rope_parameters"}
+    per_type = set(rp) <= {"full_attention", "sliding_attention"} and all(isinstance(v, dict) for v in rp.values())
+    if per_type and mt != "gemma3_text" and len({json.dumps(v, sort_keys=True) for v in rp.values()}) > 1:
+        _refuse(where, "rope_parameters", rp, f"one RoPE per layer type is gemma3_text's; {mt} has one RoPE")
+    full = rp.get("full_attention", next(iter(rp.values()), {})) if per_type else rp
+    legacy = {}
+    if "rope_theta" in full:
+        legacy["rope_theta"] = full["rope_theta"]
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = scaling
+    if per_type and mt == "gemma3_text" and "rope_theta" in rp.get("sliding_attention", {}):
+        local = rp["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            _refuse(where, "rope_parameters", rp, "gemma3_text scales RoPE on global layers only")
+        legacy["rope_local_base_freq"] = local["rope_theta"]
+    for k, v in legacy.items():
+        if config.get(k) is not None and config[k] != v:
+            _refuse(where, "rope_parameters", rp, f"it says {k}={v!r} and the config says {k}={config[k]!r}")
+        config[k] = v
+    return config
+
+
 def config_kwargs(config: dict, where: str = "config") -> dict:
     """ModelConfig keyword arguments for an HF config dict; ValueError naming the first field that
     is missing, unsupported or of the wrong type."""
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
     mt = check_architecture(config, where)
+    config = _legacy_rope(config, where, mt)
     for k in _SHAPE:
         if config.get(k) is None:
             raise ValueError(f"{where}: config has no {k!r} (required for model_type {mt})")

@@ -59,10 +59,12 @@ class CupyNcclTransport(Transport):
         self.sent_bytes = self.received_bytes = 0
         self._broken = None
         if rank == 0:
-            store.set(key, json.dumps(list(nccl.get_unique_id())))
+            uid = nccl.get_unique_id()  # cupy >= 14: bytes; older: a tuple of signed chars
+            store.set(key, json.dumps({"id": list(uid), "bytes": isinstance(uid, bytes)}))
         else:
             store.wait([key], datetime.timedelta(seconds=self.timeout))
-        uid = tuple(json.loads(store.get(key)))
+        shared = json.loads(store.get(key))
+        uid = bytes(shared["id"]) if shared["bytes"] else tuple(shared["id"])
         # ncclCommInitRank blocks until every rank joined; run it in a thread so a missing
         # rank is a TransferError after `timeout` instead of a hang.
         box = {}
