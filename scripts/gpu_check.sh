@@ -5,7 +5,8 @@
 #   tests     pytest -m cuda (engines, bf16 train step, CUDA-graph decode, NCCL PPO on 1 GPU, ops)
 #   pack      pack/unpack GB/s against a device-to-device copy_ of the same bytes
 #   realloc   in-process reallocation of a 7B-shaped bf16 model between layouts on the GPU
-#   ppo       one PPO iteration of a 1.1B actor + critic (bf16, fp32 master) on the GPU
+#   ppo       PPO iterations of a 1.1B actor + critic (bf16, fp32 master) on the GPU, and the
+#             estimator against them (datasheet profile and calibrate_gpu)
 #   generate  generation tokens/s: dynamic cache, static cache, CUDA graph
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
 # and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 470 s: under 8 minutes);
@@ -95,7 +96,7 @@ fi
 
 step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$OUT"
 step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
-step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$OUT"
 step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
 
 {

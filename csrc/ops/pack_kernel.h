@@ -9,7 +9,7 @@
 //                  every descriptor non-empty (len > 0, n > 0) and in bounds (checked by the host)
 //   prefix         [k + 1] int64: prefix[i] = sum over j < i of len_j * n_j; prefix[k] = total_bytes
 //   total_bytes    > 0
-// One launch of ceil(total_bytes / 64 KiB) blocks: block b copies bytes [b*64 KiB, (b+1)*64 KiB)
+// One launch of ceil(total_bytes / 16 KiB) blocks: block b copies bytes [b*16 KiB, (b+1)*16 KiB)
 // of the concatenation of all runs, found by a binary search over prefix, so one
 // long run and many short runs both spread over the whole GPU. Returns the launch error.
 #pragma once

@@ -15,7 +15,7 @@ import torch
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.Tensor:
     """prompt_lengths, lengths [B] int64 -> [B, T-1] float32, 1 on predictions of response tokens."""
-    pos = torch.arange(1, T).unsqueeze(0)
+    pos = torch.arange(1, T, device=lengths.device).unsqueeze(0)
     return ((pos >= prompt_lengths.unsqueeze(1)) & (pos < lengths.unsqueeze(1))).float()
 
 

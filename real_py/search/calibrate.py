@@ -97,9 +97,8 @@ def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: boo
 
 
 def _generate(eng, tok, n: int):
-    d = tok.device
-    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN, device=d), torch.arange(B, device=d),
-                        max_new_tokens=n, greedy=False)
+    """tok on the CPU, as the runtime's data store hands prompts to generate()."""
+    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN), torch.arange(B), max_new_tokens=n, greedy=False)
 
 
 def _ppo_loss(head: str, tok):
@@ -125,6 +124,7 @@ def _ppo_loss(head: str, tok):
 def _single_rank_costs(rank: int, g, busy, reps: int, device="cpu") -> dict:
     """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
     tok, lengths = _inputs(rank, device)
+    prompts = tok.cpu()
     fns = {}
     for head in ("lm", "value"):
         loss = _ppo_loss(head, tok)
@@ -135,7 +135,7 @@ def _single_rank_costs(rank: int, g, busy, reps: int, device="cpu") -> dict:
                 loss, {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
-                    fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
+                    fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, prompts, n)
     return _timed(fns, reps, busy, sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
 
 
