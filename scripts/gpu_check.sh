@@ -8,6 +8,7 @@
 #   ppo       PPO iterations of a 1.1B actor + critic (bf16, fp32 master) on the GPU, and the
 #             estimator against them (datasheet profile and calibrate_gpu)
 #   generate  generation tokens/s: dynamic cache, static cache, CUDA graph
+#   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
 # and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 470 s: under 8 minutes);
 # a failing or timed-out step is recorded and the next one runs. Logs, results and summary.md go
@@ -98,6 +99,7 @@ step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLA
 step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
 step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$OUT"
 step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
+step profile 60 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
 
 {
   echo

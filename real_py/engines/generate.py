@@ -110,7 +110,14 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     mask = torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, None, :P]
     mask = (mask | torch.eye(P, dtype=torch.bool)).to(dev)
     left, valid, pos, lengths_dev = left.to(dev), valid.to(dev), pos.to(dev), prompt_lengths.to(dev)
-    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    # One uniform per sequence and step from the sequence's own generator, drawn up front: rand(n)
+    # of a CPU generator is n successive rand(1) (the oracle in tests/models_oracle.py draws them one
+    # by one), and one host-to-device copy replaces one per step, each of which waited for the
+    # device (a pageable copy synchronizes with the stream).
+    draws = None
+    if g.is_last_stage and not greedy:
+        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        draws = torch.stack([torch.rand(max_new_tokens, generator=gen) for gen in gens], 1).to(dev)  # [steps, B]
     dec = Decoder(engine, B, total, valid, mode)
     p2p = P2P(g, dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -140,7 +147,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
             logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
             if step < min_new_tokens and banned is not None:
                 logits = logits.index_fill(-1, banned, float("-inf"))
-            u = None if greedy else torch.cat([torch.rand(1, generator=gen) for gen in gens]).to(dev)
+            u = None if draws is None else draws[step]
             nxt = pick_tokens(logits.float(), u, temperature, top_p, top_k).masked_fill(done, pad_token_id)
         else:
             p2p.send(out, g.next_rank)

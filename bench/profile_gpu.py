@@ -1,0 +1,135 @@
+"""Where the time goes on one device: torch.profiler tables of pack calls and of generation.
+
+The H200 check of 2026-12-04 (bench/results/gpu_20261204/) left two questions for the next GPU:
+pack / unpack reach 0.34-0.73x a device copy_ (the kernel alone ~0.71-0.84x, the rest per-call
+work outside it), and a decode step of the 1.1B model at batch 32 takes ~6.4 ms with the CUDA
+graph, about 10x what its weight reads take at HBM speed. This script records, per scenario, the
+wall time of one iteration without the profiler and the top device kernels and host ops (self
+time per iteration) with it:
+
+  pack <case>   one real_py pack call (iterations back to back, one synchronize at the end),
+                and copy_ of the same bytes for reference
+  generate <m>  one generate() of the 1.1B model (batch 32, prompt 128, 32 sampled tokens, as the
+                PPO runtime samples) per decode mode
+
+    python bench/profile_gpu.py --device cuda
+    python bench/profile_gpu.py --device cpu --small       # dry run (host ops only)
+Writes <out-dir>/profile_<hw>_<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from bench_generate import BIG, SMALL, engine, init_world  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
+
+from real_py import ModelConfig  # noqa: E402
+from real_py.device import resolve_device  # noqa: E402
+from real_py.ops import pack  # noqa: E402
+
+TOP = 12
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _device_us(e) -> float:
+    # self_device_time_total (torch >= 2.4); self_cuda_time_total before
+    return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+
+def profile_rows(scenario: str, fn, iters: int, dev: torch.device, per: str = "iteration") -> list[dict]:
+    """Wall time of one iteration without the profiler, then the top kernels and host ops with it."""
+    fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(dev)
+    wall = (time.perf_counter() - t0) / iters
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        _sync(dev)
+    ev = list(prof.key_averages())
+    rows = [{"scenario": scenario, "kind": "wall", "name": f"one {per}, no profiler", "calls": 1.0, "us": wall * 1e6}]
+    if dev.type == "cuda":
+        for e in sorted(ev, key=_device_us, reverse=True)[:TOP]:
+            if _device_us(e) > 0:
+                rows.append({"scenario": scenario, "kind": "device", "name": e.key[:90],
+                             "calls": e.count / iters, "us": _device_us(e) / iters})
+    for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP]:
+        rows.append({"scenario": scenario, "kind": "host", "name": e.key[:90],
+                     "calls": e.count / iters, "us": e.self_cpu_time_total / iters})
+    return rows
+
+
+def pack_scenarios(dev: torch.device, small: bool) -> list[tuple[str, object]]:
+    n = (1 << 19) if small else (64 << 20)  # bf16 elements: 1 MiB / 128 MiB
+    out = []
+    for name, runs, length, stride in (("one run", 1, n, 0), ("2048 B runs", n // 1024, 1024, 2048),
+                                       ("7168 B runs", n // 3584, 3584, 7168)):
+        src = torch.randn(max(n, (runs - 1) * stride + length), device=dev).to(torch.bfloat16)
+        dst = torch.empty(runs * length, device=dev, dtype=torch.bfloat16)
+        descs = torch.tensor([[0, 0, length, runs, stride, length]])
+        mib = dst.numel() * 2 / 2**20
+        out.append((f"pack {name}, {mib:.0f} MiB", lambda s=src, d=descs, o=dst: pack(s, d, o)))
+        ref = torch.empty_like(dst)
+        out.append((f"copy_ {mib:.0f} MiB (reference)", lambda r=ref, o=dst: r.copy_(o)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny sizes (dry run)")
+    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    dev = resolve_device(args.device)
+    rows = []
+    for scenario, fn in pack_scenarios(dev, args.small):
+        rows += profile_rows(scenario, fn, 20, dev, "call")
+        print(rows[-1], flush=True)
+    B, P, N = (4, 8, 8) if args.small else (32, 128, 32)
+    cfg = ModelConfig(**(SMALL if args.small else BIG), dtype="bfloat16")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_world(dev, tmp)
+        try:
+            eng = engine(cfg, dev)
+            g = torch.Generator().manual_seed(1)
+            prompts = torch.randint(1, cfg.vocab_size, (B, P), generator=g)
+            lengths, seeds = torch.full((B,), P), torch.arange(B)
+            for mode in ["dynamic", "static"] + (["graph"] if dev.type == "cuda" else []):
+                fn = lambda mode=mode: eng.generate(prompts, lengths, seeds, max_new_tokens=N,  # noqa: E731
+                                                    greedy=False, decode=mode)
+                rows += profile_rows(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 2, dev, "generate()")
+                print(rows[-1], flush=True)
+        finally:
+            dist.destroy_process_group()
+    paths = write_results("profile", hardware_tag(args.device) + ("_small" if args.small else ""), rows,
+                          columns=["scenario", "kind", "name", "calls", "us"],
+                          title=f"profile of pack calls and generation ({args.device})",
+                          notes=f"us: microseconds per iteration (a pack / copy_ call, or one generate() of {N} "
+                                "new tokens); wall: without the profiler; device: self time of each kernel "
+                                f"(top {TOP}); host: self CPU time of each op (top {TOP}); calls per iteration.",
+                          out_dir=args.out_dir)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
