@@ -28,7 +28,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
