@@ -3,7 +3,8 @@
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
     python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
 
-Per round: calibrates the `cpu` hardware profile (refresh=True), then for six execution
+Per round: calibrates the `cpu` hardware profile (refresh=True; by default on the job's own actor
+shape and pass sizes, `--calibrate-on default` for the small calibration model), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
 `python -m real_py train` through bench_rlhf.run (median over the steps after the warm-up) and
@@ -33,6 +34,7 @@ from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
 from real_py.search import profiles as profiles_module  # noqa: E402
+from real_py.search.calibrate import DEFAULT, Setup  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
@@ -65,11 +67,20 @@ def job():
     return cfg, models["actor"], models["critic"], wl
 
 
+def calibration_setup(on: str, actor, wl: Workload) -> Setup:
+    """"job": the calibration engines run the job's own actor shape and pass sizes (ReaL-style
+    profiling of the model planned for); "default": the small calibration model."""
+    if on == "default":
+        return DEFAULT
+    return Setup.for_job(actor, batch_rows=wl.batch_size, train_rows=wl.batch_size // wl.ppo_minibatches,
+                         seq=wl.seq_len, prompt=wl.prompt_len)
+
+
 def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
     """Calibrate, search, then measure and estimate every plan; one row per plan."""
     cfg, actor, critic, wl = job()
     dtype = actor.dtype
-    hw = cpu_profile(refresh=True)
+    hw = cpu_profile(refresh=True, setup=calibration_setup(args.calibrate_on, actor, wl))
     found = plan_search(actor, critic, num_gpus=4, hardware=hw, workload=wl, dtype=dtype,
                         time_budget=args.search_budget, seed=0)
     plans = dict(PLANS, searched=found.plan.to_json())
@@ -184,6 +195,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
+    ap.add_argument("--calibrate-on", choices=("job", "default"), default="job",
+                    help="calibration engines: the job's own model shape and pass sizes, or the small default model")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
                     "code's cost model and the run's profiles (no measurement)")
     args = ap.parse_args()
@@ -216,7 +229,8 @@ def main() -> None:
                         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
                         "breakdowns are in the JSON.",
-                  extra={"profiles": saved})
+                  extra={"profiles": saved, "calibrate_on": args.calibrate_on,
+                         "setup": asdict(calibration_setup(args.calibrate_on, *job()[1:2], job()[3]))})
 
 
 if __name__ == "__main__":

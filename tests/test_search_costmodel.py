@@ -323,3 +323,29 @@ def test_calibrate_gpu_keeps_the_datasheet_and_measures_launch_costs():
         calibrate_gpu("v100")
     with pytest.raises(ValueError, match="repeats=0 must be >= 1"):
         calibrate_gpu("h200", repeats=0)
+
+
+def test_calibration_on_the_jobs_own_shape(tmp_path, monkeypatch):
+    """Setup.for_job carries a job's model shape and pass sizes into the calibration engines, and
+    the cached profile is keyed by its setup (a profile of another setup is measured again)."""
+    monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
+    import json
+    from dataclasses import asdict
+
+    from real_py.search.calibrate import DEFAULT, Setup
+    from real_py.search.profiles import cpu_profile
+    from real_py.rlhf import config as CF
+
+    actor = CF.from_dict({}).model_configs()["actor"]
+    job = Setup.for_job(actor, batch_rows=8, train_rows=4, seq=20, prompt=8)
+    assert (job.hidden_size, job.num_key_value_heads, job.vocab_size) == (actor.hidden_size, actor.num_key_value_heads,
+                                                                         actor.vocab_size)
+    assert job.config(5, "value").num_hidden_layers == 5 and job.config(1).head == "lm"
+    p = cpu_profile(refresh=True, reps=2, repeats=1, setup=job)
+    saved = json.loads((tmp_path / "cpu_profile.json").read_text())
+    assert saved["setup"] == asdict(job) and saved["measured"]["setup"] == asdict(job)
+    assert cpu_profile(reps=2, repeats=1, setup=job) == p  # same setup: the cache
+    cpu_profile(reps=2, repeats=1, setup=DEFAULT)  # another setup: measured again
+    assert json.loads((tmp_path / "cpu_profile.json").read_text())["setup"] == asdict(DEFAULT)
+    with pytest.raises(ValueError, match=r"need 1 <= prompt \(20\) < seq \(20\)"):
+        Setup.for_job(actor, batch_rows=8, train_rows=4, seq=20, prompt=20)

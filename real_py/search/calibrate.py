@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -53,16 +53,58 @@ from .costmodel import HEAD_COLLS, fwd_flops
 from .hardware import HardwareProfile
 from .realloc_cost import transfer_time
 
-CAL_MODEL = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
-                 vocab_size=128, max_position_embeddings=64)
-"""The calibration model's shape (layers vary); small so that dispatch costs dominate."""
-B, T, P_LEN, G = 2, 24, 8, (2, 10)
-"""Rows, sequence length, prompt length and the two generation lengths per calibration rank."""
+G = (2, 10)
+"""The two generation lengths per calibration rank (the decode step is their difference)."""
 LAYERS = (1, 5)
 """Layer counts of the calibration model: the per-layer cost is the least-squares slope over them,
 the fixed cost the mean of what is left at each count."""
 PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the calibration engines run: a model shape (its layer count varies, LAYERS) and the
+    data of one pass per rank, `rows` sequences of `seq` tokens for inference and generation
+    (prompts of `prompt` tokens), `train_rows` for a train step.
+
+    The default is a small model, so that dispatch costs dominate. `for_job` takes the job's own
+    actor shape and pass sizes instead, as ReaL profiles the model it plans for: on this machine
+    the default model's train step cost 1.73 ms per layer against 0.84 ms for the default job's
+    shape at the same rows and tokens (and 1.42 ms at the job's 8 rows), so a fixed calibration
+    model carries its own size into every estimate."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    vocab_size: int = 128
+    rows: int = 2
+    train_rows: int = 2
+    seq: int = 24
+    prompt: int = 8
+
+    def __post_init__(self):
+        if not 1 <= self.prompt < self.seq:
+            raise ValueError(f"Setup: need 1 <= prompt ({self.prompt}) < seq ({self.seq})")
+        if min(self.rows, self.train_rows) < 1:
+            raise ValueError(f"Setup: rows={self.rows} and train_rows={self.train_rows} must be >= 1")
+
+    def config(self, layers: int, head: str = "lm") -> ModelConfig:
+        shape = {k: v for k, v in asdict(self).items() if k not in ("rows", "train_rows", "seq", "prompt")}
+        return ModelConfig(**shape, max_position_embeddings=max(64, self.seq, self.prompt + G[1]),
+                           num_hidden_layers=layers, head=head)
+
+    @classmethod
+    def for_job(cls, model: ModelConfig, batch_rows: int, train_rows: int, seq: int, prompt: int) -> "Setup":
+        """The job's model shape (attention and MLP sizes, vocabulary) with its per-rank rows of an
+        inference / generation pass and of a train step, its sequence and prompt lengths."""
+        return cls(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+                   num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_key_value_heads,
+                   vocab_size=model.vocab_size, rows=batch_rows, train_rows=train_rows, seq=seq, prompt=prompt)
+
+
+DEFAULT = Setup()
 
 
 def _timed(fns: dict, reps: int, group=None, sync=None) -> dict[str, float]:
@@ -85,29 +127,32 @@ def _timed(fns: dict, reps: int, group=None, sync=None) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def _inputs(rank: int, device="cpu"):
-    tok = torch.randint(1, CAL_MODEL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(rank))
-    return tok.to(device), torch.full((B,), T, device=device)
+def _inputs(cal: Setup, rank: int, rows: int, device="cpu"):
+    tok = torch.randint(1, cal.vocab_size, (rows, cal.seq), generator=torch.Generator().manual_seed(rank))
+    return tok.to(device), torch.full((rows,), cal.seq, device=device)
 
 
-def _engine(layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False, device="cpu"):
-    cfg = ModelConfig(**CAL_MODEL, num_hidden_layers=layers, head=head)
+def _engine(cal: Setup, layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False,
+            device="cpu"):
+    cfg = cal.config(layers, head)
     shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0), device)
     return Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-5) if train else None)
 
 
-def _generate(eng, tok, n: int):
+def _generate(cal: Setup, eng, tok, n: int):
     """tok on the CPU, as the runtime's data store hands prompts to generate()."""
-    return eng.generate(tok[:, :P_LEN], torch.full((B,), P_LEN), torch.arange(B), max_new_tokens=n, greedy=False)
+    b = tok.shape[0]
+    return eng.generate(tok[:, :cal.prompt], torch.full((b,), cal.prompt), torch.arange(b), max_new_tokens=n,
+                        greedy=False)
 
 
-def _ppo_loss(head: str, tok):
+def _ppo_loss(cal: Setup, head: str, tok):
     """The runtime's train-step loss (real_py.rlhf.calls): clipped policy loss with entropy and
     clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
-    g, d = torch.Generator().manual_seed(7), tok.device
-    n = T - 1  # log-probs of tokens 1..T-1; values of positions 0..T-2
-    mask = P.response_mask(torch.full((B,), P_LEN, device=d), torch.full((B,), T, device=d), T)
-    old, adv = (torch.randn(B, n, generator=g) - 3.0).to(d), torch.randn(B, n, generator=g).to(d)
+    g, d, (b, t) = torch.Generator().manual_seed(7), tok.device, tok.shape
+    n = t - 1  # log-probs of tokens 1..t-1; values of positions 0..t-2
+    mask = P.response_mask(torch.full((b,), cal.prompt, device=d), torch.full((b,), t, device=d), t)
+    old, adv = (torch.randn(b, n, generator=g) - 3.0).to(d), torch.randn(b, n, generator=g).to(d)
 
     def loss_fn(out, data):
         if head == "lm":
@@ -121,37 +166,39 @@ def _ppo_loss(head: str, tok):
     return loss_fn
 
 
-def _single_rank_costs(rank: int, g, busy, reps: int, device="cpu") -> dict:
+def _single_rank_costs(cal: Setup, rank: int, g, busy, reps: int, device="cpu") -> dict:
     """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
-    tok, lengths = _inputs(rank, device)
+    tok, lengths = _inputs(cal, rank, cal.rows, device)
+    ttok, tlengths = _inputs(cal, rank, cal.train_rows, device)
     prompts = tok.cpu()
     fns = {}
     for head in ("lm", "value"):
-        loss = _ppo_loss(head, tok)
+        loss = _ppo_loss(cal, head, ttok)
         for L in LAYERS:
-            eng = _engine(g.layout, g, rank, L, head, train=True, device=device)
+            eng = _engine(cal, g.layout, g, rank, L, head, train=True, device=device)
             fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
             fns[f"{head}_train_{L}"] = lambda eng=eng, loss=loss, head=head: eng.train_step(
-                loss, {"tokens": tok, "lengths": lengths}, with_entropy=head == "lm")
+                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
-                    fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, prompts, n)
+                    fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(cal, eng, prompts, n)
     return _timed(fns, reps, busy, sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
 
 
-def _pair_costs(rank: int, pg, busy, reps: int, prefix: str, layers, train: bool) -> dict:
+def _pair_costs(cal: Setup, rank: int, pg, busy, reps: int, prefix: str, layers, train: bool) -> dict:
     """The lm engine on this rank's pair (tp=2 or pp=2 groups `pg`): inference, generation and
     optionally a train step, for each layer count."""
-    tok, lengths = _inputs(rank)
+    tok, lengths = _inputs(cal, rank, cal.rows)
+    ttok, tlengths = _inputs(cal, rank, cal.train_rows)
     fns = {}
     for L in layers:
-        eng = _engine(pg.layout, pg, rank, L, train=train)
+        eng = _engine(cal, pg.layout, pg, rank, L, train=train)
         fns[f"{prefix}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
         if train:
-            fns[f"{prefix}_train_{L}"] = lambda eng=eng, loss=_ppo_loss("lm", tok): eng.train_step(
-                loss, {"tokens": tok, "lengths": lengths}, with_entropy=True)
+            fns[f"{prefix}_train_{L}"] = lambda eng=eng, loss=_ppo_loss(cal, "lm", ttok): eng.train_step(
+                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=True)
         for n in G:
-            fns[f"{prefix}_gen{n}_{L}"] = lambda eng=eng, n=n: _generate(eng, tok, n)
+            fns[f"{prefix}_gen{n}_{L}"] = lambda eng=eng, n=n: _generate(cal, eng, tok, n)
     return _timed(fns, reps, busy)
 
 
@@ -184,20 +231,19 @@ def _coll_growth(rank: int, pair, reps: int) -> dict:
     return {f"allreduce_{k}_s": v / n for k, v in _timed({"world": world, "pair": pairs}, reps).items()}
 
 
-def _realloc_plan(world: int):
+def _realloc_plan(world: int, cal: Setup = DEFAULT):
     """The calibration reallocation: the calibration model from tp=2 x pp=world/2 (a training
     layout) to dp=world (a generation layout) on every rank, busy at once as in the runtime."""
-    spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=4))
+    spec = model_spec(cal.config(4))
     ranks = tuple(range(world))
     return plan_realloc(spec, Layout(tp=2, pp=world // 2, ranks=ranks), Layout(dp=world, ranks=ranks),
                         ranks_per_node=world)
 
 
-def _realloc_cost(rank: int, transport, n: int, busy, reps: int) -> dict:
-    plan = _realloc_plan(n)
+def _realloc_cost(cal: Setup, rank: int, transport, n: int, busy, reps: int) -> dict:
+    plan = _realloc_plan(n, cal)
     realloc = Reallocator(plan, transport)
-    a = ModelShard.from_full(plan.model, plan.src, rank,
-                             init_weights(ModelConfig(**CAL_MODEL, num_hidden_layers=4), 0))
+    a = ModelShard.from_full(plan.model, plan.src, rank, init_weights(cal.config(4), 0))
     b = ModelShard.empty(plan.model, plan.dst, rank)
     return {"realloc_s": _timed({"realloc": lambda: realloc.run(a, b)}, reps, busy)["realloc"]}
 
@@ -223,7 +269,7 @@ def _roofline(busy) -> dict:
     return {"matmul_flops": flops, "memcpy_bytes_per_s": 2 * 4 * src.nbytes / (time.perf_counter() - t0)}
 
 
-def _worker(rank: int, world: int, n: int, reps: int) -> dict:
+def _worker(rank: int, world: int, n: int, reps: int, cal: Setup = DEFAULT) -> dict:
     """Phase A on ranks 0..n-1 (one per core), phase B on all `world` = 2n ranks."""
     # Groups first, every rank, same order (new_group is collective over the world).
     busy = dist.new_group(list(range(n)))
@@ -235,14 +281,14 @@ def _worker(rank: int, world: int, n: int, reps: int) -> dict:
     if rank < n:  # phase A: one busy rank per core
         out |= _roofline(busy)
         out |= _link_bandwidth(rank, pairs[rank // 2], reps)
-        out |= _single_rank_costs(rank, singles[rank], busy, reps)
-        out |= _pair_costs(rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
-        out |= _pair_costs(rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
+        out |= _single_rank_costs(cal, rank, singles[rank], busy, reps)
+        out |= _pair_costs(cal, rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
+        out |= _pair_costs(cal, rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
     dist.barrier()
     # Phase B: every pair at once, two busy ranks per core; a reallocation over every rank.
-    out |= _pair_costs(rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
+    out |= _pair_costs(cal, rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
     out |= _coll_growth(rank, pairs[rank // 2], reps)
-    out |= _realloc_cost(rank, DistTransport(dist.group.WORLD, timeout=60), world, None, reps)
+    out |= _realloc_cost(cal, rank, DistTransport(dist.group.WORLD, timeout=60), world, None, reps)
     return out
 
 
@@ -263,7 +309,7 @@ def _decode_slope(raw: dict, prefix: str) -> tuple[float, float]:
     return per_layer, max(statistics.mean(step[L] - L * per_layer for L in LAYERS), 0.0)
 
 
-def _fit_single(raw: dict, flops: float) -> dict:
+def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
     """The one-rank fields (per-layer and per-pass seconds of inference, train steps and decode
     steps) from the engine timings (slope over LAYERS), after removing the calibration model's
     roofline compute (FLOPs at `flops` per second)."""
@@ -273,8 +319,8 @@ def _fit_single(raw: dict, flops: float) -> dict:
         optimizer's modelled memory traffic is not subtracted: on these small layers the update
         costs dispatch, not bandwidth, and subtracting it made the estimates of the default
         job's train calls 15-35% too fast (bench_estimator, 2026-12-04)."""
-        spec = model_spec(ModelConfig(**CAL_MODEL, num_hidden_layers=L, head=head))
-        return max(raw[key] - passes * fwd_flops(spec, B * T, T / 2) / flops, 0.0)
+        rows = cal.train_rows if passes == 3 else cal.rows
+        return max(raw[key] - passes * fwd_flops(model_spec(cal.config(L, head)), rows * cal.seq, cal.seq / 2) / flops, 0.0)
 
     def line(prefix: str, passes: int) -> tuple[float, float, float]:
         """(per layer, per pass of the lm head, per pass of the value head). The layers are the
@@ -293,9 +339,9 @@ def _fit_single(raw: dict, flops: float) -> dict:
             "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
 
 
-def _fit(raw: dict, prof_kw: dict) -> dict:
+def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     """_fit_single's fields, and the collective, contention and pipeline fields of phases A and B."""
-    single = _fit_single(raw, prof_kw["peak_flops"])
+    single = _fit_single(raw, prof_kw["peak_flops"], cal)
     decode_layer, decode = single["decode_layer_lat"], single["decode_lat"]
     lo, hi = G
     tp_decode_layer, tp_decode = _decode_slope(raw, "tp2_")
@@ -334,27 +380,28 @@ def _fit(raw: dict, prof_kw: dict) -> dict:
         "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}
 
 
-def calibrate_cpu(reps: int = 25, repeats: int = 3):
-    """Measure this machine (phases A and B of the module docstring) `repeats` times; returns
-    (profile, raw): every field of the profile is its median over the repeats (each fitted from
-    one whole measurement), raw holds each repeat's measurements.
+def calibrate_cpu(reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT):
+    """Measure this machine (phases A and B of the module docstring) `repeats` times with the
+    calibration engines of `setup`; returns (profile, raw): every field of the profile is its
+    median over the repeats (each fitted from one whole measurement), raw holds each repeat's
+    measurements and the setup.
 
     On a shared machine one calibration moves with the other tenants (a fitted latency moved 0.01-0.97 between
     calibrations minutes apart; bench_estimator); the median of three is what the estimator uses."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
-    runs = [_calibrate_once(reps) for _ in range(repeats)]
+    runs = [_calibrate_once(reps, setup) for _ in range(repeats)]
     kw = {}
     for f in fields(HardwareProfile):
         vals = [getattr(p, f.name) for p, _ in runs]
         kw[f.name] = statistics.median(vals) if isinstance(vals[0], float) else vals[0]
-    return HardwareProfile(**kw), {"repeats": [raw for _, raw in runs]}
+    return HardwareProfile(**kw), {"repeats": [raw for _, raw in runs], "setup": asdict(setup)}
 
 
-def _calibrate_once(reps: int):
+def _calibrate_once(reps: int, cal: Setup = DEFAULT):
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
-    res = run_distributed(_worker, 2 * n, n, reps, timeout=600)
+    res = run_distributed(_worker, 2 * n, n, reps, cal, timeout=600)
     # Slowest rank for times, slowest rank's rate for rates: what a synchronous runtime sees.
     raw = {k: (min if k.endswith("per_s") or k == "matmul_flops" else max)(r[k] for r in res if k in r)
            for k in res[0]}
@@ -368,17 +415,17 @@ def _calibrate_once(reps: int):
     kw = dict(name="cpu", peak_flops=raw["matmul_flops"], flops_eff=1.0, hbm_bw=raw["memcpy_bytes_per_s"],
               hbm_eff=1.0, intra_bw=raw["bw_bytes_per_s"], inter_bw=raw["bw_bytes_per_s"],
               mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores)
-    kw |= _fit(raw, kw)
+    kw |= _fit(raw, kw, cal)
     kw["inter_lat"] = kw["intra_lat"]
     # transfer_time scales (transfer + realloc_lat) by the contention of the plan's ranks.
-    plan = _realloc_plan(2 * n)
+    plan = _realloc_plan(2 * n, cal)
     kw["realloc_lat"] = max(raw["realloc_s"] / HardwareProfile(**kw).contention(2 * n)
                             - transfer_time(plan, HardwareProfile(**kw | {"shared_cores": 0})), 0.0)
     raw["mem_bytes"] = mem
     return HardwareProfile(**kw), raw
 
 
-def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None):
+def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None, setup: Setup = DEFAULT):
     """The datasheet profile `base` (hardware.PROFILES) with this GPU's fixed seconds per layer and
     per pass (kernel launches and host dispatch, which the datasheet profiles leave at zero): the
     calibration model's engines of phase A, one rank on one GPU, each field the median of
@@ -396,22 +443,23 @@ def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=N
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise ValueError(f"calibrate_gpu times one rank; the initialized world has {dist.get_world_size()}")
-        raws = [_gpu_costs(0, 1, reps, device) for _ in range(repeats)]
+        raws = [_gpu_costs(0, 1, reps, device, setup) for _ in range(repeats)]
     else:
         backend = "gloo" if device is not None and torch.device(device).type == "cpu" else "nccl"
-        raws = [run_distributed(_gpu_costs, 1, reps, device, timeout=600, backend=backend)[0] for _ in range(repeats)]
+        raws = [run_distributed(_gpu_costs, 1, reps, device, setup, timeout=600, backend=backend)[0]
+                for _ in range(repeats)]
     prof = PROFILES[base]
-    fits = [_fit_single(raw, prof.flops) for raw in raws]
+    fits = [_fit_single(raw, prof.flops, setup) for raw in raws]
     kw = {k: statistics.median(f[k] for f in fits) for k in fits[0]}
-    return replace(prof, name=f"{base}_cal", **kw), {"repeats": raws}
+    return replace(prof, name=f"{base}_cal", **kw), {"repeats": raws, "setup": asdict(setup)}
 
 
-def _gpu_costs(rank: int, world: int, reps: int, device=None) -> dict:
+def _gpu_costs(rank: int, world: int, reps: int, device=None, cal: Setup = DEFAULT) -> dict:
     """Phase A's single-rank timings on `device` (default: the current CUDA device; "cpu" runs
     the same code on the processor, a dry run of calibrate_gpu)."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    out = _single_rank_costs(rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev)
+    out = _single_rank_costs(cal, rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev)
     return out | {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}

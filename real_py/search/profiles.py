@@ -10,7 +10,7 @@ import os
 import platform
 from dataclasses import asdict
 
-from .calibrate import calibrate_cpu
+from .calibrate import DEFAULT, Setup, calibrate_cpu
 from .hardware import PROFILE_NAMES, PROFILES, HardwareProfile
 
 
@@ -29,23 +29,26 @@ def get_profile(name: str) -> HardwareProfile:
     raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
 
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
 
 
-def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3) -> HardwareProfile:
+def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT) -> HardwareProfile:
     """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
     $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure, each
-    field the median of `repeats` calibrations)."""
+    field the median of `repeats` calibrations). `setup`: the calibration engines (default: the
+    small calibration model; `Setup.for_job` profiles a job's own model shape and pass sizes);
+    a cache file of another setup is recalibrated."""
     path = _cache_path()
     if not refresh and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-        if data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION:
+        if (data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION
+                and data.get("setup") == asdict(setup)):
             return HardwareProfile(**data["profile"])
-    prof, raw = calibrate_cpu(reps, repeats)
+    prof, raw = calibrate_cpu(reps, repeats, setup)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "measured": raw,
+        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "setup": asdict(setup), "measured": raw,
                    "profile": asdict(prof)}, f, indent=1)
     return prof
