@@ -76,11 +76,20 @@ def calibration_setup(on: str, actor, wl: Workload) -> Setup:
                          seq=wl.seq_len, prompt=wl.prompt_len)
 
 
-def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
-    """Calibrate, search, then measure and estimate every plan; one row per plan."""
+OTHER = {"job": "default", "default": "job"}
+
+
+def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, object]:
+    """Calibrate, search, then measure and estimate every plan; one row per plan. With
+    args.compare, the other calibration setup too (the two in alternating order by round, so
+    that a drift of the machine does not favour one), and its estimates beside the first's."""
     cfg, actor, critic, wl = job()
     dtype = actor.dtype
-    hw = cpu_profile(refresh=True, setup=calibration_setup(args.calibrate_on, actor, wl))
+    order = [args.calibrate_on] + ([OTHER[args.calibrate_on]] if args.compare else [])
+    prof = {}
+    for on in (order if rnd % 2 else order[::-1]):
+        prof[on] = cpu_profile(refresh=True, setup=calibration_setup(on, actor, wl))
+    hw, other = prof[args.calibrate_on], prof.get(OTHER[args.calibrate_on])
     found = plan_search(actor, critic, num_gpus=4, hardware=hw, workload=wl, dtype=dtype,
                         time_budget=args.search_budget, seed=0)
     plans = dict(PLANS, searched=found.plan.to_json())
@@ -101,6 +110,12 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
         call_errs = [e for _, e in _call_errors(row, row["calls meas s"], est)]
         row["call rel errs"] = [round(x, 3) for x in call_errs]
         row["median call |rel err|"] = med([abs(x) for x in call_errs])
+        if other is not None:
+            e2 = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=other, workload=wl, dtype=dtype)
+            errs2 = [e for _, e in _call_errors(row, row["calls meas s"], e2)]
+            row["other est s"], row["other rel err"] = e2["iter_time"], (e2["iter_time"] - meas) / meas
+            row["other call rel errs"] = [round(x, 3) for x in errs2]
+            row["other median call |rel err|"] = med([abs(x) for x in errs2])
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
         # per-layer and per-pass overheads) vs waiting on messages (tp/dp/pp), over all calls.
         comp = sum(v for c in CALLS for k, v in est["calls"][c]["breakdown"].items() if k in HOST_BOUND)
@@ -112,7 +127,7 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
                             for c in CALLS}
         rows.append(row)
         print(f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s", flush=True)
-    return rows, hw, found.iter_time
+    return rows, hw, found.iter_time, other
 
 
 def _call_errors(row: dict, meas: dict, est: dict) -> list[tuple[str, float]]:
@@ -197,25 +212,37 @@ def main() -> None:
     ap.add_argument("--search-budget", type=float, default=10.0)
     ap.add_argument("--calibrate-on", choices=("job", "default"), default="job",
                     help="calibration engines: the job's own model shape and pass sizes, or the small default model")
+    ap.add_argument("--compare", action="store_true",
+                    help="also calibrate the other setup each round and estimate every plan with it too")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
                     "code's cost model and the run's profiles (no measurement)")
     args = ap.parse_args()
     if args.rescore:
         return rescore(args.rescore)
     rows, profiles, med = [], [], statistics.median
-    saved = {}
+    saved, saved_other = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(1, args.rounds + 1):
-            r, hw, found = measure_round(rnd, args, tmp)
+            r, hw, found, other = measure_round(rnd, args, tmp)
             rows += r
             saved[rnd] = asdict(hw)
+            if other is not None:
+                saved_other[rnd] = asdict(other)
             profiles.append(f"round {rnd}: " + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
                             + f"; searched plan estimated {found:.4f} s")
     per_round = {rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd])
                  for rnd in range(1, args.rounds + 1)}
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
-    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s")]
+    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s",
+                                            "other call rel errs")]
+    compared = ""
+    if args.compare:
+        o_it = [abs(r["other rel err"]) for r in rows]
+        o_call = [abs(x) for r in rows for x in r["other call rel errs"]]
+        compared = (f" Calibrated on `{OTHER[args.calibrate_on]}` instead (same measurements; the two calibrations "
+                    f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
+                    f"{med(o_call):.3f} (columns `other ...`).")
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
@@ -228,9 +255,10 @@ def main() -> None:
                         + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
                         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
-                        "breakdowns are in the JSON.",
+                        "breakdowns are in the JSON." + compared,
                   extra={"profiles": saved, "calibrate_on": args.calibrate_on,
-                         "setup": asdict(calibration_setup(args.calibrate_on, *job()[1:2], job()[3]))})
+                         "setup": asdict(calibration_setup(args.calibrate_on, *job()[1:2], job()[3]))}
+                  | ({"profiles_other": saved_other} if args.compare else {}))
 
 
 if __name__ == "__main__":
