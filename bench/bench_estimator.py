@@ -3,8 +3,9 @@
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
     python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
 
-Per round: calibrates the `cpu` hardware profile (refresh=True; by default on the job's own actor
-shape and pass sizes, `--calibrate-on default` for the small calibration model), then for six execution
+Per round: calibrates the `cpu` hardware profile (refresh=True; on the small calibration model,
+`--calibrate-on job` on the job's own actor shape and pass sizes, `--compare` both, each plan
+scored with both profiles on the same measurements), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
 `python -m real_py train` through bench_rlhf.run (median over the steps after the warm-up) and
@@ -210,7 +211,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
-    ap.add_argument("--calibrate-on", choices=("job", "default"), default="job",
+    ap.add_argument("--calibrate-on", choices=("job", "default"), default="default",
                     help="calibration engines: the job's own model shape and pass sizes, or the small default model")
     ap.add_argument("--compare", action="store_true",
                     help="also calibrate the other setup each round and estimate every plan with it too")

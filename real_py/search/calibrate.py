@@ -72,7 +72,11 @@ class Setup:
     actor shape and pass sizes instead, as ReaL profiles the model it plans for: on this machine
     the default model's train step cost 1.73 ms per layer against 0.84 ms for the default job's
     shape at the same rows and tokens (and 1.42 ms at the job's 8 rows), so a fixed calibration
-    model carries its own size into every estimate."""
+    model carries its own size into every estimate (bench/results/calibration_shape_cpu2_20261204.md).
+    Scored side by side on the same measurements (`bench_estimator.py --calibrate-on job --compare`,
+    estimator_cpu2_20261204_commit5cb2112_compare.md), the job's setup fixed the single-rank train
+    steps but estimated the other calls worse: median |rel err| 0.212 per iteration and 0.172 per
+    call, against 0.079 and 0.167 with the default; the default stays the default."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
