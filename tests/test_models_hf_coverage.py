@@ -559,5 +559,10 @@ def test_transformers5_rope_parameters_read_as_the_4x_fields():
     assert want.rope_local_base_freq == 1e4 and ModelConfig.from_hf(g5) == want
     with pytest.raises(ValueError, match=r"rope_parameters=.*it says rope_theta=500000.0 and the config says rope_theta=10000.0"):
         ModelConfig.from_hf(dict(plain, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5 is not supported"):
+        ModelConfig.from_hf(_v5(plain, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}))
+    assert ModelConfig.from_hf(_v5(plain, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})) == got
+    with pytest.raises(ValueError, match=r"rope_parameters=.*fields \['factor'\] with the default rope_type"):
+        ModelConfig.from_hf(_v5(plain, {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}))
     with pytest.raises(ValueError, match=r"rope_parameters=.*one RoPE per layer type is gemma3_text's; llama"):
         ModelConfig.from_hf(_v5(plain, {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e5}}))

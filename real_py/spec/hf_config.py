@@ -157,13 +157,17 @@ def _legacy_rope(config: dict, where: str, mt: str) -> dict:
     per_type = set(rp) <= {"full_attention", "sliding_attention"} and all(isinstance(v, dict) for v in rp.values())
     if per_type and mt != "gemma3_text" and len({json.dumps(v, sort_keys=True) for v in rp.values()}) > 1:
         _refuse(where, "rope_parameters", rp, f"one RoPE per layer type is gemma3_text's; {mt} has one RoPE")
-    full = rp.get("full_attention", next(iter(rp.values()), {})) if per_type else rp
+    full = dict(rp.get("full_attention", next(iter(rp.values()), {})) if per_type else rp)
     legacy = {}
     if "rope_theta" in full:
-        legacy["rope_theta"] = full["rope_theta"]
-    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-    if scaling.get("rope_type", "default") != "default":
-        legacy["rope_scaling"] = scaling
+        legacy["rope_theta"] = full.pop("rope_theta")
+    if full.get("partial_rotary_factor", 1) not in (1, 1.0):  # refused as the 4.x field is, below
+        legacy["partial_rotary_factor"] = full["partial_rotary_factor"]
+    full.pop("partial_rotary_factor", None)
+    if full.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = full
+    elif set(full) - {"rope_type"}:
+        _refuse(where, "rope_parameters", rp, f"fields {sorted(set(full) - {'rope_type'})} with the default rope_type")
     if per_type and mt == "gemma3_text" and "rope_theta" in rp.get("sliding_attention", {}):
         local = rp["sliding_attention"]
         if local.get("rope_type", "default") != "default":
