@@ -96,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
     ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
     args = ap.parse_args(argv)
+    if args.iters < 1:
+        ap.error(f"--iters {args.iters}: need at least 1")
     small = args.small
     cfg = train_config(args.device, small, args.batch or (4 if small else 32),
                        args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))

@@ -8,7 +8,7 @@ one reallocation (median of --repeats after one untimed run, which is checked bi
 slicing the full tensors). The reference copies min(bytes moved, 4 GiB) with one contiguous
 copy_ on the same device; vs copy_ is the ratio of the two GB/s.
 
-    python bench/bench_gpu_realloc.py --device cuda               # 7B bf16, up to ~63 GiB of device memory (dp4)
+    python bench/bench_gpu_realloc.py --device cuda               # 7B bf16, 88 GiB peak on the H200 (dp4)
     python bench/bench_gpu_realloc.py --device cpu --small        # smoke run, tiny model
 Writes <out-dir>/gpu_realloc_<hw>_<date>.{json,md}.
 """

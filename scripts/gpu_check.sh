@@ -75,6 +75,10 @@ step env 30 "$PY" -c "
 import os, shutil, subprocess, torch
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())
 print('CUDA_HOME', os.environ.get('CUDA_HOME', 'unset'), 'nvcc', shutil.which('nvcc'))
+from importlib.metadata import version, PackageNotFoundError
+for p in ('transformers', 'cupy-cuda13x', 'numpy'):
+    try: print(p, version(p))
+    except PackageNotFoundError: print(p, 'not installed')
 if shutil.which('nvidia-smi'):
     subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv'])"
 

@@ -24,6 +24,7 @@ from real_py.engines import Engine, OptimConfig
 from real_py.interop.hf import gather_state_dict, load_hf_shard, save_hf
 from real_py.models import StageModel
 from real_py.parallel import ParallelGroups
+from real_py.spec.hf_config import export_config
 from real_py.testing import run_distributed
 
 import models_oracle as O
@@ -557,6 +558,15 @@ def test_transformers5_rope_parameters_read_as_the_4x_fields():
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     want = ModelConfig.from_hf(g4)
     assert want.rope_local_base_freq == 1e4 and ModelConfig.from_hf(g5) == want
+    # longrope: transformers 5 moves original_max_position_embeddings into rope_parameters
+    sf, lf = [1.0, 1.1, 1.3, 2.0, 2.5, 3.0, 6.0, 9.0], [1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 24.0, 30.0]
+    p4 = transformers.Phi3Config(**O.TINY, pad_token_id=0, original_max_position_embeddings=16,
+                                 rope_scaling=dict(type="longrope", short_factor=sf, long_factor=lf)).to_dict()
+    p5 = _v5({k: v for k, v in p4.items() if k != "original_max_position_embeddings"},
+             dict(rope_type="longrope", short_factor=sf, long_factor=lf, rope_theta=p4["rope_theta"],
+                  original_max_position_embeddings=16))
+    assert ModelConfig.from_hf(p5) == ModelConfig.from_hf(p4)
+    assert "rope_parameters" not in export_config(ModelConfig.from_hf(p5), p5)  # no stale v5 copy beside the 4.x fields
     with pytest.raises(ValueError, match=r"rope_parameters=.*it says rope_theta=500000.0 and the config says rope_theta=10000.0"):
         ModelConfig.from_hf(dict(plain, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5 is not supported"):

@@ -64,9 +64,9 @@ PP_LAYERS = 4
 
 @dataclass(frozen=True)
 class Setup:
-    """What the calibration engines run: a model shape (its layer count varies, LAYERS) and the
-    data of one pass per rank, `rows` sequences of `seq` tokens for inference and generation
-    (prompts of `prompt` tokens), `train_rows` for a train step.
+    """What the calibration engines run: a model shape (its layer count varies, LAYERS; float32)
+    and the data of one pass per rank, `rows` sequences of `seq` tokens for inference and
+    generation (prompts of `prompt` tokens), `train_rows` for a train step.
 
     The default is a small model, so that dispatch costs dominate. `for_job` takes the job's own
     actor shape and pass sizes instead, as ReaL profiles the model it plans for: on this machine
@@ -76,7 +76,9 @@ class Setup:
     Scored side by side on the same measurements (`bench_estimator.py --calibrate-on job --compare`,
     estimator_cpu2_20261204_commit5cb2112_compare.md), the job's setup fixed the single-rank train
     steps but estimated the other calls worse: median |rel err| 0.212 per iteration and 0.172 per
-    call, against 0.079 and 0.167 with the default; the default stays the default."""
+    call, against 0.079 and 0.167 with the default. That setup had the rows of a one-replica call
+    (8, 4 to train), so it charged the dp2 / dp4 plans' ranks (2-4 rows each) for 8; one setup per
+    dp degree is not tried yet. The default stays the default."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -461,7 +463,9 @@ def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=N
 def _gpu_costs(rank: int, world: int, reps: int, device=None, cal: Setup = DEFAULT) -> dict:
     """Phase A's single-rank timings on `device` (default: the current CUDA device; "cpu" runs
     the same code on the processor, a dry run of calibrate_gpu)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # set_device needs an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     out = _single_rank_costs(cal, rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev)

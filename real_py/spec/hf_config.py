@@ -164,6 +164,10 @@ def _legacy_rope(config: dict, where: str, mt: str) -> dict:
     if full.get("partial_rotary_factor", 1) not in (1, 1.0):  # refused as the 4.x field is, below
         legacy["partial_rotary_factor"] = full["partial_rotary_factor"]
     full.pop("partial_rotary_factor", None)
+    if full.get("rope_type") == "longrope" and "original_max_position_embeddings" in full:
+        # transformers 5 copies it in; 4.x longrope reads the top-level field (4.x semantics here:
+        # factor = max_position_embeddings / original_max_position_embeddings)
+        legacy["original_max_position_embeddings"] = full.pop("original_max_position_embeddings")
     if full.get("rope_type", "default") != "default":
         legacy["rope_scaling"] = full
     elif set(full) - {"rope_type"}:
@@ -434,7 +438,7 @@ def export_config(config, source: dict | None = None) -> dict:
     for k in ("rope_scaling", "sliding_window", "original_max_position_embeddings", "use_sliding_window", "max_window_layers", "layer_types",
               "id2label", "label2id", "num_labels", "head_dim", "attention_bias", "mlp_bias",
               "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-              "rope_local_base_freq", "sliding_window_pattern"):
+              "rope_local_base_freq", "sliding_window_pattern", "rope_parameters", "partial_rotary_factor"):
         out.pop(k, None)
     out.update(transformers.AutoConfig.for_model(mt, **{**_passthrough(out), **kw}).to_dict())
     return out
