@@ -221,6 +221,7 @@ def main() -> None:
     if args.rescore:
         return rescore(args.rescore)
     rows, profiles, med = [], [], statistics.median
+    _, actor, _, wl = job()
     saved, saved_other = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(1, args.rounds + 1):
@@ -249,7 +250,7 @@ def main() -> None:
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
                         f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end). Estimated: "
                         f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
-                        f"(real_py/search/calibrate.py) and Workload {job()[3]}. Median |rel err| over all "
+                        f"(real_py/search/calibrate.py) and Workload {wl}. Median |rel err| over all "
                         f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "
                         f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
                         f"iteration error per round "
@@ -258,7 +259,7 @@ def main() -> None:
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
                         "breakdowns are in the JSON." + compared,
                   extra={"profiles": saved, "calibrate_on": args.calibrate_on,
-                         "setup": asdict(calibration_setup(args.calibrate_on, *job()[1:2], job()[3]))}
+                         "setup": asdict(calibration_setup(args.calibrate_on, actor, wl))}
                   | ({"profiles_other": saved_other} if args.compare else {}))
 
 

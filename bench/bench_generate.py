@@ -16,6 +16,7 @@ Writes <out-dir>/generate_<hw>_<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
 import tempfile
@@ -44,12 +45,18 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              vocab_size=128, num_hidden_layers=2, max_position_embeddings=256)
 
 
-def init_world(device: torch.device, tmp: str) -> None:
-    """A one-rank world (the engines need process groups)."""
+@contextlib.contextmanager
+def one_rank_world(device: torch.device):
+    """A one-rank world for the block (the engines need process groups), destroyed after it."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"file://{tmp}/rdzv",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend_for(device), init_method=f"file://{tmp}/rdzv",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def engine(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Engine:
@@ -73,34 +80,30 @@ def main(argv=None):
     N = args.new_tokens or (16 if args.small else 256)
     dev = resolve_device(args.device)
     cfg = ModelConfig(**(SMALL if args.small else BIG), dtype="bfloat16")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_world(dev, tmp)
-        try:
-            eng = engine(cfg, dev)
-            g = torch.Generator().manual_seed(1)
-            prompts = torch.randint(1, cfg.vocab_size, (B, P), generator=g).to(dev)
-            lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
-            seeds = torch.arange(B, device=dev)
-            modes = ["dynamic", "static"] + (["graph"] if dev.type == "cuda" else [])
-            rows, ref = [], None
-            for mode in modes:
-                out = {}
+    with one_rank_world(dev):
+        eng = engine(cfg, dev)
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(1, cfg.vocab_size, (B, P), generator=g).to(dev)
+        lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
+        seeds = torch.arange(B, device=dev)
+        modes = ["dynamic", "static"] + (["graph"] if dev.type == "cuda" else [])
+        rows, ref = [], None
+        for mode in modes:
+            out = {}
 
-                def run():
-                    out["tokens"] = eng.generate(prompts, lengths, seeds, max_new_tokens=N, decode=mode)["tokens"]
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
+            def run():
+                out["tokens"] = eng.generate(prompts, lengths, seeds, max_new_tokens=N, decode=mode)["tokens"]
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
 
-                reset_peak_memory(dev)
-                t = time_fn(run, device="cpu", warmup=1, repeats=args.repeats)
-                ref = out["tokens"] if ref is None else ref
-                rows.append({"mode": mode, "batch": B, "prompt": P, "new tokens": N,
-                             "seconds": t.median_s, "tokens/s": B * N / t.median_s,
-                             "same tokens": bool(torch.equal(out["tokens"], ref)),
-                             "peak GiB": peak_memory_mib(dev) / 1024})
-                print(rows[-1], flush=True)
-        finally:
-            dist.destroy_process_group()
+            reset_peak_memory(dev)
+            t = time_fn(run, device="cpu", warmup=1, repeats=args.repeats)
+            ref = out["tokens"] if ref is None else ref
+            rows.append({"mode": mode, "batch": B, "prompt": P, "new tokens": N,
+                         "seconds": t.median_s, "tokens/s": B * N / t.median_s,
+                         "same tokens": bool(torch.equal(out["tokens"], ref)),
+                         "peak GiB": peak_memory_mib(dev) / 1024})
+            print(rows[-1], flush=True)
     params = model_spec(cfg).numel
     paths = write_results("generate", hardware_tag(args.device) + ("_small" if args.small else ""), rows,
                           columns=list(rows[0]),

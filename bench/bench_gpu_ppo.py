@@ -23,18 +23,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import BIG, SMALL, init_world  # noqa: E402
-from timing import hardware_tag, write_results  # noqa: E402
+from bench_generate import BIG, SMALL, one_rank_world  # noqa: E402
+from timing import hardware_tag, markdown_table, write_results  # noqa: E402
 
 from real_py.device import resolve_device  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
@@ -103,48 +101,44 @@ def main(argv=None):
                        args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
     dev = resolve_device(args.device)
     rows, extra = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        init_world(dev, tmp)
-        try:
-            plan, graph, models = CF.validate(cfg, 1)
+    with one_rank_world(dev):
+        plan, graph, models = CF.validate(cfg, 1)
+        t0 = time.perf_counter()
+        rt = Runtime(cfg, plan, graph, models, timeout_s=600)
+        extra["setup_seconds"] = time.perf_counter() - t0
+        extra["params"] = {m: model_spec(c).numel for m, c in models.items()}
+        for step in range(args.iters):
             t0 = time.perf_counter()
-            rt = Runtime(cfg, plan, graph, models, timeout_s=600)
-            extra["setup_seconds"] = time.perf_counter() - t0
-            extra["params"] = {m: model_spec(c).numel for m, c in models.items()}
-            for step in range(args.iters):
-                t0 = time.perf_counter()
-                out = rt.iteration(step)
-                seconds = time.perf_counter() - t0
-                for call, sec in out["calls"].items():
-                    rows.append({"iteration": step, "call": call, "seconds": sec,
-                                 "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024})
-                rows.append({"iteration": step, "call": "(iteration)", "seconds": seconds,
-                             "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024})
-                extra[f"metrics_{step}"] = out["metrics"]
-                last = out["calls"]
-                print(f"iteration {step}: {seconds:.2f} s; calls "
-                      + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
-                      + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
-            if not args.no_estimate:
-                # In this one-rank world, after the job: the job's memory is still held, as in a
-                # run that calibrates beside its models.
-                t0 = time.perf_counter()
-                profiles = {args.profile: PROFILES[args.profile]}
-                try:
-                    cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev)
-                    profiles[cal.name] = cal
-                    extra["calibration_raw"] = raw
-                except Exception as e:  # noqa: BLE001 - the datasheet comparison still runs; the error is recorded
-                    extra["calibration_error"] = f"{type(e).__name__}: {e}"
-                    print("calibration failed:", extra["calibration_error"], flush=True)
-                extra["calibration_seconds"] = time.perf_counter() - t0
-                extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
-                est_rows = estimator_rows(cfg, plan, models, last, profiles)
-                extra["estimator"] = est_rows
-                for r in est_rows:
-                    print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-        finally:
-            dist.destroy_process_group()
+            out = rt.iteration(step)
+            seconds = time.perf_counter() - t0
+            for call, sec in out["calls"].items():
+                rows.append({"iteration": step, "call": call, "seconds": sec,
+                             "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024})
+            rows.append({"iteration": step, "call": "(iteration)", "seconds": seconds,
+                         "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024})
+            extra[f"metrics_{step}"] = out["metrics"]
+            last = out["calls"]
+            print(f"iteration {step}: {seconds:.2f} s; calls "
+                  + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
+                  + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
+        if not args.no_estimate:
+            # In this one-rank world, after the job: the job's memory is still held, as in a
+            # run that calibrates beside its models.
+            t0 = time.perf_counter()
+            profiles = {args.profile: PROFILES[args.profile]}
+            try:
+                cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev)
+                profiles[cal.name] = cal
+                extra["calibration_raw"] = raw
+            except Exception as e:  # noqa: BLE001 - the datasheet comparison still runs; the error is recorded
+                extra["calibration_error"] = f"{type(e).__name__}: {e}"
+                print("calibration failed:", extra["calibration_error"], flush=True)
+            extra["calibration_seconds"] = time.perf_counter() - t0
+            extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
+            est_rows = estimator_rows(cfg, plan, models, last, profiles)
+            extra["estimator"] = est_rows
+            for r in est_rows:
+                print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     extra["config"] = CF.to_dict(cfg)
     notes_est = ""
     if "estimator" in extra:
@@ -152,7 +146,7 @@ def main(argv=None):
                 for name in extra["profiles"]}
         extra["median_call_abs_rel_err"] = errs
         notes_est = ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
-                     + _table(extra["estimator"])
+                     + markdown_table(extra["estimator"], list(extra["estimator"][0]))
                      + "\n\nmedian |rel err| per call: " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
                      + (f". {args.profile}_cal: the {args.profile} datasheet profile with per-layer / per-pass seconds "
                         f"calibrated on this device ({extra['calibration_seconds']:.0f} s)." if "calibration_raw" in extra
@@ -166,13 +160,6 @@ def main(argv=None):
                                 "(0 on CPU). Iteration 0 includes warm-up." + notes_est,
                           extra=extra, out_dir=args.out_dir)
     print("wrote", *paths)
-
-
-def _table(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
 
 
 if __name__ == "__main__":

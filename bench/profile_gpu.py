@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import BIG, SMALL, engine, init_world  # noqa: E402
+from bench_generate import BIG, SMALL, engine, one_rank_world  # noqa: E402
 from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py import ModelConfig  # noqa: E402
@@ -109,20 +107,16 @@ def main(argv=None):
         print(rows[-1], flush=True)
     B, P, N = (4, 8, 8) if args.small else (32, 128, 32)
     cfg = ModelConfig(**(SMALL if args.small else BIG), dtype="bfloat16")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_world(dev, tmp)
-        try:
-            eng = engine(cfg, dev)
-            g = torch.Generator().manual_seed(1)
-            prompts = torch.randint(1, cfg.vocab_size, (B, P), generator=g)
-            lengths, seeds = torch.full((B,), P), torch.arange(B)
-            for mode in ["dynamic", "static"] + (["graph"] if dev.type == "cuda" else []):
-                fn = lambda mode=mode: eng.generate(prompts, lengths, seeds, max_new_tokens=N,  # noqa: E731
-                                                    greedy=False, decode=mode)
-                rows += profile_rows(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 2, dev, "generate()")
-                print(rows[-1], flush=True)
-        finally:
-            dist.destroy_process_group()
+    with one_rank_world(dev):
+        eng = engine(cfg, dev)
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(1, cfg.vocab_size, (B, P), generator=g)
+        lengths, seeds = torch.full((B,), P), torch.arange(B)
+        for mode in ["dynamic", "static"] + (["graph"] if dev.type == "cuda" else []):
+            fn = lambda mode=mode: eng.generate(prompts, lengths, seeds, max_new_tokens=N,  # noqa: E731
+                                                greedy=False, decode=mode)
+            rows += profile_rows(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 2, dev, "generate()")
+            print(rows[-1], flush=True)
     paths = write_results("profile", hardware_tag(args.device) + ("_small" if args.small else ""), rows,
                           columns=["scenario", "kind", "name", "calls", "us"],
                           title=f"profile of pack calls and generation ({args.device})",

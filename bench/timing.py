@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -130,6 +130,15 @@ def hardware_tag(device: str) -> str:
     return f"cpu{os.cpu_count()}"
 
 
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """rows as a markdown table of `columns` (floats to 3 significant digits)."""
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows])
+
+
 def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[str], title: str,
                   notes: str = "", extra: dict | None = None,
                   out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
@@ -145,18 +154,14 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
                                  "notes": notes, "rows": rows} | ({"extra": extra} if extra else {}),
                                 indent=1) + "\n")
 
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
     lines = [f"# {title}", "", f"Command: `{command}`", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    lines += ["", markdown_table(rows, columns)]
     if notes:
         lines += ["", notes]
     mpath.write_text("\n".join(lines) + "\n")
     return jpath, mpath
 
 
-__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "hardware_tag", "write_results",
+__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "hardware_tag", "markdown_table", "write_results",
            "RESULTS"]
