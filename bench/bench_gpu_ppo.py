@@ -10,8 +10,10 @@ The first iteration includes CUDA / cuBLAS warm-up; the last is the steady state
 
 Estimator check (issue 25, on one GPU): the last iteration's seconds per call against
 real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
-(--profile, default h200) and with that profile calibrated on this GPU (calibrate_gpu: the small
-calibration model's per-layer / per-pass seconds, not this job's models). Skip with --no-estimate.
+(--profile, default h200) and with that profile calibrated on this GPU by calibrate_gpu twice:
+<profile>_cal on the small calibration model (calibrate.DEFAULT), <profile>_caljob on this job's own
+actor shape, dtype and pass sizes (Setup.for_job, as ReaL profiles the model it plans for). Skip
+with --no-estimate.
 
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
@@ -24,7 +26,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 
@@ -38,7 +40,7 @@ from real_py.device import resolve_device  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.rlhf.runtime import Runtime  # noqa: E402
 from real_py.search import Workload, estimate  # noqa: E402
-from real_py.search.calibrate import calibrate_gpu  # noqa: E402
+from real_py.search.calibrate import DEFAULT, Setup, calibrate_gpu  # noqa: E402
 from real_py.search.hardware import PROFILES  # noqa: E402
 from real_py.spec import model_spec  # noqa: E402
 
@@ -124,16 +126,22 @@ def main(argv=None):
         if not args.no_estimate:
             # In this one-rank world, after the job: the job's memory is still held, as in a
             # run that calibrates beside its models.
-            t0 = time.perf_counter()
             profiles = {args.profile: PROFILES[args.profile]}
-            try:
-                cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev)
-                profiles[cal.name] = cal
-                extra["calibration_raw"] = raw
-            except Exception as e:  # noqa: BLE001 - the datasheet comparison still runs; the error is recorded
-                extra["calibration_error"] = f"{type(e).__name__}: {e}"
-                print("calibration failed:", extra["calibration_error"], flush=True)
-            extra["calibration_seconds"] = time.perf_counter() - t0
+            wl = workload(cfg)
+            setups = {"cal": DEFAULT,
+                      "caljob": Setup.for_job(models["actor"], batch_rows=wl.batch_size,
+                                              train_rows=wl.batch_size // wl.ppo_minibatches,
+                                              seq=wl.prompt_len + wl.gen_len, prompt=wl.prompt_len)}
+            for suffix, setup in setups.items():
+                name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
+                try:
+                    cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev, setup=setup)
+                    profiles[name] = replace(cal, name=name)
+                    extra[f"calibration_raw_{suffix}"] = raw
+                except Exception as e:  # noqa: BLE001 - the other profiles still run; the error is recorded
+                    extra[f"calibration_error_{suffix}"] = f"{type(e).__name__}: {e}"
+                    print(f"calibration {name} failed:", extra[f"calibration_error_{suffix}"], flush=True)
+                extra[f"calibration_seconds_{suffix}"] = time.perf_counter() - t0
             extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
             est_rows = estimator_rows(cfg, plan, models, last, profiles)
             extra["estimator"] = est_rows
@@ -148,9 +156,12 @@ def main(argv=None):
         notes_est = ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
                      + markdown_table(extra["estimator"], list(extra["estimator"][0]))
                      + "\n\nmedian |rel err| per call: " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
-                     + (f". {args.profile}_cal: the {args.profile} datasheet profile with per-layer / per-pass seconds "
-                        f"calibrated on this device ({extra['calibration_seconds']:.0f} s)." if "calibration_raw" in extra
-                        else f". Calibration failed: {extra.get('calibration_error')}"))
+                     + f". {args.profile}_cal / {args.profile}_caljob: the {args.profile} datasheet profile with "
+                       "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
+                       "with this job's actor shape, dtype and pass sizes ("
+                     + "; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+                                 + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
+                                 for k in ("cal", "caljob")) + ").")
     paths = write_results("gpu_ppo", hardware_tag(args.device) + ("_small" if small else ""), rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "

@@ -85,6 +85,7 @@ class Setup:
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
     vocab_size: int = 128
+    dtype: str = "float32"
     rows: int = 2
     train_rows: int = 2
     seq: int = 24
@@ -103,11 +104,11 @@ class Setup:
 
     @classmethod
     def for_job(cls, model: ModelConfig, batch_rows: int, train_rows: int, seq: int, prompt: int) -> "Setup":
-        """The job's model shape (attention and MLP sizes, vocabulary) with its per-rank rows of an
-        inference / generation pass and of a train step, its sequence and prompt lengths."""
+        """The job's model shape (attention and MLP sizes, vocabulary) and dtype, with its per-rank
+        rows of an inference / generation pass and of a train step, its sequence and prompt lengths."""
         return cls(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
                    num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_key_value_heads,
-                   vocab_size=model.vocab_size, rows=batch_rows, train_rows=train_rows, seq=seq, prompt=prompt)
+                   vocab_size=model.vocab_size, dtype=model.dtype, rows=batch_rows, train_rows=train_rows, seq=seq, prompt=prompt)
 
 
 DEFAULT = Setup()
