@@ -18,6 +18,8 @@
 #   OUT=/some/dir scripts/gpu_check.sh
 #   SMALL=1 DEVICE=cpu scripts/gpu_check.sh dry run of every bench on the CPU (tiny sizes; no
 #                                           build, no tests): checks the script and the benches
+#   GPU_CHECK_STEPS="build import tests pack profile" scripts/gpu_check.sh
+#                                           only those steps (env always runs; default: all)
 # Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS.
 set -uo pipefail
 
@@ -52,6 +54,11 @@ last_rc=0
 step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/NAME.log, never exits
   local name="$1" cap="$2"
   shift 2
+  if [ "$name" != env ] && [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    echo "| $name | not selected | 0 |" >> "$SUMMARY"
+    last_rc=0
+    return 0
+  fi
   local left=$((DEADLINE - SECONDS))
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 10 ]; then
@@ -103,7 +110,7 @@ step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLA
 step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
 step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$OUT"
 step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
-step profile 60 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step profile 120 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
 
 {
   echo

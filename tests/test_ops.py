@@ -76,6 +76,12 @@ def samples() -> list[tuple[str, np.ndarray, int, int]]:
     for j in range(6):
         d, s, t = random_descs(rng, k=int(rng.integers(1, 40)), max_len=300, max_n=30)
         out.append((f"random{j}", d, s, t))
+    # The CUDA op passes up to 64 non-empty descriptors by value, more through a device buffer:
+    # both sides of the boundary, and many.
+    for k in (64, 65):
+        out.append((f"descs{k}", np.array([[3 * i, 2 * i, 2, 1, 0, 0] for i in range(k)], np.int64), 3 * k, 2 * k))
+    d, s, t = random_descs(rng, k=300, max_len=300, max_n=30)
+    out.append(("random-many", d, s, t))
     d, s, t = random_descs(rng, k=3, max_len=70_000, max_n=6, src_overlap=False)
     out.append(("random-long", d, s, t))
     out.append(("random-packed", _pack_style(d), s, int((d[:, 2] * d[:, 3]).sum())))

@@ -1,13 +1,16 @@
-// CUDA kernels of real_py::pack / real_py::unpack: checks (checks.h), descriptor upload, one
-// launch of the torch-free kernel (pack_kernel.cu) on the current stream of the buffers' device.
+// CUDA kernels of real_py::pack / real_py::unpack: checks (checks.h), descriptors (by value or
+// uploaded), one launch of the torch-free kernel (pack_kernel.cu) on the current stream of the
+// buffers' device.
 //
-// Descriptor upload: the host converts the CPU descriptors to bytes, drops empty ones, appends
-// their byte prefix sums, and writes both into one pinned staging tensor from torch's caching
-// host allocator; a non_blocking copy on the current stream brings it to the device. The caching
-// allocators make this safe and cheap without a private cache: the pinned block is recycled only
-// after the copy's recorded event completes, and the device block only after the kernel that
-// follows on the same stream (stream-ordered reuse). Cost: one small H2D copy per call, about
-// 56 bytes per descriptor, independent of the bytes moved.
+// Descriptors: the host converts the CPU descriptors to bytes, drops empty ones and appends their
+// byte prefix sums. Up to kMaxInlineDescs of them travel by value in the kernel's parameters: a
+// call is then the checks and one launch, nothing else (a per-call pinned staging block and H2D
+// copy cost ~15-25 us on the H200, bench/results/gpu_20261204/README.md). More are written into one pinned staging tensor
+// from torch's caching host allocator and a non_blocking copy on the current stream brings them
+// to the device. The caching allocators make that safe without a private cache: the pinned
+// block is recycled only after the copy's recorded event completes, and the device block only
+// after the kernel that follows on the same stream (stream-ordered reuse). Cost of that path:
+// one small H2D copy per call, about 56 bytes per descriptor, independent of the bytes moved.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,9 +34,12 @@ void strided_copy_cuda(const char* op, const at::Tensor& src, const char* src_na
   for (int64_t i = 0; i < k; ++i) m += (d[6 * i + 2] > 0 && d[6 * i + 3] > 0);
   if (m == 0) return;
 
-  // Staging layout: [m, 6] byte descriptors, then [m + 1] byte prefix sums.
-  at::Tensor staging = at::empty({7 * m + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* bd = staging.data_ptr<int64_t>();
+  // Layout: [m, 6] byte descriptors, then [m + 1] byte prefix sums.
+  const bool inline_descs = m <= kMaxInlineDescs;
+  int64_t small[7 * kMaxInlineDescs + 1];
+  at::Tensor staging;
+  if (!inline_descs) staging = at::empty({7 * m + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* bd = inline_descs ? small : staging.data_ptr<int64_t>();
   int64_t* prefix = bd + 6 * m;
   int64_t total = 0, j = 0;
   for (int64_t i = 0; i < k; ++i) {
@@ -46,11 +52,15 @@ void strided_copy_cuda(const char* op, const at::Tensor& src, const char* src_na
   prefix[m] = total;
 
   const c10::cuda::CUDAGuard guard(src.device());
-  const at::Tensor dev = staging.to(at::TensorOptions().device(src.device()), /*non_blocking=*/true);
-  const int64_t* dev_descs = dev.const_data_ptr<int64_t>();
-  const cudaError_t err = launch_strided_copy(
-      src.const_data_ptr(), dst.data_ptr(), dev_descs, dev_descs + 6 * m, m, total,
-      c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
+  cudaError_t err;
+  if (inline_descs) {
+    err = launch_strided_copy_inline(src.const_data_ptr(), dst.data_ptr(), bd, prefix, m, total, stream);
+  } else {
+    const at::Tensor dev = staging.to(at::TensorOptions().device(src.device()), /*non_blocking=*/true);
+    const int64_t* dev_descs = dev.const_data_ptr<int64_t>();
+    err = launch_strided_copy(src.const_data_ptr(), dst.data_ptr(), dev_descs, dev_descs + 6 * m, m, total, stream);
+  }
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed on ", src.device(), ": ",
               cudaGetErrorString(err));
 }

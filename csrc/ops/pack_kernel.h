@@ -24,4 +24,11 @@ cudaError_t launch_strided_copy(const void* src, void* dst, const int64_t* descs
                                 const int64_t* prefix, int64_t k, int64_t total_bytes,
                                 cudaStream_t stream);
 
+// The same copy with descs and prefix in HOST memory, k <= kMaxInlineDescs: they travel by value in
+// the kernel's parameters (no device buffer, no host-to-device copy).
+constexpr int64_t kMaxInlineDescs = 64;  // == pack_detail::kInlineDescs (static_assert in the .cu)
+cudaError_t launch_strided_copy_inline(const void* src, void* dst, const int64_t* host_descs,
+                                       const int64_t* host_prefix, int64_t k, int64_t total_bytes,
+                                       cudaStream_t stream);
+
 }  // namespace real_py

@@ -2,6 +2,9 @@
 // the launcher so that csrc/tests/test_pack_kernels.cpp can run the same code on the host
 // (threads of a block one after another) where there is no GPU.
 //
+// Two kernels share the block code: descriptors in device memory (any count), or up to
+// kInlineDescs of them by value in the kernel parameters (no per-call upload).
+//
 // Work split: block b owns bytes [b*kStridedCopyBlockBytes, (b+1)*kStridedCopyBlockBytes) of the
 // concatenated runs, found by a binary search over the prefix sums. Runs of at least
 // kBlockRunBytes are copied by the whole block (one long run fills many blocks); shorter runs are
@@ -21,6 +24,13 @@ constexpr int64_t kStridedCopyBlockBytes = 16 << 10;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kBlockRunBytes = 4 << 10;
+
+// Kernel parameters stay under the classic 4 KiB limit: 64 * 7 * 8 + 8 = 3592 bytes.
+constexpr int64_t kInlineDescs = 64;
+struct InlineDescs {
+  int64_t descs[6 * kInlineDescs];
+  int64_t prefix[kInlineDescs + 1];
+};
 
 template <typename W>
 __device__ __forceinline__ void copy_words(char* __restrict__ d, const char* __restrict__ s,
@@ -53,10 +63,11 @@ __device__ __forceinline__ void copy_run(char* d, const char* s, int64_t n, int 
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 4)
-strided_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                    const int64_t* __restrict__ descs, const int64_t* __restrict__ prefix,
-                    int64_t k, int64_t total) {
+// One block's share of the copy (the kernels below differ only in where descs and prefix live).
+__device__ __forceinline__ void strided_copy_block(const char* __restrict__ src, char* __restrict__ dst,
+                                                   const int64_t* __restrict__ descs,
+                                                   const int64_t* __restrict__ prefix, int64_t k,
+                                                   int64_t total) {
   __shared__ int64_t first;
   const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kStridedCopyBlockBytes;
   const int64_t b1 = min(b0 + kStridedCopyBlockBytes, total);
@@ -91,6 +102,22 @@ strided_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
       dealt += r1 - r0;
     }
   }
+}
+
+// Descriptors and prefix sums in device memory (any number of descriptors).
+__global__ void __launch_bounds__(kThreads, 4)
+strided_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                    const int64_t* __restrict__ descs, const int64_t* __restrict__ prefix,
+                    int64_t k, int64_t total) {
+  strided_copy_block(src, dst, descs, prefix, k, total);
+}
+
+// Up to kInlineDescs descriptors passed by value in the kernel's parameters (read in place from
+// the constant bank, __grid_constant__): no staging buffer and no host-to-device copy per call.
+__global__ void __launch_bounds__(kThreads, 4)
+strided_copy_inline_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                           const __grid_constant__ InlineDescs p, int64_t k, int64_t total) {
+  strided_copy_block(src, dst, p.descs, p.prefix, k, total);
 }
 
 }  // namespace pack_detail

@@ -21,6 +21,7 @@ static HostDim3 threadIdx, blockIdx;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __shared__ static
 #define __syncthreads()
 using std::max;
@@ -94,12 +95,22 @@ static void test_kernel_matches_reference() {
     std::vector<int64_t> prefix{0};
     for (int64_t i = 0; i < k; ++i) prefix.push_back(prefix.back() + d[6 * i + 2] * d[6 * i + 3]);
     const int64_t total = prefix.back();
+    // Odd trials: the by-value kernel (descriptors in its parameters; random_descs draws <= 20).
+    const bool inline_descs = trial % 2 == 1;
+    real_py::pack_detail::InlineDescs params{};
+    CHECK(k <= real_py::pack_detail::kInlineDescs);
+    std::copy(d.begin(), d.end(), params.descs);
+    std::copy(prefix.begin(), prefix.end(), params.prefix);
     const int64_t bb = real_py::pack_detail::kStridedCopyBlockBytes;
     for (int64_t b = 0; b < (total + bb - 1) / bb; ++b) {
       blockIdx.x = static_cast<unsigned>(b);
       for (unsigned t = 0; t < real_py::pack_detail::kThreads; ++t) {
         threadIdx.x = t;
-        real_py::pack_detail::strided_copy_kernel(sp, dp, d.data(), prefix.data(), k, total);
+        if (inline_descs) {
+          real_py::pack_detail::strided_copy_inline_kernel(sp, dp, params, k, total);
+        } else {
+          real_py::pack_detail::strided_copy_kernel(sp, dp, d.data(), prefix.data(), k, total);
+        }
       }
     }
     CHECK(std::memcmp(dp, want.data(), dn) == 0);
