@@ -17,12 +17,14 @@ with --no-estimate.
 
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
+    python bench/bench_gpu_ppo.py --rescore bench/results/<run>/gpu_ppo_h200_<date>.json   # no device
 Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -41,7 +43,7 @@ from real_py.rlhf import config as CF  # noqa: E402
 from real_py.rlhf.runtime import Runtime  # noqa: E402
 from real_py.search import Workload, estimate  # noqa: E402
 from real_py.search.calibrate import DEFAULT, Setup, calibrate_gpu  # noqa: E402
-from real_py.search.hardware import PROFILES  # noqa: E402
+from real_py.search.hardware import PROFILES, HardwareProfile  # noqa: E402
 from real_py.spec import model_spec  # noqa: E402
 
 
@@ -59,28 +61,77 @@ def train_config(device: str, small: bool, batch: int, prompt: int, new: int) ->
 
 def workload(cfg: CF.TrainConfig) -> Workload:
     """The estimator's Workload for the runtime's data: prompts padded to max_prompt_len, always
-    max_new_tokens new tokens, each mini-batch cut into micro_batches micro-batches."""
+    max_new_tokens new tokens, each mini-batch of a train step cut into micro_batches micro-batches,
+    inference passes (and generation's prefill and scoring) whole: infer_micro_tokens covers a
+    whole call. Before 2026-12-04 (session 2) this left the forward-only passes at micro_tokens,
+    so the estimator charged ref / reward / critic inference 4 passes' fixed costs for the
+    runtime's one (h200_caljob +94% on them in gpu_20261204_session2_run3)."""
     p, d = cfg.ppo, cfg.data
     rows = d.batch_size // p.mini_batches
-    tokens = rows * (d.max_prompt_len + cfg.generation.max_new_tokens)
+    seq = d.max_prompt_len + cfg.generation.max_new_tokens
     return Workload(batch_size=d.batch_size, prompt_len=d.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
                     ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches,
-                    micro_tokens=max(1, tokens // p.micro_batches))
+                    micro_tokens=max(1, rows * seq // p.micro_batches), infer_micro_tokens=d.batch_size * seq)
 
 
-def estimator_rows(cfg, plan, models, measured: dict, profiles: dict) -> list[dict]:
-    """One row per call: measured seconds (last iteration) and each profile's estimate."""
+def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None) -> list[dict]:
+    """One row per call: measured seconds (last iteration) and each profile's estimate; with the
+    measured `iteration` seconds, a last row "(iteration)" against the estimated iter_time."""
     wl = workload(cfg)
     est = {name: estimate(plan, models["actor"], models["critic"], hardware=hw, workload=wl, dtype="bfloat16")
            for name, hw in profiles.items()}
+    items = [(call, m, {n: e["calls"][call]["seconds"] for n, e in est.items()}) for call, m in measured.items()]
+    if iteration is not None:
+        items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
     rows = []
-    for call, m in measured.items():
+    for call, m, e in items:
         row = {"call": call, "measured s": m}
-        for name, e in est.items():
-            row[f"{name} est s"] = e["calls"][call]["seconds"]
-            row[f"{name} rel err"] = (e["calls"][call]["seconds"] - m) / m
+        for name, sec in e.items():
+            row[f"{name} est s"] = sec
+            row[f"{name} rel err"] = (sec - m) / m
         rows.append(row)
     return rows
+
+
+def estimator_notes(extra: dict, profile: str) -> str:
+    """The estimator table and its median |rel err| per profile (also stored in extra)."""
+    errs = {name: statistics.median(abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)")
+            for name in extra["profiles"]}
+    extra["median_call_abs_rel_err"] = errs
+    return ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
+            + markdown_table(extra["estimator"], list(extra["estimator"][0]))
+            + "\n\nmedian |rel err| per call (the iteration row aside): " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
+            + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
+              "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
+              "with this job's actor shape, dtype and pass sizes ("
+            + "; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+                        + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
+                        for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) + ").")
+
+
+def rescore(path: str, out_dir: str | None) -> None:
+    """Re-estimate a recorded run (its measurements, config and calibrated profiles) with this
+    tree's estimator and workload(); no device needed. Writes gpu_ppo_rescore_<hw>_<date>."""
+    rec = json.loads(Path(path).read_text())
+    extra = {k: v for k, v in rec["extra"].items() if k.startswith("calibration_seconds") or k == "profiles"}
+    conf = dict(rec["extra"]["config"], device="cpu")  # estimates do not depend on the device
+    cfg = CF.from_dict(conf)
+    plan, _, models = CF.validate(cfg, 1)
+    last = max(r["iteration"] for r in rec["rows"])
+    measured = {r["call"]: r["seconds"] for r in rec["rows"] if r["iteration"] == last}
+    iteration = measured.pop("(iteration)")
+    profiles = {k: HardwareProfile(**v) for k, v in extra["profiles"].items()}
+    extra["estimator"] = estimator_rows(cfg, plan, models, measured, profiles, iteration)
+    extra["rescored"] = {"file": Path(path).name, "recorded_git_commit": rec["environment"].get("git_commit")}
+    base = next(k for k in profiles if "_" not in k)
+    hw = Path(path).stem.removeprefix("gpu_ppo_").rsplit("_", 1)[0]
+    paths = write_results("gpu_ppo_rescore", hw, extra["estimator"], columns=list(extra["estimator"][0]),
+                          title=f"estimator re-scored on the recorded run {Path(path).name}",
+                          notes=f"Measured seconds, config and calibrated profiles from {path} (recorded at "
+                                f"{rec['environment'].get('date_utc')}); estimates from this tree."
+                                + estimator_notes(extra, base),
+                          extra=extra, out_dir=out_dir)
+    print("wrote", *paths)
 
 
 def main(argv=None):
@@ -95,7 +146,10 @@ def main(argv=None):
     ap.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="datasheet profile to check")
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
     ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
+    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded gpu_ppo_*.json (no device; no run)")
     args = ap.parse_args(argv)
+    if args.rescore:
+        return rescore(args.rescore, args.out_dir)
     if args.iters < 1:
         ap.error(f"--iters {args.iters}: need at least 1")
     small = args.small
@@ -143,25 +197,12 @@ def main(argv=None):
                     print(f"calibration {name} failed:", extra[f"calibration_error_{suffix}"], flush=True)
                 extra[f"calibration_seconds_{suffix}"] = time.perf_counter() - t0
             extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
-            est_rows = estimator_rows(cfg, plan, models, last, profiles)
+            est_rows = estimator_rows(cfg, plan, models, last, profiles, seconds)
             extra["estimator"] = est_rows
             for r in est_rows:
                 print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     extra["config"] = CF.to_dict(cfg)
-    notes_est = ""
-    if "estimator" in extra:
-        errs = {name: statistics.median(abs(r[f"{name} rel err"]) for r in extra["estimator"])
-                for name in extra["profiles"]}
-        extra["median_call_abs_rel_err"] = errs
-        notes_est = ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
-                     + markdown_table(extra["estimator"], list(extra["estimator"][0]))
-                     + "\n\nmedian |rel err| per call: " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
-                     + f". {args.profile}_cal / {args.profile}_caljob: the {args.profile} datasheet profile with "
-                       "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
-                       "with this job's actor shape, dtype and pass sizes ("
-                     + "; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
-                                 + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
-                                 for k in ("cal", "caljob")) + ").")
+    notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
     paths = write_results("gpu_ppo", hardware_tag(args.device) + ("_small" if small else ""), rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "

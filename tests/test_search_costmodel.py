@@ -114,6 +114,28 @@ def test_host_overheads_by_hand():
     assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
 
 
+def test_forward_only_passes_take_their_own_micro_batch_size():
+    """Workload.infer_micro_tokens sizes the forward-only passes (inference, prefill, scoring)
+    apart from the train steps: a whole pass where the runtime runs one (bench_gpu_ppo)."""
+    m, hw = tiny(), HardwareProfile(**FREE)
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=32, infer_micro_tokens=96)
+    # inference on pp=2: 96 tokens in one pass (more passes would only add overhead here),
+    # bubble (1 + 1) / 1, 1 layer per stage plus the head.
+    t = call_time("inference", m, Mesh(0, 2), 1, 1, 2, hw, wl)
+    assert t["overhead"] == pytest.approx(1 * (2 * 1 * 1.0 + 10.0))
+    g = call_time("generate", m, Mesh(0, 1), 1, 1, 1, hw, wl)
+    assert g["overhead"] == pytest.approx((2 + 10) + (2 + 10) + 4 * (2 * 100 + 1000))
+    # train steps keep micro_tokens (the same as without the field: test_host_overheads_by_hand)
+    tr = call_time("train", m, Mesh(0, 1), 1, 1, 1, hw, wl)
+    assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
+    # memory: the inference pass holds all 96 tokens' activations instead of 32
+    whole, split = (call_memory("inference", m, 1, 1, 1, w)["transient"]
+                    for w in (wl, replace(wl, infer_micro_tokens=None)))
+    assert whole == pytest.approx(3 * split)
+    with pytest.raises(ValueError, match="infer_micro_tokens"):
+        Workload(infer_micro_tokens=0)
+
+
 def test_value_head_pass_costs_by_hand():
     """A value model's passes carry value_head_lat / value_train_lat; unset, the lm head's."""
     v = model_spec(replace(TINY, head="value"), "tiny-value")

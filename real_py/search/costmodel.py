@@ -12,7 +12,7 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              embedding and log-probs), VALUE_HEAD_COLLS with a value head (embedding only).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
              hops on the critical path; m is the cheapest count from ceil(tokens / micro_tokens)
-             up to 4 * pp, so more work never costs less (tests/test_search_monotone.py).
+             (Workload.pass_micro_tokens: forward-only passes may have their own) up to 4 * pp, so more work never costs less (tests/test_search_monotone.py).
   dp         one gradient all-reduce per optimizer step (no overlap with backward assumed), plus
              the small loss / token-count / grad-norm collectives of the step.
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
@@ -53,6 +53,10 @@ class Workload:
     """Passes over the batch per train call."""
     micro_tokens: int = 16384
     """Tokens per micro-batch of a forward/backward pass (per dp replica)."""
+    infer_micro_tokens: int | None = None
+    """Tokens per micro-batch of a forward-only pass (inference calls; generation's prefill and
+    scoring passes); None: micro_tokens. real_py's runtime runs those passes whole, one per call
+    and dp replica: a workload describing it sets this to the pass size or more (bench_gpu_ppo)."""
     micro_batches: int = 1
     """Minimum rows per mini-batch (ppo.micro_batches; its default), a feasibility rule only."""
     group_size: int = 1
@@ -62,6 +66,14 @@ class Workload:
         for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens", "micro_batches", "group_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
+        if self.infer_micro_tokens is not None and self.infer_micro_tokens < 1:
+            raise ValueError(f"Workload.infer_micro_tokens={self.infer_micro_tokens} must be >= 1 (or None)")
+
+    def pass_micro_tokens(self, train: bool) -> int:
+        """Tokens per micro-batch of a train (forward + backward) or a forward-only pass."""
+        if train or self.infer_micro_tokens is None:
+            return self.micro_tokens
+        return self.infer_micro_tokens
 
     @property
     def seq_len(self) -> int:
@@ -173,7 +185,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         pass just over micro_tokens split in two and its bubble fell from pp to (pp + 1) / 2, so
         longer generations were estimated faster (issue 25).
         """
-        m0 = _pipeline(pp, tok, wl.micro_tokens)[0]
+        m0 = _pipeline(pp, tok, wl.pass_micro_tokens(train))[0]
         best = (m0, _pass(tok, ctx, train, m0))
         if pp > 1:  # with one stage, more micro-batches only add latency and overhead
             # Counts up to 4 * pp: past that the bubble is within (pp - 1) / (4 * pp) of none.
@@ -296,5 +308,5 @@ def call_memory(kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Work
         kv = seqs * wl.seq_len * (L / pp) * 2 * c.num_key_value_heads * c.head_dim * es / tp
         return {"persist": 0.0, "transient": kv + seqs * vocab_out * 4 / tp, "weights": weights}
     tok = seqs * wl.seq_len
-    mb = min(tok, wl.micro_tokens)
+    mb = min(tok, wl.pass_micro_tokens(False))
     return {"persist": 0.0, "transient": mb * H * 8 * es / tp + mb * vocab_out * 4 / tp, "weights": weights}
