@@ -60,11 +60,13 @@ def job():
     models = cfg.model_configs()
     p = cfg.ppo
     # The runtime pads prompts to max_prompt_len and always generates max_new_tokens (no eos);
-    # one train call is ppo_epochs x mini_batches optimizer steps of one micro-batch each, so a
-    # micro-batch holds every token of a mini-batch (micro_tokens larger than that).
+    # one train call is ppo_epochs x mini_batches optimizer steps of ppo.micro_batches micro-batches
+    # each, a forward-only pass is whole: the runtime's counts (runtime_micro_batches). Before
+    # 2026-12-04 (session 2) micro_tokens was set past a mini-batch, which let the estimator
+    # pipeline a pp = 2 pass over up to 8 micro-batches where the runtime runs one.
     wl = Workload(batch_size=cfg.data.batch_size, prompt_len=cfg.data.max_prompt_len,
                   gen_len=cfg.generation.max_new_tokens, ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches,
-                  micro_tokens=10 ** 9 if p.micro_batches == 1 else 1)
+                  micro_batches=p.micro_batches, runtime_micro_batches=True)
     return cfg, models["actor"], models["critic"], wl
 
 

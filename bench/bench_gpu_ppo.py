@@ -61,17 +61,15 @@ def train_config(device: str, small: bool, batch: int, prompt: int, new: int) ->
 
 def workload(cfg: CF.TrainConfig) -> Workload:
     """The estimator's Workload for the runtime's data: prompts padded to max_prompt_len, always
-    max_new_tokens new tokens, each mini-batch of a train step cut into micro_batches micro-batches,
-    inference passes (and generation's prefill and scoring) whole: infer_micro_tokens covers a
-    whole call. Before 2026-12-04 (session 2) this left the forward-only passes at micro_tokens,
-    so the estimator charged ref / reward / critic inference 4 passes' fixed costs for the
-    runtime's one (h200_caljob +94% on them in gpu_20261204_session2_run3)."""
+    max_new_tokens new tokens, and the runtime's micro-batch counts (runtime_micro_batches):
+    micro_batches per train mini-batch, forward-only passes whole. Before 2026-12-04 (session 2)
+    the counts followed micro_tokens (a mini-batch's tokens / micro_batches), so the forward-only
+    passes were charged 2-4 passes' fixed costs for the runtime's one (h200_caljob +94% on the
+    inference calls in gpu_20261204_session2_run3)."""
     p, d = cfg.ppo, cfg.data
-    rows = d.batch_size // p.mini_batches
-    seq = d.max_prompt_len + cfg.generation.max_new_tokens
     return Workload(batch_size=d.batch_size, prompt_len=d.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
                     ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches,
-                    micro_tokens=max(1, rows * seq // p.micro_batches), infer_micro_tokens=d.batch_size * seq)
+                    runtime_micro_batches=True)
 
 
 def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None) -> list[dict]:
@@ -93,13 +91,14 @@ def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration:
     return rows
 
 
-def estimator_notes(extra: dict, profile: str) -> str:
-    """The estimator table and its median |rel err| per profile (also stored in extra)."""
+def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
+    """The estimator table (unless `table` is False) and its median |rel err| per profile (also
+    stored in extra)."""
     errs = {name: statistics.median(abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)")
             for name in extra["profiles"]}
     extra["median_call_abs_rel_err"] = errs
-    return ("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
-            + markdown_table(extra["estimator"], list(extra["estimator"][0]))
+    return (("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
+             + markdown_table(extra["estimator"], list(extra["estimator"][0])) if table else "")
             + "\n\nmedian |rel err| per call (the iteration row aside): " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
             + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
               "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
@@ -129,7 +128,7 @@ def rescore(path: str, out_dir: str | None) -> None:
                           title=f"estimator re-scored on the recorded run {Path(path).name}",
                           notes=f"Measured seconds, config and calibrated profiles from {path} (recorded at "
                                 f"{rec['environment'].get('date_utc')}); estimates from this tree."
-                                + estimator_notes(extra, base),
+                                + estimator_notes(extra, base, table=False),
                           extra=extra, out_dir=out_dir)
     print("wrote", *paths)
 

@@ -114,26 +114,29 @@ def test_host_overheads_by_hand():
     assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
 
 
-def test_forward_only_passes_take_their_own_micro_batch_size():
-    """Workload.infer_micro_tokens sizes the forward-only passes (inference, prefill, scoring)
-    apart from the train steps: a whole pass where the runtime runs one (bench_gpu_ppo)."""
+def test_runtime_micro_batch_counts():
+    """Workload.runtime_micro_batches: the runtime's counts (micro_batches per train mini-batch,
+    forward-only passes whole) instead of the cheapest count from micro_tokens."""
     m, hw = tiny(), HardwareProfile(**FREE)
-    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=32, infer_micro_tokens=96)
-    # inference on pp=2: 96 tokens in one pass (more passes would only add overhead here),
-    # bubble (1 + 1) / 1, 1 layer per stage plus the head.
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=32, micro_batches=2, runtime_micro_batches=True)
+    # inference on pp=2: 96 tokens in one pass, bubble (1 + 1) / 1, 1 layer per stage plus the head
+    # (test_host_overheads_by_hand: 3 micro-batches from micro_tokens)
     t = call_time("inference", m, Mesh(0, 2), 1, 1, 2, hw, wl)
     assert t["overhead"] == pytest.approx(1 * (2 * 1 * 1.0 + 10.0))
     g = call_time("generate", m, Mesh(0, 1), 1, 1, 1, hw, wl)
     assert g["overhead"] == pytest.approx((2 + 10) + (2 + 10) + 4 * (2 * 100 + 1000))
-    # train steps keep micro_tokens (the same as without the field: test_host_overheads_by_hand)
+    # train: 4 mini-batches of 24 tokens, 2 micro-batches each (1 from micro_tokens)
     tr = call_time("train", m, Mesh(0, 1), 1, 1, 1, hw, wl)
-    assert tr["overhead"] == pytest.approx(4 * (2 * 1e4 + 1e5))
-    # memory: the inference pass holds all 96 tokens' activations instead of 32
-    whole, split = (call_memory("inference", m, 1, 1, 1, w)["transient"]
-                    for w in (wl, replace(wl, infer_micro_tokens=None)))
-    assert whole == pytest.approx(3 * split)
-    with pytest.raises(ValueError, match="infer_micro_tokens"):
-        Workload(infer_micro_tokens=0)
+    assert tr["overhead"] == pytest.approx(4 * 2 * (2 * 1e4 + 1e5))
+    # on pp=2 the count stays 2 although 8 micro-batches would cost less: the bubble is (2+1)/2
+    tp2 = call_time("train", m, Mesh(0, 2), 1, 1, 2, hw, wl)
+    assert tp2["overhead"] == pytest.approx(4 * 2 * (3 / 2 * 1 * 1e4 + 1e5))
+    # memory: the inference pass holds all 96 tokens (32 from micro_tokens), a train micro-batch 12
+    free = replace(wl, runtime_micro_batches=False)
+    assert (call_memory("inference", m, 1, 1, 1, wl)["transient"]
+            == pytest.approx(3 * call_memory("inference", m, 1, 1, 1, free)["transient"]))
+    assert (call_memory("train", m, 1, 1, 1, wl)["transient"]
+            == pytest.approx(call_memory("train", m, 1, 1, 1, free)["transient"] / 2))
 
 
 def test_value_head_pass_costs_by_hand():

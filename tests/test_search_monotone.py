@@ -64,8 +64,12 @@ def test_known_case_gen_128_vs_144():
     ("prompt_len", list(range(16, 1025, 16))),
     ("batch_size", [8, 12, 16, 24, 32, 48, 64, 96, 100, 128, 192, 256, 512]),
 ])
-def test_more_work_never_costs_less(field, values):
-    bad = _series(field, values, BASE)
+@pytest.mark.parametrize("counts", ["free", "runtime"])
+def test_more_work_never_costs_less(field, values, counts):
+    """counts: each pass's cheapest micro-batch count, or the runtime's own (2 per train
+    mini-batch, forward-only passes whole; Workload.runtime_micro_batches)."""
+    base = BASE if counts == "free" else replace(BASE, micro_batches=2, runtime_micro_batches=True)
+    bad = _series(field, values, base)
     assert not bad, f"{len(bad)} decreases, first: " + "; ".join(bad[:5])
 
 

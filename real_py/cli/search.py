@@ -27,6 +27,10 @@ def add_parser(sub):
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the batch per train call")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="ppo.micro_batches: every mini-batch of every DP rank must hold at least this many rows")
+    p.add_argument("--free-micro-batches", action="store_true",
+                   help="let each pass take its cheapest micro-batch count (from 16384 tokens per micro-batch up to "
+                        "4 x pp, as ReaL's runtime does) instead of real_py's own counts (--micro-batches per "
+                        "train mini-batch, forward-only passes whole): estimates for another runtime")
     p.add_argument("--group-size", type=int, default=1,
                    help="ppo.group_size of a grouped algorithm: DP-local actor mini-batches hold whole groups")
     p.add_argument("--dtype", default="bfloat16")
@@ -65,7 +69,8 @@ def run(args) -> int:
               else model_config(args.critic, "--critic"))
     wl = Workload(batch_size=args.batch_size, prompt_len=args.prompt_len, gen_len=args.gen_len,
                   ppo_minibatches=args.ppo_minibatches, ppo_epochs=args.ppo_epochs,
-                  micro_batches=args.micro_batches, group_size=args.group_size)
+                  micro_batches=args.micro_batches, group_size=args.group_size,
+                  runtime_micro_batches=not args.free_micro_batches)
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness={args.max_staleness} must be >= 0 (0: synchronous)")
     if args.per_mesh is not None and args.per_mesh < 1:

@@ -12,7 +12,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              embedding and log-probs), VALUE_HEAD_COLLS with a value head (embedding only).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
              hops on the critical path; m is the cheapest count from ceil(tokens / micro_tokens)
-             (Workload.pass_micro_tokens: forward-only passes may have their own) up to 4 * pp, so more work never costs less (tests/test_search_monotone.py).
+             up to 4 * pp, or the runtime's own count (Workload.runtime_micro_batches), so more
+             work never costs less (tests/test_search_monotone.py).
   dp         one gradient all-reduce per optimizer step (no overlap with backward assumed), plus
              the small loss / token-count / grad-norm collectives of the step.
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
@@ -53,27 +54,29 @@ class Workload:
     """Passes over the batch per train call."""
     micro_tokens: int = 16384
     """Tokens per micro-batch of a forward/backward pass (per dp replica)."""
-    infer_micro_tokens: int | None = None
-    """Tokens per micro-batch of a forward-only pass (inference calls; generation's prefill and
-    scoring passes); None: micro_tokens. real_py's runtime runs those passes whole, one per call
-    and dp replica: a workload describing it sets this to the pass size or more (bench_gpu_ppo)."""
     micro_batches: int = 1
-    """Minimum rows per mini-batch (ppo.micro_batches; its default), a feasibility rule only."""
+    """Micro-batches per train mini-batch (ppo.micro_batches): a feasibility rule (at least that
+    many rows per mini-batch and dp replica), and the count itself with runtime_micro_batches."""
     group_size: int = 1
     """GRPO group size (ppo.group_size); 1 for PPO."""
+    runtime_micro_batches: bool = False
+    """True: every pass has the micro-batch count real_py's runtime gives it, `micro_batches` per
+    train mini-batch and one per forward-only pass (inference; generation's prefill and scoring),
+    and micro_tokens is not used. False: the cheapest count from ceil(tokens / micro_tokens) up to
+    4 * pp, a runtime that picks its count per pass (ReaL's pipelined passes). With pp > 1 the
+    two differ by the pipeline bubble: (m + pp - 1) / m at the runtime's m (often 1)."""
 
     def __post_init__(self):
         for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens", "micro_batches", "group_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
-        if self.infer_micro_tokens is not None and self.infer_micro_tokens < 1:
-            raise ValueError(f"Workload.infer_micro_tokens={self.infer_micro_tokens} must be >= 1 (or None)")
 
-    def pass_micro_tokens(self, train: bool) -> int:
-        """Tokens per micro-batch of a train (forward + backward) or a forward-only pass."""
-        if train or self.infer_micro_tokens is None:
-            return self.micro_tokens
-        return self.infer_micro_tokens
+    def fixed_micro_batches(self, train: bool) -> int | None:
+        """The runtime's micro-batch count for a train or a forward-only pass, or None when the
+        count follows micro_tokens (runtime_micro_batches False)."""
+        if not self.runtime_micro_batches:
+            return None
+        return self.micro_batches if train else 1
 
     @property
     def seq_len(self) -> int:
@@ -185,7 +188,10 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         pass just over micro_tokens split in two and its bubble fell from pp to (pp + 1) / 2, so
         longer generations were estimated faster (issue 25).
         """
-        m0 = _pipeline(pp, tok, wl.pass_micro_tokens(train))[0]
+        fixed = wl.fixed_micro_batches(train)
+        if fixed is not None:  # the runtime's count: every term grows with tok
+            return fixed, _pass(tok, ctx, train, fixed)
+        m0 = _pipeline(pp, tok, wl.micro_tokens)[0]
         best = (m0, _pass(tok, ctx, train, m0))
         if pp > 1:  # with one stage, more micro-batches only add latency and overhead
             # Counts up to 4 * pp: past that the bubble is within (pp - 1) / (4 * pp) of none.
@@ -300,13 +306,13 @@ def call_memory(kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Work
     seqs = wl.batch_size / dp
     if kind == "train":
         tok = seqs * wl.seq_len / wl.ppo_minibatches
-        mb = min(tok, wl.micro_tokens)
-        m = max(1, math.ceil(tok / wl.micro_tokens))
+        m = wl.fixed_micro_batches(True) or max(1, math.ceil(tok / wl.micro_tokens))
+        mb = tok / m if wl.runtime_micro_batches else min(tok, wl.micro_tokens)
         act = min(pp, m) * mb * (L / pp) * H * 17 * es / tp + mb * vocab_out * 4 / tp
         return {"persist": local * (2 * es + 12 / dp), "transient": act, "weights": weights}
     if kind == "generate":
         kv = seqs * wl.seq_len * (L / pp) * 2 * c.num_key_value_heads * c.head_dim * es / tp
         return {"persist": 0.0, "transient": kv + seqs * vocab_out * 4 / tp, "weights": weights}
     tok = seqs * wl.seq_len
-    mb = min(tok, wl.pass_micro_tokens(False))
+    mb = tok if wl.runtime_micro_batches else min(tok, wl.micro_tokens)
     return {"persist": 0.0, "transient": mb * H * 8 * es / tp + mb * vocab_out * 4 / tp, "weights": weights}
