@@ -75,7 +75,8 @@ def calibration_setup(on: str, actor, wl: Workload) -> Setup:
     profiling of the model planned for); "default": the small calibration model."""
     if on == "default":
         return DEFAULT
-    return Setup.for_job(actor, batch_rows=wl.batch_size, train_rows=wl.batch_size // wl.ppo_minibatches,
+    return Setup.for_job(actor, batch_rows=wl.batch_size,
+                         train_rows=wl.batch_size // (wl.ppo_minibatches * wl.micro_batches),
                          seq=wl.seq_len, prompt=wl.prompt_len)
 
 

@@ -103,9 +103,9 @@ def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
             + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
               "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
               "with this job's actor shape, dtype and pass sizes ("
-            + "; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
-                        + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
-                        for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) + ").")
+            + ("; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+                         + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
+                         for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) or "not recorded") + ").")
 
 
 def rescore(path: str, out_dir: str | None) -> None:
@@ -182,8 +182,10 @@ def main(argv=None):
             profiles = {args.profile: PROFILES[args.profile]}
             wl = workload(cfg)
             setups = {"cal": DEFAULT,
+                      # a train pass of the runtime: one micro-batch of a mini-batch (run 1 and
+                      # run 3 of gpu_20261204_session2 calibrated on a whole mini-batch, 16 rows)
                       "caljob": Setup.for_job(models["actor"], batch_rows=wl.batch_size,
-                                              train_rows=wl.batch_size // wl.ppo_minibatches,
+                                              train_rows=wl.batch_size // (wl.ppo_minibatches * wl.micro_batches),
                                               seq=wl.prompt_len + wl.gen_len, prompt=wl.prompt_len)}
             for suffix, setup in setups.items():
                 name, t0 = f"{args.profile}_{suffix}", time.perf_counter()

@@ -47,6 +47,13 @@ export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 # build). The system compiler links the shared libstdc++ that torch uses.
 if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
+STEPS_KNOWN="build import tests pack realloc ppo generate profile"
+for s in ${GPU_CHECK_STEPS:-}; do
+  [[ " $STEPS_KNOWN " == *" $s "* ]] || { echo "gpu_check: GPU_CHECK_STEPS names '$s'; known: $STEPS_KNOWN" >&2; exit 2; }
+done
+if [ "$DEVICE" = cuda ] && [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" build "* ]]; then
+  echo "gpu_check: GPU_CHECK_STEPS without build: the later steps use whatever _C.so is in place" >&2
+fi
 SUMMARY="$OUT/summary.md"
 printf '# gpu_check %s\n\n| step | exit | seconds |\n|---|---|---|\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"
 status=0

@@ -80,6 +80,10 @@ def samples() -> list[tuple[str, np.ndarray, int, int]]:
     # both sides of the boundary, and many.
     for k in (64, 65):
         out.append((f"descs{k}", np.array([[3 * i, 2 * i, 2, 1, 0, 0] for i in range(k)], np.int64), 3 * k, 2 * k))
+    # 70 descriptors of which 6 are empty: 64 non-empty ones, passed by value after the compaction
+    d = np.array([[3 * i, 2 * i, 2 if i % 12 else 0, 1, 0, 0] for i in range(70)], np.int64)
+    assert (d[:, 2] * d[:, 3] > 0).sum() == 64
+    out.append(("descs70-6empty", d, 3 * 70, 2 * 70))
     d, s, t = random_descs(rng, k=300, max_len=300, max_n=30)
     out.append(("random-many", d, s, t))
     d, s, t = random_descs(rng, k=3, max_len=70_000, max_n=6, src_overlap=False)

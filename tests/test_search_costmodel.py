@@ -137,6 +137,10 @@ def test_runtime_micro_batch_counts():
             == pytest.approx(3 * call_memory("inference", m, 1, 1, 1, free)["transient"]))
     assert (call_memory("train", m, 1, 1, 1, wl)["transient"]
             == pytest.approx(call_memory("train", m, 1, 1, 1, free)["transient"] / 2))
+    # generate: the larger of decoding (KV cache 49152 B + one step's logits 3200 B) and its
+    # scoring pass (the inference pass's 136704 B)
+    assert call_memory("generate", m, 1, 1, 1, wl)["transient"] == call_memory("inference", m, 1, 1, 1, wl)["transient"]
+    assert call_memory("generate", m, 1, 1, 1, free)["transient"] == pytest.approx(8 * 12 * 2 * 2 * 4 * 16 * 2 + 8 * 100 * 4)
 
 
 def test_value_head_pass_costs_by_hand():

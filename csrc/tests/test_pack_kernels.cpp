@@ -36,8 +36,8 @@ using std::min;
 // bf16 / fp32 tensors, so the kernel's aligned word paths run and the prefix sums between them
 // fall off their word size.
 static std::vector<int64_t> random_descs(std::mt19937_64& rng, int kind, int64_t* src_need,
-                                         int64_t* dst_need, bool aligned = false) {
-  const int k = 1 + rng() % 20;
+                                         int64_t* dst_need, bool aligned = false, int max_k = 20) {
+  const int k = 1 + rng() % max_k;
   std::vector<int64_t> d;
   int64_t cursor = 0, need = 1;
   for (int i = 0; i < k; ++i) {
@@ -78,7 +78,8 @@ static void test_kernel_matches_reference() {
   for (int trial = 0; trial < 300; ++trial) {
     int64_t sn, dn;
     const bool aligned = trial >= 150;
-    const auto d = random_descs(rng, trial % 3, &sn, &dn, aligned);
+    // Every fifth trial draws up to 64 descriptors: the by-value kernel's capacity.
+    const auto d = random_descs(rng, trial % 3, &sn, &dn, aligned, trial % 5 == 0 ? 64 : 20);
     std::vector<char> src(sn), dst(dn);
     for (auto& c : src) c = static_cast<char>(rng());
     for (auto& c : dst) c = static_cast<char>(rng());
@@ -95,7 +96,7 @@ static void test_kernel_matches_reference() {
     std::vector<int64_t> prefix{0};
     for (int64_t i = 0; i < k; ++i) prefix.push_back(prefix.back() + d[6 * i + 2] * d[6 * i + 3]);
     const int64_t total = prefix.back();
-    // Odd trials: the by-value kernel (descriptors in its parameters; random_descs draws <= 20).
+    // Odd trials: the by-value kernel (descriptors in its parameters; random_descs draws <= 64).
     const bool inline_descs = trial % 2 == 1;
     real_py::pack_detail::InlineDescs params{};
     CHECK(k <= real_py::pack_detail::kInlineDescs);

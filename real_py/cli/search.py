@@ -26,7 +26,8 @@ def add_parser(sub):
     p.add_argument("--ppo-minibatches", type=int, default=4, help="optimizer steps per PPO epoch")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the batch per train call")
     p.add_argument("--micro-batches", type=int, default=1,
-                   help="ppo.micro_batches: every mini-batch of every DP rank must hold at least this many rows")
+                   help="ppo.micro_batches: micro-batches per train mini-batch (every mini-batch of every DP rank "
+                        "must hold at least this many rows); the estimate runs that many")
     p.add_argument("--free-micro-batches", action="store_true",
                    help="let each pass take its cheapest micro-batch count (from 16384 tokens per micro-batch up to "
                         "4 x pp, as ReaL's runtime does) instead of real_py's own counts (--micro-batches per "

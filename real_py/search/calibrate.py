@@ -64,7 +64,7 @@ PP_LAYERS = 4
 
 @dataclass(frozen=True)
 class Setup:
-    """What the calibration engines run: a model shape (its layer count varies, LAYERS; float32)
+    """What the calibration engines run: a model shape (its layer count varies, LAYERS) and dtype
     and the data of one pass per rank, `rows` sequences of `seq` tokens for inference and
     generation (prompts of `prompt` tokens), `train_rows` for a train step.
 

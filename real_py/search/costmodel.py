@@ -310,9 +310,12 @@ def call_memory(kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Work
         mb = tok / m if wl.runtime_micro_batches else min(tok, wl.micro_tokens)
         act = min(pp, m) * mb * (L / pp) * H * 17 * es / tp + mb * vocab_out * 4 / tp
         return {"persist": local * (2 * es + 12 / dp), "transient": act, "weights": weights}
-    if kind == "generate":
-        kv = seqs * wl.seq_len * (L / pp) * 2 * c.num_key_value_heads * c.head_dim * es / tp
-        return {"persist": 0.0, "transient": kv + seqs * vocab_out * 4 / tp, "weights": weights}
     tok = seqs * wl.seq_len
     mb = tok if wl.runtime_micro_batches else min(tok, wl.micro_tokens)
-    return {"persist": 0.0, "transient": mb * H * 8 * es / tp + mb * vocab_out * 4 / tp, "weights": weights}
+    forward = mb * H * 8 * es / tp + mb * vocab_out * 4 / tp  # a forward-only pass's activations
+    if kind == "generate":
+        # Decoding holds the KV cache; the scoring pass after it (the old log-probs) holds a
+        # forward pass's activations instead.
+        kv = seqs * wl.seq_len * (L / pp) * 2 * c.num_key_value_heads * c.head_dim * es / tp
+        return {"persist": 0.0, "transient": max(kv + seqs * vocab_out * 4 / tp, forward), "weights": weights}
+    return {"persist": 0.0, "transient": forward, "weights": weights}
