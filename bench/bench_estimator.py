@@ -35,7 +35,7 @@ from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
 from real_py.search import profiles as profiles_module  # noqa: E402
-from real_py.search.calibrate import DEFAULT, Setup  # noqa: E402
+from real_py.search.calibrate import DEFAULT, Setup, profile_from_raw  # noqa: E402
 from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
@@ -83,6 +83,10 @@ def calibration_setup(on: str, actor, wl: Workload) -> Setup:
 OTHER = {"job": "default", "default": "job"}
 
 
+RAW: dict[int, dict[str, list]] = {}
+"""round -> calibration setup -> calibrate_cpu's raw repeats of that round (recorded in the JSON)."""
+
+
 def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, object]:
     """Calibrate, search, then measure and estimate every plan; one row per plan. With
     args.compare, the other calibration setup too (the two in alternating order by round, so
@@ -93,6 +97,8 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, 
     prof = {}
     for on in (order if rnd % 2 else order[::-1]):
         prof[on] = cpu_profile(refresh=True, setup=calibration_setup(on, actor, wl))
+        with open(profiles_module._cache_path()) as f:  # the raw measurements, for --rescore --refit
+            RAW.setdefault(rnd, {})[on] = json.load(f)["measured"]["repeats"]
     hw, other = prof[args.calibrate_on], prof.get(OTHER[args.calibrate_on])
     found = plan_search(actor, critic, num_gpus=4, hardware=hw, workload=wl, dtype=dtype,
                         time_budget=args.search_budget, seed=0)
@@ -181,14 +187,25 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     return out, sorted(filled)
 
 
-def rescore(path: str) -> None:
+def rescore(path: str, refit: str | None = None) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
-    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round."""
+    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round.
+    refit "rate" / "matmul": the profiles fitted anew by this code from the run's recorded raw
+    calibrations (files from 2026-12-04 session 2 on), with the engines' FLOP rate or at the
+    matmul rate (calibrate.profile_from_raw): the two fits on the same measurements."""
     with open(path) as f:
         data = json.load(f)
     _, actor, critic, wl = job()
     profiles, filled = _profiles_of(data)
+    if refit:
+        raws = data["extra"].get("calibration_raw")
+        if not raws:
+            raise SystemExit("--refit: the file records no raw calibrations (bench_estimator runs from 2026-12-04 session 2 on)")
+        on = data["extra"]["calibrate_on"]
+        setup = calibration_setup(on, actor, wl)
+        profiles = {int(r): profile_from_raw(v[on], setup, fit_rate=refit == "rate") for r, v in raws.items()}
+        print(f"profiles refitted from the recorded raw calibrations ({refit})")
     it_errs, call_errs, per = [], [], {}
     for r in data["rows"]:
         est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
@@ -220,9 +237,11 @@ def main() -> None:
                     help="also calibrate the other setup each round and estimate every plan with it too")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
                     "code's cost model and the run's profiles (no measurement)")
+    ap.add_argument("--refit", choices=("rate", "matmul"), help="with --rescore: refit the profiles from the "
+                    "file's raw calibrations, with the engines' FLOP rate or at the matmul rate")
     args = ap.parse_args()
     if args.rescore:
-        return rescore(args.rescore)
+        return rescore(args.rescore, args.refit)
     rows, profiles, med = [], [], statistics.median
     _, actor, _, wl = job()
     saved, saved_other = {}, {}
@@ -261,7 +280,7 @@ def main() -> None:
                         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
                         "breakdowns are in the JSON." + compared,
-                  extra={"profiles": saved, "calibrate_on": args.calibrate_on,
+                  extra={"profiles": saved, "calibrate_on": args.calibrate_on, "calibration_raw": RAW,
                          "setup": asdict(calibration_setup(args.calibrate_on, actor, wl))}
                   | ({"profiles_other": saved_other} if args.compare else {}))
 

@@ -440,15 +440,29 @@ def calibrate_cpu(reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT):
     calibrations minutes apart; bench_estimator); the median of three is what the estimator uses."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
-    runs = [_calibrate_once(reps, setup) for _ in range(repeats)]
+    raws = [_calibrate_once(reps, setup) for _ in range(repeats)]
+    return profile_from_raw(raws, setup), {"repeats": raws, "setup": asdict(setup)}
+
+
+def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT, fit_rate: bool = True) -> HardwareProfile:
+    """The `cpu` profile of recorded calibrations (calibrate_cpu's raw["repeats"]): each fitted
+    alone, every field the median. fit_rate=False ignores the timings at ROWS_X times the rows
+    (compute at the matmul rate, as before they were taken): an A/B of the two fits on the same
+    measurements (bench_estimator.py --rescore --refit)."""
+    profs = []
+    for raw in raws:
+        if not fit_rate:
+            raw = {k: v for k, v in raw.items() if not k.endswith("_x")}
+        profs.append(_profile(raw, cal))
     kw = {}
     for f in fields(HardwareProfile):
-        vals = [getattr(p, f.name) for p, _ in runs]
+        vals = [getattr(p, f.name) for p in profs]
         kw[f.name] = statistics.median(vals) if isinstance(vals[0], float) else vals[0]
-    return HardwareProfile(**kw), {"repeats": [raw for _, raw in runs], "setup": asdict(setup)}
+    return HardwareProfile(**kw)
 
 
-def _calibrate_once(reps: int, cal: Setup = DEFAULT):
+def _calibrate_once(reps: int, cal: Setup = DEFAULT) -> dict:
+    """One calibration's raw measurements (the slowest rank's figure of each)."""
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
     res = run_distributed(_worker, 2 * n, n, reps, cal, timeout=600)
@@ -457,22 +471,26 @@ def _calibrate_once(reps: int, cal: Setup = DEFAULT):
            for k in res[0]}
     raw |= {"ranks": 2 * n, "cpus": cores, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        raw["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        mem = 8e9
+        raw["mem_bytes"] = 8e9
+    return raw
+
+
+def _profile(raw: dict, cal: Setup = DEFAULT) -> HardwareProfile:
+    """The profile fitted from one calibration's raw measurements."""
     # Efficiency factors are 1: the measured numbers already are what the runtime achieves.
     # All ranks share one machine (one "node" of up to 64 ranks; intra == inter).
     kw = dict(name="cpu", peak_flops=raw["matmul_flops"], flops_eff=1.0, hbm_bw=raw["memcpy_bytes_per_s"],
               hbm_eff=1.0, intra_bw=raw["bw_bytes_per_s"], inter_bw=raw["bw_bytes_per_s"],
-              mem_bytes=float(mem), mem_usable=0.5, ranks_per_node=64, shared_cores=cores)
+              mem_bytes=float(raw["mem_bytes"]), mem_usable=0.5, ranks_per_node=64, shared_cores=raw["cpus"])
     kw |= _fit(raw, kw, cal)
     kw["inter_lat"] = kw["intra_lat"]
     # transfer_time scales (transfer + realloc_lat) by the contention of the plan's ranks.
-    plan = _realloc_plan(2 * n, cal)
-    kw["realloc_lat"] = max(raw["realloc_s"] / HardwareProfile(**kw).contention(2 * n)
+    plan = _realloc_plan(raw["ranks"], cal)
+    kw["realloc_lat"] = max(raw["realloc_s"] / HardwareProfile(**kw).contention(raw["ranks"])
                             - transfer_time(plan, HardwareProfile(**kw | {"shared_cores": 0})), 0.0)
-    raw["mem_bytes"] = mem
-    return HardwareProfile(**kw), raw
+    return HardwareProfile(**kw)
 
 
 def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None, setup: Setup = DEFAULT):
