@@ -321,8 +321,15 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
 
     p = cpu_profile(refresh=True, reps=3, repeats=2)
     assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7
+    assert p.flops_eff == 1.0  # compute at the matmul rate by default
     # the engines' own FLOP rate (inference and train steps at two row counts), at most the matmul's
-    assert 0 < p.flops_eff <= 1
+    import json
+    from real_py.search.calibrate import profile_from_raw
+    from real_py.search.profiles import _cache_path
+    with open(_cache_path()) as f:
+        raws = json.load(f)["measured"]["repeats"]
+    assert all(k in raws[0] for k in ("lm_inf_1_x", "value_train_5_x"))
+    assert 0 < profile_from_raw(raws, fit_rate=True).flops_eff <= 1
     assert 0 < p.intra_lat < 0.1 and 0 < p.p2p_lat_ratio < 100 and p.shared_cores >= 2
     # Running a 5-layer engine always costs host time; a slope or an intercept alone can fit to
     # 0 (clamped) when the machine is busy during the 3 quick repetitions.

@@ -14,8 +14,8 @@ A. uncontended: n busy ranks, one per core (the others wait in a barrier):
    - fixed per-layer and per-pass seconds of a small calibration model's inference, generation
      and train steps at 1 and 5 layers (each rank its own single-rank engine): the slope over
      layers is the per-layer cost, the rest the per-pass cost, after subtracting the roofline
-     compute; inference and train steps also at ROWS_X times the rows, whose growth of the
-     per-layer seconds gives the engines' own FLOP rate (`flops_eff`, below the matmul's);
+     compute; inference and train steps also at ROWS_X times the rows (recorded; the engines'
+     own FLOP rate they give is an option of profile_from_raw, not the default);
    - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
      engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
      head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
@@ -63,7 +63,8 @@ PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
 ROWS_X = 4
 """The cpu calibration also times the single-rank inference and train passes at ROWS_X times the
-rows: how a layer's seconds grow with its tokens is the engines' own FLOP rate (_fit_single)."""
+rows: how a layer's seconds grow with its tokens is the engines' own FLOP rate (_fit_single,
+used with profile_from_raw(fit_rate=True) only; recorded for such A/B fits)."""
 
 
 @dataclass(frozen=True)
@@ -444,11 +445,13 @@ def calibrate_cpu(reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT):
     return profile_from_raw(raws, setup), {"repeats": raws, "setup": asdict(setup)}
 
 
-def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT, fit_rate: bool = True) -> HardwareProfile:
+def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT, fit_rate: bool = False) -> HardwareProfile:
     """The `cpu` profile of recorded calibrations (calibrate_cpu's raw["repeats"]): each fitted
-    alone, every field the median. fit_rate=False ignores the timings at ROWS_X times the rows
-    (compute at the matmul rate, as before they were taken): an A/B of the two fits on the same
-    measurements (bench_estimator.py --rescore --refit)."""
+    alone, every field the median. fit_rate=True also fits the engines' own FLOP rate from the
+    timings at ROWS_X times the rows (_fit_single); the default charges compute at the matmul
+    rate. Tried as the default and measured worse on the same measurements (bench_estimator run
+    at 7f5fcc1, `--rescore --refit rate|matmul`: 0.219 / 0.210 against 0.189 / 0.177 per
+    iteration / per call; bench/results/calibration_rate_ab_cpu2_20261204.md)."""
     profs = []
     for raw in raws:
         if not fit_rate:
