@@ -330,15 +330,17 @@ def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
     steps) from the engine timings (slope over LAYERS), after removing the calibration model's
     roofline compute (FLOPs at `flops` per second).
 
-    With the timings at ROWS_X times the rows too (keys "..._x", the cpu calibration), the compute
+    With the timings at ROWS_X times the rows too in `raw` (keys "..._x"; only what
+    profile_from_raw(fit_rate=True) passes, not the default: it measured worse), the compute
     rate is the engines' own: the growth of the per-layer seconds with the layers' FLOPs between
     the two row counts, least squares over inference and train steps and both heads (at most
     `flops`, the big-matmul rate), and "flops_eff" (that rate / `flops`) is returned with the
     fields. On this machine's small layers a train step's per-layer seconds grew at ~43 GFLOP/s
     against ~100 for a 512 x 512 matmul, for two model sizes alike, so with the matmul rate the
-    fixed per-layer seconds absorbed the rest at the calibration model's size and carried it to
+    fixed per-layer seconds absorb the rest at the calibration model's size and carry it to
     every other (single-rank train steps of the default job estimated +66-92%,
-    bench/results/calibration_shape_cpu2_20261204.md)."""
+    bench/results/calibration_shape_cpu2_20261204.md); fitting the rate did not fix that
+    (calibration_rate_ab_cpu2_20261204.md)."""
     sizes = ("", "_x") if f"lm_inf_{LAYERS[0]}_x" in raw else ("",)
 
     def pass_flops(L: int, passes: int, head: str, sfx: str) -> float:
