@@ -75,9 +75,7 @@ def calibration_setup(on: str, actor, wl: Workload) -> Setup:
     profiling of the model planned for); "default": the small calibration model."""
     if on == "default":
         return DEFAULT
-    return Setup.for_job(actor, batch_rows=wl.batch_size,
-                         train_rows=wl.batch_size // (wl.ppo_minibatches * wl.micro_batches),
-                         seq=wl.seq_len, prompt=wl.prompt_len)
+    return Setup.for_workload(actor, wl)
 
 
 OTHER = {"job": "default", "default": "job"}
@@ -187,13 +185,13 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     return out, sorted(filled)
 
 
-def rescore(path: str, refit: str | None = None) -> None:
+def rescore(path: str, refit: bool = False) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
     machine's drift between runs. Prints the medians and each (plan, call)'s errors by round.
-    refit "rate" / "matmul": the profiles fitted anew by this code from the run's recorded raw
-    calibrations (files from 2026-12-04 session 2 on), with the engines' FLOP rate or at the
-    matmul rate (calibrate.profile_from_raw): the two fits on the same measurements."""
+    refit: the profiles fitted anew by this code from the run's recorded raw calibrations (files
+    from 2026-12-04 session 2 on; calibrate.profile_from_raw): a change of the fit scored on the
+    same calibrations and measurements."""
     with open(path) as f:
         data = json.load(f)
     _, actor, critic, wl = job()
@@ -204,8 +202,8 @@ def rescore(path: str, refit: str | None = None) -> None:
             raise SystemExit("--refit: the file records no raw calibrations (bench_estimator runs from 2026-12-04 session 2 on)")
         on = data["extra"]["calibrate_on"]
         setup = calibration_setup(on, actor, wl)
-        profiles = {int(r): profile_from_raw(v[on], setup, fit_rate=refit == "rate") for r, v in raws.items()}
-        print(f"profiles refitted from the recorded raw calibrations ({refit})")
+        profiles = {int(r): profile_from_raw(v[on], setup) for r, v in raws.items()}
+        print("profiles refitted by this code from the recorded raw calibrations")
     it_errs, call_errs, per = [], [], {}
     for r in data["rows"]:
         est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
@@ -237,8 +235,8 @@ def main() -> None:
                     help="also calibrate the other setup each round and estimate every plan with it too")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
                     "code's cost model and the run's profiles (no measurement)")
-    ap.add_argument("--refit", choices=("rate", "matmul"), help="with --rescore: refit the profiles from the "
-                    "file's raw calibrations, with the engines' FLOP rate or at the matmul rate")
+    ap.add_argument("--refit", action="store_true", help="with --rescore: fit the profiles anew with this code "
+                    "from the file's raw calibrations")
     args = ap.parse_args()
     if args.rescore:
         return rescore(args.rescore, args.refit)

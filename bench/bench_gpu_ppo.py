@@ -180,13 +180,9 @@ def main(argv=None):
             # In this one-rank world, after the job: the job's memory is still held, as in a
             # run that calibrates beside its models.
             profiles = {args.profile: PROFILES[args.profile]}
-            wl = workload(cfg)
-            setups = {"cal": DEFAULT,
-                      # a train pass of the runtime: one micro-batch of a mini-batch (run 1 and
-                      # run 3 of gpu_20261204_session2 calibrated on a whole mini-batch, 16 rows)
-                      "caljob": Setup.for_job(models["actor"], batch_rows=wl.batch_size,
-                                              train_rows=wl.batch_size // (wl.ppo_minibatches * wl.micro_batches),
-                                              seq=wl.prompt_len + wl.gen_len, prompt=wl.prompt_len)}
+            # caljob trains one runtime micro-batch (8 rows); run 1 and run 3 of
+            # gpu_20261204_session2 calibrated on a whole mini-batch (16 rows)
+            setups = {"cal": DEFAULT, "caljob": Setup.for_workload(models["actor"], workload(cfg))}
             for suffix, setup in setups.items():
                 name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
                 try:

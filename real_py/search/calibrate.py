@@ -14,8 +14,7 @@ A. uncontended: n busy ranks, one per core (the others wait in a barrier):
    - fixed per-layer and per-pass seconds of a small calibration model's inference, generation
      and train steps at 1 and 5 layers (each rank its own single-rank engine): the slope over
      layers is the per-layer cost, the rest the per-pass cost, after subtracting the roofline
-     compute; inference and train steps also at ROWS_X times the rows (recorded; the engines'
-     own FLOP rate they give is an option of profile_from_raw, not the default);
+     compute;
    - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
      engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
      head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
@@ -50,7 +49,7 @@ from ..rlhf import ppo as P
 from ..rlhf.models import init_weights
 from ..spec import ModelConfig, model_spec
 from ..testing import run_distributed
-from .costmodel import HEAD_COLLS, fwd_flops
+from .costmodel import HEAD_COLLS, Workload, fwd_flops
 from .hardware import HardwareProfile
 from .realloc_cost import transfer_time
 
@@ -61,10 +60,6 @@ LAYERS = (1, 5)
 the fixed cost the mean of what is left at each count."""
 PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
-ROWS_X = 4
-"""The cpu calibration also times the single-rank inference and train passes at ROWS_X times the
-rows: how a layer's seconds grow with its tokens is the engines' own FLOP rate (_fit_single,
-used with profile_from_raw(fit_rate=True) only; recorded for such A/B fits)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +109,14 @@ class Setup:
         return cls(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
                    num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_key_value_heads,
                    vocab_size=model.vocab_size, dtype=model.dtype, rows=batch_rows, train_rows=train_rows, seq=seq, prompt=prompt)
+
+    @classmethod
+    def for_workload(cls, model: ModelConfig, wl: Workload) -> "Setup":
+        """for_job with one replica's passes of `wl` as the runtime runs them: the whole batch per
+        inference / generation pass, one micro-batch of a mini-batch per train pass."""
+        return cls.for_job(model, batch_rows=wl.batch_size,
+                           train_rows=max(1, wl.batch_size // (wl.ppo_minibatches * wl.micro_batches)),
+                           seq=wl.seq_len, prompt=wl.prompt_len)
 
 
 DEFAULT = Setup()
@@ -178,23 +181,19 @@ def _ppo_loss(cal: Setup, head: str, tok):
     return loss_fn
 
 
-def _single_rank_costs(cal: Setup, rank: int, g, busy, reps: int, device="cpu", rows_x: bool = False) -> dict:
-    """Inference, train steps (lm and value heads) and generation of this rank's own engine;
-    with rows_x also inference and train steps at ROWS_X times the rows (keys ending "_x")."""
+def _single_rank_costs(cal: Setup, rank: int, g, busy, reps: int, device="cpu") -> dict:
+    """Inference, train steps (lm and value heads) and generation of this rank's own engine."""
     tok, lengths = _inputs(cal, rank, cal.rows, device)
     ttok, tlengths = _inputs(cal, rank, cal.train_rows, device)
     prompts = tok.cpu()
-    sizes = {"": (tok, lengths, ttok, tlengths)}
-    if rows_x:
-        sizes["_x"] = (*_inputs(cal, rank, cal.rows * ROWS_X, device), *_inputs(cal, rank, cal.train_rows * ROWS_X, device))
     fns = {}
     for head in ("lm", "value"):
+        loss = _ppo_loss(cal, head, ttok)
         for L in LAYERS:
             eng = _engine(cal, g.layout, g, rank, L, head, train=True, device=device)
-            for sfx, (itok, ilen, ttok_, tlen_) in sizes.items():
-                fns[f"{head}_inf_{L}{sfx}"] = lambda eng=eng, itok=itok, ilen=ilen: eng.inference(itok, ilen)
-                fns[f"{head}_train_{L}{sfx}"] = lambda eng=eng, loss=_ppo_loss(cal, head, ttok_), head=head, b={
-                    "tokens": ttok_, "lengths": tlen_}: eng.train_step(loss, b, with_entropy=head == "lm")
+            fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
+            fns[f"{head}_train_{L}"] = lambda eng=eng, loss=loss, head=head: eng.train_step(
+                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=head == "lm")
             if head == "lm":
                 for n in G:
                     fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(cal, eng, prompts, n)
@@ -297,7 +296,7 @@ def _worker(rank: int, world: int, n: int, reps: int, cal: Setup = DEFAULT) -> d
     if rank < n:  # phase A: one busy rank per core
         out |= _roofline(busy)
         out |= _link_bandwidth(rank, pairs[rank // 2], reps)
-        out |= _single_rank_costs(cal, rank, singles[rank], busy, reps, rows_x=True)
+        out |= _single_rank_costs(cal, rank, singles[rank], busy, reps)
         out |= _pair_costs(cal, rank, tp2[rank // 2], busy, reps, "tp2", LAYERS, train=True)
         out |= _pair_costs(cal, rank, pp2[rank // 2], busy, reps, "pp2", (PP_LAYERS,), train=False)
     dist.barrier()
@@ -328,68 +327,31 @@ def _decode_slope(raw: dict, prefix: str) -> tuple[float, float]:
 def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
     """The one-rank fields (per-layer and per-pass seconds of inference, train steps and decode
     steps) from the engine timings (slope over LAYERS), after removing the calibration model's
-    roofline compute (FLOPs at `flops` per second).
+    roofline compute (FLOPs at `flops` per second)."""
 
-    With the timings at ROWS_X times the rows too in `raw` (keys "..._x"; only what
-    profile_from_raw(fit_rate=True) passes, not the default: it measured worse), the compute
-    rate is the engines' own: the growth of the per-layer seconds with the layers' FLOPs between
-    the two row counts, least squares over inference and train steps and both heads (at most
-    `flops`, the big-matmul rate), and "flops_eff" (that rate / `flops`) is returned with the
-    fields. On this machine's small layers a train step's per-layer seconds grew at ~43 GFLOP/s
-    against ~100 for a 512 x 512 matmul, for two model sizes alike, so with the matmul rate the
-    fixed per-layer seconds absorb the rest at the calibration model's size and carry it to
-    every other (single-rank train steps of the default job estimated +66-92%,
-    bench/results/calibration_shape_cpu2_20261204.md); fitting the rate did not fix that
-    (calibration_rate_ab_cpu2_20261204.md)."""
-    sizes = ("", "_x") if f"lm_inf_{LAYERS[0]}_x" in raw else ("",)
-
-    def pass_flops(L: int, passes: int, head: str, sfx: str) -> float:
-        rows = (cal.train_rows if passes == 3 else cal.rows) * (ROWS_X if sfx else 1)
-        return passes * fwd_flops(model_spec(cal.config(L, head)), rows * cal.seq, cal.seq / 2)
-
-    def layer_flops(passes: int, head: str, sfx: str) -> float:
-        lo, hi = LAYERS
-        return (pass_flops(hi, passes, head, sfx) - pass_flops(lo, passes, head, sfx)) / (hi - lo)
-
-    rate = flops
-    if len(sizes) == 2:  # least squares of d(seconds) = d(FLOPs) / rate through the origin
-        num = den = 0.0
-        for prefix, passes in (("inf", 1), ("train", 3)):
-            for h in ("lm", "value"):
-                ds = (_fit_line({L: raw[f"{h}_{prefix}_{L}_x"] for L in LAYERS})[0]
-                      - _fit_line({L: raw[f"{h}_{prefix}_{L}"] for L in LAYERS})[0])
-                dfl = layer_flops(passes, h, "_x") - layer_flops(passes, h, "")
-                num, den = num + dfl * ds, den + dfl * dfl
-        if num > 0:
-            rate = min(flops, den / num)
-
-    def net(h: str, prefix: str, L: int, passes: int, sfx: str) -> float:
-        """The timing minus the FLOPs of its passes at `rate` (of the model with that head). The
+    def net(key: str, L: int, passes: int, head: str = "lm") -> float:
+        """The timing minus the roofline FLOPs of its passes (of the model with that head). The
         optimizer's modelled memory traffic is not subtracted: on these small layers the update
         costs dispatch, not bandwidth, and subtracting it made the estimates of the default
         job's train calls 15-35% too fast (bench_estimator, 2026-12-04)."""
-        return max(raw[f"{h}_{prefix}_{L}{sfx}"] - pass_flops(L, passes, h, sfx) / rate, 0.0)
+        rows = cal.train_rows if passes == 3 else cal.rows
+        return max(raw[key] - passes * fwd_flops(model_spec(cal.config(L, head)), rows * cal.seq, cal.seq / 2) / flops, 0.0)
 
     def line(prefix: str, passes: int) -> tuple[float, float, float]:
         """(per layer, per pass of the lm head, per pass of the value head). The layers are the
-        same under both heads: one slope, averaged over them (and the row counts); each head's
-        fixed part is what is left of its timings at both layer counts (the lm head's log-probs
-        and entropy over the vocabulary cost more than a value head's one output per token)."""
-        t = {(h, L, x): net(h, prefix, L, passes, x) for h in ("lm", "value") for L in LAYERS for x in sizes}
-        per_layer = max(statistics.mean(_fit_line({L: t[h, L, x] for L in LAYERS})[0]
-                                        for h in ("lm", "value") for x in sizes), 0.0)
-        fixed = [max(statistics.mean(t[h, L, x] - L * per_layer for L in LAYERS for x in sizes), 0.0)
-                 for h in ("lm", "value")]
+        same under both heads: one slope, averaged over them; each head's fixed part is what is
+        left of its timings at both layer counts (the lm head's log-probs and entropy over the
+        vocabulary cost more than a value head's one output per token)."""
+        t = {(h, L): net(f"{h}_{prefix}_{L}", L, passes, h) for h in ("lm", "value") for L in LAYERS}
+        per_layer = max(statistics.mean(_fit_line({L: t[h, L] for L in LAYERS})[0] for h in ("lm", "value")), 0.0)
+        fixed = [max(statistics.mean(t[h, L] - L * per_layer for L in LAYERS), 0.0) for h in ("lm", "value")]
         return per_layer, fixed[0], fixed[1]
 
     layer, head, value_head = line("inf", 1)
     train_layer, train, value_train = line("train", 3)
     decode_layer, decode = _decode_slope(raw, "")
-    out = {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
-           "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
-    if len(sizes) == 2:
-        out["flops_eff"] = rate / flops
-    return out
+    return {"layer_lat": layer, "head_lat": head, "value_head_lat": value_head, "train_layer_lat": train_layer,
+            "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
 
 
 def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
@@ -447,18 +409,13 @@ def calibrate_cpu(reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT):
     return profile_from_raw(raws, setup), {"repeats": raws, "setup": asdict(setup)}
 
 
-def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT, fit_rate: bool = False) -> HardwareProfile:
+def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT) -> HardwareProfile:
     """The `cpu` profile of recorded calibrations (calibrate_cpu's raw["repeats"]): each fitted
-    alone, every field the median. fit_rate=True also fits the engines' own FLOP rate from the
-    timings at ROWS_X times the rows (_fit_single); the default charges compute at the matmul
-    rate. Tried as the default and measured worse on the same measurements (bench_estimator run
-    at 7f5fcc1, `--rescore --refit rate|matmul`: 0.219 / 0.210 against 0.189 / 0.177 per
-    iteration / per call; bench/results/calibration_rate_ab_cpu2_20261204.md)."""
-    profs = []
-    for raw in raws:
-        if not fit_rate:
-            raw = {k: v for k, v in raw.items() if not k.endswith("_x")}
-        profs.append(_profile(raw, cal))
+    alone, every field the median; `bench_estimator.py --rescore --refit` fits a recorded run's
+    calibrations with this code. (A fit of the engines' own FLOP rate from passes at 1x and 4x
+    the rows was tried this way and measured worse on the same measurements: commit 12b860d,
+    bench/results/calibration_rate_ab_cpu2_20261204.md.)"""
+    profs = [_profile(raw, cal) for raw in raws]
     kw = {}
     for f in fields(HardwareProfile):
         vals = [getattr(p, f.name) for p in profs]
