@@ -165,6 +165,21 @@ def test_calibration_line_fit():
     assert _fit_line({1: 3.0, 2: 4.0, 5: 12.2})[0] == pytest.approx(2.4)
 
 
+def test_pipe_contention_fit_by_hand():
+    """Pipelines side by side against half as many: the mean growth of an inference pass and a
+    decode step; a decode step lost in noise is left out; clamped to [0, PIPE_MAX]; absent
+    timings (older calibrations) give 0."""
+    from real_py.search.calibrate import PIPE_MAX, _pipe_contention
+
+    raw = {"pp2_inf_4": 2.0, "pp2busy_inf_4": 3.0, "pp2_gen2_4": 1.0, "pp2_gen10_4": 9.0,
+           "pp2busy_gen2_4": 2.0, "pp2busy_gen10_4": 18.0}
+    assert _pipe_contention(raw) == pytest.approx((1.5 + 2.0) / 2 - 1)
+    assert _pipe_contention(raw | {"pp2busy_gen10_4": 1.0}) == pytest.approx(0.5)  # step <= 0
+    assert _pipe_contention(raw | {"pp2busy_inf_4": 1.0, "pp2busy_gen10_4": 6.0}) == 0.0
+    assert _pipe_contention(raw | {"pp2busy_inf_4": 20.0}) == PIPE_MAX
+    assert _pipe_contention({k: v for k, v in raw.items() if "busy" not in k}) == 0.0
+
+
 def test_contention_by_hand():
     m = tiny()
     wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
@@ -185,6 +200,28 @@ def test_contention_by_hand():
     ts = call_time("train", m, Mesh(0, 4), 2, 1, 2, shared, wl)
     assert ts["compute"] == pytest.approx(tb["compute"]) and ts["overhead"] == pytest.approx(tb["overhead"])
     assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(1.5 * tb["dp"])
+    # Replicas of a pipeline (dp > 1, pp > 1) hand over out of step: x(1 + pipe_contention) on
+    # everything but the gradient all-reduce and the optimizer step; one replica (dp = 1), or
+    # no pipeline, is not stretched.
+    piped = replace(shared, pipe_contention=0.5)
+    tp_ = call_time("train", m, Mesh(0, 4), 2, 1, 2, piped, wl)
+    for k in ("compute", "overhead", "pp"):
+        assert tp_[k] == pytest.approx(1.5 * ts[k])
+    assert tp_["dp"] == pytest.approx(ts["dp"]) and tp_["optimizer"] == pytest.approx(ts["optimizer"])
+    g0, g1 = (call_time("generate", m, Mesh(0, 4), 2, 1, 2, h, wl) for h in (shared, piped))
+    assert g1["total"] == pytest.approx(1.5 * g0["total"])
+    for dp, tp, pp in ((1, 2, 2), (2, 2, 1), (4, 1, 1)):
+        for kind in ("generate", "inference", "train"):
+            assert call_time(kind, m, Mesh(0, 4), dp, tp, pp, piped, wl) == call_time(kind, m, Mesh(0, 4), dp, tp, pp, shared, wl)
+    # Only where the call's ranks outnumber the cores: a core per rank (4 cores) is not
+    # stretched; more working ranks than cores (dp4 x pp2 on 2 cores: contention() x2) keep the
+    # larger of the two stretches, never both.
+    for cores, mesh, dp in ((4, Mesh(0, 4), 2), (2, Mesh(0, 8), 4)):
+        a, b = (call_time("generate", m, mesh, dp, 1, 2, replace(h, shared_cores=cores), wl) for h in (shared, piped))
+        assert a == b
+    big = replace(shared, pipe_contention=1.5)
+    a, b = (call_time("generate", m, Mesh(0, 8), 4, 1, 2, h, wl) for h in (shared, big))
+    assert b["overhead"] == pytest.approx(a["overhead"] * 2.5 / 2)
 
 
 def test_sync_free_inference_counts_one_busy_rank():
@@ -258,7 +295,7 @@ def test_value_head_tensor_parallel_pass_by_hand():
 
 
 def test_profile_rejects_negative_overheads():
-    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "shared_cores"):
+    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "pipe_contention", "shared_cores"):
         with pytest.raises(ValueError, match=f):
             replace(HW, **{f: -1})
 
@@ -329,6 +366,7 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
         raws = json.load(f)["measured"]["repeats"]
     assert len(raws) == 2 and profile_from_raw(raws) == p
     assert 0 < p.intra_lat < 0.1 and 0 < p.p2p_lat_ratio < 100 and p.shared_cores >= 2
+    assert 0 <= p.pipe_contention <= 2.0
     # Running a 5-layer engine always costs host time; a slope or an intercept alone can fit to
     # 0 (clamped) when the machine is busy during the 3 quick repetitions.
     for layer, fixed in ((p.layer_lat, p.head_lat), (p.train_layer_lat, p.train_lat),

@@ -22,7 +22,10 @@ B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n 
    much the collective latency grows when busy ranks share cores (`lat_contention`; processor
    work grows with the number of busy ranks per core, `shared_cores`); a small all-reduce over
    all 2n ranks against one over pairs: how the latency grows with a collective's ranks
-   (`coll_lat_growth`, gloo's ring takes 2 (n - 1) steps); and a real Reallocator
+   (`coll_lat_growth`, gloo's ring takes 2 (n - 1) steps); the pp=2 engines on every pair at
+   once (as many working stages as cores) against phase A's pairs (half as many): how much
+   replicas of a pipeline slow each other when no more of their stages work than there are cores
+   (`pipe_contention`); and a real Reallocator
    over DistTransport on all 2n ranks (tp2 x pp -> dp, as a training -> generation move) minus
    its planned transfer time: the fixed cost per reallocation.
 """
@@ -60,6 +63,9 @@ LAYERS = (1, 5)
 the fixed cost the mean of what is left at each count."""
 PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
+PIPE_MAX = 2.0
+"""Cap of the fitted pipe_contention (recorded: 0.44-1.22): pipelines side by side that ran 3x
+slower than alone would be a disturbed calibration, not a property of the machine."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +297,7 @@ def _worker(rank: int, world: int, n: int, reps: int, cal: Setup = DEFAULT) -> d
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     singles = [ParallelGroups(Layout(ranks=(r,))) for r in range(n)]
     tp2 = [ParallelGroups(Layout(tp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
-    pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, n, 2)]
+    pp2 = [ParallelGroups(Layout(pp=2, ranks=(r, r + 1))) for r in range(0, world, 2)]
     out = {}
     if rank < n:  # phase A: one busy rank per core
         out |= _roofline(busy)
@@ -302,6 +308,7 @@ def _worker(rank: int, world: int, n: int, reps: int, cal: Setup = DEFAULT) -> d
     dist.barrier()
     # Phase B: every pair at once, two busy ranks per core; a reallocation over every rank.
     out |= _pair_costs(cal, rank, tp2[rank // 2], None, reps, "tp2busy", LAYERS, train=False)
+    out |= _pair_costs(cal, rank, pp2[rank // 2], None, reps, "pp2busy", (PP_LAYERS,), train=False)
     out |= _coll_growth(rank, pairs[rank // 2], reps)
     out |= _realloc_cost(cal, rank, DistTransport(dist.group.WORLD, timeout=60), world, None, reps)
     return out
@@ -354,6 +361,22 @@ def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
             "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
 
 
+def _pipe_contention(raw: dict) -> float:
+    """Phase B's pp=2 engines on every pair at once (one working stage per pair, as many as cores)
+    against phase A's pairs (half as many): the growth of an inference pass and of a decode step,
+    their mean, in [0, PIPE_MAX]; the decode step is left out when a difference of generation
+    timings drowns in noise (<= 0); 0 for calibrations without these timings (before 2026-12-04,
+    session 3)."""
+    Lp, (lo, hi) = PP_LAYERS, G
+    if f"pp2busy_inf_{Lp}" not in raw:
+        return 0.0
+    ratios = [raw[f"pp2busy_inf_{Lp}"] / raw[f"pp2_inf_{Lp}"]]
+    step, busy_step = ((raw[f"{k}_gen{hi}_{Lp}"] - raw[f"{k}_gen{lo}_{Lp}"]) / (hi - lo) for k in ("pp2", "pp2busy"))
+    if step > 0 and busy_step > 0:
+        ratios.append(busy_step / step)
+    return min(max(statistics.mean(ratios) - 1.0, 0.0), PIPE_MAX)
+
+
 def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     """_fit_single's fields, and the collective, contention and pipeline fields of phases A and B."""
     single = _fit_single(raw, prof_kw["peak_flops"], cal)
@@ -390,6 +413,7 @@ def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     # masking and slicing of the vocab-parallel head.
     return single | {
         "intra_lat": coll, "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio, "coll_lat_growth": growth,
+        "pipe_contention": _pipe_contention(raw) if c > 1 else 0.0,
         "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
         "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
         "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}

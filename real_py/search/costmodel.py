@@ -21,7 +21,9 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              measured for the `cpu` profile, zero for GPUs (launches overlap device work).
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
              waits x HardwareProfile.lat_slowdown (see calibrate.py); an inference call without
-             collectives (dp only) counts one busy rank (its ranks run their shares apart).
+             collectives (dp only) counts one busy rank (its ranks run their shares apart);
+             dp > 1 replicas of a pipeline on more ranks than cores at least x (1 +
+             pipe_contention) (their stages hand over out of step).
              Calls on disjoint ranks share the cores too: the simulators stretch a call by the
              working ranks of the calls it overlaps (simulate.py).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
@@ -275,6 +277,17 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     busy = 1 if sync_free else working
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
+    # Replicas of a pipeline side by side: their stages hand over out of step, and a woken stage
+    # waits for a core another replica's stage holds (HardwareProfile.pipe_contention, 0.44-1.22
+    # in the recorded calibrations). Where the call's ranks outnumber the cores, each term is
+    # stretched by the larger of 1 + pipe_contention and the core sharing's stretch applied above
+    # (the pipe factor alone where no more ranks work than there are cores, the regime the
+    # calibration measures), so a larger micro-batch count never lowers it and the cost stays monotone.
+    # Not the gradient all-reduce and optimizer step after the flush, which every rank runs at once.
+    if dp > 1 and pp > 1 and hw.pipe_contention and hw.shared_cores and hw.shared_cores < dp * tp * pp:
+        pipe = 1.0 + hw.pipe_contention
+        out = {k: v if k in ("dp", "optimizer") else v * max(1.0, pipe / (slow if k in HOST_BOUND else lat_slow))
+               for k, v in out.items()}
     # After the pipeline flush every stage reduces its gradients and steps at the same time.
     for k, f in (("dp", hw.lat_slowdown), ("optimizer", hw.contention)):
         if k in out:
