@@ -42,7 +42,7 @@ CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic
 PROFILE_KEYS = ("intra_lat", "lat_contention", "coll_lat_growth", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
                 "value_train_lat", "decode_layer_lat",
                 "decode_lat", "train_layer_lat", "train_lat", "tp_head_lat", "tp_train_lat", "tp_decode_lat",
-                "realloc_lat")
+                "realloc_lat", "pipe_contention")
 
 
 def _all(dp: int, tp: int, pp: int) -> dict:
@@ -164,21 +164,26 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     """Each round's calibrated profile of a recorded run: whole from its JSON (`extra.profiles`),
     or (older files) the PROFILE_KEYS printed in its notes with every other field from this
     machine's cached `cpu` profile (never calibrated here); returns the fields so filled in."""
+    known = {f.name for f in fields(HardwareProfile)}
     if "profiles" in data.get("extra", {}):
-        return {int(k): HardwareProfile(**v) for k, v in data["extra"]["profiles"].items()}, []
+        # Fields of a tried and reverted model (e.g. optim_param_s, run 673d535) are dropped.
+        return {int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
+                for k, v in data["extra"]["profiles"].items()}, []
     cache = profiles_module._cache_path()
     if not os.path.exists(cache):
         raise SystemExit(f"--rescore: the file records no whole profiles and there is no cached cpu profile "
                          f"({cache}) to fill them from; calibrate once: python -c \"from real_py.search.profiles import cpu_profile; cpu_profile()\"")
     with open(cache) as f:
-        base = json.load(f)["profile"]
+        base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
+    # Terms newer than these files are off, so that their rescore does not move with the cache.
+    base["pipe_contention"] = 0.0
     out, filled = {}, set()
     for m in re.finditer(r"round (\d+): ([a-z_]+=[^;]*);", data["notes"]):
         kw = dict(base)
         given = dict(kv.split("=") for kv in m.group(2).split(", "))
         kw |= {k: float(v) for k, v in given.items()}
         kw["inter_lat"] = kw["intra_lat"]
-        filled |= {f.name for f in fields(HardwareProfile)} - set(given) - {"name", "inter_lat"}
+        filled |= known - set(given) - {"name", "inter_lat", "pipe_contention"}
         out[int(m.group(1))] = HardwareProfile(**kw)
     if not out:
         raise SystemExit("--rescore: no round profiles in the file (neither extra.profiles nor notes)")
@@ -188,7 +193,7 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
 def rescore(path: str, refit: bool = False) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
-    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round.
+    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round (call ITERATION: the whole iteration).
     refit: the profiles fitted anew by this code from the run's recorded raw calibrations (files
     from 2026-12-04 session 2 on; calibrate.profile_from_raw): a change of the fit scored on the
     same calibrations and measurements."""
@@ -209,6 +214,7 @@ def rescore(path: str, refit: bool = False) -> None:
         est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
                        workload=wl, dtype=actor.dtype)
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
+        per.setdefault((r["plan"], "ITERATION"), []).append((est["iter_time"] - r["measured s"]) / r["measured s"])
         meas = r.get("calls meas s") or {c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS}
         for c, e in _call_errors(r, meas, est):
             call_errs.append(abs(e))
