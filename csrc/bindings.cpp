@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "planner/planner.h"
+#include "planner/replay.h"
 #include "planner/rank_schedule.h"
 
 void bind_search(pybind11::module_& m);  // csrc/search/bind_search.cpp
@@ -151,6 +152,21 @@ py::dict plan_rank(const I64& geom, const I64& block_ptr, const I64& blocks, con
   return out;
 }
 
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+double replay_rounds(const I64& u, const I64& v, const I64& l1, const I64& l2, const F64& nbytes,
+                     const I64& bounds, const F64& bw, int64_t num_ranks, double latency_s) {
+  const auto n = u.size();
+  if (v.size() != n || l1.size() != n || l2.size() != n || nbytes.size() != n)
+    throw std::invalid_argument("replay_rounds: u, v, l1, l2 and nbytes must have one entry per hop");
+  if (bounds.size() < 1 || bounds.data()[0] != 0 || bounds.data()[bounds.size() - 1] != n)
+    throw std::invalid_argument("replay_rounds: bounds must run from 0 to the number of hops");
+  py::gil_scoped_release release;
+  return real_py::replay_rounds(u.data(), v.data(), l1.data(), l2.data(), nbytes.data(),
+                                bounds.data(), bounds.size() - 1, bw.data(), bw.size(), num_ranks,
+                                latency_s);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -165,5 +181,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("direct_min_elems"),
         "One rank's plan and bucket schedule (its chunks, rounds, pack/unpack descriptors, local "
         "copies) plus the global message table; no other rank's descriptors are built.");
+  m.def("replay_rounds", &replay_rounds, py::arg("u"), py::arg("v"), py::arg("l1"), py::arg("l2"),
+        py::arg("nbytes"), py::arg("bounds"), py::arg("bw"), py::arg("num_ranks"),
+        py::arg("latency_s"),
+        "Round-by-round replay of a schedule's hops on a link model (realloc/simulate.py); "
+        "returns the seconds until the last rank is done.");
   bind_search(m);
 }

@@ -94,3 +94,65 @@ def test_bad_input():
     plan = plan_realloc(SPECS[0], Layout.parse("tp2"), Layout.parse("dp2", ranks=(8, 9)))
     with pytest.raises(ValueError, match="has 8 GPUs"):
         simulate(schedule_transfers(plan), c)
+
+
+def _replay_numpy(u, v, l1, l2, nb, bounds, bw, w, latency):
+    """Reference for the C++ round replay (the numpy loop simulate() ran before 2026-12-04,
+    session 4): per round, links start at the latest of their free time and their hops' ranks'
+    ready times, carry their round's bytes over their bandwidth plus the latency, and a hop's
+    ranks are ready when its slower link is done."""
+    ready, link_free = np.zeros(w), np.zeros(len(bw))
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        if a == b:
+            continue
+        ku, kv, kl1, kl2, kb = u[a:b], v[a:b], l1[a:b], l2[a:b], nb[a:b]
+        start = np.maximum(ready[ku], ready[kv])
+        links = np.concatenate((kl1, kl2))
+        s = link_free.copy()
+        np.maximum.at(s, links, np.concatenate((start, start)))
+        load = np.zeros(len(bw))
+        np.add.at(load, links, np.concatenate((kb, kb)).astype(np.float64))
+        used = np.unique(links)
+        link_free[used] = s[used] + load[used] / bw[used] + latency
+        end = np.maximum(link_free[kl1], link_free[kl2])
+        np.maximum.at(ready, ku, end)
+        np.maximum.at(ready, kv, end)
+    return float(ready.max()) if len(nb) else 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_round_replay_matches_numpy_reference(seed):
+    """The C++ replay (csrc/planner/replay.cpp) gives the reference's seconds bit for bit on
+    random hops: shared links, empty rounds, uneven bandwidths."""
+    from real_py import _C
+
+    rng = np.random.default_rng(seed)
+    w, rounds, hops = int(rng.integers(2, 17)), int(rng.integers(1, 12)), int(rng.integers(1, 200))
+    nlinks = 2 * w + 4
+    rnd = np.sort(rng.integers(0, rounds, hops))
+    u = rng.integers(0, w, hops)
+    v = (u + rng.integers(1, w, hops)) % w
+    l1 = np.where(rng.random(hops) < 0.5, u, 2 * w + rng.integers(0, 2, hops))   # egress links
+    l2 = np.where(l1 < w, w + v, 2 * w + 2 + rng.integers(0, 2, hops))           # ingress links
+    nb = rng.integers(1, 1 << 30, hops).astype(np.float64)
+    bw = rng.uniform(1e9, 5e11, nlinks)
+    bounds = np.searchsorted(rnd, np.arange(rounds + 1))
+    got = _C.replay_rounds(u, v, l1, l2, nb, bounds, bw, w, 1e-5)
+    assert got == _replay_numpy(u, v, l1, l2, nb, bounds, bw, w, 1e-5) and got > 0
+    assert _C.replay_rounds(u[:0], v[:0], l1[:0], l2[:0], nb[:0], np.zeros(1, np.int64), bw, w, 1e-5) == 0.0
+
+
+def test_round_replay_bad_input():
+    from real_py import _C
+
+    one = np.zeros(1, np.int64)
+    bw = np.ones(4)
+    with pytest.raises(ValueError, match="one entry per hop"):
+        _C.replay_rounds(one, one, one, np.zeros(2, np.int64), np.ones(1), np.array([0, 1]), bw, 2, 0.0)
+    with pytest.raises(ValueError, match="bounds"):
+        _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 2]), bw, 2, 0.0)
+    with pytest.raises(IndexError, match="link 9"):
+        _C.replay_rounds(one, one + 1, one + 9, one + 2, np.ones(1), np.array([0, 1]), bw, 2, 0.0)
+    with pytest.raises(IndexError, match="rank 5"):
+        _C.replay_rounds(one + 5, one + 1, one, one + 2, np.ones(1), np.array([0, 1]), bw, 2, 0.0)
