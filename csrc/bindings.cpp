@@ -161,6 +161,12 @@ double replay_rounds(const I64& u, const I64& v, const I64& l1, const I64& l2, c
     throw std::invalid_argument("replay_rounds: u, v, l1, l2 and nbytes must have one entry per hop");
   if (bounds.size() < 1 || bounds.data()[0] != 0 || bounds.data()[bounds.size() - 1] != n)
     throw std::invalid_argument("replay_rounds: bounds must run from 0 to the number of hops");
+  // Checked before any hop is read: a decreasing pair would index past the arrays.
+  for (py::ssize_t k = 0; k + 1 < bounds.size(); ++k)
+    if (bounds.data()[k] > bounds.data()[k + 1])
+      throw std::invalid_argument("replay_rounds: bounds must not decrease (round " +
+                                  std::to_string(k) + ")");
+  if (num_ranks < 0) throw std::invalid_argument("replay_rounds: num_ranks must be >= 0");
   py::gil_scoped_release release;
   return real_py::replay_rounds(u.data(), v.data(), l1.data(), l2.data(), nbytes.data(),
                                 bounds.data(), bounds.size() - 1, bw.data(), bw.size(), num_ranks,

@@ -152,6 +152,10 @@ def test_round_replay_bad_input():
         _C.replay_rounds(one, one, one, np.zeros(2, np.int64), np.ones(1), np.array([0, 1]), bw, 2, 0.0)
     with pytest.raises(ValueError, match="bounds"):
         _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 2]), bw, 2, 0.0)
+    with pytest.raises(ValueError, match="not decrease"):   # refused before reading hop 1..4
+        _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 5, 1]), bw, 2, 0.0)
+    with pytest.raises(ValueError, match="num_ranks"):
+        _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 1]), bw, -1, 0.0)
     with pytest.raises(IndexError, match="link 9"):
         _C.replay_rounds(one, one + 1, one + 9, one + 2, np.ones(1), np.array([0, 1]), bw, 2, 0.0)
     with pytest.raises(IndexError, match="rank 5"):

@@ -330,13 +330,25 @@ def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_byt
     return ReallocPlan(model, src, dst, mode, None, dst_model, inputs=inputs)
 
 
-@functools.lru_cache(maxsize=256)
 def _layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None = None) -> dict:
     """One side for the C++ planner; parameters are indexed in `order`'s order (default model's).
     Cached: the plan search prices thousands of layout pairs that share their layouts (one side
     of a 128-rank 70B layout ~1 ms here); the arrays are read-only, as the planner reads them.
-    256 entries: a dp-sharded layout holds (lo, hi, offset) per entry and replica (~2 MiB for a
-    700-parameter model at dp=128), so the cache stays bounded in a long-lived process."""
+    Not dp-sharded layouts, whose (lo, hi, offset) per entry and replica reach megabytes (~17 MB
+    for a 700-parameter model at dp=1024): cached, they could hold gigabytes."""
+    if order == model:
+        order = None   # one cache entry whichever side the layout is on
+    if layout.dp_shard != "none":
+        return _build_layout_arrays(model, layout, order)
+    return _cached_layout_arrays(model, layout, order)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None) -> dict:
+    return _build_layout_arrays(model, layout, order)
+
+
+def _build_layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None) -> dict:
     index = {p.name: i for i, p in enumerate((order or model).params)}
     by_index = sorted(model.params, key=lambda p: index[p.name])
     ep, es, eo = [], [], []
