@@ -2,10 +2,12 @@
 
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
     python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
+    python bench/bench_estimator.py --rescore <...>.json --refit [--refit-on shape]  # fit anew
 
 Per round: calibrates the `cpu` hardware profile (refresh=True; on the small calibration model,
-`--calibrate-on job` on the job's own actor shape and pass sizes, `--compare` both, each plan
-scored with both profiles on the same measurements), then for six execution
+`--calibrate-on job` on the job's own actor shape and pass sizes, `shape` on its shape with the
+default rows; `--compare [SETUP]` a second setup too, each plan scored with both profiles on the
+same measurements), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
 `python -m real_py train` through bench_rlhf.run (median over the steps after the warm-up) and
@@ -42,7 +44,7 @@ CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic
 PROFILE_KEYS = ("intra_lat", "lat_contention", "coll_lat_growth", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
                 "value_train_lat", "decode_layer_lat",
                 "decode_lat", "train_layer_lat", "train_lat", "tp_head_lat", "tp_train_lat", "tp_decode_lat",
-                "realloc_lat", "pipe_contention")
+                "realloc_lat", "pipe_wait_lat")
 
 
 def _all(dp: int, tp: int, pp: int) -> dict:
@@ -70,15 +72,26 @@ def job():
     return cfg, models["actor"], models["critic"], wl
 
 
+SETUPS = ("default", "job", "shape")
+
+
 def calibration_setup(on: str, actor, wl: Workload) -> Setup:
     """"job": the calibration engines run the job's own actor shape and pass sizes (ReaL-style
-    profiling of the model planned for); "default": the small calibration model."""
+    profiling of the model planned for); "shape": the job's actor shape with the default
+    setup's rows and lengths (per-rank passes the size of a dp2-dp4 replica's, as most plans'
+    ranks run them); "default": the small calibration model."""
     if on == "default":
         return DEFAULT
-    return Setup.for_workload(actor, wl)
+    if on == "shape":
+        return Setup.for_job(actor, batch_rows=DEFAULT.rows, train_rows=DEFAULT.train_rows, seq=DEFAULT.seq,
+                             prompt=DEFAULT.prompt)
+    if on == "job":
+        return Setup.for_workload(actor, wl)
+    raise ValueError(f"calibration setup {on!r}; allowed: {SETUPS}")
 
 
-OTHER = {"job": "default", "default": "job"}
+OTHER = {"job": "default", "default": "job", "shape": "default"}
+"""--compare without a value: the setup compared with --calibrate-on's."""
 
 
 RAW: dict[int, dict[str, list]] = {}
@@ -87,17 +100,17 @@ RAW: dict[int, dict[str, list]] = {}
 
 def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, object]:
     """Calibrate, search, then measure and estimate every plan; one row per plan. With
-    args.compare, the other calibration setup too (the two in alternating order by round, so
+    args.other (--compare), that calibration setup too (the two in alternating order by round, so
     that a drift of the machine does not favour one), and its estimates beside the first's."""
     cfg, actor, critic, wl = job()
     dtype = actor.dtype
-    order = [args.calibrate_on] + ([OTHER[args.calibrate_on]] if args.compare else [])
+    order = [args.calibrate_on] + ([args.other] if args.other else [])
     prof = {}
     for on in (order if rnd % 2 else order[::-1]):
         prof[on] = cpu_profile(refresh=True, setup=calibration_setup(on, actor, wl))
         with open(profiles_module._cache_path()) as f:  # the raw measurements, for --rescore --refit
             RAW.setdefault(rnd, {})[on] = json.load(f)["measured"]["repeats"]
-    hw, other = prof[args.calibrate_on], prof.get(OTHER[args.calibrate_on])
+    hw, other = prof[args.calibrate_on], prof.get(args.other)
     found = plan_search(actor, critic, num_gpus=4, hardware=hw, workload=wl, dtype=dtype,
                         time_budget=args.search_budget, seed=0)
     plans = dict(PLANS, searched=found.plan.to_json())
@@ -188,7 +201,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     machine's cached `cpu` profile (never calibrated here); returns the fields so filled in."""
     known = {f.name for f in fields(HardwareProfile)}
     if "profiles" in data.get("extra", {}):
-        # Fields of a tried and reverted model (e.g. optim_param_s, run 673d535) are dropped.
+        # Fields of a tried and reverted or replaced model (optim_param_s, run 673d535;
+        # pipe_contention, runs of 2026-12-04 sessions 3-4) are dropped: --refit fits them anew.
         return {int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
                 for k, v in data["extra"]["profiles"].items()}, []
     cache = profiles_module._cache_path()
@@ -198,21 +212,21 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     with open(cache) as f:
         base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
     # Terms newer than these files are off, so that their rescore does not move with the cache.
-    base["pipe_contention"] = 0.0
+    base["pipe_wait_lat"] = 0.0
     out, filled = {}, set()
     for m in re.finditer(r"round (\d+): ([a-z_]+=[^;]*);", data["notes"]):
         kw = dict(base)
         given = dict(kv.split("=") for kv in m.group(2).split(", "))
         kw |= {k: float(v) for k, v in given.items()}
         kw["inter_lat"] = kw["intra_lat"]
-        filled |= known - set(given) - {"name", "inter_lat", "pipe_contention"}
+        filled |= known - set(given) - {"name", "inter_lat", "pipe_wait_lat"}
         out[int(m.group(1))] = HardwareProfile(**kw)
     if not out:
         raise SystemExit("--rescore: no round profiles in the file (neither extra.profiles nor notes)")
     return out, sorted(filled)
 
 
-def rescore(path: str, refit: bool = False) -> None:
+def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
     machine's drift between runs. Prints the medians and each (plan, call)'s errors by round (call ITERATION: the whole iteration).
@@ -227,10 +241,12 @@ def rescore(path: str, refit: bool = False) -> None:
         raws = data["extra"].get("calibration_raw")
         if not raws:
             raise SystemExit("--refit: the file records no raw calibrations (bench_estimator runs from 2026-12-04 session 2 on)")
-        on = data["extra"]["calibrate_on"]
+        on = refit_on or data["extra"]["calibrate_on"]
+        if any(on not in v for v in raws.values()):
+            raise SystemExit(f"--refit-on {on}: the file records raw calibrations of {sorted(next(iter(raws.values())))} only")
         setup = calibration_setup(on, actor, wl)
         profiles = {int(r): profile_from_raw(v[on], setup) for r, v in raws.items()}
-        print("profiles refitted by this code from the recorded raw calibrations")
+        print(f"profiles refitted by this code from the recorded raw calibrations ({on} setup)")
     it_errs, call_errs, per, pairs = [], [], {}, []
     for r in data["rows"]:
         est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
@@ -259,17 +275,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
-    ap.add_argument("--calibrate-on", choices=("job", "default"), default="default",
-                    help="calibration engines: the job's own model shape and pass sizes, or the small default model")
-    ap.add_argument("--compare", action="store_true",
-                    help="also calibrate the other setup each round and estimate every plan with it too")
+    ap.add_argument("--calibrate-on", choices=SETUPS, default="default",
+                    help="calibration engines: the job's own model shape and pass sizes (job), its shape with the "
+                         "default rows (shape), or the small default model (default)")
+    ap.add_argument("--compare", nargs="?", const="auto", choices=SETUPS + ("auto",),
+                    help="also calibrate this setup (without a value: job for default, default otherwise) each round "
+                         "and estimate every plan with it too")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
                     "code's cost model and the run's profiles (no measurement)")
     ap.add_argument("--refit", action="store_true", help="with --rescore: fit the profiles anew with this code "
                     "from the file's raw calibrations")
+    ap.add_argument("--refit-on", choices=SETUPS, help="with --rescore --refit: the raw calibrations of this "
+                    "setup (a --compare run records both), default: the run's --calibrate-on")
     args = ap.parse_args()
+    args.other = (OTHER[args.calibrate_on] if args.compare == "auto" else args.compare) or None
+    if args.other == args.calibrate_on:
+        ap.error(f"--compare {args.other} is the --calibrate-on setup itself")
     if args.rescore:
-        return rescore(args.rescore, args.refit)
+        return rescore(args.rescore, args.refit, args.refit_on)
     rows, profiles, med = [], [], statistics.median
     _, actor, _, wl = job()
     saved, saved_other = {}, {}
@@ -290,10 +313,10 @@ def main() -> None:
     cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s", "call meas/est pairs",
                                             "other call rel errs")]
     compared = ""
-    if args.compare:
+    if args.other:
         o_it = [abs(r["other rel err"]) for r in rows]
         o_call = [abs(x) for r in rows for x in r["other call rel errs"]]
-        compared = (f" Calibrated on `{OTHER[args.calibrate_on]}` instead (same measurements; the two calibrations "
+        compared = (f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
                     f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
                     f"{med(o_call):.3f} (columns `other ...`).")
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
@@ -310,9 +333,10 @@ def main() -> None:
                         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
                         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
                         "breakdowns are in the JSON." + compared,
-                  extra={"profiles": saved, "calibrate_on": args.calibrate_on, "calibration_raw": RAW,
+                  extra={"profiles": saved, "calibrate_on": args.calibrate_on, "compare_on": args.other,
+                         "calibration_raw": RAW,
                          "setup": asdict(calibration_setup(args.calibrate_on, actor, wl))}
-                  | ({"profiles_other": saved_other} if args.compare else {}))
+                  | ({"profiles_other": saved_other} if args.other else {}))
 
 
 if __name__ == "__main__":

@@ -165,19 +165,36 @@ def test_calibration_line_fit():
     assert _fit_line({1: 3.0, 2: 4.0, 5: 12.2})[0] == pytest.approx(2.4)
 
 
-def test_pipe_contention_fit_by_hand():
-    """Pipelines side by side against half as many: the mean growth of an inference pass and a
-    decode step; a decode step lost in noise is left out; clamped to [0, PIPE_MAX]; absent
+def test_pipe_wait_fit_by_hand():
+    """Pipelines side by side against half as many: the extra seconds of an inference pass and of
+    a decode step (two messages between the stages each), per message, their mean; >= 0; absent
     timings (older calibrations) give 0."""
-    from real_py.search.calibrate import PIPE_MAX, _pipe_contention
+    from real_py.search.calibrate import _pipe_wait
 
     raw = {"pp2_inf_4": 2.0, "pp2busy_inf_4": 3.0, "pp2_gen2_4": 1.0, "pp2_gen10_4": 9.0,
            "pp2busy_gen2_4": 2.0, "pp2busy_gen10_4": 18.0}
-    assert _pipe_contention(raw) == pytest.approx((1.5 + 2.0) / 2 - 1)
-    assert _pipe_contention(raw | {"pp2busy_gen10_4": 1.0}) == pytest.approx(0.5)  # step <= 0
-    assert _pipe_contention(raw | {"pp2busy_inf_4": 1.0, "pp2busy_gen10_4": 6.0}) == 0.0
-    assert _pipe_contention(raw | {"pp2busy_inf_4": 20.0}) == PIPE_MAX
-    assert _pipe_contention({k: v for k, v in raw.items() if "busy" not in k}) == 0.0
+    # inference +1.0 s, decode step (18 - 2) / 8 - (9 - 1) / 8 = +1.0 s: 1.0 / 2 per message
+    assert _pipe_wait(raw) == pytest.approx(0.5)
+    assert _pipe_wait(raw | {"pp2busy_gen10_4": 10.0}) == pytest.approx((1.0 + 0.0) / 2 / 2)
+    assert _pipe_wait(raw | {"pp2busy_inf_4": 1.0, "pp2busy_gen10_4": 6.0}) == 0.0
+    assert _pipe_wait({k: v for k, v in raw.items() if "busy" not in k}) == 0.0
+
+
+def test_pipeline_messages_by_hand():
+    """A hop and the last stage's broadcast over two stages are point-to-point messages
+    (p2p_lat_ratio x the collective latency); a stage group's all-reduce (train) is a collective."""
+    m = tiny()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, runtime_micro_batches=True)
+    lat = HardwareProfile(**FREE | dict(intra_lat=1.0, inter_lat=1.0, p2p_lat_ratio=0.25))
+    # inference, one micro-batch: one hop + the results broadcast
+    assert call_time("inference", m, Mesh(0, 2), 1, 1, 2, lat, wl)["pp"] == pytest.approx(0.5)
+    # generate: prefill and scoring passes one hop each; per decode step one hop + one broadcast
+    g = call_time("generate", m, Mesh(0, 2), 1, 1, 2, lat, wl)
+    assert g["prefill_pp"] == pytest.approx(0.25) and g["score_pp"] == pytest.approx(0.25)
+    assert g["decode_pp"] == pytest.approx(4 * 0.5)
+    # train: 4 optimizer steps of a forward and a backward hop, and 2 small all-reduces over pp
+    t = call_time("train", m, Mesh(0, 2), 1, 1, 2, lat, wl)
+    assert t["pp"] == pytest.approx(4 * 2 * 0.25) and t["dp"] == pytest.approx(4 * 2 * 1.0)
 
 
 def test_contention_by_hand():
@@ -200,28 +217,29 @@ def test_contention_by_hand():
     ts = call_time("train", m, Mesh(0, 4), 2, 1, 2, shared, wl)
     assert ts["compute"] == pytest.approx(tb["compute"]) and ts["overhead"] == pytest.approx(tb["overhead"])
     assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(1.5 * tb["dp"])
-    # Replicas of a pipeline (dp > 1, pp > 1) hand over out of step: x(1 + pipe_contention) on
-    # everything but the gradient all-reduce and the optimizer step; one replica (dp = 1), or
-    # no pipeline, is not stretched.
-    piped = replace(shared, pipe_contention=0.5)
-    tp_ = call_time("train", m, Mesh(0, 4), 2, 1, 2, piped, wl)
-    for k in ("compute", "overhead", "pp"):
-        assert tp_[k] == pytest.approx(1.5 * ts[k])
-    assert tp_["dp"] == pytest.approx(ts["dp"]) and tp_["optimizer"] == pytest.approx(ts["optimizer"])
-    g0, g1 = (call_time("generate", m, Mesh(0, 4), 2, 1, 2, h, wl) for h in (shared, piped))
-    assert g1["total"] == pytest.approx(1.5 * g0["total"])
+    # Replicas of a pipeline (dp > 1, pp > 1) hand over out of step: every message between
+    # stages waits pipe_wait_lat more; the stages' work is not stretched. One replica (dp = 1),
+    # or no pipeline, does not wait.
+    w = 1e-3
+    piped = replace(shared, pipe_wait_lat=w)
+    one = Workload(batch_size=8, prompt_len=8, gen_len=4, runtime_micro_batches=True)
+    i0, i1 = (call_time("inference", m, Mesh(0, 4), 2, 1, 2, h, one) for h in (shared, piped))
+    assert i1["pp"] - i0["pp"] == pytest.approx(2 * w)  # hop + broadcast, 2 busy ranks: x1
+    assert i1["overhead"] == i0["overhead"] and i1["compute"] == i0["compute"]
+    t0, t1 = (call_time("train", m, Mesh(0, 4), 2, 1, 2, h, one) for h in (shared, piped))
+    assert t1["pp"] - t0["pp"] == pytest.approx(4 * 2 * w)  # 4 steps x (forward + backward hop)
+    # the 2 small all-reduces over the stages per step, after the flush with all 4 ranks busy
+    assert t1["dp"] - t0["dp"] == pytest.approx(4 * 2 * w * shared.lat_slowdown(4))
+    assert t1["overhead"] == t0["overhead"] and t1["optimizer"] == t0["optimizer"]
+    g0, g1 = (call_time("generate", m, Mesh(0, 4), 2, 1, 2, h, one) for h in (shared, piped))
+    assert g1["decode_pp"] - g0["decode_pp"] == pytest.approx(4 * 2 * w)
+    assert g1["total"] - g0["total"] == pytest.approx((4 * 2 + 2) * w)  # + prefill and scoring hops
     for dp, tp, pp in ((1, 2, 2), (2, 2, 1), (4, 1, 1)):
         for kind in ("generate", "inference", "train"):
             assert call_time(kind, m, Mesh(0, 4), dp, tp, pp, piped, wl) == call_time(kind, m, Mesh(0, 4), dp, tp, pp, shared, wl)
-    # Only where the call's ranks outnumber the cores: a core per rank (4 cores) is not
-    # stretched; more working ranks than cores (dp4 x pp2 on 2 cores: contention() x2) keep the
-    # larger of the two stretches, never both.
-    for cores, mesh, dp in ((4, Mesh(0, 4), 2), (2, Mesh(0, 8), 4)):
-        a, b = (call_time("generate", m, mesh, dp, 1, 2, replace(h, shared_cores=cores), wl) for h in (shared, piped))
-        assert a == b
-    big = replace(shared, pipe_contention=1.5)
-    a, b = (call_time("generate", m, Mesh(0, 8), 4, 1, 2, h, wl) for h in (shared, big))
-    assert b["overhead"] == pytest.approx(a["overhead"] * 2.5 / 2)
+    # Only where the call's ranks outnumber the cores: a core per rank (4 cores) does not wait.
+    a, b = (call_time("generate", m, Mesh(0, 4), 2, 1, 2, replace(h, shared_cores=4), wl) for h in (shared, piped))
+    assert a == b
 
 
 def test_sync_free_inference_counts_one_busy_rank():
@@ -295,7 +313,7 @@ def test_value_head_tensor_parallel_pass_by_hand():
 
 
 def test_profile_rejects_negative_overheads():
-    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "pipe_contention", "shared_cores"):
+    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "pipe_wait_lat", "shared_cores"):
         with pytest.raises(ValueError, match=f):
             replace(HW, **{f: -1})
 
@@ -366,7 +384,7 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
         raws = json.load(f)["measured"]["repeats"]
     assert len(raws) == 2 and profile_from_raw(raws) == p
     assert 0 < p.intra_lat < 0.1 and 0 < p.p2p_lat_ratio < 100 and p.shared_cores >= 2
-    assert 0 <= p.pipe_contention <= 2.0
+    assert 0 <= p.pipe_wait_lat < 0.1
     # Running a 5-layer engine always costs host time; a slope or an intercept alone can fit to
     # 0 (clamped) when the machine is busy during the 3 quick repetitions.
     for layer, fixed in ((p.layer_lat, p.head_lat), (p.train_layer_lat, p.train_lat),

@@ -16,7 +16,7 @@ KINDS = ("generate", "inference", "train")
 MODELS = [model_spec(preset(n), n) for n in ("llama2-7b", "llama2-13b")]
 # "shared": the `cpu` profile's kind of terms (core sharing, collective latency growing with ranks,
 # fixed per-layer seconds) on a GPU-sized machine, so that the grid's meshes and models apply.
-SHARED = replace(get_profile("h100"), name="shared", shared_cores=2, lat_contention=0.5, coll_lat_growth=0.6, pipe_contention=1.2,
+SHARED = replace(get_profile("h100"), name="shared", shared_cores=2, lat_contention=0.5, coll_lat_growth=0.6, pipe_wait_lat=2e-3,
                  layer_lat=1e-4, head_lat=1e-3, decode_layer_lat=1e-4, decode_lat=1e-4, train_layer_lat=1e-3,
                  train_lat=1e-3, tp_head_lat=1e-4, tp_train_lat=1e-4, tp_decode_lat=1e-4)
 PROFILES = ("a100", "h100", SHARED)

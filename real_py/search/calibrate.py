@@ -17,15 +17,16 @@ A. uncontended: n busy ranks, one per core (the others wait in a barrier):
      compute;
    - the same lm engine on tp=2 pairs: its extra seconds per layer are two all-reduces as the
      engines issue them (the collective latency), its extra fixed seconds the tensor-parallel
-     head's; the lm engine on pp=2 pairs gives a pipeline hop's latency (`p2p_lat_ratio`);
+     head's; the lm engine on pp=2 pairs gives the latency of a message between stages (a hop or
+     the last stage's broadcast, `p2p_lat_ratio`);
 B. contended: the tp=2 engines on every pair of the 2n ranks (2 per core when n = cores): how
    much the collective latency grows when busy ranks share cores (`lat_contention`; processor
    work grows with the number of busy ranks per core, `shared_cores`); a small all-reduce over
    all 2n ranks against one over pairs: how the latency grows with a collective's ranks
    (`coll_lat_growth`, gloo's ring takes 2 (n - 1) steps); the pp=2 engines on every pair at
-   once (as many working stages as cores) against phase A's pairs (half as many): how much
-   replicas of a pipeline slow each other when no more of their stages work than there are cores
-   (`pipe_contention`); and a real Reallocator
+   once (as many working stages as cores) against phase A's pairs (half as many): how long each
+   message between stages waits when replicas of a pipeline share the cores, although no more of
+   their stages work than there are cores (`pipe_wait_lat`); and a real Reallocator
    over DistTransport on all 2n ranks (tp2 x pp -> dp, as a training -> generation move) minus
    its planned transfer time: the fixed cost per reallocation.
 """
@@ -63,11 +64,6 @@ LAYERS = (1, 5)
 the fixed cost the mean of what is left at each count."""
 PP_LAYERS = 4
 """Layers of the pp=2 calibration engine (2 per stage)."""
-PIPE_MAX = 2.0
-"""Cap of the fitted pipe_contention (recorded: 0.44-1.22): pipelines side by side that ran 3x
-slower than alone would be a disturbed calibration, not a property of the machine."""
-
-
 @dataclass(frozen=True)
 class Setup:
     """What the calibration engines run: a model shape (its layer count varies, LAYERS) and dtype
@@ -361,25 +357,29 @@ def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
             "train_lat": train, "value_train_lat": value_train, "decode_layer_lat": decode_layer, "decode_lat": decode}
 
 
-def _pipe_contention(raw: dict) -> float:
+def _pipe_wait(raw: dict) -> float:
     """Phase B's pp=2 engines on every pair at once (one working stage per pair, as many as cores)
-    against phase A's pairs (half as many): the growth of an inference pass and of a decode step,
-    their mean, in [0, PIPE_MAX]; the decode step is left out when a difference of generation
-    timings drowns in noise (<= 0); 0 for calibrations without these timings (before 2026-12-04,
-    session 3)."""
+    against phase A's pairs (half as many): the extra seconds of an inference pass and of a
+    decode step, each with two messages between the stages (the activation hop and the last
+    stage's broadcast), per message; their mean, >= 0. 0 for calibrations without these
+    timings (before 2026-12-04, session 3).
+
+    A wait per message rather than a stretch of the whole pass (the model until 2026-12-05,
+    `pipe_contention` = busy / alone - 1, 0.44-1.22): a woken stage waits for a core once per
+    hand-over, however much work its stage then does, and the stretch measured on these short
+    passes over-charged the dp2 x pp2 plan's longer train steps (+0.30 median relative error
+    over seven recorded bench_estimator runs; +0.17 with the wait; the README has the figures)."""
     Lp, (lo, hi) = PP_LAYERS, G
     if f"pp2busy_inf_{Lp}" not in raw:
         return 0.0
-    ratios = [raw[f"pp2busy_inf_{Lp}"] / raw[f"pp2_inf_{Lp}"]]
     step, busy_step = ((raw[f"{k}_gen{hi}_{Lp}"] - raw[f"{k}_gen{lo}_{Lp}"]) / (hi - lo) for k in ("pp2", "pp2busy"))
-    if step > 0 and busy_step > 0:
-        ratios.append(busy_step / step)
-    return min(max(statistics.mean(ratios) - 1.0, 0.0), PIPE_MAX)
+    extra = [raw[f"pp2busy_inf_{Lp}"] - raw[f"pp2_inf_{Lp}"], busy_step - step]
+    return max(statistics.mean(extra) / 2, 0.0)
 
 
 def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     """_fit_single's fields, and the collective, contention and pipeline fields of phases A and B."""
-    single = _fit_single(raw, prof_kw["peak_flops"], cal)
+    single = _fit_single(raw, prof_kw["peak_flops"] * prof_kw["flops_eff"], cal)
     decode_layer, decode = single["decode_layer_lat"], single["decode_lat"]
     lo, hi = G
     tp_decode_layer, tp_decode = _decode_slope(raw, "tp2_")
@@ -405,7 +405,8 @@ def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     pp_step = (raw[f"pp2_gen{hi}_{Lp}"] - raw[f"pp2_gen{lo}_{Lp}"]) / (hi - lo)
     pp_extra = statistics.mean([raw[f"pp2_inf_{Lp}"] - (fixed["lm_inf"] + Lp * slope["lm_inf"]),
                                 pp_step - (decode + Lp * decode_layer)])
-    p2p_ratio = max(pp_extra - coll, 0.01 * coll) / coll
+    # Both are point-to-point messages (a broadcast over two ranks is one send): half each.
+    p2p_ratio = max(pp_extra / 2, 0.01 * coll) / coll
     # Phase B: a collective over all ranks against one over pairs, both with every rank busy.
     growth = max((raw["allreduce_world_s"] / raw["allreduce_pair_s"] - 1.0) / (raw["ranks"] - 2), 0.0)
     # What tensor parallelism adds outside the layers beyond the collectives the cost model
@@ -413,7 +414,7 @@ def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:
     # masking and slicing of the vocab-parallel head.
     return single | {
         "intra_lat": coll, "lat_contention": lat_contention, "p2p_lat_ratio": p2p_ratio, "coll_lat_growth": growth,
-        "pipe_contention": _pipe_contention(raw) if c > 1 else 0.0,
+        "pipe_wait_lat": _pipe_wait(raw) if c > 1 else 0.0,
         "tp_head_lat": max(fixed["tp2_inf"] - fixed["lm_inf"] - HEAD_COLLS * coll, 0.0),
         "tp_train_lat": max(fixed["tp2_train"] - fixed["lm_train"] - 2 * HEAD_COLLS * coll, 0.0),
         "tp_decode_lat": max(tp_decode - decode - coll, 0.0)}

@@ -11,9 +11,11 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
              plus small ones per pass outside the layers: HEAD_COLLS with an lm head (vocab-parallel
              embedding and log-probs), VALUE_HEAD_COLLS with a value head (embedding only).
   pp         bubble factor (m + pp - 1) / m over m micro-batches, plus (m + pp - 2) activation
-             hops on the critical path; m is the cheapest count from ceil(tokens / micro_tokens)
-             up to 4 * pp, or the runtime's own count (Workload.runtime_micro_batches), so more
-             work never costs less (tests/test_search_monotone.py).
+             hops on the critical path (point-to-point messages, as is the last stage's
+             broadcast of results or tokens: HardwareProfile.p2p_lat_ratio); m is the cheapest
+             count from ceil(tokens / micro_tokens) up to 4 * pp, or the runtime's own count
+             (Workload.runtime_micro_batches), so more work never costs less
+             (tests/test_search_monotone.py).
   dp         one gradient all-reduce per optimizer step (no overlap with backward assumed), plus
              the small loss / token-count / grad-norm collectives of the step.
   optimizer  Adam with fp32 master/m/v distributed over dp: (24 + 3 * param bytes) per param / HBM.
@@ -22,8 +24,8 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
              waits x HardwareProfile.lat_slowdown (see calibrate.py); an inference call without
              collectives (dp only) counts one busy rank (its ranks run their shares apart);
-             dp > 1 replicas of a pipeline on more ranks than cores at least x (1 +
-             pipe_contention) (their stages hand over out of step).
+             dp > 1 replicas of a pipeline on more ranks than cores: + pipe_wait_lat per
+             message between stages (their stages hand over out of step).
              Calls on disjoint ranks share the cores too: the simulators stretch a call by the
              working ranks of the calls it overlaps (simulate.py).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
@@ -175,6 +177,14 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     pp_lat = pp_link_lat * hw.p2p_lat_ratio  # pipeline hops are point-to-point messages
     # A collective's latency over n ranks (HardwareProfile.coll_lat_growth: a ring's steps).
     tp_lat, dp_lat, pp_coll_lat = hw.coll_lat(tp_lat, tp), hw.coll_lat(dp_lat, dp), hw.coll_lat(pp_link_lat, pp)
+    # The last stage's broadcast of results (inference) or new tokens (decode steps) carries no
+    # reduction: over a pair of stages it is one message, a hop's latency, grown for more stages.
+    pp_bcast_lat = hw.coll_lat(pp_lat, pp)
+    if dp > 1 and pp > 1 and hw.shared_cores and hw.shared_cores < mesh.size:
+        # Replicas of a pipeline on shared cores hand over out of step: every message between
+        # stages waits HardwareProfile.pipe_wait_lat more (a woken stage finds its core taken).
+        w = hw.pipe_wait_lat
+        pp_lat, pp_bcast_lat, pp_coll_lat = pp_lat + w, pp_bcast_lat + w, pp_coll_lat + w
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
     S = wl.seq_len
@@ -239,7 +249,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         # after another.
         step_tp = (2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat) + tp_lat + hw.tp_decode_lat
                    if tp > 1 else 0.0)
-        step_pp = (pp - 1) * (pp_lat + seqs * H * es / pp_bw) + pp_coll_lat if pp > 1 else 0.0
+        step_pp = (pp - 1) * (pp_lat + seqs * H * es / pp_bw) + pp_bcast_lat if pp > 1 else 0.0
         out["decode"] = G * step
         out["decode_tp"] = G * step_tp
         out["decode_pp"] = G * step_pp
@@ -259,7 +269,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
             out["dp"] = steps * (allreduce_time(local * es, dp, dp_bw, dp_lat) + small)
             out["optimizer"] = steps * local / dp * (24 + 3 * es) / hw.mem_bw
         elif pp > 1:
-            out["pp"] += pp_coll_lat  # results broadcast from the last stage
+            out["pp"] += pp_bcast_lat  # results broadcast from the last stage
     # Ranks sharing cores (the cpu profile): the busy ones share them, which stretches what the
     # processors do and, less, the wait for a message (a peer may wait for a core). Pipeline
     # stages are busy together only with several micro-batches in flight; a decode step runs
@@ -277,17 +287,6 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     busy = 1 if sync_free else working
     slow, lat_slow = hw.contention(busy), hw.lat_slowdown(busy)
     out = {k: v * (slow if k in HOST_BOUND else lat_slow) for k, v in out.items()}
-    # Replicas of a pipeline side by side: their stages hand over out of step, and a woken stage
-    # waits for a core another replica's stage holds (HardwareProfile.pipe_contention, 0.44-1.22
-    # in the recorded calibrations). Where the call's ranks outnumber the cores, each term is
-    # stretched by the larger of 1 + pipe_contention and the core sharing's stretch applied above
-    # (the pipe factor alone where no more ranks work than there are cores, the regime the
-    # calibration measures), so a larger micro-batch count never lowers it and the cost stays monotone.
-    # Not the gradient all-reduce and optimizer step after the flush, which every rank runs at once.
-    if dp > 1 and pp > 1 and hw.pipe_contention and hw.shared_cores and hw.shared_cores < dp * tp * pp:
-        pipe = 1.0 + hw.pipe_contention
-        out = {k: v if k in ("dp", "optimizer") else v * max(1.0, pipe / (slow if k in HOST_BOUND else lat_slow))
-               for k, v in out.items()}
     # After the pipeline flush every stage reduces its gradients and steps at the same time.
     for k, f in (("dp", hw.lat_slowdown), ("optimizer", hw.contention)):
         if k in out:

@@ -76,15 +76,18 @@ class HardwareProfile:
     keep it within a few microseconds on one node)."""
     p2p_lat_ratio: float = 1.0
     """Latency of one point-to-point message relative to a small collective's (intra_lat and
-    inter_lat are collective latencies; gloo's all-reduce takes several round trips)."""
-    pipe_contention: float = 0.0
-    """Growth of a pipelined call's seconds (pp > 1) when dp > 1 replicas of the pipeline share
-    the cores: each replica's stages hand over at their own times, so a woken stage often finds
-    its core taken by another replica's working stage, although no more ranks work at once than
-    there are cores. The `cpu` profile measures it (calibrate.py: pp=2 engines on every pair of
-    ranks at once, as many working stages as cores, against phase A's pairs, half as many; 0.44-1.22
-    per round in the recorded bench_estimator runs); 0: each device is its own processor (the GPU
-    profiles)."""
+    inter_lat are collective latencies; gloo's all-reduce takes several round trips): a
+    pipeline hop, and the last stage's broadcast of results or new tokens (no reduction: over a
+    pair of stages one message; grown by coll_lat_growth for more stages)."""
+    pipe_wait_lat: float = 0.0
+    """Extra seconds of each message between pipeline stages (activation hop, the last stage's
+    broadcast, a stage group's all-reduce) when dp > 1 replicas of a pipeline share the cores:
+    each replica's stages hand over at their own times, so a woken stage often finds its core
+    taken by another replica's working stage, although no more ranks work at once than there
+    are cores. A wait per hand-over, not a stretch of the stages' work: a pass with more work
+    between hand-overs loses a smaller share. The `cpu` profile measures it (calibrate.py: pp=2
+    engines on every pair of ranks at once, as many working stages as cores, against phase A's
+    pairs, half as many); 0: each device is its own processor (the GPU profiles)."""
     shared_cores: int = 0
     """CPU runtime: the ranks share this many cores, so a call on n > shared_cores ranks runs
     n / shared_cores times slower (every rank is one single-threaded process); 0: each device
@@ -96,7 +99,7 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be positive")
         for f in ("layer_lat", "head_lat", "decode_layer_lat", "decode_lat", "train_layer_lat", "train_lat",
                   "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat",
-                  "p2p_lat_ratio", "lat_contention", "coll_lat_growth", "pipe_contention"):
+                  "p2p_lat_ratio", "lat_contention", "coll_lat_growth", "pipe_wait_lat"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
         for f in ("value_head_lat", "value_train_lat"):

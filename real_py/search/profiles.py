@@ -29,7 +29,7 @@ def get_profile(name: str) -> HardwareProfile:
     raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
 
 
-CACHE_VERSION = 11
+CACHE_VERSION = 12
 """Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
 
 
