@@ -322,7 +322,8 @@ def main() -> None:
     write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
-                        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end). Estimated: "
+                        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "
+                        f"a dp-only rollout call's, whose ranks never wait for each other, are its longest rank's own run). Estimated: "
                         f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
                         f"(real_py/search/calibrate.py) and Workload {wl}. Median |rel err| over all "
                         f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "

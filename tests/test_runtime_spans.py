@@ -1,6 +1,8 @@
 """Checks how the runtime turns every rank's call and reallocation intervals into the step's
 per-call and per-model seconds (Runtime._summary): a call runs from its last rank's start to its
 last rank's end, summed over its runs; a rank that arrives late from earlier work opens the span;
+a call whose ranks never wait for each other (dp-only rollout calls, synchronous mode) counts its
+longest rank's own run;
 a rank's marker of a run it had no rows for (a dynamic-sampling refill round) does not; runs are
 matched across ranks by their order. A failure points to real_py/rlhf/runtime.py (_summary,
 _call) or real_py/rlhf/calls.py (run_call's return value).
@@ -11,15 +13,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from real_py.layout import Layout
 from real_py.rlhf.observe import METRICS
 from real_py.rlhf.runtime import Runtime
 
 ORDER = ["actor_gen", "ref_inf", "rew_inf", "actor_train"]
+TP2 = Layout(tp=2, ranks=(0, 1))
 
 
-def summary(per_rank):
-    """per_rank: list of (events, reallocs); the rest of the gathered tuple empty."""
-    rt = SimpleNamespace(graph=SimpleNamespace(order=ORDER))
+def summary(per_rank, layouts=None, astate=None):
+    """per_rank: list of (events, reallocs); the rest of the gathered tuple empty. Every call on
+    tp=2 (its ranks wait for each other) unless `layouts` says otherwise."""
+    graph = SimpleNamespace(order=ORDER, calls={n: SimpleNamespace(trains=n.endswith("train")) for n in ORDER})
+    plan = SimpleNamespace(calls={n: (layouts or {}).get(n, TP2) for n in ORDER})
+    rt = SimpleNamespace(graph=graph, plan=plan, astate=astate)
     sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
     gathered = [(ev, rl, [], 0, {}) for ev, rl in per_rank]
     return Runtime._summary(rt, sums, gathered, None)
@@ -29,6 +36,27 @@ def test_span_from_last_start_to_last_end():
     # rank 1 arrives 5 s late at actor_gen (rank 0 waited for it): the call took 2 s, not 7.
     out = summary([([(0, "actor_gen", 0.0, 7.0)], []), ([(1, "actor_gen", 5.0, 7.0)], [])])
     assert out["calls"] == {"actor_gen": pytest.approx(2.0)}
+
+
+def test_a_call_without_waits_counts_its_longest_rank():
+    # dp-only generation: rank 1 entered 5 s late (its earlier work), each rank ran its own rows
+    # for 7 s and 2 s; no rank waited for the other, so the call took 7 s (its span from the last
+    # start: 2 s). Training on the same dp-only layout reduces gradients (waits): its span.
+    dp2 = Layout(dp=2, ranks=(0, 1))
+    lay = {"actor_gen": dp2, "ref_inf": dp2, "actor_train": dp2}
+    r0 = [(0, "actor_gen", 0.0, 7.0), (0, "ref_inf", 7.0, 8.0), (0, "actor_train", 8.0, 12.0)]
+    r1 = [(1, "actor_gen", 5.0, 7.0), (1, "ref_inf", 7.0, 7.5), (1, "actor_train", 10.0, 12.0)]
+    calls = summary([(r0, []), (r1, [])], lay)["calls"]
+    assert calls == {"actor_gen": pytest.approx(7.0), "ref_inf": pytest.approx(1.0),
+                     "actor_train": pytest.approx(2.0)}
+    # runs are summed per run, each its longest rank's
+    two = [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.2)], [(1, "ref_inf", 0.5, 1.0), (1, "ref_inf", 10.0, 10.5)]
+    assert summary([(two[0], []), (two[1], [])], lay)["calls"]["ref_inf"] == pytest.approx(1.0 + 0.5)
+    # async mode (a generation's weight swap agrees on its step over dp): spans again
+    assert summary([(r0, []), (r1, [])], lay, astate=object())["calls"]["actor_gen"] == pytest.approx(2.0)
+    # a dp x pp or dp x tp layout has waits inside the call
+    for other in (Layout(dp=1, pp=2, ranks=(0, 1)), TP2):
+        assert summary([(r0, []), (r1, [])], {"actor_gen": other})["calls"]["actor_gen"] == pytest.approx(2.0)
 
 
 def test_runs_are_summed_and_matched_by_order():

@@ -148,7 +148,9 @@ class Runtime:
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns {"metrics", "calls" (per call: seconds from its last rank's
-        start to its last rank's end, summed over its runs: async prologue batches, refill rounds),
+        start to its last rank's end, or for a call whose ranks never wait for each other (dp-only
+        generation and inference, synchronous mode) its longest rank's own run; summed over its
+        runs: async prologue batches, refill rounds),
         "realloc_seconds" (per model: summed over its reallocations, each from its last rank's
         start to its last rank's end), "realloc_bytes" (sum over ranks),
         "offload_seconds" (per frozen model: max over ranks of reload + offload seconds; {} without
@@ -470,7 +472,7 @@ class Runtime:
 
     def _summary(self, sums, gathered, store) -> dict:
         metrics = {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, sums.tolist()) if c}
-        events, spans, r_spans = [], {}, {}
+        events, spans, r_spans, own = [], {}, {}, {}
         r_bytes, o_sec, o_bytes, d_bytes, peak = 0, {}, 0, 0, {}
         for ev, rl, ol, pushed, pk in gathered:
             events += ev
@@ -482,6 +484,7 @@ class Runtime:
             for _, name, a, b in ev:
                 if b > a:   # not a rank's marker of a run it had no rows for
                     _span(spans, (name, seen[name]), a, b)
+                    own[name, seen[name]] = max(own.get((name, seen[name]), 0.0), b - a)
                 seen[name] += 1
             for model, call, a, b, nbytes in rl:
                 _span(r_spans, (model, call, seen[model, call]), a, b)
@@ -495,9 +498,14 @@ class Runtime:
         # moment its last rank leaves, summed over its runs: a rank that arrives late from earlier
         # work (rank 0 writing the previous step's logs) is not charged to the call its peers
         # wait in. Wall clocks of the ranks are compared, as for the async overlap figures.
+        # A call whose ranks never wait for each other (_sync_free_calls) has no such wait to
+        # leave out: its seconds are its longest rank's own run. (From the last rank's start, a
+        # dp-only generation whose ranks entered up to 29 ms apart on 2 shared cores counted
+        # 16-39 ms of runs of 35-49 ms: bench/results/trace_cpu2_20261204_session4/.)
         calls, r_sec = {}, {}
-        for (name, _), (a, b) in spans.items():
-            calls[name] = calls.get(name, 0.0) + max(b - a, 0.0)
+        free = _sync_free_calls(self.graph, self.plan) if self.astate is None else set()
+        for (name, k), (a, b) in spans.items():
+            calls[name] = calls.get(name, 0.0) + (own[name, k] if name in free else max(b - a, 0.0))
         for (model, _, _), (a, b) in r_spans.items():
             r_sec[model] = r_sec.get(model, 0.0) + max(b - a, 0.0)
         calls = {n: calls[n] for n in self.graph.order if n in calls}
@@ -505,6 +513,19 @@ class Runtime:
                 "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
                 "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in self.graph.order if n in peak},
                 "events": events, "store": store}
+
+
+def _sync_free_calls(graph, plan) -> set[str]:
+    """Calls whose ranks never wait for each other while they run: rollout calls (generation,
+    inference) on dp replicas alone (tp = pp = ep = 1: no collective inside the call; each rank
+    runs its own rows). Synchronous mode only: an async generation's weight swap agrees on its
+    decode step with an all-reduce."""
+    out = set()
+    for n in graph.order:
+        lay = plan.calls[n]
+        if not graph.calls[n].trains and lay.tp == 1 and lay.pp == 1 and getattr(lay, "ep", 1) == 1:
+            out.add(n)
+    return out
 
 
 def _span(spans: dict, key, start: float, end: float) -> None:
