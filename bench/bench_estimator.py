@@ -203,6 +203,9 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     if "profiles" in data.get("extra", {}):
         # Fields of a tried and reverted or replaced model (optim_param_s, run 673d535;
         # pipe_contention, runs of 2026-12-04 sessions 3-4) are dropped: --refit fits them anew.
+        dropped = sorted({f for v in data["extra"]["profiles"].values() for f in v} - known)
+        if dropped:
+            print(f"profile fields of a replaced model dropped (--refit fits today's): {', '.join(dropped)}")
         return {int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
                 for k, v in data["extra"]["profiles"].items()}, []
     cache = profiles_module._cache_path()
@@ -243,7 +246,8 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
             raise SystemExit("--refit: the file records no raw calibrations (bench_estimator runs from 2026-12-04 session 2 on)")
         on = refit_on or data["extra"]["calibrate_on"]
         if any(on not in v for v in raws.values()):
-            raise SystemExit(f"--refit-on {on}: the file records raw calibrations of {sorted(next(iter(raws.values())))} only")
+            raise SystemExit(f"--refit-on {on}: the file records raw calibrations of "
+                             f"{ {int(r): sorted(v) for r, v in raws.items()} } only")
         setup = calibration_setup(on, actor, wl)
         profiles = {int(r): profile_from_raw(v[on], setup) for r, v in raws.items()}
         print(f"profiles refitted by this code from the recorded raw calibrations ({on} setup)")
@@ -285,9 +289,14 @@ def main() -> None:
                     "code's cost model and the run's profiles (no measurement)")
     ap.add_argument("--refit", action="store_true", help="with --rescore: fit the profiles anew with this code "
                     "from the file's raw calibrations")
-    ap.add_argument("--refit-on", choices=SETUPS, help="with --rescore --refit: the raw calibrations of this "
+    ap.add_argument("--refit-on", choices=SETUPS, help="with --rescore (implies --refit): the raw calibrations of this "
                     "setup (a --compare run records both), default: the run's --calibrate-on")
     args = ap.parse_args()
+    if (args.refit or args.refit_on) and not args.rescore:
+        ap.error("--refit / --refit-on need --rescore JSON")
+    if args.rescore and args.compare:
+        ap.error("--compare measures; --rescore re-estimates a recorded run (use --refit-on for its other setup)")
+    args.refit = args.refit or bool(args.refit_on)
     args.other = (OTHER[args.calibrate_on] if args.compare == "auto" else args.compare) or None
     if args.other == args.calibrate_on:
         ap.error(f"--compare {args.other} is the --calibrate-on setup itself")

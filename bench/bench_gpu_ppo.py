@@ -24,6 +24,7 @@ Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -119,7 +120,8 @@ def rescore(path: str, out_dir: str | None) -> None:
     last = max(r["iteration"] for r in rec["rows"])
     measured = {r["call"]: r["seconds"] for r in rec["rows"] if r["iteration"] == last}
     iteration = measured.pop("(iteration)")
-    profiles = {k: HardwareProfile(**v) for k, v in extra["profiles"].items()}
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}  # fields of replaced models dropped
+    profiles = {k: HardwareProfile(**{f: x for f, x in v.items() if f in known}) for k, v in extra["profiles"].items()}
     extra["estimator"] = estimator_rows(cfg, plan, models, measured, profiles, iteration)
     extra["rescored"] = {"file": Path(path).name, "recorded_git_commit": rec["environment"].get("git_commit")}
     base = next(k for k in profiles if "_" not in k)

@@ -47,15 +47,16 @@ def test_a_call_without_waits_counts_its_longest_rank():
     r0 = [(0, "actor_gen", 0.0, 7.0), (0, "ref_inf", 7.0, 8.0), (0, "actor_train", 8.0, 12.0)]
     r1 = [(1, "actor_gen", 5.0, 7.0), (1, "ref_inf", 7.0, 7.5), (1, "actor_train", 10.0, 12.0)]
     calls = summary([(r0, []), (r1, [])], lay)["calls"]
-    assert calls == {"actor_gen": pytest.approx(7.0), "ref_inf": pytest.approx(1.0),
+    assert calls == {"actor_gen": pytest.approx(7.0), "ref_inf": pytest.approx(1.0),  # (ref_inf: both 1 s)
                      "actor_train": pytest.approx(2.0)}
     # runs are summed per run, each its longest rank's
     two = [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.2)], [(1, "ref_inf", 0.5, 1.0), (1, "ref_inf", 10.0, 10.5)]
     assert summary([(two[0], []), (two[1], [])], lay)["calls"]["ref_inf"] == pytest.approx(1.0 + 0.5)
-    # async mode (a generation's weight swap agrees on its step over dp): spans again
+    # async mode (a generation may wait inside the call for the next weights' receive thread): spans
     assert summary([(r0, []), (r1, [])], lay, astate=object())["calls"]["actor_gen"] == pytest.approx(2.0)
-    # a dp x pp or dp x tp layout has waits inside the call
-    for other in (Layout(dp=1, pp=2, ranks=(0, 1)), TP2):
+    # a pp or tp layout, or an expert group across the replicas (ep, etp), has waits inside the call
+    for other in (Layout(dp=1, pp=2, ranks=(0, 1)), TP2, Layout(dp=2, ep=2, ranks=(0, 1)),
+                  Layout(dp=2, etp=2, ranks=(0, 1))):
         assert summary([(r0, []), (r1, [])], {"actor_gen": other})["calls"]["actor_gen"] == pytest.approx(2.0)
 
 

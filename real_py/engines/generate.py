@@ -159,8 +159,10 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         if stops is not None:
             done |= torch.isin(nxt, stops.to(nxt.device))
             finished = done.all().to(torch.int64).reshape(1)
-            if engine.layout.ep > 1 and g.dp_size > 1:
-                # an ep group can span dp replicas: its all-to-alls need every replica to step
+            lay = engine.layout
+            if (lay.ep > 1 or lay.etp > lay.tp) and g.dp_size > 1:
+                # an ep (or etp) group can span dp replicas: its all-to-alls (gathers) need every
+                # replica to step
                 dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=g.dp_group)
             if bool(finished.item()):
                 break

@@ -517,13 +517,14 @@ class Runtime:
 
 def _sync_free_calls(graph, plan) -> set[str]:
     """Calls whose ranks never wait for each other while they run: rollout calls (generation,
-    inference) on dp replicas alone (tp = pp = ep = 1: no collective inside the call; each rank
-    runs its own rows). Synchronous mode only: an async generation's weight swap agrees on its
-    decode step with an all-reduce."""
+    inference) on dp replicas alone (tp = pp = 1 and no expert group across replicas, ep = etp =
+    1: no collective inside the call; each rank runs its own rows). Synchronous mode only: in
+    async mode a generation's rank may wait for the next weights' receive thread (the trainer
+    ranks) inside the call."""
     out = set()
     for n in graph.order:
         lay = plan.calls[n]
-        if not graph.calls[n].trains and lay.tp == 1 and lay.pp == 1 and getattr(lay, "ep", 1) == 1:
+        if not graph.calls[n].trains and lay.tp == lay.pp == lay.ep == lay.etp == 1:
             out.add(n)
     return out
 

@@ -360,21 +360,26 @@ def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
 def _pipe_wait(raw: dict) -> float:
     """Phase B's pp=2 engines on every pair at once (one working stage per pair, as many as cores)
     against phase A's pairs (half as many): the extra seconds of an inference pass and of a
-    decode step, each with two messages between the stages (the activation hop and the last
-    stage's broadcast), per message; their mean, >= 0. 0 for calibrations without these
-    timings (before 2026-12-04, session 3).
+    decode step, each with two hand-overs between the stages (the activation hop and the last
+    stage's broadcast), per hand-over; their mean, in [0, one uncontended pp=2 inference pass]
+    (a longer wait per message would be a disturbed calibration). The decode step is left out
+    when a difference of generation timings drowns in noise (<= 0). 0 for calibrations without
+    these timings (before 2026-12-04, session 3).
 
-    A wait per message rather than a stretch of the whole pass (the model until 2026-12-05,
+    A wait per hand-over rather than a stretch of the whole pass (the model until 2026-12-05,
     `pipe_contention` = busy / alone - 1, 0.44-1.22): a woken stage waits for a core once per
     hand-over, however much work its stage then does, and the stretch measured on these short
     passes over-charged the dp2 x pp2 plan's longer train steps (+0.30 median relative error
-    over seven recorded bench_estimator runs; +0.17 with the wait; the README has the figures)."""
+    over seven recorded bench_estimator runs; +0.17 with the wait:
+    bench/results/estimator_rescore_cpu2_20261205_pipewait.md)."""
     Lp, (lo, hi) = PP_LAYERS, G
     if f"pp2busy_inf_{Lp}" not in raw:
         return 0.0
+    extra = [raw[f"pp2busy_inf_{Lp}"] - raw[f"pp2_inf_{Lp}"]]
     step, busy_step = ((raw[f"{k}_gen{hi}_{Lp}"] - raw[f"{k}_gen{lo}_{Lp}"]) / (hi - lo) for k in ("pp2", "pp2busy"))
-    extra = [raw[f"pp2busy_inf_{Lp}"] - raw[f"pp2_inf_{Lp}"], busy_step - step]
-    return max(statistics.mean(extra) / 2, 0.0)
+    if step > 0 and busy_step > 0:
+        extra.append(busy_step - step)
+    return min(max(statistics.mean(extra) / 2, 0.0), raw[f"pp2_inf_{Lp}"])
 
 
 def _fit(raw: dict, prof_kw: dict, cal: Setup = DEFAULT) -> dict:

@@ -180,11 +180,13 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # The last stage's broadcast of results (inference) or new tokens (decode steps) carries no
     # reduction: over a pair of stages it is one message, a hop's latency, grown for more stages.
     pp_bcast_lat = hw.coll_lat(pp_lat, pp)
-    if dp > 1 and pp > 1 and hw.shared_cores and hw.shared_cores < mesh.size:
-        # Replicas of a pipeline on shared cores hand over out of step: every message between
-        # stages waits HardwareProfile.pipe_wait_lat more (a woken stage finds its core taken).
-        w = hw.pipe_wait_lat
-        pp_lat, pp_bcast_lat, pp_coll_lat = pp_lat + w, pp_bcast_lat + w, pp_coll_lat + w
+    # Replicas of a pipeline on shared cores hand over out of step: every hand-over between
+    # stages (hop, the last stage's broadcast) waits HardwareProfile.pipe_wait_lat more (a woken
+    # stage finds its core taken). Measured with as many working stages as cores, it is added
+    # after the core sharing's stretch below, not stretched by it; the stage groups' small
+    # all-reduces after the flush (train) are not hand-overs: every rank is busy then.
+    wait = hw.pipe_wait_lat if dp > 1 and pp > 1 and hw.shared_cores and hw.shared_cores < mesh.size else 0.0
+    waited: dict[str, float] = {}  # term -> its seconds of pipe waits (added after the stretch)
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
     S = wl.seq_len
@@ -233,11 +235,13 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         return {"compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
                 "tp": tp_t,
                 "pp": hops * (pp_lat + tok / m * H * es / pp_bw),
+                "pp_wait": hops * wait,
                 "overhead": m * (bubble * L / pp * layer + head)}
 
     if kind == "generate":
         P, G = wl.prompt_len, wl.gen_len
         pre = forward(seqs * P, P / 2, False)[1]
+        waited["prefill_pp"] = pre["pp_wait"]
         out["prefill"], out["prefill_tp"], out["prefill_pp"] = pre["compute"], pre["tp"], pre["pp"]
         ctx = P + G / 2
         step_flops = fwd_flops(model, seqs, ctx) / (tp * pp)
@@ -254,11 +258,14 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         out["decode_tp"] = G * step_tp
         out["decode_pp"] = G * step_pp
         score = forward(seqs * S, S / 2, False)[1]
+        waited["score_pp"] = score["pp_wait"]
+        waited["decode_pp"] = G * pp * wait  # per step pp - 1 hops and the tokens' broadcast
         out["score"], out["score_tp"], out["score_pp"] = score["compute"], score["tp"], score["pp"]
         out["overhead"] = pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
     else:
         steps = wl.ppo_epochs * wl.ppo_minibatches if kind == "train" else 1
         pass_m, f = forward(pass_tokens, S / 2, kind == "train")
+        waited["pp"] = steps * f.pop("pp_wait")
         for k, v in f.items():
             out[k] = steps * v
         if kind == "train":
@@ -270,6 +277,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
             out["optimizer"] = steps * local / dp * (24 + 3 * es) / hw.mem_bw
         elif pp > 1:
             out["pp"] += pp_bcast_lat  # results broadcast from the last stage
+            waited["pp"] += wait
     # Ranks sharing cores (the cpu profile): the busy ones share them, which stretches what the
     # processors do and, less, the wait for a message (a peer may wait for a core). Pipeline
     # stages are busy together only with several micro-batches in flight; a decode step runs
@@ -277,11 +285,12 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # An inference call on dp replicas alone (tp = pp = 1) has no collective: its ranks never
     # wait for each other, so each runs its share when it gets there. After a generation call
     # (whose ranks end apart: the contended ones later) the shares of a short call do not overlap,
-    # and the call's last rank, which sets its end, runs alone (measured: 4 ranks, dp4 on 2
-    # cores: ref / reward / critic inference of 1-2 ms each, several ms apart per rank, in an
-    # instrumented bench_estimator run). Its peers do not stretch its work. A rule for calls
-    # short against that skew: a long one's shares would overlap (not modelled; it still counts
-    # as `working` beside other calls).
+    # and each rank mostly runs its share alone (measured: 4 ranks, dp4 on 2 cores: ref /
+    # reward / critic inference of 1-2 ms each, several ms apart per rank, in an instrumented
+    # bench_estimator run); the runtime times such a call by its longest rank's own run
+    # (runtime._sync_free_calls). Its peers do not stretch its work. A rule for calls short
+    # against that skew: a long one's shares would overlap (not modelled; it still counts as
+    # `working` beside other calls).
     sync_free = kind == "inference" and tp == 1 and pp == 1
     working = dp * tp * (1 if kind == "generate" else min(pp, pass_m))  # ranks computing at once
     busy = 1 if sync_free else working
@@ -291,6 +300,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     for k, f in (("dp", hw.lat_slowdown), ("optimizer", hw.contention)):
         if k in out:
             out[k] *= f(mesh.size) / f(busy)
+    for k, v in waited.items():
+        if v:
+            out[k] += v
     out["total"] = sum(out.values())
     # Not terms: the ranks whose sharing of cores is in this call's time ("busy"), and those
     # computing at once that slow other calls running beside it on the same cores ("working").
