@@ -3,6 +3,7 @@
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
     python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
     python bench/bench_estimator.py --rescore <...>.json --refit [--refit-on shape]  # fit anew
+    python bench/bench_estimator.py --pool <run>.json [<run>.json ...]   # runs pooled as measured
 
 Per round: calibrates the `cpu` hardware profile (refresh=True; on the small calibration model,
 `--calibrate-on job` on the job's own actor shape and pass sizes, `shape` on its shape with the
@@ -273,6 +274,34 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
         print(f"  {plan:14s} {c:13s} " + " ".join(f"{x:+.2f}" for x in errs))
 
 
+def pool(paths: list[str]) -> None:
+    """Recorded runs of one cost model pooled as measured (no re-estimate): each run's and the
+    pooled median |rel err| per iteration and per call (the rows' own errors, as each run's notes
+    give them), then the median signed error of each (plan, call) over every round of every run,
+    what is left systematic, largest under-estimates first."""
+    it_all, call_all, per = [], [], {}
+    print("| run | commit | iterations | median iteration abs rel err | calls | median call abs rel err |")
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        its, calls = [abs(r["rel err"]) for r in data["rows"]], []
+        for r in data["rows"]:
+            names = list(r["calls meas s"]) + ["realloc"]  # _call_pairs' order; realloc only if measured
+            for c, x in zip(names, r["call rel errs"]):
+                calls.append(abs(x))
+                per.setdefault((r["plan"], c), []).append(x)
+        it_all += its
+        call_all += calls
+        print(f"| {os.path.basename(path)} | {data['environment'].get('git_commit')} | {len(its)} | "
+              f"{statistics.median(its):.3f} | {len(calls)} | {statistics.median(calls):.3f} |")
+    print(f"| pooled | | {len(it_all)} | {statistics.median(it_all):.3f} | {len(call_all)} | "
+          f"{statistics.median(call_all):.3f} |")
+    print("\n| plan | call | n | median signed rel err (estimated - measured) / measured |\n|---|---|---|---|")
+    for (plan, c), errs in sorted(per.items(), key=lambda kv: statistics.median(kv[1])):
+        print(f"| {plan} | {c} | {len(errs)} | {statistics.median(errs):+.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -291,7 +320,13 @@ def main() -> None:
                     "from the file's raw calibrations")
     ap.add_argument("--refit-on", choices=SETUPS, help="with --rescore (implies --refit): the raw calibrations of this "
                     "setup (a --compare run records both), default: the run's --calibrate-on")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", help="pool recorded estimator_*.json runs as measured "
+                    "(no re-estimate): per-run and pooled medians, each (plan, call)'s median signed error")
     args = ap.parse_args()
+    if args.pool:
+        if args.rescore or args.refit or args.refit_on or args.compare:
+            ap.error("--pool reads recorded runs as measured; it takes no --rescore / --refit / --compare")
+        return pool(args.pool)
     if (args.refit or args.refit_on) and not args.rescore:
         ap.error("--refit / --refit-on need --rescore JSON")
     if args.rescore and args.compare:
