@@ -285,6 +285,9 @@ def pool(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             data = json.load(f)
+        missing = {k for r in data["rows"] for k in ("rel err", "calls meas s", "call rel errs") if k not in r}
+        if missing:
+            raise SystemExit(f"--pool {path}: its rows lack {sorted(missing)} (older bench_estimator runs do not record them; --rescore re-estimates those)")
         its, calls = [abs(r["rel err"]) for r in data["rows"]], []
         for r in data["rows"]:
             names = list(r["calls meas s"]) + ["realloc"]  # _call_pairs' order; realloc only if measured
