@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc  # noqa: E402
+from real_py.benchmark import slowest_rank, timed_slowest  # noqa: E402
 from real_py.realloc.plan import _shard_data_numel  # noqa: E402
 from real_py.realloc.shard import ModelShard, tp_slice  # noqa: E402
 
@@ -110,12 +111,6 @@ def log(msg: str) -> None:
         print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def _max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _sum(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
@@ -124,11 +119,7 @@ def _sum(x: float) -> float:
 
 def timed(fn) -> float:
     """Seconds of fn() on the slowest rank (barrier before and after)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return _max(time.perf_counter() - t0)
+    return timed_slowest(fn, barrier_after=True)
 
 
 def measure_links(nbytes: int = 64 << 20, repeats: int = 3) -> dict:
@@ -218,7 +209,7 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
         got = runnable["real_py"].profile()
         per_round = got.pop("per_round")
         for k, v in got.items():
-            prof[k] = _max(v)
+            prof[k] = slowest_rank(v)
         # Per round: each phase's max over ranks (rank-local round indices are global ones).
         rounds = [None] * dist.get_world_size()
         dist.all_gather_object(rounds, per_round)
@@ -533,9 +524,9 @@ def moe_main(args) -> None:
              "into vLLM's weights and were measured on H800 / H20 (H20: 900 GB/s NVLink, the "
              "Kimi run FP8, half the bytes); these start from GPU-resident training shards and "
              "end in GPU destination buffers, modelled, not measured.")
-    from timing import write_results
+    from timing import hardware_tag, write_results
 
-    write_results("moe_realloc", "cpu2", rows, columns=cols,
+    write_results("moe_realloc", hardware_tag("cpu"), rows, columns=cols,
                   title="MoE reallocation: real_py vs Megatron-core on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
                   notes=notes, extra={"links": out["links"], "load_average": load, "repeats": args.repeats})
 
@@ -607,9 +598,9 @@ def main():
     cols = ["model", "params_M", "src", "dst", "method", "seconds", "min_s", "max_s", "verified", "GBps_per_rank",
             "GBps_aggregate", "network_GB", "min_network_GB", "lb_seconds", "frac_of_lb",
             "frac_of_aggregate", "realpy_speedup", "note"]
-    from timing import write_results
+    from timing import hardware_tag, write_results
 
-    write_results("realloc", "cpu2", out["rows"], columns=cols,
+    write_results("realloc", hardware_tag("cpu"), out["rows"], columns=cols,
                   title="Parameter redistribution: real_py vs Megatron-core, DTensor, naive all-gather",
                   notes=notes, extra={"links": links, "versions": _versions(),
                                       "load_average": load, "repeats": args.repeats})

@@ -16,12 +16,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from real_py.benchmark import git_commit  # noqa: E402
 from real_py.search import Workload, plan_search  # noqa: E402
 
 PAIRS = [("llama2-7b", "llama2-7b", 8), ("llama2-13b", "llama2-7b", 16), ("codellama-34b", "llama2-7b", 32),
@@ -68,7 +68,9 @@ def main() -> None:
     ap.add_argument("--per-mesh", type=int, default=None,
                     help="prune to this many fastest strategies per (call, mesh); default: all")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "search_cpu2_" + datetime.date.today().strftime("%Y%m%d")))
+                                                  f"search_cpu{os.cpu_count()}_" + datetime.datetime.now(
+                                                      datetime.timezone.utc).strftime("%Y%m%d")),
+                    help="results path without suffix (default bench/results/search_cpu<cores>_<yyyymmdd>)")
     args = ap.parse_args()
     args.load_start = os.getloadavg()
     rows = []
@@ -112,8 +114,7 @@ def write(args, rows) -> None:
     import numpy
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(__file__)).stdout.strip()
+    commit = git_commit()
     meta = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} {os.cpu_count()} cores (cpu2, shared)", "python": platform.python_version(),
             "numpy": numpy.__version__, "torch": torch.__version__, "commit": commit,

@@ -2,7 +2,8 @@
 
     time_fn(fn, device="cpu"|"cuda", warmup=2, repeats=7) -> Timing (seconds)
     time_interleaved({name: fn}, ...) -> {name: Timing}, variants timed round-robin
-    environment() -> dict of versions, machine and date
+    environment() -> dict of versions, machine and date (real_py.benchmark.environment)
+    hardware_tag(device, small) -> "cpu2", "h200", "h200_small", ...: <hardware> of a file name
     write_results(theme, hardware, rows, columns=..., title=..., notes=..., extra=...) ->
         bench/results/<theme>_<hardware>_<yyyymmdd>.{json,md}
 
@@ -13,17 +14,16 @@ Benchmarks never assert: they report.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from real_py.benchmark import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -81,53 +81,16 @@ def time_interleaved(fns: dict, *, device: str = "cpu", warmup: int = 1, repeats
     return {name: Timing(statistics.median(t), min(t), max(t), repeats) for name, t in samples.items()}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git_commit() -> str:
-    """HEAD's short hash, with "+dirty" when tracked files differ from it (the run did not
-    measure that commit's code alone)."""
-    try:
-        run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
-                                        cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        head = run("rev-parse", "--short", "HEAD") or "unknown"
-        return head + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def environment() -> dict:
-    """Versions, machine and date (UTC) for a results file."""
-    import numpy
-    import torch
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    env = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-        "cuda": torch.version.cuda, "git_commit": _git_commit(),
-        "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB",
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-    return env
-
-
-def hardware_tag(device: str) -> str:
-    """Results-file tag: "cpu<cores>" on CPU, the GPU's model ("h200") on CUDA."""
+def hardware_tag(device: str, small: bool = False) -> str:
+    """Results-file tag: "cpu<cores>" on CPU, the GPU's model ("h200") on CUDA; with `small` (a
+    benchmark's smoke-run sizes) "_small" after it, so a smoke run never replaces a report."""
     import torch
 
     if device == "cuda":
-        return torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0]
-    return f"cpu{os.cpu_count()}"
+        tag = torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0]
+    else:
+        tag = f"cpu{os.cpu_count()}"
+    return tag + ("_small" if small else "")
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:

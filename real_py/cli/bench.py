@@ -30,11 +30,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from ..benchmark import cpu_model, environment, timed_slowest
 from ..rlhf.observe import open_nofollow
 from .common import launch_torchrun, ranks
 
@@ -315,28 +314,6 @@ def _pattern(model, shard) -> dict:
     return out
 
 
-def _slowest(seconds: float, device) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _timed(fn, device) -> float:
-    """Seconds of fn() on the slowest rank (all ranks start together)."""
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return _slowest(time.perf_counter() - t0, device)
-
-
 def _floor_fn(plan, rank: int, dtype, device):
     """The plan's messages alone (no pack/unpack): one batch_isend_irecv between preallocated
     buffers. Broadcast messages become one send per receiver."""
@@ -362,14 +339,7 @@ def _machine(backend: str, world: int, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     hosts = [None] * world
     dist.all_gather_object(hosts, platform.node())
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -414,11 +384,11 @@ def _bench_pair(model, src, dst, args, transport, device) -> dict:
     realloc.run(src_shard, dst_shard)  # warm: staging allocated, descriptors cached
     floor = _floor_fn(plan, rank, src_shard.flat.dtype if src_shard is not None else
                       dst_shard.flat.dtype if dst_shard is not None else torch.float32, device)
-    _timed(floor, device)
+    timed_slowest(floor, device)
     times, floors = [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine state
-        times.append(_timed(lambda: realloc.run(src_shard, dst_shard), device))
-        floors.append(_timed(floor, device))
+        times.append(timed_slowest(lambda: realloc.run(src_shard, dst_shard), device))
+        floors.append(timed_slowest(floor, device))
     sec, floor_sec = statistics.median(times), statistics.median(floors)
     es = model.element_size
     busiest = max((_shard_data_numel(model, dst, r) * es - s["per_rank"][r]["local"] for r in dst.ranks),
@@ -480,15 +450,15 @@ def _spmd(args, model, pairs, need: int) -> int:
             if rank == 0:
                 print(_line(row), flush=True)
         if rank == 0 and args.out:
+            env = environment()
             result = {
                 "command": "python -m real_py " + " ".join(sys.argv[1:]),
-                "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                "date_utc": env["date_utc"],
                 "model": model.name, "dtype": model.dtype,
                 "num_params": sum(p.numel for p in model.params),
                 "device": args.device, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
                 "link_gbps": args.link_gbps, "machine": machine,
-                "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                             "cuda": torch.version.cuda, "git_commit": _git_commit()},
+                "versions": {k: env[k] for k in ("python", "torch", "cuda", "git_commit")},
                 "pairs": rows,
             }
             out = Path(args.out)
@@ -504,11 +474,3 @@ def _spmd(args, model, pairs, need: int) -> int:
         stop_threads()  # before the group goes (liveness.stop_threads says why)
         dist.destroy_process_group()
     return 0
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=_REPO, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
