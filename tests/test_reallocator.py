@@ -1,6 +1,6 @@
 """Checks the reallocator end to end with the in-process transport (all ranks in one process).
 
-A failure points to the bucket schedule (real_py/realloc/schedule.py), staging/direct-send handling in
+A failure points to the bucket schedule (real_py/realloc/rank_schedule.py; tests/schedule_oracle.py), staging/direct-send handling in
 real_py/realloc/reallocator.py, the ops, or the in-process transport; the oracle is tests/oracle.py.
 """
 
@@ -13,11 +13,11 @@ import torch
 
 from real_py import Layout, ModelShard, gather_full, plan_realloc
 from real_py.realloc.reallocator import Reallocator
-from real_py.realloc.schedule import Schedule, split_descs
 from real_py.realloc.transports import InProcessHub, TransferError
 from real_py.realloc.reallocator import run_in_process
 
 from oracle import oracle_flat, random_full, random_layout, tiny_spec
+from schedule_oracle import Schedule, split_descs
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
          tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from real_py import Layout, plan_realloc
-from real_py.realloc.schedule import Schedule
 from real_py.realloc.simulate import (CLUSTERS, Cluster, Transfers, broadcast_per_node,
                                       schedule_transfers, simulate)
 
 from dist_cases import SPECS, named_pairs
+from schedule_oracle import Schedule
 
 GB = 1e9
 
@@ -97,8 +97,7 @@ def test_bad_input():
 
 
 def _replay_numpy(u, v, l1, l2, nb, bounds, bw, w, latency):
-    """Reference for the C++ round replay (the numpy loop simulate() ran before 2026-12-04,
-    session 4): per round, links start at the latest of their free time and their hops' ranks'
+    """Reference for the C++ round replay (the numpy loop that simulate() replaced): per round, links start at the latest of their free time and their hops' ranks'
     ready times, carry their round's bytes over their bandwidth plus the latency, and a hop's
     ranks are ready when its slower link is done."""
     ready, link_free = np.zeros(w), np.zeros(len(bw))

@@ -1,4 +1,4 @@
-// Per-rank plan + schedule (see rank_schedule.h); mirrors real_py/realloc/schedule.py exactly.
+// Per-rank plan + schedule (see rank_schedule.h); mirrors tests/schedule_oracle.py exactly.
 #include "planner/rank_schedule.h"
 
 #include <algorithm>
@@ -342,7 +342,7 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
-  // Earliest fit (schedule.Schedule): a chunk goes to the earliest round where its sender can
+  // Earliest fit (schedule_oracle.Schedule): a chunk goes to the earliest round where its sender can
   // still send it and every receiver can still receive it, each side holding at most half the
   // bucket per rank and round (a full-duplex round: egress and ingress both at their limit).
   std::vector<Lane> lanes[2] = {std::vector<Lane>(num_ranks), std::vector<Lane>(num_ranks)};
@@ -374,7 +374,7 @@ RankSchedule make_rank_schedule(const std::vector<ParamGeom>& params, const Layo
     for (size_t c = 0; c < sizes.size(); ++c) {
       const int64_t n = sizes[c];
       // The earliest round where every end fits: each lane's next fit is monotone in k, so
-      // iterating them to a fixed point gives the smallest common round (schedule.py's scan).
+      // iterating them to a fixed point gives the smallest common round (schedule_oracle.py's scan).
       int64_t k = lanes[0][sender].first;
       for (int64_t r : receivers) k = std::max(k, lanes[1][r].first);
       // An earlier chunk of this message of size n' <= n went to round k': no round before

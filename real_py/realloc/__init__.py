@@ -2,8 +2,8 @@
 
   shard.py        ModelShard: one rank's flat buffer with named views; ExpertShard (MoE experts); tp_slice, gather_full
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
-  schedule.py     chunks in rounds of bounded size, replayed identically by every rank (global)
-  rank_schedule.py one rank's rounds of that schedule, from C++ without the other ranks' descriptors
+  rank_schedule.py one rank's rounds of the bucket schedule (chunks in rounds of bounded size, the
+                  same on every rank), from C++ without the other ranks' descriptors
   rounds.py       the round loop (pack, transport, unpack, verify) over one or several plans' lanes
   reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
   moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
@@ -17,10 +17,9 @@ from .offload import HostOffload
 from .plan import MODES, ReallocPlan, plan_realloc
 from .reallocator import Reallocator, checksum, new_destination, run_in_process
 from .rank_schedule import RankSchedule, rank_schedule
-from .schedule import Schedule
 from .shard import ExpertShard, ModelShard, gather_full, tp_slice
 from .transports import DistTransport, InProcessHub, TransferError, Transport
 
 __all__ = ["MODES", "DistTransport", "ExpertShard", "MoePlan", "plan_moe_realloc", "HostOffload", "InProcessHub", "ModelShard", "ReallocPlan", "Reallocator",
-           "RankSchedule", "Schedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
+           "RankSchedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
            "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]

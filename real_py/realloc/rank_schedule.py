@@ -1,11 +1,17 @@
 """One rank's rounds, derived in C++ without the other ranks' descriptors.
 
     rs = rank_schedule(plan, rank, round_elems, direct_min_elems)
-    rs.rounds      # [RankRound], the same objects Schedule(plan, ...).for_rank(rank) gives
+    rs.rounds      # [RankRound]: this rank's rounds, in global round order
     rs.local       # [k, 6] local-copy descriptors of this rank
 
-The rule is schedule.py's, chunk for chunk (tests/test_rank_schedule.py checks it against the
-global Schedule): the C++ planner runs its usual loop but keeps each message it is not part of
+The rule (every rank replays the same bucket schedule, so the two ends of a chunk agree on its
+round, its slot and its descriptors): a plan's messages are cut into chunks, big one-run
+descriptors alone (direct: sent from the source buffer, received into the destination, no
+staging), and each chunk, in the plan's message order, goes to the earliest round where its
+sender can send it and all its receivers can receive it, each side holding at most half a bucket
+per rank and round. tests/schedule_oracle.py is that rule written globally in Python (every
+rank's rounds at once); tests/test_rank_schedule.py checks this module against it chunk for
+chunk. The C++ planner runs its usual loop but keeps each message it is not part of
 as sizes only (numel, descriptor count, sizes of its big one-run descriptors), which is all the
 frontier fill needs to place every chunk; so sender and receivers of a chunk compute the same
 round, slot and descriptors without talking. Time: one planner pass plus one pass over every
@@ -19,7 +25,45 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import ReallocPlan
-from .schedule import Chunk, RankRound
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    msg: int
+    """Index of the plan message this chunk belongs to."""
+    sender: int
+    receivers: tuple[int, ...]
+    numel: int
+    descs: np.ndarray
+    """[k, 6] flat-buffer descriptors (sender's source -> receivers' destination) of this chunk."""
+
+    @property
+    def contiguous(self) -> bool:
+        """One run on both sides: sent from / received into the shard buffers without staging."""
+        return len(self.descs) == 1 and _one_run(self.descs[0])
+
+
+def _one_run(d) -> bool:
+    """A descriptor whose n runs are back to back on both sides: one contiguous run."""
+    return int(d[3]) == 1 or (int(d[4]) == int(d[2]) and int(d[5]) == int(d[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class RankRound:
+    """What one rank does in one round: pack sends into staging, exchange, unpack receives."""
+
+    index: int
+    sends: tuple[Chunk, ...]
+    recvs: tuple[Chunk, ...]
+    pack_descs: np.ndarray
+    """[k, 6] source flat -> staging, for the non-contiguous sends (staging offsets from 0)."""
+    unpack_descs: np.ndarray
+    """[k, 6] staging -> destination flat, for the non-contiguous receives."""
+    send_slots: tuple[int, ...]
+    """Staging offset of each send (-1: sent straight from the source buffer)."""
+    recv_slots: tuple[int, ...]
+    """Staging offset of each receive (-1: received straight into the destination buffer)."""
+    staging_numel: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +86,9 @@ class RankSchedule:
 
 def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
                   direct_min_elems: int | None = None) -> RankSchedule:
-    """`rank`'s rounds of Schedule(plan, round_elems, direct_min_elems), built for it alone."""
+    """`rank`'s rounds of the bucket schedule of `plan` (round_elems per rank and round, half each
+    way; direct_min_elems: the smallest one-run descriptor sent unstaged, 0 or None: off), built
+    for it alone."""
     if round_elems < 2:
         raise ValueError(f"bucket of {round_elems} elements is too small; need >= 2")
     if direct_min_elems is not None and direct_min_elems < 0:
@@ -76,4 +122,4 @@ def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
                         int(a["summary_count"]), int(a["held_bytes"]))
 
 
-__all__ = ["RankSchedule", "rank_schedule"]
+__all__ = ["Chunk", "RankRound", "RankSchedule", "rank_schedule"]

@@ -11,7 +11,7 @@ else goes through one staging buffer allocated once and reused across calls.
 direct_min_bytes (default 256 KiB; 0 or None: off): inside a message that also holds strided
 pieces, every piece that is one contiguous run on both sides and at least this big travels as its
 own chunk without staging (no pack/unpack copy, one more message per piece); see
-real_py/realloc/schedule.py. The staging bound below holds either way; direct chunks count towards the
+rank_schedule.py. The staging bound below holds either way; direct chunks count towards the
 per-round element budget like staged ones, so the data in flight per rank stays bounded too.
 
 Double buffering (pipeline=True; the default for asynchronous transports such as DistTransport,
@@ -62,7 +62,7 @@ class Reallocator:
                                          bucket_bytes=bucket_bytes, pipeline=pipeline,
                                          verify=verify, direct_min_bytes=direct_min_bytes)
         self.pipeline, self.round_elems = self.opts.pipeline, self.opts.round_elems
-        # This rank's rounds only (C++; the same rounds as schedule.Schedule(...).for_rank).
+        # This rank's rounds only (C++; tests/schedule_oracle.py derives every rank's at once).
         self.schedule: RankSchedule = rank_schedule(plan, self.rank, self.round_elems,
                                                     self.opts.direct_min_elems)
         self.rounds = self.schedule.rounds

@@ -59,7 +59,7 @@ class RoundOptions:
 
     round_elems: int
     """Elements per round (bucket / 2 with pipelining): the per-rank budget is half of it per
-    direction (schedule.py)."""
+    direction (rank_schedule.py)."""
     pipeline: bool
     verify: bool
     direct_first: bool

@@ -1,11 +1,13 @@
-"""Bucket schedule: cut a plan's messages into chunks and chunks into rounds of bounded size.
+"""The global bucket schedule, the oracle of tests/test_rank_schedule.py and the other schedule tests:
+cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
 its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule,
 and each chunk, in the plan's message order, goes to the earliest round where its sender can
 send and all its receivers can receive it (half a bucket per rank, round and direction). The rule needs only every message's chunk sizes, which is how
-rank_schedule.py derives one rank's rounds in C++ without the other ranks' descriptors; this
-global version stays the reference for tests and pictures.
+real_py/realloc/rank_schedule.py derives one rank's rounds in C++ without the other ranks'
+descriptors (what the Reallocator runs); this global version, every rank's rounds at once, is
+the reference the tests compare it with.
 
 Direct chunks: with `direct_min_elems` > 0, every descriptor of a message that is ONE contiguous
 run on both sides (n == 1, or src_stride == dst_stride == len) and holds at least
@@ -24,50 +26,10 @@ it is the tail of a piece cut at the round limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .plan import ReallocPlan, _to_packed
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    msg: int
-    """Index of the plan message this chunk belongs to."""
-    sender: int
-    receivers: tuple[int, ...]
-    numel: int
-    descs: np.ndarray
-    """[k, 6] flat-buffer descriptors (sender's source -> receivers' destination) of this chunk."""
-
-    @property
-    def contiguous(self) -> bool:
-        """One run on both sides: sent from / received into the shard buffers without staging."""
-        return len(self.descs) == 1 and _one_run(self.descs[0])
-
-
-def _one_run(d) -> bool:
-    """A descriptor whose n runs are back to back on both sides: one contiguous run."""
-    return int(d[3]) == 1 or (int(d[4]) == int(d[2]) and int(d[5]) == int(d[2]))
-
-
-@dataclass(frozen=True, slots=True)
-class RankRound:
-    """What one rank does in one round: pack sends into staging, exchange, unpack receives."""
-
-    index: int
-    sends: tuple[Chunk, ...]
-    recvs: tuple[Chunk, ...]
-    pack_descs: np.ndarray
-    """[k, 6] source flat -> staging, for the non-contiguous sends (staging offsets from 0)."""
-    unpack_descs: np.ndarray
-    """[k, 6] staging -> destination flat, for the non-contiguous receives."""
-    send_slots: tuple[int, ...]
-    """Staging offset of each send (-1: sent straight from the source buffer)."""
-    recv_slots: tuple[int, ...]
-    """Staging offset of each receive (-1: received straight into the destination buffer)."""
-    staging_numel: int
+from real_py.realloc.plan import ReallocPlan, _to_packed
+from real_py.realloc.rank_schedule import Chunk, RankRound
 
 
 def split_descs(descs: np.ndarray, lo: int, hi: int, ends: np.ndarray | None = None) -> np.ndarray:
