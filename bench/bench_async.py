@@ -25,7 +25,7 @@ import tempfile
 
 import yaml
 
-from timing import environment, write_results
+from timing import environment, hardware_tag, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = {"world_size": 4, "calls": {
@@ -157,7 +157,7 @@ def main() -> None:
     curves |= lcurves
     cols = list(dict.fromkeys(c for row in rows for c in row))
     jpath, mpath = write_results(
-        "async", "cpu2", rows, columns=cols,
+        "async", hardware_tag("cpu"), rows, columns=cols,
         title=f"Async RL (k={args.k}, decoupled GRPO) vs sync, copy task, gen ranks 2-3 / train ranks 0-1",
         notes=(f"Speed setting, sync / async median s/step: {speed:.2f}. Each mode of the speed setting "
                f"{args.repeats} runs (alternating), medians over every step but each run's first; the "

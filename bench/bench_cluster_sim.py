@@ -21,7 +21,7 @@ from real_py.realloc.simulate import CLUSTERS, broadcast_per_node, schedule_tran
 from real_py.spec.config import preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 CASES = [
     ("llama2-70b", "dp2,tp8,pp8", "dp16,tp8,pp1", "dgx-h100"),
@@ -66,7 +66,7 @@ def main():
             "ratio", "goal_ratio", "nvlink_bound_s", "nic_bound_s", "bottleneck", "bcast_per_node_s",
             "speedup_vs_bcast", "network_GB"]
     paths = write_results(
-        "cluster_sim", "cpu2", rows, columns=cols,
+        "cluster_sim", hardware_tag("cpu"), rows, columns=cols,
         title="Simulated reallocation on DGX H100/H200 clusters (bf16, p2p, ranks_per_node=8)",
         notes="Simulated, not measured: real_py/realloc/simulate.py replays the schedule's rounds "
               "(links: NVLink 450 GB/s per GPU and direction, 8 x 50 GB/s NICs per node, one per "

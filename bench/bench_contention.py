@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from timing import write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py.engines import Engine  # noqa: E402
 from real_py.layout import Layout  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     rows = [{"ranks computing at once": a, "ms per inference (slowest active rank)": 1e3 * max(r[a] for r in res[:a]),
              "slow-down vs alone": max(r[a] for r in res[:a]) / alone,
              "os.cpu_count()": os.cpu_count()} for a in ACTIVE]
-    write_results("contention", "cpu2", rows, columns=list(rows[0]),
+    write_results("contention", hardware_tag("cpu"), rows, columns=list(rows[0]),
                   title="Ranks sharing the cores: one small inference by 1, 2, 4 ranks at once",
                   notes=f"Default job's actor (tiny), 2 rows x 20 tokens, median of {args.reps} x 5 calls per "
                         "phase. A slow-down of n with n ranks means the ranks effectively share one core.")

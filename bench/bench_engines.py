@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec  # noqa: E402
 from real_py.engines import Engine, OptimConfig  # noqa: E402
 from real_py.parallel import ParallelGroups  # noqa: E402
 from real_py.testing import run_distributed  # noqa: E402
+from timing import RESULTS, environment, hardware_tag  # noqa: E402
 
 CFG = ModelConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=4,
                   vocab_size=32000, num_hidden_layers=8, max_position_embeddings=1024)
@@ -99,9 +101,12 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--hardware", default="cpu2")
-    ap.add_argument("--date", default="20261202")
+    ap.add_argument("--hardware", default=None, help="results tag (default: cpu<cores>)")
+    ap.add_argument("--date", default=None, help="results date yyyymmdd (default: today, UTC)")
     a = ap.parse_args(argv)
+    env = environment()
+    a.hardware = a.hardware or hardware_tag("cpu")
+    a.date = a.date or env["date_utc"][:10].replace("-", "")
     layouts = a.layouts.split(",")
     for text in layouts:
         if Layout.parse(text).world != a.world:
@@ -114,11 +119,12 @@ def main(argv=None):
                 "vocab_size", "num_hidden_layers", "dtype")}},
             "world": a.world, "backend": "gloo", "threads_per_rank": 1,
             "machine": f"{platform.machine()} {os.cpu_count()} cores ({a.hardware}), {platform.platform()}",
-            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "git_commit": env["git_commit"]},
             "date": a.date, "wall_s": time.time() - t0,
             "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()}, "results": rows}
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    base = os.path.join(os.path.dirname(__file__), "results", f"engines_{a.hardware}_{a.date}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base = str(RESULTS / f"engines_{a.hardware}_{a.date}")
     with open(base + ".json", "w") as f:
         json.dump(meta, f, indent=2)
     md = io.StringIO()
@@ -126,7 +132,7 @@ def main(argv=None):
     md.write(f"Model: {meta['model']['params'] / 1e6:.1f}M params fp32 ({CFG.num_hidden_layers} layers, "
              f"hidden {CFG.hidden_size}, GQA {CFG.num_attention_heads}/{CFG.num_key_value_heads}, vocab "
              f"{CFG.vocab_size}); {a.world} gloo ranks, 1 thread each; {meta['machine']}; torch "
-             f"{torch.__version__}. Best of {a.repeats} after one warm-up. Load average (1 min) "
+             f"{torch.__version__}, git commit {env['git_commit']}, {env['date_utc']} UTC. Best of {a.repeats} after one warm-up. Load average (1 min) "
              f"{load_before[0]:.1f} before, {meta['loadavg_1_5_15']['after'][0]:.1f} after: the 2 cores are "
              "shared with other jobs, so treat the numbers as rough.\n\n")
     md.write("| layout | generate tok/s | inference tok/s | train tok/s |\n|---|---|---|---|\n")

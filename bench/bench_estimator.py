@@ -30,7 +30,7 @@ from dataclasses import asdict, fields
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_rlhf import ONE_LAYOUT, run  # noqa: E402
-from timing import write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py.rlhf.execplan import ExecutionPlan  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
@@ -366,7 +366,7 @@ def main() -> None:
         compared = (f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
                     f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
                     f"{med(o_call):.3f} (columns `other ...`).")
-    write_results("estimator", "cpu2", rows, columns=cols + ["layouts"],
+    write_results("estimator", hardware_tag("cpu"), rows, columns=cols + ["layouts"],
                   title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
                   notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
                         f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "

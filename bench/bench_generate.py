@@ -105,7 +105,7 @@ def main(argv=None):
                          "peak GiB": peak_memory_mib(dev) / 1024})
             print(rows[-1], flush=True)
     params = model_spec(cfg).numel
-    paths = write_results("generate", hardware_tag(args.device) + ("_small" if args.small else ""), rows,
+    paths = write_results("generate", hardware_tag(args.device, args.small), rows,
                           columns=list(rows[0]),
                           title=f"generation tokens/s, {'tiny' if args.small else '1.1B'} bf16 model, "
                                 f"dp1tp1pp1 ({args.device})",

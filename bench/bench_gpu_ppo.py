@@ -17,8 +17,8 @@ with --no-estimate.
 
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
-    python bench/bench_gpu_ppo.py --rescore bench/results/<run>/gpu_ppo_h200_<date>.json   # no device
-Writes <out-dir>/gpu_ppo_<hw>_<date>.{json,md}.
+    python bench/bench_gpu_ppo.py --rescore bench/results/ppo_h200_<date>.json   # no device
+Writes <out-dir>/ppo_<hw>_<date>.{json,md}; --rescore <out-dir>/ppo_rescore_<hw>_<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -63,10 +63,9 @@ def train_config(device: str, small: bool, batch: int, prompt: int, new: int) ->
 def workload(cfg: CF.TrainConfig) -> Workload:
     """The estimator's Workload for the runtime's data: prompts padded to max_prompt_len, always
     max_new_tokens new tokens, and the runtime's micro-batch counts (runtime_micro_batches):
-    micro_batches per train mini-batch, forward-only passes whole. Before 2026-12-04 (session 2)
-    the counts followed micro_tokens (a mini-batch's tokens / micro_batches), so the forward-only
-    passes were charged 2-4 passes' fixed costs for the runtime's one (h200_caljob +94% on the
-    inference calls in gpu_20261204_session2_run3)."""
+    micro_batches per train mini-batch, forward-only passes whole (counts that followed
+    micro_tokens, a mini-batch's tokens / micro_batches, charged the forward-only passes 2-4
+    passes' fixed costs for the runtime's one: bench/results/gpu_check_h200_20261204.md)."""
     p, d = cfg.ppo, cfg.data
     return Workload(batch_size=d.batch_size, prompt_len=d.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
                     ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches,
@@ -111,7 +110,7 @@ def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
 
 def rescore(path: str, out_dir: str | None) -> None:
     """Re-estimate a recorded run (its measurements, config and calibrated profiles) with this
-    tree's estimator and workload(); no device needed. Writes gpu_ppo_rescore_<hw>_<date>."""
+    tree's estimator and workload(); no device needed. Writes ppo_rescore_<hw>_<date>."""
     rec = json.loads(Path(path).read_text())
     extra = {k: v for k, v in rec["extra"].items() if k.startswith("calibration_seconds") or k == "profiles"}
     conf = dict(rec["extra"]["config"], device="cpu")  # estimates do not depend on the device
@@ -125,8 +124,8 @@ def rescore(path: str, out_dir: str | None) -> None:
     extra["estimator"] = estimator_rows(cfg, plan, models, measured, profiles, iteration)
     extra["rescored"] = {"file": Path(path).name, "recorded_git_commit": rec["environment"].get("git_commit")}
     base = next(k for k in profiles if "_" not in k)
-    hw = Path(path).stem.removeprefix("gpu_ppo_").rsplit("_", 1)[0]
-    paths = write_results("gpu_ppo_rescore", hw, extra["estimator"], columns=list(extra["estimator"][0]),
+    hw = Path(path).stem.rsplit("_", 1)[0].split("ppo_", 1)[-1]  # [gpu_]ppo_<hw>_<yyyymmdd>
+    paths = write_results("ppo_rescore", hw, extra["estimator"], columns=list(extra["estimator"][0]),
                           title=f"estimator re-scored on the recorded run {Path(path).name}",
                           notes=f"Measured seconds, config and calibrated profiles from {path} (recorded at "
                                 f"{rec['environment'].get('date_utc')}); estimates from this tree."
@@ -147,7 +146,7 @@ def main(argv=None):
     ap.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="datasheet profile to check")
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
     ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
-    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded gpu_ppo_*.json (no device; no run)")
+    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)")
     args = ap.parse_args(argv)
     if args.rescore:
         return rescore(args.rescore, args.out_dir)
@@ -182,8 +181,7 @@ def main(argv=None):
             # In this one-rank world, after the job: the job's memory is still held, as in a
             # run that calibrates beside its models.
             profiles = {args.profile: PROFILES[args.profile]}
-            # caljob trains one runtime micro-batch (8 rows); run 1 and run 3 of
-            # gpu_20261204_session2 calibrated on a whole mini-batch (16 rows)
+            # caljob trains one runtime micro-batch (8 rows)
             setups = {"cal": DEFAULT, "caljob": Setup.for_workload(models["actor"], workload(cfg))}
             for suffix, setup in setups.items():
                 name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
@@ -202,7 +200,7 @@ def main(argv=None):
                 print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     extra["config"] = CF.to_dict(cfg)
     notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
-    paths = write_results("gpu_ppo", hardware_tag(args.device) + ("_small" if small else ""), rows,
+    paths = write_results("ppo", hardware_tag(args.device, small), rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
                                 f"one {args.device} device",

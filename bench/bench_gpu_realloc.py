@@ -10,7 +10,8 @@ copy_ on the same device; vs copy_ is the ratio of the two GB/s.
 
     python bench/bench_gpu_realloc.py --device cuda               # 7B bf16, 88 GiB peak on the H200 (dp4)
     python bench/bench_gpu_realloc.py --device cpu --small        # smoke run, tiny model
-Writes <out-dir>/gpu_realloc_<hw>_<date>.{json,md}.
+Writes <out-dir>/realloc_<hw>_<date>.{json,md}; on a CPU only with --small (realloc_cpu<cores>_<date>
+is bench_realloc.py's gloo report).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible to torch")
+    if args.device == "cpu" and not args.small:
+        ap.error("--device cpu takes --small: the 7B model's layouts need ~90 GB, and a cpu report "
+                 "would replace bench_realloc.py's realloc_cpu<cores>_<date>")
     cfg = config(args.small)
     model = model_spec(cfg, name="llama2-7b" if not args.small else "small")
     dev = torch.device(args.device)
@@ -103,7 +107,7 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         reset_peak_memory(dev)
-    paths = write_results("gpu_realloc", hardware_tag(args.device) + ("_small" if args.small else ""),
+    paths = write_results("realloc", hardware_tag(args.device, args.small),
                           rows, columns=list(rows[0]),
                           title=f"in-process reallocation, {model.name} bf16 ({args.device})",
                           notes="GB/s = destination bytes / median wall time of one reallocation "

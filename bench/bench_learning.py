@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from timing import RESULTS, environment, write_results
+from timing import RESULTS, environment, hardware_tag, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WINDOW = 5
@@ -57,7 +57,7 @@ def recipes(steps: int) -> None:
             print(rows[-1], flush=True)
     cols = list(dict.fromkeys(k for row in rows for k in row))
     jpath, mpath = write_results(
-        "learning_recipes", "cpu2", rows, columns=cols,
+        "learning_recipes", hardware_tag("cpu"), rows, columns=cols,
         title=f"Copy task, every recipe: mean reward of the first and last {WINDOW} steps, 4 gloo ranks",
         notes=("Same task, actor and seed (1) for all; each recipe's own config (configs/recipes/<name>.yaml, "
                "copy_task/{ppo,grpo}.yaml), steps overridden by --steps. 'best step >= 0.8': first step whose "
@@ -112,7 +112,7 @@ def main() -> None:
             rows.append(row)
     cols = list(dict.fromkeys(k for row in rows for k in row))
     jpath, mpath = write_results(
-        "learning", "cpu2", rows, columns=cols,
+        "learning", hardware_tag("cpu"), rows, columns=cols,
         title="Copy task (configs/copy_task): mean reward per 5-step window, 4 gloo ranks",
         notes=("Reward 1 when the response starts with the prompt's last digit (random policy: "
                "about 0.1-0.2). Actor: 2 layers, hidden 64, tied embeddings, vocab 16 (the task's "

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import time_interleaved, write_results  # noqa: E402
+from timing import hardware_tag, time_interleaved, write_results  # noqa: E402
 
 from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout  # noqa: E402
 from real_py.ops import descs_tensor, pack, unpack  # noqa: E402
@@ -153,7 +153,7 @@ def run_case(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--hardware", default=None, help="results tag (default: cpu2 on cpu, the GPU's model on cuda)")
+    ap.add_argument("--hardware", default=None, help="results tag (default: cpu<cores> on cpu, the GPU's model on cuda)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--small", action="store_true", help="shrunken cases (smoke run)")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
@@ -169,9 +169,7 @@ def main(argv=None):
     cols = ["case", "op", "MiB", "messages", "runs", "min run B", "ours GB/s", "torch_runs GB/s", "torch_strided GB/s",
             "copy_ GB/s"] + (["memcpy GB/s"] if args.device == "cpu" else [])
     cols += ["ours/copy_", "ours/torch_runs", "ours/torch_strided"]
-    hw = args.hardware or ("cpu2" if args.device == "cpu" else
-                           torch.cuda.get_device_name().lower().replace("nvidia", "").split()[0])
-    hw += "_small" if args.small else ""
+    hw = (args.hardware or hardware_tag(args.device)) + ("_small" if args.small else "")
     notes = ("GB/s = (bytes read + bytes written) / median time; goals: ours/copy_ >= 0.85 for runs >= 4 KiB, "
              "ours/torch_runs >= 5 on row-split plans with many short runs.")
     paths = write_results("pack", hw, rows, columns=cols,

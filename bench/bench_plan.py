@@ -24,14 +24,14 @@ import sys
 import time
 import tracemalloc
 
-from real_py import Layout, ModelConfig, model_spec, plan_realloc
+from real_py import Layout, model_spec, plan_realloc
 from real_py import layout as layout_mod
 from real_py.realloc import plan as plan_mod
 from real_py.realloc.rank_schedule import rank_schedule
 from real_py.spec.config import preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 BUCKET_BYTES, DIRECT_MIN_BYTES = 256 << 20, 256 << 10
 
@@ -139,7 +139,7 @@ def main():
             "rank_python_peak_MiB", "global_arrays_MiB", "global_plan_ms", "num_messages", "num_descs", "rank_rounds",
             "num_rounds"]
     paths = write_results(
-        "plan", "cpu2", rows, columns=cols,
+        "plan", hardware_tag("cpu"), rows, columns=cols,
         title="Per-rank plan + schedule, 16 ... 1024 ranks (fp16 7B/70B, bf16 405B)",
         notes="Per rank: cold plan_realloc (every cache cleared) + rank_schedule (C++) for the "
               "first, a middle and the last rank; the slowest of the three, median of "

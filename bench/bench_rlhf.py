@@ -21,7 +21,7 @@ import tempfile
 
 import yaml
 
-from timing import write_results
+from timing import hardware_tag, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_LAYOUT = {"world_size": 4, "calls": {n: {"ranks": [0, 1, 2, 3], "dp": 1, "tp": 2, "pp": 2} for n in
@@ -67,7 +67,7 @@ def main() -> None:
             row["offload MiB/iter"] = med([r["offload_bytes"] for r in recs]) / 2**20
             rows.append(row)
     cols = list(rows[0])
-    write_results("rlhf", "cpu2", rows, columns=cols, title="PPO iteration, 4 gloo ranks (cpu2)",
+    write_results("rlhf", hardware_tag("cpu"), rows, columns=cols, title="PPO iteration, 4 gloo ranks (cpu2)",
                   notes=f"Medians over steps {args.warmup + 1}..{args.steps} of `python -m real_py train` "
                         "(embedded default config: actor/ref 4 layers hidden 64, critic/reward 2 layers, "
                         "batch 8, 12 new tokens, 2 PPO epochs x 2 mini-batches). Per-call seconds are the "

@@ -1,6 +1,8 @@
 """The 70B actor + 70B critic search on 128 H100 (gen 384) with the simulator-based reallocation
-cost (real_py/search/realloc_cost.py), to set against bench/results/search_cpu2_20261202.md
-(per-rank byte-count cost). Estimates, not measurements.
+cost (real_py/search/realloc_cost.py): the search's time per iteration against the symmetric and
+heuristic plans, the first iteration's reallocation seconds and the planner calls the cost took.
+The simulator cost is plan_search's default now, so bench_search.py's row for this setting runs
+the same search (with its own budget). Estimates, not measurements.
 
     python bench/bench_search_70b_sim.py [--budget 60]
 
@@ -18,7 +20,7 @@ from real_py.search import Workload, plan_search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_search import layouts_text  # noqa: E402
-from timing import write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 
 def main():
@@ -41,13 +43,12 @@ def main():
                      "plan": layouts_text(res.problem, res.choice),
                      "wall_s": time.perf_counter() - t0})
         print(rows[-1], flush=True)
-    write_results("search70b_sim", "cpu2", rows,
+    write_results("search70b_sim", hardware_tag("cpu"), rows,
                   columns=["gen_len", "search_s_per_iter", "symmetric_s_per_iter", "heuristic_s_per_iter",
                            "speedup_vs_heuristic", "realloc_s_first_iter", "planner_calls", "plan", "wall_s"],
                   title="70B + 70B on 128 H100, reallocation cost from the cluster simulator (estimates)",
-                  notes=f"Search budget {args.budget} s, 4 chains, seed 0. Compare "
-                        "search_cpu2_20261202.md (byte-count reallocation cost): 17.13 s per iteration, "
-                        "1.54x the heuristic, plan dp10tp8pp1@[48,128) / dp5tp8pp2@[48,128).")
+                  notes=f"Search budget {args.budget} s, 4 chains, seed 0. Estimates of the runtime model "
+                        "(H100 profile), not measurements.")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import RESULTS, write_results  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py.search import Workload, plan_search  # noqa: E402
 from real_py.search.plot import plot_timeline  # noqa: E402
@@ -58,18 +58,18 @@ def main() -> None:
         if best is None or gain > best[0]:
             best = (gain, asy, algo, actor, n, wl)
     gain, asy, algo, actor, n, wl = best
-    png = RESULTS / "search_async_h100_timeline.png"
-    plot_timeline(asy.simulate().events, n, str(png),
-                  f"{algo} {actor}, {n} x h100, batch {wl.batch_size}, gen {wl.gen_len}: async k={asy.staleness} "
-                  f"{asy.iter_time:.2f} s/step (sync search {asy.iter_time * gain:.2f})")
-    write_results("search_async", "cpu2", rows, columns=list(rows[0]),
+    jpath, _ = write_results("search_async", hardware_tag("cpu"), rows, columns=list(rows[0]),
                   title="Searched plan, synchronous vs asynchronous RL (estimates, H100 profile)",
                   notes=f"plan_search time_budget {args.budget} s, 4 chains, seed 0, per setting: once with "
                         f"max_staleness=0, once with max_staleness={args.k}. `gain` = sync / async estimated "
                         "seconds per step; `chosen staleness` 0 means the async search's plan gains nothing "
                         "from overlap (it then runs synchronously); `async plan run sync s` is that plan "
-                        f"without overlap. Timeline of the largest gain: {png.name}. Estimates of the "
-                        "runtime model, not measurements.")
+                        "without overlap. Timeline of the largest gain: the .png of the same name. "
+                        "Estimates of the runtime model, not measurements.")
+    png = jpath.with_suffix(".png")
+    plot_timeline(asy.simulate().events, n, str(png),
+                  f"{algo} {actor}, {n} x h100, batch {wl.batch_size}, gen {wl.gen_len}: async k={asy.staleness} "
+                  f"{asy.iter_time:.2f} s/step (sync search {asy.iter_time * gain:.2f})")
 
 
 if __name__ == "__main__":

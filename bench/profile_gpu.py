@@ -1,6 +1,6 @@
 """Where the time goes on one device: torch.profiler tables of pack calls and of generation.
 
-The H200 check of 2026-12-04 (bench/results/gpu_20261204/) left two questions for the next GPU:
+The first H200 check (bench/results/gpu_check_h200_20261204.md) left two questions for a GPU:
 pack / unpack reach 0.34-0.73x a device copy_ (the kernel alone ~0.71-0.84x, the rest per-call
 work outside it), and a decode step of the 1.1B model at batch 32 takes ~6.4 ms with the CUDA
 graph, about 14x what reading its 2.2 GB of weights takes at 4.8 TB/s. This script records, per scenario, the
@@ -118,7 +118,7 @@ def main(argv=None):
         for r in ([r for r in new if r["kind"] == "wall"] + [r for r in new if r["kind"] == "device"][:6]
                   + [r for r in new if r["kind"] == "host"][:4]):
             print(f"  {r['kind']:6} {r['calls']:8.1f} calls {r['us']:10.1f} us  {r['name']}", flush=True)
-        write_results("profile", hardware_tag(args.device) + ("_small" if args.small else ""), rows,
+        write_results("profile", hardware_tag(args.device, args.small), rows,
                       columns=["scenario", "kind", "name", "calls", "us"],
                       title=f"profile of pack calls and generation ({args.device})",
                       notes=f"us: microseconds per iteration (a pack / copy_ call, or one generate() of {N} "

@@ -11,13 +11,18 @@
 #   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
 # and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 470 s: under 8 minutes);
-# a failing or timed-out step is recorded and the next one runs. Logs, results and summary.md go
-# to one folder:
+# a failing or timed-out step is recorded and the next one runs. Reports follow bench/README.md's
+# rule (<theme>_<hardware>_<yyyymmdd>.{json,md}, one per theme and hardware, so a run replaces the
+# reports of the same day); raw logs go to a git-ignored folder:
 #
-#   scripts/gpu_check.sh                    -> bench/results/gpu_<yyyymmdd>/
-#   OUT=/some/dir scripts/gpu_check.sh
+#   scripts/gpu_check.sh                    -> bench/results/{pack,realloc,ppo,generate,profile}_<hw>_<yyyymmdd>.*
+#                                              and bench/results/gpu_check_<hw>_<yyyymmdd>.md (steps,
+#                                              versions, tests, the reports written); logs in
+#                                              bench/results/.raw/gpu_check_<yyyymmdd_HHMMSS>/
+#   REPORTS=/some/dir RAW=/other/dir scripts/gpu_check.sh
 #   SMALL=1 DEVICE=cpu scripts/gpu_check.sh dry run of every bench on the CPU (tiny sizes; no
-#                                           build, no tests): checks the script and the benches
+#                                           build, no tests): checks the script and the benches;
+#                                           its *_small reports stay in the raw folder
 #   GPU_CHECK_STEPS="build import tests pack profile" scripts/gpu_check.sh
 #                                           only those steps (env always runs; default: all)
 # Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS.
@@ -25,8 +30,12 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUT="${OUT:-$ROOT/bench/results/gpu_$(date -u +%Y%m%d)}"
-mkdir -p "$OUT"
+CMDLINE="$(for v in DEVICE SMALL GPU_CHECK_STEPS GPU_CHECK_BUDGET_S PYTHON RAW REPORTS; do
+  [ -n "${!v:-}" ] && printf '%s="%s" ' "$v" "${!v}"; done)scripts/gpu_check.sh"
+RAW="${RAW:-$ROOT/bench/results/.raw/gpu_check_$(date -u +%Y%m%d_%H%M%S)}"
+if [ "${SMALL:-0}" = 1 ]; then REPORTS="${REPORTS:-$RAW}"; else REPORTS="${REPORTS:-$ROOT/bench/results}"; fi
+mkdir -p "$RAW" "$REPORTS"
+touch "$RAW/.start"
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
 SMALL_FLAG=$([ "${SMALL:-0}" = 1 ] && echo --small || true)
@@ -54,11 +63,12 @@ done
 if [ "$DEVICE" = cuda ] && [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" build "* ]]; then
   echo "gpu_check: GPU_CHECK_STEPS without build: the later steps use whatever _C.so is in place" >&2
 fi
-SUMMARY="$OUT/summary.md"
-printf '# gpu_check %s\n\n| step | exit | seconds |\n|---|---|---|\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" > "$SUMMARY"
+SUMMARY="$RAW/summary.md"
+printf '# gpu_check %s\n\nCommand: `%s`\n\n| step | exit | seconds |\n|---|---|---|\n' \
+  "$(date -u '+%Y-%m-%d %H:%M UTC')" "$CMDLINE" > "$SUMMARY"
 status=0
 last_rc=0
-step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/NAME.log, never exits
+step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/NAME.log, never exits
   local name="$1" cap="$2"
   shift 2
   if [ "$name" != env ] && [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
@@ -69,24 +79,26 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $OUT/N
   local left=$((DEADLINE - SECONDS))
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 10 ]; then
-    echo "=== $name: skipped, overall budget spent" | tee "$OUT/$name.log"
+    echo "=== $name: skipped, overall budget spent" | tee "$RAW/$name.log"
     echo "| $name | skipped (budget) | 0 |" >> "$SUMMARY"
     status=1
     return 0
   fi
-  echo "=== $name (timeout ${limit}s): $*" | tee "$OUT/$name.log"
+  echo "=== $name (timeout ${limit}s): $*" | tee "$RAW/$name.log"
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$RAW/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RAW/$name.log"
   echo "| $name | $rc$([ "$rc" -eq 124 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
   [ "$rc" -eq 0 ] || status=1
   last_rc=$rc
   return 0
 }
 
-step env 30 "$PY" -c "
-import os, shutil, subprocess, torch
+ENV_PY="
+import os, platform, shutil, subprocess, torch
+mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
+print('machine', platform.machine(), os.cpu_count(), 'cores', round(mem), 'GiB; python', platform.python_version())
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())
 print('CUDA_HOME', os.environ.get('CUDA_HOME', 'unset'), 'nvcc', shutil.which('nvcc'))
 from importlib.metadata import version, PackageNotFoundError
@@ -95,12 +107,13 @@ for p in ('transformers', 'cupy-cuda13x', 'numpy'):
     except PackageNotFoundError: print(p, 'not installed')
 if shutil.which('nvidia-smi'):
     subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv'])"
+step env 30 "$PY" -c "$ENV_PY"
 
 if [ "$DEVICE" = cuda ]; then
   step build 180 env REAL_PY_CUDA=1 "$PY" setup.py build_ext --inplace
   if [ "$last_rc" -ne 0 ]; then  # without the CUDA build every later step would test a stale .so
     echo "| (all later steps) | skipped: build failed | 0 |" >> "$SUMMARY"
-    echo "Result: FAILED (build) in $SECONDS s; logs: build.log" >> "$SUMMARY"
+    echo "Result: FAILED (build) in $SECONDS s; logs: $RAW/build.log" >> "$SUMMARY"
     cat "$SUMMARY"
     exit 1
   fi
@@ -113,20 +126,34 @@ print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
   step tests 110 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
 fi
 
-step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$OUT"
-step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
-step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$OUT"
-step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$OUT"
-step profile 120 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$OUT"
+step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$REPORTS"
+step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
+step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
+step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$REPORTS"
+step profile 120 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
 
+# The summary as a report of its own, gpu_check_<hw>_<yyyymmdd>.md beside the benches' reports:
+# steps, versions (env.log), the test summary line, and the reports this run wrote.
+HW=$("$PY" -c "import sys; sys.path.insert(0, 'bench'); from timing import hardware_tag; print(hardware_tag(sys.argv[1], sys.argv[2] == '1'))" \
+  "$DEVICE" "${SMALL:-0}" 2>/dev/null) || HW="$DEVICE"
+REPORT="$REPORTS/gpu_check_${HW}_$(date -u +%Y%m%d).md"
 {
   echo
-  echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; logs: <step>.log"
-  for f in "$OUT"/*.md; do
-    [ "$f" = "$SUMMARY" ] && continue
+  echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; git commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && echo +dirty); raw logs (not committed): $RAW/<step>.log"
+  echo
+  echo "Versions and machine (env step):"
+  echo
+  grep -v '^===' "$RAW/env.log" | grep -vxF -f <(printf '%s\n' "$ENV_PY") | sed -e 's/^/    /'
+  if [ -f "$RAW/tests.log" ]; then
     echo
-    sed -e 's/^# /## /' "$f"
-  done
+    echo "pytest -m cuda: $(grep -E '(passed|failed|error)' "$RAW/tests.log" | tail -1)"
+  fi
+  echo
+  echo "Reports written by this run:"
+  echo
+  find "$REPORTS" -maxdepth 1 -name '*.md' -newer "$RAW/.start" ! -name 'gpu_check_*' ! -name summary.md | sort |
+    while read -r f; do echo "- $(basename "$f"): $(head -1 "$f" | sed -e 's/^# //')"; done
 } >> "$SUMMARY"
-echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (summary: $SUMMARY)"
+cp "$SUMMARY" "$REPORT"
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (report: $REPORT; logs: $RAW)"
 exit $status

@@ -129,7 +129,7 @@ class Attention(nn.Module):
             # A decode step: the g = nh / nkv query heads of each KV head attend as g query rows
             # of that head (a [B, 1, 1, Tk] mask broadcasts over them), instead of copying the
             # whole cache g times. On the H200 the copies cost ~1.2 ms of a 1.1B model's ~7 ms
-            # decode step at batch 32 (bench/results/gpu_20261204_session2_run2/).
+            # decode step at batch 32 (bench/results/profile_h200_20261204.md).
             g = self.nh // self.nkv
             out = F.scaled_dot_product_attention(q.reshape(B, self.nkv, g, self.hd), k, v, attn_mask=mask,
                                                  scale=self.scale)
