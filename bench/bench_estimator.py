@@ -32,14 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_rlhf import ONE_LAYOUT, run  # noqa: E402
 from timing import hardware_tag, write_results  # noqa: E402
 
-from real_py.rlhf.execplan import ExecutionPlan  # noqa: E402
+from real_py.calibrate import DEFAULT, Setup, cpu_profile, profile_from_raw  # noqa: E402
+from real_py.calibrate import profiles as profiles_module  # noqa: E402
+from real_py.dataflow.execplan import ExecutionPlan  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.search import Workload, estimate, plan_search  # noqa: E402
 from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
-from real_py.search import profiles as profiles_module  # noqa: E402
-from real_py.search.calibrate import DEFAULT, Setup, profile_from_raw  # noqa: E402
-from real_py.search.profiles import cpu_profile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
 PROFILE_KEYS = ("intra_lat", "lat_contention", "coll_lat_growth", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
@@ -212,7 +211,7 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     cache = profiles_module._cache_path()
     if not os.path.exists(cache):
         raise SystemExit(f"--rescore: the file records no whole profiles and there is no cached cpu profile "
-                         f"({cache}) to fill them from; calibrate once: python -c \"from real_py.search.profiles import cpu_profile; cpu_profile()\"")
+                         f"({cache}) to fill them from; calibrate once: python -c \"from real_py.calibrate import cpu_profile; cpu_profile()\"")
     with open(cache) as f:
         base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
     # Terms newer than these files are off, so that their rescore does not move with the cache.
@@ -372,7 +371,7 @@ def main() -> None:
                         f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "
                         f"a dp-only rollout call's, whose ranks never wait for each other, are its longest rank's own run). Estimated: "
                         f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
-                        f"(real_py/search/calibrate.py) and Workload {wl}. Median |rel err| over all "
+                        f"(real_py/calibrate/measure.py) and Workload {wl}. Median |rel err| over all "
                         f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "
                         f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
                         f"supplementary: {split}; "

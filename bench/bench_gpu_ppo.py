@@ -39,11 +39,11 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from bench_generate import BIG, SMALL, one_rank_world  # noqa: E402
 from timing import hardware_tag, markdown_table, write_results  # noqa: E402
 
+from real_py.calibrate import DEFAULT, Setup, calibrate_gpu  # noqa: E402
 from real_py.device import resolve_device  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
 from real_py.rlhf.runtime import Runtime  # noqa: E402
 from real_py.search import Workload, estimate  # noqa: E402
-from real_py.search.calibrate import DEFAULT, Setup, calibrate_gpu  # noqa: E402
 from real_py.search.hardware import PROFILES, HardwareProfile  # noqa: E402
 from real_py.spec import model_spec  # noqa: E402
 

@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from real_py.benchmark import git_commit  # noqa: E402
+from real_py.calibrate import resolve_profile  # noqa: E402
 from real_py.search import Workload, plan_search  # noqa: E402
 
 PAIRS = [("llama2-7b", "llama2-7b", 8), ("llama2-13b", "llama2-7b", 16), ("codellama-34b", "llama2-7b", 32),
@@ -73,12 +74,13 @@ def main() -> None:
                     help="results path without suffix (default bench/results/search_cpu<cores>_<yyyymmdd>)")
     args = ap.parse_args()
     args.load_start = os.getloadavg()
+    hw = resolve_profile(args.hardware)
     rows = []
     for theme, actor, critic, n, wl in settings(args.quick):
         budget = args.big_budget if n == 128 and critic == "llama2-70b" else args.budget
         t0 = time.perf_counter()
         try:
-            res = plan_search(actor, critic, num_gpus=n, hardware=args.hardware, workload=wl,
+            res = plan_search(actor, critic, num_gpus=n, hardware=hw, workload=wl,
                               time_budget=budget, chains=4, seed=0, per_mesh=args.per_mesh)
         except ValueError as e:
             rows.append({"theme": theme, "actor": actor, "critic": critic, "gpus": n, "prompt_len": wl.prompt_len,

@@ -28,12 +28,23 @@ True
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from . import _C  # noqa: F401  (loading the extension registers torch.ops.real_py)
+# The compiled extension (real_py/_C*.so); loading it registers torch.ops.real_py. Loaded by name:
+# the import graph cannot see a compiled module and would record `from . import _C` as an import
+# of the package root.
+_C = importlib.import_module(f"{__package__}._C")
+
+
+def extension() -> ModuleType:
+    """The compiled extension module: the ops, the reallocation planner, the round replay and the
+    search evaluator. Its one home; other modules take it from here."""
+    return _C
 
 
 def pack(src: torch.Tensor, descs: torch.Tensor, out: torch.Tensor) -> None:
@@ -87,4 +98,4 @@ torch.ops.real_py.pack.__doc__ = ("real_py::pack(Tensor src, Tensor descs, Tenso
 torch.ops.real_py.unpack.__doc__ = ("real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()"
                                     "\n\n" + unpack.__doc__)
 
-__all__ = ["pack", "unpack", "descs_tensor"]
+__all__ = ["pack", "unpack", "descs_tensor", "extension"]

@@ -203,7 +203,7 @@ def _early_failure_and_stopped_rank(rank: int, world: int) -> dict:
 
     # C: the runtime's row pushes. Rank 2 stops instead of sending its rows to ranks 0 and 1.
     from real_py.liveness import PeerWatch, start_heartbeat
-    from real_py.rlhf.dataflow import Pusher, Store
+    from real_py.rlhf.rows import Pusher, Store
 
     rows = Store({"scores": ((), torch.float32)}, 4)
     pusher = Pusher(rank, 60, watch=PeerWatch(start_heartbeat()))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, gather_full, plan_realloc
-from real_py.rlhf.execplan import ExecutionPlan
+from real_py.dataflow.execplan import ExecutionPlan
 from real_py.layout import dp_shard_layout
 from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process

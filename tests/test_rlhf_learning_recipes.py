@@ -14,7 +14,7 @@ import yaml
 
 from real_py.rlhf import config as CF
 from real_py.rlhf import ppo as P
-from real_py.rlhf.dataflow import dp_rows
+from real_py.rlhf.rows import dp_rows
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 

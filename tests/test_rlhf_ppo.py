@@ -1,5 +1,5 @@
 # Checks the PPO/GRPO maths against hand-computed values, the key-derived call graph, and that bad configs, plans and checkpoints fail before any work starts.
-# A failure points to real_py/rlhf/ppo.py (maths), real_py/rlhf/graph.py (dependencies, order) or real_py/rlhf/config/ / checkpoint.py (validation).
+# A failure points to real_py/rlhf/ppo.py (maths), real_py/dataflow/graph.py (dependencies, order) or real_py/rlhf/config/ / checkpoint.py (validation).
 import json
 import math
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from real_py.rlhf import GRPO_CALLS, PPO_CALLS, Call, Graph
+from real_py.dataflow import GRPO_CALLS, PPO_CALLS, Call, Graph
 from real_py.rlhf import checkpoint, config as CF
 from real_py.rlhf import ppo as P
 
@@ -162,7 +162,7 @@ def test_push_plan_delivers_exactly_the_needed_rows(algo):
     """Every consumer rank ends up with exactly the rows its calls read (its DP share of each
     global mini-batch), receives each row once, receives nothing it holds or does not need, and
     gets it from a rank of the producer replica that holds it."""
-    from real_py.rlhf.dataflow import dp_rows, push_plan
+    from real_py.rlhf.rows import dp_rows, push_plan
 
     d = {"algo": algo, "ppo": {"mini_batches": 2}}
     if algo == "grpo":

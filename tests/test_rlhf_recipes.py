@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from real_py.rlhf import ALGORITHMS
+from real_py.dataflow import ALGORITHMS
 from real_py.rlhf import config as CF
 from real_py.rlhf import ppo as P
 from real_py.rlhf.runtime import adaptive_kl

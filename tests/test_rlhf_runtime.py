@@ -1,5 +1,5 @@
 # Checks the distributed PPO/GRPO runtime: 4 gloo ranks with per-call layouts (actor trains on dp1tp2pp2, generates on dp4tp1pp1; critic, ref, reward elsewhere) against the same iterations in one process, overlap of calls on disjoint meshes, and kill/resume of the train command.
-# A failure points to real_py/rlhf/runtime.py / dataflow.py (row pushes, order), models.py (reallocation into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli/train.py (resume).
+# A failure points to real_py/rlhf/runtime.py / rows.py (row pushes, order), models.py (reallocation into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli/train.py (resume).
 """Tolerances: fp32. The 4-rank run splits matmuls over TP and sums the critic's gradients over
 DP in another order than the one-process run; after two iterations of AdamW (lr 1e-3) the
 parameters agree to a few 1e-7, so 1e-5 catches any wrong row, slice or stale weight (which

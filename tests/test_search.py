@@ -11,10 +11,10 @@ import pytest
 
 from real_py import _C
 from real_py.cli import main
-from real_py.rlhf.execplan import ExecutionPlan
+from real_py.dataflow.execplan import ExecutionPlan
 from real_py.search import Mesh, Problem, Workload, estimate, plan_search, ppo_models, simulate
 from real_py.search.hardware import HardwareProfile
-from real_py.search.profiles import get_profile
+from real_py.search.hardware import get_profile
 from real_py.search.graph import PPO_GRAPH
 from real_py.search.problem import Option
 from real_py.spec import ModelConfig
@@ -224,11 +224,11 @@ def test_annealing_is_independent_of_the_time_unit(prob16):
 
 @pytest.mark.parametrize("algo", ["grpo", "remax"])
 def test_search_places_the_runtimes_graph(algo, tmp_path):
-    """The search's calls are the runtime's (real_py.rlhf.graph): a critic-free algorithm has no
+    """The search's calls are the runtime's (real_py.dataflow.graph): a critic-free algorithm has no
     critic calls, ReMax's greedy generation is placed (and reallocated like actor_gen), and the
     plan it writes passes the train job's validation for that algorithm."""
     from real_py.rlhf import config as CF
-    from real_py.rlhf.graph import ALGORITHMS, Graph
+    from real_py.dataflow.graph import ALGORITHMS, Graph
     from real_py.search.graph import search_graph
 
     assert search_graph("ppo") == PPO_GRAPH

@@ -14,7 +14,7 @@ import random
 from real_py import _C
 from real_py.search import Mesh, Problem, Workload, plan_search, ppo_models, simulate
 from real_py.search.graph import search_graph
-from real_py.search.profiles import get_profile
+from real_py.search.hardware import get_profile
 from real_py.search.problem import Option
 from real_py.spec import ModelConfig
 

@@ -158,7 +158,7 @@ def test_value_head_pass_costs_by_hand():
 
 
 def test_calibration_line_fit():
-    from real_py.search.calibrate import _fit_line
+    from real_py.calibrate.measure import _fit_line
 
     assert _fit_line({1: 3.0, 3: 7.0, 5: 11.0}) == pytest.approx((2.0, 1.0))
     assert _fit_line({1: 3.0, 5: 12.2}) == pytest.approx((2.3, 0.7))
@@ -169,7 +169,7 @@ def test_pipe_wait_fit_by_hand():
     """Pipelines side by side against half as many: the extra seconds of an inference pass and of
     a decode step (two messages between the stages each), per message, their mean; >= 0; absent
     timings (older calibrations) give 0."""
-    from real_py.search.calibrate import _pipe_wait
+    from real_py.calibrate.measure import _pipe_wait
 
     raw = {"pp2_inf_4": 2.0, "pp2busy_inf_4": 3.0, "pp2_gen2_4": 1.0, "pp2_gen10_4": 9.0,
            "pp2busy_gen2_4": 2.0, "pp2busy_gen10_4": 18.0}
@@ -348,6 +348,16 @@ def test_unknown_profile_lists_choices():
     assert get_profile("H100-80G").name == "h100"
 
 
+def test_search_refuses_a_measured_profile_name():
+    """The search never calibrates: `cpu` by name is refused, pointing to real_py.calibrate."""
+    from real_py.search import plan_search
+
+    with pytest.raises(ValueError, match="real_py.calibrate.resolve_profile"):
+        get_profile("cpu")
+    with pytest.raises(ValueError, match="real_py.calibrate.resolve_profile"):
+        plan_search("llama2-7b", num_gpus=8, hardware="cpu", time_budget=1, chains=1)
+
+
 def test_transfer_time_by_hand():
     m = tiny()
     plan = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(1,)), ranks_per_node=4)
@@ -379,14 +389,14 @@ def test_canonical_placement_keeps_the_cost(a, b):
 
 def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("REAL_PY_CACHE", str(tmp_path))
-    from real_py.search.profiles import cpu_profile
+    from real_py.calibrate import cpu_profile, resolve_profile
 
     p = cpu_profile(refresh=True, reps=3, repeats=2)
     assert p.name == "cpu" and p.peak_flops > 1e8 and p.hbm_bw > 1e8 and p.intra_bw > 1e7
     # the recorded raw calibrations refit to the same profile (bench_estimator --rescore --refit)
     import json
-    from real_py.search.calibrate import profile_from_raw
-    from real_py.search.profiles import _cache_path
+    from real_py.calibrate import profile_from_raw
+    from real_py.calibrate.profiles import _cache_path
     with open(_cache_path()) as f:
         raws = json.load(f)["measured"]["repeats"]
     assert len(raws) == 2 and profile_from_raw(raws) == p
@@ -398,7 +408,7 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
                          (p.decode_layer_lat, p.decode_lat)):
         assert layer >= 0 and fixed >= 0 and 0 < 5 * layer + fixed < 0.5
     assert (tmp_path / "cpu_profile.json").exists()
-    assert get_profile("cpu") == p  # read back from the cache file
+    assert resolve_profile("cpu") == p  # read back from the cache file
     import json
     runs = json.loads((tmp_path / "cpu_profile.json").read_text())["measured"]["repeats"]
     assert len(runs) == 2 and all("allreduce_world_s" in r for r in runs)
@@ -407,7 +417,7 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
 def test_calibrate_gpu_keeps_the_datasheet_and_measures_launch_costs():
     """calibrate_gpu on the processor (its dry run; the H200 run is bench/bench_gpu_ppo.py): the
     datasheet fields stay, the per-layer / per-pass fields are measured, bad arguments are refused."""
-    from real_py.search.calibrate import calibrate_gpu
+    from real_py.calibrate import calibrate_gpu
     from real_py.search.hardware import PROFILES
 
     p, raw = calibrate_gpu("h100", reps=2, repeats=1, device="cpu")
@@ -431,8 +441,7 @@ def test_calibration_on_the_jobs_own_shape(tmp_path, monkeypatch):
     import json
     from dataclasses import asdict
 
-    from real_py.search.calibrate import DEFAULT, Setup
-    from real_py.search.profiles import cpu_profile
+    from real_py.calibrate import DEFAULT, Setup, cpu_profile
     from real_py.rlhf import config as CF
 
     actor = CF.from_dict({}).model_configs()["actor"]

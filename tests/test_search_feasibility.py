@@ -1,5 +1,5 @@
 # Every plan plan_search returns passes the trainer's batch rules (issue 25 item 1): the rules are
-# declared once in real_py/rlhf/plan_rules.py, asked by rlhf/config/checks.py validate and by the
+# declared once in real_py/dataflow/rules.py, asked by rlhf/config/checks.py validate and by the
 # search's candidate options (search/problem.py). A failure points to one of those three.
 import math
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from real_py.rlhf import config as CF
-from real_py.rlhf.plan_rules import call_rule_errors
+from real_py.dataflow.rules import call_rule_errors
 from real_py.search import Workload, plan_search
 from real_py.search.graph import PPO_GRAPH
 from real_py.search.hardware import HardwareProfile
@@ -66,7 +66,7 @@ def test_no_plan_names_the_rule_per_mesh_size():
 
 def test_estimate_refuses_a_plan_that_breaks_a_rule_naming_it():
     from real_py.layout import Layout
-    from real_py.rlhf.execplan import ExecutionPlan
+    from real_py.dataflow.execplan import ExecutionPlan
     from real_py.search import estimate
 
     lay = Layout(dp=4, tp=1, pp=1, ranks=(0, 1, 2, 3))

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from real_py.rlhf.execplan import ExecutionPlan
+from real_py.dataflow.execplan import ExecutionPlan
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.search import Workload, plan_search

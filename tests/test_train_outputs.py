@@ -15,10 +15,10 @@ import torch
 
 from real_py.cli import train as cli_train
 from real_py.cli import main
-from real_py.rlhf.execplan import ExecutionPlan
+from real_py.dataflow.execplan import ExecutionPlan
 from real_py.interop.hf import hf_names
 from real_py.rlhf import observe
-from real_py.rlhf.graph import ALGORITHMS, Graph
+from real_py.dataflow.graph import ALGORITHMS, Graph
 from real_py.spec import ModelConfig, model_spec
 from oracle import oracle_flat
 

@@ -65,11 +65,11 @@ def export_live(rt, out: str) -> list[str]:
 
 def export_checkpoint(step_dir: str, out: str) -> list[str]:
     """Reassemble the trained models of one saved step from its rank files and write them."""
-    from ..rlhf.execplan import ExecutionPlan
+    from ..dataflow.execplan import ExecutionPlan
+    from ..dataflow.graph import ALGORITHMS, Graph
     from ..interop.hf import experts_full, gather_full_stage, save_hf
-    from ..rlhf.checkpoint import read_meta, read_rank_file
-    from ..rlhf.graph import ALGORITHMS, Graph
     from ..realloc.shard import ExpertShard, ModelShard
+    from ..rlhf.checkpoint import read_meta, read_rank_file
     from ..spec import ModelConfig, model_spec
 
     meta = read_meta(step_dir)

@@ -13,10 +13,10 @@ import json
 import time
 
 from .common import model_config, ranks
+from ..dataflow.execplan import ExecutionPlan
+from ..dataflow.graph import ALGORITHMS
 from ..layout import Layout
 from ..realloc.plan import MODES, plan_realloc
-from ..rlhf.execplan import ExecutionPlan
-from ..rlhf.graph import ALGORITHMS
 from ..spec import PRESETS, model_spec
 
 

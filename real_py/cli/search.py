@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .common import model_config
-from ..rlhf.graph import ALGORITHMS
+from ..dataflow.graph import ALGORITHMS
 from ..search import Workload, plan_search
 from ..search.hardware import PROFILE_NAMES
 from ..spec import PRESETS
@@ -19,7 +19,8 @@ def add_parser(sub):
                    help="the dataflow graph to place: ppo (actor, critic, reference, reward) or a critic-free "
                         "algorithm (no critic calls; remax adds the greedy baseline generation)")
     p.add_argument("--gpus", type=int, required=True, help="number of devices")
-    p.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
+    p.add_argument("--hardware", default="h100",
+                   help=f"profile: {', '.join(PROFILE_NAMES)} (cpu: calibrated on this machine on first use, then cached)")
     p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=384)
@@ -76,7 +77,10 @@ def run(args) -> int:
         raise ValueError(f"--max-staleness={args.max_staleness} must be >= 0 (0: synchronous)")
     if args.per_mesh is not None and args.per_mesh < 1:
         raise ValueError(f"--per-mesh must be >= 1, got {args.per_mesh}")
-    res = plan_search(actor, critic, num_gpus=args.gpus, hardware=args.hardware, workload=wl, per_mesh=args.per_mesh,
+    from ..calibrate import resolve_profile  # `cpu` is measured on this machine (first use; cached)
+
+    hw = resolve_profile(args.hardware)
+    res = plan_search(actor, critic, num_gpus=args.gpus, hardware=hw, workload=wl, per_mesh=args.per_mesh,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
                       algo=args.algo, max_staleness=args.max_staleness)
     sim = res.simulate()

@@ -112,9 +112,9 @@ class ReallocPlan:
 
     def _global(self, name: str) -> np.ndarray:
         if self._arrays is None:
-            from .. import _C
+            from ..ops import extension
 
-            self._set_arrays(_C.plan(*self._inputs))
+            self._set_arrays(extension().plan(*self._inputs))
         return self._arrays[name]
 
     def _msg_table(self, name: str) -> np.ndarray:
@@ -142,12 +142,12 @@ class ReallocPlan:
         key = (rank, round_elems, direct_min_elems)
         hit = self._rank_cache.get(key)
         if hit is None:
-            from .. import _C
+            from ..ops import extension
 
             if self._inputs is None:
                 raise ValueError("this ReallocPlan was built from arrays; per-rank schedules need "
                                  "a plan from plan_realloc")
-            hit = _C.plan_rank(*self._inputs, rank, round_elems, direct_min_elems)
+            hit = extension().plan_rank(*self._inputs, rank, round_elems, direct_min_elems)
             for a in hit.values():
                 if isinstance(a, np.ndarray):
                     a.setflags(write=False)

@@ -190,13 +190,13 @@ def simulate(t: Transfers, cluster: Cluster) -> SimResult:
     bound = max(nvl, nicb)
     bottleneck = _link_name(int(per_link.argmax()), c) if len(nb) else "none"
 
-    from .. import _C
+    from ..ops import extension
 
     # The replay is sequential over rounds (each starts from the previous one's link and rank
     # times): C++ (csrc/planner/replay.cpp), ~0.1 ms per round in numpy, which the plan search
     # paid for every layout pair it priced.
     bounds = np.searchsorted(rnd, np.arange(t.num_rounds + 1)) if len(rnd) else np.zeros(1, np.int64)
-    seconds = _C.replay_rounds(u, v, l1, l2, nb.astype(np.float64), bounds, bw, w, c.latency_s)
+    seconds = extension().replay_rounds(u, v, l1, l2, nb.astype(np.float64), bounds, bw, w, c.latency_s)
     return SimResult(seconds, bound, nvl, nicb, bottleneck, t.num_rounds, int(nb.sum()))
 
 

@@ -1,5 +1,5 @@
-"""PPO / GRPO dataflow runtime: calls on their own layouts, weights reallocated between calls."""
+"""PPO / GRPO dataflow runtime: calls on their own layouts, weights reallocated between calls.
 
-from .graph import ALGORITHMS, GRPO_CALLS, PPO_CALLS, Call, Graph
+The graph, execution plans and batch rules it runs by are in real_py.dataflow."""
 
-__all__ = ["Call", "Graph", "PPO_CALLS", "GRPO_CALLS", "ALGORITHMS"]
+__all__: list[str] = []

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..engines import Engine
 from ..realloc.shard import ModelShard
-from .dataflow import Store
+from .rows import Store
 
 
 class AsyncState:

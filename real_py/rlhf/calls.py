@@ -13,9 +13,9 @@ import torch.distributed as dist
 from . import asyncrl as A
 from . import ppo as P
 from .data import decode
-from .dataflow import dp_rows
 from .observe import METRICS
 from .rewards import write_samples
+from .rows import dp_rows
 
 
 def _add(rt, sums, name: str, value: float, count: float) -> None:

@@ -34,10 +34,10 @@ from . import calls as C
 from . import data as D
 from . import ppo as P
 from .asyncrl import AsyncState, overlap_seconds
-from .dataflow import Pusher, Store, dp_rows, key_schema, push_plan
 from .models import Models
 from .observe import METRICS
 from .rewards import FunctionReward
+from .rows import Pusher, Store, dp_rows, key_schema, push_plan
 
 """Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
 response_length are means over sequences; policy_loss / value_loss means over optimizer steps
@@ -103,7 +103,7 @@ class Runtime:
             # NCCL builds a communicator on its first collective, which every rank must join:
             # do it here, not in the first (partial) batch of row pushes.
             dist.all_reduce(torch.zeros(1, device=self.device))
-        # Row pushes as one batch_isend_irecv per call (see dataflow.Pusher): required by NCCL.
+        # Row pushes as one batch_isend_irecv per call (see rows.Pusher): required by NCCL.
         self.batched_pushes = self.device.type == "cuda"
         rule = cfg.reward.kind in ("rule", "function")   # no reward model
         self.models = Models(graph, plan, configs, self.groups, cfg.seed,

@@ -22,7 +22,7 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   overhead   fixed seconds per layer and per pass of one micro-batch (host-side op dispatch);
              measured for the `cpu` profile, zero for GPUs (launches overlap device work).
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
-             waits x HardwareProfile.lat_slowdown (see calibrate.py); an inference call without
+             waits x HardwareProfile.lat_slowdown (see calibrate/measure.py); an inference call without
              collectives (dp only) counts one busy rank (its ranks run their shares apart);
              dp > 1 replicas of a pipeline on more ranks than cores: + pipe_wait_lat per
              message between stages (their stages hand over out of step).
@@ -199,8 +199,8 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         The count is a choice: at least m0 = ceil(tok / micro_tokens) (memory), and more up
         to 4 * pp. Taking the cheapest keeps the cost monotone in tok: with a fixed count every term
         grows with tok, and a larger tok only removes choices. With the smallest count alone, a
-        pass just over micro_tokens split in two and its bubble fell from pp to (pp + 1) / 2, so
-        longer generations were estimated faster (issue 25).
+        pass just over micro_tokens splits in two and its bubble falls from pp to (pp + 1) / 2, so
+        longer generations would be estimated faster.
         """
         fixed = wl.fixed_micro_batches(train)
         if fixed is not None:  # the runtime's count: every term grows with tok
@@ -288,7 +288,7 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # and each rank mostly runs its share alone (measured: 4 ranks, dp4 on 2 cores: ref /
     # reward / critic inference of 1-2 ms each, several ms apart per rank, in an instrumented
     # bench_estimator run); the runtime times such a call by its longest rank's own run
-    # (runtime._sync_free_calls). Its peers do not stretch its work. A rule for calls short
+    # (rlhf.observe.sync_free_calls). Its peers do not stretch its work. A rule for calls short
     # against that skew: a long one's shares would overlap (not modelled; it still counts as
     # `working` beside other calls).
     sync_free = kind == "inference" and tp == 1 and pp == 1

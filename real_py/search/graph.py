@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..rlhf.graph import ALGORITHMS, Graph
+from ..dataflow.graph import ALGORITHMS, Graph
 from ..spec import ModelConfig, ModelSpec, model_spec, preset
 from .costmodel import Mesh, Workload
 
@@ -34,7 +34,7 @@ _KINDS = {"generate": "generate", "generate_greedy": "generate", "logprobs": "in
 
 def search_graph(algo: str = "ppo") -> tuple[CallSpec, ...]:
     """The calls of `algo` as the search sees them, derived from the runtime's own dataflow graph
-    (real_py.rlhf.graph): kind generate / inference / train, dependencies = the producers of the
+    (real_py.dataflow.graph): kind generate / inference / train, dependencies = the producers of the
     keys a call reads, weight_src = the call that trains the model (the weights' home layout)."""
     if algo not in ALGORITHMS:
         raise ValueError(f"algo={algo!r}; allowed: {sorted(ALGORITHMS)}")

@@ -5,8 +5,8 @@ values; `flops_eff` and `hbm_eff` are the fractions a good implementation reache
 large GEMMs, 0.8 of HBM bandwidth for streaming reads); link bandwidths are the values NCCL
 achieves (ring all-reduce bus bandwidth intra-node, ~92% of the NIC inter-node), per GPU and
 direction, so no extra factor applies to them. `cpu` is measured on this machine by
-real_py.search.calibrate (the runtime's own engines and gloo, with 4 ranks busy) and cached
-(real_py.search.profiles).
+real_py.calibrate (the runtime's own engines and gloo, with 4 ranks busy) and cached there:
+`get_profile` here only looks up the fixed profiles, `real_py.calibrate.resolve_profile` every name.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class HardwareProfile:
     each replica's stages hand over at their own times, so a woken stage often finds its core
     taken by another replica's working stage, although no more ranks work at once than there
     are cores. A wait per hand-over, not a stretch of the stages' work: a pass with more work
-    between hand-overs loses a smaller share. The `cpu` profile measures it (calibrate.py: pp=2
+    between hand-overs loses a smaller share. The `cpu` profile measures it (calibrate/measure.py: pp=2
     engines on every pair of ranks at once, as many working stages as cores, against phase A's
     pairs, half as many); 0: each device is its own processor (the GPU profiles)."""
     shared_cores: int = 0
@@ -159,4 +159,18 @@ PROFILES: dict[str, HardwareProfile] = {
     "h200": HardwareProfile(name="h200", peak_flops=989e12, flops_eff=0.5, hbm_bw=4.8e12, hbm_eff=0.8,
                             intra_bw=360 * GB, inter_bw=46 * GB, mem_bytes=141e9),
 }
-PROFILE_NAMES = tuple(PROFILES) + ("cpu",)
+MEASURED = ("cpu",)
+"""Profile names measured on this machine (real_py.calibrate.resolve_profile), not looked up."""
+PROFILE_NAMES = tuple(PROFILES) + MEASURED
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A fixed profile by name (PROFILES; case, dashes and "-80g" ignored). A measured name
+    (`cpu`) is refused: real_py.calibrate.resolve_profile calibrates it."""
+    key = name.lower().replace("-80g", "").replace("-", "")
+    if key in PROFILES:
+        return PROFILES[key]
+    if key in MEASURED:
+        raise ValueError(f"hardware profile {name!r} is measured on this machine, not looked up: "
+                         f"resolve it with real_py.calibrate.resolve_profile({name!r}) and pass the profile")
+    raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")

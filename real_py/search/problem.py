@@ -5,7 +5,7 @@ indexes: per call a [num_options, 9] float64 array (start, size, dp, tp, pp, sec
 persistent bytes, transient bytes, weight-copy bytes), the graph (deps, bytes per edge, which
 layout holds each trainable model's weights) and a reallocation-cost callback (exact planner,
 cached). Every memory-feasible strategy of each (call, mesh) is a candidate unless `per_mesh`
-prunes them to that many fastest (an option, issue 25 item 4); layouts
+prunes them to that many fastest; layouts
 given in `extra` are always kept (memory permitting or not: the plan-level check decides),
 meshes smaller than `min_mesh_size` are skipped, and `fixed` replaces the candidates by exactly one layout per call.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..rlhf.execplan import ExecutionPlan
-from ..rlhf.plan_rules import call_rule_errors
+from ..dataflow.execplan import ExecutionPlan
+from ..dataflow.rules import call_rule_errors
 from ..layout import Layout
 from .costmodel import Mesh, Workload, call_memory, call_time
 from .graph import PPO_GRAPH, PPOModels, cluster_meshes, dep_bytes, strategies
@@ -85,7 +85,7 @@ class Problem:
                 if call.name not in fixed:
                     raise ValueError(f"plan has no layout for call {call.name}; calls: {self.names}")
                 errs = self._rule_errors(call, fixed[call.name][1])
-                if errs:  # a plan the trainer refuses has no meaningful estimate (rlhf/plan_rules.py)
+                if errs:  # a plan the trainer refuses has no meaningful estimate (dataflow/rules.py)
                     raise ValueError("plan breaks a batch rule: " + "; ".join(errs))
                 self.options.append([self._option(call, *fixed[call.name])])
                 continue
@@ -122,7 +122,7 @@ class Problem:
             opts = []
             for dp, tp, pp in strategies(model, mesh.size, self.rpn, self.wl):
                 errs = self._rule_errors(call, dp)
-                if errs:  # the trainer would refuse it (rlhf/plan_rules.py)
+                if errs:  # the trainer would refuse it (dataflow/rules.py)
                     refused.setdefault(mesh.size, errs[0])
                     continue
                 o = self._option(call, mesh, dp, tp, pp)
@@ -186,9 +186,9 @@ class Problem:
 
     def evaluator(self):
         if self._evaluator is None:
-            from .. import _C
+            from ..ops import extension
 
-            self._evaluator = _C.SearchEvaluator(self.graph_dict(), self.realloc_time)
+            self._evaluator = extension().SearchEvaluator(self.graph_dict(), self.realloc_time)
         return self._evaluator
 
     # --- plans ------------------------------------------------------------------------------

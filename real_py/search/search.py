@@ -17,12 +17,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..rlhf.execplan import ExecutionPlan
+from ..dataflow.execplan import ExecutionPlan
+from ..dataflow.graph import GROUPED
 from .costmodel import Mesh, Workload
-from ..rlhf.graph import GROUPED
 from .graph import PPO_GRAPH, PPOModels, ppo_models, search_graph, strategies
-from .hardware import HardwareProfile
-from .profiles import get_profile
+from .hardware import HardwareProfile, get_profile
 from .problem import GiB, Problem, layouts_from_plan
 from .simulate import SimResult, simulate
 
@@ -83,7 +82,7 @@ def symmetric_baseline(prob: Problem) -> Baseline:
     for s in common:
         layouts = {name: (full,) + s for name in prob.names}
         if any(layouts[n] not in prob.index[i] for i, n in enumerate(prob.names)):
-            continue  # breaks a batch rule for some call (rlhf/plan_rules.py)
+            continue  # breaks a batch rule for some call (dataflow/rules.py)
         r = ev.simulate(prob.choice(layouts))
         least_mem = min(least_mem, r["peak_mem"])
         if r["iter_time"] < best.iter_time:
@@ -134,6 +133,9 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     per_mesh: keep only that many fastest strategies per (call, mesh) (default: every
     memory-feasible one, so the optimum found is that of the whole plan space).
 
+    hardware: a HardwareProfile, or the name of a fixed one (hardware.PROFILES); a measured
+    profile (`cpu`) comes from real_py.calibrate.resolve_profile: the search never calibrates.
+
     max_staleness: the asynchronous RL bound k the run allows (async.max_staleness). With k >= 1
     plans are scored in async mode (a step costs about the slower of the rollout and train sides
     plus the weight transfer, not their sum: simulate.py), and the result's `staleness` is the
@@ -183,8 +185,9 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     max_staleness >= 1: run in async mode with that bound (async.max_staleness).
 
     For the PPO runtime: pass its ExecutionPlan, the model presets/configs, the workload it
-    runs, hardware="cpu" (calibrated on this machine) and dtype of its parameters.
-    A plan that breaks a batch rule (rlhf/plan_rules.py) is refused with a ValueError naming
+    runs, hardware=real_py.calibrate.resolve_profile("cpu") (calibrated on this machine) and the
+    dtype of its parameters. hardware as in plan_search.
+    A plan that breaks a batch rule (dataflow/rules.py) is refused with a ValueError naming
     the call and the rule: the trainer would not run it.
     """
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware

@@ -5,16 +5,15 @@ models, vocabularies and tokenizers against each other, the prompt data and the 
 
 from __future__ import annotations
 
-from ..plan_rules import call_rule_errors
-
 import json
 import os
 
+from ...dataflow.execplan import ExecutionPlan
+from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
+from ...dataflow.rules import call_rule_errors
 from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
-from ..execplan import ExecutionPlan
-from ..graph import ALGORITHMS, GROUPED, Graph
 from .schema import TrainConfig
 
 

@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..execplan import ExecutionPlan
+from ...dataflow.execplan import ExecutionPlan
+from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
 from ...spec import ModelConfig
-from ..graph import ALGORITHMS, GROUPED, Graph
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=64, num_hidden_layers=4, max_position_embeddings=64)

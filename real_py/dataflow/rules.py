@@ -1,6 +1,6 @@
 """The workload-dependent rules a call's layout must meet, declared once: the train job's
 validation (rlhf/config/checks.py) and the plan search (search/problem.py) both ask this function,
-so every plan the search returns passes the trainer's batch rules (issue 25 item 1)."""
+so every plan the search returns passes the trainer's batch rules."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Hardware profiles by name: the datasheet GPU profiles of hardware.py and the `cpu` profile of
-this machine, calibrated on first use (real_py.search.calibrate) and cached in $REAL_PY_CACHE or
-~/.cache/real_py.
+"""Hardware profiles by name, measured ones included: `resolve_profile` turns `cpu` into this
+machine's profile, calibrated on first use (measure.calibrate_cpu) and cached in $REAL_PY_CACHE or
+~/.cache/real_py; the datasheet GPU names go to real_py.search.hardware.get_profile.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import platform
 from dataclasses import asdict
 
-from .calibrate import DEFAULT, Setup, calibrate_cpu
-from .hardware import PROFILE_NAMES, PROFILES, HardwareProfile
+from ..search.hardware import MEASURED, PROFILE_NAMES, HardwareProfile, get_profile
+from .measure import DEFAULT, Setup, calibrate_cpu
 
 
 def _cache_path() -> str:
@@ -19,14 +19,16 @@ def _cache_path() -> str:
     return os.path.join(base, "cpu_profile.json")
 
 
-def get_profile(name: str) -> HardwareProfile:
-    """A profile by name; `cpu` is calibrated on first use and cached (see calibrate_cpu)."""
+def resolve_profile(name: str) -> HardwareProfile:
+    """A profile by name (one of PROFILE_NAMES): `cpu` is calibrated on first use and cached (see
+    cpu_profile); the datasheet GPU profiles are real_py.search.hardware.get_profile's."""
     key = name.lower().replace("-80g", "").replace("-", "")
-    if key in PROFILES:
-        return PROFILES[key]
-    if key == "cpu":
+    if key in MEASURED:
         return cpu_profile()
-    raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")
+    try:
+        return get_profile(name)
+    except ValueError:
+        raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}") from None
 
 
 CACHE_VERSION = 12
@@ -34,7 +36,7 @@ CACHE_VERSION = 12
 
 
 def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT) -> HardwareProfile:
-    """The calibrated `cpu` profile of this machine (real_py.search.calibrate), cached in
+    """The calibrated `cpu` profile of this machine (real_py.calibrate.measure), cached in
     $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure, each
     field the median of `repeats` calibrations). `setup`: the calibration engines (default: the
     small calibration model; `Setup.for_job` profiles a job's own model shape and pass sizes);

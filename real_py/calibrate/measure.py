@@ -1,7 +1,7 @@
 """The `cpu` hardware profile: measured on this machine, the way the CPU runtime uses it (and
 calibrate_gpu: a datasheet GPU profile with the per-layer / per-pass seconds measured on one GPU).
 
-    prof, raw = calibrate_cpu()      # ~75 s (3 repeats, medians); profiles.cpu_profile() caches it
+    prof, raw = calibrate_cpu()      # ~75 s (3 repeats, medians); cpu_profile() caches it
 
 The CPU runtime runs one single-threaded gloo process per rank, often more ranks than cores. Like
 ReaL's profiler, which times layers on the real hardware, this times the runtime's own engines
@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -51,11 +51,11 @@ from ..realloc.shard import ModelShard
 from ..realloc.transports.dist import DistTransport
 from ..rlhf import ppo as P
 from ..rlhf.models import init_weights
+from ..search.costmodel import HEAD_COLLS, Workload, fwd_flops
+from ..search.hardware import PROFILES, HardwareProfile
+from ..search.realloc_cost import transfer_time
 from ..spec import ModelConfig, model_spec
 from ..testing import run_distributed
-from .costmodel import HEAD_COLLS, Workload, fwd_flops
-from .hardware import HardwareProfile
-from .realloc_cost import transfer_time
 
 G = (2, 10)
 """The two generation lengths per calibration rank (the decode step is their difference)."""
@@ -71,16 +71,14 @@ class Setup:
     generation (prompts of `prompt` tokens), `train_rows` for a train step.
 
     The default is a small model, so that dispatch costs dominate. `for_job` takes the job's own
-    actor shape and pass sizes instead, as ReaL profiles the model it plans for: on this machine
-    the default model's train step cost 1.73 ms per layer against 0.84 ms for the default job's
-    shape at the same rows and tokens (and 1.42 ms at the job's 8 rows), so a fixed calibration
-    model carries its own size into every estimate (bench/results/calibration_shape_cpu2_20261204.md).
-    Scored side by side on the same measurements (`bench_estimator.py --calibrate-on job --compare`,
-    estimator_cpu2_20261204_commit5cb2112_compare.md), the job's setup fixed the single-rank train
-    steps but estimated the other calls worse: median |rel err| 0.212 per iteration and 0.172 per
-    call, against 0.079 and 0.167 with the default. That setup had the rows of a one-replica call
-    (8, 4 to train), so it charged the dp2 / dp4 plans' ranks (2-4 rows each) for 8; one setup per
-    dp degree is not tried yet. The default stays the default."""
+    actor shape and pass sizes instead, as ReaL profiles the model it plans for: a fixed
+    calibration model carries its own size into every estimate (its train step costs about twice
+    the default job's shape per layer at the same rows and tokens:
+    bench/results/calibration_shape_cpu2_20261204.md). Scored side by side on the same
+    measurements (`bench_estimator.py --calibrate-on job --compare`), the job's setup fits the
+    single-rank train steps but estimates the other calls worse: it has the rows of a one-replica
+    call, so it charges the ranks of dp > 1 plans for rows they do not hold. The small model is
+    the default."""
 
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -335,8 +333,8 @@ def _fit_single(raw: dict, flops: float, cal: Setup = DEFAULT) -> dict:
     def net(key: str, L: int, passes: int, head: str = "lm") -> float:
         """The timing minus the roofline FLOPs of its passes (of the model with that head). The
         optimizer's modelled memory traffic is not subtracted: on these small layers the update
-        costs dispatch, not bandwidth, and subtracting it made the estimates of the default
-        job's train calls 15-35% too fast (bench_estimator, 2026-12-04)."""
+        costs dispatch, not bandwidth, and subtracting it makes the estimates of the default
+        job's train calls 15-35% too fast (bench_estimator)."""
         rows = cal.train_rows if passes == 3 else cal.rows
         return max(raw[key] - passes * fwd_flops(model_spec(cal.config(L, head)), rows * cal.seq, cal.seq / 2) / flops, 0.0)
 
@@ -363,15 +361,13 @@ def _pipe_wait(raw: dict) -> float:
     decode step, each with two hand-overs between the stages (the activation hop and the last
     stage's broadcast), per hand-over; their mean, in [0, one uncontended pp=2 inference pass]
     (a longer wait per message would be a disturbed calibration). The decode step is left out
-    when a difference of generation timings drowns in noise (<= 0). 0 for calibrations without
-    these timings (before 2026-12-04, session 3).
+    when a difference of generation timings drowns in noise (<= 0). 0 for recorded calibrations
+    without these timings.
 
-    A wait per hand-over rather than a stretch of the whole pass (the model until 2026-12-05,
-    `pipe_contention` = busy / alone - 1, 0.44-1.22): a woken stage waits for a core once per
-    hand-over, however much work its stage then does, and the stretch measured on these short
-    passes over-charged the dp2 x pp2 plan's longer train steps (+0.30 median relative error
-    over seven recorded bench_estimator runs; +0.17 with the wait:
-    bench/results/estimator_rescore_cpu2_20261205_pipewait.md)."""
+    A wait per hand-over rather than a stretch of the whole pass (busy / alone - 1): a woken stage
+    waits for a core once per hand-over, however much work its stage then does, and a stretch
+    measured on these short passes over-charges the longer train steps of a dp2 x pp2 plan
+    (bench/results/estimator_rescore_cpu2_20261205.md)."""
     Lp, (lo, hi) = PP_LAYERS, G
     if f"pp2busy_inf_{Lp}" not in raw:
         return 0.0
@@ -443,7 +439,7 @@ def profile_from_raw(raws: list[dict], cal: Setup = DEFAULT) -> HardwareProfile:
     """The `cpu` profile of recorded calibrations (calibrate_cpu's raw["repeats"]): each fitted
     alone, every field the median; `bench_estimator.py --rescore --refit` fits a recorded run's
     calibrations with this code. (A fit of the engines' own FLOP rate from passes at 1x and 4x
-    the rows was tried this way and measured worse on the same measurements: commit 12b860d,
+    the rows measures worse on the same measurements than the matmul roofline used here:
     bench/results/calibration_rate_ab_cpu2_20261204.md.)"""
     profs = [_profile(raw, cal) for raw in raws]
     kw = {}
@@ -486,16 +482,13 @@ def _profile(raw: dict, cal: Setup = DEFAULT) -> HardwareProfile:
 
 
 def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None, setup: Setup = DEFAULT):
-    """The datasheet profile `base` (hardware.PROFILES) with this GPU's fixed seconds per layer and
-    per pass (kernel launches and host dispatch, which the datasheet profiles leave at zero): the
-    calibration model's engines of phase A, one rank on one GPU, each field the median of
-    `repeats` fits. Returns (profile named "<base>_cal", raw). Runs in this process when
-    torch.distributed is initialized with one rank (any backend), else in one spawned NCCL rank.
+    """The datasheet profile `base` (real_py.search.hardware.PROFILES) with this GPU's fixed
+    seconds per layer and per pass (kernel launches and host dispatch, which the datasheet
+    profiles leave at zero): the calibration model's engines of phase A, one rank on one GPU,
+    each field the median of `repeats` fits. Returns (profile named "<base>_cal", raw). Runs in
+    this process when torch.distributed is initialized with one rank (any backend), else in one
+    spawned NCCL rank.
     Collective and pipeline fields stay the datasheet's: one GPU has no peer to time them."""
-    from dataclasses import replace
-
-    from .hardware import PROFILES
-
     if base not in PROFILES:
         raise ValueError(f"base={base!r}; allowed: {sorted(PROFILES)}")
     if repeats < 1:

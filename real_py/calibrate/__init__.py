@@ -1,0 +1,9 @@
+"""Measured hardware profiles: the `cpu` profile of this machine and GPU profiles with measured
+launch costs, timed on the runtime's own engines and transports (see README.md).
+`resolve_profile(name)` is the one place a profile name becomes a profile by calibrating."""
+
+from .measure import DEFAULT, Setup, calibrate_cpu, calibrate_gpu, profile_from_raw
+from .profiles import cpu_profile, resolve_profile
+
+__all__ = ["resolve_profile", "cpu_profile", "calibrate_cpu", "calibrate_gpu", "profile_from_raw", "Setup",
+           "DEFAULT"]
