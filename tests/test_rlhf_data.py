@@ -1,5 +1,5 @@
 # Checks prompt data sets (jsonl, parquet, prompt key, chat template, truncation, padding), the local tokenizer, decoding, user reward functions, and that bad data/tokenizer/reward configs fail in config.validate before any rank starts.
-# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows), real_py/rlhf/rewards.py (loading and checking reward functions), runtime.make_batch or the checks in real_py/rlhf/config/.
+# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows, make_batch), real_py/rlhf/rewards.py (loading and checking reward functions) or the checks in real_py/rlhf/config/.
 """Single process, no torch.distributed. The tokenizer is the copy task's character-level one,
 built by configs/copy_task/make_task.py into a tmp dir (nothing downloaded); the expected token
 ids are the tokenizer's own encode()."""
@@ -17,7 +17,6 @@ import torch
 from real_py.rlhf import config as CF
 from real_py.rlhf import data as D
 from real_py.rlhf.rewards import FunctionReward, load_function
-from real_py.rlhf.runtime import make_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [{"prompt": "123", "answer": "3", "id": 0}, {"prompt": "98765", "answer": "5", "id": 1},
@@ -124,12 +123,12 @@ def test_truncation_policy(env):
 def test_make_batch_rows_and_groups(env):
     cfg = _cfg(env)
     d = D.load(cfg, 16)
-    b = make_batch(cfg, 1, 16, d)
+    b = D.make_batch(cfg.data, 1, 16, d, seed=cfg.seed, repeat=cfg.group_size())
     idx = d.batch_indices(1, 4, 1)
     assert sorted(d.order.tolist()) == [0, 1, 2] and idx.tolist() == [d.order[i % 3].item() for i in (4, 5, 6, 7)]
     assert torch.equal(b["prompts"], d.prompts[idx]) and torch.equal(b["prompt_lengths"], d.lengths[idx])
     g = CF.from_dict({**CF.to_dict(cfg), "algo": "grpo", "ppo": {"group_size": 2}})
-    bg = make_batch(g, 0, 16, d)
+    bg = D.make_batch(g.data, 0, 16, d, seed=g.seed, repeat=g.group_size())
     assert torch.equal(bg["prompts"][0], bg["prompts"][1]) and torch.equal(bg["prompts"][2], bg["prompts"][3])
     assert not torch.equal(bg["prompts"][0], bg["prompts"][2])
     assert len(set(bg["seeds"].tolist())) == 4

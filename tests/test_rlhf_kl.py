@@ -84,9 +84,12 @@ def test_zero_variance_group_gives_zero_policy_gradient():
 
 
 def test_kl_in_config():
-    assert C.kl_in(CF.from_dict({"algo": "grpo"})) == "loss"
-    assert C.kl_in(CF.from_dict({"algo": "ppo"})) == "reward"
-    assert C.kl_in(CF.from_dict({"algo": "grpo", "ppo": {"kl_in": "reward"}})) == "reward"
-    assert C.kl_in(CF.from_dict({"algo": "ppo", "ppo": {"kl_in": "loss"}})) == "loss"
+    def kl_in(d):
+        cfg = CF.from_dict(d)
+        return C.kl_in(cfg.ppo, cfg.algo)
+    assert kl_in({"algo": "grpo"}) == "loss"
+    assert kl_in({"algo": "ppo"}) == "reward"
+    assert kl_in({"algo": "grpo", "ppo": {"kl_in": "reward"}}) == "reward"
+    assert kl_in({"algo": "ppo", "ppo": {"kl_in": "loss"}}) == "loss"
     with pytest.raises(ValueError, match="ppo.kl_in"):
         CF.from_dict({"ppo": {"kl_in": "advantage"}})

@@ -1,4 +1,4 @@
-# Checks the recipe options (issue 19) against hand-written references on ragged masks (empty responses, groups of one): KL estimators k1/k2/k3 and clamp, GRPO / Dr.GRPO / RLOO / REINFORCE++ / ReMax advantages, clip-higher, dual-clip, GSPO's sequence ratio, the four loss aggregations (values, gradients, invariance to the DP / micro-batch split), the adaptive KL controller and the per-algorithm default plans.
+# Checks the recipe options against hand-written references on ragged masks (empty responses, groups of one): KL estimators k1/k2/k3 and clamp, GRPO / Dr.GRPO / RLOO / REINFORCE++ / ReMax advantages, clip-higher, dual-clip, GSPO's sequence ratio, the four loss aggregations (values, gradients, invariance to the DP / micro-batch split), the adaptive KL controller and the per-algorithm default plans.
 # A failure points to real_py/rlhf/ppo.py (the maths), real_py/rlhf/runtime.py (adaptive_kl) or real_py/rlhf/config/ (default_plan, checks).
 import math
 
@@ -185,11 +185,12 @@ def test_aggregation_value_gradient_and_split_invariance(mode):
 
 def test_adaptive_kl_controller():
     cfg = CF.from_dict({"ppo": {"kl_coef": 0.1, "kl_target": 0.5, "kl_horizon": 80}, "data": {"batch_size": 8}})
-    assert math.isclose(adaptive_kl(0.1, 0.6, cfg), 0.1 * (1 + 0.2 * 8 / 80))       # e = 0.2
-    assert math.isclose(adaptive_kl(0.1, 5.0, cfg), 0.1 * (1 + 0.2 * 8 / 80))       # clipped
-    assert math.isclose(adaptive_kl(0.1, 0.25, cfg), 0.1 * (1 - 0.5 * 0.2 * 8 / 80 * 2))  # e = -0.5 -> -0.2
-    assert adaptive_kl(0.1, float("nan"), cfg) == 0.1
-    assert adaptive_kl(0.1, 0.6, CF.from_dict({})) == 0.1                             # no target: fixed
+    pc, n = cfg.ppo, cfg.data.batch_size
+    assert math.isclose(adaptive_kl(0.1, 0.6, pc, n), 0.1 * (1 + 0.2 * 8 / 80))       # e = 0.2
+    assert math.isclose(adaptive_kl(0.1, 5.0, pc, n), 0.1 * (1 + 0.2 * 8 / 80))       # clipped
+    assert math.isclose(adaptive_kl(0.1, 0.25, pc, n), 0.1 * (1 - 0.5 * 0.2 * 8 / 80 * 2))  # e = -0.5 -> -0.2
+    assert adaptive_kl(0.1, float("nan"), pc, n) == 0.1
+    assert adaptive_kl(0.1, 0.6, CF.from_dict({}).ppo, n) == 0.1                        # no target: fixed
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
@@ -285,6 +286,7 @@ def test_lr_schedule_against_reference():
         CF.from_dict({"ppo": {"min_lr_ratio": 2}})
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(400)
 def test_adaptive_kl_and_reward_moments_survive_resume(tmp_path):
     """A run resumed from step 2 continues with the same adapted KL coefficient and running reward
@@ -330,6 +332,7 @@ def _stop_case(rank, world):
     return free["new_tokens"].tolist(), (cut["lengths"] - n).tolist(), stops
 
 
+@pytest.mark.dist
 def test_several_stop_ids_end_responses():
     """Sampling is seeded per row, so with stop ids every response is the unstopped one cut
     after the first token that is any of the stop ids (kept in the response)."""

@@ -1,35 +1,33 @@
 """Checks how the runtime turns every rank's call and reallocation intervals into the step's
-per-call and per-model seconds (Runtime._summary): a call runs from its last rank's start to its
+per-call and per-model seconds (observe.step_summary): a call runs from its last rank's start to its
 last rank's end, summed over its runs; a rank that arrives late from earlier work opens the span;
 a call whose ranks never wait for each other (dp-only rollout calls, synchronous mode) counts its
 longest rank's own run;
 a rank's marker of a run it had no rows for (a dynamic-sampling refill round) does not; runs are
-matched across ranks by their order. A failure points to real_py/rlhf/runtime.py (_summary,
-_call) or real_py/rlhf/calls.py (run_call's return value).
+matched across ranks by their order. A failure points to real_py/rlhf/observe.py (step_summary,
+sync_free_calls), real_py/rlhf/runtime.py (_call) or real_py/rlhf/calls.py (run_call's return
+value).
 """
 
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from real_py.layout import Layout
-from real_py.rlhf.observe import METRICS
-from real_py.rlhf.runtime import Runtime
+from real_py.rlhf.observe import StepRecord, step_summary, sync_free_calls
 
 ORDER = ["actor_gen", "ref_inf", "rew_inf", "actor_train"]
 TP2 = Layout(tp=2, ranks=(0, 1))
 
 
-def summary(per_rank, layouts=None, astate=None):
-    """per_rank: list of (events, reallocs); the rest of the gathered tuple empty. Every call on
-    tp=2 (its ranks wait for each other) unless `layouts` says otherwise."""
+def summary(per_rank, layouts=None, asynchronous=False):
+    """per_rank: list of (events, reallocs); the rest of each rank's record empty. Every call on
+    tp=2 (its ranks wait for each other) unless `layouts` says otherwise. As the runtime does,
+    no call is sync-free in async mode."""
     graph = SimpleNamespace(order=ORDER, calls={n: SimpleNamespace(trains=n.endswith("train")) for n in ORDER})
     plan = SimpleNamespace(calls={n: (layouts or {}).get(n, TP2) for n in ORDER})
-    rt = SimpleNamespace(graph=graph, plan=plan, astate=astate)
-    sums = torch.zeros(len(METRICS), 2, dtype=torch.float64)
-    gathered = [(ev, rl, [], 0, {}) for ev, rl in per_rank]
-    return Runtime._summary(rt, sums, gathered, None)
+    free = set() if asynchronous else sync_free_calls(graph, plan)
+    return step_summary([StepRecord(events=ev, reallocs=rl) for ev, rl in per_rank], ORDER, free)
 
 
 def test_span_from_last_start_to_last_end():
@@ -53,7 +51,7 @@ def test_a_call_without_waits_counts_its_longest_rank():
     two = [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.2)], [(1, "ref_inf", 0.5, 1.0), (1, "ref_inf", 10.0, 10.5)]
     assert summary([(two[0], []), (two[1], [])], lay)["calls"]["ref_inf"] == pytest.approx(1.0 + 0.5)
     # async mode (a generation may wait inside the call for the next weights' receive thread): spans
-    assert summary([(r0, []), (r1, [])], lay, astate=object())["calls"]["actor_gen"] == pytest.approx(2.0)
+    assert summary([(r0, []), (r1, [])], lay, asynchronous=True)["calls"]["actor_gen"] == pytest.approx(2.0)
     # a pp or tp layout, or an expert group across the replicas (ep, etp), has waits inside the call
     for other in (Layout(dp=1, pp=2, ranks=(0, 1)), TP2, Layout(dp=2, ep=2, ranks=(0, 1)),
                   Layout(dp=2, etp=2, ranks=(0, 1))):

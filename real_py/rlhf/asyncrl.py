@@ -1,7 +1,7 @@
 """Asynchronous RL state: the bounded queue of generated batches, weight versions, row ledger,
 and the per-version check of behaviour log-probs (async.check_versions).
 
-Execution (runtime.Runtime._async_iteration), with k = async.max_staleness >= 1 and s the step:
+Execution (runtime.Runtime.iteration in async mode), with k = async.max_staleness >= 1 and s the step:
 
     version of the actor weights = train steps applied so far = s at the start of step s
     rollout calls of batch s + k   (weights of version s, reallocated train -> gen layout)
@@ -17,10 +17,16 @@ generated it. The first step fills the queue synchronously with the current weig
 a checkpoint saves every rank's queued rows, versions and ledger, so a resume continues with the
 same queue (a checkpoint without them refills it by a prologue). Rows over the bound (none by construction; the rule guards a plan change or
 a resume) are masked out of the loss and counted as dropped.
+
+With async.overlap_realloc, `Prefetch` double-buffers the actor's weights: the next version
+moves to the generation layout in a receive thread while this step generates (async.interrupt:
+a generation may switch to it mid-rollout, `Prefetch.swap_hook`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 
 import torch
@@ -28,6 +34,9 @@ import torch.distributed as dist
 
 from ..engines import Engine
 from ..realloc.shard import ModelShard
+from .config.schema import AsyncConfig
+from .models import Models
+from .observe import Event, Realloc, StepRecord
 from .rows import Store
 
 
@@ -112,39 +121,164 @@ def staleness(versions: torch.Tensor, mask: torch.Tensor, current: int) -> tuple
     return float(((current - versions) * mask).sum()), float(mask.sum())
 
 
-def swap_hook(rt, call, g, engine):
-    """(swap, state) for engines.generate when the call may pick up the next version mid-rollout
-    (async.interrupt, a receive thread running for this call), else None. The ranks of the
-    replica agree (MIN over TP, then PP) before swapping, so they swap at the same step. state:
-    {"at": decode step of the swap or None, "old": the replaced weights (for behaviour log-probs)}."""
-    ac = rt.cfg.async_
-    th = getattr(rt, "_thread", None)
-    if not ac.interrupt or th is None or call.name not in rt._prefetch:
-        return None
-    thread, box = th
-    state = {"at": None, "old": None}
+def prefetch_calls(graph, plan, home: dict[str, str]) -> list[str]:
+    """The actor's rollout calls whose weights can move during generation (double buffer):
+    all on ranks disjoint from the actor's train ranks, and no other model reallocated for a
+    rollout call (the receive thread would share the reallocation group with it). home: model ->
+    the call whose layout holds its weights (Models.home)."""
+    if "actor" not in home:
+        return []
+    src = set(plan.calls[home["actor"]].ranks)
+    calls = []
+    for n in graph.order:
+        c = graph.calls[n]
+        h = home.get(c.model)
+        if c.trains or h is None or plan.calls[n] == plan.calls[h]:
+            continue
+        if c.model != "actor" or src & set(plan.calls[n].ranks):
+            return []
+        calls.append(n)
+    return calls
 
-    def swap(step: int) -> bool:
-        if state["at"] is not None:
-            return False                   # one new version per step
-        if ac.interrupt_wait_step is not None:
-            if step != ac.interrupt_wait_step:
+
+class Prefetch:
+    """The double buffer of async.overlap_realloc for `calls` (prefetch_calls). In a step that
+    arms it, the generation ranks start receiving the next actor version in a thread right after
+    the last of `calls` took its weights (engine_for), so the receive runs under this step's
+    generation; the train ranks send that version after their train calls (send), which then
+    joins the thread. The next step's rollout calls run on the moved weights (engine_for)."""
+
+    def __init__(self, calls: list[str], models: Models, plan, *, rank: int, device: torch.device,
+                 timeout_s: float):
+        self.calls, self.models, self.rank = calls, models, rank
+        self.device, self.timeout_s = device, timeout_s
+        self.receivers = set().union(*(plan.calls[n].ranks for n in calls))
+        self.senders = set(plan.calls[models.home["actor"]].ranks)
+        self.ready: dict[str, Engine | None] = {}   # call -> engine (None off the receivers): moved ahead
+        self.used: list[str] = []                   # calls of this step that ran on moved-ahead weights
+        self.armed: int | None = None               # the step whose receive starts after calls[-1]
+        self.thread: tuple[threading.Thread, dict] | None = None   # the receive in flight, its box
+
+    def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
+        """Models.engine_for, or the weights moved ahead for `call` (no reallocation stats);
+        starts the receive thread after the armed step's last prefetched call."""
+        if call in self.ready:
+            engine, stats = self.ready.pop(call), None
+            self.used.append(call)
+        else:
+            engine, stats = self.models.engine_for(call)
+        if self.armed is not None and call == self.calls[-1]:
+            step, self.armed = self.armed, None
+            self._start(step)
+        return engine, stats
+
+    def _start(self, step: int) -> None:
+        """Generation ranks: begin receiving the next version in a thread (during this step's
+        generation); the train ranks send it after their train calls."""
+        if self.rank not in self.receivers:
+            return
+        box: dict = {}
+
+        def recv():
+            try:
+                if self.device.type == "cuda":
+                    # The current CUDA device is per thread: this one's must be the rank's.
+                    torch.cuda.set_device(self.device)
+                for n in self.calls:
+                    t0 = time.time()
+                    eng, stats = self.models.engine_for(n)
+                    box[n] = (eng, stats, t0, time.time())
+            except BaseException as e:   # re-raised by the main thread at the join
+                box["error"] = e
+        th = threading.Thread(target=recv, name=f"realloc-prefetch-{step}", daemon=True)
+        th.start()
+        self.thread = (th, box)
+
+    def send(self, step: int, rec: StepRecord) -> None:
+        """Train ranks: send the new version to the generation layout (after the train calls);
+        generation ranks: wait for the receive thread."""
+        self.armed = None
+        for n in self.calls:
+            if self.rank in self.senders:
+                t0 = time.time()
+                try:
+                    _, stats = self.models.engine_for(n)
+                except Exception as e:
+                    raise RuntimeError(f"rank {self.rank}, step {step}: sending the next actor "
+                                       f"weights for {n}: {type(e).__name__}: {e}") from e
+                rec.reallocs.append(Realloc("actor", n, stats["start"], stats["end"], stats["sent_bytes"]))
+                rec.events.append(Event(self.rank, "realloc:" + n, t0, time.time()))
+            self.ready[n] = None
+        if self.thread is not None:
+            self._join(step, rec)
+
+    def _join(self, step: int, rec: StepRecord) -> None:
+        th, box = self.thread
+        self.thread = None
+        th.join(self.timeout_s)
+        if th.is_alive():
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights "
+                               f"({self.calls}) did not finish within {self.timeout_s:.0f} s")
+        if "error" in box:
+            e = box["error"]
+            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights: "
+                               f"{type(e).__name__}: {e}") from e
+        for n in self.calls:
+            # The receive thread's interval includes waiting for the train step to end: kept as
+            # its own event, not as reallocation time (the senders' interval is the transfer).
+            eng, stats, t0, t1 = box[n]
+            rec.events.append(Event(self.rank, "recv_thread:" + n, t0, t1))
+            self.ready[n] = eng
+
+    def swap_hook(self, call, g, engine, ac: AsyncConfig):
+        """(swap, state) for engines.generate when the call may pick up the next version
+        mid-rollout (async.interrupt, a receive thread running for this call), else None. The
+        ranks of the replica agree (MIN over TP, then PP) before swapping, so they swap at the
+        same step. state: {"at": decode step of the swap or None, "old": the replaced weights
+        (for behaviour log-probs)}."""
+        if not ac.interrupt or self.thread is None or call.name not in self.calls:
+            return None
+        thread, box = self.thread
+        state = {"at": None, "old": None}
+        timeout_s, device = self.timeout_s, self.device
+
+        def swap(step: int) -> bool:
+            if state["at"] is not None:
+                return False                   # one new version per step
+            if ac.interrupt_wait_step is not None:
+                if step != ac.interrupt_wait_step:
+                    return False
+                thread.join(timeout_s)
+                if thread.is_alive():
+                    raise RuntimeError(f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
+                                       f"the next weights did not arrive within {timeout_s:.0f} s")
+            ready = torch.tensor([1 if call.name in box else 0], device=device)
+            for grp, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
+                if size > 1:
+                    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=grp)
+            if not int(ready.item()):
                 return False
-            thread.join(rt.timeout_s)
-            if thread.is_alive():
-                raise RuntimeError(f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
-                                   f"the next weights did not arrive within {rt.timeout_s:.0f} s")
-        ready = torch.tensor([1 if call.name in box else 0], device=rt.device)
-        for grp, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
-            if size > 1:
-                dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=grp)
-        if not int(ready.item()):
-            return False
-        state["old"] = engine.shard.flat.clone()
-        engine.shard.flat.copy_(box[call.name][0].shard.flat)
-        state["at"] = step
-        return True
-    return swap, state
+            state["old"] = engine.shard.flat.clone()
+            engine.shard.flat.copy_(box[call.name][0].shard.flat)
+            state["at"] = step
+            return True
+        return swap, state
+
+
+def async_report(events, rollout: set[str], train: set[str], prologue_s: float, wait_s: float
+                 ) -> dict[str, float]:
+    """The step's "async" figures from every rank's events: the prologue's and the wait for the
+    new batch's rows' seconds, and overlaps of rollout calls, train calls and reallocations."""
+    rea = {"realloc:" + n for n in rollout}
+    return {"prologue_seconds": prologue_s, "wait_rows_seconds": wait_s,
+            # seconds in which a rollout call ran while a train call ran (any ranks)
+            "overlap_seconds": overlap_seconds(events, rollout, train),
+            # seconds of rollout-side reallocation during which a rollout call ran
+            # (double buffer: the receive runs under generation; without it only
+            # the senders' wait for completion can overlap generation)
+            "realloc_hidden_seconds": overlap_seconds(events, rea, rollout),
+            # wall seconds in which some rank reallocated for a rollout call
+            "realloc_seconds": overlap_seconds(events, rea, rea)}
 
 
 def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
@@ -170,4 +304,5 @@ def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Te
     return float(err.sum()), float(err_new.sum()), float(mask.sum())
 
 
-__all__ = ["AsyncState", "overlap_seconds", "version_mask", "staleness", "version_errors"]
+__all__ = ["AsyncState", "Prefetch", "prefetch_calls", "async_report", "overlap_seconds", "version_mask",
+           "staleness", "version_errors"]

@@ -1,8 +1,9 @@
 """What each kind of call does on one rank of its mesh, over its DP-local rows of the Store.
 
 Every rank of a DP replica (all its TP and PP ranks) runs the same code on the same rows and
-writes the same results. Metrics are added to `sums` [len(METRICS), 2] (sum, count) by one
+writes the same results. Metrics are added to `sums` (observe.MetricSums: sum, count) by one
 reporter rank per DP replica (TP rank 0 of the last stage), and summed over the world later.
+Everything else a call reads comes from its context.CallContext.
 """
 
 from __future__ import annotations
@@ -12,37 +13,35 @@ import torch.distributed as dist
 
 from . import asyncrl as A
 from . import ppo as P
+from .config.schema import GenConfig, PPOConfig, RewardConfig
+from .context import CallContext
 from .data import decode
-from .observe import METRICS
+from .observe import MetricSums
 from .rewards import write_samples
 from .rows import dp_rows
 
 
-def _add(rt, sums, name: str, value: float, count: float) -> None:
-    sums[METRICS.index(name), 0] += value
-    sums[METRICS.index(name), 1] += count
-
-
-def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
+def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: int) -> bool:
     """Run `call` on this rank's rows; False when it had none (a refill round of dynamic
     sampling that regenerates no row of this rank's replica)."""
-    rows = dp_rows(g.layout, g.dp_rank, rt.B, rt.mini_batches.get(call.name, 1))
-    if rt.active_rows is not None and not call.trains:
+    rows = dp_rows(g.layout, g.dp_rank, ctx.B, ctx.mini_batches.get(call.name, 1))
+    if ctx.active_rows is not None and not call.trains:
         # A refill round of dynamic sampling: only the rows of dropped groups are regenerated.
-        rows = [r for r in rows if r in rt.active_rows]
+        rows = [r for r in rows if r in ctx.active_rows]
         if not rows:
             return False
     reporter = g.tp_rank == 0 and g.is_last_stage
-    cfg = rt.cfg
     if call.kind in ("generate", "generate_greedy"):
-        gc = cfg.generation
+        gc = ctx.generation
         greedy = gc.greedy or call.kind == "generate_greedy"
-        hook = A.swap_hook(rt, call, g, engine) if call.kind == "generate" else None
+        hook = None
+        if call.kind == "generate" and ctx.prefetch is not None:
+            hook = ctx.prefetch.swap_hook(call, g, engine, ctx.async_)
         out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
                               store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
                               min_new_tokens=gc.min_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              top_k=gc.top_k, eos_token_id=stop_ids(rt) or None, decode=gc.decode,
+                              top_k=gc.top_k, eos_token_id=stop_ids(gc, ctx.tokenizer) or None, decode=gc.decode,
                               swap=hook[0] if hook else None)
         at = hook[1]["at"] if hook else None
         store.write(call.writes[0], rows, out["tokens"])
@@ -52,10 +51,10 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
             # Async mode: the weight version of every response token, -1 off the response;
             # after an interrupt (new weights from decode step `at`) the later tokens are newer.
             pl = store.rows("prompt_lengths", rows)
-            T1 = rt.T - 1
+            T1 = ctx.T - 1
             m = P.response_mask(pl, out["lengths"], T1 + 1)
             j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(1)   # new-token index of each prediction
-            ver = torch.full_like(j, rt.gen_version) + (0 if at is None else (j >= at).long())
+            ver = torch.full_like(j, ctx.gen_version) + (0 if at is None else (j >= at).long())
             ver = torch.where(m > 0, ver, torch.full_like(ver, -1))
             store.write("versions", rows, ver)
         if len(call.writes) > 2:
@@ -66,10 +65,10 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
                 engine.shard.flat.copy_(hook[1]["old"])
                 lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
                 engine.shard.flat.copy_(new_w)
-                lp = torch.where(ver[:, :lp.shape[1]] == rt.gen_version, lp_old, lp)
+                lp = torch.where(ver[:, :lp.shape[1]] == ctx.gen_version, lp_old, lp)
             store.write(call.writes[2], rows, lp)
         if hook and reporter:
-            _add(rt, sums, "interrupted", float(len(rows)) if at is not None else 0.0, float(len(rows)))
+            sums.add("interrupted", float(len(rows)) if at is not None else 0.0, float(len(rows)))
     elif call.kind == "logprobs":
         lp = engine.inference(store.rows("tokens", rows), store.rows("lengths", rows))["logprobs"]
         store.write(call.writes[0], rows, lp)
@@ -80,65 +79,61 @@ def run_call(rt, call, g, engine, store, sums, step: int) -> bool:
         # scores of (tokens, lengths); ReMax's reward call also scores (base_tokens, base_lengths).
         for j, key in enumerate(call.writes):
             tok_key, len_key = ("tokens", "lengths") if j == 0 else ("base_tokens", "base_lengths")
-            _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0)
+            _reward(ctx, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0)
     elif call.kind in ("train_ppo_actor", "train_grpo_actor", "train_critic"):
-        _train(rt, call, g, engine, store, sums, rows, reporter, step)
+        _train(ctx, call, g, engine, store, sums, rows, reporter, step)
     else:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
     return True
 
 
-def _reward(rt, cfg, engine, store, rows, step, key, tok_key, len_key, writer) -> None:
+def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, writer) -> None:
     tok, ln, pl = (store.rows(k, rows) for k in (tok_key, len_key, "prompt_lengths"))
     texts = None
-    if rt.reward_fn is not None:
-        texts = _texts(rt, step, rows, tok, pl, ln)
-        row = rt.data.fields(_data_index(rt, step)[rows]) if rt.data is not None else {}
-        score = rt.reward_fn(texts[0], texts[1], row)
+    if ctx.reward_fn is not None:
+        texts = _texts(ctx, rows, tok, pl, ln)
+        row = ctx.prompts.fields(ctx.batch_index[rows]) if ctx.prompts is not None else {}
+        score = ctx.reward_fn(texts[0], texts[1], row)
     elif engine is None:
-        score = P.rule_reward(tok, pl, ln, cfg.reward.target_token)
+        score = P.rule_reward(tok, pl, ln, ctx.reward.target_token)
     else:
         v = engine.inference(tok, ln)["values"]
         score = v.gather(1, (ln - 1).unsqueeze(1)).squeeze(1)
     store.write(key, rows, score)
-    n = min(cfg.data.samples_per_step, len(rows))
-    if rt.samples_path and n and writer and key == "scores":
+    n = min(ctx.data.samples_per_step, len(rows))
+    if ctx.samples_path and n and writer and key == "scores":
         if texts is None:
-            texts = _texts(rt, step, rows[:n], tok[:n], pl[:n], ln[:n])
-        write_samples(rt.samples_path, step, texts[0][:n], texts[1][:n], score[:n], rows[:n])
+            texts = _texts(ctx, rows[:n], tok[:n], pl[:n], ln[:n])
+        write_samples(ctx.samples_path, step, texts[0][:n], texts[1][:n], score[:n], rows[:n])
 
 
-def eos_token_id(rt) -> int | None:
+def eos_token_id(gc: GenConfig, tokenizer) -> int | None:
     """generation.eos_token_id, else the tokenizer's EOS (when a tokenizer is configured)."""
-    eos = rt.cfg.generation.eos_token_id
-    if eos is None and rt.tokenizer is not None:
-        eos = rt.tokenizer.eos_token_id
+    eos = gc.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
     return eos
 
 
-def stop_ids(rt) -> list[int]:
+def stop_ids(gc: GenConfig, tokenizer) -> list[int]:
     """The tokens that end a response: the EOS (eos_token_id) and generation.stop_token_ids."""
-    eos = eos_token_id(rt)
-    extra = list(rt.cfg.generation.stop_token_ids or ())
+    eos = eos_token_id(gc, tokenizer)
+    extra = list(gc.stop_token_ids or ())
     return list(dict.fromkeys(([eos] if eos is not None else []) + extra))
 
 
-def _data_index(rt, step: int) -> torch.Tensor:
-    """[B] data-set row of every batch row of iteration `step` (as runtime.make_batch picks them,
-    refilled rows of dynamic sampling included)."""
-    return rt.batch_index
-
-
-def _texts(rt, step: int, rows: list[int], tok, pl, ln) -> tuple[list, list]:
+def _texts(ctx: CallContext, rows: list[int], tok, pl, ln) -> tuple[list, list]:
     """(prompts, responses) of the rows: the data set's prompt values (decoded prompt tokens for
-    synthetic prompts) and decoded responses; token id lists when there is no tokenizer."""
-    if rt.tokenizer is None:
+    synthetic prompts) and decoded responses; token id lists when there is no tokenizer. The
+    data-set rows are ctx.batch_index (as data.make_batch picks them, refilled rows of dynamic
+    sampling included)."""
+    if ctx.tokenizer is None:
         return ([t[:p] for t, p in zip(tok.tolist(), pl.tolist())],
                 [t[p:n] for t, p, n in zip(tok.tolist(), pl.tolist(), ln.tolist())])
     # With a data set the prompts are its own values (not a decode of the truncated tokens).
-    prompts, responses = decode(rt.tokenizer, tok, pl, ln, prompts=rt.data is None)
-    if rt.data is not None:
-        prompts = rt.data.prompt_values(_data_index(rt, step)[rows])
+    prompts, responses = decode(ctx.tokenizer, tok, pl, ln, prompts=ctx.prompts is None)
+    if ctx.prompts is not None:
+        prompts = ctx.prompts.prompt_values(ctx.batch_index[rows])
     return prompts, responses
 
 
@@ -151,54 +146,55 @@ def _allreduce_dp(t: torch.Tensor, g, device) -> torch.Tensor:
     return t
 
 
-def kl_in(cfg) -> str:
-    """Where the KL to the reference enters: cfg.ppo.kl_in, or by default "loss" for GRPO-style
+def kl_in(pc: PPOConfig, algo: str) -> str:
+    """Where the KL to the reference enters: ppo.kl_in, or by default "loss" for GRPO-style
     outcome estimators (grpo, rloo: as GRPO is published) and "reward" for the others (PPO,
     REINFORCE++ and ReMax put the per-token KL in the reward)."""
-    return cfg.ppo.kl_in or ("loss" if cfg.algo in ("grpo", "rloo") else "reward")
+    return pc.kl_in or ("loss" if algo in ("grpo", "rloo") else "reward")
 
 
-def kl_estimator(cfg) -> str:
+def kl_estimator(pc: PPOConfig, algo: str) -> str:
     """ppo.kl_estimator, or by default k1 in the reward and k3 in the loss."""
-    return cfg.ppo.kl_estimator or ("k1" if kl_in(cfg) == "reward" else "k3")
+    return pc.kl_estimator or ("k1" if kl_in(pc, algo) == "reward" else "k3")
 
 
-def _shape(rt, moments, scores, resp_len, trunc):
+def _shape(rc: RewardConfig, max_len: int, moments, scores, resp_len, trunc):
     """P.shape_scores with the config's reward options (moments: None without reward.normalize)."""
-    rc = rt.cfg.reward
-    return P.shape_scores(scores, resp_len, trunc, max_len=rt.cfg.generation.max_new_tokens,
+    return P.shape_scores(scores, resp_len, trunc, max_len=max_len,
                           moments=moments, overlong_buffer=rc.overlong_buffer,
                           overlong_factor=rc.overlong_penalty, missing_eos_penalty=rc.missing_eos_penalty,
                           clip=rc.clip)
 
 
-def _advantages(rt, call, g, d: dict) -> dict:
+def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
     """Adds "mask", "kl" (k1, the reported metric), "adv", and for PPO "returns", "old_values"
-    to the DP-local batch d; all [b, T-1]. One path for every estimator (cfg.algo)."""
-    cfg, pc, rc = rt.cfg, rt.cfg.ppo, rt.cfg.reward
+    to the DP-local batch d; all [b, T-1]. One path for every estimator (ctx.algo)."""
+    pc, rc, algo = ctx.ppo, ctx.reward, ctx.algo
+    max_len, stops = ctx.generation.max_new_tokens, stop_ids(ctx.generation, ctx.tokenizer)
     T = d["tokens"].shape[1]
     mask = P.response_mask(d["prompt_lengths"], d["lengths"], T)
     d["kl"] = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, "k1")
-    trunc = P.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stop_ids(rt))
+    trunc = P.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stops)
     d["raw_scores"] = d["scores"]
     moments = None
     if rc.normalize:   # the previous steps' moments plus this batch's (summed over DP)
         cur = P.masked_moments(d["scores"], torch.ones_like(d["scores"]))
-        moments = rt.reward_moments + _allreduce_dp(cur, g, rt.device)
-    d["scores"] = _shape(rt, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc)
+        moments = ctx.reward_moments + _allreduce_dp(cur, g, ctx.device)
+    d["scores"] = _shape(rc, max_len, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc)
     if "base_scores" in d:   # ReMax's greedy baseline, shaped like the samples it is compared with
-        bt = P.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stop_ids(rt))
-        d["base_scores"] = _shape(rt, moments, d["base_scores"], d["base_lengths"] - d["prompt_lengths"], bt)
+        bt = P.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stops)
+        d["base_scores"] = _shape(rc, max_len, moments, d["base_scores"],
+                                  d["base_lengths"] - d["prompt_lengths"], bt)
     if rc.mask_truncated:
         mask = mask * (~trunc).float().unsqueeze(1)
     d["mask"] = mask
-    in_reward = kl_in(cfg) == "reward"
-    kl = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(cfg), pc.kl_clamp) if in_reward \
+    in_reward = kl_in(pc, algo) == "reward"
+    kl = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(pc, algo), pc.kl_clamp) if in_reward \
         else torch.zeros_like(mask)
-    coef = rt.kl_coef if in_reward else 0.0
-    scores, algo = d["scores"], cfg.algo
+    coef = ctx.kl_coef if in_reward else 0.0
+    scores = d["scores"]
     if algo in ("grpo", "rloo"):
-        d["adv"] = P.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(cfg),
+        d["adv"] = P.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(pc, algo),
                                      norm_by_std=pc.norm_adv_by_std, estimator=algo)
         return d
     if algo in ("reinforce_pp", "reinforce_pp_baseline", "remax"):
@@ -209,58 +205,57 @@ def _advantages(rt, call, g, d: dict) -> dict:
             base = d["base_scores"]
         adv = P.reinforce_returns(scores, kl, mask, coef, pc.gamma, base)
         if algo != "remax" and pc.whiten_returns:
-            adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, rt.device))
+            adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, ctx.device))
         d["adv"] = adv
         return d
     rewards = P.token_rewards(scores, kl, mask, coef)
     values = d["values"][:, :-1] * mask
     adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
     if pc.whiten_advantages:
-        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, rt.device))
+        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, ctx.device))
     d["adv"], d["returns"], d["old_values"] = adv, ret, values
     return d
 
 
-def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
-    pc = rt.cfg.ppo
+def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, reporter, step: int) -> None:
+    pc = ctx.ppo
     keys = [k for k in call.reads]
     d = {k: store.rows(k, rows) for k in keys}
-    d = _advantages(rt, call, g, d)
+    d = _advantages(ctx, call, g, d)
     critic = call.kind == "train_critic"
-    st = getattr(rt, "astate", None)
+    st = ctx.astate
     if "versions" in d:
         # Async mode: rows generated more than k versions ago leave the loss (counted dropped).
         d["mask"], old = A.version_mask(d["versions"], d["mask"], st.version, st.k)
         if reporter:
-            _add(rt, sums, "rows_dropped_step", float(old.sum()), 0.0)
+            sums.add("rows_dropped_step", float(old.sum()), 0.0)
             s_sum, s_cnt = A.staleness(d["versions"], d["mask"], st.version)
-            _add(rt, sums, "staleness", s_sum, s_cnt)
-        if rt.cfg.async_.check_versions:
-            e_rec, e_new, ntok = A.version_errors(st, rt.configs["actor"], rt.models.specs["actor"], g,
-                                                  engine, d, d["mask"])
+            sums.add("staleness", s_sum, s_cnt)
+        if ctx.async_.check_versions:
+            e_rec, e_new, ntok = A.version_errors(st, ctx.models.configs["actor"], ctx.models.specs["actor"],
+                                                  g, engine, d, d["mask"])
             if reporter:
-                _add(rt, sums, "version_err", e_rec, ntok)
-                _add(rt, sums, "version_err_newest", e_new, ntok)
+                sums.add("version_err", e_rec, ntok)
+                sums.add("version_err_newest", e_new, ntok)
     decoupled = pc.decoupled and not critic
     if decoupled:
         # The proximal policy: this train engine's weights before the step's first update.
         d["prox_logp"] = engine.inference(d["tokens"], d["lengths"])["logprobs"]
     if reporter and not critic:
         resp = d["mask"].sum(1)
-        _add(rt, sums, "reward", float(d["raw_scores"].sum()), len(rows))
-        # Sum of squared raw scores (a row past METRICS) for the running normalisation.
-        sums[len(METRICS), 0] += float((d["raw_scores"].double() ** 2).sum())
-        sums[len(METRICS), 1] += len(rows)
-        _add(rt, sums, "kl", float(d["kl"].sum()), len(rows))
-        _add(rt, sums, "response_length", float(resp.sum()), len(rows))
-    kl_loss = not critic and kl_in(rt.cfg) == "loss"
-    est, coef, max_len = kl_estimator(rt.cfg), rt.kl_coef, rt.cfg.generation.max_new_tokens
+        sums.add("reward", float(d["raw_scores"].sum()), len(rows))
+        # Sum of squared raw scores for the running normalisation.
+        sums.add_squared_scores(float((d["raw_scores"].double() ** 2).sum()), len(rows))
+        sums.add("kl", float(d["kl"].sum()), len(rows))
+        sums.add("response_length", float(resp.sum()), len(rows))
+    kl_loss = not critic and kl_in(pc, ctx.algo) == "loss"
+    est, coef, max_len = kl_estimator(pc, ctx.algo), ctx.kl_coef, ctx.generation.max_new_tokens
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
     fields += ["prox_logp"] if decoupled else []
     local = torch.arange(len(rows))
     base_lr = pc.critic_lr if critic else pc.actor_lr
-    total = rt.cfg.steps * pc.ppo_epochs * pc.mini_batches
+    total = ctx.steps * pc.ppo_epochs * pc.mini_batches
     for epoch in range(pc.ppo_epochs):
         for j, mb in enumerate(local.tensor_split(pc.mini_batches)):
             k = (step * pc.ppo_epochs + epoch) * pc.mini_batches + j      # optimizer step of the run
@@ -269,7 +264,7 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
             # Tokens and rows of the GLOBAL mini-batch: every part's loss is its share of the
             # whole (ppo.aggregate), and gradients are summed over micro-batches and DP.
             counts = torch.tensor([float(batch["mask"].sum()), float(len(mb))], dtype=torch.float64)
-            n_tok, n_seq = _allreduce_dp(counts, g, rt.device).tolist()
+            n_tok, n_seq = _allreduce_dp(counts, g, ctx.device).tolist()
             extra = []
 
             def loss_fn(out, data, n_tok=max(n_tok, 1.0), n_seq=n_seq, extra=extra):
@@ -298,11 +293,11 @@ def _train(rt, call, g, engine, store, sums, rows, reporter, step: int) -> None:
             if reporter:
                 ncl, ent, ntk = (sum(x[i] for x in extra) for i in range(3))
                 if critic:
-                    _add(rt, sums, "value_clip_frac", ncl, ntk)
+                    sums.add("value_clip_frac", ncl, ntk)
                 else:
-                    _add(rt, sums, "clip_frac", ncl, ntk)
-                    _add(rt, sums, "entropy", ent, ntk)
+                    sums.add("clip_frac", ncl, ntk)
+                    sums.add("entropy", ent, ntk)
                 if g.dp_rank == 0:
-                    _add(rt, sums, "value_loss" if critic else "policy_loss", res["loss"], 1)
+                    sums.add("value_loss" if critic else "policy_loss", res["loss"], 1)
                     if "aux_loss" in res and not critic:
-                        _add(rt, sums, "moe_aux_loss", res["aux_loss"], 1)
+                        sums.add("moe_aux_loss", res["aux_loss"], 1)

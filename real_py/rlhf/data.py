@@ -4,6 +4,8 @@
     idx = data.batch_indices(step, B, repeat)         # [B] data-set rows of the iteration
     data.prompts[idx], data.lengths[idx]              # [B, P] right-padded ids, [B] lengths
     data.fields(idx)                                  # the rows' other fields, as lists
+    make_batch(cfg.data, step, vocab_size, data, seed=cfg.seed, repeat=cfg.group_size())
+                                                      # the step's prompts, prompt_lengths, seeds
 
 Files: `.jsonl` (one JSON object per line) or `.parquet` (pyarrow); `data.prompt_key` names the
 prompt field (a string, or with `data.chat_template` a string or a list of {"role", "content"}
@@ -227,4 +229,25 @@ def tokenizer(cfg, data: PromptData | None):
     return load_tokenizer_cached(tp) if tp else None
 
 
-__all__ = ["PromptData", "read_rows", "load_tokenizer", "decode", "load", "tokenizer", "tokenizer_path"]
+def make_batch(dc, step: int, vocab_size: int, data: PromptData | None = None, *, seed: int,
+               repeat: int = 1) -> dict[str, torch.Tensor]:
+    """The iteration's prompts (dc: the config's data section), right-padded, with a sampling seed
+    per row: rows of the prompt data set `data` or, without one, a slice of the synthetic prompt
+    set drawn from `seed`. The grouped algorithms (GRPO, RLOO, REINFORCE++) repeat each prompt
+    `repeat` (TrainConfig.group_size()) times."""
+    B = dc.batch_size
+    seeds = seed * 1_000_003 + step * B + torch.arange(B)
+    if data is not None:
+        idx = data.batch_indices(step, B, repeat)
+        return {"prompts": data.prompts[idx], "prompt_lengths": data.lengths[idx], "seeds": seeds}
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(dc.min_prompt_len, dc.max_prompt_len + 1, (dc.num_prompts,), generator=g)
+    toks = torch.randint(1, vocab_size, (dc.num_prompts, dc.max_prompt_len), generator=g)
+    toks = toks * (torch.arange(dc.max_prompt_len) < lens.unsqueeze(1))
+    idx = (step * (B // repeat) + torch.arange(B // repeat)) % dc.num_prompts
+    idx = idx.repeat_interleave(repeat)
+    return {"prompts": toks[idx], "prompt_lengths": lens[idx], "seeds": seeds}
+
+
+__all__ = ["PromptData", "read_rows", "load_tokenizer", "decode", "load", "tokenizer", "tokenizer_path",
+           "make_batch"]

@@ -7,6 +7,10 @@ optional W&B run, summary.json.
 
 W&B is used only when the config has `wandb: {project: ..., ...}` (passed to `wandb.init`); the
 package is imported only then. All of this runs on rank 0 only.
+
+Every rank records each step as it runs: `MetricSums` (what the calls report, summed over the
+world) and a `StepRecord` (call, reallocation and offload intervals, bytes, memory peaks),
+gathered at the step's end and turned into the step's timings by `step_summary`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves.png", "hf")
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files."""
@@ -28,7 +37,139 @@ METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip
            # MoE models: the load-balancing aux loss of each train step (transformers' formula, in
            # the actor's / critic's loss with the config's router_aux_loss_coef)
            "moe_aux_loss")
-"""Per-step metrics every call may add to (sum, count) rows of the step's `sums` tensor, in this order."""
+"""Per-step metrics every call may add to (sum, count) rows of the step's MetricSums, in this order.
+Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
+response_length are means over sequences; policy_loss / value_loss means over optimizer steps
+(each the token mean of its mini-batch); clip fractions and entropy means over response tokens
+of every mini-batch pass."""
+
+
+@dataclass(slots=True)
+class MetricSums:
+    """A step's (sum, count) of every METRICS entry, in that order, plus one row past them: the
+    sum of squared raw scores (reward.normalize). Calls add to it on their reporter ranks; the
+    runtime sums `t` over the world at the step's end."""
+    t: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64))
+
+    def add(self, name: str, value: float, count: float) -> None:
+        self.t[METRICS.index(name), 0] += value
+        self.t[METRICS.index(name), 1] += count
+
+    def add_squared_scores(self, value: float, count: float) -> None:
+        self.t[len(METRICS), 0] += value
+        self.t[len(METRICS), 1] += count
+
+    def total(self, name: str) -> float:
+        return float(self.t[METRICS.index(name), 0])
+
+    def means(self) -> dict[str, float]:
+        """Mean of every metric with a count."""
+        return {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, self.t.tolist()) if c}
+
+    def reward_moments(self) -> torch.Tensor:
+        """[sum, sum of squares, count] of the step's raw scores."""
+        r = METRICS.index("reward")
+        return torch.tensor([self.t[r, 0], self.t[len(METRICS), 0], self.t[r, 1]], dtype=torch.float64)
+
+
+class Event(NamedTuple):
+    """An interval on one rank: a call's run (name: the call), a reallocation for a call
+    ("realloc:<call>", async mode) or a weight receive thread ("recv_thread:<call>")."""
+    rank: int
+    name: str
+    start: float
+    end: float
+
+
+class Realloc(NamedTuple):
+    """One rank's part of a reallocation of `model` into the layout of `call`."""
+    model: str
+    call: str
+    start: float
+    end: float
+    sent_bytes: int
+
+
+class Offload(NamedTuple):
+    """A frozen model's reload before its call and offload after it, on one rank."""
+    model: str
+    seconds: float
+    nbytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """What one rank recorded of a step; the runtime gathers every rank's at the step's end."""
+    events: list[Event] = field(default_factory=list)
+    reallocs: list[Realloc] = field(default_factory=list)
+    offloads: list[Offload] = field(default_factory=list)
+    peak_mem_mib: dict[str, float] = field(default_factory=dict)   # per call (CUDA only)
+    data_bytes: int = 0                                            # row pushes sent
+
+
+def step_summary(records: list[StepRecord], order: list[str], sync_free: set[str]) -> dict:
+    """The step's timings and volumes from every rank's record: "calls" (per call, in `order`),
+    "realloc_seconds" (per model), "realloc_bytes", "offload_seconds" (per frozen model),
+    "offload_bytes", "data_bytes", "peak_mem_mib" (per call) and "events" (every rank's).
+
+    A call's (a reallocation's) seconds run from the moment its last rank enters it to the
+    moment its last rank leaves, summed over its runs: a rank that arrives late from earlier
+    work (rank 0 writing the previous step's logs) is not charged to the call its peers wait in.
+    Wall clocks of the ranks are compared, as for the async overlap figures. A call in
+    `sync_free` (its ranks never wait for each other, see sync_free_calls) has no such wait to
+    leave out: its seconds are its longest rank's own run, since the spread of the ranks' start
+    times is not part of its work."""
+    events, spans, r_spans, own = [], {}, {}, {}
+    r_bytes, o_sec, o_bytes, d_bytes, peak = 0, {}, 0, 0, {}
+    for rec in records:
+        events += rec.events
+        for name, mib in rec.peak_mem_mib.items():
+            peak[name] = max(peak.get(name, 0.0), mib)
+        # The k-th run of a call on this rank (a refill round runs it again), and the k-th
+        # reallocation of a model for a call: the same run on every rank that takes part.
+        seen = Counter()
+        for _, name, a, b in rec.events:
+            if b > a:   # not a rank's marker of a run it had no rows for
+                _span(spans, (name, seen[name]), a, b)
+                own[name, seen[name]] = max(own.get((name, seen[name]), 0.0), b - a)
+            seen[name] += 1
+        for model, call, a, b, nbytes in rec.reallocs:
+            _span(r_spans, (model, call, seen[model, call]), a, b)
+            seen[model, call] += 1
+            r_bytes += nbytes
+        for model, sec, nbytes in rec.offloads:
+            o_sec[model] = max(o_sec.get(model, 0.0), sec)
+            o_bytes += nbytes
+        d_bytes += rec.data_bytes
+    calls, r_sec = {}, {}
+    for (name, k), (a, b) in spans.items():
+        calls[name] = calls.get(name, 0.0) + (own[name, k] if name in sync_free else max(b - a, 0.0))
+    for (model, _, _), (a, b) in r_spans.items():
+        r_sec[model] = r_sec.get(model, 0.0) + max(b - a, 0.0)
+    return {"calls": {n: calls[n] for n in order if n in calls}, "realloc_seconds": r_sec,
+            "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
+            "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in order if n in peak},
+            "events": events}
+
+
+def sync_free_calls(graph, plan) -> set[str]:
+    """Calls whose ranks never wait for each other while they run: rollout calls (generation,
+    inference) on dp replicas alone (tp = pp = 1 and no expert group across replicas, ep = etp =
+    1: no collective inside the call; each rank runs its own rows). Synchronous mode only: in
+    async mode a generation's rank may wait for the next weights' receive thread (the trainer
+    ranks) inside the call."""
+    out = set()
+    for n in graph.order:
+        lay = plan.calls[n]
+        if not graph.calls[n].trains and lay.tp == lay.pp == lay.ep == lay.etp == 1:
+            out.add(n)
+    return out
+
+
+def _span(spans: dict, key, start: float, end: float) -> None:
+    """Widen spans[key] to (latest start, latest end) over the ranks."""
+    a, b = spans.get(key, (start, end))
+    spans[key] = (max(a, start), max(b, end))
 
 
 def open_nofollow(path: str, append: bool = False):
@@ -216,4 +357,5 @@ def format_summary(s: dict) -> str:
             f"reallocation {100 * s['realloc_share']:.1f}% of the step")
 
 
-__all__ = ["RunLog", "read_metrics", "cut_after", "open_nofollow", "check_no_links", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
+__all__ = ["METRICS", "MetricSums", "Event", "Realloc", "Offload", "StepRecord", "step_summary",
+           "sync_free_calls", "RunLog", "read_metrics", "cut_after", "open_nofollow", "check_no_links", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
