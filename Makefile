@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test lint test-cpp test-py cuda-build bench bench-realloc clean
+.PHONY: venv build run test test-fast test-area lint test-cpp test-py cuda-build bench bench-realloc clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -34,6 +34,16 @@ test-cpp: $(STAMP)
 
 test-py: build
 	$(PY) -m pytest -q -ra tests
+
+# The fast path: every test that starts no process and needs no GPU (tests/conftest.py markers).
+test-fast: build
+	$(PY) -m pytest -q -ra -m "not dist and not cuda" tests
+
+# One area: the test files of one package, named tests/test_<area>_*.py (AREA=realloc, rlhf, ...).
+AREA ?=
+test-area: build
+	@test -n "$(AREA)" || { echo "usage: make test-area AREA=<package> (e.g. realloc, rlhf, search)" >&2; exit 2; }
+	$(PY) -m pytest -q -ra $(wildcard tests/test_$(AREA).py tests/test_$(AREA)_*.py)
 
 # Architecture contracts (.importlinter): layers and no import circles; names both modules on a break.
 lint: $(STAMP)

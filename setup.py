@@ -66,7 +66,7 @@ def check_shared_libstdcxx(so):
     """The extension must load libstdc++ as a shared library, the one torch uses. A compiler that
     finds only libstdc++.a (e.g. a relocated gcc wrapper such as /opt/gcc/bin/g++ on the GPU machine,
     set as CXX there) links a private copy into _C.so; the first error message then crashes the
-    process (SIGSEGV in std::ostream inside c10::str, seen on the H200 on 2026-12-04)."""
+    process (SIGSEGV in std::ostream inside c10::str, seen on the H200 machine)."""
     if not sys.platform.startswith("linux") or shutil.which("readelf") is None:
         return
     res = subprocess.run(["readelf", "-d", so], capture_output=True, text=True)

@@ -204,6 +204,7 @@ def test_yaml_and_overrides_typed(tmp_path):
     assert "critic_lr" not in (tmp_path / "c.yaml").read_text()
 
 
+@pytest.mark.dist
 def test_search_accepts_hf_config(tmp_path, capsys):
     """`search --model cfg.json` takes an HF config file as `plan --model` does."""
     hf = hf_config_dict(CF.from_dict({}).model_configs()["actor"])
@@ -216,6 +217,7 @@ def test_search_accepts_hf_config(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--src", "dp2", "--dst", "tp2", "--json"]) == 0
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_error_is_one_line_without_traceback(tmp_path):
     """The real command in a subprocess: exit 2, one stderr line, no traceback, nothing launched."""

@@ -1,7 +1,7 @@
 """Checks `python -m real_py bench`: a real run on 2 self-launched gloo ranks (JSON fields, verification) and its refusals.
 
 A failure points to real_py/cli/bench.py (argument checks, the torch.distributed.run re-launch, timing/JSON) or the
-`bench` entry in real_py/cli.py.
+`bench` entry in real_py/cli/bench.py.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def cfg(tmp_path):
     return path
 
 
+@pytest.mark.dist
 def test_bench_runs_and_writes_json(cfg, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "real_py", "bench", "--model", str(cfg), "--dtype", "float32",

@@ -29,8 +29,7 @@ from real_py.testing import run_distributed
 import models_oracle as O
 import test_engines_bf16_decode as B16
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.dist, pytest.mark.cuda]
 
 LR = 1e-3
 PROMPTS, SEEDS = B16.PROMPTS, B16.SEEDS

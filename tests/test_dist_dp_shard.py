@@ -6,6 +6,7 @@ comparison fails, our dim0 rule departs from FSDP2's), or real_py/interop/embed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -17,6 +18,8 @@ from real_py.realloc.transports.dist import DistTransport
 
 from dist_cases import check_transfer
 from oracle import oracle_flat, random_full, tiny_spec
+
+pytestmark = pytest.mark.dist
 
 TIED, BIAS, BF16 = tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(tied=True, layers=3, vocab=97,
                                                                          dtype="bfloat16")

@@ -78,6 +78,7 @@ def _embed(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_dict_flat_and_device_mesh():
     out = run_distributed(_embed, 4, timeout=180)
     assert out[0]["layouts"] == ("dp2tp2pp1", "dp1tp2pp2", "dp1tp2pp2")

@@ -120,6 +120,7 @@ def _faults(rank: int, world: int) -> dict:
     return seen
 
 
+@pytest.mark.dist
 def test_corruption_free_source_and_stalled_peer():
     out = run_distributed(_faults, 4, timeout=200)
     assert "checksum mismatch" in out[1]["corrupt"]
@@ -147,6 +148,7 @@ def _killed(rank: int, world: int) -> str | None:
     raise AssertionError(f"rank {rank} finished although rank 2 died in its round 3")
 
 
+@pytest.mark.dist
 def test_killed_rank_fails_peers_naming_it():
     out = run_distributed(_killed, 4, timeout=120, allow_exit=(2,))
     assert out[2] is None
@@ -226,6 +228,7 @@ def _early_failure_and_stopped_rank(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_early_failure_and_stopped_rank_are_named_in_seconds():
     out = run_distributed(_early_failure_and_stopped_rank, 4, timeout=200, allow_exit=(2, 3))
@@ -283,6 +286,7 @@ def _stopped_in_collective(rank: int, world: int, out_dir: str) -> None:
     raise AssertionError(f"rank {rank}: the all-reduce finished although rank 3 is stopped")
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_watchdog_names_a_rank_stopped_in_a_collective(tmp_path):
     out = run_distributed(_stopped_in_collective, 4, str(tmp_path), timeout=90, allow_exit=(0, 1, 2, 3))

@@ -18,6 +18,8 @@ from oracle import oracle_flat, random_full, tiny_spec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from trainer_interop import tiny_llama, worker  # noqa: E402
 
+pytestmark = pytest.mark.dist
+
 GROUPED = {"qkv_layout": "megatron_grouped", "vocab_pad_multiple": 8}
 INTERLEAVED = {"gate_up_layout": "interleaved"}
 FORMAT_PAIRS = [  # (src format, dst format, src layout, dst layout, dst ranks)
@@ -51,7 +53,6 @@ def _worker(rank: int, world: int, models: dict) -> dict:
     return out
 
 
-@pytest.mark.slow
 def test_trainer_to_generation_and_back_on_4_ranks():
     models = {tied: tiny_llama(tied) for tied in (False, True)}
     out = run_distributed(_worker, 4, models, timeout=240)

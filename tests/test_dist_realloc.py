@@ -18,6 +18,8 @@ from real_py.realloc.transports.dist import DistTransport
 from dist_cases import SPECS, check_transfer, named_pairs, random_full
 from oracle import random_layout
 
+pytestmark = pytest.mark.dist
+
 NAMED_RUNS = (("p2p", 4096), ("p2p", 1 << 20), ("broadcast", 4096), ("broadcast", 1 << 20))
 RANDOM_BUCKETS = (1 << 13, 1 << 16, 1 << 20)
 

@@ -173,6 +173,7 @@ def _by_layout(per_rank, key):
     return [r["engines"][key] for r in per_rank if key in r["engines"]]
 
 
+@pytest.mark.dist
 def test_bf16_train_steps_match_fp32_master_oracle(runs):
     path, per_rank = runs
     want, init, losses, norms = _oracle_bf16_steps(path)
@@ -199,6 +200,7 @@ def test_bf16_train_steps_match_fp32_master_oracle(runs):
             assert math.isclose(s["grad_norm"], norm, rel_tol=2e-2), (repr(layout), s, norm)
 
 
+@pytest.mark.dist
 def test_static_cache_decoding_equals_dynamic_token_for_token(runs):
     _, per_rank = runs
     for layout in LAYOUTS:
@@ -208,6 +210,7 @@ def test_static_cache_decoding_equals_dynamic_token_for_token(runs):
             assert not torch.equal(r["static"][0], r["static"][1]), "sampling must differ from greedy"
 
 
+@pytest.mark.dist
 def test_bf16_ppo_iteration_on_4_ranks(runs):
     _, per_rank = runs
     rts = [r["runtime"] for r in per_rank]

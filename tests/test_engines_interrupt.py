@@ -1,4 +1,4 @@
-# Checks interruptible generation (issue 22 item 2): weights swapped in place between decode steps with the KV cache recomputed (one prefill of prompt + tokens so far with the new weights). The tokens before the swap are those of the old weights, the tokens after it exactly those the new weights generate greedily from that prefix, on TP and PP layouts of 2 gloo ranks and both cache modes.
+# Checks interruptible generation: weights swapped in place between decode steps with the KV cache recomputed (one prefill of prompt + tokens so far with the new weights). The tokens before the swap are those of the old weights, the tokens after it exactly those the new weights generate greedily from that prefix, on TP and PP layouts of 2 gloo ranks and both cache modes.
 # A failure points to real_py/engines/generate.py (the swap / recompute path) or real_py/engines/decode.py (prefill of a longer prefix).
 import io
 
@@ -12,6 +12,8 @@ from real_py.realloc.shard import ModelShard
 from real_py.rlhf.models import init_weights
 from real_py.spec import ModelConfig, model_spec
 from real_py.testing import run_distributed
+
+pytestmark = pytest.mark.dist
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=64, num_hidden_layers=2, max_position_embeddings=32, head="lm")

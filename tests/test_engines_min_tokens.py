@@ -84,12 +84,14 @@ def _check(got, model, eos):
     assert min(got["sampled"][1]) >= MIN_NEW
 
 
+@pytest.mark.dist
 def test_min_new_tokens_matches_transformers_on_one_rank(case):
     path, model, eos = case
     got = run_distributed(_worker, 1, path, eos, [("tp1", Layout())], timeout=120)[0]["tp1"]
     _check(got, model, eos)
 
 
+@pytest.mark.dist
 def test_min_new_tokens_matches_transformers_on_tp2_and_pp2(case):
     path, model, eos = case
     layouts = [("tp2", Layout(tp=2)), ("pp2", Layout(pp=2))]

@@ -25,6 +25,8 @@ from real_py.testing import run_distributed
 import models_oracle as O
 from test_models_moe import B, CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, hf_grads
 
+pytestmark = pytest.mark.dist
+
 LR, WD, EPS, MAX_NORM = 1e-3, 0.1, 1e-3, 0.5  # eps 1e-3: Adam does not blow up ulp-level noise of ~0 gradients
 LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2), Layout(tp=2, pp=2, ep=2),
            Layout(dp=2, tp=2, ep=2, etp=2)]

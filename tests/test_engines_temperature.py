@@ -37,6 +37,7 @@ def _worker(rank, world):
     return buf.getvalue()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_logprobs_follow_the_sampling_temperature():
     for raw in run_distributed(_worker, 2, timeout=150):

@@ -85,6 +85,7 @@ def _dist_cases(rank, world):
     return errors
 
 
+@pytest.mark.dist
 def test_distributed_argument_checks():
     for errors in run_distributed(_dist_cases, 2, timeout=120):
         assert not errors, errors

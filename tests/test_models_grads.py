@@ -7,7 +7,7 @@
 Engines train with lr=0 and no clipping, so after train_step the flat gradient buffer holds the
 (DP-summed, tied-summed) gradient of the loss; it is gathered to full tensors per parameter and
 compared with the reference: max |g - g_ref| <= 1e-4 * max |g_ref| + 1e-7 per tensor (fp32; TP
-and PP reorder sums, a few ulps; a missing term or reduction is off by percents, cf. issue 14).
+and PP reorder sums, a few ulps; a missing term or reduction is off by percents).
 """
 
 import io
@@ -28,6 +28,8 @@ from real_py.realloc.transports.dist import DistTransport
 
 import models_oracle as O
 from oracle import oracle_flat
+
+pytestmark = pytest.mark.dist
 
 # 8 heads / 4 KV heads so tp=4 fits; 4 layers so pp=4 fits; vocab 97 pads to 100 on tp=4.
 SIZES = dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4)
@@ -253,7 +255,7 @@ def test_tied_pp3_reallocates_bit_for_bit(runs):
     assert sum(c.startswith("tied copy") for c in done) == 2, done
 
 
-# -- the families of issue 20: every loss term's gradients on TP x PP (fused Phi-3 storage, q/k
+# -- the newer families: every loss term's gradients on TP x PP (fused Phi-3 storage, q/k
 # norms, biases, Gemma's (1 + w) norms / soft-capping / sandwich norms, longrope) ----------------
 LONGROPE = dict(original_max_position_embeddings=6, rope_scaling=dict(
     rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))

@@ -4,8 +4,8 @@
 (the window is 4; dynamic RoPE's max_position_embeddings is 16, so it rescales). Generation is
 compared with transformers' own KV-cache decoding (prefill, then one token per step), which is
 what dynamic RoPE and the sliding-window cache must reproduce. One 4-rank spawn runs logits,
-greedy generation and one AdamW step of every case on tp2pp2 (permuted ranks) and pp3 (untied;
-tied pp=3 waits for the tied-pipeline fix of issue 15.3) or dp2pp2 (tied). fp32; tolerances as in
+greedy generation and one AdamW step of every case on tp2pp2 (permuted ranks) and pp3 (untied)
+or dp2pp2 (tied). fp32; tolerances as in
 test_models_parallel.py (1e-5: TP/PP reorder sums by a few ulps; a wrong window or frequency moves
 logits by > 1e-3, asserted below for every field).
 """
@@ -249,6 +249,7 @@ def _replicas(per_rank, key):
     return [by_dp[d] for d in sorted(by_dp)]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(400)
 def test_layouts_logits_generation_train_step_match_transformers(ckpts, runs):
     for name, (_, tied, _) in CASES.items():
@@ -384,6 +385,7 @@ def _g3v_worker(rank, world, path):
     return buf.getvalue()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_gemma3_value_model_matches_transformers_on_layouts(tmp_path):
     """A Gemma3TextForSequenceClassification checkpoint builds the value head (score.weight) and

@@ -266,6 +266,7 @@ def oracle_greedy(ref):
     return torch.cat(new, 1)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mt", list(CASES))
 def test_ep_layouts_logits_generation_gradients(ckpts, runs, mt):

@@ -25,6 +25,8 @@ from real_py.testing import run_distributed
 
 import models_oracle as O
 
+pytestmark = pytest.mark.dist
+
 # eps 1e-6 (not 1e-8): the k_proj bias gradient is mathematically zero (softmax ignores a per-query
 # constant), so Adam would turn its ~1e-9 rounding noise into +-lr/10 updates on both sides.
 LR, WD, MAX_NORM, EPS = 1e-3, 0.1, 0.5, 1e-6

@@ -164,6 +164,7 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
     return checked
 
 
+@pytest.mark.dist
 def test_moe_reallocator_on_expert_shards_gloo():
     out = run_distributed(_dist_executor, 4, timeout=300)
     assert all(n > 0 for n in out)
@@ -173,6 +174,7 @@ def _dist_executor_verify(rank: int, world: int) -> int:
     return _dist_executor(rank, world, verify=True, bucket=1 << 10)
 
 
+@pytest.mark.dist
 def test_moe_merged_gloo_verify_tiny_bucket():
     """Merged rounds on 4 gloo ranks with checksums, a 1 KiB bucket (many merged rounds, direct
     pieces in their rounds) and free_source."""

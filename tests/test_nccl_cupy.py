@@ -23,7 +23,7 @@ from dist_cases import BIAS, TIED, random_full
 from oracle import oracle_flat
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
-gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_CUPY), reason="needs a GPU and cupy")
+needs_cupy = pytest.mark.skipif(not HAS_CUPY, reason="needs cupy")
 
 
 def _store(world: int = 1):
@@ -42,7 +42,7 @@ def test_without_cupy_the_error_says_what_to_install():
 
 
 @pytest.mark.cuda
-@gpu
+@needs_cupy
 def test_self_sends_in_one_group_call():
     """World size 1: sends to self and receives from self in one round, several dtypes."""
     t = CupyNcclTransport(0, 1, _store(), timeout=30)
@@ -59,7 +59,7 @@ def test_self_sends_in_one_group_call():
 
 
 @pytest.mark.cuda
-@gpu
+@needs_cupy
 def test_local_plan_on_gpu():
     """World size 1 through the reallocator (local copies only) on the GPU."""
     full = random_full(TIED, 0)
@@ -100,6 +100,7 @@ def _two_gpus(rank: int, world: int) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 @pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_CUPY and torch.cuda.device_count() >= 2), reason="needs 2 GPUs")
 def test_two_gpu_reallocation_and_timeout():

@@ -77,7 +77,6 @@ def test_misuse_is_an_error():
 
 @pytest.mark.cuda
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_pinned_round_trip(dtype):
     flat = _filled(dtype, n=1 << 20, device="cuda")
@@ -176,6 +175,7 @@ def runtime_runs():
     return [torch.load(io.BytesIO(b), weights_only=False) for b in out]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_runtime_same_results_with_offload(runtime_runs):
     for rank, res in enumerate(runtime_runs):
@@ -187,6 +187,7 @@ def test_runtime_same_results_with_offload(runtime_runs):
             assert torch.equal(on["flat"][m], off["flat"][m]), (rank, m)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_runtime_frozen_models_offloaded_outside_their_call(runtime_runs):
     holders = {m: [r for r, res in enumerate(runtime_runs) if m in res[True]["expect"]]
@@ -209,6 +210,7 @@ def test_runtime_frozen_models_offloaded_outside_their_call(runtime_runs):
             assert off["iters"][i]["resident_after"] == expect
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_runtime_reports_offload_bytes_and_seconds(runtime_runs):
     # Every holding rank copies its shard out and back once per iteration.

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import real_py
 import real_py.ops
 
 
+@pytest.mark.dist
 def test_import_registers_ops_in_a_fresh_interpreter():
     code = ("import torch, real_py; torch.ops.real_py.pack; torch.ops.real_py.unpack; "
             "assert 'descs' in torch.ops.real_py.pack.__doc__; print('ok')")
@@ -27,6 +30,7 @@ def test_readme_example_runs():
     assert result.attempted >= 8 and result.failed == 0, result
 
 
+@pytest.mark.dist
 def test_venv_python_imports_real_py_from_any_directory(tmp_path):
     # `make build` puts the checkout on the venv's path (real_py.pth): the README's set-up
     # command is enough for `python -m real_py ...` outside the repository root.

@@ -183,6 +183,7 @@ def _plan_digest(model_name: str, src: str, dst: str) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.dist
 def test_plan_identical_across_processes():
     args = ("llama2-13b", "dp2,tp4,pp2", "dp4,tp2,pp2")
     code = ("import sys; sys.path.insert(0, 'tests'); from test_plan import _plan_digest; "

@@ -160,6 +160,7 @@ def _gloo(rank: int, world: int) -> dict:
     return dict(done)
 
 
+@pytest.mark.dist
 def test_gloo_thresholds_bitwise():
     """4 gloo ranks: oracle, source intact, actual bytes == plan bytes (check_transfer)."""
     out = run_distributed(_gloo, 4, timeout=300)

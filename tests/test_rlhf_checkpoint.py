@@ -174,6 +174,7 @@ def test_bad_latest_is_named(saved):
         checkpoint.find("", out)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
     """`train --resume` verifies every file's sha256 in the launcher: exit 2, file named, no ranks."""
@@ -260,6 +261,7 @@ def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
     assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"]
 
 
+@pytest.mark.dist
 def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
     """metrics.jsonl, samples.jsonl, summary.json and step_N planted as links: the writers refuse
     (or replace a step link) and no target changes; the launcher refuses before any rank starts."""

@@ -22,6 +22,8 @@ from real_py.testing import run_distributed
 import models_oracle as O
 from oracle import data_mask, oracle_flat
 
+pytestmark = pytest.mark.dist
+
 HF = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
           num_hidden_layers=4, vocab_size=64, max_position_embeddings=64)
 BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "adam_eps": 1e-6}, "generation": {"max_new_tokens": 6},

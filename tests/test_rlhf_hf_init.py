@@ -89,6 +89,7 @@ def _worker(rank, world, d):
     return buf.getvalue()
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_critic_from_actor_checkpoint_and_ref_from_its_own_path(ckpts):
     a, r = ckpts["actor"], ckpts["ref"]
@@ -163,7 +164,7 @@ def _families_worker(rank, world, runs):
     return buf.getvalue()
 
 
-# issue 20's families; each runs one PPO (critic from the actor's body) and one GRPO iteration
+# the newer families; each runs one PPO (critic from the actor's body) and one GRPO iteration
 FAMILIES = (("qwen3", {}), ("olmo2", {}), ("phi3", {"pad_token_id": 0}),
             ("llama", {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
                        "original_max_position_embeddings": 8,
@@ -175,6 +176,7 @@ if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the model_ty
     FAMILIES = tuple(f for f in FAMILIES if os.environ["FAMILY_CASES"] in f[0])
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(1200)
 def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
     """qwen3 (per-head q/k norms), olmo2 (norms after, whole-projection q/k norms), phi3 (fused

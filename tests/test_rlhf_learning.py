@@ -21,6 +21,8 @@ from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
+pytestmark = pytest.mark.dist
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = os.path.join(ROOT, "configs", "copy_task")
 STEPS = {"ppo": 24, "grpo": 36}

@@ -18,6 +18,8 @@ from real_py.rlhf.rows import dp_rows
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
+pytestmark = pytest.mark.dist
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = {"rloo": 30, "reinforce_pp_baseline": 30, "remax": 40, "dapo": 30}
 MARGIN = {"rloo": 0.4, "reinforce_pp_baseline": 0.4, "remax": 0.25, "dapo": 0.3}

@@ -19,6 +19,8 @@ from real_py.testing import run_distributed
 import models_oracle as O
 from test_models_moe import CASES
 
+pytestmark = pytest.mark.dist
+
 PLAN = {"world_size": 4, "calls": {
     "actor_gen": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "etp": 2},   # experts split by TP, as vLLM
     "ref_inf": {"ranks": [0, 1], "dp": 2, "ep": 2},

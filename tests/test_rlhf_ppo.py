@@ -144,6 +144,7 @@ def test_checkpoint_from_another_model(tmp_path):
         checkpoint.check(other, str(d))
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_cli_rejects_before_launch(tmp_path):
     bad = tmp_path / "bad.yaml"

@@ -26,6 +26,8 @@ from real_py.rlhf.models import init_weights
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
+pytestmark = pytest.mark.dist
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 2
 BASE = {"ppo": {"ppo_epochs": 2, "mini_batches": 2, "micro_batches": 2, "adam_eps": 1e-6, "entropy_coef": 0.05}, "generation": {"max_new_tokens": 8}}
@@ -46,7 +48,7 @@ def _cases(single: bool):
     # Reward model, not the rule reward: with a random actor the target token is rare, most groups
     # score 0 and the advantages vanish, so the update would be Adam acting on noise.
     grpo = dict(BASE, algo="grpo")
-    # Recipe options whose statistics span DP ranks and micro-batches (issue 19).
+    # Recipe options whose statistics span DP ranks and micro-batches.
     opts = dict(BASE, algo="rloo", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-mean", clip_high=0.28,
                                             dual_clip=3.0, ratio="sequence", kl_estimator="k2"))
     remax = dict(BASE, algo="remax", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum-norm"))

@@ -1,4 +1,4 @@
-# Checks the async-mode plan simulator and search (issue 22 item 4): on a hand-built plan with
+# Checks the async-mode plan simulator and search: on a hand-built plan with
 # generation and training on disjoint devices the steady-state step is max(rollout side, train
 # side) + reallocation, the sum in sync mode; k = 0 is the synchronous simulator; bad k is
 # refused; the C++ simulator agrees with the Python one in async mode; plan_search chooses the

@@ -1,4 +1,4 @@
-# Every plan plan_search returns passes the trainer's batch rules (issue 25 item 1): the rules are
+# Every plan plan_search returns passes the trainer's batch rules: the rules are
 # declared once in real_py/dataflow/rules.py, asked by rlhf/config/checks.py validate and by the
 # search's candidate options (search/problem.py). A failure points to one of those three.
 import math
@@ -105,9 +105,10 @@ def test_no_plan_for_memory_names_the_need_per_mesh_size():
         plan_search("llama2-70b", "llama2-70b", num_gpus=2, hardware="h100", time_budget=1, chains=1)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(500)
 def test_cpu_searched_plan_trains_two_steps_through_the_cli(tmp_path):
-    # The 4-rank CPU setting of issue 25 (batch 12, mini_batches 4): the searched plan file goes
+    # A 4-rank CPU setting (batch 12, mini_batches 4): the searched plan file goes
     # through `python -m real_py train plan.path=FILE` on 4 gloo ranks and runs two steps.
     import json
     import os

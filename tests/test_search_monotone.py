@@ -1,4 +1,4 @@
-# Monotonicity of the search's cost model (issue 25 item 2): more work (longer generation, longer
+# Monotonicity of the search's cost model: more work (longer generation, longer
 # prompts, a larger batch) never costs fewer estimated seconds, and faster hardware never costs
 # more, for every call kind on every mesh x strategy the search enumerates. A failure points to a
 # term of real_py/search/costmodel.py call_time that falls with more work.

@@ -17,6 +17,8 @@ from real_py.search import Workload, plan_search
 from real_py.search.hardware import HardwareProfile
 from real_py.testing import run_distributed
 
+pytestmark = pytest.mark.dist
+
 PROFILES = {
     "latency-bound": dict(peak_flops=20e9, hbm_bw=10e9, intra_bw=1e9, inter_bw=1e9, intra_lat=2e-3,
                           inter_lat=2e-3),

@@ -68,6 +68,7 @@ def _check_export(export_dir, step_dir):
     return fulls
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(500)
 def test_export_matches_checkpoint_shards(run, tmp_path):
     tmp, out, stdout = run
@@ -83,6 +84,7 @@ def test_export_matches_checkpoint_shards(run, tmp_path):
         main(["export", "--run", out, "--out", str(tmp_path / "e1")])     # never over an export
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_tensorboard_summary_plot(run, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,6 +114,7 @@ def test_tensorboard_summary_plot(run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(str(png)).shape[1] >= 800
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_run_dir_protection(run, tmp_path, capsys, monkeypatch):
     """A finished run's directory: a plain rerun is refused with nothing changed; --resume is let

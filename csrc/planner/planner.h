@@ -16,7 +16,7 @@
 
 namespace real_py {
 
-// One side of a reallocation, as flat arrays (built by real_py/plan.py).
+// One side of a reallocation, as flat arrays (built by real_py/realloc/plan.py).
 struct LayoutIn {
   int64_t dp = 1, tp = 1, pp = 1;
   std::vector<int64_t> grid;  // [pp][dp][tp] -> global rank
