@@ -512,7 +512,7 @@ def moe_main(args) -> None:
              "<reason>' where Megatron refuses a pair. Simulated rows: real_py/realloc/simulate.py "
              "on DGX H100 nodes (NVLink 450 GB/s per GPU and direction, one 400 Gb/s NIC per GPU) "
              "replaying MoePlan.transfers(), the merged schedule MoeReallocator runs (chunk for "
-             "chunk, tests/test_moe_realloc.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
+             "chunk, tests/test_realloc_moe.py) with its defaults (256 MiB bucket, pipelined, 256 KiB "
              "direct pieces; the dense part's direct pieces, which the executor posts at the start "
              "on NCCL, are modelled in their rounds); schedule_s = seconds to derive it (sizes "
              "only); seconds_parts_in_sequence = the same parts one after the other, each with a "

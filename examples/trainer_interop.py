@@ -7,7 +7,7 @@ with HF names, once as Megatron-core local state dicts (q|k|v fused per kv group
 
 Under torchrun on a cluster the worker is the same: build the two specs and layouts, call
 from_megatron_state_dict(model.state_dict(), ...) on each rank, reallocate_params, and
-to_hf_state_dict / to_megatron_state_dict on the way out. tests/test_dist_interop.py runs this
+to_hf_state_dict / to_megatron_state_dict on the way out. tests/test_interop_dist.py runs this
 file's `worker` in CI. The hand sharding below is written from HF semantics alone (no real_py
 slicing code), so the example doubles as an independent check.
 """

@@ -1,4 +1,4 @@
-"""The global bucket schedule, the oracle of tests/test_rank_schedule.py and the other schedule tests:
+"""The global bucket schedule, the oracle of tests/test_realloc_rank_schedule.py and the other schedule tests:
 cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and

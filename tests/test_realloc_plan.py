@@ -186,7 +186,7 @@ def _plan_digest(model_name: str, src: str, dst: str) -> str:
 @pytest.mark.dist
 def test_plan_identical_across_processes():
     args = ("llama2-13b", "dp2,tp4,pp2", "dp4,tp2,pp2")
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_plan import _plan_digest; "
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_realloc_plan import _plan_digest; "
             f"print(_plan_digest(*{args!r}))")
     root = str(Path(__file__).resolve().parent.parent)
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -18,7 +18,7 @@ from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process
 
 from oracle import min_network_elems, oracle_flat, random_dp_layout, random_full, tiny_spec
-from test_plan import check_pair
+from test_realloc_plan import check_pair
 
 TIED, BIAS, VALUE = tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value")
 BF16 = tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16")
@@ -175,7 +175,7 @@ def test_layout_from_fsdp_meshes():
     one = layout_from_device_mesh(_Mesh(torch.arange(4).flip(0), ("fsdp",)), {"fsdp": "dp_shard"},
                                   dp_shard="flat")
     # torch numbers a mesh dim's ranks in sorted order and FSDP2 shards by that number, so the
-    # mesh [3, 2, 1, 0] holds dp pieces 0..3 on ranks 0..3 (tests/test_dist_dp_shard.py checks
+    # mesh [3, 2, 1, 0] holds dp pieces 0..3 on ranks 0..3 (tests/test_realloc_dp_shard_dist.py checks
     # this against fully_shard).
     assert one == Layout(dp=4, dp_shard="flat", ranks=(0, 1, 2, 3)), one
     assert layout_from_device_mesh(_Mesh(torch.arange(4).view(2, 2), ("dp", "tp"))).dp_shard == "none"
