@@ -1,4 +1,4 @@
-"""Async RL vs sync on the same plan, generation and training on disjoint ranks (issue 22).
+"""Async RL vs sync on the same plan, generation and training on disjoint ranks.
 
     python bench/bench_async.py [--steps 20] [--max-new-tokens 96] [--min-new-tokens N]
                                 [--learn-steps 30] [--k 1] [--repeats 3]

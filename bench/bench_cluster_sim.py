@@ -3,7 +3,7 @@ broadcast-per-node strategy (real_py/realloc/simulate.py; no GPU needed).
 
     python bench/bench_cluster_sim.py
 
-Cases (issue 24): LLaMA-2-70B dp2,tp8,pp8 -> dp16,tp8,pp1 on 128 GPUs; LLaMA-3.1-405B
+Cases: LLaMA-2-70B dp2,tp8,pp8 -> dp16,tp8,pp1 on 128 GPUs; LLaMA-3.1-405B
 dp4,tp8,pp16 -> dp64,tp8,pp1 on 512 GPUs and dp8,tp8,pp16 -> dp128,tp8,pp1 on 1024 GPUs
 (Megatron-style training layout -> tp8 generation replicas, colocated on the same GPUs), bf16,
 p2p plans with ranks_per_node=8; the Reallocator's default 256 MiB bucket and a 1 GiB one.

@@ -63,9 +63,8 @@ def job():
     p = cfg.ppo
     # The runtime pads prompts to max_prompt_len and always generates max_new_tokens (no eos);
     # one train call is ppo_epochs x mini_batches optimizer steps of ppo.micro_batches micro-batches
-    # each, a forward-only pass is whole: the runtime's counts (runtime_micro_batches). Before
-    # 2026-12-04 (session 2) micro_tokens was set past a mini-batch, which let the estimator
-    # pipeline a pp = 2 pass over up to 8 micro-batches where the runtime runs one.
+    # each, a forward-only pass is whole: the runtime's counts (runtime_micro_batches), so
+    # the estimator never pipelines a pass over more micro-batches than the runtime runs.
     wl = Workload(batch_size=cfg.data.batch_size, prompt_len=cfg.data.max_prompt_len,
                   gen_len=cfg.generation.max_new_tokens, ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches,
                   micro_batches=p.micro_batches, runtime_micro_batches=True)
@@ -169,7 +168,7 @@ def _call_errors(row: dict, meas: dict, est: dict) -> list[tuple[str, float]]:
 
 SHORT_S = 0.005
 """Calls measured shorter than this (1-5 ms: inference on a few rows, reallocations) are where a
-rank's wait for a core on the shared VM is a large part of the call (see README, Known gaps)."""
+rank's wait for a core on the shared VM is a large part of the call (see docs/known_gaps.md)."""
 
 
 def size_split(pairs: list[tuple[float, float]]) -> str:
@@ -201,8 +200,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     machine's cached `cpu` profile (never calibrated here); returns the fields so filled in."""
     known = {f.name for f in fields(HardwareProfile)}
     if "profiles" in data.get("extra", {}):
-        # Fields of a tried and reverted or replaced model (optim_param_s, run 673d535;
-        # pipe_contention, runs of 2026-12-04 sessions 3-4) are dropped: --refit fits them anew.
+        # Fields of a replaced cost model (e.g. optim_param_s, pipe_contention) are dropped:
+        # --refit fits them anew.
         dropped = sorted({f for v in data["extra"]["profiles"].values() for f in v} - known)
         if dropped:
             print(f"profile fields of a replaced model dropped (--refit fits today's): {', '.join(dropped)}")
@@ -234,7 +233,7 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
     machine's drift between runs. Prints the medians and each (plan, call)'s errors by round (call ITERATION: the whole iteration).
     refit: the profiles fitted anew by this code from the run's recorded raw calibrations (files
-    from 2026-12-04 session 2 on; calibrate.profile_from_raw): a change of the fit scored on the
+    that record calibration_raw; calibrate.profile_from_raw): a change of the fit scored on the
     same calibrations and measurements."""
     with open(path) as f:
         data = json.load(f)
@@ -243,7 +242,7 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
     if refit:
         raws = data["extra"].get("calibration_raw")
         if not raws:
-            raise SystemExit("--refit: the file records no raw calibrations (bench_estimator runs from 2026-12-04 session 2 on)")
+            raise SystemExit("--refit: the file records no raw calibrations (older bench_estimator files do not; rerun the benchmark)")
         on = refit_on or data["extra"]["calibrate_on"]
         if any(on not in v for v in raws.values()):
             raise SystemExit(f"--refit-on {on}: the file records raw calibrations of "

@@ -8,7 +8,7 @@ seconds per call (generate includes the old log-probs pass), peak GPU memory per
 (torch.cuda.max_memory_allocated, reset before each call), iteration seconds and the metrics.
 The first iteration includes CUDA / cuBLAS warm-up; the last is the steady state.
 
-Estimator check (issue 25, on one GPU): the last iteration's seconds per call against
+Estimator check (on one GPU): the last iteration's seconds per call against
 real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
 (--profile, default h200) and with that profile calibrated on this GPU by calibrate_gpu twice:
 <profile>_cal on the small calibration model (calibrate.DEFAULT), <profile>_caljob on this job's own

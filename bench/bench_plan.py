@@ -9,7 +9,7 @@ Reallocator's defaults: 256 MiB bucket, pipelined, 256 KiB direct pieces). Memor
 side's peak bytes for one rank (RankSchedule.held_bytes) against the global arrays' bytes, and
 the Python allocations of the per-rank path (tracemalloc peak). Times are wall clock; the
 process CPU time of the slowest rank is recorded beside them (rank_cpu_ms), since on a shared
-machine other jobs' time slices land in the wall times. Goals (issue 24): plan + own
+machine other jobs' time slices land in the wall times. Goals: plan + own
 schedule <= 50 ms per rank for 70B pairs, <= 0.5 s for 405B at 512 and 1024 ranks.
 Writes bench/results/plan_cpu2_<date>.{json,md}. The machine is shared: timings are noisy.
 """

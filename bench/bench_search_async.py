@@ -1,4 +1,4 @@
-"""Estimated step time of the searched plan, synchronous vs asynchronous RL (issue 22 item 4).
+"""Estimated step time of the searched plan, synchronous vs asynchronous RL.
 
 For each setting, `plan_search` runs twice with the same budget and seed: max_staleness=0 (the
 synchronous iteration) and max_staleness=k (plans scored in async mode: the rollout calls of

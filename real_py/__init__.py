@@ -1,7 +1,7 @@
 """real_py: parameter reallocation between arbitrary TP/PP/DP layouts for RLHF.
 
 Importing the package loads the C++ extension, which registers torch.ops.real_py.pack / unpack.
-The names below are the public API (README "Public API"); subpackages keep their own `__all__`.
+The names below are the public API (docs/embedding.md); subpackages keep their own `__all__`.
 """
 
 from .interop.embed import layout_from_device_mesh, reallocate_flat, reallocate_params

@@ -1,6 +1,6 @@
 # Checks the package's architecture contracts (.importlinter, run by import-linter): the tree keeps
 # them, and an upward import or an import circle breaks them with a message naming both modules.
-# A failure on the real tree points to the import that crossed a layer; see README "Architecture".
+# A failure on the real tree points to the import that crossed a layer; see docs/architecture.md.
 import os
 import shutil
 import subprocess

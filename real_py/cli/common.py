@@ -41,7 +41,7 @@ def launch_torchrun(nproc: int, argv: list[str], env: dict, what: str) -> int:
     gets a private TMPDIR that is removed afterwards. The rendezvous store is torchrun's own
     TCPStore, which listens on every interface (only a socket bound before the store is created
     restricts it, and torchrun takes none); on a shared host, firewall its port or run the job
-    in a network namespace. For several nodes run torchrun yourself (see README)."""
+    in a network namespace. For several nodes run torchrun yourself (docs/running.md)."""
     import shutil
     import subprocess
     import sys
