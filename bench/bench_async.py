@@ -27,6 +27,8 @@ import yaml
 
 from timing import environment, hardware_tag, write_results
 
+from real_py.rlhf.config import read_yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = {"world_size": 4, "calls": {
     "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
@@ -38,8 +40,8 @@ ROLLOUT = ("actor_gen", "ref_inf", "rew_inf")   # the calls on the generation ra
 
 
 def run(tmp: str, name: str, steps: int, new_tokens: int, k: int, min_tokens: int = 0) -> list[dict]:
-    with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
-        cfg = yaml.safe_load(f)
+    # read_yaml: the shipped config's relative paths resolved against its folder (absolute here)
+    cfg = read_yaml(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml"))
     cfg.update(steps=steps, plan=PLAN, out_dir=os.path.join(tmp, name))
     cfg["generation"] = dict(cfg["generation"], max_new_tokens=new_tokens, min_new_tokens=min_tokens)
     # Longer responses than the shipped config's position table holds (generation made the

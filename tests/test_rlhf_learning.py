@@ -31,14 +31,8 @@ WINDOW = 5
 
 
 def task_config(algo: str, **over) -> dict:
-    """The shipped config with its relative paths made absolute (tests may run from anywhere)."""
-    import yaml
-
-    with open(os.path.join(TASK, f"{algo}.yaml")) as f:
-        d = yaml.safe_load(f)
-    d["data"] = dict(d["data"], path=os.path.join(ROOT, d["data"]["path"]),
-                     tokenizer_path=os.path.join(ROOT, d["data"]["tokenizer_path"]))
-    d["reward"] = dict(d["reward"], path=os.path.join(ROOT, d["reward"]["path"]))
+    """The shipped config, its relative paths resolved against its folder (read_yaml)."""
+    d = CF.read_yaml(os.path.join(TASK, f"{algo}.yaml"))
     d.update(over)
     return d
 

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import yaml
 
 from real_py.rlhf import config as CF
 from real_py.rlhf import ppo as P
@@ -27,11 +26,7 @@ WINDOW = 5
 
 
 def recipe_config(name: str, **over) -> dict:
-    with open(os.path.join(ROOT, "configs", "recipes", f"{name}.yaml")) as f:
-        d = yaml.safe_load(f)
-    d["data"] = dict(d["data"], path=os.path.join(ROOT, d["data"]["path"]),
-                     tokenizer_path=os.path.join(ROOT, d["data"]["tokenizer_path"]))
-    d["reward"] = dict(d["reward"], path=os.path.join(ROOT, d["reward"]["path"]))
+    d = CF.read_yaml(os.path.join(ROOT, "configs", "recipes", f"{name}.yaml"))  # paths resolved
     d.update(over)
     return d
 

@@ -329,8 +329,7 @@ def test_kill_and_resume_in_async_mode(tmp_path):
     Adam moments must equal A's."""
     import yaml
 
-    with open(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")) as f:
-        d = yaml.safe_load(f)
+    d = CF.read_yaml(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml"))  # its paths made absolute
     # 20-token responses (min_new_tokens) make a step last long enough that the kill lands
     # after the step-1 checkpoint and before the job ends, even on a loaded machine.
     d.update(steps=3, save_every=1, verify_realloc=True,

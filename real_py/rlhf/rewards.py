@@ -1,6 +1,6 @@
 """Reward functions written by the user, and the samples file of a run.
 
-    reward: {kind: function, path: "configs/copy_task/reward.py:copy_last"}   # or "pkg.module:fn"
+    reward: {kind: function, path: "reward.py:copy_last"}   # beside the config file; or "pkg.module:fn"
 
     fn(prompts: list[str], responses: list[str], **row) -> list[float]
 
@@ -26,7 +26,9 @@ from .observe import open_nofollow
 
 
 def load_function(spec: str):
-    """"file.py:fn" (a path, relative to the working directory) or "package.module:fn"."""
+    """"file.py:fn" (a path; a relative one in a config file was joined to the file's folder by
+    config.read_yaml, one given on the command line is relative to the working directory) or
+    "package.module:fn"."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"config reward.path={spec!r}: expected 'path/to/file.py:function' or "
                          "'package.module:function'")

@@ -14,6 +14,7 @@ from ...dataflow.rules import call_rule_errors
 from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
+from .paths import path_origin
 from .schema import TrainConfig
 
 
@@ -71,9 +72,10 @@ def check_values(cfg: TrainConfig) -> None:
     for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
                       ("reward_path", cfg.reward_path), ("ref_path", cfg.ref_path)):
         if path and not os.path.exists(path):
-            raise ValueError(f"config {key}={path!r}: no such local file or directory; only local HF "
-                             "checkpoint directories are read (nothing is downloaded from the Hub: "
-                             "download it first, e.g. huggingface-cli download, and give its directory)")
+            raise ValueError(f"config {key}={path!r}: no such local file or directory ({path_origin(key, path)}); "
+                             "only local HF checkpoint directories are read (nothing is downloaded from the "
+                             "Hub: download it first, e.g. huggingface-cli download, and give its directory)")
+    _check_input_files(cfg)
     if cfg.wandb is not None:
         from ..observe import wandb_available
 
@@ -113,6 +115,22 @@ def check_values(cfg: TrainConfig) -> None:
         raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
                          "body the fresh value head sits on)")
     _check_vocab(cfg, models)
+
+
+def _check_input_files(cfg: TrainConfig) -> None:
+    """The prompt file, tokenizer directory, reward file and plan file exist; a missing one is
+    named with the base its relative path was resolved against (load.path_origin)."""
+    d, plan = cfg.data, cfg.plan
+    reward_file = (cfg.reward.path.rpartition(":")[0] if cfg.reward.kind == "function" and
+                   isinstance(cfg.reward.path, str) and cfg.reward.path.rpartition(":")[0].endswith(".py") else None)
+    plan_file = plan.get("path") if set(plan) == {"path"} and isinstance(plan.get("path"), str) else None
+    for key, value, path, ok, what in (
+            ("data.path", d.path, d.path, os.path.isfile, "no such file"),
+            ("data.tokenizer_path", d.tokenizer_path, d.tokenizer_path, os.path.isdir, "no such directory"),
+            ("reward.path", cfg.reward.path, reward_file, os.path.isfile, f"no such file {reward_file!r}"),
+            ("plan.path", plan_file, plan_file, os.path.isfile, "no such file")):
+        if path and not ok(path):
+            raise ValueError(f"config {key}={value!r}: {what} ({path_origin(key, value)})")
 
 
 def _check_vocab(cfg: TrainConfig, models: dict) -> None:

@@ -1,5 +1,7 @@
 """Reading a train config: YAML (1.2 booleans), KEY=VALUE overrides, and typed construction.
 
+Relative input paths written in a config file resolve against the file's folder (paths.py).
+
 Every section rejects unknown keys (ValueError naming the section, the key and the allowed
 keys). Values are checked against the field annotations (`_coerce`: numeric strings become
 numbers, inf and nan are refused, anything else of the wrong type is refused naming the dotted key), then against the
@@ -15,6 +17,7 @@ import typing
 
 from ...spec import ModelConfig
 from .checks import check_values
+from .paths import resolve_paths
 from .schema import TrainConfig
 
 
@@ -136,7 +139,8 @@ def _yaml_loader():
 
 
 def read_yaml(path: str | None) -> dict:
-    """The raw mapping of a YAML config file ({} for None); ValueError naming the file otherwise."""
+    """The mapping of a YAML config file ({} for None), its relative input paths (INPUT_PATHS)
+    joined to the file's folder; ValueError naming the file otherwise."""
     if path is None:
         return {}
     import yaml
@@ -150,7 +154,9 @@ def read_yaml(path: str | None) -> dict:
         raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if d is not None and not isinstance(d, dict):
         raise ValueError(f"config file {path}: expected a mapping of keys, got {type(d).__name__}")
-    return d or {}
+    d = d or {}
+    resolve_paths(d, path)
+    return d
 
 
 def apply_overrides(d: dict, overrides) -> dict:
