@@ -19,6 +19,9 @@ from real_py.rlhf import config as CF
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+MOE = ("{model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 64, "
+       "norm_topk_prob: true}")
+
 # (case id, YAML text of cfg.yaml, extra argv, phrase of the message). Every train case points
 # --out-dir at `run`, a directory holding a previous run's checkpoint, which must stay untouched.
 TRAIN = [
@@ -73,6 +76,15 @@ TRAIN = [
     ("resume-typo", "", ["--resume", "RUN/step_9"], "run/step_9: no checkpoint: does not exist; give a step directory"),
     ("resume-incomplete-step", "", ["--resume", "EMPTY"], "empty: no checkpoint: has no meta.json (not a complete checkpoint step)"),
     ("existing-run", "", [], "already holds a run"),
+    # Combinations the ranks refused after start-up, now refused before launch.
+    ("moe-async", f"algo: grpo\nactor: {MOE}\nasync: {{max_staleness: 1}}", [],
+     "async.max_staleness=1 with a mixture-of-experts model (actor, ref): asynchronous RL is not implemented"),
+    ("decode-graph-on-cpu", "device: cpu\ngeneration: {decode: graph}", [],
+     "generation.decode='graph' needs CUDA, tp=1 on the generation calls and a dense actor, but the device is CPU"),
+    ("decode-static-window", "actor: {model_type: mistral, sliding_window: 4}\ngeneration: {decode: static}", [],
+     "generation.decode='static' needs an actor without sliding-window attention"),
+    ("export-random-moe", f"algo: grpo\nactor: {MOE}\nexport: hf", [],
+     "export: hf with a random-init mixture-of-experts actor"),
 ]
 
 OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by paths

@@ -217,14 +217,60 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
         raise ValueError(f"ppo.group_size={cfg.ppo.group_size} does not divide data.batch_size={B}")
     total = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
     used = graph.models()                    # only the models the graph uses
-    for m in ("actor", "critic", "reward"):
+    for m in ("actor", "ref", "critic", "reward"):
         if m in used and not (m == "reward" and cfg.reward.kind != "model") \
                 and total > models[m].max_position_embeddings:
             raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
                              f"max_position_embeddings={models[m].max_position_embeddings}")
+    _check_runtime_support(cfg, plan, graph, models)
     _check_checkpoints(cfg, graph, models)
     _check_data_and_reward(cfg, models)
     return plan, graph, models
+
+
+def _check_runtime_support(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
+    """Combinations the ranks would refuse after start-up (runtime.py, engines/decode.py, the HF
+    export at the end of the run), refused here instead, before any rank starts."""
+    moe = sorted(m for m, c in models.items() if c.num_experts)
+    k = cfg.async_.max_staleness
+    if moe and k:
+        raise ValueError(f"config async.max_staleness={k} with a mixture-of-experts model ({', '.join(moe)}): "
+                         "asynchronous RL is not implemented for MoE models; set async.max_staleness: 0 "
+                         "(synchronous), or use a dense model")
+    actor, mode = models["actor"], cfg.generation.decode
+    gen = [n for n in graph.order if graph.calls[n].kind == "generate"]
+    length_bound = (any(actor.uses_window(i) for i in range(actor.num_hidden_layers))
+                    or dict(actor.rope_scaling or ()).get("rope_type") == "dynamic")
+    if mode in ("static", "graph") and length_bound:
+        raise ValueError(f"config generation.decode={mode!r} needs an actor without sliding-window attention "
+                         "and dynamic RoPE scaling (its cache does not track the length they depend on); "
+                         "use generation.decode: dynamic or auto")
+    if mode == "graph":
+        import torch
+
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        wide = [f"{n} (tp={plan.calls[n].tp})" for n in gen if plan.calls[n].tp != 1]
+        if not cuda or wide or actor.num_experts:
+            why = ("the device is CPU" if not cuda else f"generation runs with tensor parallelism: {', '.join(wide)}"
+                   if wide else "the actor has experts (MoE routing cannot be captured)")
+            raise ValueError(f"config generation.decode='graph' needs CUDA, tp=1 on the generation calls and a "
+                             f"dense actor, but {why}; use generation.decode: auto (a CUDA graph where one can "
+                             "be captured) or dynamic")
+    if cfg.export == "hf":
+        paths = cfg.model_paths()
+        for m in ("actor", "critic"):
+            call = graph.train_call(m)
+            if call is None or not models[m].num_experts:
+                continue
+            if not paths.get(m):
+                raise ValueError(f"config export: hf with a random-init mixture-of-experts {m}: an MoE model is "
+                                 f"exported with the config.json of the checkpoint it was loaded from, and {m} "
+                                 f"has none; set {m}_path to an HF checkpoint, or remove export (checkpoints "
+                                 "under out_dir are written either way)")
+            if plan.calls[call].etp != 1:
+                raise ValueError(f"config export: hf: {m} trains on {plan.calls[call]} (etp="
+                                 f"{plan.calls[call].etp}) and experts are gathered for export from etp=1 "
+                                 f"layouts only; train {m} with etp=1 (plan.calls.{call}.etp), or remove export")
 
 
 def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
