@@ -301,3 +301,26 @@ def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
         write_samples(os.path.join(out, "samples.jsonl"), 0, ["p"], ["r"], torch.zeros(1), [0])
     for v in victims.values():
         assert v.read_text() == "precious", v
+
+
+def test_other_config_names_the_fields_that_differ(saved):
+    """--resume with another config names the differing fields, not two whole dicts."""
+    cfg, out, path, rt = saved
+    other = CF.from_dict({"actor": {"vocab_size": 128}, "critic": {"vocab_size": 128},
+                          "plan": dict(CF.default_plan("ppo"))})
+    other.plan["calls"] = dict(other.plan["calls"], ref_inf={"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1})
+    with pytest.raises(ValueError) as e:
+        checkpoint.check(other, path)
+    msg = str(e.value)
+    assert "models.actor.vocab_size is 64 in the checkpoint, 128 in this config" in msg, msg
+    assert "plan.calls.ref_inf.ranks" in msg and "resume with the config that made it" in msg, msg
+    assert len(msg) < 700 and "\n" not in msg, msg
+    # An async checkpoint (its rank files hold queued rollouts) resumes only with its own bound and
+    # row shapes; a synchronous one may continue in async mode.
+    async_cfg = CF.from_dict({"async": {"max_staleness": 1}})
+    assert checkpoint.check(async_cfg, path) == 1
+    rt.cfg = async_cfg
+    step2 = checkpoint.save(rt, out, 2)
+    with pytest.raises(ValueError, match=r"async.max_staleness is 1 in the checkpoint, 0 in this config; "
+                                         r"async.batch_size is 8 in the checkpoint, absent in this config"):
+        checkpoint.check(cfg, step2)

@@ -44,8 +44,13 @@ from ..engines.train import Trainer
 def _meta(cfg) -> dict:
     # Through JSON so tuples (rope_scaling, window_layers) compare equal to what meta.json reads back.
     models = json.loads(json.dumps({m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}))
+    k = cfg.async_.max_staleness
+    # Async mode: the rank files hold queued rollouts, whose shapes follow the batch and lengths.
+    rows = {"batch_size": cfg.data.batch_size, "max_prompt_len": cfg.data.max_prompt_len,
+            "max_new_tokens": cfg.generation.max_new_tokens} if k else {}
     return {"algo": cfg.algo, "seed": cfg.seed, "models": models, "paths": cfg.model_paths(),
-            "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind}
+            "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind,
+            "async": {"max_staleness": k, **rows}}
 
 
 def _write_atomic(directory: str, name: str, data: bytes) -> None:
@@ -259,16 +264,42 @@ def read_rank_file(path: str, rank: int) -> dict:
                          f"tensors and plain values (torch.load weights_only=True: {first})") from None
 
 
+_ABSENT = object()
+
+
+def _diff(a, b, key: str) -> list[tuple]:
+    """(dotted key, checkpoint value, config value) for every leaf where a and b differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in list(b) + [k for k in a if k not in b]      # the config's order first
+                for d in _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{key}.{k}")]
+    return [] if a == b else [(key, a, b)]
+
+
+def _short(v) -> str:
+    if v is _ABSENT:
+        return "absent"
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check(cfg, path: str, *, verify_files: bool = True) -> int:
     """Raise ValueError if the checkpoint was made for other models or another plan, or (with
     verify_files) any of its files is corrupt (sha256); returns its step. The launcher runs it
     before any rank starts; each rank's load() verifies its own file again."""
     meta = read_meta(path)
     mine = _meta(cfg)
-    for k in ("algo", "models", "paths", "plan", "seed", "reward"):
-        if meta.get(k) != mine[k]:
-            raise ValueError(f"checkpoint {path} was made with a different {k}: {meta.get(k)} vs this "
-                             f"config's {mine[k]}; resume with the config that made it")
+    # A synchronous checkpoint may be resumed in async mode (the queue starts empty); an async
+    # one only with its own bound and row shapes (its queued rollouts).
+    saved_async = isinstance(meta.get("async"), dict) and meta["async"].get("max_staleness")
+    keys = ("algo", "models", "paths", "plan", "seed", "reward") + (("async",) if saved_async else ())
+    diffs = [d for k in keys for d in _diff(meta.get(k), mine[k], k)]
+    if diffs:
+        more = f" (and {len(diffs) - 3} more: {', '.join(d[0] for d in diffs[3:8])}{', ...' if len(diffs) > 8 else ''})" \
+            if len(diffs) > 3 else ""
+        shown = "; ".join(f"{key} is {_short(a)} in the checkpoint, {_short(b)} in this config" for key, a, b in diffs[:3])
+        raise ValueError(f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
+                         "config that made it (same models, plan, algo, seed, reward kind and async), or start a "
+                         "new run (--out-dir DIR, without --resume)")
     for name in meta["files"] if verify_files else ():
         _read_verified(path, name, meta)
     return int(meta["step"])
