@@ -135,9 +135,11 @@ def test_pickled_callable_is_refused_and_never_runs(saved, tmp_path):
     data = open(rank_file, "rb").read()
     meta["files"]["rank0.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
-    assert checkpoint.check(cfg, path) == 1
-    with pytest.raises(ValueError, match=r"rank0.pt refused: it holds more than tensors.*weights_only"):
-        checkpoint.load(rt, path)
+    assert checkpoint.check(cfg, path, verify_files=False) == 1
+    # The launcher's check reads every rank file's content too, and each rank its own file.
+    for refuse in (lambda: checkpoint.check(cfg, path), lambda: checkpoint.load(rt, path)):
+        with pytest.raises(ValueError, match=r"rank0.pt refused: it holds more than tensors.*weights_only"):
+            refuse()
     assert not os.path.exists(marker)
     torch.load(rank_file, weights_only=False)  # the payload is real: an unsafe load runs it
     assert os.path.isdir(marker)
@@ -324,3 +326,50 @@ def test_other_config_names_the_fields_that_differ(saved):
     with pytest.raises(ValueError, match=r"async.max_staleness is 1 in the checkpoint, 0 in this config; "
                                          r"async.batch_size is 8 in the checkpoint, absent in this config"):
         checkpoint.check(cfg, step2)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_refused_rank_file_leaves_the_run_directory_unchanged(tmp_path):
+    """A 2-rank run saves steps 1 and 2; rank 1's step-1 file is replaced by one holding a pickled
+    callable, with meta.json's checksum made to match. `--resume step_1` is refused before launch
+    (the launcher reads every rank file's content); under an outside torchrun rank 0 loads its
+    file but rank 1 refuses: every rank fails, and metrics.jsonl / samples.jsonl keep every step,
+    byte for byte (the records are cut only once every rank has loaded)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lay = {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"steps": 2, "save_every": 1, "reward": {"kind": "rule"},
+                               "generation": {"max_new_tokens": 4},
+                               "plan": {"world_size": 2, "calls": {n: lay for n in CF.default_plan("ppo")["calls"]}}}))
+    out = tmp_path / "run"
+    train = ["-m", "real_py", "train", "--config", str(cfg), "--out-dir", str(out), "--no-progress", "--timeout", "60"]
+    r = subprocess.run([sys.executable] + train, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    step1 = out / "step_1"
+    rank_file = step1 / "rank1.pt"
+    good = torch.load(rank_file, weights_only=True)
+    torch.save(good | {"hook": _Plant(str(tmp_path / "code_ran"))}, rank_file)
+    meta = json.loads((step1 / "meta.json").read_text())
+    data = rank_file.read_bytes()
+    meta["files"]["rank1.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (step1 / "meta.json").write_text(json.dumps(meta))
+    logs = {n: (out / n).read_bytes() for n in ("metrics.jsonl", "samples.jsonl")}
+    assert len(logs["metrics.jsonl"].splitlines()) == 2
+    resume = train + ["--resume", str(step1)]
+    r = subprocess.run([sys.executable] + resume, cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "rank1.pt refused: it holds more than tensors" in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+                       + resume, cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)))
+    text = r.stdout + r.stderr
+    assert r.returncode != 0, text[-3000:]
+    assert "rank 1 could not load its checkpoint" in text and "nothing in" in text, text[-3000:]
+    assert "dropped" not in text, text[-3000:]
+    for n, before in logs.items():
+        assert (out / n).read_bytes() == before, n
+    assert not os.path.exists(tmp_path / "code_ran")

@@ -142,7 +142,7 @@ def _spmd(args, cfg, ckpt) -> int:
 
     from .export import export_live
     from ..rlhf import checkpoint, config
-    from ..rlhf.observe import RunLog, cut_after, format_summary
+    from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -156,15 +156,9 @@ def _spmd(args, cfg, ckpt) -> int:
         plan, graph, models = config.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
         rt.samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
-        start = checkpoint.load(rt, ckpt) if ckpt else 0
-        if ckpt and rank == 0:
-            # The steps after the checkpoint run again: drop their old records first.
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                n = cut_after(os.path.join(cfg.out_dir, name), start)
-                if n:
-                    print(f"--resume from step {start}: dropped {n} later records of {name}", flush=True)
-        if ckpt:
-            dist.barrier()  # no rank appends samples before rank 0 cut the file
+        # Every rank loads its file; only when all have does rank 0 drop the old records of the
+        # steps that run again (a refused file leaves the run directory as it was).
+        start = checkpoint.resume(rt, ckpt, cfg.out_dir) if ckpt else 0
         log = None
         if rank == 0:
             log = RunLog(cfg.out_dir, wandb=cfg.wandb, config=config.to_dict(cfg))

@@ -256,12 +256,21 @@ def read_rank_file(path: str, rank: int) -> dict:
     """Verified, pickle-free read of path/rank<rank>.pt (tensors, ints, strings, None only)."""
     name = f"rank{rank}.pt"
     data = _read_verified(path, name, read_meta(path))
+    return _load_safe(os.path.join(path, name), data=data)
+
+
+def _load_safe(file: str, data: bytes | None = None, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True) of `data` (the verified bytes of `file`) or of `file` itself;
+    ValueError naming the file when it holds more than tensors and plain values."""
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(io.BytesIO(data) if data is not None else file, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"checkpoint file {os.path.join(path, name)} refused: it holds more than "
-                         f"tensors and plain values (torch.load weights_only=True: {first})") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        # torch's text advises weights_only=False, which would run the file's code: name the cause only.
+        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0])
+        raise ValueError(f"checkpoint file {file} refused: it holds more than tensors and plain values "
+                         f"(torch.load weights_only=True: {why}); it was not written by real_py or was "
+                         "altered: resume from another step") from None
 
 
 _ABSENT = object()
@@ -302,6 +311,8 @@ def check(cfg, path: str, *, verify_files: bool = True) -> int:
                          "new run (--out-dir DIR, without --resume)")
     for name in meta["files"] if verify_files else ():
         _read_verified(path, name, meta)
+        # The content too (pickle-free, as every rank reads it), memory-mapped: no tensor data read.
+        _load_safe(os.path.join(path, name), mmap=True)
     return int(meta["step"])
 
 
@@ -345,4 +356,42 @@ def load(rt, path: str) -> int:
     return int(state["step"])
 
 
-__all__ = ["save", "load", "find", "check", "sweep", "read_rank_file"]
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def resume(rt, path: str, out_dir: str, say=_say) -> int:
+    """Collective: every rank loads its part of checkpoint `path` (load); only when every rank
+    has, rank 0 cuts out_dir's metrics.jsonl and samples.jsonl back to the checkpoint's step (the
+    steps after it run again), then all wait for that cut. If any rank refuses its file, every rank
+    raises the same ValueError naming the ranks and their causes, and nothing in out_dir has
+    changed. Returns the step. `say` prints rank 0's lines about the cut."""
+    from .observe import cut_after
+
+    rank = dist.get_rank()
+    try:
+        step, err = load(rt, path), None
+    except Exception as e:  # noqa: BLE001 - any failure must reach the agreement below, not hang it
+        step, err = -1, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, (step, err))
+    bad = [(r, e) for r, (_, e) in enumerate(results) if e is not None]
+    steps = sorted({s for s, e in results if e is None})
+    if not bad and len(steps) > 1:
+        bad = [(r, f"its file holds step {s}") for r, (s, _) in enumerate(results) if s != steps[-1]]
+    if bad:
+        r, e = bad[0]
+        more = f" (and ranks {[b[0] for b in bad[1:]]})" if len(bad) > 1 else ""
+        raise ValueError(f"--resume {path}: rank {r}{more} could not load its checkpoint: {e}; nothing in "
+                         f"{out_dir} was changed (metrics.jsonl and samples.jsonl keep every step); resume "
+                         "from another step")
+    if rank == 0:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            n = cut_after(os.path.join(out_dir, name), step)
+            if n:
+                say(f"--resume from step {step}: dropped {n} later records of {name}")
+    dist.barrier()  # no rank appends records before rank 0 cut the files
+    return step
+
+
+__all__ = ["save", "load", "resume", "find", "check", "sweep", "read_rank_file"]
