@@ -14,6 +14,7 @@
 #include "planner/rank_schedule.h"
 
 void bind_search(pybind11::module_& m);  // csrc/search/bind_search.cpp
+void bind_ops(pybind11::module_& m);     // csrc/ops/bind_ops.cpp
 
 namespace py = pybind11;
 using I64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
@@ -193,4 +194,5 @@ PYBIND11_MODULE(_C, m) {
         "Round-by-round replay of a schedule's hops on a link model (realloc/simulate.py); "
         "returns the seconds until the last rank is done.");
   bind_search(m);
+  bind_ops(m);
 }

@@ -2,6 +2,10 @@
 
     pack(src, descs, out)       src [S] flat buffer -> out [P] packed buffer
     unpack(packed, descs, dst)  packed [P] -> dst [D] flat buffer (also local flat -> flat)
+    CopyPlan(descs8, element_size, device).run(srcs, dsts)
+                                a copy compiled once: descriptors over several source and
+                                destination buffers, kept on the device as work items; each run
+                                is one kernel launch (GPU) or one C++ call (CPU)
 
 descs: [k, 6] int64 CPU tensor in ELEMENTS of the buffers' dtype, rows (src_off, dst_off, len,
 n, src_stride, dst_stride): run i copies src[src_off + i*src_stride : +len] to
@@ -67,6 +71,67 @@ def unpack(packed: torch.Tensor, descs: torch.Tensor, dst: torch.Tensor) -> None
     torch.ops.real_py.unpack(packed, descs, dst)
 
 
+class CopyPlan:
+    """A strided copy compiled once and replayed: `run(srcs, dsts)` copies every run of `descs`.
+
+    descs: [k, 8] int64 in ELEMENTS, rows (src_off, dst_off, len, n, src_stride, dst_stride,
+    src_buf, dst_buf): run i copies srcs[src_buf][src_off + i*src_stride : +len] to
+    dsts[dst_buf][dst_off + i*dst_stride : +len]. The descriptors are checked and turned into work
+    items (csrc/ops/copy_items.h: slices of at most 16 KiB of long runs, or a few whole short
+    runs, each with its own addresses) once, here, and the item table is uploaded to `device` once.
+    A run checks the buffers against the plan's bounds and makes one call of real_py::copy_planned
+    per group of 64 source x 64 destination buffers (one group: one launch). Buffers: 1-D
+    contiguous, on `device`, any dtype of `element_size` bytes; no destination byte written twice
+    (the plan's descriptors are disjoint on the destination side), no source sharing memory with a
+    destination. CUDA: on the current stream."""
+
+    def __init__(self, descs: np.ndarray, element_size: int, device="cpu", item_bytes: int = 0):
+        d = np.ascontiguousarray(descs, dtype=np.int64).reshape(-1, 8)
+        self.device = torch.device(device)
+        self.element_size = int(element_size)
+        self.num_src = int(d[:, 6].max()) + 1 if len(d) else 0
+        self.num_dst = int(d[:, 7].max()) + 1 if len(d) else 0
+        self.bytes = 0
+        self.groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        """(first source buffer, first destination buffer, items on device, bounds) per launch."""
+        blocks = (d[:, 6] // 64) * 65536 + d[:, 7] // 64
+        for key in np.unique(blocks).tolist():
+            part = d[blocks == key].copy()
+            a, b = (key // 65536) * 64, (key % 65536) * 64
+            part[:, 6] -= a
+            part[:, 7] -= b
+            items, bounds, nbytes = _C.copy_plan(part, self.element_size, item_bytes)
+            if nbytes == 0:
+                continue
+            self.bytes += nbytes
+            self.groups.append((a, b, torch.from_numpy(items).to(self.device), torch.from_numpy(bounds)))
+        self._empty: torch.Tensor | None = None
+
+    @property
+    def num_items(self) -> int:
+        return sum(g[2].shape[0] for g in self.groups)
+
+    @property
+    def table_bytes(self) -> int:
+        """Device memory of the item tables (48 bytes per item)."""
+        return self.num_items * 48
+
+    def run(self, srcs, dsts) -> None:
+        """Copy; srcs / dsts: sequences of flat buffers indexed by the descriptors' src_buf /
+        dst_buf (None where the plan addresses none)."""
+        for a, b, items, bounds in self.groups:
+            s = [self._buf(x) for x in srcs[a:a + 64]]
+            t = [self._buf(x) for x in dsts[b:b + 64]]
+            torch.ops.real_py.copy_planned(s, t, items, bounds)
+
+    def _buf(self, x):
+        if x is not None:
+            return x
+        if self._empty is None:
+            self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return self._empty
+
+
 def descs_tensor(descs: np.ndarray) -> torch.Tensor:
     """[k, 6] int64 numpy array -> CPU int64 tensor sharing its memory (copies only if the array
     is not already C-contiguous int64)."""
@@ -91,6 +156,11 @@ def _unpack_fake(packed, descs, dst):
     return None
 
 
+@torch.library.register_fake("real_py::copy_planned")
+def _copy_planned_fake(srcs, dsts, items, bounds):
+    return None
+
+
 # The schemas live in C++ (csrc/ops/ops.cpp), which cannot carry docstrings; help() on the op
 # packets shows these instead.
 torch.ops.real_py.pack.__doc__ = ("real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n"
@@ -98,4 +168,4 @@ torch.ops.real_py.pack.__doc__ = ("real_py::pack(Tensor src, Tensor descs, Tenso
 torch.ops.real_py.unpack.__doc__ = ("real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()"
                                     "\n\n" + unpack.__doc__)
 
-__all__ = ["pack", "unpack", "descs_tensor", "extension"]
+__all__ = ["CopyPlan", "pack", "unpack", "descs_tensor", "extension"]

@@ -7,6 +7,10 @@
 //             dst_stride); every value >= 0, every run inside its buffer; len == 0 or n == 0
 //             copies nothing; runs of one descriptor may overlap in src (src_stride < len) but
 //             not in dst (n > 1 needs dst_stride >= len: overlapping writes would race).
+//
+// copy_planned (a compiled CopyPlan, real_py/ops.py): the descriptors were checked when the plan
+// was built (bind_ops.cpp); a call checks the buffers against the plan's bounds (bytes each
+// buffer must hold), their devices and layouts, and that no source overlaps a destination.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +18,9 @@
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
+
+#include "ops/copy_items.h"
 
 namespace real_py {
 
@@ -74,6 +81,74 @@ inline void check_copy_args(const char* op, const at::Tensor& src, const char* s
     }
     TORCH_CHECK_VALUE(n == 1 || ds >= len, op, ": descriptor ", i, " (len=", len, ", n=", n,
                       ", dst_stride=", ds, ") writes overlapping runs; dst_stride must be >= len");
+  }
+}
+
+// pack/unpack's [k, 6] element descriptors (checked above) -> [k, kDescCols] byte rows on buffers
+// (0, 0), empty ones dropped.
+inline std::vector<int64_t> byte_rows(const at::Tensor& descs, int64_t es) {
+  const int64_t k = descs.size(0);
+  const int64_t* d = descs.const_data_ptr<int64_t>();
+  std::vector<int64_t> out;
+  out.reserve(kDescCols * k);
+  for (int64_t i = 0; i < k; ++i, d += 6) {
+    if (d[2] == 0 || d[3] == 0) continue;
+    out.insert(out.end(), {d[0] * es, d[1] * es, d[2] * es, d[3], d[4] * es, d[5] * es, 0, 0});
+  }
+  return out;
+}
+
+inline int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// items: [m, 6] int64 (CopyItem rows) on `item_device`; bounds: [2, kMaxBufs] int64 CPU, the
+// bytes each source (row 0) and destination (row 1) buffer must hold.
+inline void check_planned_args(at::TensorList srcs, at::TensorList dsts, const at::Tensor& items,
+                               const at::Tensor& bounds, c10::DeviceType device_type) {
+  const char* op = "copy_planned";
+  TORCH_CHECK_VALUE(!srcs.empty() && !dsts.empty() && static_cast<int64_t>(srcs.size()) <= kMaxBufs &&
+                        static_cast<int64_t>(dsts.size()) <= kMaxBufs,
+                    op, ": needs 1 to ", kMaxBufs, " source and destination buffers, got ", srcs.size(),
+                    " and ", dsts.size());
+  TORCH_CHECK_VALUE(bounds.device().is_cpu() && bounds.scalar_type() == at::kLong && bounds.dim() == 2 &&
+                        bounds.size(0) == 2 && bounds.size(1) == kMaxBufs && bounds.is_contiguous(),
+                    op, ": bounds must be a contiguous CPU int64 [2, ", kMaxBufs, "] tensor, got ",
+                    bounds.sizes(), " ", bounds.scalar_type(), " on ", bounds.device());
+  TORCH_CHECK_VALUE(items.scalar_type() == at::kLong && items.dim() == 2 && items.size(1) == 6 &&
+                        items.is_contiguous(),
+                    op, ": items must be a contiguous int64 [m, 6] tensor (CopyItem rows), got ",
+                    items.sizes(), " ", items.scalar_type());
+  const int64_t* b = bounds.const_data_ptr<int64_t>();
+  const c10::Device device = srcs[0].device();
+  for (int side = 0; side < 2; ++side) {
+    at::TensorList bufs = side == 0 ? srcs : dsts;
+    const char* name = side == 0 ? "source" : "destination";
+    for (int64_t i = static_cast<int64_t>(bufs.size()); i < kMaxBufs; ++i) {
+      TORCH_CHECK_VALUE(b[side * kMaxBufs + i] == 0, op, ": the plan addresses ", name, " buffer ", i,
+                        " but only ", bufs.size(), " were passed");
+    }
+    for (size_t i = 0; i < bufs.size(); ++i) {
+      const at::Tensor& t = bufs[i];
+      TORCH_CHECK_VALUE(t.device().type() == device_type && t.device() == device, op, ": ", name,
+                        " buffer ", i, " is on ", t.device(), ", expected ", device,
+                        " (every buffer of one call on one device)");
+      TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), op, ": ", name, " buffer ", i,
+                        " must be a 1-D contiguous flat buffer, got shape ", t.sizes());
+      TORCH_CHECK_VALUE(nbytes(t) >= b[side * kMaxBufs + i], op, ": ", name, " buffer ", i, " holds ",
+                        nbytes(t), " bytes, the plan reaches byte ", b[side * kMaxBufs + i]);
+    }
+  }
+  const bool items_ok = device_type == c10::DeviceType::CPU ? items.device().is_cpu() : items.device() == device;
+  TORCH_CHECK_VALUE(items_ok, op, ": items are on ", items.device(), ", the buffers on ", device,
+                    " (upload the plan to the buffers' device: CopyPlan.to)");
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const auto* s0 = static_cast<const char*>(srcs[i].const_data_ptr());
+    for (size_t j = 0; j < dsts.size(); ++j) {
+      const auto* d0 = static_cast<const char*>(dsts[j].const_data_ptr());
+      const bool disjoint = nbytes(srcs[i]) == 0 || nbytes(dsts[j]) == 0 || s0 + nbytes(srcs[i]) <= d0 ||
+                            d0 + nbytes(dsts[j]) <= s0;
+      TORCH_CHECK_VALUE(disjoint, op, ": source buffer ", i, " and destination buffer ", j,
+                        " share memory; the copy needs separate buffers");
+    }
   }
 }
 

@@ -1,124 +1,171 @@
-// Device code of the strided byte copy (see pack_kernel.h for shapes and units), kept apart from
-// the launcher so that csrc/tests/test_pack_kernels.cpp can run the same code on the host
-// (threads of a block one after another) where there is no GPU.
+// Device code of the strided byte copy (shapes and units in pack_kernel.h, work items in
+// copy_items.h). Everything except the __global__ kernels is REAL_PY_HD (host and device), so the
+// C++ tests (csrc/tests/test_pack_kernels.cpp) and the CPU extension's kernel twin
+// (pack_twin.cpp) run the same lane code on the host, lanes one after another, without a GPU.
 //
-// Two kernels share the block code: descriptors in device memory (any count), or up to
-// kInlineDescs of them by value in the kernel parameters (no per-call upload).
+// Work split: a grid sized to the device (SMs x resident blocks, pack_kernel.cu), each warp
+// taking work items grid-stride: item i goes to global warp i mod (number of warps). An item
+// is a slice of at most 16 KiB of one run or a few whole short runs (copy_items.h), so a warp
+// copies one run (or one slice) at a time with all 32 lanes: a 2 KiB run is 128 16-byte words,
+// four per lane, all four loads in flight before the first store (unroll 4).
 //
-// Work split: block b owns bytes [b*kStridedCopyBlockBytes, (b+1)*kStridedCopyBlockBytes) of the
-// concatenated runs, found by a binary search over the prefix sums. Runs of at least
-// kBlockRunBytes are copied by the whole block (one long run fills many blocks); shorter runs are
-// dealt round-robin to warps, continuing the round across descriptors, so many short runs keep
-// every warp busy. Each run uses the widest word (16, 8, 4, 2, 1 bytes) that src and dst share
-// modulo 16, after a byte head that aligns dst; the remainder is a byte tail.
-// Needs CUDA's built-ins (uint4, uint2, threadIdx, min, ...): nvcc provides them, the test a shim.
+// Alignment: the destination is aligned first (a head of up to 15 bytes, one byte per lane);
+// the middle is copied in 16-byte words stored aligned; the tail (< 16 bytes), one byte per
+// lane. When the source is then 16-byte aligned too, the middle is plain 16-byte loads. When it
+// is not (src and dst offsets differ mod 16: bf16 pieces at odd element offsets, rows whose
+// length is not a multiple of 8 elements), each lane loads the two ALIGNED 16-byte source words
+// that cover its destination word and funnel-shifts them into place (__funnelshift_r on 32-bit
+// lanes). Chosen over narrow (4-, 2- or 1-byte) words because it keeps every load and store
+// 16 bytes wide: a 2-byte-misaligned bf16 run would otherwise fall back to 2-byte words, eight
+// times the instructions per byte. The second load of a lane is the first load of its
+// neighbour, so it hits L1: DRAM traffic is the bytes copied. No load touches a 16-byte word
+// without a byte of the run in it, so nothing is read outside the source buffer's allocation.
 #pragma once
 
 #include <cstdint>
 
+#include "ops/copy_items.h"
+
+#if defined(__CUDACC__)
+#define REAL_PY_HD __host__ __device__ __forceinline__
+#define REAL_PY_UNROLL _Pragma("unroll")
+#else
+#define REAL_PY_HD inline
+#define REAL_PY_UNROLL
+#endif
+
 namespace real_py {
 namespace pack_detail {
 
-constexpr int64_t kStridedCopyBlockBytes = 16 << 10;
+constexpr int kThreads = 256;  // per block: 8 warps
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kUnroll = 4;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int64_t kBlockRunBytes = 4 << 10;
+#if defined(__CUDACC__)
+using Word16 = uint4;  // one 128-bit load / store
+#else
+struct alignas(16) Word16 {
+  uint32_t x, y, z, w;
+};
+#endif
 
-// Kernel parameters stay under the classic 4 KiB limit: 64 * 7 * 8 + 8 = 3592 bytes.
-constexpr int64_t kInlineDescs = 64;
-struct InlineDescs {
-  int64_t descs[6 * kInlineDescs];
-  int64_t prefix[kInlineDescs + 1];
+// Source and destination base pointers of one launch, by value in the kernel's parameters.
+struct BufTable {
+  const char* src[kMaxBufs];
+  char* dst[kMaxBufs];
 };
 
-template <typename W>
-__device__ __forceinline__ void copy_words(char* __restrict__ d, const char* __restrict__ s,
-                                           int64_t n, int i, int stride) {
-  constexpr int64_t w = sizeof(W);
-  const int64_t head = min(n, static_cast<int64_t>((w - (reinterpret_cast<uintptr_t>(d) & (w - 1))) & (w - 1)));
-  for (int64_t k = i; k < head; k += stride) d[k] = s[k];
-  d += head, s += head, n -= head;
-  const int64_t nw = n / w;
-  W* __restrict__ dw = reinterpret_cast<W*>(d);
-  const W* __restrict__ sw = reinterpret_cast<const W*>(s);
-#pragma unroll 4
-  for (int64_t k = i; k < nw; k += stride) dw[k] = sw[k];
-  for (int64_t k = nw * w + i; k < n; k += stride) d[k] = s[k];
+// Up to kInlineItems items travel by value too (per-call ops with few items: no upload).
+constexpr int kInlineItems = 48;
+struct InlineItems {
+  CopyItem items[kInlineItems];
+};
+
+REAL_PY_HD uint32_t funnel_r(uint32_t lo, uint32_t hi, int shift) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_r(lo, hi, shift);
+#else
+  const uint64_t v = (static_cast<uint64_t>(hi) << 32) | lo;
+  return static_cast<uint32_t>(v >> (shift & 31));
+#endif
 }
 
-// Threads i, i + stride, ... of the caller's group copy n bytes s -> d.
-__device__ __forceinline__ void copy_run(char* d, const char* s, int64_t n, int i, int stride) {
-  const uintptr_t x = reinterpret_cast<uintptr_t>(d) ^ reinterpret_cast<uintptr_t>(s);
-  if ((x & 15) == 0) {
-    copy_words<uint4>(d, s, n, i, stride);
-  } else if ((x & 7) == 0) {
-    copy_words<uint2>(d, s, n, i, stride);
-  } else if ((x & 3) == 0) {
-    copy_words<uint32_t>(d, s, n, i, stride);
-  } else if ((x & 1) == 0) {
-    copy_words<uint16_t>(d, s, n, i, stride);
-  } else {
-    copy_words<uint8_t>(d, s, n, i, stride);
-  }
+// 16 bytes starting `q * 4 + bits / 8` bytes into the 32-byte pair (a, b).
+template <int Q>
+REAL_PY_HD Word16 realign(const Word16& a, const Word16& b, int bits) {
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  return {funnel_r(w[Q], w[Q + 1], bits), funnel_r(w[Q + 1], w[Q + 2], bits),
+          funnel_r(w[Q + 2], w[Q + 3], bits), funnel_r(w[Q + 3], w[Q + 4], bits)};
 }
 
-// One block's share of the copy (the kernels below differ only in where descs and prefix live).
-__device__ __forceinline__ void strided_copy_block(const char* __restrict__ src, char* __restrict__ dst,
-                                                   const int64_t* __restrict__ descs,
-                                                   const int64_t* __restrict__ prefix, int64_t k,
-                                                   int64_t total) {
-  __shared__ int64_t first;
-  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kStridedCopyBlockBytes;
-  const int64_t b1 = min(b0 + kStridedCopyBlockBytes, total);
-  if (threadIdx.x == 0) {
-    // Last descriptor starting at or before b0 (descriptors are non-empty, so it holds b0).
-    int64_t lo = 0, hi = k - 1;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (prefix[mid] <= b0) lo = mid; else hi = mid - 1;
-    }
-    first = lo;
+// Lane `lane` of a warp: its share of nw 16-byte words d[j] = source bytes at s + 16 j, for a
+// 16-byte aligned d and a source whose address is sa + delta (sa aligned, 0 < delta < 16).
+template <int Q>
+REAL_PY_HD void copy_realigned(Word16* __restrict__ d, const Word16* __restrict__ sa, int64_t nw,
+                               int bits, int lane) {
+  int64_t j = lane;
+  for (; j + 32 * (kUnroll - 1) < nw; j += 32 * kUnroll) {
+    Word16 a[kUnroll], b[kUnroll];
+REAL_PY_UNROLL
+    for (int u = 0; u < kUnroll; ++u) a[u] = sa[j + 32 * u], b[u] = sa[j + 32 * u + 1];
+REAL_PY_UNROLL
+    for (int u = 0; u < kUnroll; ++u) d[j + 32 * u] = realign<Q>(a[u], b[u], bits);
   }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int64_t dealt = 0;  // short runs dealt so far in this block, to continue the warp round-robin
-  for (int64_t i = first; i < k && prefix[i] < b1; ++i) {
-    const int64_t* d = descs + 6 * i;
-    const int64_t so = d[0], doff = d[1], len = d[2], ss = d[4], ds = d[5], p = prefix[i];
-    const int64_t lo = max(b0, p) - p, hi = min(b1, prefix[i + 1]) - p;  // bytes of this desc
-    const int64_t r0 = lo / len, r1 = (hi + len - 1) / len;                // runs touched
-    if (len >= kBlockRunBytes) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t a = max(lo - r * len, int64_t{0}), e = min(hi - r * len, len);
-        copy_run(dst + doff + r * ds + a, src + so + r * ss + a, e - a, threadIdx.x, kThreads);
-      }
+  for (; j < nw; j += 32) d[j] = realign<Q>(sa[j], sa[j + 1], bits);
+}
+
+REAL_PY_HD void copy_aligned(Word16* __restrict__ d, const Word16* __restrict__ s, int64_t nw, int lane) {
+  int64_t j = lane;
+  for (; j + 32 * (kUnroll - 1) < nw; j += 32 * kUnroll) {
+    Word16 v[kUnroll];
+REAL_PY_UNROLL
+    for (int u = 0; u < kUnroll; ++u) v[u] = s[j + 32 * u];
+REAL_PY_UNROLL
+    for (int u = 0; u < kUnroll; ++u) d[j + 32 * u] = v[u];
+  }
+  for (; j < nw; j += 32) d[j] = s[j];
+}
+
+// Lane `lane`'s share of copying n bytes s -> d (all 32 lanes of the warp call it alike).
+REAL_PY_HD void warp_copy_run(char* __restrict__ d, const char* __restrict__ s, int64_t n, int lane) {
+  const int64_t head = (16 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  const int64_t h = head < n ? head : n;
+  if (lane < h) d[lane] = s[lane];
+  d += h, s += h, n -= h;
+  const int64_t nw = n >> 4;
+  if (nw > 0) {
+    const int delta = static_cast<int>(reinterpret_cast<uintptr_t>(s) & 15);
+    Word16* dw = reinterpret_cast<Word16*>(d);
+    if (delta == 0) {
+      copy_aligned(dw, reinterpret_cast<const Word16*>(s), nw, lane);
     } else {
-      const int64_t skip = ((warp - dealt) % kWarps + kWarps) % kWarps;
-      for (int64_t r = r0 + skip; r < r1; r += kWarps) {
-        const int64_t a = max(lo - r * len, int64_t{0}), e = min(hi - r * len, len);
-        copy_run(dst + doff + r * ds + a, src + so + r * ss + a, e - a, lane, 32);
+      const Word16* sa = reinterpret_cast<const Word16*>(s - delta);
+      const int bits = (delta & 3) * 8;
+      switch (delta >> 2) {
+        case 0: copy_realigned<0>(dw, sa, nw, bits, lane); break;
+        case 1: copy_realigned<1>(dw, sa, nw, bits, lane); break;
+        case 2: copy_realigned<2>(dw, sa, nw, bits, lane); break;
+        default: copy_realigned<3>(dw, sa, nw, bits, lane); break;
       }
-      dealt += r1 - r0;
     }
+  }
+  const int64_t t = n - (nw << 4);
+  if (lane < t) d[(nw << 4) + lane] = s[(nw << 4) + lane];
+}
+
+// Lane `lane`'s share of one work item.
+REAL_PY_HD void warp_copy_item(const CopyItem& it, const BufTable& bufs, int lane) {
+  const char* s = bufs.src[it.src_buf] + it.src;
+  char* d = bufs.dst[it.dst_buf] + it.dst;
+  for (int32_t r = 0; r < it.count; ++r, s += it.src_stride, d += it.dst_stride) {
+    warp_copy_run(d, s, it.bytes, lane);
   }
 }
 
-// Descriptors and prefix sums in device memory (any number of descriptors).
-__global__ void __launch_bounds__(kThreads, 4)
-strided_copy_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                    const int64_t* __restrict__ descs, const int64_t* __restrict__ prefix,
-                    int64_t k, int64_t total) {
-  strided_copy_block(src, dst, descs, prefix, k, total);
+// Global warp `warp` of `num_warps`, lane `lane`: items warp, warp + num_warps, ... (grid-stride).
+REAL_PY_HD void warp_copy_items(const CopyItem* __restrict__ items, int64_t m, const BufTable& bufs,
+                                int64_t warp, int64_t num_warps, int lane) {
+  for (int64_t i = warp; i < m; i += num_warps) {
+    const CopyItem it = items[i];  // into registers (from global memory or the parameter bank)
+    warp_copy_item(it, bufs, lane);
+  }
 }
 
-// Up to kInlineDescs descriptors passed by value in the kernel's parameters (read in place from
-// the constant bank, __grid_constant__): no staging buffer and no host-to-device copy per call.
-__global__ void __launch_bounds__(kThreads, 4)
-strided_copy_inline_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                           const __grid_constant__ InlineDescs p, int64_t k, int64_t total) {
-  strided_copy_block(src, dst, p.descs, p.prefix, k, total);
+#if defined(__CUDACC__)
+__global__ void __launch_bounds__(kThreads)
+copy_items_kernel(const CopyItem* __restrict__ items, int64_t m, const __grid_constant__ BufTable bufs) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  warp_copy_items(items, m, bufs, warp, static_cast<int64_t>(gridDim.x) * kWarpsPerBlock, threadIdx.x % 32);
 }
+
+__global__ void __launch_bounds__(kThreads)
+copy_inline_items_kernel(const __grid_constant__ InlineItems items, int64_t m,
+                         const __grid_constant__ BufTable bufs) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  warp_copy_items(items.items, m, bufs, warp, static_cast<int64_t>(gridDim.x) * kWarpsPerBlock,
+                  threadIdx.x % 32);
+}
+#endif
 
 }  // namespace pack_detail
 }  // namespace real_py
