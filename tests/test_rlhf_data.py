@@ -58,6 +58,10 @@ def env(tmp_path_factory):
         "def numeric_text(prompts, responses, **row):\n    return ['0.5'] * len(responses)\n"
         "def one_char(prompts, responses, **row):\n    return '5'\n"
         "def needs_solution(prompts, responses, solution):\n    return [0.0] * len(responses)\n"
+        "def no_row(prompts, responses, answer):\n    return [0.0] * len(responses)\n"
+        "def one_param(responses):\n    return [0.0] * len(responses)\n"
+        "def fails(prompts, responses, **row):\n    return [1 / 0]\n"
+        "def default_solution(prompts, responses, solution=None, **row):\n    return [0.0] * len(responses)\n"
         "NOT_CALLABLE = 3\n")
     return tmp
 
@@ -210,8 +214,15 @@ def test_reward_function(env):
     with pytest.raises(ValueError, match=r"rew.py:text returned str"):
         FunctionReward(f"{env / 'rew.py'}:text")(["a", "b"], ["x", "y"], {})
     bad = [("nocolon", "expected 'path/to/file.py:function'"),
-           (f"{env / 'rew.py'}:needs_solution", r"rew.py:needs_solution failed .* row fields \['answer', 'id'\].*"
-                                                "TypeError: .*unexpected keyword argument"),
+           # The signature against the data's fields, before any call.
+           (f"{env / 'rew.py'}:needs_solution", r"rew.py:needs_solution: the data has no field 'solution' "
+                                                r"\(a parameter of the function without a default; the data, data.path="
+                                                r".*p.jsonl', prompt_key='prompt', has the fields \['answer', 'id'\]\)"),
+           (f"{env / 'rew.py'}:no_row", r"rew.py:no_row is called with every field of the data as a keyword .* "
+                                        r"but has no parameter for \['id'\].*add \*\*row"),
+           (f"{env / 'rew.py'}:one_param", r"rew.py:one_param takes 1 positional parameter\(s\) \(responses\); "
+                                           r"it is called as fn\(prompts, responses, \*\*row\)"),
+           (f"{env / 'rew.py'}:fails", r"rew.py:fails failed when called .* ZeroDivisionError"),
            (f"{env / 'rew.py'}:text", "rew.py:text returned str"),
            (f"{env / 'rew.py'}:numeric_text", r"rew.py:numeric_text returned the string '0.5' as a score"),
            (f"{env / 'rew.py'}:one_char", "rew.py:one_char returned str 5"),
@@ -224,6 +235,17 @@ def test_reward_function(env):
             CF.validate(CF.from_dict({**CF.to_dict(_cfg(env)), "reward": {"kind": "function", "path": path}}), 4)
     with pytest.raises(ValueError, match="needs a tokenizer to decode"):
         CF.validate(CF.from_dict({"reward": {"kind": "function", "path": f"{env / 'rew.py'}:ok"}}), 4)
+    # Synthetic prompts (no data.path) have no fields: a required one is named before launch.
+    synth = {"actor": ACTOR, "critic": ACTOR, "generation": {"max_new_tokens": 4},
+             "data": {"tokenizer_path": str(env / "tok"), "batch_size": 4}}
+    with pytest.raises(ValueError, match=r"rew.py:ok: the data has no field 'answer', 'id' \(a parameter of the "
+                                         r"function without a default; the data, no data.path: the built-in "
+                                         r"synthetic prompts, has no fields besides the prompt\)"):
+        CF.validate(CF.from_dict(dict(synth, reward={"kind": "function", "path": f"{env / 'rew.py'}:ok"})), 4)
+    for fn in ("short", "default_solution"):   # **row, or a default: nothing required
+        CF.validate(CF.from_dict(dict(synth, reward={"kind": "function", "path": f"{env / 'rew.py'}:{fn}"})), 4)
+    CF.validate(CF.from_dict({**CF.to_dict(_cfg(env)), "reward": {"kind": "function",
+                                                                 "path": f"{env / 'rew.py'}:default_solution"}}), 4)
     with pytest.raises(ValueError, match="allowed: 'model', 'rule', 'function'"):
         CF.from_dict({"reward": {"kind": "python"}})
 

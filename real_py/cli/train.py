@@ -58,7 +58,29 @@ def _config(args):
                 print(f"--resume: {line}", flush=True)
         ckpt = checkpoint.find(args.resume, cfg.out_dir)
         checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
+    if "RANK" not in os.environ:  # the launcher: what it can tell before any rank starts
+        _before_launch(cfg)
     return cfg, ckpt
+
+
+def _before_launch(cfg) -> None:
+    """Refuse a local CUDA job with more ranks than GPUs; print the config's warnings
+    (config.notes: ignored keys, more ranks than cores) and the legend of the step line's kl."""
+    from ..rlhf import config
+
+    world = cfg.execution_plan().world_size
+    import torch
+
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        n = torch.cuda.device_count()
+        if world > n:
+            raise ValueError(f"the execution plan has {world} ranks but this node has {n} GPU"
+                             f"{'s' if n != 1 else ''}: a local launch runs one rank per GPU; use a plan of at "
+                             f"most {n} ranks (python -m real_py search --gpus {n}), device: cpu, or several "
+                             "nodes under torchrun (docs/running.md)")
+    for line in config.notes(cfg, world):
+        print(f"warning: {line}", flush=True)
+    print(f"step lines: {config.KL_LEGEND}", flush=True)
 
 
 def _launch(args, world: int) -> int:

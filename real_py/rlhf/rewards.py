@@ -7,9 +7,10 @@
 `prompts` are the data set's prompt values (decoded prompt tokens for the built-in synthetic
 prompts), `responses` the decoded responses (special tokens such as EOS skipped), `row` the data
 set's other fields, each a list with one value per row (e.g. answer=["4", "7", ...]). The function
-is loaded, checked for being callable and, with a data set, called once on its first row (an
-empty response) in `config.validate`, before any rank starts; a result of the wrong length or
-type raises ValueError naming the function.
+is loaded, checked for being callable, its parameters checked against the data's fields
+(`check_signature`: "the data has no field 'solution'") and, with a data set, called once on its
+first row (an empty response) in `config.validate`, before any rank starts; a result of the wrong
+length or type raises ValueError naming the function.
 """
 
 from __future__ import annotations
@@ -93,6 +94,41 @@ class FunctionReward:
         return torch.tensor(vals, dtype=torch.float32)
 
 
+def check_signature(fr: FunctionReward, fields: list[str], where: str) -> None:
+    """The function's parameters against the data's fields, before any call: two positional
+    parameters (prompts, responses), every other parameter without a default a field of the data,
+    and every field a parameter unless it takes **row. `where` names the data in messages."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fr.fn)
+    except (TypeError, ValueError):
+        return                                   # a builtin without a signature: the call checks it
+    ps = list(sig.parameters.values())
+    P = inspect.Parameter
+    positional = [p for p in ps if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    star_args = any(p.kind == P.VAR_POSITIONAL for p in ps)
+    call = "fn(prompts, responses, **row)"
+    if len(positional) < 2 and not star_args:
+        raise ValueError(f"reward function {fr.spec} takes {len(positional)} positional parameter(s) "
+                         f"({', '.join(p.name for p in positional) or 'none'}); it is called as {call}: give it "
+                         "two, e.g. def fn(prompts, responses, **row)")
+    rest = positional[2:] + [p for p in ps if p.kind == P.KEYWORD_ONLY]
+    missing = [p.name for p in rest if p.default is P.empty and p.name not in fields]
+    if missing:
+        have = f"the fields {sorted(fields)}" if fields else "no fields besides the prompt"
+        raise ValueError(f"reward function {fr.spec}: the data has no field {', '.join(repr(m) for m in missing)} "
+                         f"(a parameter of the function without a default; the data, {where}, has {have}); "
+                         "add the field to every row, give "
+                         f"the parameter a default (e.g. {missing[0]}=None), or rename it to a field")
+    if not any(p.kind == P.VAR_KEYWORD for p in ps):
+        extra = sorted(set(fields) - {p.name for p in rest})
+        if extra:
+            raise ValueError(f"reward function {fr.spec} is called with every field of the data as a keyword "
+                             f"({call}) but has no parameter for {extra} ({where}); add **row to its "
+                             "parameters (or a parameter per field)")
+
+
 def check_call(fr: FunctionReward, data) -> None:
     """Call the function once on the data set's first row with an empty response, so a signature
     that does not match the data set's fields (or a function that fails) shows before any rank
@@ -118,4 +154,4 @@ def write_samples(path: str, step: int, prompts: list, responses: list, scores: 
                                default=str) + "\n")
 
 
-__all__ = ["load_function", "FunctionReward", "check_call", "write_samples"]
+__all__ = ["load_function", "FunctionReward", "check_signature", "check_call", "write_samples"]

@@ -6,11 +6,11 @@
   checks.py  ranges, then `validate`: plan vs graph, world and models; vocabularies; data; reward
 """
 
-from .checks import check_values, validate
+from .checks import KL_LEGEND, check_values, notes, validate
 from .load import apply_overrides, from_dict, load, read_yaml, to_dict
 from .schema import (DEFAULT_PLAN, PRECISION_DTYPES, TINY, DataConfig, GenConfig, PPOConfig, RewardConfig,
                      TrainConfig, default_plan, single_process_plan)
 
 __all__ = ["TrainConfig", "DataConfig", "GenConfig", "PPOConfig", "RewardConfig", "from_dict", "load",
            "read_yaml", "apply_overrides", "to_dict", "validate", "check_values", "single_process_plan",
-           "DEFAULT_PLAN", "PRECISION_DTYPES", "TINY", "default_plan"]
+           "DEFAULT_PLAN", "PRECISION_DTYPES", "TINY", "default_plan", "notes", "KL_LEGEND"]

@@ -113,7 +113,8 @@ def check_values(cfg: TrainConfig) -> None:
                              f"(vocab_size={vocab})")
     if cfg.critic_init != "checkpoint" and not cfg.critic_path:
         raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
-                         "body the fresh value head sits on)")
+                         "body the fresh value head sits on); it applies to the critic only, never to "
+                         "reward_path")
     _check_vocab(cfg, models)
 
 
@@ -279,12 +280,28 @@ def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
     fails here, naming the file and tensor, instead of on every rank after start-up."""
     paths = cfg.model_paths()
     for m in sorted({c.model for c in graph.calls.values()}):
-        if not paths.get(m):
+        if not paths.get(m) or (m == "reward" and cfg.reward.kind != "model"):
             continue
         fresh = m == "critic" and cfg.critic_init != "checkpoint"
         try:
-            HFCheckpoint(paths[m]).check(model_spec(models[m], name=m), fresh_head=fresh)
+            ck = HFCheckpoint(paths[m])
+            if m == "reward" and "score.weight" not in ck.shapes:
+                raise ValueError(
+                    f"config reward_path={paths[m]!r} is not a reward model: it has no value head "
+                    "'score.weight' (a causal-LM checkpoint?). A reward model is a trained "
+                    "*ForSequenceClassification checkpoint with num_labels=1; critic_init gives only the "
+                    "critic a fresh head (it trains; a frozen reward model with a fresh head would score "
+                    "at random). Give reward_path such a checkpoint, or score the text with "
+                    "reward: {kind: function, path: 'file.py:fn'} and no reward_path")
+            if m == "critic" and not fresh and "score.weight" not in ck.shapes:
+                raise ValueError(
+                    f"config critic_path={paths[m]!r} has no value head 'score.weight' (a causal-LM "
+                    "checkpoint?); set critic_init: zero (or normal) to start a fresh value head on its "
+                    "body, or give a *ForSequenceClassification checkpoint with num_labels=1")
+            ck.check(model_spec(models[m], name=m), fresh_head=fresh)
         except ValueError as e:
+            if str(e).startswith("config "):
+                raise
             raise ValueError(f"model {m} ({paths[m]}): {e}") from None
 
 
@@ -292,13 +309,55 @@ def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
     """Load the prompt data set, tokenizer and reward function once, so that any error in them
     shows before ranks start (every rank loads them again, cached per process)."""
     from .. import data as D
-    from ..rewards import FunctionReward, check_call
+    from ..rewards import FunctionReward, check_call, check_signature
 
     data = D.load(cfg, models["actor"].vocab_size)
     if cfg.reward.kind == "function":
         fr = FunctionReward(cfg.reward.path)
-        if data is not None:
-            check_call(fr, data)
         if D.tokenizer(cfg, data) is None:
             raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
                              "data.tokenizer_path (or data.path with a tokenizer)")
+        if data is None:
+            check_signature(fr, [], "no data.path: the built-in synthetic prompts")
+        else:
+            fields = sorted({k for r in data.rows for k in r} - {data.prompt_key})
+            check_signature(fr, fields, f"data.path={cfg.data.path!r}, prompt_key={data.prompt_key!r}")
+            check_call(fr, data)
+
+
+KL_LEGEND = ("kl = the k1 estimate of KL(actor || reference), sum over each response's tokens of "
+             "(log pi_old - log pi_ref), mean over the batch's sequences; k1 is unbiased only on "
+             "average over sampled responses, so a step's value can be negative (often while the actor is "
+             "still close to the reference, or when sampling with temperature / top_p / top_k differs from "
+             "the actor's own distribution)")
+"""The step line's `kl` in words (printed by the launcher; docs/running.md)."""
+
+
+def notes(cfg: TrainConfig, world_size: int) -> list[str]:
+    """Warnings about a config that runs but not as its author may expect: keys the algorithm or
+    reward kind ignores, and more ranks than CPU cores. The launcher prints them before launch."""
+    out = []
+    used = cfg.graph().models()
+    if "critic" not in used:
+        for key, v, default in (("critic_path", cfg.critic_path, None), ("critic_init", cfg.critic_init, "checkpoint")):
+            if v != default:
+                out.append(f"{key}={v!r} is ignored: algo={cfg.algo!r} has no critic (critic-free); remove "
+                           f"{key}, or use algo: ppo to train a critic")
+    if cfg.reward.kind != "model" and cfg.reward_path:
+        out.append(f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
+                   "a reward model; remove reward_path, or set reward.kind: model to use it")
+    if cfg.reward.kind != "function" and cfg.reward.path:
+        out.append(f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function only "
+                   f"(reward.kind={cfg.reward.kind!r})")
+    import torch
+
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not cuda and world_size > cores:
+        out.append(f"the plan has {world_size} ranks but this machine gives this process {cores} CPU "
+                   f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
+                   f"running side by side stretch by up to {world_size / cores:g}x); for speed use a plan "
+                   f"of at most {cores} ranks "
+                   f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
+                   "with more cores")
+    return out

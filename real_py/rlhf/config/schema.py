@@ -316,7 +316,12 @@ class TrainConfig:
                 else:
                     out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head,
                                                "dtype": dtype})
-            except (TypeError, OSError) as e:
+            except OSError as e:
+                key = {"actor": "actor_path", "critic": "critic_path", "reward": "reward_path"}[name]
+                raise ValueError(f"config {key}={path!r}: not an HF checkpoint directory ({e.strerror or e}: "
+                                 f"{getattr(e, 'filename', None) or path}); give the directory save_pretrained "
+                                 "wrote (config.json and *.safetensors)") from None
+            except TypeError as e:
                 raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
                                  f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
         out["ref"] = out["actor"]
@@ -324,7 +329,11 @@ class TrainConfig:
             try:
                 out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm",
                                                                   "dtype": dtype})
-            except (TypeError, OSError) as e:
+            except OSError as e:
+                raise ValueError(f"config ref_path={self.ref_path!r}: not an HF checkpoint directory "
+                                 f"({e.strerror or e}: {getattr(e, 'filename', None) or self.ref_path}); give the "
+                                 "directory save_pretrained wrote (config.json and *.safetensors)") from None
+            except TypeError as e:
                 raise ValueError(f"config ref ({self.ref_path}): {e}") from None
         return out
 

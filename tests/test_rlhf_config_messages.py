@@ -1,0 +1,77 @@
+# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm ignores (critic_path with a critic-free algorithm), more ranks than cores or GPUs, and the legend of the step line's kl.
+# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, notes, KL_LEGEND) or real_py/cli/train.py (_config, _before_launch).
+import os
+
+import pytest
+import torch
+
+from real_py.cli import main
+from real_py.cli import train as cli_train
+from real_py.interop.hf import save_hf
+from real_py.rlhf import config as CF
+from real_py.rlhf.models import init_weights
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """A causal-LM HF checkpoint of the default actor's shape (no value head)."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "lm")
+    a = CF.from_dict({}).model_configs()["actor"]
+    save_hf(path, a, init_weights(a, 1))
+    return path
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    monkeypatch.setattr(cli_train, "_launch", lambda args, world: 0)
+
+
+def test_causal_lm_reward_path_names_the_real_fix(lm):
+    with pytest.raises(ValueError) as e:
+        CF.validate(CF.from_dict({"reward_path": lm}), 4)
+    msg = str(e.value)
+    assert f"reward_path='{lm}' is not a reward model: it has no value head 'score.weight'" in msg, msg
+    assert "critic_init gives only the critic a fresh head" in msg and "reward: {kind: function" in msg, msg
+    # Following the old hint (critic_init) is refused naming why it cannot help.
+    with pytest.raises(ValueError, match="it applies to the critic only, never to reward_path"):
+        CF.from_dict({"reward_path": lm, "critic_init": "zero"})
+    # The fix the message names works: a reward function instead of the causal LM.
+    CF.validate(CF.from_dict({"reward": {"kind": "rule"}}), 4)
+
+
+def test_causal_lm_critic_path_suggests_critic_init(lm):
+    with pytest.raises(ValueError, match=r"critic_path='.*lm' has no value head 'score.weight' .*set critic_init: zero"):
+        CF.validate(CF.from_dict({"critic_path": lm}), 4)
+    CF.validate(CF.from_dict({"critic_path": lm, "critic_init": "zero"}), 4)   # the suggestion works
+
+
+def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    notes = CF.notes(CF.from_dict({"algo": "grpo", "critic_path": lm, "critic_init": "zero",
+                                   "reward": {"kind": "rule"}, "reward_path": lm, "device": "cpu"}), 8)
+    text = "\n".join(notes)
+    assert f"critic_path='{lm}' is ignored: algo='grpo' has no critic (critic-free); remove critic_path" in text
+    assert "critic_init='zero' is ignored" in text
+    assert f"reward_path='{lm}' is ignored: reward.kind='rule' scores without a reward model" in text
+    assert ("the plan has 8 ranks but this machine gives this process 2 CPU cores: ranks share cores and the "
+            "run will be slow (calls running side by side stretch by up to 4x)") in text
+    assert "python -m real_py search --gpus 2 --hardware cpu" in text
+    assert CF.notes(CF.from_dict({"device": "cpu"}), 2) == []
+
+
+def test_launcher_prints_warnings_and_the_kl_legend(lm, tmp_path, capsys, no_launch):
+    assert main(["train", "algo=grpo", f"critic_path={lm}", "--out-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: critic_path='{lm}' is ignored: algo='grpo' has no critic" in out, out
+    assert "step lines: kl = the k1 estimate of KL(actor || reference), sum over each response's tokens" in out
+    assert "can be negative" in out
+
+
+def test_local_cuda_job_with_more_ranks_than_gpus_is_refused(tmp_path, capsys, monkeypatch, no_launch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "device=cuda", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "the execution plan has 4 ranks but this node has 2 GPUs: a local launch runs one rank per GPU" in err
