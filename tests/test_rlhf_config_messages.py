@@ -53,7 +53,7 @@ def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
     assert f"critic_path='{lm}' is ignored: algo='grpo' has no critic (critic-free); remove critic_path" in text
     assert "critic_init='zero' is ignored" in text
     assert f"reward_path='{lm}' is ignored: reward.kind='rule' scores without a reward model" in text
-    assert ("the plan has 8 ranks but this machine gives this process 2 CPU cores: ranks share cores and the "
+    assert ("the plan has 8 ranks with calls but this machine gives this process 2 CPU cores: ranks share cores and the "
             "run will be slow (calls running side by side stretch by up to 4x)") in text
     assert "python -m real_py search --gpus 2 --hardware cpu" in text
     assert CF.notes(CF.from_dict({"device": "cpu"}), 2) == []

@@ -54,8 +54,8 @@ def test_tiny_cpu_searched_plan_validates(tmp_path, batch, mini):
     path = tmp_path / "plan.json"
     res.plan.save(str(path))
     cfg2 = CF.from_dict({"data": {"batch_size": batch}, "ppo": {"mini_batches": mini},
-                         "plan": {"path": str(path)}, "allow_idle_ranks": True})
-    CF.validate(cfg2, 4)  # raises ValueError if the trainer would refuse the plan
+                         "plan": {"path": str(path)}})
+    CF.validate(cfg2, 4)  # raises ValueError if the trainer would refuse the plan (idle ranks included)
 
 
 def test_no_plan_names_the_rule_per_mesh_size():
@@ -131,9 +131,70 @@ def test_cpu_searched_plan_trains_two_steps_through_the_cli(tmp_path):
     out = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "real_py", "train", "data.batch_size=12", "ppo.mini_batches=4",
-                        "ppo.ppo_epochs=1", "generation.max_new_tokens=6", f"plan.path={path}",
-                        "allow_idle_ranks=true", "steps=2", "save_every=0", "--out-dir", str(out),
+                        "ppo.ppo_epochs=1", "generation.max_new_tokens=6", f"plan.path={path}", "steps=2", "save_every=0", "--out-dir", str(out),
                         "--no-progress", "--timeout", "120"], cwd=root, capture_output=True, text=True, timeout=450)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2, rows
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(500)
+def test_searched_plan_with_idle_ranks_trains_as_returned(tmp_path):
+    """The README's own-model flow: a 2-layer Qwen3 actor (hidden 64, vocab 64) and a LLaMA reward
+    model written with transformers, `search --model <dir> --critic <dir> --gpus 4 --hardware cpu
+    --out plan.json`, then `train` with `plan: {path: plan.json}` and nothing else about the plan.
+    The cpu profile is a fixed one placed in REAL_PY_CACHE (no calibration), with collectives so
+    slow that the best plan keeps every call on one rank: the search says which ranks it left idle
+    and why, records them in the plan, and train runs the plan as returned."""
+    import dataclasses
+    import json
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    import torch
+    import transformers as T
+
+    from real_py.calibrate.measure import DEFAULT
+    from real_py.calibrate.profiles import CACHE_VERSION
+
+    torch.manual_seed(0)
+    T.Qwen3ForCausalLM(T.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=2, vocab_size=64, max_position_embeddings=64)).save_pretrained(tmp_path / "actor")
+    T.LlamaForSequenceClassification(T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=64, max_position_embeddings=64, num_labels=1, pad_token_id=0)).save_pretrained(tmp_path / "rm")
+    hw = HardwareProfile(name="slow-links", flops_eff=1.0, hbm_eff=1.0, mem_bytes=8e9, mem_usable=0.5,
+                         ranks_per_node=64, peak_flops=20e9, hbm_bw=10e9, intra_bw=1e9, inter_bw=1e9,
+                         intra_lat=0.5, inter_lat=0.5)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "cpu_profile.json").write_text(json.dumps({
+        "machine": platform.node(), "version": CACHE_VERSION, "setup": dataclasses.asdict(DEFAULT),
+        "measured": {}, "profile": dataclasses.asdict(hw)}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, REAL_PY_CACHE=str(cache))
+    r = subprocess.run([sys.executable, "-m", "real_py", "search", "--model", str(tmp_path / "actor"),
+                        "--critic", str(tmp_path / "rm"), "--gpus", "4", "--hardware", "cpu", "--batch-size", "8",
+                        "--prompt-len", "8", "--gen-len", "4", "--time-budget", "2", "--out", str(tmp_path / "plan.json")],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    used = sorted({x for c in plan["calls"].values() for x in c["ranks"]})
+    assert plan["world_size"] == 4 and used == [0] and plan["idle_ranks"] == [1, 2, 3], plan
+    assert "ranks [1, 2, 3] of 4 left idle: spreading the calls over them did not lower the estimate" in r.stdout
+    # The user's config names the checkpoints and the plan file (relative to the config's folder).
+    (tmp_path / "cfg.yaml").write_text("actor_path: actor\ncritic_path: rm\nreward_path: rm\n"
+                                       "data: {batch_size: 8}\ngeneration: {max_new_tokens: 4}\n"
+                                       "plan: {path: plan.json}\nsteps: 2\nsave_every: 0\n")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", str(tmp_path / "cfg.yaml"),
+                        "--out-dir", str(out), "--no-progress", "--timeout", "120"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "leaves ranks [1, 2, 3] of 4 without a call (recorded in the plan's idle_ranks" in r.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2, rows

@@ -102,6 +102,14 @@ def run(args) -> int:
         print(json.dumps(out, indent=1, default=str))
         return 0
     print(f"searched plan: {res.iter_time:.3f} s/iteration (estimated, {args.hardware})")
+    idle = list(res.plan.idle_ranks)
+    if idle:
+        full = ", ".join(f"{k} {b.iter_time:.3f}" for k, b in res.baselines.items() if b.layouts)
+        used = args.gpus - len(idle)
+        print(f"  ranks {idle} of {args.gpus} left idle: spreading the calls over them did not lower the "
+              f"estimate{f' (plans on all {args.gpus}: {full} s/iteration)' if full else ''}; the plan records "
+              f"them as idle_ranks, so train runs it as searched on {args.gpus} ranks (or search with "
+              f"--gpus {used} for a {used}-rank job)")
     if args.max_staleness:
         sync = res.stats["sync_iter_time"]
         print(f"  mode: " + (f"asynchronous, set `async: {{max_staleness: {res.staleness}}}` in the train config "
@@ -122,7 +130,8 @@ def run(args) -> int:
           f"{sum(c['steps'] for c in st['chains'])} steps, acceptance per chain {acc}, "
           f"{st['planner_calls']} planner calls")
     if args.out:
-        print(f"plan written to {args.out}")
+        print(f"plan written to {args.out}" + (f" (idle_ranks {idle})" if idle else "")
+              + f"; train it with plan: {{path: {args.out}}}")
     if args.plot:
         print(f"timeline written to {args.plot}")
     return 0

@@ -4,7 +4,12 @@ This is the format the search writes (`python -m real_py search --out plan.json`
 runtime reads. JSON form:
 
     {"world_size": 8, "ranks_per_node": 8,
-     "calls": {"actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1}, ...}}
+     "calls": {"actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1}, ...},
+     "idle_ranks": [7]}
+
+`idle_ranks` (optional) lists ranks the plan leaves without a call on purpose: the search writes it
+when its plan uses fewer ranks than the world it was searched for, and the trainer then runs the
+plan without `allow_idle_ranks` (a plan that leaves other ranks idle is still refused).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ class ExecutionPlan:
     """call name -> layout (its `ranks` are the call's mesh, global ranks)."""
     ranks_per_node: int = 0
     """0 means unknown / one node."""
+    idle_ranks: tuple[int, ...] = ()
+    """Ranks left without a call on purpose (the search's plan used fewer ranks than the world)."""
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -36,6 +43,9 @@ class ExecutionPlan:
             if bad:
                 raise ValueError(f"call {name}: ranks {bad} are outside the world of size "
                                  f"{self.world_size}")
+        bad = [r for r in self.idle_ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"idle_ranks {bad} are outside the world of size {self.world_size}")
 
     def uncovered_ranks(self) -> list[int]:
         used = set()
@@ -49,7 +59,8 @@ class ExecutionPlan:
                           | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
                           | ({"partition": l.partition} if l.partition != "params" else {})
                           | ({"ep": l.ep} if l.ep > 1 else {}) | ({"etp": l.etp} if l.etp > 1 else {})
-                          for name, l in self.calls.items()}}
+                          for name, l in self.calls.items()}} \
+            | ({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {})
 
     @classmethod
     def from_json(cls, data: dict | str) -> "ExecutionPlan":
@@ -66,10 +77,13 @@ class ExecutionPlan:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a JSON object with world_size and calls, got "
                              f"{type(data).__name__}")
-        unknown = set(data) - {"world_size", "ranks_per_node", "calls"}
+        unknown = set(data) - {"world_size", "ranks_per_node", "calls", "idle_ranks"}
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: "
-                             "world_size, ranks_per_node, calls")
+                             "world_size, ranks_per_node, calls, idle_ranks")
+        idle = data.get("idle_ranks", [])
+        if not isinstance(idle, list) or not all(type(r) is int for r in idle):
+            raise ValueError(f"{where}: idle_ranks={idle!r} must be a list of rank numbers")
         missing = [k for k in ("world_size", "calls") if k not in data]
         if missing:
             raise ValueError(f"{where} lacks {missing}; expected {{\"world_size\": N, \"calls\": "
@@ -97,8 +111,11 @@ class ExecutionPlan:
                                      ep=c.get("ep", 1), etp=c.get("etp", 1))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
-        return cls(world_size=data["world_size"], calls=calls,
-                   ranks_per_node=data.get("ranks_per_node", 0))
+        try:
+            return cls(world_size=data["world_size"], calls=calls, ranks_per_node=data.get("ranks_per_node", 0),
+                       idle_ranks=tuple(idle))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -13,6 +13,7 @@ Baselines, evaluated with the same estimator:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     chains_out = res["chains"]
     for st in chains_out:
         st["acceptance"] = st["accepted"] / max(1, st["steps"])
-    best = list(res["best"])
+    best = _idle_ranks_last(prob, list(res["best"]), res["best_cost"], max_staleness)
     # The mode: the smallest staleness at which the plan reaches its (async) time.
     times = [simulate(prob, best, staleness=k).iter_time for k in range(max_staleness + 1)]
     chosen = next(k for k, t in enumerate(times) if t <= res["best_cost"] * (1 + 1e-9) + 1e-12)
@@ -174,8 +175,40 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
              "seconds_anneal": res["seconds"], "options": [len(o) for o in prob.options],
              "planner_calls": prob.realloc_cost.planner_calls, "realloc_pairs": res["realloc_calls"],
              "chains": chains_out, "sync_iter_time": times[0]}
-    return SearchResult(prob.execution_plan(best), res["best_cost"], best, prob,
+    plan = prob.execution_plan(best)
+    # A plan may use fewer ranks than it was searched for (spreading its calls further did not
+    # lower the estimate): it records them, so the trainer runs it as returned.
+    plan = dataclasses.replace(plan, idle_ranks=tuple(plan.uncovered_ranks()))
+    stats["idle_ranks"] = list(plan.idle_ranks)
+    return SearchResult(plan, res["best_cost"], best, prob,
                         {"symmetric": sym, "heuristic": heu}, stats, staleness=chosen)
+
+
+def _idle_ranks_last(prob: Problem, best: list, cost: float, staleness: int) -> list:
+    """`best` with its ranks relabelled so that ranks it leaves idle come last (a one-node plan
+    using 3 of 4 ranks runs on ranks 0-2, not 1-3), when a relabelling keeps every call a
+    candidate (r -> r XOR c maps aligned blocks onto aligned blocks) and its estimate; else
+    `best` unchanged."""
+    n = prob.num_gpus
+    keys = prob.layouts(best)
+    used = {r for k in keys.values() for r in k[0].ranks}
+    if len(used) == n or n > prob.rpn:
+        return best
+
+    def idle_after(c):
+        return sorted((r ^ c for r in range(n) if r not in used), reverse=True)
+
+    for c in sorted((c for c in range(n) if all(r ^ c < n for r in range(n))), key=idle_after, reverse=True):
+        if c == 0:
+            return best
+        moved = {name: (Mesh(min(r ^ c for r in k[0].ranks), k[0].size),) + tuple(k[1:]) for name, k in keys.items()}
+        try:
+            choice = prob.choice(moved)
+        except ValueError:
+            continue
+        if simulate(prob, choice, staleness=staleness).iter_time <= cost * (1 + 1e-9) + 1e-12:
+            return choice
+    return best
 
 
 def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",

@@ -188,9 +188,11 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
         raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
                          f"{world_size} ranks")
     uncovered = plan.uncovered_ranks()
-    if uncovered and not cfg.allow_idle_ranks:
-        raise ValueError(f"execution plan leaves ranks {uncovered} of world {world_size} without a "
-                         "call; give them a call, or set allow_idle_ranks: true to run it anyway")
+    unplanned = [r for r in uncovered if r not in plan.idle_ranks]   # the search records its own
+    if unplanned and not cfg.allow_idle_ranks:
+        raise ValueError(f"execution plan leaves ranks {unplanned} of world {world_size} without a "
+                         "call; give them a call, list them in the plan's idle_ranks, or set "
+                         "allow_idle_ranks: true to run it anyway")
     B = cfg.data.batch_size
     for n in graph.order:
         call, layout = graph.calls[n], plan.calls[n]
@@ -343,6 +345,13 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
             if v != default:
                 out.append(f"{key}={v!r} is ignored: algo={cfg.algo!r} has no critic (critic-free); remove "
                            f"{key}, or use algo: ppo to train a critic")
+    plan = cfg.execution_plan()
+    idle = plan.uncovered_ranks()
+    if idle:
+        why = ("recorded in the plan's idle_ranks: the search found no faster use for them"
+               if set(idle) <= set(plan.idle_ranks) else "allow_idle_ranks: true")
+        out.append(f"the execution plan leaves ranks {idle} of {plan.world_size} without a call ({why}); "
+                   "they only join the world's collectives")
     if cfg.reward.kind != "model" and cfg.reward_path:
         out.append(f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
                    "a reward model; remove reward_path, or set reward.kind: model to use it")
@@ -353,10 +362,11 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not cuda and world_size > cores:
-        out.append(f"the plan has {world_size} ranks but this machine gives this process {cores} CPU "
+    busy = world_size - len(idle)                 # idle ranks wait in collectives, using no core
+    if not cuda and busy > cores:
+        out.append(f"the plan has {busy} ranks with calls but this machine gives this process {cores} CPU "
                    f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
-                   f"running side by side stretch by up to {world_size / cores:g}x); for speed use a plan "
+                   f"running side by side stretch by up to {busy / cores:g}x); for speed use a plan "
                    f"of at most {cores} ranks "
                    f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
                    "with more cores")

@@ -281,8 +281,9 @@ class TrainConfig:
     """ExecutionPlan JSON (or {"path": file.json}); empty: default_plan(algo)."""
     allow_idle_ranks: bool = False
     """Run a plan that leaves some ranks without a call (they only join the world collectives).
-    Off by default so that a plan that does not cover the world is caught before launch; a searched
-    plan for a small job may idle ranks on purpose."""
+    Off by default so that a plan that does not cover the world is caught before launch; ranks a
+    plan lists in its own idle_ranks (a searched plan that used fewer ranks than it was searched
+    for records them) need no allow_idle_ranks."""
     wandb: dict | None = None
     """Weights & Biases run options passed to `wandb.init` (e.g. {project: rlhf, name: run1}); None:
     no W&B (the package is not imported). TensorBoard events are always written to out_dir."""
