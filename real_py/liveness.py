@@ -20,11 +20,26 @@ the process group should be considered broken after such an error (as after any 
 Collectives that are not waited on through here (TP / DP all-reduces inside a call) are covered
 by `Watchdog`: a thread that, while the process is inside a named section, ends the process with
 a message naming the section and the silent peer.
+
+What a process is doing goes out with its heartbeat, so that a launcher (real_py/cli/job.py) can
+name a rank that is stuck in user code long before any transfer times out:
+
+    set_activity("step 3")                    # the driver's coarse state
+    with dog.section("rank 0, step 3, call rew_inf", peers): ...    # the call (Watchdog)
+    with user_code("the reward function (reward.py:score)"): ...    # user code inside it
+
+Every beat also writes `real_py/job/rank/<global rank>` = JSON {"n": beat counter, "pid",
+"doing", "since", "user", "user_since", "done"} into the root store (the TCPStore under the
+process group's prefixes), which the launcher of the job hosts. A process that fails writes a
+failure record (`record_failure`): JSON into the job's logs folder, where the launcher picks the
+root cause among the ranks' records.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import queue
 import threading
@@ -83,6 +98,93 @@ def default_store():
         return None
 
 
+JOB_KEY = "real_py/job/rank/"
+"""Root-store key prefix of a process's heartbeat-and-activity record (JOB_KEY + global rank)."""
+
+_doing: dict = {"base": None, "section": None, "user": None, "failed_in": None, "failed_user": None,
+                "version": 0}
+"""What this process does: (label, since wall time) per level; the section and user code it was
+in when an exception left them (the first such, for its failure record)."""
+
+
+def _set(level: str, value) -> None:
+    _doing[level] = value
+    _doing["version"] += 1
+
+
+def set_activity(what: str | None) -> None:
+    """The driver's coarse state ("starting", "step 3", "saving checkpoint step_3", ...)."""
+    _set("base", (what, time.time()) if what else None)
+
+
+@contextlib.contextmanager
+def user_code(what: str):
+    """Marks a call into user code ("the reward function (reward.py:score)"): the launcher warns
+    about a rank that stays inside long, and names it if the job then fails."""
+    prev = _doing["user"]
+    _set("user", (what, time.time()))
+    try:
+        yield
+    except BaseException:
+        if _doing["failed_user"] is None:
+            _doing["failed_user"] = what
+        raise
+    finally:
+        _set("user", prev)
+
+
+def activity() -> dict:
+    """This process's state: doing (section, else the driver's label), since, user, user_since."""
+    base, sec, user = _doing["base"], _doing["section"], _doing["user"]
+    cur = sec or base
+    return {"doing": cur[0] if cur else None, "since": cur[1] if cur else None,
+            "user": user[0] if user else None, "user_since": user[1] if user else None}
+
+
+def failed_in() -> tuple[str | None, str | None]:
+    """(section, user code) an exception left first in this process, or Nones."""
+    return _doing["failed_in"], _doing["failed_user"]
+
+
+def root_store(store):
+    """The store under a process group's PrefixStores (the TCPStore a launcher hosts)."""
+    try:
+        import torch.distributed as dist
+
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+    except (ImportError, AttributeError):
+        pass
+    return store
+
+
+_logs: dict = {"dir": None, "rank": None}
+
+
+def set_job_logs(logs_dir: str | None, rank: int) -> None:
+    """Where record_failure writes this process's failure record (the job's logs folder)."""
+    _logs["dir"], _logs["rank"] = logs_dir, rank
+
+
+def record_failure(rec: dict) -> str | None:
+    """Write `rec` (rank, step, call, exception, message, time, ...) as failed_rank<r>.json into
+    the job's logs folder (set_job_logs), once per process; returns the path or None."""
+    d, r = _logs["dir"], _logs["rank"]
+    if d is None or _logs.get("written"):
+        return None
+    _logs["written"] = True
+    path = os.path.join(d, f"failed_rank{r}.json")
+    try:
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f, default=str)
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
 def start_heartbeat(store=None, rank: int | None = None):
     """Start this process's heartbeat thread on `store` (default: the default store) unless it
     runs already; returns the store (None: no store, nothing started)."""
@@ -97,7 +199,11 @@ def start_heartbeat(store=None, rank: int | None = None):
         th = _started.get(id(store))
         if th is not None and th.is_alive():
             return store
-        key = f"{_PREFIX}{rank}"
+        key, job_key, root = f"{_PREFIX}{rank}", f"{JOB_KEY}{rank}", root_store(store)
+        pid = os.getpid()
+
+        def publish(n, done=False):
+            root.set(job_key, json.dumps({"n": n, "pid": pid, "done": done, **activity()}))
 
         def beat(stop):
             n = 0
@@ -105,11 +211,13 @@ def start_heartbeat(store=None, rank: int | None = None):
                 n += 1
                 try:
                     store.set(key, str(n))
+                    publish(n)
                 except Exception:  # noqa: BLE001 - store gone (shutdown): stop beating
                     return
                 stop.wait(HEARTBEAT_S)
             try:  # stopped on purpose (stop_threads): peers still waiting learn it finished
                 store.set(key, DONE.decode())
+                publish(n, done=True)
             except Exception:  # noqa: BLE001 - store gone
                 pass
 
@@ -221,9 +329,13 @@ class Watchdog:
         class _Section:
             def __enter__(self):
                 dog._section = (what, tuple(int(p) for p in peers))
+                _set("section", (what, time.time()))
 
-            def __exit__(self, *exc):
+            def __exit__(self, typ, *exc):
                 dog._section = None
+                if typ is not None and _doing["failed_in"] is None:
+                    _doing["failed_in"] = what
+                _set("section", None)
                 return False
 
         return _Section()
@@ -249,6 +361,10 @@ class Watchdog:
             self.store.set(f"real_py/watchdog/{n}", message[:2000])
         except Exception:  # noqa: BLE001 - best effort: exiting is what matters
             pass
+        sec = self._section
+        record_failure({"rank": _logs["rank"], "pid": os.getpid(), "time": time.time(),
+                        "where": sec[0] if sec else None, "exception": "SilentPeer",
+                        "message": message[:2000], "consequent": True})
         os._exit(EXIT_SILENT_PEER)
 
 
@@ -274,4 +390,5 @@ def wait_watched(wait, check, poll: float = POLL_S) -> None:
 
 
 __all__ = ["start_heartbeat", "stop_threads", "PeerWatch", "SilentPeer", "Watchdog", "wait_watched",
-           "default_store", "HEARTBEAT_S", "SILENT_S", "EXIT_SILENT_PEER"]
+           "default_store", "root_store", "set_activity", "user_code", "activity", "failed_in",
+           "set_job_logs", "record_failure", "HEARTBEAT_S", "SILENT_S", "EXIT_SILENT_PEER", "JOB_KEY"]

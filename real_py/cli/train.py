@@ -4,16 +4,20 @@ KEY=VALUE overrides use the config's dotted keys (`ppo.actor_lr=1e-5 plan.path=p
 steps=3`); values are read as YAML and typed like the file. An out_dir that already holds a
 run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
-Without RANK in the environment (not under torchrun), the command validates the config and then
-re-invokes itself under `torchrun --standalone --nproc-per-node=<world_size>` (cli.common.
-launch_torchrun, with a private TMPDIR removed afterwards), so `python -m real_py train` is the
-whole command. Under torchrun (one node or many) every rank runs the SPMD loop below.
+Without RANK in the environment, the command is the launcher of a one-node job (cli.job): it
+locks out_dir (a second job or a resume on it is refused, naming the holder's pid), validates
+the config once and starts <world_size> local ranks, forks of itself on CPU (fresh processes
+re-running this command on CUDA), each running the SPMD loop below; their output goes to
+<out_dir>/logs/rank<r>.log (rank 0's stdout is shown too), and a failure anywhere ends the job
+with one line naming the rank, step, call and error. The ranks die with the launcher. Under an
+outside torchrun (several nodes) every rank runs the SPMD loop and rank 0 holds the lock.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 
@@ -49,6 +53,10 @@ def _config(args):
     if args.out_dir:
         d["out_dir"] = args.out_dir
     cfg = config.from_dict(d)
+    from . import job
+
+    if "RANK" not in os.environ or (os.environ["RANK"] == "0" and not job.managed()):
+        job.lock_out_dir(cfg.out_dir)  # before anything in out_dir changes (sweep, --overwrite)
     ckpt = None
     if args.resume is not None:
         if os.environ.get("RANK", "0") == "0":
@@ -84,7 +92,15 @@ def _before_launch(cfg) -> None:
 
 
 def _launch(args, world: int) -> int:
-    """Re-invoke this command as `world` local ranks under torchrun (cli.common.launch_torchrun)."""
+    """Run the job as `world` local ranks (cli.job.launch): forks of this process that run the
+    SPMD loop with the config validated here, or (CUDA) fresh processes re-invoking this
+    command with the same arguments."""
+    from . import job
+
+    cfg, ckpt, validated = args.prepared
+    if job.can_fork(cfg.device):
+        _preimport()
+        return job.launch(world, cfg.out_dir, target=lambda: _spmd(args, cfg, ckpt, validated))
     argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
                                          ("--out-dir", args.out_dir), ("--timeout", args.timeout))
                         if v is not None for x in (k, str(v))]
@@ -95,22 +111,52 @@ def _launch(args, world: int) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    from .common import launch_torchrun
+    return job.launch(world, cfg.out_dir, argv=argv, env=env,
+                      what={"cuda": "NCCL processes", "cpu": "gloo processes"}.get(cfg.device, "processes"))
 
-    return launch_torchrun(world, argv, env, "gloo processes")
+
+def _preimport() -> None:
+    """What every rank imports, imported once in the launcher before it forks them."""
+    import torch.distributed  # noqa: F401
+    import tqdm  # noqa: F401
+
+    from ..rlhf import checkpoint, observe, runtime  # noqa: F401
+    from . import export  # noqa: F401
 
 
 def run(args) -> int:
     from ..rlhf import config
     from ..rlhf.observe import check_no_links
+    from . import job
 
-    cfg, ckpt = _config(args)
-    if "RANK" not in os.environ:
+    if "RANK" in os.environ:  # a rank: started by cli.job.launch, or under an outside torchrun
+        return job.run_rank(lambda: _rank(args), int(os.environ["RANK"]))
+    try:
+        cfg, ckpt = _config(args)
         plan = cfg.execution_plan()
-        config.validate(cfg, plan.world_size)
+        validated = config.validate(cfg, plan.world_size)
         _protect_run_dir(cfg.out_dir, args)
         check_no_links(cfg.out_dir)
-        return _launch(args, plan.world_size)
+        args.prepared = (cfg, ckpt, validated)
+        code = _launch(args, plan.world_size)
+    finally:
+        job.unlock()
+    if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "real_py.__main__":
+        # `python -m real_py train`: the job is over and its files are closed; skip the
+        # interpreter's teardown of torch (about a second).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _rank(args) -> int:
+    from .. import liveness
+    from . import job
+
+    cfg, ckpt = _config(args)
+    if not job.managed():
+        liveness.set_job_logs(os.path.join(cfg.out_dir, "logs"), int(os.environ["RANK"]))
     return _spmd(args, cfg, ckpt)
 
 
@@ -157,25 +203,39 @@ def _line(step: int, out: dict) -> str:
     return line
 
 
-def _spmd(args, cfg, ckpt) -> int:
+def _spmd(args, cfg, ckpt, validated=None) -> int:
+    """This rank's part of the job. `validated`: (plan, graph, models) of the launcher's
+    config.validate (forked ranks); a rank started by the launcher as a fresh process builds
+    them without validating again; under an outside torchrun every rank validates."""
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
 
     from .export import export_live
+    from .. import liveness
     from ..rlhf import checkpoint, config
     from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
+    from .job import managed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..device import backend_for, resolve_device
 
+    liveness.set_activity("starting: process group")
     # cuda:{LOCAL_RANK} and NCCL when cfg.device resolves to CUDA, else gloo.
     dist.init_process_group(backend_for(resolve_device(cfg.device)),
                             timeout=datetime.timedelta(seconds=args.timeout))
+    ok = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        plan, graph, models = config.validate(cfg, world)
+        liveness.start_heartbeat()
+        liveness.set_activity("starting: models")
+        if validated is None and managed():
+            validated = cfg.execution_plan(), cfg.graph(), cfg.model_configs()
+            if validated[0].world_size != world:
+                raise ValueError(f"execution plan is for world_size={validated[0].world_size}, but the job "
+                                 f"has {world} ranks")
+        plan, graph, models = validated or config.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
         rt.samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
         # Every rank loads its file; only when all have does rank 0 drop the old records of the
@@ -188,9 +248,10 @@ def _spmd(args, cfg, ckpt) -> int:
                   + ", ".join(f"{n} {plan.calls[n]} ranks {list(plan.calls[n].ranks)}" for n in graph.order),
                   flush=True)
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train",
-                   disable=rank != 0 or args.no_progress)
+                   disable=rank != 0 or args.no_progress, file=sys.stdout if managed() else None)
         t_all = time.perf_counter()
         for step in bar:
+            liveness.set_activity(f"step {step}")
             t0 = time.perf_counter()
             out = rt.iteration(step)
             if rank == 0:
@@ -204,9 +265,11 @@ def _spmd(args, cfg, ckpt) -> int:
                 log.log(rec)
                 tqdm.write(_line(step + 1, out))
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                liveness.set_activity(f"step {step}, saving checkpoint step_{step + 1}")
                 path = checkpoint.save(rt, cfg.out_dir, step + 1)
                 if rank == 0:
                     tqdm.write(f"saved {path}")
+        liveness.set_activity("finishing")
         if cfg.export == "hf":
             written = export_live(rt, os.path.join(cfg.out_dir, "hf"))
             if rank == 0:
@@ -216,9 +279,14 @@ def _spmd(args, cfg, ckpt) -> int:
                   f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}", flush=True)
             summary = log.close()
             print(format_summary(summary) + f"; {os.path.join(cfg.out_dir, 'summary.json')}", flush=True)
+        ok = True
     finally:
-        from ..liveness import stop_threads
-
-        stop_threads()  # before the group goes (liveness.stop_threads says why)
-        dist.destroy_process_group()
+        # A rank of a launched job that failed keeps beating until it exits (os._exit in
+        # cli.job.run_rank): a heartbeat ended "done" would read as a finished run to its peers.
+        # Launched ranks skip destroy_process_group too: os._exit follows, and the launcher ends
+        # the job as one.
+        if ok or not managed():
+            liveness.stop_threads()  # before the group goes (liveness.stop_threads says why)
+        if not managed():
+            dist.destroy_process_group()
     return 0

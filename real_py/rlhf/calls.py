@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..liveness import user_code
 from . import asyncrl as A
 from . import ppo as P
 from .config.schema import GenConfig, PPOConfig, RewardConfig
@@ -93,7 +94,8 @@ def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, 
     if ctx.reward_fn is not None:
         texts = _texts(ctx, rows, tok, pl, ln)
         row = ctx.prompts.fields(ctx.batch_index[rows]) if ctx.prompts is not None else {}
-        score = ctx.reward_fn(texts[0], texts[1], row)
+        with user_code(f"the reward function {ctx.reward_fn.spec}"):   # named if it hangs (cli.job)
+            score = ctx.reward_fn(texts[0], texts[1], row)
     elif engine is None:
         score = P.rule_reward(tok, pl, ln, ctx.reward.target_token)
     else:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import peak_memory_mib, reset_peak_memory, resolve_device
-from ..liveness import PeerWatch, Watchdog, start_heartbeat
+from ..liveness import PeerWatch, Watchdog, start_heartbeat, user_code
 from ..parallel import ParallelGroups
 from . import calls as C
 from . import data as D
@@ -108,7 +108,8 @@ class Runtime:
         # Collectives inside a call and at the end of a step cannot be watched op by op: a
         # watchdog names a peer that stops beating meanwhile (and ends this process).
         self.dog = Watchdog(store) if store is not None else None
-        prompts = D.load(cfg, configs["actor"].vocab_size)
+        with user_code(f"loading the data set {cfg.data.path}"):
+            prompts = D.load(cfg, configs["actor"].vocab_size)
         self.B, self.T = cfg.data.batch_size, cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: pc.mini_batches for n in graph.order if graph.calls[n].trains}

@@ -1,0 +1,266 @@
+# Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, and Ctrl-C ends the job with one line.
+# A failure points to real_py/cli/job.py (launcher, lock, failure records, root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+"""Each job runs in its own session (start_new_session) with a marker in its environment, so the
+test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from real_py.cli import job as J
+from real_py.cli import main
+from real_py.cli import train as cli_train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REWARD = '''import os, time
+def score(prompts, responses, answer):
+    if any(responses) and os.environ.get("RANK") == "2":
+        {body}
+    return [0.0] * len(responses)
+'''
+
+
+def _job_pids(marker: str) -> list[int]:
+    """Live (not zombie) processes whose environment holds REAL_PY_TEST_JOB=<marker>."""
+    want, out = f"REAL_PY_TEST_JOB={marker}".encode(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if want not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+class Job:
+    """`python -m real_py train ARGS` in its own session; stdout read line by line, stderr to a file."""
+
+    def __init__(self, tmp_path, args, env=None):
+        self.marker, self.err_path = f"{tmp_path}-{time.monotonic_ns()}", tmp_path / "stderr.txt"
+        self.err = open(self.err_path, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", "real_py", "train", "--no-progress", *args], cwd=ROOT,
+                                  env=dict(os.environ, REAL_PY_TEST_JOB=self.marker, **(env or {})),
+                                  stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
+        self.out = []
+
+    def until(self, prefix: str) -> str:
+        for line in self.p.stdout:
+            self.out.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no line {prefix!r}; stdout:\n{''.join(self.out)[-3000:]}\nstderr:\n{self.stderr()[-3000:]}")
+
+    def finish(self, timeout=240) -> int:
+        self.out += self.p.stdout.readlines()
+        return self.p.wait(timeout)
+
+    def stderr(self) -> str:
+        self.err.flush()
+        return self.err_path.read_text()
+
+    def kill(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        for pid in _job_pids(self.marker):
+            os.kill(pid, signal.SIGKILL)
+        self.p.wait()
+        self.err.close()
+
+
+def _files(out_dir: str) -> dict:
+    """Every file under out_dir but the logs folder: size and mtime."""
+    got = {}
+    for d, dirs, files in os.walk(out_dir):
+        dirs[:] = [x for x in dirs if x != "logs"]
+        for f in files:
+            st = os.stat(os.path.join(d, f))
+            got[os.path.relpath(os.path.join(d, f), out_dir)] = (st.st_size, st.st_mtime_ns)
+    return got
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["group", "launcher"])
+def test_killed_launcher_takes_its_ranks(tmp_path, kill):
+    """SIGKILL of the job's process group (or of the launcher alone) after its first step: within
+    a few seconds no process of the job is left, and nothing more is written (no checkpoint,
+    no metrics line)."""
+    out = str(tmp_path / "run")
+    job = Job(tmp_path, ["--out-dir", out, "--steps", "200", "save_every=1"])
+    try:
+        job.until("step 1 |")
+        assert len(_job_pids(job.marker)) >= 5, "launcher and 4 ranks expected"
+        if kill == "group":
+            os.killpg(job.p.pid, signal.SIGKILL)
+        else:
+            os.kill(job.p.pid, signal.SIGKILL)
+        t = time.monotonic()
+        job.p.wait()
+        while _job_pids(job.marker) and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        left = _job_pids(job.marker)
+        took = time.monotonic() - t
+        assert not left, f"{len(left)} processes of the job still run {took:.1f} s after the kill"
+        assert took < 5, f"the ranks took {took:.1f} s to go"
+        before = _files(out)
+        time.sleep(3)
+        assert _files(out) == before, "files written after the launcher was killed"
+    finally:
+        job.kill()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_locked_run_dir_and_ctrl_c(tmp_path, capsys, monkeypatch):
+    """While a job runs, a second train on its out_dir (plain, --resume, --overwrite) is refused
+    before launch, naming the job's pid, and changes nothing; Ctrl-C (SIGINT to the job's
+    process group, as a terminal sends it) ends the job with one line and no traceback; then
+    the directory is free."""
+    out = str(tmp_path / "run")
+    job = Job(tmp_path, ["--out-dir", out, "--steps", "200", "save_every=0"])
+    launched = []
+    monkeypatch.setattr(cli_train, "_launch", lambda args, world: launched.append(world) or 0)
+    try:
+        job.until("step 1 |")
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            with pytest.raises(SystemExit) as e:
+                main(["train", "--out-dir", out, "--steps", "3"] + extra)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"is in use by another job: pid {job.p.pid}" in err, err
+        assert not launched and os.path.exists(os.path.join(out, "metrics.jsonl"))
+        job.until("step 3 |")  # the job went on
+        os.killpg(job.p.pid, signal.SIGINT)
+        assert job.finish(60) == 130
+        err = job.stderr()
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("interrupted (SIGINT): ended the job's 4 ranks"), err
+        assert "Traceback" not in err + "".join(job.out)
+        assert not _job_pids(job.marker)
+    finally:
+        job.kill()
+    assert main(["train", "--out-dir", out, "--steps", "3", "--overwrite"]) == 0 and launched == [4]
+
+
+def _copy_task(tmp_path, body: str) -> str:
+    (tmp_path / "reward.py").write_text(REWARD.format(body=body))
+    return os.path.join(ROOT, "configs", "copy_task", "ppo.yaml")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("launch", ["fork", "exec"])
+def test_reward_error_is_one_line(tmp_path, launch):
+    """The reward function raises on rank 2 at the first real responses: the job ends with one
+    line naming rank 2, step 0, call rew_inf and the ValueError, and rank 2's log (with the
+    traceback); the other ranks' consequent errors stay in their logs."""
+    cfg = _copy_task(tmp_path, 'raise ValueError("cannot score response")')
+    out = str(tmp_path / "run")
+    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "3", "--timeout", "60",
+                         f"reward.path={tmp_path / 'reward.py'}:score"], env={"REAL_PY_LAUNCH": launch})
+    try:
+        assert job.finish() == 1
+        err = job.stderr()
+        log = os.path.join(out, "logs", "rank2.log")
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("train failed: rank 2, step 0, call rew_inf: ValueError: cannot score response"), err
+        assert f"full trace: {log}" in last, last
+        assert "Traceback" not in err and "Root Cause" not in err, err[-3000:]
+        assert len((err + "".join(job.out)).splitlines()) < 40
+        text = open(log).read()
+        assert "Traceback" in text and "cannot score response" in text
+        rec = json.load(open(os.path.join(out, "logs", "failed_rank2.json")))
+        assert rec["exception"] == "ValueError" and not rec["consequent"] and "reward function" in rec["user"]
+    finally:
+        job.kill()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_reward_hang_is_named(tmp_path):
+    """The reward function hangs on rank 2: a warning names rank 2 inside the reward function
+    within seconds (REAL_PY_USER_WARN_S=3), long before the transfer timeout (20 s); when the
+    peers give up, the one line names rank 2 inside the reward function, and rank 2's log holds
+    its stack in the function."""
+    cfg = _copy_task(tmp_path, "time.sleep(3600)")
+    out = str(tmp_path / "run")
+    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "3", "--timeout", "20",
+                         f"reward.path={tmp_path / 'reward.py'}:score"], env={"REAL_PY_USER_WARN_S": "3"})
+    try:
+        job.until("launching")
+        t0 = time.monotonic()
+        seen = None
+        while job.p.poll() is None and time.monotonic() - t0 < 120:
+            if seen is None and "rank 2 has been inside the reward function" in job.stderr():
+                seen = time.monotonic() - t0
+            time.sleep(0.1)
+        assert job.finish() == 1
+        err = job.stderr()
+        warn = err.index("real_py: rank 2 has been inside the reward function")
+        last = err.strip().splitlines()[-1]
+        assert warn < err.index(last) and seen is not None and seen < 20, (seen, err)
+        assert last.startswith("train failed: rank 2 has been inside the reward function"), err
+        assert "step 0, call rew_inf" in last and "gave up waiting" in last, last
+        assert 'in score' in open(os.path.join(out, "logs", "rank2.log")).read()  # faulthandler stack
+    finally:
+        job.kill()
+
+
+def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
+    """lock_out_dir: a live holder (its pid in the lock file) is refused by pid at once; a holder
+    whose process is gone is waited for until its lock goes (its ranks exiting), then taken;
+    unlock removes the file."""
+    d = str(tmp_path / "run")
+    os.makedirs(d)
+    path = os.path.join(d, J.LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()} python -m real_py train\n".encode())
+    t = time.monotonic()
+    with pytest.raises(ValueError, match=f"in use by another job: pid {os.getpid()} \\(python -m real_py train\\)"):
+        J.lock_out_dir(d, wait_s=5)
+    assert time.monotonic() - t < 1
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, b"999999999 python -m real_py train\n", 0)   # no such pid: the launcher is gone
+    with pytest.raises(ValueError, match="pid 999999999 \\(gone; its ranks still hold the lock"):
+        J.lock_out_dir(d, wait_s=0.3)
+    threading.Timer(0.5, os.close, [fd]).start()               # its last rank exits
+    J.lock_out_dir(d, wait_s=10)
+    try:
+        assert open(path).read().startswith(f"{os.getpid()} ")
+    finally:
+        J.unlock()
+    assert not os.path.exists(path) and os.path.isdir(d)
+
+
+def test_failure_record_finds_the_cause():
+    """failure_record: below the runtime's wrapper, the user's error is not consequent; a
+    transfer error is, and the silent peer it names is read."""
+    from real_py.realloc.transports.base import TransferError
+
+    def wrapped(inner):
+        try:
+            try:
+                raise inner
+            except Exception as e:
+                raise RuntimeError(f"rank 2, step 0, call rew_inf: {type(e).__name__}: {e}") from e
+        except RuntimeError as e:
+            return e
+
+    rec = J.failure_record(wrapped(ValueError("cannot score response")), 2)
+    assert (rec["exception"], rec["message"], rec["consequent"]) == ("ValueError", "cannot score response", False)
+    rec = J.failure_record(wrapped(TransferError("rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
+                                                 "for 6.1 s (process stopped or hung), while waiting")), 0)
+    assert rec["consequent"] and rec["silent_peer"] == 2 and rec["exception"] == "TransferError"
