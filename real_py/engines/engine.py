@@ -33,7 +33,7 @@ from .pipeline import P2P, split_micro_batches
 
 class Engine:
     def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
-                 optim=None, experts: ExpertShard | None = None):
+                 optim=None, experts: ExpertShard | None = None, compile_decode: bool | str | None = None):
         if layout.dp_shard != "none":
             raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
                              "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
@@ -69,6 +69,9 @@ class Engine:
         self.dtype = torch_dtype(config.dtype)
         self.device = shard.flat.device
         self.optim = optim
+        self.compile_decode = compile_decode
+        """torch.compile of the static / graph decode step (engines/decode.py): None = on for
+        CUDA-graph decoding, True / False, or a torch.compile backend name."""
         self._trainer = None
         self._calls = Counter()
 
@@ -143,10 +146,10 @@ class Engine:
         out = self.model.head(h)
         if self.config.head == "value":
             return {"values": out}
-        if self.logit_temperature != 1.0:
-            out = out / self.logit_temperature
+        # chunked over tokens, in fp32 per chunk (models/vocab.py): no [tokens, V] fp32 tensor
         lp, ent = vocab_parallel_logprobs(out[:, :-1], tokens[:, 1:], self.groups.tp_group,
-                                          self.groups.tp_rank, self.config.vocab_size, with_entropy)
+                                          self.groups.tp_rank, self.config.vocab_size, with_entropy,
+                                          temperature=self.logit_temperature)
         return {"logprobs": lp, "entropy": ent} if with_entropy else {"logprobs": lp}
 
     @torch.no_grad()
@@ -172,6 +175,12 @@ class Engine:
 
         with self._context("generate"):
             return generate(self, prompt_tokens, prompt_lengths, seeds, **kw)
+
+    def release_decode(self) -> None:
+        """Free the static KV caches and CUDA graphs kept between generate() calls (decode.py)."""
+        from .decode import release
+
+        release(self)
 
     def train_step(self, loss_fn, batch: dict, micro_batches: int = 1, **kw) -> dict:
         from .train import Trainer
