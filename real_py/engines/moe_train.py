@@ -54,7 +54,7 @@ class ExpertBuffers:
         """Sum of squares of every expert gradient of the layout (collective over it)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.red.device)
         if self.counted:
-            sq += self.red.double().pow(2).sum()
+            sq += torch._foreach_norm([self.red], 2)[0].double() ** 2  # one fp32 pass, no temporary
         if self.engine.groups.layout_group is not None:
             dist.all_reduce(sq, group=self.engine.groups.layout_group)
         return sq

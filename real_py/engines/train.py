@@ -4,8 +4,13 @@ Gradients live in one flat buffer shaped like the shard (each Parameter's .grad 
 autograd accumulates into an existing .grad in place), so the DP all-reduce is a few large
 bucketed collectives over that buffer, launched from post-accumulate-grad hooks during the last
 micro-batch's backward so they overlap the rest of it, and AdamW runs elementwise on flat buffers (param,
-grad, exp_avg, exp_avg_sq), exactly torch.optim.AdamW's single-tensor update. Padding (alignment
-gaps, vocab padding rows) has zero gradient and stays zero.
+grad, exp_avg, exp_avg_sq). On CUDA that is one pass of torch's fused AdamW kernel
+(torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs) over the flat buffers, with the
+clipping factor applied inside it (its grad_scale); on CPU torch.optim.AdamW's single-tensor
+update op by op (exactly, so the CPU tests compare with it). The global gradient norm is one
+fp32 norm per contiguous run of counted gradients (torch._foreach_norm), their squares summed
+in fp64 over TP and PP. Padding (alignment gaps, vocab padding rows) has zero gradient and stays
+zero.
 
 Objective: the step minimizes the SUM of loss_fn over every micro-batch of every DP rank
 (gradients are summed over DP, not averaged); normalize inside loss_fn (e.g. divide by the
@@ -72,6 +77,7 @@ class Trainer:
             head_copy = e.param.owner == "embed" and shard.stage != 0
             if not (replicated and g.tp_rank > 0) and not head_copy:
                 self.counted.append((e.offset, e.numel))
+        self.spans = _merge_spans(self.counted, shard.shard_layout.entries)
         self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
         self._setup_buckets()
         self.experts = ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
@@ -143,13 +149,12 @@ class Trainer:
         self._reduce_grads()
         norm = self._global_norm()
         cfg = self.cfg
-        if cfg.max_grad_norm > 0:
-            self.red.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
-            if self.experts is not None:
-                self.experts.red.mul_(min(1.0, cfg.max_grad_norm / (norm + 1e-6)))
-        self._adamw()
-        loss = torch.tensor([float(sum(losses)) if g.is_last_stage else 0.0], dtype=torch.float64,
-                            device=dev)
+        clip = min(1.0, cfg.max_grad_norm / (norm + 1e-6)) if cfg.max_grad_norm > 0 else 1.0
+        self._adamw(clip)
+        # the micro-batch losses stayed on the device (no wait per micro-batch): summed here
+        total = torch.stack(losses).double().sum().reshape(1) if losses else None
+        loss = (total.to(dev) if g.is_last_stage and total is not None
+                else torch.zeros(1, dtype=torch.float64, device=dev))
         if g.dp_size > 1:
             dist.all_reduce(loss, group=g.dp_group)
         eng._bcast_from_last(loss)
@@ -181,7 +186,7 @@ class Trainer:
                 loss = out[0] if isinstance(out, tuple) else out
                 if loss.dim() != 0:
                     raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-                losses.append(loss.item())
+                losses.append(loss.detach().reshape(()))
                 y = loss
                 if self._router is not None:
                     extra = self._router(mb)
@@ -255,8 +260,9 @@ class Trainer:
     def _global_norm(self) -> float:
         g = self.engine.groups
         sq = torch.zeros(1, dtype=torch.float64, device=self.red.device)
-        for off, n in self.counted:
-            sq += self.red[off:off + n].double().pow(2).sum()
+        if self.spans:
+            norms = torch._foreach_norm([self.red[lo:hi] for lo, hi in self.spans], 2)
+            sq += torch.stack(norms).double().pow(2).sum()
         for group, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
             if size > 1:
                 dist.all_reduce(sq, group=group)
@@ -265,23 +271,69 @@ class Trainer:
         return math.sqrt(sq.item())
 
     @torch.no_grad()
-    def _adamw(self):
+    def _adamw(self, clip: float = 1.0):
+        """One AdamW step of every flat buffer with gradients multiplied by `clip`."""
         self.num_steps += 1
         sets = [(self.engine.shard.flat, self)]
         if self.experts is not None:
             sets.append((self.engine.experts.flat, self.experts))
         for flat, b in sets:
-            self._adamw_flat(flat, b.master, b.red, b.exp_avg, b.exp_avg_sq)
+            p = flat if b.master is None else b.master
+            if p.device.type == "cuda" and p.numel():
+                self._adamw_fused(p, b, clip)
+            else:
+                if clip != 1.0:
+                    b.red.mul_(clip)
+                self._adamw_flat(p, b.red, b.exp_avg, b.exp_avg_sq)
+            if b.master is not None:
+                flat.copy_(b.master)  # round to the shard dtype (bf16)
 
-    def _adamw_flat(self, flat, master, grad, exp_avg, exp_avg_sq):
+    def _adamw_flat(self, p, grad, exp_avg, exp_avg_sq):
+        """torch.optim.AdamW's single-tensor update (foreach=False), op for op."""
         cfg = self.cfg
-        p = flat if master is None else master
         b1, b2 = cfg.betas
         p.mul_(1 - cfg.lr * cfg.weight_decay)
         exp_avg.lerp_(grad, 1 - b1)
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         step_size = cfg.lr / (1 - b1 ** self.num_steps)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
+        denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
         p.addcdiv_(exp_avg, denom, value=-step_size)
-        if master is not None:
-            flat.copy_(master)  # round to the shard dtype (bf16)
+
+    def _adamw_fused(self, p, b, clip: float):
+        """torch._fused_adamw_ over the flat buffers cut into pieces of at most FUSED_PIECE
+        elements (views): one multi-tensor launch, no temporaries. The clip factor enters as
+        grad_scale = 1 / clip (the kernel divides the gradients by it, in place)."""
+        cfg = self.cfg
+        n = p.numel()
+        cuts = [(lo, min(n, lo + FUSED_PIECE)) for lo in range(0, n, FUSED_PIECE)]
+        pieces = [[t[lo:hi] for lo, hi in cuts] for t in (p, b.red, b.exp_avg, b.exp_avg_sq)]
+        step = torch.full((), float(self.num_steps), dtype=torch.float32, device=p.device)
+        scale = (None if clip == 1.0 else
+                 torch.full((), 1.0 / clip, dtype=torch.float32, device=p.device))
+        torch._fused_adamw_(*pieces, [], [step] * len(cuts), lr=cfg.lr, beta1=cfg.betas[0],
+                            beta2=cfg.betas[1], weight_decay=cfg.weight_decay, eps=cfg.eps,
+                            amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+
+
+FUSED_PIECE = 1 << 28
+"""Elements per tensor handed to the fused AdamW kernel (a flat buffer is cut into views)."""
+
+
+def _merge_spans(counted: list[tuple[int, int]], entries) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) runs of the flat buffer covering the counted (offset, numel) ranges,
+    with the alignment gaps between consecutive counted entries (zero gradients) included and
+    every uncounted entry left out."""
+    starts = sorted((e.offset, e.offset + e.numel) for e in entries)
+    counted_set = set(counted)
+    spans: list[list[int]] = []
+    prev_counted = False
+    for lo, hi in starts:
+        if (lo, hi - lo) in counted_set:
+            if spans and prev_counted:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi])
+            prev_counted = True
+        else:
+            prev_counted = False
+    return [(lo, hi) for lo, hi in spans if hi > lo]
