@@ -261,7 +261,9 @@ def test_top_k_and_stop_ids_in_generation():
     # Sorted probabilities 0.4 (id 1), 0.3 (id 3), 0.2, 0.1; top_k=2 renormalises over 0.7.
     for u, want in ((0.0, 1), (0.56, 1), (0.58, 3), (0.99, 3)):
         assert int(pick_tokens(logits, torch.tensor([u]), 1.0, 1.0, top_k=2)) == want, u
-    assert int(pick_tokens(logits, torch.tensor([0.99]), 1.0, 1.0)) == 0        # no top-k: the tail
+    # no truncation: inverse CDF over the vocabulary in index order (cumulative 0.1, 0.5, 0.7, 1.0)
+    for u, want in ((0.05, 0), (0.3, 1), (0.6, 2), (0.99, 3)):
+        assert int(pick_tokens(logits, torch.tensor([u]), 1.0, 1.0)) == want, u
     with pytest.raises(ValueError, match="stop_token_ids"):
         CF.from_dict({"generation": {"stop_token_ids": ["a"]}})
     with pytest.raises(ValueError, match=r"stop_token_ids\[1\]"):

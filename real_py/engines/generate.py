@@ -25,14 +25,28 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
                 top_p: float, top_k: int = 0) -> torch.Tensor:
     """logits [B, V] float; uniforms [B] in [0, 1) or None for greedy. Returns [B] int64.
 
-    Inverse-CDF sampling over the temperature-scaled, top-k- then top-p-truncated distribution
-    (tokens sorted by probability, ties by index), so one uniform decides one token.
+    Inverse-CDF sampling, one uniform per token. Without truncation (top_k 0 or >= V, top_p 1)
+    over the vocabulary in index order: the token whose interval of the cumulative probability
+    (token 0 first) holds u * total. No sort, and all of it on the device. With top-k or top-p,
+    over the temperature-scaled, top-k- then top-p-truncated distribution with tokens sorted by
+    probability (ties by index). Both are exact samples of the same distribution; for a given
+    uniform they generally pick different tokens (a run without truncation draws other tokens
+    than the sorted rule did for the same seeds).
     """
     if uniforms is None:
         return logits.argmax(-1)
+    V = logits.shape[-1]
     probs = torch.softmax(logits.float() / temperature, -1)
+    truncated = 0 < top_k < V
+    if not truncated and top_p >= 1.0:
+        cum = probs.cumsum(-1)
+        total = cum[:, -1:].contiguous()
+        idx = torch.searchsorted(cum, uniforms.unsqueeze(-1) * total, right=True)
+        # u * total rounded up to total (u within 2^-24 of 1) must not select a zero-probability
+        # tail: the last token that reaches the total is the last one with mass
+        last = torch.searchsorted(cum, total, right=False)
+        return torch.minimum(idx, last).clamp(max=V - 1).squeeze(-1)
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    truncated = 0 < top_k < sorted_p.shape[-1]
     if truncated:
         sorted_p[:, top_k:] = 0.0
     cum = sorted_p.cumsum(-1)
@@ -43,8 +57,16 @@ def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature
         sorted_p = sorted_p.masked_fill(cum - sorted_p >= kept, 0.0)
         cum = sorted_p.cumsum(-1)
     target = (uniforms * cum[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cum, target, right=True).clamp(max=logits.shape[-1] - 1)
+    idx = torch.searchsorted(cum, target, right=True).clamp(max=V - 1)
     return order.gather(-1, idx).squeeze(-1)
+
+
+STOP_CHECK_EVERY = 8
+"""Decode steps between host checks of "every sequence has stopped" (each check waits for the
+device). The done mask itself is updated on the device every step, so tokens after a stop are
+pad_token_id as before, and the result is trimmed to the step where the last sequence stopped:
+the same tokens and lengths as a check after every step, up to STOP_CHECK_EVERY - 1 steps of
+pad tokens computed and dropped."""
 
 
 @torch.no_grad()
@@ -119,9 +141,18 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
         draws = torch.stack([torch.rand(max_new_tokens, generator=gen) for gen in gens], 1).to(dev)  # [steps, B]
     dec = Decoder(engine, B, total, valid, mode)
+    valid = dec.valid  # the decoder's live key mask ([B, >= total]; a persistent buffer for static / graph)
     p2p = P2P(g, dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64, device=dev)
+    lay = engine.layout
+    # an ep (or etp) group can span dp replicas: its all-to-alls (gathers) need every replica to
+    # step, so the replicas agree on stopping after every step; a swap callback is asked before
+    # every step it would be asked today: both check every step
+    sync_dp = (lay.ep > 1 or lay.etp > lay.tp) and g.dp_size > 1
+    every = 1 if (sync_dp or swap is not None) else STOP_CHECK_EVERY
+    all_done = (torch.zeros(max_new_tokens, dtype=torch.bool, device=dev) if stops is not None else None)
+    stops_dev = stops.to(dev) if stops is not None else None
     x, steps, swaps = left, 0, []
     for step in range(max_new_tokens):
         recompute = step > 0 and swap is not None and bool(swap(step))
@@ -134,7 +165,8 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
             pos = (torch.arange(n, device=dev).unsqueeze(0) - pad.to(dev).unsqueeze(1)).clamp(min=0)
             mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() & valid[:, None, None, :n]
             mask = mask | torch.eye(n, dtype=torch.bool, device=dev)
-            dec = Decoder(engine, B, total, valid, mode)
+            dec = Decoder(engine, B, total, valid[:, :total].clone(), mode)
+            valid = dec.valid
         n = x.shape[1]
         inp = x if g.is_first_stage else p2p.recv((B, n, c.hidden_size), engine.dtype, g.prev_rank)
         # Step s >= 1 feeds the token of step s - 1, which lands in cache slot P + s - 1.
@@ -148,7 +180,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
             if step < min_new_tokens and banned is not None:
                 logits = logits.index_fill(-1, banned, float("-inf"))
             u = None if draws is None else draws[step]
-            nxt = pick_tokens(logits.float(), u, temperature, top_p, top_k).masked_fill(done, pad_token_id)
+            nxt = pick_tokens(logits, u, temperature, top_p, top_k).masked_fill(done, pad_token_id)
         else:
             p2p.send(out, g.next_rank)
         p2p.flush()
@@ -157,18 +189,25 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
         new[:, step] = nxt
         steps = step + 1
         if stops is not None:
-            done |= torch.isin(nxt, stops.to(nxt.device))
-            finished = done.all().to(torch.int64).reshape(1)
-            lay = engine.layout
-            if (lay.ep > 1 or lay.etp > lay.tp) and g.dp_size > 1:
-                # an ep (or etp) group can span dp replicas: its all-to-alls (gathers) need every
-                # replica to step
+            done |= torch.isin(nxt, stops_dev)
+            all_done[step] = done.all()
+            if sync_dp:
+                finished = all_done[step].to(torch.int64).reshape(1)
                 dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=g.dp_group)
-            if bool(finished.item()):
+                if bool(finished.item()):
+                    break
+            elif (step + 1) % every == 0 and bool(all_done[step].item()):
+                # done only grows: the first step at which every sequence had stopped
+                steps = int(all_done[:step + 1].to(torch.int8).argmax()) + 1
                 break
         valid[:, P + step] = True
         x = nxt.unsqueeze(1)
         pos = (lengths_dev + step).unsqueeze(1)
+    if stops is not None and not sync_dp and steps == max_new_tokens and max_new_tokens % every:
+        # the loop ran out between two checks: trim to where every sequence had stopped, if it had
+        flags = all_done.cpu()
+        if bool(flags[-1]):
+            steps = int(flags.to(torch.int8).argmax()) + 1
     new = new[:, :steps].cpu()
     gen_len = torch.full((B,), steps, dtype=torch.int64)
     if stops is not None:

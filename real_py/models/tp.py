@@ -97,9 +97,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
         super().__init__()
         self.weight, self.bias, self.group = weight, bias, group
+        self.single = _size(group) == 1  # read once: no collective query per forward (or per trace)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        return F.linear(x if self.single else _CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -109,9 +110,11 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, group, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.group, self.bias = weight, group, bias
+        self.single = _size(group) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = y if self.single else _ReduceFromTP.apply(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -128,9 +131,10 @@ class VocabParallelEmbedding(nn.Module):
         self.lo = tp_rank * weight.shape[0]
         local = None if padding_row is None else padding_row - self.lo
         self.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
+        self.single = _size(group) == 1
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if _size(self.group) == 1:
+        if self.single:
             return F.embedding(tokens, self.weight, self.padding_idx)
         local = tokens - self.lo
         outside = (local < 0) | (local >= self.weight.shape[0])

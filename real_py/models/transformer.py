@@ -32,6 +32,7 @@ from .rope import rope_cos_sin_scaled, window_mask
 from .mlp import MLP
 from .moe import EPInfo, MoEBlock
 from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, sum_over_tp
+from .tp import _size as tp_size
 
 
 class RMSNorm(nn.Module):
@@ -41,11 +42,12 @@ class RMSNorm(nn.Module):
     def __init__(self, weight: nn.Parameter, eps: float, tp_group=None, plus_one: bool = False):
         super().__init__()
         self.weight, self.eps, self.tp_group, self.plus_one = weight, eps, tp_group, plus_one
+        self.single = tp_size(tp_group) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight if self.tp_group is None else copy_to_tp(self.weight, self.tp_group)
+        w = self.weight if self.single else copy_to_tp(self.weight, self.tp_group)
         if self.plus_one:  # Gemma: (x * (1 + w)) in fp32, then the input dtype
             return (xf * (1.0 + w.float())).to(x.dtype)
         return w * xf.to(x.dtype)
@@ -222,9 +224,12 @@ class StageModel(nn.Module):
                 self.head_weight = p.get("lm_head.weight", p.get("embed_tokens.weight"))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
-                caches: list | None = None) -> torch.Tensor:
+                caches: list | None = None, run=None) -> torch.Tensor:
         """x: tokens [B, T] int64 (first stage) or hidden [B, T, H]; positions [B, T];
-        mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H]."""
+        mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H].
+        run: None, or (layer_fn, norm_fn) called as layer_fn(layer, h, cos, sin, mask, cache) and
+        norm_fn(norm, h) in place of the modules' own calls (the decode step's compiled versions,
+        engines/decode.py); the same maths."""
         h = self.embed_tokens(x) if self.is_first else x
         if self.is_first and self.config.norm_plus_one:  # Gemma: sqrt(H) rounded to the embedding dtype
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
@@ -235,8 +240,11 @@ class StageModel(nn.Module):
             slides = self.config.uses_window(int(i))
             m = windowed if windowed is not None and slides else mask
             cs = local if slides else (cos, sin)
-            h = layer(h, *cs, m, caches[j] if caches is not None else None)
-        return self.norm(h) if self.is_last else h
+            cache = caches[j] if caches is not None else None
+            h = layer(h, *cs, m, cache) if run is None else run[0](layer, h, *cs, m, cache)
+        if not self.is_last:
+            return h
+        return self.norm(h) if run is None else run[1](self.norm, h)
 
     def _window_mask(self, mask, T: int, caches) -> torch.Tensor | None:
         """`mask` (None = causal) narrowed to the sliding window, for the layers that use one:
