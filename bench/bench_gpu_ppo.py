@@ -6,7 +6,11 @@ and Adam states, random-init models (actor and reference: the TinyLlama-1.1B sha
 reward model: the same shape with a value head). Runs --iters iterations and reports each one:
 seconds per call (generate includes the old log-probs pass), peak GPU memory per call
 (torch.cuda.max_memory_allocated, reset before each call), iteration seconds and the metrics.
-The first iteration includes CUDA / cuBLAS warm-up; the last is the steady state.
+The first iteration includes CUDA / cuBLAS warm-up and the decode step's compilation; the last is
+the steady state. Against an earlier report of the same hardware and sizes (--baseline; default:
+the newest earlier bench/results/ppo_<hw>_<date>.json) the last iteration's seconds and peak memory
+per call are compared (speed-up = earlier seconds / these seconds; the train-step goal is >= 1.5x
+for actor_train and critic_train of the 1.1B iteration).
 
 Estimator check (on one GPU): the last iteration's seconds per call against
 real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
@@ -108,6 +112,40 @@ def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
                          for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) or "not recorded") + ").")
 
 
+def find_baseline(hw: str, out_dir: str | None) -> Path | None:
+    """The newest ppo_<hw>_<yyyymmdd>.json in the results folder from before today."""
+    folder = Path(out_dir) if out_dir else Path(__file__).resolve().parent / "results"
+    today = time.strftime("%Y%m%d", time.gmtime())
+    found = sorted(p for p in folder.glob(f"ppo_{hw}_*.json")
+                   if p.stem.rsplit("_", 1)[-1].isdigit() and p.stem.rsplit("_", 1)[-1] < today)
+    if not found and out_dir:  # gpu_check writes elsewhere: the committed reports
+        return find_baseline(hw, None)
+    return found[-1] if found else None
+
+
+def baseline_rows(path: Path, cfg, rows: list[dict]) -> tuple[list[dict], str]:
+    """Per call of the last iteration: earlier / now seconds and peak GiB, and the speed-up."""
+    rec = json.loads(Path(path).read_text())
+    old_cfg = rec.get("extra", {}).get("config", {})
+    now_cfg = CF.to_dict(cfg)
+    same = all(old_cfg.get(k) == now_cfg.get(k) for k in ("actor", "critic", "data", "generation", "ppo", "precision"))
+    last_old = max(r["iteration"] for r in rec["rows"])
+    last_new = max(r["iteration"] for r in rows)
+    old = {r["call"]: r for r in rec["rows"] if r["iteration"] == last_old}
+    out = []
+    for r in (r for r in rows if r["iteration"] == last_new):
+        o = old.get(r["call"])
+        if o is None:
+            continue
+        out.append({"call": r["call"], "earlier s": o["seconds"], "now s": r["seconds"],
+                    "speed-up": o["seconds"] / r["seconds"] if r["seconds"] else float("nan"),
+                    "earlier peak GiB": o.get("peak GiB", 0.0), "now peak GiB": r.get("peak GiB", 0.0)})
+    note = (f"\n\nAgainst {Path(path).name} (git {rec.get('environment', {}).get('git_commit')}, "
+            f"{'same' if same else 'DIFFERENT'} models and sizes), last iteration of each:\n\n"
+            + markdown_table(out, ["call", "earlier s", "now s", "speed-up", "earlier peak GiB", "now peak GiB"]))
+    return out, note
+
+
 def rescore(path: str, out_dir: str | None) -> None:
     """Re-estimate a recorded run (its measurements, config and calibrated profiles) with this
     tree's estimator and workload(); no device needed. Writes ppo_rescore_<hw>_<date>."""
@@ -147,6 +185,9 @@ def main(argv=None):
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
     ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)")
+    ap.add_argument("--baseline", metavar="JSON", default=None,
+                    help="earlier ppo_*.json to compare per call (default: the newest earlier report of "
+                         "this hardware; 'none' to skip)")
     args = ap.parse_args(argv)
     if args.rescore:
         return rescore(args.rescore, args.out_dir)
@@ -200,7 +241,18 @@ def main(argv=None):
                 print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     extra["config"] = CF.to_dict(cfg)
     notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
-    paths = write_results("ppo", hardware_tag(args.device, small), rows,
+    hw = hardware_tag(args.device, small)
+    base = (None if args.baseline == "none" else Path(args.baseline) if args.baseline
+            else find_baseline(hw, args.out_dir))
+    if base is not None and base.exists():
+        try:
+            extra["baseline"], note = baseline_rows(base, cfg, rows)
+            extra["baseline_file"] = base.name
+            notes_est = note + notes_est
+            print(note, flush=True)
+        except (KeyError, ValueError, TypeError) as e:
+            print(f"baseline {base}: not comparable ({type(e).__name__}: {e})", flush=True)
+    paths = write_results("ppo", hw, rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
                                 f"one {args.device} device",
