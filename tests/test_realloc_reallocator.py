@@ -24,17 +24,19 @@ SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
          tiny_spec(layers=2, vocab=53, dtype="float64"), tiny_spec(layers=2, dtype="float16")]
 
 
-def realloc(model, src, dst, srcs, *, mode="p2p", bucket_bytes=1 << 20):
+def realloc(model, src, dst, srcs, *, mode="p2p", bucket_bytes=1 << 20, one_pass=None):
     plan = plan_realloc(model, src, dst, mode=mode)
     dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
-    stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket_bytes)
+    stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket_bytes,
+                           one_pass=one_pass)
     for r, s in stats.items():
         assert s["staging_bytes"] <= bucket_bytes, f"rank {r} staged {s['staging_bytes']} > {bucket_bytes}"
     return dsts
 
 
 def test_random_pairs_bitwise():
-    """1000 seeded random (src, dst) pairs, both modes, buckets 512 B to 1 MiB (8 B: next test)."""
+    """1000 seeded random (src, dst) pairs, both modes, buckets 512 B to 1 MiB (8 B: next test);
+    one pair in three through the staged round loop, the others in one pass (direct.py)."""
     rng = random.Random(7)
     for i in range(1000):
         model = SPECS[i % len(SPECS)]
@@ -44,7 +46,8 @@ def test_random_pairs_bitwise():
         srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
         before = {r: s.flat.clone() for r, s in srcs.items()}
         bucket = rng.choice([512, 1 << 12, 1 << 16, 1 << 20])
-        dsts = realloc(model, src, dst, srcs, mode=("p2p", "broadcast")[i % 2], bucket_bytes=bucket)
+        dsts = realloc(model, src, dst, srcs, mode=("p2p", "broadcast")[i % 2], bucket_bytes=bucket,
+                       one_pass=i % 3 != 0)
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full)), \
                 f"pair {i} {src}->{dst} bucket {bucket}: rank {r} differs from the oracle"
@@ -85,7 +88,8 @@ def test_staging_allocated_once_and_bounded():
     plan = plan_realloc(model, src, dst)
     srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
     hub = InProcessHub(timeout=20)
-    reallocs = {r: Reallocator(plan, hub.transport(r), bucket_bytes=1024) for r in plan.ranks()}
+    # The staged round loop (one pass, the in-process default, stages nothing).
+    reallocs = {r: Reallocator(plan, hub.transport(r), bucket_bytes=1024, one_pass=False) for r in plan.ranks()}
     dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
     import threading
 
@@ -194,7 +198,10 @@ def test_dead_peer_fails_fast_naming_it():
     dst_shard = ModelShard.empty(model, dst, 2)
     with pytest.raises(TransferError, match=r"rank 2: timed out after 1 s in round 0/\d+ waiting to "
                                             r"receive from peer rank [01]"):
-        Reallocator(plan, hub.transport(2)).run(None, dst_shard)
+        Reallocator(plan, hub.transport(2), one_pass=False).run(None, dst_shard)
+    with pytest.raises(TransferError, match=r"rank 2: timed out after 1 s in one-pass copy waiting to "
+                                            r"read the source buffers of peer rank [01]"):
+        Reallocator(plan, InProcessHub(timeout=1.0).transport(2)).run(None, dst_shard)
 
 
 def test_bucket_too_small():
@@ -214,7 +221,7 @@ def test_stats_phases_per_round(pipeline):
     srcs = {r: ModelShard.from_full(model, src, r, full) for r in src.ranks}
     dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
     stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=2048,
-                           direct_min_bytes=0, pipeline=pipeline)
+                           direct_min_bytes=0, pipeline=pipeline, one_pass=False)
     for r, st in stats.items():
         assert [row[0] for row in st["per_round"]] == sorted({row[0] for row in st["per_round"]})
         assert len(st["per_round"]) == st["rounds"] > 0, (r, st["rounds"])

@@ -24,15 +24,28 @@ verify=True: the sender computes an int64 checksum of every chunk's raw bytes be
 ships it with the chunk (same receivers, same round); the receiver recomputes it after receiving
 and raises TransferError naming the chunk, the peer and the round on a mismatch.
 
+One pass (one_pass=None: on when the transport is addressable, i.e. in-process threads or CUDA
+IPC, and verify is off): every message goes straight from the sender's source shard into the
+receiver's destination shard, all of a rank's messages and local copies in ONE compiled copy
+(direct.py: one kernel launch per rank and move on a GPU, one C++ call on a CPU), no staging,
+no round loop. one_pass=False keeps the staged round loop on any transport.
+
+Compiled once, replayed: the schedule, the compiled copies (descriptor tables on the device) and
+the staging buffer live as long as the Reallocator; `run()` again does the host work of one call
+(publish buffers, one launch, wait for readers on one pass). `InProcessMove` does the same for a
+whole in-process world: its ranks' Reallocators and worker threads are built once.
+
 The source shard is only read; `run(..., free_source=True)` releases its storage after every
-round of this rank completed (never on failure).
+round of this rank completed and (one pass) every reader finished with it (never on failure).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
+from .direct import DirectRunner, plan_tag, schedule_entries, schedule_readers
 from .plan import ReallocPlan
 from .rank_schedule import RankSchedule, rank_schedule
 from .rounds import Lane, RoundOptions, RoundRunner, checksum
@@ -49,7 +62,8 @@ below a few hundred KiB the extra message costs about what the saved copies gain
 class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool | None = None,
-                 verify: bool = False, direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES):
+                 verify: bool = False, direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES,
+                 one_pass: bool | None = None):
         if not isinstance(plan, ReallocPlan):
             raise TypeError(f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst), "
                             f"got {type(plan).__name__}")
@@ -66,15 +80,20 @@ class Reallocator:
         self.schedule: RankSchedule = rank_schedule(plan, self.rank, self.round_elems,
                                                     self.opts.direct_min_elems)
         self.rounds = self.schedule.rounds
-        self.runner = RoundRunner(transport, [Lane(self.schedule)], self.opts,
-                                  total=self.schedule.num_rounds)
+        self.one_pass = resolve_one_pass(transport, one_pass, verify)
+        if self.one_pass:
+            self.runner = DirectRunner(transport, plan_tag(plan), schedule_entries(self.schedule),
+                                       schedule_readers(self.schedule), plan.element_size)
+        else:
+            self.runner = RoundRunner(transport, [Lane(self.schedule)], self.opts,
+                                      total=self.schedule.num_rounds)
         transport.setup(plan)
 
     @property
     def staging(self):
-        """The one staging buffer this rank allocated (None until a round needs it); with
-        pipelining, two halves. Its size is the peak extra memory."""
-        return self.runner.staging
+        """The one staging buffer this rank allocated (None until a round needs it, and always
+        on one pass); with pipelining, two halves. Its size is the peak extra memory."""
+        return getattr(self.runner, "staging", None)
 
     def run(self, src: ModelShard | None, dst: ModelShard | None, *,
             free_source: bool = False) -> dict:
@@ -82,8 +101,11 @@ class Reallocator:
         (seconds in local copies, pack, post, wait, unpack) and "per_round" ([round index, pack,
         post, wait, unpack] seconds of each of this rank's rounds)."""
         t0 = time.perf_counter()
-        es = self.plan.element_size
+        bufs, check = self._inputs(src, dst)
+        stats = self.runner.run(bufs, check)
+        return self._done(src, free_source, stats, t0)
 
+    def _inputs(self, src, dst):
         def check():
             check_shard(self.plan, self.rank, src, "source")
             check_shard(self.plan, self.rank, dst, "destination")
@@ -94,12 +116,29 @@ class Reallocator:
         # A non-shard passes no buffer here: check() names it (TypeError) inside the runner,
         # which reports the failure to the peers.
         flat = lambda s: s.flat if isinstance(s, ModelShard) else None  # noqa: E731
-        stats = self.runner.run([(flat(src), flat(dst))], check)
+        return [(flat(src), flat(dst))], check
+
+    def _done(self, src, free_source: bool, stats: dict, t0: float) -> dict:
+        es = self.plan.element_size
         if free_source and src is not None:
             # Every send of this rank completed (waited above), so nothing reads it any more.
             src.flat.untyped_storage().resize_(0)
         return {"rank": self.rank, **schedule_bytes([self.schedule], es), **stats,
                 "seconds": time.perf_counter() - t0}
+
+
+def resolve_one_pass(transport: Transport, one_pass: bool | None, verify: bool) -> bool:
+    """one_pass None: on for addressable transports without verify; True where it cannot run:
+    ValueError naming why."""
+    if one_pass is None:
+        return transport.addressable and not verify
+    if one_pass and not transport.addressable:
+        raise ValueError(f"one_pass=True needs a transport that addresses its peers' buffers "
+                         f"(in-process, CUDA IPC); {type(transport).__name__} does not")
+    if one_pass and verify:
+        raise ValueError("verify=True checksums chunks on the wire, and one_pass=True has none; "
+                         "pass one_pass=False to verify")
+    return bool(one_pass)
 
 
 def schedule_bytes(schedules: list[RankSchedule], element_size: int) -> dict:
@@ -171,10 +210,95 @@ def run_in_process(hub: InProcessHub, plan: ReallocPlan, srcs: dict, dsts: dict,
     """Run `plan` on every rank of `hub` in its own thread; srcs/dsts map rank -> ModelShard.
 
     Returns rank -> the reallocator's stats. Raises the first rank's error (by rank order)
-    after every thread has finished.
-    """
+    after every thread has finished. Builds everything per call; `InProcessMove` keeps it."""
     return run_ranks(hub, plan.ranks(), lambda rank: Reallocator(plan, hub.transport(rank), **realloc_kwargs)
                      .run(srcs.get(rank), dsts.get(rank)))
+
+
+class InProcessMove:
+    """Every rank of `plan` in this process, compiled once and replayed.
+
+        move = InProcessMove(InProcessHub(), plan)      # Reallocators (schedules, copies) built once
+        move.run(srcs, dsts)                            # rank -> stats; again with minimal host work
+        move.close()
+
+    threads=True: one persistent worker thread per rank (ranks as threads, as run_in_process,
+    without starting threads per call). threads=False: one pass only; the calling thread runs
+    the phases of every rank in turn (publish every rank's sources, then every rank's one
+    copy, then the releases), so a call is one copy per receiving rank and no thread switch.
+    A failed call marks its rank failed on the hub: build a new move (and hub) after it."""
+
+    def __init__(self, hub: InProcessHub, plan: ReallocPlan, *, threads: bool = True, **realloc_kwargs):
+        self.hub, self.plan, self.ranks = hub, plan, plan.ranks()
+        self.reallocs = {r: Reallocator(plan, hub.transport(r), **realloc_kwargs) for r in self.ranks}
+        self.threads = threads
+        if not threads and not all(x.one_pass for x in self.reallocs.values()):
+            raise ValueError("InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)")
+        self._jobs: dict[int, queue.SimpleQueue] = {}
+        self._workers: list[threading.Thread] = []
+        if threads:
+            for r in self.ranks:
+                q = self._jobs[r] = queue.SimpleQueue()
+                t = threading.Thread(target=self._work, args=(q,), name=f"rank{r}", daemon=True)
+                t.start()
+                self._workers.append(t)
+
+    def _work(self, q: queue.SimpleQueue) -> None:
+        while (job := q.get()) is not None:
+            rank, fn, out = job
+            try:
+                value = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+                # Marked failed at once, so its peers stop waiting for it.
+                self.hub.fail(rank, f"{type(e).__name__}: {e}")
+                out.put((rank, False, e))
+            else:
+                out.put((rank, True, value))
+
+    def run(self, srcs: dict, dsts: dict, *, free_source: bool = False) -> dict[int, dict]:
+        """rank -> stats of one move; raises the lowest failed rank's error after every rank
+        finished."""
+        if not self.threads:
+            return self._run_phased(srcs, dsts, free_source)
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        for r in self.ranks:
+            x = self.reallocs[r]
+            self._jobs[r].put((r, lambda x=x, r=r: x.run(srcs.get(r), dsts.get(r), free_source=free_source), out))
+        results, errors = {}, {}
+        for _ in self.ranks:
+            r, ok, value = out.get()
+            (results if ok else errors)[r] = value
+        if errors:
+            raise errors[min(errors)]
+        return results
+
+    def _run_phased(self, srcs, dsts, free_source) -> dict[int, dict]:
+        t0 = time.perf_counter()
+        try:
+            for r in self.ranks:
+                bufs, check = self.reallocs[r]._inputs(srcs.get(r), dsts.get(r))
+                self.reallocs[r].runner.begin(bufs, check)
+            for r in self.ranks:
+                self.reallocs[r].runner.copy()
+            stats = {r: self.reallocs[r].runner.end() for r in self.ranks}
+        except BaseException:
+            for r in self.ranks:
+                self.hub.fail(r, "an earlier rank of the same thread failed")
+            raise
+        return {r: self.reallocs[r]._done(srcs.get(r), free_source, stats[r], t0) for r in self.ranks}
+
+    def close(self) -> None:
+        for q in self._jobs.values():
+            q.put(None)
+        for t in self._workers:
+            t.join()
+        self._jobs, self._workers = {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def run_ranks(hub: InProcessHub, ranks, work) -> dict:

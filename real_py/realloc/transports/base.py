@@ -15,6 +15,15 @@ order: the in-process transport numbers them per (sender, receiver); gloo and NC
 posting order per peer (DistTransport, CupyNcclTransport post `sends` / `recvs` in list order);
 DistTransport's broadcasts are issued sorted by (sender, receivers), then list index.
 
+Addressable transports (`addressable = True`: in-process threads, CUDA IPC between processes of
+one node) let a rank read its peers' source buffers: the Reallocator then moves every message in
+one pass (realloc/direct.py: one compiled copy per rank from the senders' source shards straight
+into its destination shard, no staging). They add, per move of a plan (its `tag`):
+`publish_sources(step, tag, sources, readers) -> move number`, `peer_sources(step, tag, n,
+peers) -> {peer: its buffers}`, `finish_reads(step, tag, n, used, peers)` (this rank's reads are
+issued) and `wait_readers(step, tag, n, readers)` (return once every reader of this rank's source
+finished), with the same timeouts and rank-naming errors as the rounds.
+
 This module holds the interface; the implementations are `inprocess.py`, `dist.py` (torch.
 distributed: gloo, NCCL) and `nccl.py` (NCCL through cupy).
 """
@@ -54,6 +63,8 @@ class Transport(abc.ABC):
     name = "transport"
     asynchronous = False
     """True when start() returns before the round completed (then double buffering pays off)."""
+    addressable = False
+    """True when share() / release() exist: peers' buffers are readable from this rank."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
