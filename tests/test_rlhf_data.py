@@ -223,6 +223,8 @@ def test_reward_function(env):
            (f"{env / 'rew.py'}:one_param", r"rew.py:one_param takes 1 positional parameter\(s\) \(responses\); "
                                            r"it is called as fn\(prompts, responses, \*\*row\)"),
            (f"{env / 'rew.py'}:fails", r"rew.py:fails failed when called .* ZeroDivisionError"),
+           # Called on two rows before launch: one score for the whole batch shows there.
+           (f"{env / 'rew.py'}:short", r"rew.py:short returned 1 scores for 2 responses"),
            (f"{env / 'rew.py'}:text", "rew.py:text returned str"),
            (f"{env / 'rew.py'}:numeric_text", r"rew.py:numeric_text returned the string '0.5' as a score"),
            (f"{env / 'rew.py'}:one_char", "rew.py:one_char returned str 5"),

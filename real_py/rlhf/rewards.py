@@ -130,17 +130,18 @@ def check_signature(fr: FunctionReward, fields: list[str], where: str) -> None:
 
 
 def check_call(fr: FunctionReward, data) -> None:
-    """Call the function once on the data set's first row with an empty response, so a signature
-    that does not match the data set's fields (or a function that fails) shows before any rank
-    starts; the result checks of FunctionReward apply as well."""
-    prompts, row = data.prompt_values([0]), data.fields([0])
+    """Call the function once on the data set's first two rows (one if it has one) with empty
+    responses, so a function that fails, or returns a fixed number of scores instead of one per
+    response, shows before any rank starts; the result checks of FunctionReward apply as well."""
+    idx = list(range(min(2, len(data))))
+    prompts, row = data.prompt_values(idx), data.fields(idx)
     try:
-        out = fr.fn(prompts, [""], **row)
+        out = fr.fn(prompts, [""] * len(idx), **row)
     except Exception as e:
         raise ValueError(f"reward function {fr.spec} failed when called as fn(prompts, responses, "
-                         f"**row) with row fields {sorted(row)} of the data set's first row and an "
-                         f"empty response: {type(e).__name__}: {e}") from None
-    fr.check(out, 1)
+                         f"**row) with row fields {sorted(row)} of the data set's first {len(idx)} row(s) and "
+                         f"empty responses: {type(e).__name__}: {e}") from None
+    fr.check(out, len(idx))
 
 
 def write_samples(path: str, step: int, prompts: list, responses: list, scores: torch.Tensor,
