@@ -5,17 +5,22 @@
 #   tests     pytest -m cuda (engines, bf16 train step, CUDA-graph decode, NCCL PPO on 1 GPU, ops)
 #   pack      pack/unpack GB/s against a device-to-device copy_ of the same bytes
 #   realloc   in-process reallocation of a 7B-shaped bf16 model between layouts on the GPU
-#   ppo       PPO iterations of a 1.1B actor + critic (bf16, fp32 master) on the GPU, and the
-#             estimator against them (datasheet profile and calibrate_gpu)
-#   generate  generation tokens/s: dynamic cache, static cache, CUDA graph
+#   ppo       PPO iterations of a 1.1B actor + critic (bf16, fp32 master) on the GPU: seconds and
+#             peak memory per call against the previous report, and the estimator against them
+#             (datasheet profile and calibrate_gpu)
+#   generate  decode step time of the compiled CUDA-graph step against the weight-read roofline,
+#             tokens/s against transformers' static-cache generate(), greedy tokens compared
+#   trl       GRPO of a 0.36B Qwen2-style model: `python -m real_py train` beside TRL's
+#             GRPOTrainer (TRL from $TRL_WHEELS, default bench/.cache/trl_wheels, if present;
+#             skipped with a message when trl cannot be imported), TRL's side <= 170 s
 #   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
-# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 470 s: under 8 minutes);
+# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 600 s: 10 minutes);
 # a failing or timed-out step is recorded and the next one runs. Reports follow bench/README.md's
 # rule (<theme>_<hardware>_<yyyymmdd>.{json,md}, one per theme and hardware, so a run replaces the
 # reports of the same day); raw logs go to a git-ignored folder:
 #
-#   scripts/gpu_check.sh                    -> bench/results/{pack,realloc,ppo,generate,profile}_<hw>_<yyyymmdd>.*
+#   scripts/gpu_check.sh                    -> bench/results/{pack,realloc,ppo,generate,trl,profile}_<hw>_<yyyymmdd>.*
 #                                              and bench/results/gpu_check_<hw>_<yyyymmdd>.md (steps,
 #                                              versions, tests, the reports written); logs in
 #                                              bench/results/.raw/gpu_check_<yyyymmdd_HHMMSS>/
@@ -25,7 +30,8 @@
 #                                           its *_small reports stay in the raw folder
 #   GPU_CHECK_STEPS="build import tests pack profile" scripts/gpu_check.sh
 #                                           only those steps (env always runs; default: all)
-# Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS.
+# Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS, TRL_WHEELS
+# (a folder of wheels for `pip install --no-index trl`; the trl step installs from it).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,7 +47,7 @@ DEVICE="${DEVICE:-cuda}"
 SMALL_FLAG=$([ "${SMALL:-0}" = 1 ] && echo --small || true)
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-470}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-600}))
 
 # torch finds CUDA through CUDA_HOME or `which nvcc`; a wrapper script on PATH (e.g.
 # /usr/local/bin/nvcc) would point it at the wrong prefix, so pick a prefix that has the headers.
@@ -56,7 +62,7 @@ export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 # build). The system compiler links the shared libstdc++ that torch uses.
 if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
-STEPS_KNOWN="build import tests pack realloc ppo generate profile"
+STEPS_KNOWN="build import tests pack realloc ppo generate trl profile"
 for s in ${GPU_CHECK_STEPS:-}; do
   [[ " $STEPS_KNOWN " == *" $s "* ]] || { echo "gpu_check: GPU_CHECK_STEPS names '$s'; known: $STEPS_KNOWN" >&2; exit 2; }
 done
@@ -102,7 +108,7 @@ print('machine', platform.machine(), os.cpu_count(), 'cores', round(mem), 'GiB; 
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())
 print('CUDA_HOME', os.environ.get('CUDA_HOME', 'unset'), 'nvcc', shutil.which('nvcc'))
 from importlib.metadata import version, PackageNotFoundError
-for p in ('transformers', 'cupy-cuda13x', 'numpy'):
+for p in ('transformers', 'trl', 'triton', 'cupy-cuda13x', 'numpy'):
     try: print(p, version(p))
     except PackageNotFoundError: print(p, 'not installed')
 if shutil.which('nvidia-smi'):
@@ -123,13 +129,16 @@ for op in ('pack', 'unpack'):
     assert torch._C._dispatch_has_kernel_for_dispatch_key('real_py::' + op, 'CUDA'), op + ': no CUDA kernel'
 assert torch.cuda.is_available(), 'torch sees no GPU'
 print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
-  step tests 110 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
+  step tests 170 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
 fi
 
 step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$REPORTS"
 step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
-step ppo 110 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
-step generate 60 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$REPORTS"
+step ppo 140 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
+step generate 170 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$REPORTS"
+TRL_WHEELS="${TRL_WHEELS:-$ROOT/bench/.cache/trl_wheels}"
+step trl 240 "$PY" bench/bench_trl.py --device "$DEVICE" $SMALL_FLAG --trl-timeout 170 \
+  $([ -d "$TRL_WHEELS" ] && echo "--wheels $TRL_WHEELS") --out-dir "$REPORTS"
 step profile 120 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
 
 # The summary as a report of its own, gpu_check_<hw>_<yyyymmdd>.md beside the benches' reports:
