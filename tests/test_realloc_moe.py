@@ -234,12 +234,13 @@ def _check_against_oracle(model, src, dst, full, srcs, dsts, before):
 
 @pytest.mark.parametrize("src,dst", MERGED_PAIRS)
 @pytest.mark.parametrize("kw", [dict(bucket_bytes=1 << 10, pipeline=True, verify=True),
-                                dict(bucket_bytes=1 << 12, direct_min_bytes=64),
+                                dict(bucket_bytes=1 << 12, direct_min_bytes=64, one_pass=False),
+                                dict(bucket_bytes=1 << 10, one_pass=False),
                                 dict()])
 def test_moe_merged_in_process(src, dst, kw):
     """All parts as one schedule on the in-process transport, bit for bit against the oracle:
     tiny buckets (hundreds of merged rounds), pipelined halves with checksums, direct pieces,
-    the default bucket (one round)."""
+    and the default: one pass (one compiled copy per rank over dense and expert buffers)."""
     src, dst = L(src), L(dst)
     full = random_full(MOE, 17)
     plan = plan_moe_realloc(MOE, src, dst)
@@ -262,7 +263,7 @@ def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
     src, dst = L(src), L(dst)
     plan = plan_moe_realloc(MOE, src, dst)
     hub = InProcessHub()
-    ex = {r: MoeReallocator(plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin)
+    ex = {r: MoeReallocator(plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin, one_pass=False)
           for r in sorted(set(src.ranks) | set(dst.ranks))}
     opts = ex[0].opts
     t = plan.transfers(opts.round_elems, opts.direct_min_elems)
@@ -347,7 +348,7 @@ def test_moe_rank_in_layout_without_shards_is_named():
     # run_moe_in_process raises rank 0's error: it names rank 1 and rank 1's own ValueError
     from real_py.realloc import TransferError
 
-    with pytest.raises(TransferError, match=r"rank 0: peer rank 1 failed during merged round 0 \(ValueError: "
+    with pytest.raises(TransferError, match=r"rank 0: peer rank 1 failed during one-pass copy \(ValueError: "
                        r"rank 1 is in the source layout dp4tp1pp1ep4 but passed no source"):
         run_moe_in_process(InProcessHub(timeout=30), plan, srcs_missing, dsts)
     for r, (s, e) in srcs_missing.items():

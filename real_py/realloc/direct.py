@@ -61,11 +61,14 @@ def schedule_readers(schedule: RankSchedule) -> set[int]:
 
 def plan_tag(plan) -> str:
     """Names a plan's moves alike on every rank (the transports number the moves of a tag)."""
-    return f"{plan.model.name}:{plan.src}{list(plan.src.ranks)}->{plan.dst}{list(plan.dst.ranks)}:{plan.mode}"
+    mode = getattr(plan, "mode", "moe")  # a MoePlan has parts, not one mode
+    return f"{plan.model.name}:{plan.src}{list(plan.src.ranks)}->{plan.dst}{list(plan.dst.ranks)}:{mode}"
 
 
 class DirectRunner:
-    def __init__(self, transport: Transport, tag: str, entries: list[Entry], readers, element_size: int):
+    def __init__(self, transport: Transport, tag: str, entries: list[Entry], readers, element_size: int,
+                 buf_ids=None):
+        """buf_ids: the buffer id of each position of run()'s `bufs` list (default 0, 1, ...)."""
         if not transport.addressable:
             raise ValueError(f"{type(transport).__name__} cannot address its peers' buffers; one-pass "
                              "moves need an addressable transport (in-process, CUDA IPC)")
@@ -83,6 +86,7 @@ class DirectRunner:
         self.peers = sorted({e.sender for e in entries} - {self.rank})
         self.readers = sorted(set(readers) - {self.rank})
         self.numel = int((self.rows[:, 2] * self.rows[:, 3]).sum())
+        self.buf_ids = None if buf_ids is None else list(buf_ids)
         self._plans: dict = {}
         self._state = None
 
@@ -112,7 +116,7 @@ class DirectRunner:
         try:
             if check is not None:
                 check()
-            bufs = dict(bufs) if isinstance(bufs, dict) else dict(enumerate(bufs))
+            bufs = dict(bufs) if isinstance(bufs, dict) else dict(zip(self.buf_ids or range(len(bufs)), bufs))
             st["bufs"] = bufs
             st["step"] = STEP
             t = clock()

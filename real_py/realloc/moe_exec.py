@@ -24,6 +24,12 @@ moved apart; a direct piece that is no longer one run there is staged on that en
 may still move it directly). Expert parts keep their direct pieces in their rounds (each end
 decides alone how it moves its side of a piece; only the dense part's go out at the start).
 
+One pass (one_pass=None: on for addressable transports without verify, as for the Reallocator):
+every chunk a rank receives, in every part, with its descriptors moved into the sender's and this
+rank's ExpertShard buffers where the part is an expert part (`_segments` of the sender, computed
+here from the layouts alone), and every local copy, make ONE compiled copy (direct.py) over the
+senders' dense and expert source buffers: one launch per rank and move, no staging.
+
 Every world rank constructs the MoeReallocator (setup is collective, once per part) and calls
 run() for every MoePlan in the same order.
 """
@@ -39,7 +45,9 @@ from ..layout import Layout, expert_shard_layout, shard_layout
 from ..spec import ModelSpec
 from .moe_plan import MoePart, MoePlan
 from .rank_schedule import RankSchedule, rank_schedule
-from .reallocator import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, run_ranks, schedule_bytes
+from .direct import DirectRunner, Entry, plan_tag, schedule_readers
+from .reallocator import (DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, resolve_one_pass, run_ranks,
+                          schedule_bytes)
 from .rounds import Lane, RoundOptions, RoundRunner
 from .shard import ExpertShard, ModelShard
 from .transports.base import Transport
@@ -49,7 +57,7 @@ from .transports.inprocess import InProcessHub
 class MoeReallocator:
     def __init__(self, plan: MoePlan, transport: Transport, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  pipeline: bool | None = None, verify: bool = False,
-                 direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES):
+                 direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES, one_pass: bool | None = None):
         """Options as Reallocator's; the bucket bounds the staging of all parts together."""
         if not isinstance(plan, MoePlan):
             raise TypeError(f"plan must be a MoePlan (plan_moe_realloc), got {type(plan).__name__}")
@@ -61,6 +69,8 @@ class MoeReallocator:
                                          bucket_bytes=bucket_bytes, pipeline=pipeline, verify=verify,
                                          direct_min_bytes=direct_min_bytes)
         sizes = plan.part_round_elems(self.opts.round_elems)
+        self.one_pass = resolve_one_pass(transport, one_pass, verify)
+        entries, readers = [], set()
         lanes = []
         self.lane_parts: list[int] = []
         """Index in plan.parts of each lane (the parts this rank sends or receives in)."""
@@ -71,6 +81,9 @@ class MoeReallocator:
                 if self.rank not in part.plan.src.ranks and self.rank not in part.plan.dst.ranks:
                     continue
                 rs = rank_schedule(part.plan, self.rank, sizes[p], self.opts.direct_min_elems)
+                if self.one_pass:
+                    entries += self._entries(p, rs)
+                    readers |= schedule_readers(rs)
                 if part.experts is not None:
                     q = part.plan
                     segs = [_segments(part, lay, plan.model, full, self.rank) if self.rank in lay.ranks
@@ -82,11 +95,33 @@ class MoeReallocator:
         except Exception as e:
             transport.fail(f"building the rank schedule of rank {self.rank}", f"{type(e).__name__}: {e}"[:1000])
             raise
-        self.runner = RoundRunner(transport, lanes, self.opts)
+        if self.one_pass:
+            self.runner = DirectRunner(transport, plan_tag(plan), entries, readers, plan.model.element_size,
+                                       buf_ids=self.lane_parts)
+        else:
+            self.runner = RoundRunner(transport, lanes, self.opts)
+        # Schedules kept for the byte counts either way.
+        self.schedules = [lane.schedule for lane in lanes]
+
+    def _entries(self, p: int, rs: RankSchedule) -> list[Entry]:
+        """One-pass entries of part p: its received chunks and local copies, expert parts'
+        descriptors moved into the sender's and this rank's ExpertShard buffers."""
+        part = self.plan.parts[p]
+        local, chunks = rs.local, [(c.sender, c.descs) for rr in rs.rounds for c in rr.recvs]
+        if part.experts is not None:
+            q, model = part.plan, self.plan.model
+            segs = lambda lay, full, r: _segments(part, lay, model, full, r)  # noqa: E731
+            mine = segs(q.dst, self.plan.dst, self.rank) if self.rank in q.dst.ranks else None
+            theirs = {s: segs(q.src, self.plan.src, s) for s in {s for s, _ in chunks}}
+            chunks = [(s, _move(_move(d, 0, theirs[s]), 1, mine)) for s, d in chunks]
+            if len(local):
+                local = _move(_move(local, 0, segs(q.src, self.plan.src, self.rank)), 1, mine)
+        out = [Entry(self.rank, p, p, local)] if len(local) else []
+        return out + [Entry(s, p, p, d) for s, d in chunks]
 
     @property
     def staging(self):
-        return self.runner.staging
+        return getattr(self.runner, "staging", None)
 
     def run(self, src: ModelShard | None, src_experts: ExpertShard | None,
             dst: ModelShard | None, dst_experts: ExpertShard | None, *,
@@ -124,9 +159,8 @@ class MoeReallocator:
             # Every send of this rank completed (waited in run), so nothing reads them any more.
             src.flat.untyped_storage().resize_(0)
             src_experts.flat.untyped_storage().resize_(0)
-        return {"rank": self.rank, **schedule_bytes([lane.schedule for lane in self.runner.lanes],
-                                                    self.plan.model.element_size),
-                **stats, "parts": len(self.plan.parts), "lanes": len(self.runner.lanes),
+        return {"rank": self.rank, **schedule_bytes(self.schedules, self.plan.model.element_size),
+                **stats, "parts": len(self.plan.parts), "lanes": len(self.schedules),
                 "seconds": time.perf_counter() - t0}
 
     def _check_side(self, shard: ModelShard | None, experts: ExpertShard | None, side: str) -> None:
