@@ -183,7 +183,8 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     ap.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="datasheet profile to check")
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
-    ap.add_argument("--cal-reps", type=int, default=10, help="timed runs per calibration function")
+    ap.add_argument("--cal-reps", type=int, default=None, help="timed runs per calibration function (default 10; "
+                    "small 2)")
     ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)")
     ap.add_argument("--baseline", metavar="JSON", default=None,
                     help="earlier ppo_*.json to compare per call (default: the newest earlier report of "
@@ -194,6 +195,7 @@ def main(argv=None):
     if args.iters < 1:
         ap.error(f"--iters {args.iters}: need at least 1")
     small = args.small
+    cal_reps = args.cal_reps or (2 if small else 10)
     cfg = train_config(args.device, small, args.batch or (4 if small else 32),
                        args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
     dev = resolve_device(args.device)
@@ -227,7 +229,8 @@ def main(argv=None):
             for suffix, setup in setups.items():
                 name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
                 try:
-                    cal, raw = calibrate_gpu(args.profile, reps=args.cal_reps, repeats=3, device=dev, setup=setup)
+                    cal, raw = calibrate_gpu(args.profile, reps=cal_reps, repeats=1 if small else 3,
+                                             device=dev, setup=setup)
                     profiles[name] = replace(cal, name=name)
                     extra[f"calibration_raw_{suffix}"] = raw
                 except Exception as e:  # noqa: BLE001 - the other profiles still run; the error is recorded
