@@ -17,7 +17,8 @@ EOS (every sequence runs to the end). Per mode:
                       read added
   same / prefix       greedy tokens equal to the reference mode's (dynamic: the eager kernels of
                       the earlier code) for every row, and the mean fraction of each row equal
-                      before the first difference (bf16 flips near-tied argmaxes between kernels)
+                      before the first difference (bf16 flips near-tied argmaxes between kernels);
+                      "same as hf" / "hf prefix" the same against transformers' tokens
 
 Modes on CUDA: graph (CUDA-graph decode with the compiled step: the default), graph-eager (the
 graph without torch.compile), dynamic (eager, the reference), hf-static (transformers'
@@ -164,7 +165,7 @@ def timed(fn, device, repeats: int) -> tuple[float, float, object]:
         _sync(device)
         times.append(time.perf_counter() - t0)
     times.sort()
-    return first, times[len(times) // 2], out
+    return first, (times[len(times) // 2] if times else first), out
 
 
 def ours(eng, prompts, lengths, n: int, mode: str, compile_flag):
@@ -245,13 +246,14 @@ def main(argv=None):
         runs = {name: ours(eng, prompts, lengths, N, mode, flag) for name, mode, flag in modes}
         if not args.no_hf:
             runs["hf-static"] = hf(hf_model, prompts, N, static=True)
-        ref = None
+        ref, tokens = None, {}
         for name, run in runs.items():
             row = {"mode": name, "batch": B, "prompt": P, "new tokens": N}
             try:
                 reset_peak_memory(dev)
-                reps = 1 if name == "dynamic" and dev.type == "cuda" else args.repeats  # host-bound: slow
+                reps = 0 if name == "dynamic" and dev.type == "cuda" else args.repeats  # host-bound: slow
                 first, sec, toks = timed(run, dev, reps)
+                tokens[name] = toks.cpu()
                 peak = peak_memory_mib(dev) / 1024
                 _, one, _ = timed(lambda: run(1), dev, 2)
                 step = (sec - one) / max(N - 1, 1)
@@ -266,6 +268,12 @@ def main(argv=None):
                 traceback.print_exc()
             rows.append(row)
             print(row, flush=True)
+        if "hf-static" in tokens:  # greedy tokens against transformers' (bf16: near ties may flip)
+            for r in rows:
+                if r["mode"] in tokens:
+                    a, b = tokens[r["mode"]], tokens["hf-static"]
+                    r["same as hf"] = bool(a.shape == b.shape and torch.equal(a, b))
+                    r["hf prefix"] = prefix_fraction(a, b)
         by = {r["mode"]: r for r in rows}
         ours_name = "graph" if dev.type == "cuda" else "static"
         if "tokens/s" in by.get(ours_name, {}) and "tokens/s" in by.get("hf-static", {}):
@@ -275,7 +283,7 @@ def main(argv=None):
             extra["fp32_check"] = fp32_check(hf_model, tmp, dev, args.check_batch, P, args.check_new)
             print("fp32 check", extra["fp32_check"], flush=True)
     cols = ["mode", "batch", "prompt", "new tokens", "first s", "seconds", "tokens/s", "step ms", "roofline %",
-            "KV %", "same", "prefix", "peak GiB"]
+            "KV %", "same", "prefix", "same as hf", "hf prefix", "peak GiB"]
     if any("error" in r for r in rows):
         cols.append("error")
     notes = (f"{extra['params'] / 1e9:.2f}B parameters; a step reads {weight_bytes / 2**30:.2f} GiB of weights: "
@@ -284,7 +292,9 @@ def main(argv=None):
              "generate() (prefill included); step ms = (that - a 1-token generate()) / (new tokens - 1); "
              "roofline % = weight-read time / step ms (KV %: with the average step's KV-cache read); "
              "first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
-             "the dynamic (eager) mode's. graph = CUDA-graph decode with the torch.compile'd step; "
+             "the dynamic (eager) mode's; same as hf / hf prefix: against transformers' (in bf16 different "
+             "kernels flip near-tied argmaxes, so a row can part after a while; the fp32 check below is "
+             "the exact comparison). graph = CUDA-graph decode with the torch.compile'd step; "
              "graph-eager = the graph of the eager modules; hf-static = transformers' generate() with "
              "cache_implementation='static' on the same checkpoint.")
     if "speedup_vs_hf_static" in extra:
