@@ -329,13 +329,26 @@ class Decoder:
             for _ in range(2):
                 self._step_eager(st.static_inp, st.static_pos, span)
         torch.cuda.current_stream(dev).wait_stream(side)
+        try:
+            st.graphs[span] = self._capture_once(span)
+        except Exception as e:  # noqa: BLE001 - the compiled code could not be captured: eager
+            if st.run is None:
+                raise
+            warnings.warn(f"capturing the compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); "
+                          "capturing the eager modules", RuntimeWarning, stacklevel=2)
+            torch.cuda.synchronize(dev)
+            st.run, st.backend_failed, st.graphs = None, st.backend, {}
+            st.graphs[span] = self._capture_once(span)
+        return st.graphs[span]
+
+    def _capture_once(self, span):
+        st = self.state
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the NCCL watchdog's event queries) must not
         # invalidate the capture.
         with torch.cuda.graph(graph, pool=st.pool, capture_error_mode="thread_local"):
             out = self._run(st.static_inp, st.static_pos, st.mask(span), st.run)
-        st.graphs[span] = (graph, out)
-        return st.graphs[span]
+        return graph, out
 
 
 def release(engine) -> None:
