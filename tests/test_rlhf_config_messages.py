@@ -75,3 +75,21 @@ def test_local_cuda_job_with_more_ranks_than_gpus_is_refused(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert "the execution plan has 4 ranks but this node has 2 GPUs: a local launch runs one rank per GPU" in err
+
+
+def test_models_over_host_memory_are_refused_before_launch(tmp_path, capsys, monkeypatch, no_launch):
+    """A 7B-shaped actor on the default 4-rank CPU plan: its train copy with Adam states and the
+    dp4 generation copies cannot fit; refused naming the need per model, not killed mid-start-up."""
+    from real_py.rlhf.config import checks
+
+    monkeypatch.setattr(checks, "_available_bytes", lambda: 16 << 30)
+    big = ("{hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, num_attention_heads: 32, "
+           "num_key_value_heads: 32, vocab_size: 32000}")
+    (tmp_path / "c.yaml").write_text(f"actor: {big}\ncritic: {{vocab_size: 32000}}\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(tmp_path / "c.yaml"), "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "the models need at least 251.1 GiB of memory on this machine (actor 200.8, ref 50.2" in err, err
+    assert "but 16.0 GiB is available; use smaller models" in err, err
+    CF.validate(CF.from_dict({}), 4)   # the default job fits
