@@ -248,19 +248,27 @@ def trl_worker(spec_path: str) -> None:
     cuda = device == "cuda" and torch.cuda.is_available()
 
     class Steps(TrainerCallback):
-        t0, sec, peak = None, None, 0.0
+        """A step's seconds: from the end of the previous optimizer step (or the start of
+        training) to the end of this one; its peak memory: since the previous step's end."""
+        t_prev, sec, peak = None, None, 0.0
 
-        def on_step_begin(self, args, state, control, **kw):
+        def _now(self):
             if cuda:
                 torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kw):
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            self.t0 = time.perf_counter()
+            self.t_prev = self._now()
 
         def on_step_end(self, args, state, control, **kw):
+            now = self._now()
+            self.sec = now - (self.t_prev if self.t_prev is not None else now)
+            self.t_prev = now
             if cuda:
-                torch.cuda.synchronize()
                 self.peak = torch.cuda.max_memory_allocated() / 2**20
-            self.sec = time.perf_counter() - self.t0
+                torch.cuda.reset_peak_memory_stats()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs and self.sec is not None:
