@@ -235,7 +235,7 @@ def test_bf16_ppo_iteration_on_4_ranks(runs):
         assert v.dtype == torch.bfloat16 and torch.equal(gen[0][k], v), k
 
 
-def test_config_device_precision_decode_checked():
+def test_config_device_precision_decode_checked(monkeypatch):
     cfg = CF.from_dict({"precision": "bf16"})
     assert cfg.device == "auto" and {c.dtype for c in cfg.model_configs().values()} == {"bfloat16"}
     assert {c.dtype for c in CF.from_dict({}).model_configs().values()} == {"float32"}
@@ -253,6 +253,11 @@ def test_config_device_precision_decode_checked():
     with open(os.path.join(os.path.dirname(__file__), "..", "configs", "ppo_gpu1_bf16.yaml")) as f:
         d = yaml.safe_load(f)
     assert d.pop("device") == "cuda"
+    # Validated as a CPU job here, whose host-memory check (tests/test_rlhf_config_messages.py)
+    # would refuse the 1.1B models on a small machine: that check is left out.
+    from real_py.rlhf.config import checks
+
+    monkeypatch.setattr(checks, "_available_bytes", lambda: None)
     CF.validate(CF.from_dict(d), 1)
 
 

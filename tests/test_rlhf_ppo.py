@@ -140,7 +140,7 @@ def test_checkpoint_from_another_model(tmp_path):
     (d / "meta.json").write_text(json.dumps(meta))
     assert checkpoint.check(cfg, str(d)) == 3
     other = CF.from_dict({"actor": dict(CF.TINY, hidden_size=32)})
-    with pytest.raises(ValueError, match="different models"):
+    with pytest.raises(ValueError, match="models.actor.hidden_size is 64 in the checkpoint, 32 in this config"):
         checkpoint.check(other, str(d))
 
 
