@@ -85,6 +85,8 @@ TRAIN = [
      "generation.decode='static' needs an actor without sliding-window attention"),
     ("export-random-moe", f"algo: grpo\nactor: {MOE}\nexport: hf", [],
      "export: hf with a random-init mixture-of-experts actor"),
+    ("qkv-layout", "actor: {qkv_layout: megatron_grouped}", [],
+     "actor.qkv_layout='megatron_grouped': the train engines compute on blocked fused tensors"),
 ]
 
 OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by paths

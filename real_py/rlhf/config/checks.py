@@ -291,6 +291,13 @@ def _check_host_memory(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, mode
 def _check_runtime_support(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
     """Combinations the ranks would refuse after start-up (runtime.py, engines/decode.py, the HF
     export at the end of the run), refused here instead, before any rank starts."""
+    for m in sorted(graph.models()):
+        c, section = models[m], "actor" if m in ("actor", "ref") else "critic"
+        for key in ("qkv_layout", "gate_up_layout"):
+            if getattr(c, key) != "blocked":
+                raise ValueError(f"config {section}.{key}={getattr(c, key)!r}: the train engines compute on "
+                                 f"blocked fused tensors; remove {key} from `{section}` (other storage layouts are "
+                                 "for reallocating between trainers, real_py.interop)")
     moe = sorted(m for m, c in models.items() if c.num_experts)
     k = cfg.async_.max_staleness
     if moe and k:
