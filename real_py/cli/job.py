@@ -230,13 +230,19 @@ class _Job:
 
     def _start_store(self):
         import datetime
+        import socket
 
         import torch.distributed as dist
 
-        # Port 0: the kernel picks a free port, no race with other jobs.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
-        return self.store.port
+        # A socket bound here, on the loopback only and on a port the kernel picks (no race with
+        # other jobs), handed to the store: TCPStore itself would listen on every interface.
+        self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listen.bind(("127.0.0.1", 0))
+        self._listen.listen(128)
+        port = self._listen.getsockname()[1]
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60), master_listen_fd=self._listen.fileno())
+        return port
 
     def _start(self) -> None:
         self._fresh_logs()
