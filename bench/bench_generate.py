@@ -268,6 +268,7 @@ def main(argv=None):
                 traceback.print_exc()
             rows.append(row)
             print(row, flush=True)
+            write_report(args, rows, extra)
         if "hf-static" in tokens:  # greedy tokens against transformers' (bf16: near ties may flip)
             for r in rows:
                 if r["mode"] in tokens:
@@ -282,21 +283,31 @@ def main(argv=None):
         if args.check_new > 0:
             extra["fp32_check"] = fp32_check(hf_model, tmp, dev, args.check_batch, P, args.check_new)
             print("fp32 check", extra["fp32_check"], flush=True)
+    extra["complete"] = True
+    write_report(args, rows, extra)
+
+
+def write_report(args, rows: list[dict], extra: dict) -> None:
+    """The report of what has run so far (written after every mode: a step cut by its time cap
+    still leaves one; extra["complete"] says whether every part ran)."""
     cols = ["mode", "batch", "prompt", "new tokens", "first s", "seconds", "tokens/s", "step ms", "roofline %",
             "KV %", "same", "prefix", "same as hf", "hf prefix", "peak GiB"]
     if any("error" in r for r in rows):
         cols.append("error")
-    notes = (f"{extra['params'] / 1e9:.2f}B parameters; a step reads {weight_bytes / 2**30:.2f} GiB of weights: "
-             f"{extra['weight_read_ms']:.3f} ms at {bw / 1e12:.2f} TB/s ({bw_src}; a device copy_ measured "
-             f"{bw_measured / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median wall time of one greedy "
-             "generate() (prefill included); step ms = (that - a 1-token generate()) / (new tokens - 1); "
-             "roofline % = weight-read time / step ms (KV %: with the average step's KV-cache read); "
-             "first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
+    bw = extra["hbm_bytes_per_s"]
+    notes = (f"{extra['params'] / 1e9:.2f}B parameters; a step reads {extra['weight_bytes'] / 2**30:.2f} GiB of "
+             f"weights: {extra['weight_read_ms']:.3f} ms at {bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device "
+             f"copy_ measured {extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
+             "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token generate()) / "
+             "(new tokens - 1); roofline % = weight-read time / step ms (KV %: with the average step's KV-cache "
+             "read); first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
              "the dynamic (eager) mode's; same as hf / hf prefix: against transformers' (in bf16 different "
              "kernels flip near-tied argmaxes, so a row can part after a while; the fp32 check below is "
              "the exact comparison). graph = CUDA-graph decode with the torch.compile'd step; "
              "graph-eager = the graph of the eager modules; hf-static = transformers' generate() with "
              "cache_implementation='static' on the same checkpoint.")
+    if not extra.get("complete"):
+        notes += "\n\nPARTIAL: the run stopped before every mode and check had run."
     if "speedup_vs_hf_static" in extra:
         notes += (f"\n\nOurs against transformers' static-cache generate(): {extra['speedup_vs_hf_static']:.2f}x "
                   f"tokens/s, {extra['step_speedup_vs_hf_static']:.2f}x per decode step (goal 2x).")
@@ -306,7 +317,8 @@ def main(argv=None):
                           title=f"decode speed, {'tiny' if args.small else '1.1B'} bf16 model, dp1tp1pp1 "
                                 f"({args.device}), against the weight-read roofline and transformers",
                           notes=notes, extra=extra, out_dir=args.out_dir)
-    print("wrote", *paths)
+    if extra.get("complete"):
+        print("wrote", *paths)
 
 
 def fp32_check(hf_model, path: str, dev, B: int, P: int, N: int) -> dict:

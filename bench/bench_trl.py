@@ -343,7 +343,6 @@ def main(argv=None):
         return trl_worker(args.trl_worker)
     sys.path.insert(0, str(HERE))
     sys.path.insert(1, str(ROOT))
-    from timing import hardware_tag, markdown_table, write_results
 
     s = setup(args.small, steps=args.steps, prompts=args.prompts, group=args.group, new_tokens=args.new_tokens,
               micro=args.micro, lr=args.lr)
@@ -357,6 +356,7 @@ def main(argv=None):
         ours = run_real_py(s, ckpt, work, args.device, args.real_timeout)
         extra["real_py"] = {k: v for k, v in ours.items() if k != "steps"}
         print(f"real_py: exit {ours['rc']}, {len(ours['steps'])} steps in {ours['seconds_total']:.1f} s", flush=True)
+        report(args, s, extra, ours, None)
         why = "skipped (--skip-trl)" if args.skip_trl else install_trl(args.wheels)
         theirs = None
         if why is None:
@@ -367,6 +367,15 @@ def main(argv=None):
         else:
             extra["trl_skipped"] = why
             print(f"TRL side skipped: {why}", flush=True)
+    extra["complete"] = True
+    report(args, s, extra, ours, theirs)
+    return 0 if ours["rc"] == 0 else 1
+
+
+def report(args, s: dict, extra: dict, ours: dict, theirs: dict | None) -> None:
+    """Write the report of what has run (after real_py's side, again after TRL's)."""
+    from timing import hardware_tag, markdown_table, write_results
+
     rows = [dict(side="real_py", **r) for r in ours["steps"]] + [dict(side="trl", **r) for r in (theirs or {}).get("steps", [])]
     med = {"real_py": _median_after_first(ours["steps"])}
     if theirs:
@@ -393,15 +402,17 @@ def main(argv=None):
             notes += ("\n\nMean reward over the first / last " + str(k) + f" of the {n} steps both sides ran: "
                       + "; ".join(f"{side} {a:.3f} -> {b:.3f}" for side in ("real_py", "trl")
                                   for a, b in [extra[f"reward_first_last_{side}"]] if a is not None and b is not None))
-    else:
+    elif "trl_skipped" in extra:
         notes += f"\n\nTRL's side did not run: {extra['trl_skipped']}"
+    if not extra.get("complete"):
+        notes += "\n\nPARTIAL: written after real_py's side; TRL's side had not finished."
     cols = ["side", "step", "seconds", "tokens/s", "gen tokens/s", "peak GiB", "reward", "response_length"]
     paths = write_results("trl", hardware_tag(args.device, args.small), rows, columns=cols,
                           title=f"GRPO on one {args.device} device: real_py against TRL's GRPOTrainer, same model and work",
                           notes=notes, extra=extra, out_dir=args.out_dir)
-    print(markdown_table(rows, cols))
-    print("wrote", *paths)
-    return 0 if ours["rc"] == 0 else 1
+    if extra.get("complete"):
+        print(markdown_table(rows, cols))
+        print("wrote", *paths)
 
 
 if __name__ == "__main__":

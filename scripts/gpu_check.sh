@@ -12,7 +12,7 @@
 #             tokens/s against transformers' static-cache generate(), greedy tokens compared
 #   trl       GRPO of a 0.36B Qwen2-style model: `python -m real_py train` beside TRL's
 #             GRPOTrainer (TRL from $TRL_WHEELS, default bench/.cache/trl_wheels, if present;
-#             skipped with a message when trl cannot be imported), TRL's side <= 170 s
+#             skipped with a message when trl cannot be imported), TRL's side <= 130 s
 #   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
 # and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 600 s: 10 minutes);
@@ -137,7 +137,7 @@ step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG 
 step ppo 140 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
 step generate 170 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$REPORTS"
 TRL_WHEELS="${TRL_WHEELS:-$ROOT/bench/.cache/trl_wheels}"
-step trl 240 "$PY" bench/bench_trl.py --device "$DEVICE" $SMALL_FLAG --trl-timeout 170 \
+step trl 260 "$PY" bench/bench_trl.py --device "$DEVICE" $SMALL_FLAG --real-timeout 100 --trl-timeout 130 \
   $([ -d "$TRL_WHEELS" ] && echo "--wheels $TRL_WHEELS") --out-dir "$REPORTS"
 step profile 120 "$PY" bench/profile_gpu.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
 
