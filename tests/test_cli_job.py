@@ -218,6 +218,34 @@ def test_reward_hang_is_named(tmp_path):
         job.kill()
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
+    """The config is validated once, by the launcher: the reward function's check call (empty
+    responses, config.validate) runs once, not once more per rank; and the command ends
+    within a couple of seconds of its summary line (no interpreter teardown, no torchrun)."""
+    (tmp_path / "reward.py").write_text(
+        "import os\n"
+        "def score(prompts, responses, answer):\n"
+        "    if len(responses) <= 2 and not any(responses):  # config.validate's check call\n"
+        f"        open({str(tmp_path / 'checks')!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "    return [0.0] * len(responses)\n")
+    cfg = os.path.join(ROOT, "configs", "copy_task", "ppo.yaml")
+    out = str(tmp_path / "run")
+    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "1",
+                         f"reward.path={tmp_path / 'reward.py'}:score"])
+    try:
+        job.until("summary ")
+        t = time.monotonic()
+        assert job.finish() == 0, job.stderr()[-3000:]
+        took = time.monotonic() - t
+        checks = (tmp_path / "checks").read_text().split()
+        assert checks == [str(job.p.pid)], f"the reward function's validation call ran in {checks}"
+        assert took < 2.5, f"the command took {took:.1f} s to exit after its summary"
+    finally:
+        job.kill()
+
+
 def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     """lock_out_dir: a live holder (its pid in the lock file) is refused by pid at once; a holder
     whose process is gone is waited for until its lock goes (its ranks exiting), then taken;

@@ -385,7 +385,7 @@ class _Job:
             try:
                 sys.stdout.buffer.write(data)
                 sys.stdout.flush()
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - a closed or unusual stdout: the log has it
                 pass
         return True
 
