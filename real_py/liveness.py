@@ -51,6 +51,9 @@ SILENT_S = float(os.environ.get("REAL_PY_SILENT_S", "6"))
 """Seconds without a beat after which a peer counts as stopped (REAL_PY_SILENT_S overrides)."""
 POLL_S = 0.1
 """Seconds between two checks of a waiting rank."""
+ACTIVITY_S = 0.1
+"""Seconds between two looks of the heartbeat thread at this process's activity (set_activity,
+Watchdog sections, user_code): a change goes out with the next look, not the next beat."""
 
 _PREFIX = "real_py/heartbeat/"
 _started: dict[int, threading.Thread] = {}
@@ -206,15 +209,20 @@ def start_heartbeat(store=None, rank: int | None = None):
             root.set(job_key, json.dumps({"n": n, "pid": pid, "done": done, **activity()}))
 
         def beat(stop):
-            n = 0
+            n, next_beat, seen = 0, 0.0, None
             while not stop.is_set():
-                n += 1
                 try:
-                    store.set(key, str(n))
-                    publish(n)
+                    if time.monotonic() >= next_beat:
+                        n += 1
+                        next_beat = time.monotonic() + HEARTBEAT_S
+                        store.set(key, str(n))
+                        seen = None
+                    if _doing["version"] != seen:  # a new activity goes out within ACTIVITY_S
+                        seen = _doing["version"]
+                        publish(n)
                 except Exception:  # noqa: BLE001 - store gone (shutdown): stop beating
                     return
-                stop.wait(HEARTBEAT_S)
+                stop.wait(ACTIVITY_S)
             try:  # stopped on purpose (stop_threads): peers still waiting learn it finished
                 store.set(key, DONE.decode())
                 publish(n, done=True)

@@ -510,7 +510,8 @@ class _Job:
                    else f"exited with code {rk.code}")
             where = _doing(rk.state) if rk.state else "start-up"
             last = _last_line(rk.tail)
-            return rk.r, f"rank {rk.r} {how} at {where}" + (f"; its last output: {last}" if last else ""), []
+            return rk.r, (f"rank {rk.r} {how} (last reported: {where})"
+                          + (f"; its last output: {last}" if last else "")), []
         named: dict[int, list[int]] = {}
         for rec in recs.values():
             if rec.get("silent_peer") is not None:
@@ -646,6 +647,8 @@ def _rank_child(target, rank: int, ctrl: int, logs: str) -> int:
     import torch
 
     _state.update(managed=True, rank=rank, ctrl=ctrl)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the rank's
+        signal.signal(sig, signal.SIG_DFL)
     torch.random.default_generator.manual_seed(67280421310721)  # as in a fresh process
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
