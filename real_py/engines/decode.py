@@ -42,13 +42,13 @@ Models with sliding-window attention or dynamic RoPE scaling decode with the dyn
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 
 import torch
 
 from ..models.transformer import KVCache
+from .compiled import backend_of, compiled_calls
 
 BUCKET = 64
 """A decode step attends over the first ceil((slot + 1) / BUCKET) * BUCKET cache slots."""
@@ -120,51 +120,8 @@ def compile_backend(engine, mode: str) -> str | None:
     setting)."""
     if mode == "dynamic":
         return None
-    opt = getattr(engine, "compile_decode", None)
-    if opt is None:
-        env = os.environ.get("REAL_PY_COMPILE_DECODE")
-        if env is not None:
-            opt = False if env.lower() in ("0", "false", "no", "") else (True if env in ("1", "true") else env)
-    if opt is None:
-        opt = mode == "graph" and engine.config.num_experts == 0
-    if opt is False:
-        return None
-    return "inductor" if opt is True else str(opt)
-
-
-def _layer_call(layer, h, cos, sin, mask, cache):
-    return layer(h, cos, sin, mask, cache)
-
-
-def _norm_call(norm, h):
-    return norm(h)
-
-
-_COMPILED: dict[str, tuple] = {}
-
-
-def compiled_calls(backend: str) -> tuple:
-    """(layer_fn, norm_fn) compiled with `backend`, shared by every engine of the process (one
-    compilation serves every layer: the weights and caches are inputs, not constants)."""
-    if backend not in _COMPILED:
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        # one cache entry per (batch, dtype, model family); many engines of one test process
-        # may exceed the default of 8 and would then silently run eagerly
-        for name in ("recompile_limit", "cache_size_limit"):
-            if getattr(cfg, name, 64) < 64:
-                setattr(cfg, name, 64)
-        opts = {}
-        if backend == "inductor":
-            import torch._inductor.config as ind
-
-            if hasattr(ind, "emulate_precision_casts"):
-                opts["emulate_precision_casts"] = True  # round bf16 intermediates as eager does
-        kw = {"options": opts} if opts else {}
-        _COMPILED[backend] = (torch.compile(_layer_call, backend=backend, **kw),
-                              torch.compile(_norm_call, backend=backend, **kw))
-    return _COMPILED[backend]
+    return backend_of(getattr(engine, "compile_decode", None), "REAL_PY_COMPILE_DECODE",
+                      mode == "graph" and engine.config.num_experts == 0)
 
 
 def _storage_ptr(t: torch.Tensor | None) -> int:

@@ -33,7 +33,8 @@ from .pipeline import P2P, split_micro_batches
 
 class Engine:
     def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
-                 optim=None, experts: ExpertShard | None = None, compile_decode: bool | str | None = None):
+                 optim=None, experts: ExpertShard | None = None, compile_decode: bool | str | None = None,
+                 compile_train: bool | str | None = None):
         if layout.dp_shard != "none":
             raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
                              "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
@@ -72,6 +73,10 @@ class Engine:
         self.compile_decode = compile_decode
         """torch.compile of the static / graph decode step (engines/decode.py): None = on for
         CUDA-graph decoding, True / False, or a torch.compile backend name."""
+        self.compile_train = compile_train
+        """torch.compile of the layers in train steps (engines/compiled.py): None = on for CUDA
+        with tp == 1 and no experts, True / False, or a backend name; read when the first train
+        step builds the Trainer."""
         self._trainer = None
         self._calls = Counter()
 

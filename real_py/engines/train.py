@@ -12,6 +12,10 @@ fp32 norm per contiguous run of counted gradients (torch._foreach_norm), their s
 in fp64 over TP and PP. Padding (alignment gaps, vocab padding rows) has zero gradient and stays
 zero.
 
+On CUDA (tp == 1, no experts) the decoder layers and the final norm run through torch.compile
+(engines/compiled.py: one compilation for every layer and micro-batch shape; Engine(compile_train=
+False) or REAL_PY_COMPILE_TRAIN=0 turns it off); CPU steps stay eager.
+
 Objective: the step minimizes the SUM of loss_fn over every micro-batch of every DP rank
 (gradients are summed over DP, not averaged); normalize inside loss_fn (e.g. divide by the
 global token count) to get a mean.
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import init_optim_buffers
+from .compiled import TrainCalls, backend_of
 from .moe_train import ExpertBuffers, RouterLosses
 from .pipeline import P2P, split_micro_batches
 
@@ -81,6 +86,12 @@ class Trainer:
         self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
         self._setup_buckets()
         self.experts = ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
+        # the layers' forward and backward through torch.compile (fused RMSNorm, RoPE, SwiGLU and
+        # residual adds): by default on CUDA with tp == 1 (no TP collective inside a layer) and
+        # without experts (the routing reads counts on the host)
+        backend = backend_of(getattr(engine, "compile_train", None), "REAL_PY_COMPILE_TRAIN",
+                             engine.device.type == "cuda" and g.tp_size == 1 and not engine.config.num_experts)
+        self.calls = TrainCalls(backend) if backend else None
 
     def _setup_buckets(self):
         """DP buckets: contiguous flat ranges in reverse forward order (the order backward makes
@@ -179,7 +190,8 @@ class Trainer:
                 x = tok
             else:
                 x = p2p.recv((b, n, H), eng.dtype, g.prev_rank).requires_grad_()
-            h = model(x, torch.arange(n, device=eng.device).expand(b, n))
+            h = model(x, torch.arange(n, device=eng.device).expand(b, n),
+                      run=self.calls.run if self.calls is not None else None)
             extra = None
             if g.is_last_stage:
                 out = loss_fn(eng.head_outputs(h, tok, with_entropy), mb.data)

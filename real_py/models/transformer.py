@@ -142,8 +142,10 @@ class Attention(nn.Module):
         if self.softcap:
             out = _softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                 scale=self.scale)
+            causal = False
+            if mask is None and T > 1:  # a branch: under torch.compile T may be symbolic
+                causal = True
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
