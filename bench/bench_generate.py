@@ -275,6 +275,8 @@ def main(argv=None):
                     a, b = tokens[r["mode"]], tokens["hf-static"]
                     r["same as hf"] = bool(a.shape == b.shape and torch.equal(a, b))
                     r["hf prefix"] = prefix_fraction(a, b)
+        extra["decode_states"] = [[st.backend, st.compiled_ok, st.backend_failed, sorted(st.graphs), st.capacity]
+                                  for st in getattr(eng, "_decode_states", {}).values()]
         by = {r["mode"]: r for r in rows}
         ours_name = "graph" if dev.type == "cuda" else "static"
         if "tokens/s" in by.get(ours_name, {}) and "tokens/s" in by.get("hf-static", {}):

@@ -112,6 +112,20 @@ def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
                          for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) or "not recorded") + ").")
 
 
+def compile_states(rt) -> dict:
+    """Per model: the train step's compiled layers (backend, ran, failure) and each decode
+    state's (backend, compiled run, failed backend, captured spans)."""
+    out = {}
+    for m, e in rt.models.engines.items():
+        if e is None:
+            continue
+        t = e._trainer
+        out[m] = {"train": None if t is None or t.calls is None else [t.calls.backend, t.calls.ok, t.calls.failed],
+                  "decode": [[s.backend, s.compiled_ok, s.backend_failed, sorted(s.graphs)]
+                             for s in getattr(e, "_decode_states", {}).values()]}
+    return out
+
+
 def find_baseline(hw: str, out_dir: str | None) -> Path | None:
     """The newest ppo_<hw>_<yyyymmdd>.json in the results folder from before today."""
     folder = Path(out_dir) if out_dir else Path(__file__).resolve().parent / "results"
@@ -220,6 +234,8 @@ def main(argv=None):
             print(f"iteration {step}: {seconds:.2f} s; calls "
                   + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
                   + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
+        extra["compiled"] = compile_states(rt)
+        print("compiled:", extra["compiled"], flush=True)
         if not args.no_estimate:
             # In this one-rank world, after the job: the job's memory is still held, as in a
             # run that calibrates beside its models.

@@ -110,10 +110,13 @@ def _one_gpu(rank, world, path, device_type="cuda"):
     stats = [e16.train_step(loss_fn, {"tokens": tokens, "lengths": lengths}, micro_batches=2)
              for _ in range(B16.STEPS)]
     tr = e16._trainer
+    compiled = {n: (t.calls.backend, t.calls.ok, t.calls.failed) if t.calls is not None else None
+                for n, t in (("fp32", eng._trainer), ("bf16", tr))}
     master = ModelShard(model_spec(cfg), layout, rank, tr.master)
     out["bf16"] = {"stats": stats, "master": {k: v.cpu() for k, v in gather_state_dict(master, groups).items()},
                    "rounded": torch.equal(shard.flat, tr.master.to(torch.bfloat16)),
-                   "dtypes": (shard.flat.dtype, tr.master.dtype, tr.exp_avg.dtype, tr.red.dtype)}
+                   "dtypes": (shard.flat.dtype, tr.master.dtype, tr.exp_avg.dtype, tr.red.dtype),
+                   "compiled": compiled}
     # One PPO iteration with NCCL, bf16, frozen models offloaded to pinned host memory.
     d = {"precision": "bf16", "device": device_type, "offload_frozen": True,
          "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2}, "generation": {"max_new_tokens": 6}}
@@ -178,6 +181,8 @@ def test_bf16_train_step_on_cuda(one_gpu):
     path, r = one_gpu
     want, init, losses, norms = B16._oracle_bf16_steps(path)
     b = r["bf16"]
+    # the train steps (fp32 and bf16) ran the compiled layers (the CUDA default), no fallback
+    assert b["compiled"] == {"fp32": ("inductor", True, None), "bf16": ("inductor", True, None)}, b["compiled"]
     assert b["dtypes"] == (torch.bfloat16, torch.float32, torch.float32, torch.float32)
     assert b["rounded"], "the bf16 shard must be the master rounded to bf16"
     assert sorted(b["master"]) == sorted(want)
