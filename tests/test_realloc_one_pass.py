@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from real_py import Layout, ModelShard, plan_realloc
-from real_py.realloc.reallocator import InProcessMove, Reallocator, run_in_process
+from real_py.realloc.inprocess_move import InProcessMove
+from real_py.realloc.reallocator import Reallocator, run_in_process
 from real_py.realloc.transports import InProcessHub, TransferError, Transport
 
 from oracle import data_mask, oracle_flat, random_full, random_layout, tiny_spec
@@ -135,6 +136,29 @@ def test_run_in_process_matches_staged():
             got[one_pass] = dsts
         for r in dst.ranks:
             assert torch.equal(got[True][r].flat, got[False][r].flat), (i, r)
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_compiled_moe_move(threads):
+    """An MoE plan's dense and expert parts in one compiled copy per rank, replayed."""
+    from real_py import model_spec
+    from real_py.realloc import ExpertShard, plan_moe_realloc
+
+    model = model_spec("moe-tiny")
+    full = random_full(model, 3)
+    for a, b in (("dp4,ep4", "tp4,etp4"), ("dp2,tp2,etp2", "dp4,ep2"), ("tp2,pp2", "dp4,ep4")):
+        src, dst = Layout.parse(a), Layout.parse(b)
+        plan = plan_moe_realloc(model, src, dst)
+        srcs = {r: (ModelShard.from_full(model, src, r, full), ExpertShard.from_full(model, src, r, full))
+                for r in src.ranks}
+        with InProcessMove(InProcessHub(timeout=20), plan, threads=threads) as move:
+            for _ in range(2):
+                dsts = {r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r)) for r in dst.ranks}
+                stats = move.run(srcs, dsts)
+                for r, (d, e) in dsts.items():
+                    assert torch.equal(d.flat, ModelShard.from_full(model, dst, r, full).flat), (a, b, r)
+                    assert torch.equal(e.flat, ExpertShard.from_full(model, dst, r, full).flat), (a, b, r)
+        assert all(st["one_pass"] for st in stats.values())
 
 
 @pytest.mark.cuda

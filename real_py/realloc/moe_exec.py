@@ -57,7 +57,8 @@ from .transports.inprocess import InProcessHub
 class MoeReallocator:
     def __init__(self, plan: MoePlan, transport: Transport, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  pipeline: bool | None = None, verify: bool = False,
-                 direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES, one_pass: bool | None = None):
+                 direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES, one_pass: bool | None = None,
+                 inflight: int | None = None, merge: bool | None = None):
         """Options as Reallocator's; the bucket bounds the staging of all parts together."""
         if not isinstance(plan, MoePlan):
             raise TypeError(f"plan must be a MoePlan (plan_moe_realloc), got {type(plan).__name__}")
@@ -67,7 +68,7 @@ class MoeReallocator:
         self.plan, self.transport, self.rank = plan, transport, transport.rank
         self.opts = RoundOptions.resolve(transport, plan.model.element_size, plan.model.dtype,
                                          bucket_bytes=bucket_bytes, pipeline=pipeline, verify=verify,
-                                         direct_min_bytes=direct_min_bytes)
+                                         direct_min_bytes=direct_min_bytes, inflight=inflight, merge=merge)
         sizes = plan.part_round_elems(self.opts.round_elems)
         self.one_pass = resolve_one_pass(transport, one_pass, verify)
         entries, readers = [], set()
@@ -130,6 +131,13 @@ class MoeReallocator:
         free_source=True releases the storage of both source buffers once every round of this
         rank completed (never on failure)."""
         t0 = time.perf_counter()
+        bufs, check = self._inputs(src, src_experts, dst, dst_experts)
+        stats = self.runner.run(bufs, check)
+        return self._done((src, src_experts), free_source, stats, t0)
+
+    def _inputs(self, src, src_experts, dst, dst_experts):
+        """(bufs, check): check() validates the shards and fills bufs, one (source, destination)
+        flat pair per lane."""
         bufs: list[tuple] = []
 
         def check():
@@ -154,11 +162,14 @@ class MoeReallocator:
                     bufs.append((src_experts.flat if src_experts is not None else None,
                                  dst_experts.flat if dst_experts is not None else None))
 
-        stats = self.runner.run(bufs, check)
-        if free_source and src is not None:
+        return bufs, check
+
+    def _done(self, src, free_source: bool, stats: dict, t0: float) -> dict:
+        shard, experts = src
+        if free_source and shard is not None:
             # Every send of this rank completed (waited in run), so nothing reads them any more.
-            src.flat.untyped_storage().resize_(0)
-            src_experts.flat.untyped_storage().resize_(0)
+            shard.flat.untyped_storage().resize_(0)
+            experts.flat.untyped_storage().resize_(0)
         return {"rank": self.rank, **schedule_bytes(self.schedules, self.plan.model.element_size),
                 **stats, "parts": len(self.plan.parts), "lanes": len(self.schedules),
                 "seconds": time.perf_counter() - t0}

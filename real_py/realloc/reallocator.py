@@ -32,8 +32,9 @@ no round loop. one_pass=False keeps the staged round loop on any transport.
 
 Compiled once, replayed: the schedule, the compiled copies (descriptor tables on the device) and
 the staging buffer live as long as the Reallocator; `run()` again does the host work of one call
-(publish buffers, one launch, wait for readers on one pass). `InProcessMove` does the same for a
-whole in-process world: its ranks' Reallocators and worker threads are built once.
+(publish buffers, one launch, wait for readers on one pass). `InProcessMove` (inprocess_move.py)
+does the same for a whole in-process world: its ranks' Reallocators and worker threads are
+built once.
 
 The source shard is only read; `run(..., free_source=True)` releases its storage after every
 round of this rank completed and (one pass) every reader finished with it (never on failure).
@@ -41,7 +42,6 @@ round of this rank completed and (one pass) every reader finished with it (never
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -63,7 +63,7 @@ class Reallocator:
     def __init__(self, plan: ReallocPlan, transport: Transport, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline: bool | None = None,
                  verify: bool = False, direct_min_bytes: int | None = DEFAULT_DIRECT_MIN_BYTES,
-                 one_pass: bool | None = None):
+                 one_pass: bool | None = None, inflight: int | None = None, merge: bool | None = None):
         if not isinstance(plan, ReallocPlan):
             raise TypeError(f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst), "
                             f"got {type(plan).__name__}")
@@ -74,7 +74,8 @@ class Reallocator:
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self.opts = RoundOptions.resolve(transport, plan.element_size, plan.model.dtype,
                                          bucket_bytes=bucket_bytes, pipeline=pipeline,
-                                         verify=verify, direct_min_bytes=direct_min_bytes)
+                                         verify=verify, direct_min_bytes=direct_min_bytes,
+                                         inflight=inflight, merge=merge)
         self.pipeline, self.round_elems = self.opts.pipeline, self.opts.round_elems
         # This rank's rounds only (C++; tests/schedule_oracle.py derives every rank's at once).
         self.schedule: RankSchedule = rank_schedule(plan, self.rank, self.round_elems,
@@ -130,6 +131,9 @@ class Reallocator:
 def resolve_one_pass(transport: Transport, one_pass: bool | None, verify: bool) -> bool:
     """one_pass None: on for addressable transports without verify; True where it cannot run:
     ValueError naming why."""
+    if getattr(transport, "one_pass_only", False) and (verify or one_pass is False):
+        raise ValueError(f"{type(transport).__name__} moves in one pass only; verify=True and one_pass=False "
+                         "need a transport with a wire (DistTransport)")
     if one_pass is None:
         return transport.addressable and not verify
     if one_pass and not transport.addressable:
@@ -213,92 +217,6 @@ def run_in_process(hub: InProcessHub, plan: ReallocPlan, srcs: dict, dsts: dict,
     after every thread has finished. Builds everything per call; `InProcessMove` keeps it."""
     return run_ranks(hub, plan.ranks(), lambda rank: Reallocator(plan, hub.transport(rank), **realloc_kwargs)
                      .run(srcs.get(rank), dsts.get(rank)))
-
-
-class InProcessMove:
-    """Every rank of `plan` in this process, compiled once and replayed.
-
-        move = InProcessMove(InProcessHub(), plan)      # Reallocators (schedules, copies) built once
-        move.run(srcs, dsts)                            # rank -> stats; again with minimal host work
-        move.close()
-
-    threads=True: one persistent worker thread per rank (ranks as threads, as run_in_process,
-    without starting threads per call). threads=False: one pass only; the calling thread runs
-    the phases of every rank in turn (publish every rank's sources, then every rank's one
-    copy, then the releases), so a call is one copy per receiving rank and no thread switch.
-    A failed call marks its rank failed on the hub: build a new move (and hub) after it."""
-
-    def __init__(self, hub: InProcessHub, plan: ReallocPlan, *, threads: bool = True, **realloc_kwargs):
-        self.hub, self.plan, self.ranks = hub, plan, plan.ranks()
-        self.reallocs = {r: Reallocator(plan, hub.transport(r), **realloc_kwargs) for r in self.ranks}
-        self.threads = threads
-        if not threads and not all(x.one_pass for x in self.reallocs.values()):
-            raise ValueError("InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)")
-        self._jobs: dict[int, queue.SimpleQueue] = {}
-        self._workers: list[threading.Thread] = []
-        if threads:
-            for r in self.ranks:
-                q = self._jobs[r] = queue.SimpleQueue()
-                t = threading.Thread(target=self._work, args=(q,), name=f"rank{r}", daemon=True)
-                t.start()
-                self._workers.append(t)
-
-    def _work(self, q: queue.SimpleQueue) -> None:
-        while (job := q.get()) is not None:
-            rank, fn, out = job
-            try:
-                value = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
-                # Marked failed at once, so its peers stop waiting for it.
-                self.hub.fail(rank, f"{type(e).__name__}: {e}")
-                out.put((rank, False, e))
-            else:
-                out.put((rank, True, value))
-
-    def run(self, srcs: dict, dsts: dict, *, free_source: bool = False) -> dict[int, dict]:
-        """rank -> stats of one move; raises the lowest failed rank's error after every rank
-        finished."""
-        if not self.threads:
-            return self._run_phased(srcs, dsts, free_source)
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        for r in self.ranks:
-            x = self.reallocs[r]
-            self._jobs[r].put((r, lambda x=x, r=r: x.run(srcs.get(r), dsts.get(r), free_source=free_source), out))
-        results, errors = {}, {}
-        for _ in self.ranks:
-            r, ok, value = out.get()
-            (results if ok else errors)[r] = value
-        if errors:
-            raise errors[min(errors)]
-        return results
-
-    def _run_phased(self, srcs, dsts, free_source) -> dict[int, dict]:
-        t0 = time.perf_counter()
-        try:
-            for r in self.ranks:
-                bufs, check = self.reallocs[r]._inputs(srcs.get(r), dsts.get(r))
-                self.reallocs[r].runner.begin(bufs, check)
-            for r in self.ranks:
-                self.reallocs[r].runner.copy()
-            stats = {r: self.reallocs[r].runner.end() for r in self.ranks}
-        except BaseException:
-            for r in self.ranks:
-                self.hub.fail(r, "an earlier rank of the same thread failed")
-            raise
-        return {r: self.reallocs[r]._done(srcs.get(r), free_source, stats[r], t0) for r in self.ranks}
-
-    def close(self) -> None:
-        for q in self._jobs.values():
-            q.put(None)
-        for t in self._workers:
-            t.join()
-        self._jobs, self._workers = {}, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def run_ranks(hub: InProcessHub, ranks, work) -> dict:

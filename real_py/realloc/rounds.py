@@ -12,17 +12,30 @@ messages go out in ONE transport.start call, listed lane by lane (lane order, th
 chunk order) with the checksums after all data: both ends of a chunk derive the same list order
 alone, which is what the transports' per-pair matching needs (transports/base.py).
 
-Staging: a merged round's lanes sit one after the other in a staging half (each lane's packed
-descriptors address its own segment from 0); with pipelining (pack round r+1 while round r is on
-the wire), two halves. So the staging buffer is 2 x the largest merged round's staged elements:
-within `bucket_bytes` whenever the lanes' round sizes add up to at most one round's budget per
-rank and direction (one lane: the Reallocator's bound; several: moe_plan.part_round_elems).
+Compiled once: each merged round's layout (round_layout.py: staging offsets, messages) is built
+at construction, and its pack and unpack are each ONE compiled copy over every lane
+(ops.CopyPlan, descriptor tables kept on the device, built on the first run per staging slot),
+so a round costs one pack launch, one post and one unpack launch.
+
+Staging: `inflight` slots (1 without pipelining, 2 by default, 3 allowed), each holding one
+merged round's staged elements; round r+inflight-1 is packed while the rounds before it are on
+the wire, and a round is unpacked once it completed. Rounds are sized to bucket / inflight, so
+the staging buffer stays within `bucket_bytes`.
+
+Stream-ordered transports (NCCL: DistTransport on a NCCL group, CupyNcclTransport): completing a
+round is `handle.order()`: the current stream waits for the round's communication, and the
+unpack follows on that stream, so the host never waits for the device between rounds; it only
+watches for timeouts at the end (`handle.wait()` on every round, each against its own deadline).
+Elsewhere (gloo, in-process) completing a round is the blocking `handle.wait()`.
 
 Direct pieces (one contiguous run on both sides) are sent from / received into the lanes' own
 buffers; an asynchronous transport without verify posts them all at the start in one call
-(merged round order, then lane order), as they need no staging. verify=True: an int64 checksum
-per data chunk travels after the round's data; a mismatch names the rank, the round, the lane's
-chunk and the peer. Errors are reported to the peers (transport.fail) with the step.
+(merged round order, then lane order), as they need no staging. merge=True (the default on
+stream-ordered transports) packs every chunk of a round between the same two ends into one
+message instead, direct pieces included (round_layout.py): one send per peer and round.
+verify=True: an int64 checksum per message travels after the round's data; a mismatch names the
+rank, the round, the lane's chunks and the peer. Errors are reported to the peers
+(transport.fail) with the step.
 """
 
 from __future__ import annotations
@@ -33,8 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
+from ..ops import CopyPlan
 from .rank_schedule import RankSchedule
+from .round_layout import direct_messages, layout_round
 from .transports.base import TransferError, Transport
 
 
@@ -58,32 +72,43 @@ class RoundOptions:
     """The Reallocator's bucket options resolved for one transport and element size."""
 
     round_elems: int
-    """Elements per round (bucket / 2 with pipelining): the per-rank budget is half of it per
-    direction (rank_schedule.py)."""
+    """Elements per round (bucket / inflight): the per-rank budget is half of it per direction
+    (rank_schedule.py)."""
     pipeline: bool
     verify: bool
     direct_first: bool
     direct_min_elems: int
+    inflight: int = 1
+    """Staging slots: rounds packed or on the wire at once (1: no pipelining)."""
+    merge: bool = False
+    """One message per peer and round, direct pieces included (round_layout.py)."""
 
     @classmethod
     def resolve(cls, transport: Transport, element_size: int, dtype, *, bucket_bytes: int,
-                pipeline: bool | None, verify: bool, direct_min_bytes: int | None) -> RoundOptions:
+                pipeline: bool | None, verify: bool, direct_min_bytes: int | None,
+                inflight: int | None = None, merge: bool | None = None) -> RoundOptions:
         if bucket_bytes < 2 * element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of {dtype}")
         if direct_min_bytes is not None and direct_min_bytes < 0:
             raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0 (0 or None: send "
                              "every piece of a mixed message through staging)")
+        if inflight is not None and inflight not in (1, 2, 3):
+            raise ValueError(f"inflight={inflight}: 1, 2 or 3 rounds in flight")
         bucket_elems = bucket_bytes // element_size
         if pipeline is None:
             pipeline = transport.asynchronous
-        # Two halves of at least two elements each, else a single buffer without overlap.
-        pipeline = pipeline and bucket_elems // 2 >= 2
+        slots = (inflight or 2) if pipeline else 1
+        # Slots of at least two elements each, else a single buffer without overlap.
+        while slots > 1 and bucket_elems // slots < 2:
+            slots -= 1
+        if merge is None:
+            merge = getattr(transport, "stream_ordered", False)
         # An asynchronous transport posts every direct piece at the start (they use no
-        # staging); with verify=True they stay in their rounds, beside their checksums.
-        direct_first = transport.asynchronous and not verify
+        # staging); with verify=True (or merged messages) they stay in their rounds.
+        direct_first = transport.asynchronous and not verify and not merge
         # Rounded up to whole elements, so a tiny positive threshold never turns the feature off.
-        return cls(bucket_elems // 2 if pipeline else bucket_elems, pipeline, verify, direct_first,
-                   -(-(direct_min_bytes or 0) // element_size))
+        return cls(bucket_elems // slots, slots > 1, verify, direct_first,
+                   -(-(direct_min_bytes or 0) // element_size), slots, bool(merge))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,26 +138,34 @@ class RoundRunner:
                 merged.setdefault((rr.index + lane.shift) % n, []).append((li, rr))
         self.merged = sorted(merged.items())
         """[(merged round, [(lane index, RankRound), ...] in lane order)] of this rank."""
-        self.half = max((sum(rr.staging_numel for _, rr in rs) for _, rs in self.merged), default=0)
+        apart = frozenset(li for li, lane in enumerate(lanes) if lane.direct_first) if opts.direct_first else frozenset()
+        self.layouts = [(k, layout_round(items, merge=opts.merge, direct_apart=apart)) for k, items in self.merged]
+        self.direct = direct_messages(self.merged, lanes) if apart else ([], [])
+        self.half = max((lay.staged for _, lay in self.layouts), default=0)
+        self.local = np.concatenate([np.hstack([lane.schedule.local, np.full((len(lane.schedule.local), 2), li)])
+                                     for li, lane in enumerate(lanes)] or [np.zeros((0, 8), np.int64)])
         self.staging: torch.Tensor | None = None
-        self._descs: dict[tuple, torch.Tensor] = {}
+        self._plans: dict[tuple, CopyPlan] = {}
 
-    def _tensor(self, arr: np.ndarray, key: tuple) -> torch.Tensor:
-        t = self._descs.get(key)
-        if t is None:
-            t = self._descs[key] = ops.descs_tensor(arr)
-        return t
+    def _plan(self, key: tuple, rows: np.ndarray, base_col: int | None, base: int, like) -> CopyPlan:
+        """The compiled copy of `rows` with staging offsets (column base_col) moved by `base`."""
+        full = (key, base, str(like.device))
+        p = self._plans.get(full)
+        if p is None:
+            if base_col is not None and base:
+                rows = rows.copy()
+                rows[:, base_col] += base
+            p = self._plans[full] = CopyPlan(rows, like.element_size(), device=like.device)
+        return p
 
     def _step(self, k: int) -> str:
         return f"round {k}/{self.total}" if self.total is not None else f"merged round {k}"
 
-    def _staging_half(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        halves = 2 if self.opts.pipeline else 1
+    def _staging(self, like: torch.Tensor) -> torch.Tensor:
         if (self.staging is None or self.staging.device != like.device
                 or self.staging.dtype != like.dtype):
-            self.staging = torch.empty(halves * self.half, dtype=like.dtype, device=like.device)
-        k = i % halves
-        return self.staging[k * self.half:(k + 1) * self.half]
+            self.staging = torch.empty(self.opts.inflight * self.half, dtype=like.dtype, device=like.device)
+        return self.staging
 
     def run(self, bufs: list[tuple], check=None) -> dict:
         """Move every lane's share; bufs[i] = (source flat or None, destination flat or None) of
@@ -141,100 +174,92 @@ class RoundRunner:
         (seconds in local copies, pack, post, wait, unpack) and "per_round" ([merged round,
         pack, post, wait, unpack] seconds; round -1: the direct pieces, posted at once)."""
         clock, opts = time.perf_counter, self.opts
-        per_round = {k: [k, 0.0, 0.0, 0.0, 0.0] for k, _ in self.merged}
+        ordered = getattr(self.transport, "stream_ordered", False)
+        per_round = {k: [k, 0.0, 0.0, 0.0, 0.0] for k, _ in self.layouts}
         local_s = 0.0
         like = None
         step = "input check"
+        watch: list = []  # stream-ordered: every handle, waited on the host at the end
         try:
             if check is not None:
                 check()  # may fill `bufs`
             like = next((b for pair in bufs for b in pair if b is not None), None)
+            srcs, dsts = [b[0] for b in bufs], [b[1] for b in bufs]
 
             def local_copies():
                 # Run while transfers are in flight (disjoint destination ranges: each element
                 # comes either from this rank's source or from a peer).
                 nonlocal local_s
                 t = clock()
-                for li, lane in enumerate(self.lanes):
-                    if len(lane.schedule.local):
-                        src, dst = bufs[li]
-                        ops.unpack(src, self._tensor(lane.schedule.local, (li, -1, "local")), dst)
+                if len(self.local):
+                    self._plan(("local",), self.local, None, 0, like).run(srcs, dsts)
                 local_s += clock() - t
 
+            def complete(p):
+                handle, k, lay, staging, step_k, recvs = p
+                t = clock()
+                if ordered:
+                    handle.order()
+                    watch.append((handle, step_k))
+                else:
+                    handle.wait()
+                per_round[k][3] += clock() - t
+                t = clock()
+                self._finish(k, lay, staging, recvs, step_k, dsts, like)
+                per_round[k][4] += clock() - t
+
             direct = None
-            if opts.direct_first:
+            if self.direct[0] or self.direct[1]:
                 # Pieces sent straight from / into the buffers need no staging, so the memory
                 # bound does not hold them to their rounds: post them all now (both ends derive
                 # the same order) and wait for them at the end.
                 step = "direct pieces of every round"
                 t = clock()
-                sends, recvs = self._messages([(li, rr, None) for _, rs in self.merged for li, rr in rs
-                                               if self.lanes[li].direct_first], bufs, direct_only=True)
-                if sends or recvs:
-                    direct = (self.transport.start(sends, recvs, step), step)
-                    per_round[-1] = [-1, 0.0, clock() - t, 0.0, 0.0]
-            if direct is not None or not self.merged:
+                sends, recvs = self._tensors(self.direct[0], self.direct[1], srcs, dsts, None)
+                direct = (self.transport.start(sends, recvs, step), step)
+                per_round[-1] = [-1, 0.0, clock() - t, 0.0, 0.0]
+            if direct is not None or not self.layouts:
                 step = "local copies"
                 local_copies()
-            pending, posted = None, 0
-            for k, rs in self.merged:
+            pending, posted = [], 0
+            for k, lay in self.layouts:
                 step = cur = self._step(k)
                 row = per_round[k]
-                t = clock()
-                staged = sum(rr.staging_numel for _, rr in rs)
-                staging = self._staging_half(posted, like) if staged else None
-                items, off = [], 0
-                for li, rr in rs:
-                    seg = staging[off:off + rr.staging_numel] if rr.staging_numel else None
-                    off += rr.staging_numel
-                    if len(rr.pack_descs):
-                        ops.pack(bufs[li][0], self._tensor(rr.pack_descs, (li, rr.index, "pack")), seg)
-                    items.append((li, rr, seg))
-                sends, recvs, chunks = self._messages(items, bufs)
-                row[1] += clock() - t
-                if not sends and not recvs:  # only direct pieces, posted above
+                if not lay.sends and not lay.recvs:  # only direct pieces, posted above
                     continue
-                posted += 1
-                if pending is not None:
-                    step = pending[3]
-                    t = clock()
-                    pending[0].wait()
-                    per_round[pending[4]][3] += clock() - t
-                step = cur
                 t = clock()
-                handle = self.transport.start(sends, recvs, step)
+                slot = posted % opts.inflight
+                staging = None
+                if lay.staged:
+                    staging = self._staging(like)[slot * self.half:(slot + 1) * self.half]
+                    if len(lay.pack):
+                        self._plan(("pack", k), lay.pack, 1, 0, like).run(srcs, [staging])
+                sends, recvs = self._tensors(lay.sends, lay.recvs, srcs, dsts, staging)
+                row[1] += clock() - t
+                posted += 1
+                t = clock()
+                handle = self.transport.start(sends, recvs, cur)
                 row[2] += clock() - t
                 if posted == 1 and direct is None:
                     step = "local copies"
                     local_copies()
-                    step = cur
-                if pending is not None:
-                    step = pending[3]
-                    t = clock()
-                    self._finish(*pending[1:4], bufs)
-                    per_round[pending[4]][4] += clock() - t
-                pending = (handle, items, (recvs, chunks), cur, k)
-                if not opts.pipeline:  # one staging buffer: finish before the next pack
-                    t = clock()
-                    handle.wait()
-                    row[3] += clock() - t
-                    t = clock()
-                    self._finish(*pending[1:4], bufs)
-                    row[4] += clock() - t
-                    pending = None
-            if pending is not None:
-                step = pending[3]
-                t = clock()
-                pending[0].wait()
-                per_round[pending[4]][3] += clock() - t
-                t = clock()
-                self._finish(*pending[1:4], bufs)
-                per_round[pending[4]][4] += clock() - t
+                pending.append((handle, k, lay, staging, cur, recvs))
+                while len(pending) >= opts.inflight:
+                    step = pending[0][4]
+                    complete(pending.pop(0))
+            while pending:
+                step = pending[0][4]
+                complete(pending.pop(0))
             if direct is not None:
                 step = direct[1]
                 t = clock()
-                direct[0].wait()
+                (direct[0].order if ordered else direct[0].wait)()
+                if ordered:
+                    watch.append((direct[0], step))
                 per_round[-1][3] += clock() - t
+            for handle, step_k in watch:  # the host's only waits: timeouts and failures
+                step = step_k
+                handle.wait()
         except BaseException as e:
             if not getattr(e, "reported", False):  # the transport's own errors are reported
                 self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
@@ -247,57 +272,35 @@ class RoundRunner:
                               for j, k in enumerate(("pack", "post", "wait", "unpack"), 1)}},
                 "per_round": sorted(per_round.values())}
 
-    def _messages(self, items, bufs, direct_only: bool = False):
-        """Sends and receives of `items` ([(lane, RankRound, staging segment)]), lane by lane;
-        direct pieces (slot -1) are left out when posted at the start, and are the only ones
-        taken with direct_only. Checksums (verify) follow all the data, in the same order."""
-        sends, recvs, chunks = [], [], []
-        for li, rr, seg in items:
-            src, dst = bufs[li]
-            skip_direct = self.opts.direct_first and self.lanes[li].direct_first and not direct_only
-            for c, slot in zip(rr.sends, rr.send_slots):
-                if (slot < 0 and skip_direct) or (slot >= 0 and direct_only):
-                    continue
-                if slot < 0:
-                    off = int(c.descs[0, 0])
-                    sends.append((c.receivers, src[off:off + c.numel]))
-                else:
-                    sends.append((c.receivers, seg[slot:slot + c.numel]))
-            for c, slot in zip(rr.recvs, rr.recv_slots):
-                if (slot < 0 and skip_direct) or (slot >= 0 and direct_only):
-                    continue
-                if slot < 0:
-                    off = int(c.descs[0, 1])
-                    recvs.append((c.sender, dst[off:off + c.numel], c.receivers))
-                else:
-                    recvs.append((c.sender, seg[slot:slot + c.numel], c.receivers))
-                chunks.append((li, c))
-        if direct_only:
-            return sends, recvs
-        if self.opts.verify:
-            # Checksums travel as extra one-element messages after the data, same peers.
-            sends += [(r, checksum(t)) for r, t in sends]
-            recvs += [(s, torch.empty(1, dtype=torch.int64, device=t.device), r)
-                      for s, t, r in recvs]
-        return sends, recvs, chunks
+    def _tensors(self, sends, recvs, srcs, dsts, staging):
+        """The transport's (receivers, tensor) / (sender, tensor, receivers) lists of messages:
+        slices of the staging half or, for direct pieces, of the lane buffers; checksums
+        (verify) after the data, in the same order."""
+        out_s = [(m.receivers, (srcs[m.lane] if m.direct else staging)[m.off:m.off + m.numel]) for m in sends]
+        out_r = [(m.peers[0], (dsts[m.lane] if m.direct else staging)[m.off:m.off + m.numel], m.receivers)
+                 for m in recvs]
+        if self.opts.verify and (out_s or out_r):
+            out_s += [(r, checksum(t)) for r, t in out_s]
+            out_r += [(s, torch.empty(1, dtype=torch.int64, device=t.device), r) for s, t, r in out_r]
+        return out_s, out_r
 
-    def _finish(self, items, received, step, bufs) -> None:
-        recvs, chunks = received
+    def _finish(self, k, lay, staging, recvs, step, dsts, like) -> None:
         if self.opts.verify:
             n = len(recvs) // 2
             for j, ((sender, data, _), (_, want, _)) in enumerate(zip(recvs[:n], recvs[n:])):
                 got = checksum(data)
                 if not torch.equal(got, want):
-                    li, c = chunks[j]
-                    name = self.lanes[li].name
+                    m = lay.recvs[j]
+                    name = self.lanes[m.lane].name
+                    what = (f"plan message {m.chunks[0].msg}" if len(m.chunks) == 1
+                            else f"plan messages {sorted({c.msg for c in m.chunks})}")
                     raise TransferError(
                         f"rank {self.rank}: {step}: checksum mismatch on chunk {j} of the round "
-                        f"({name + ', ' if name else ''}plan message {c.msg}, {c.numel} elements) "
+                        f"({name + ', ' if name else ''}{what}, {m.numel} elements) "
                         f"from peer rank {sender}: sender computed {int(want.item())}, received "
                         f"data gives {int(got.item())}")
-        for li, rr, seg in items:
-            if len(rr.unpack_descs):
-                ops.unpack(seg, self._tensor(rr.unpack_descs, (li, rr.index, "unpack")), bufs[li][1])
+        if len(lay.unpack):
+            self._plan(("unpack", k), lay.unpack, 0, 0, like).run([staging], dsts)
 
 
 __all__ = ["RoundRunner", "RoundOptions", "Lane", "checksum"]

@@ -25,7 +25,7 @@ issued) and `wait_readers(step, tag, n, readers)` (return once every reader of t
 finished), with the same timeouts and rank-naming errors as the rounds.
 
 This module holds the interface; the implementations are `inprocess.py`, `dist.py` (torch.
-distributed: gloo, NCCL) and `nccl.py` (NCCL through cupy).
+distributed: gloo, NCCL), `nccl.py` (NCCL through cupy) and `ipc.py` (CUDA IPC on one node).
 """
 
 from __future__ import annotations
@@ -46,10 +46,16 @@ class TransferError(RuntimeError):
 
 
 class Handle:
-    """A round in flight; `wait()` returns when it completed or raises TransferError."""
+    """A round in flight; `wait()` returns when it completed or raises TransferError.
+    `order()`: on a stream-ordered transport, make the current CUDA stream wait for the round
+    (the host does not wait; `wait()` later watches it against its deadline); elsewhere the
+    same as wait()."""
 
     def wait(self) -> None:
         pass
+
+    def order(self) -> None:
+        self.wait()
 
 
 DONE = Handle()
@@ -64,7 +70,10 @@ class Transport(abc.ABC):
     asynchronous = False
     """True when start() returns before the round completed (then double buffering pays off)."""
     addressable = False
-    """True when share() / release() exist: peers' buffers are readable from this rank."""
+    """True when the one-pass methods below exist: peers' buffers are readable from this rank."""
+    stream_ordered = False
+    """True when a round's completion can be ordered on the device (Handle.order: NCCL), so the
+    round loop never waits on the host between rounds (rounds.py)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -23,6 +23,13 @@ raise at once, naming it and its reason, after a short grace for ops that do not
 and the heartbeats of the peers it waits on (one silent for liveness.SILENT_S seconds, e.g.
 SIGSTOPped: raise naming it). Without a store, waits are plain blocking waits.
 
+Stream order (NCCL; `stream_ordered=True` forces the same round loop on gloo, for tests): the
+round loop completes a round with `Handle.order()`, which on NCCL makes the current stream wait
+for the round's works (ProcessGroupNCCL runs them on its own communication streams, which wait
+for the current stream when posted), with no host wait, and the unpack follows on the stream; at
+the end it calls `wait()` on every round, which watches each against its deadline (and the
+peers) on the host. On gloo `order()` is the blocking wait with its deadline.
+
 Counters: `sent_bytes` / `received_bytes` (network payload bytes; a broadcast counts once for
 its sender, as in ReallocPlan.per_rank_bytes()).
 """
@@ -50,7 +57,7 @@ class DistTransport(Transport):
     name = "torch.distributed"
     asynchronous = True
 
-    def __init__(self, group, *, timeout: float = 60.0, store=None):
+    def __init__(self, group, *, timeout: float = 60.0, store=None, stream_ordered: bool | None = None):
         """group: an initialized ProcessGroup (dist.group.WORLD for the default one).
 
         timeout: seconds any one round may take before TransferError. store: where failure
@@ -65,6 +72,7 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        self.stream_ordered = self.backend == "nccl" if stream_ordered is None else bool(stream_ordered)
         self.sent_bytes = self.received_bytes = 0
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
         self._subgroups: dict[tuple[int, ...], object] = {}
@@ -243,6 +251,22 @@ def _reported(e: TransferError) -> TransferError:
 class _DistHandle(Handle):
     def __init__(self, transport: DistTransport, pending: list, step: str):
         self.t, self.pending, self.step = transport, pending, step
+        self.deadline = None
+        """Set when the round is first depended on (order or wait): timeout seconds later."""
+
+    def order(self) -> None:
+        """NCCL: the current stream waits for the round's works (no host wait; `wait()` later
+        watches them). gloo: the blocking wait."""
+        if self.t.backend != "nccl":
+            self.wait()
+            return
+        self.deadline = time.monotonic() + self.t.timeout
+        for work, what, _ in self.pending:
+            try:
+                work.wait()  # no timeout: ProcessGroupNCCL only orders the current stream
+            except Exception as e:  # noqa: BLE001 - an error already known to NCCL
+                self.pending = []
+                raise self.t._error(self.step, what, e) from e
 
     def wait(self) -> None:
         # One blocking wait per op against the round's deadline: gloo's send/recv works never
@@ -251,7 +275,8 @@ class _DistHandle(Handle):
         # ("Connection reset/closed by peer"); a live peer that never posts, at the deadline.
         # With a store, the waits run in a helper thread while this one watches the peers.
         t = self.t
-        deadline = time.monotonic() + t.timeout
+        # An ordered round counts from its order() call (the host watches it later).
+        deadline = self.deadline or time.monotonic() + t.timeout
         state = {"what": "", "failed": None}
 
         def run():

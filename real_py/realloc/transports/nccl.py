@@ -9,8 +9,11 @@ meet in one NCCL communicator built from `cupy.cuda.nccl`, whose unique id rank 
 a torch.distributed Store (a TCPStore bound to 127.0.0.1 by default, see `from_tcp`). Plan
 ranks are ranks of this communicator.
 
-Each round's sends and receives go inside one NCCL group call (groupStart/groupEnd) on torch's
-current CUDA stream, as raw bytes (any dtype). A chunk with several receivers (broadcast-mode
+Each round's sends and receives go inside one NCCL group call (groupStart/groupEnd) on the
+transport's own communication stream, which first waits for torch's current stream (the packs
+before it), as raw bytes (any dtype). Stream-ordered: `Handle.order()` makes the current stream
+wait for the round's event (the unpack follows on it; no host wait), `Handle.wait()` watches it
+on the host against the deadline. A chunk with several receivers (broadcast-mode
 plans) is sent to each receiver inside the same group call: one communicator has no subgroups,
 so `sent_bytes` then counts every copy. `Handle.wait()` polls a CUDA event against the round's
 deadline and NCCL's async error state; on a timeout or error the communicator is aborted and a
@@ -43,6 +46,7 @@ def _nccl():
 class CupyNcclTransport(Transport):
     name = "cupy-nccl"
     asynchronous = True
+    stream_ordered = True
 
     def __init__(self, rank: int, world_size: int, store, *, timeout: float = 60.0,
                  key: str = "real_py/nccl_unique_id", device: int | None = None):
@@ -84,6 +88,8 @@ class CupyNcclTransport(Transport):
             raise TransferError(f"rank {rank}: NCCL communicator init ({world_size} ranks, store "
                                 f"key {key!r}) failed: {why}")
         self.comm = box["comm"]
+        self.stream = torch.cuda.Stream(self.device)
+        """The communication stream: rounds run here, ordered after the current stream."""
 
     @classmethod
     def from_tcp(cls, rank: int, world_size: int, *, port: int, host: str = "127.0.0.1",
@@ -104,7 +110,13 @@ class CupyNcclTransport(Transport):
             self._check(t, step)
         for _, t, _ in recvs:
             self._check(t, step)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # the packs (and anything else) posted before
+        for _, t in sends:
+            t.record_stream(self.stream)  # the caching allocator: in use until this stream is done
+        for _, t, _ in recvs:
+            t.record_stream(self.stream)
+        stream = self.stream.cuda_stream
         nccl.groupStart()
         try:
             for receivers, t in sends:
@@ -121,7 +133,7 @@ class CupyNcclTransport(Transport):
         finally:
             nccl.groupEnd()
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.stream)
         return _NcclHandle(self, event, sorted(peers), step)
 
     def _check(self, t: torch.Tensor, step: str) -> None:
@@ -146,6 +158,10 @@ class _NcclHandle(Handle):
     def __init__(self, t: CupyNcclTransport, event, peers: list[int], step: str):
         self.t, self.event, self.peers, self.step = t, event, peers, step
         self.deadline = time.monotonic() + t.timeout
+
+    def order(self) -> None:
+        self.deadline = time.monotonic() + self.t.timeout  # watched from here by wait()
+        torch.cuda.current_stream(self.t.device).wait_event(self.event)
 
     def wait(self) -> None:
         t, sleep = self.t, 0.0

@@ -1,0 +1,127 @@
+"""Every rank of a plan in this process, compiled once and replayed: `InProcessMove`.
+
+    move = InProcessMove(InProcessHub(), plan)     # a ReallocPlan or a MoePlan
+    move.run(srcs, dsts)                           # rank -> stats; again with minimal host work
+    move.close()                                   # or: with InProcessMove(...) as move:
+
+srcs / dsts map rank -> ModelShard (a ReallocPlan) or rank -> (ModelShard, ExpertShard) (a
+MoePlan), as run_in_process / run_moe_in_process take them. Built once: every rank's
+Reallocator (MoeReallocator): its schedule, its compiled copy (descriptor tables on the device,
+one pass) or staging buffer (rounds), and, with threads=True, one worker thread per rank that
+lives until close(). A call hands each worker its shards and collects the stats: no plan, no
+schedule, no descriptor upload, no thread start.
+
+threads=False (one pass only): the calling thread runs the phases of every rank in turn:
+every rank publishes its sources and checks its input, then every rank issues its one copy,
+then every rank waits for its readers (which have all issued theirs by then): one copy per
+receiving rank and nothing else, no thread switch. On a GPU every copy then goes onto the
+calling thread's current stream, in rank order.
+
+A failed call marks its rank failed on the hub (its peers stop waiting and name it); build a new
+move, with a new hub, after a failure.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from .moe_exec import MoeReallocator
+from .moe_plan import MoePlan
+from .reallocator import Reallocator
+from .transports.inprocess import InProcessHub
+
+
+class InProcessMove:
+    def __init__(self, hub: InProcessHub, plan, *, threads: bool = True, **realloc_kwargs):
+        self.hub, self.plan, self.threads = hub, plan, threads
+        self.moe = isinstance(plan, MoePlan)
+        if self.moe:
+            self.ranks = sorted({r for part in plan.parts for r in part.plan.src.ranks + part.plan.dst.ranks})
+            make = MoeReallocator
+        else:
+            self.ranks = plan.ranks()
+            make = Reallocator
+        self.reallocs = {r: make(plan, hub.transport(r), **realloc_kwargs) for r in self.ranks}
+        if not threads and not all(x.one_pass for x in self.reallocs.values()):
+            raise ValueError("InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)")
+        self._jobs: dict[int, queue.SimpleQueue] = {}
+        self._workers: list[threading.Thread] = []
+        if threads:
+            for r in self.ranks:
+                q = self._jobs[r] = queue.SimpleQueue()
+                t = threading.Thread(target=self._work, args=(q,), name=f"rank{r}", daemon=True)
+                t.start()
+                self._workers.append(t)
+
+    def _args(self, srcs: dict, dsts: dict, rank: int) -> tuple:
+        if self.moe:
+            return (*srcs.get(rank, (None, None)), *dsts.get(rank, (None, None)))
+        return srcs.get(rank), dsts.get(rank)
+
+    def _work(self, q: queue.SimpleQueue) -> None:
+        while (job := q.get()) is not None:
+            rank, fn, out = job
+            try:
+                value = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+                # Marked failed at once, so its peers stop waiting for it.
+                self.hub.fail(rank, f"{type(e).__name__}: {e}")
+                out.put((rank, False, e))
+            else:
+                out.put((rank, True, value))
+
+    def run(self, srcs: dict, dsts: dict, *, free_source: bool = False) -> dict[int, dict]:
+        """rank -> stats of one move; raises the lowest failed rank's error after every rank
+        finished."""
+        if not self.threads:
+            return self._run_phased(srcs, dsts, free_source)
+        if not self._workers:
+            raise RuntimeError("InProcessMove was closed")
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        for r in self.ranks:
+            x, args = self.reallocs[r], self._args(srcs, dsts, r)
+            self._jobs[r].put((r, lambda x=x, a=args: x.run(*a, free_source=free_source), out))
+        results, errors = {}, {}
+        for _ in self.ranks:
+            r, ok, value = out.get()
+            (results if ok else errors)[r] = value
+        if errors:
+            raise errors[min(errors)]
+        return results
+
+    def _run_phased(self, srcs, dsts, free_source) -> dict[int, dict]:
+        t0 = time.perf_counter()
+        try:
+            for r in self.ranks:
+                bufs, check = self.reallocs[r]._inputs(*self._args(srcs, dsts, r))
+                self.reallocs[r].runner.begin(bufs, check)
+            for r in self.ranks:
+                self.reallocs[r].runner.copy()
+            stats = {r: self.reallocs[r].runner.end() for r in self.ranks}
+        except BaseException as e:
+            for r in self.ranks:
+                self.hub.fail(r, f"{type(e).__name__} in this thread's move: {e}")
+            raise
+        out = {}
+        for r in self.ranks:
+            src = self._args(srcs, dsts, r)[:2] if self.moe else srcs.get(r)
+            out[r] = self.reallocs[r]._done(src, free_source, stats[r], t0)
+        return out
+
+    def close(self) -> None:
+        for q in self._jobs.values():
+            q.put(None)
+        for t in self._workers:
+            t.join()
+        self._jobs, self._workers = {}, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["InProcessMove"]
