@@ -35,9 +35,11 @@ constexpr int64_t kRunCostBytes = 64;  // fixed cost of one run, in bytes of cop
 // stores is flushed on its own, which is slow). Measured here (1 thread, 64 MiB, runs of 2 KiB):
 // glibc memcpy 5.7 GB/s (read + written; it switches to `rep movsb` at 2 KiB, slow on this AMD
 // core), 16-byte loop with ordinary stores 7.9, with streaming stores 10.9; runs of 256 KiB:
-// 11.0 / 10.6 / 10.9. So streaming never loses on large calls and wins on KiB-sized runs.
+// 11.0 / 10.6 / 10.9. So streaming never loses on large calls and wins on KiB-sized runs. From
+// 256 bytes on: a 7B-shaped tp8 -> tp1 move (512-byte runs of row-split weights) went from 0.36 to
+// 0.39 of memcpy in a micro-benchmark of that pattern alone (noisy shared machine), never lower.
 constexpr int64_t kStreamMinTotal = 8 << 20;
-constexpr int64_t kStreamMinRun = 1 << 10;
+constexpr int64_t kStreamMinRun = 256;
 // Short runs start cold: the hardware prefetcher does not follow a strided source (2 KiB of
 // every 4 KiB row: one run per page). Prefetching the run about kPrefetchBytes ahead raised
 // 2 KiB / 4 KiB-stride copies from 2.9 to 4.8-5.9 GB/s (1 thread, loaded machine, medians).

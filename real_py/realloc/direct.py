@@ -23,6 +23,7 @@ rank of a process without blocking (InProcessMove(threads=False), reallocator.py
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,9 @@ from .rank_schedule import RankSchedule
 from .transports.base import Transport
 
 STEP = "one-pass copy"
+_CPU_COPY = threading.Lock()
+"""One CPU copy at a time in a process: each already runs on every core (at::parallel_for), so
+rank threads copying at once would only oversubscribe the cores."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +144,12 @@ class DirectRunner:
             dsts = [bufs[b][1] for b in self.dst_bufs]
             if self.src_keys:
                 t = clock()
-                self.plan(dsts[0].device).run(srcs, dsts)
+                plan = self.plan(dsts[0].device)
+                if plan.device.type == "cpu":
+                    with _CPU_COPY:
+                        plan.run(srcs, dsts)
+                else:
+                    plan.run(srcs, dsts)
                 st["copy"] = clock() - t
             t = clock()
             self.transport.finish_reads(STEP, self.tag, st["seq"], dsts, self.peers)
