@@ -14,11 +14,12 @@ own chunk without staging (no pack/unpack copy, one more message per piece); see
 rank_schedule.py. The staging bound below holds either way; direct chunks count towards the
 per-round element budget like staged ones, so the data in flight per rank stays bounded too.
 
-Double buffering (pipeline=True; the default for asynchronous transports such as DistTransport,
-a blocking one like the in-process transport gains nothing from it): the staging buffer holds
-two halves; round i+1 is packed into one half while round i is on the wire in the other, and
-round i is unpacked while round i+1 is on the wire. Rounds are sized to half a bucket, so the staging buffer never exceeds
-`bucket_bytes` in total: peak extra memory = staging + the destination shard.
+Pipelining (pipeline=True; the default for asynchronous transports such as DistTransport, a
+blocking one gains nothing from it): the staging buffer holds `inflight` slots (2 by default,
+3 allowed); round i+1 is packed into one slot while the rounds before it are on the wire, and a
+round is unpacked once it completed. Rounds are sized to bucket / inflight, so the staging
+buffer never exceeds `bucket_bytes` in total: peak extra memory = staging + the destination
+shard. merge (default: on for NCCL): one message per peer and round (rounds.py).
 
 verify=True: the sender computes an int64 checksum of every chunk's raw bytes before sending and
 ships it with the chunk (same receivers, same round); the receiver recomputes it after receiving
@@ -93,7 +94,7 @@ class Reallocator:
     @property
     def staging(self):
         """The one staging buffer this rank allocated (None until a round needs it, and always
-        on one pass); with pipelining, two halves. Its size is the peak extra memory."""
+        on one pass); with pipelining, `inflight` slots. Its size is the peak extra memory."""
         return getattr(self.runner, "staging", None)
 
     def run(self, src: ModelShard | None, dst: ModelShard | None, *,
