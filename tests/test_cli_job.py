@@ -161,7 +161,7 @@ def _copy_task(tmp_path, body: str) -> str:
 
 @pytest.mark.dist
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("launch", ["fork", "exec"])
+@pytest.mark.parametrize("launch", ["fork", "spawn"])
 def test_reward_error_is_one_line(tmp_path, launch):
     """The reward function raises on rank 2 at the first real responses: the job ends with one
     line naming rank 2, step 0, call rew_inf and the ValueError, and rank 2's log (with the
@@ -223,7 +223,9 @@ def test_reward_hang_is_named(tmp_path):
 def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
     """The config is validated once, by the launcher: the reward function's check call (empty
     responses, config.validate) runs once, not once more per rank; and the command ends
-    within a couple of seconds of its summary line (no interpreter teardown, no torchrun)."""
+    within a couple of seconds of its summary line (no interpreter teardown, no torchrun command
+    in a child process). The ranks were started by torchrun's elastic agent in the launcher
+    (its c10d rendezvous in logs/torchrun.log; job.json lists the ranks and the fork start)."""
     (tmp_path / "reward.py").write_text(
         "import os\n"
         "def score(prompts, responses, answer):\n"
@@ -239,6 +241,10 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         t = time.monotonic()
         assert job.finish() == 0, job.stderr()[-3000:]
         took = time.monotonic() - t
+        agent = open(os.path.join(out, "logs", "torchrun.log")).read()
+        assert "hosts the TCP store for the C10d rendezvous backend" in agent, agent[-2000:]
+        info = json.load(open(os.path.join(out, "logs", "job.json")))
+        assert info["launcher"] == job.p.pid and info["start_method"] == "fork" and len(info["ranks"]) == 4
         checks = (tmp_path / "checks").read_text().split()
         assert checks == [str(job.p.pid)], f"the reward function's validation call ran in {checks}"
         assert took < 2.5, f"the command took {took:.1f} s to exit after its summary"

@@ -1,29 +1,38 @@
-"""One `train` job on this node as one unit: the launcher starts the ranks, holds the run
-directory, watches the ranks, and ends them together.
+"""One `train` job on this node as one unit: torchrun's launcher starts the ranks, and the
+launcher process holds the run directory, watches the ranks, and ends them together.
 
     fd = lock_out_dir(out_dir)          # refuses a directory another job writes, naming its pid
-    code = launch(world, out_dir, target=lambda: ..., argv=[...], env={...}, fork=True)
+    code = launch(world, out_dir, target, fork=True)
     unlock()                             # after the job (the ranks hold the lock until they exit)
 
-Ranks. With `fork` (CPU jobs: torch and the package are imported and the config validated once,
-in the launcher) rank r is a fork of the launcher that calls `target()`; otherwise it is a fresh
-`python -m real_py <argv>` with RANK etc. in its environment (CUDA jobs: CUDA must not be
-initialized before a fork). Either way the ranks stay in the launcher's process group (a kill of
-the group reaches them), connect to a TCPStore the launcher hosts (TORCHELASTIC_USE_AGENT_STORE,
-so env:// makes every rank a client), and hold the run directory's lock with it. A rank dies
-with its launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits for the end of a pipe only
-the launcher holds; a rank never writes after its launcher is gone.
+Ranks. `launch` runs torchrun's elastic agent in this process, through the library call the
+torchrun command itself makes (torch.distributed.launcher.api.elastic_launch: one node, c10d
+rendezvous on 127.0.0.1 with a port the kernel picks, no restarts, the workers polled every
+0.1 s). The agent hosts the rendezvous TCPStore, which the ranks use as their store
+(TORCHELASTIC_USE_AGENT_STORE: env:// makes every rank a client), and starts the ranks with
+RANK, WORLD_SIZE, MASTER_ADDR, ... in their environment. With `fork` (CPU jobs) the agent's
+start method is "fork": rank r is a fork of this process, with torch, the package and the
+config validated here already loaded, and calls `target()`; otherwise it is "spawn" (CUDA jobs:
+CUDA must not be initialized before a fork), and `target` is pickled to a fresh interpreter. The
+ranks are children of this process (in its process group: a kill of the group reaches them) and
+hold the run directory's lock with it. A rank dies with its launcher: PR_SET_PDEATHSIG
+(SIGKILL), and a thread that waits on a pidfd of the launcher; a rank never writes after its
+launcher is gone.
 
-Output. Each rank's stdout and stderr go through pipes into <out_dir>/logs/rank<r>.log; rank 0's
-stdout (step lines, progress bar) is also shown. A rank that fails writes
-logs/failed_rank<r>.json (rank, where, exception, message, time: real_py/liveness.py
-record_failure) with its full traceback in its log. The launcher ends the job at the first
-failure record or non-zero exit (after FAIL_GRACE_S for the other ranks' records, then SIGKILL:
-a stopped rank cannot act on SIGTERM) and prints one line: the root cause (an error raised by
-the job's own code before a peer's consequent transfer error, a rank that died, a rank named
-silent, a rank stuck in user code), and the log with the full trace. Ctrl-C (SIGINT, SIGTERM,
-SIGHUP) ends the ranks and prints one line. While the job runs, a rank inside user code (the
-reward function, data loading) for USER_WARN_S seconds or more is named on stderr.
+Output. Each rank's stdout and stderr go through pipes (inherited, or handed over at spawn) to
+a watcher thread of the launcher, into <out_dir>/logs/rank<r>.log; rank 0's stdout (step lines,
+progress bar) is also shown. The agent's own log goes to logs/torchrun.log. A rank that fails
+writes logs/failed_rank<r>.json (rank, where, exception, message, time: real_py/liveness.py
+record_failure) with its full traceback in its log, then waits to be ended. The watcher ends
+the job at the first failure record or rank death (after FAIL_GRACE_S for the other ranks'
+records, then SIGKILL of every rank: a stopped rank cannot act on SIGTERM; each rank tells the
+watcher its pid when it starts, and logs/job.json lists them); the agent then sees its workers
+gone, and instead of its ChildFailedError the launcher prints one line: the root cause (an
+error raised by the job's own code before a peer's consequent transfer error, a rank that died,
+a rank named silent, a rank stuck in user code), and the log with the full trace. Ctrl-C
+(SIGINT, SIGTERM, SIGHUP) ends the ranks and prints one line. While the job runs, a rank inside
+user code (the reward function, data loading) for USER_WARN_S seconds or more is named on
+stderr.
 
 Under an outside torchrun (several nodes) there is no launcher: rank 0 holds the lock, each
 rank watches its parent (the torchrun agent) and ends when it is gone, and a failing rank writes
@@ -51,9 +60,10 @@ USER_WARN_S = float(os.environ.get("REAL_PY_USER_WARN_S", "10"))
 """Seconds inside user code after which the launcher names the rank (then at 2x, 4x, ...)."""
 EXIT_ORPHANED = 70
 """Exit code of a rank whose launcher (or torchrun agent) is gone."""
-
-_ENV = "REAL_PY_JOB"
-"""Environment of an exec'd rank: JSON {"fd": control pipe, "logs": folder, "launcher": pid}."""
+MONITOR_S = 0.1
+"""The agent's monitor interval: seconds between its looks at the workers."""
+FAILED_WAIT_S = 60.0
+"""Seconds a failed rank of a launched job waits for the launcher to end it before it exits."""
 
 
 # ------------------------------------------------------------------ the run directory's lock
@@ -159,51 +169,79 @@ def unlock() -> None:
 
 
 def can_fork(device: str) -> bool:
-    """Whether ranks may be forks of this process: a CPU job, CUDA never initialized here.
-    REAL_PY_LAUNCH=exec forces fresh processes."""
+    """Whether the agent may fork the ranks from this process: a CPU job, CUDA never initialized
+    here. REAL_PY_LAUNCH=spawn (or exec) forces fresh interpreters."""
     import torch
 
-    if os.environ.get("REAL_PY_LAUNCH", "fork") == "exec" or not hasattr(os, "fork"):
+    if os.environ.get("REAL_PY_LAUNCH", "fork") in ("spawn", "exec") or not hasattr(os, "fork"):
         return False
     if torch.cuda.is_initialized():
         return False
     return device == "cpu" or (device == "auto" and torch.version.cuda is None and torch.version.hip is None)
 
 
-def launch(nproc: int, out_dir: str, *, target=None, argv=None, env=None, what: str = "gloo processes") -> int:
-    """Run the job's `nproc` local ranks (forks running `target()`, or with target None
-    `python -m real_py <argv>` under `env`) and return its exit code (0, 1 failed, 128+signal
-    interrupted). Call with out_dir's lock held (lock_out_dir)."""
-    job = _Job(nproc, out_dir, target, argv, env or dict(os.environ))
-    mode = "forked from this process" if target is not None else "each a new python"
-    print(f"launching {nproc} local {what} ({mode}); logs in {job.logs}", flush=True)
+def launch(nproc: int, out_dir: str, target, *, fork: bool = True, what: str = "gloo processes") -> int:
+    """Run the job's `nproc` local ranks, each calling `target()` (picklable unless `fork`),
+    under torchrun's elastic agent in this process, and return the job's exit code (0, 1 failed,
+    128+signal interrupted). Call with out_dir's lock held (lock_out_dir)."""
+    job = _Job(nproc, out_dir, target, fork)
+    mode = "forked from this process" if fork else "each a new python"
+    print(f"launching {nproc} local {what} under torchrun's elastic agent ({mode}); logs in {job.logs}",
+          flush=True)
     return job.run()
 
 
 _SIG_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
+class _Fd:
+    """A file descriptor handed to a rank: inherited by a fork; passed to a spawned rank (the
+    multiprocessing pickler duplicates it into the child under the same number)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import context
+
+        popen = context.get_spawning_popen()
+        return (_Fd, (popen.duplicate_for_child(self.fd) if popen is not None else self.fd,))
+
+
+class _Plumbing:
+    """What a rank gets from the launcher: its pipes, the lock, the launcher's pid."""
+
+    def __init__(self, out, err, hello, lock, logs, launcher):
+        self.out, self.err, self.hello, self.lock = out, err, hello, lock
+        self.logs, self.launcher = logs, launcher
+
+
 class _Rank:
-    __slots__ = ("r", "pid", "popen", "ctrl", "log", "code", "ended", "state", "moved", "n",
-                 "killed", "warned", "stopped", "tail", "pstate")
+    __slots__ = ("r", "pid", "pidfd", "log", "code", "ended", "state", "moved", "n", "killed", "warned",
+                 "stopped", "tail", "pstate")
 
     def __init__(self, r):
-        self.r, self.pid, self.popen, self.ctrl, self.log = r, None, None, None, None
+        self.r, self.pid, self.pidfd, self.log = r, None, None, None
         self.code = self.ended = self.state = self.pstate = None
         self.moved, self.n, self.killed, self.warned, self.stopped = time.monotonic(), None, False, {}, None
         self.tail = b""
 
 
 class _Job:
-    def __init__(self, nproc, out_dir, target, argv, env):
-        self.n, self.out_dir, self.target, self.argv, self.env = nproc, out_dir, target, argv, env
+    def __init__(self, nproc, out_dir, target, fork):
+        self.n, self.out_dir, self.target, self.fork = nproc, out_dir, target, fork
         self.logs = os.path.join(out_dir, "logs")
         self.ranks = [_Rank(r) for r in range(nproc)]
         self.store = None
         self.streams = {}          # read fd -> (rank, console?)
+        self.hellos = {}           # read fd -> rank: "<pid> <store port>" when it starts
+        self.writers = []          # the ranks' ends of the pipes, closed here once all started
         self.records: dict[int, dict] = {}
         self.failing = None        # monotonic time of the first failure seen
         self.signal = None
+        self.over = threading.Event()     # the agent has returned
+        self.ended = threading.Event()    # the watcher has ended the ranks (or they all ended)
+        self.lock = threading.RLock()
 
     # -------------------------------------------------------------- start
 
@@ -213,161 +251,253 @@ class _Job:
             raise ValueError(f"{self.logs} is a symbolic link; a run writes its logs itself: remove it")
         os.makedirs(self.logs, exist_ok=True)
         for name in os.listdir(self.logs):
-            if re.fullmatch(r"(rank\d+\.log|failed_rank\d+\.json(\..*\.tmp)?|job\.json)", name):
+            if re.fullmatch(r"(rank\d+\.log|failed_rank\d+\.json(\..*\.tmp)?|job\.json|torchrun\.log|"
+                            r"error_rank\d+\.json)", name):
                 os.unlink(os.path.join(self.logs, name))
 
     def _open_log(self, r: int) -> int:
         return os.open(os.path.join(self.logs, f"rank{r}.log"),
                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
-    def _rank_env(self, r: int, port: int | None) -> dict:
-        env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(self.n), "LOCAL_WORLD_SIZE": str(self.n),
-               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "OMP_NUM_THREADS": self.env.get("OMP_NUM_THREADS", "1")}
-        if port is not None:
-            env["MASTER_PORT"] = str(port)
-        return env
+    def _pipes(self) -> _Plumbing:
+        out, err, hello = [], [], []
+        for rk in self.ranks:
+            rk.log = self._open_log(rk.r)
+            for kind, console in ((out, rk.r == 0), (err, False), (hello, None)):
+                r, w = os.pipe()
+                os.set_inheritable(w, True)
+                if console is None:
+                    self.hellos[r] = rk
+                else:
+                    self.streams[r] = (rk, console)
+                self.writers.append(w)
+                kind.append(_Fd(w))
+        lock = _lock["fd"]
+        return _Plumbing(out, err, hello, _Fd(lock) if lock is not None else None, self.logs, os.getpid())
 
-    def _start_store(self):
-        import datetime
-        import socket
+    def _agent_log(self):
+        """torchrun's agent logs into logs/torchrun.log, not onto the console."""
+        import logging
 
-        import torch.distributed as dist
+        h = logging.FileHandler(os.path.join(self.logs, "torchrun.log"))
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        saved = []
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+            lg = logging.getLogger(name)
+            saved.append((lg, lg.propagate, lg.level))
+            lg.addHandler(h)
+            lg.propagate = False
+            lg.setLevel(logging.INFO)
 
-        # A socket bound here, on the loopback only and on a port the kernel picks (no race with
-        # other jobs), handed to the store: TCPStore itself would listen on every interface.
-        self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listen.bind(("127.0.0.1", 0))
-        self._listen.listen(128)
-        port = self._listen.getsockname()[1]
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60), master_listen_fd=self._listen.fileno())
-        return port
+        def undo():
+            for lg, prop, level in saved:
+                lg.removeHandler(h)
+                lg.propagate, lg.level = prop, level
+            h.close()
 
-    def _start(self) -> None:
-        self._fresh_logs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if self.target is not None:
-            ctrl_writers = []
-            for rk in self.ranks:
-                self._fork(rk, ctrl_writers)
-            port = self._start_store()  # after the forks: no rank inherits its socket or thread
-            for rk in self.ranks:
-                os.write(rk.ctrl, f"{port}\n".encode())
-        else:
-            import subprocess
+        return undo
 
-            port = self._start_store()
-            lock = [_lock["fd"]] if _lock["fd"] is not None else []
-            for rk in self.ranks:
-                cr, cw = os.pipe()
-                env = dict(self.env, **self._rank_env(rk.r, port))
-                env[_ENV] = json.dumps({"fd": cr, "logs": self.logs, "launcher": os.getpid()})
-                rk.popen = subprocess.Popen([sys.executable, "-m", "real_py"] + list(self.argv), env=env,
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, pass_fds=[cr] + lock)
-                os.close(cr)
-                rk.pid, rk.ctrl = rk.popen.pid, cw
-                rk.log = self._open_log(rk.r)
-                for f, console in ((rk.popen.stdout, rk.r == 0), (rk.popen.stderr, False)):
-                    fd = os.dup(f.fileno())
-                    f.close()
-                    self.streams[fd] = (rk, console)
-        with open(os.path.join(self.logs, "job.json"), "w") as f:
-            json.dump({"launcher": os.getpid(), "ranks": [rk.pid for rk in self.ranks],
-                       "mode": "fork" if self.target is not None else "exec", "store_port": port}, f)
+    def _config(self):
+        from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+        from torch.distributed.launcher.api import LaunchConfig
 
-    def _fork(self, rk: _Rank, ctrl_writers: list) -> None:
-        cr, cw = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        readers = list(self.streams)
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns into the launcher's code
-            code = 1
-            try:
-                for fd in readers + ctrl_writers + [cw, out_r, err_r]:
-                    os.close(fd)
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                for fd in (null, out_w, err_w):
-                    os.close(fd)
-                _die_with_parent(parent)
-                port = _read_line(cr)
-                os.environ.update(self._rank_env(rk.r, int(port)))
-                code = _rank_child(self.target, rk.r, cr, self.logs)
-            finally:
-                os._exit(code)
-        for fd in (cr, out_w, err_w):
+        logs = self.logs
+
+        class _Logs(LogsSpecs):
+            """No redirection by the agent (each rank redirects into its pipes itself); the
+            error file of an exception escaping a rank's entry point goes into logs/."""
+
+            def __init__(self):
+                super().__init__(log_dir=logs)
+
+            def reify(self, envs):
+                n = len(envs)
+                return LogsDest({r: "" for r in range(n)}, {r: "" for r in range(n)}, {}, {},
+                                {r: os.path.join(logs, f"error_rank{r}.json") for r in range(n)})
+
+            @property
+            def root_log_dir(self) -> str:
+                return logs
+
+        return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=self.n, logs_specs=_Logs(),
+                            run_id=f"real_py-{os.getpid()}", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                            rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=MONITOR_S,
+                            start_method="fork" if self.fork else "spawn", local_addr="127.0.0.1",
+                            # SIGINT / SIGTERM / SIGHUP stay the launcher's own (one line, SIGKILL at once)
+                            signals_to_handle="SIGQUIT", shutdown_timeout=2)
+
+    def _tracker(self) -> None:
+        """Start multiprocessing's resource tracker (spawn: the agent's queues and events are
+        named semaphores) with its stderr in logs/torchrun.log: the command ends with os._exit,
+        and the tracker's warning about the semaphores it then removes is no line of the job's."""
+        from multiprocessing import resource_tracker
+
+        fd = os.open(os.path.join(self.logs, "torchrun.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        saved = os.dup(2)
+        try:
+            os.dup2(fd, 2)
+            resource_tracker.ensure_running()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
             os.close(fd)
-        ctrl_writers.append(cw)
-        rk.pid, rk.ctrl = pid, cw
-        rk.log = self._open_log(rk.r)
-        self.streams[out_r] = (rk, rk.r == 0)
-        self.streams[err_r] = (rk, False)
-
-    # -------------------------------------------------------------- watch
 
     def run(self) -> int:
+        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+
+        self._fresh_logs()
+        undo_log = self._agent_log()
         handlers = {}
         try:
             for s in _SIG_EXIT:
                 handlers[s] = signal.signal(s, self._on_signal)
         except ValueError:  # not the main thread (tests)
             handlers = {}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        watcher = None
+        failed = {}
         try:
-            self._start()
-            self._watch()
+            plumbing = self._pipes()
+            config = self._config()
+            if not self.fork:
+                self._tracker()
+            watcher = threading.Thread(target=self._watch, name="real_py-job-watch", daemon=True)
+            watcher.start()
+            try:
+                elastic_launch(config, _rank_entry)(plumbing, self.target)
+                for rk in self.ranks:  # every rank returned 0 to the agent
+                    rk.code = 0 if rk.code is None else rk.code
+            except ChildFailedError as e:
+                failed = e.failures
+            except SignalException as e:  # a signal the agent handles (SIGQUIT)
+                self.signal = self.signal or e.sigval
         finally:
+            self.over.set()
+            if watcher is not None:
+                watcher.join()
             self._kill_all()
-            self._reap(block=True)
             self._drain(1.0)
+            for fd in self.writers:
+                os.close(fd)
+            self.writers.clear()
+            for fd in list(self.streams) + list(self.hellos):
+                os.close(fd)
+            self.streams.clear()
+            self.hellos.clear()
             for rk in self.ranks:
                 if rk.log is not None:
                     os.close(rk.log)
-                if rk.ctrl is not None:
-                    os.close(rk.ctrl)
-            for fd in list(self.streams):
-                os.close(fd)
-            self.streams.clear()
+                if rk.pidfd is not None:
+                    os.close(rk.pidfd)
             for s, h in handlers.items():
                 signal.signal(s, h)
+            undo_log()
+        for f in failed.values():  # the agent's first failed worker: its exit code, if not seen
+            rk = self.ranks[f.local_rank] if 0 <= f.local_rank < self.n else None
+            if rk is not None and rk.code is None:
+                rk.code, rk.ended = f.exitcode, rk.ended or time.time()
         return self._report()
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signum
+        self._kill_all(stacks=False)
+
+    # -------------------------------------------------------------- watch
 
     def _watch(self) -> None:
+        """The watcher thread: the ranks' output into their logs, their pids, their ends, the
+        failure records and heartbeats; ends the job on a failure."""
         import selectors
 
         sel = selectors.DefaultSelector()
-        for fd in self.streams:
+        for fd in list(self.streams) + list(self.hellos):
             sel.register(fd, selectors.EVENT_READ)
         next_poll = 0.0
         while True:
-            if self.signal is not None:
-                return
             for key, _ in sel.select(timeout=0.1):
-                if not self._pump(key.fd):
+                if key.fd in self.hellos:
+                    self._hello(key.fd, sel)
+                elif key.fd in self.streams:
+                    if not self._pump(key.fd):
+                        sel.unregister(key.fd)
+                else:  # a rank's pidfd: it ended
                     sel.unregister(key.fd)
-            self._reap()
+                    self._exited(key.data)
+            if self.over.is_set():
+                self._poll()
+                return
             now = time.monotonic()
+            if self.signal is not None:
+                self._kill_all(stacks=False)
+                continue
             if now >= next_poll:
                 next_poll = now + 0.25
                 self._poll()
-            if self.failing is None and (self.records or any(rk.code not in (None, 0) for rk in self.ranks)):
+            if self.ended.is_set():
+                continue
+            if self.failing is None and (self.records or any(rk.code not in (None, 0) or (rk.ended and rk.code is None)
+                                                             for rk in self.ranks)):
                 self.failing = now
-            if all(rk.code is not None for rk in self.ranks):
-                self._poll()
-                return
             if self.failing is not None and now - self.failing >= FAIL_GRACE_S:
                 self._poll()
-                return
+                self._kill_all()
+
+    def _hello(self, fd: int, sel) -> None:
+        """A rank started: "<pid> <store port>". Once all have, job.json lists them, the
+        launcher's copies of the ranks' pipe ends are closed and the store is read."""
+        import selectors
+
+        rk = self.hellos.pop(fd)
+        sel.unregister(fd)
+        try:
+            data = os.read(fd, 256).decode().split()
+        except OSError:
+            data = []
+        os.close(fd)
+        if len(data) != 2:
+            return
+        with self.lock:
+            rk.pid = int(data[0])
+            try:
+                rk.pidfd = os.pidfd_open(rk.pid)
+                sel.register(rk.pidfd, selectors.EVENT_READ, rk)
+            except (OSError, AttributeError):
+                rk.pidfd = None
+        if self.signal is not None or self.ended.is_set():
+            self._kill_all(stacks=False)
+        if self.hellos:
+            return
+        for w in self.writers:
+            os.close(w)
+        self.writers.clear()
+        with open(os.path.join(self.logs, "job.json"), "w") as f:
+            json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
+                       "start_method": "fork" if self.fork else "spawn", "store_port": int(data[1])}, f)
+        try:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", int(data[1]), is_master=False,
+                                       timeout=datetime.timedelta(seconds=10))
+        except Exception:  # noqa: BLE001 - without the store no heartbeats are read, nothing else
+            self.store = None
+
+    def _exited(self, rk: _Rank) -> None:
+        """A rank's process ended: its exit status while the agent has not reaped it yet."""
+        rk.ended = rk.ended or time.time()
+        try:
+            info = os.waitid(os.P_PID, rk.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            info = None
+        if info is not None and info.si_pid == rk.pid:
+            rk.code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+        elif rk.code is None:
+            rk.code = -1 if rk.killed else None
 
     def _pump(self, fd: int) -> bool:
         try:
@@ -400,39 +530,35 @@ class _Job:
             for fd in ready:
                 self._pump(fd)
 
-    def _reap(self, block: bool = False) -> None:
-        for rk in self.ranks:
-            if rk.code is not None or rk.pid is None:
-                continue
-            try:
-                pid, status = os.waitpid(rk.pid, 0 if block else os.WNOHANG)
-            except ChildProcessError:
-                pid, status = rk.pid, 0
-            if pid == rk.pid:
-                rk.code = os.waitstatus_to_exitcode(status)
-                rk.ended = time.time()
-                if rk.popen is not None:
-                    rk.popen.returncode = rk.code
-
-    def _kill_all(self) -> None:
-        live = [rk for rk in self.ranks if rk.pid is not None and rk.code is None]
-        if live and self.failing is not None and self.signal is None:
-            # Each rank's Python stacks into its log first (faulthandler on SIGUSR1, run_rank):
-            # where a rank stuck in user code hangs. A stopped rank cannot answer.
+    def _kill_all(self, stacks: bool = True) -> None:
+        """SIGKILL every rank still running (first, after a failure, their Python stacks into
+        their logs: where a rank stuck in user code hangs)."""
+        with self.lock:
+            live = [rk for rk in self.ranks if rk.pid is not None and not rk.killed and rk.code is None]
+            if not live:
+                return
+            if stacks and self.failing is not None and self.signal is None:
+                # faulthandler on SIGUSR1 (run_rank). A stopped rank cannot answer.
+                for rk in live:
+                    try:
+                        if rk.pidfd is not None:
+                            signal.pidfd_send_signal(rk.pidfd, signal.SIGUSR1)
+                        else:
+                            os.kill(rk.pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+                self._drain(0.3)
             for rk in live:
-                try:
-                    os.kill(rk.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-            self._drain(0.3)
-        for rk in self.ranks:
-            if rk.pid is not None and rk.code is None:
                 rk.pstate = _proc_state(rk.pid)
-                try:
-                    os.kill(rk.pid, signal.SIGKILL)
+                try:  # through its pidfd: never another process that took a reaped rank's pid
+                    if rk.pidfd is not None:
+                        signal.pidfd_send_signal(rk.pidfd, signal.SIGKILL)
+                    else:
+                        os.kill(rk.pid, signal.SIGKILL)
                     rk.killed = True
                 except ProcessLookupError:
                     pass
+            self.ended.set()
 
     def _poll(self) -> None:
         """Failure records from the logs folder; each rank's heartbeat and activity from the
@@ -451,7 +577,7 @@ class _Job:
 
         now = time.monotonic()
         for rk in self.ranks:
-            if rk.code is not None:
+            if rk.code is not None or rk.killed:
                 continue
             key = f"{JOB_KEY}{rk.r}"
             try:
@@ -484,7 +610,7 @@ class _Job:
             where = _doing(self.ranks[0].state or {}, user=False)
             print(f"interrupted ({name}): ended the job's {self.n} ranks (rank 0 was at {where}); logs in "
                   f"{self.logs}", file=sys.stderr, flush=True)
-            return _SIG_EXIT.get(self.signal, 1)
+            return _SIG_EXIT.get(self.signal, 128 + int(self.signal))
         if all(rk.code == 0 for rk in self.ranks) and not self.records:
             return 0
         r, cause, named = self._cause()
@@ -571,29 +697,63 @@ def _last_line(tail: bytes) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _read_line(fd: int) -> str:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        b = os.read(fd, 64)
-        if not b:
-            os._exit(EXIT_ORPHANED)  # the launcher is gone before the job started
-        buf += b
-    return buf.decode().strip()
-
-
 # ------------------------------------------------------------------ the ranks
 
-_state: dict = {"managed": False, "rank": None, "ctrl": None}
+_state: dict = {"managed": False, "rank": None, "launcher": None, "pidfd": None}
 
 
 def managed() -> bool:
     """Whether this process is a rank started by `launch` (not under an outside torchrun)."""
-    return _state["managed"] or _ENV in os.environ
+    return _state["managed"]
+
+
+def _rank_entry(plumbing: _Plumbing, target) -> int:
+    """A rank started by torchrun's agent in `launch` (its entry point: a fork of the launcher,
+    or a fresh interpreter for spawn): its own ends of the launcher's pipes as stdout and
+    stderr, death with the launcher, its pid to the watcher, then `target()` as run_rank. Returns
+    0 to the agent on success; a failed rank ends with os._exit (run_rank)."""
+    r = int(os.environ["LOCAL_RANK"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the job on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the rank's
+        signal.signal(sig, signal.SIG_DFL)
+    _state.update(managed=True, rank=r, launcher=plumbing.launcher)
+    _die_with_parent(plumbing.launcher)
+    mine = (plumbing.out[r].fd, plumbing.err[r].fd, plumbing.hello[r].fd)
+    for fd in (x.fd for x in plumbing.out + plumbing.err + plumbing.hello):
+        if fd not in mine:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(mine[0], 1)
+    os.dup2(mine[1], 2)
+    for fd in (null, mine[0], mine[1]):
+        os.close(fd)
+    os.write(mine[2], f"{os.getpid()} {os.environ.get('MASTER_PORT', 0)}\n".encode())
+    os.close(mine[2])
+    _watch_launcher(plumbing.launcher)
+    # plumbing.lock: the run directory's lock, inherited or handed over, held until this rank ends.
+
+    import torch
+
+    torch.random.default_generator.manual_seed(67280421310721)  # as in a fresh process
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"real_py-rank{r}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+    return run_rank(target, int(os.environ["RANK"]), plumbing.logs)
 
 
 def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the thread that started it (the launcher's main thread) ends;
-    exits at once when the launcher is already gone."""
+    """SIGKILL this process when the thread that started it (the launcher's main thread, where
+    the agent runs) ends; exits at once when the launcher is already gone."""
     try:
         import ctypes
 
@@ -605,14 +765,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(EXIT_ORPHANED)
 
 
-def _watch_fd(fd: int) -> None:
-    """End this process when the launcher's end of the control pipe closes (it died)."""
+def _watch_launcher(pid: int) -> None:
+    """End this process when the launcher is gone (a pidfd of it becomes readable; the parent
+    pid as a fallback): behind PR_SET_PDEATHSIG."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        fd = None
+    _state["pidfd"] = fd
+
     def loop():
-        try:
-            while os.read(fd, 64):
+        import select
+
+        if fd is not None:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            while not p.poll(1000):
                 pass
-        except OSError:
-            pass
+        else:
+            while os.getppid() == pid:
+                time.sleep(0.5)
         os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=loop, name="real_py-launcher-watch", daemon=True).start()
@@ -631,54 +803,31 @@ def _watch_parent() -> None:
 
 
 def orphaned() -> bool:
-    """Whether the launcher of this rank is gone (its control pipe is closed)."""
-    fd = _state["ctrl"]
-    if fd is None:
+    """Whether the launcher of this rank is gone."""
+    pid = _state["launcher"]
+    if pid is None:
         return False
-    import select
+    fd = _state["pidfd"]
+    if fd is not None:
+        import select
 
-    p = select.poll()
-    p.register(fd, select.POLLIN | select.POLLHUP)
-    return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
-
-
-def _rank_child(target, rank: int, ctrl: int, logs: str) -> int:
-    """A forked rank: the launcher's state it does not want, then `target()` as run_rank."""
-    import torch
-
-    _state.update(managed=True, rank=rank, ctrl=ctrl)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the rank's
-        signal.signal(sig, signal.SIG_DFL)
-    torch.random.default_generator.manual_seed(67280421310721)  # as in a fresh process
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, f"real_py-rank{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-    _watch_fd(ctrl)
-    return run_rank(target, rank, logs)
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(0))
+    return os.getppid() != pid
 
 
 def run_rank(target, rank: int, logs: str | None = None) -> int:
     """Run this rank's part of the job: `target()` -> exit code. An exception is written as the
     rank's failure record (liveness.record_failure) and its traceback to stderr, then one line;
-    returns 1. A rank of a launched job ends with os._exit (no interpreter teardown)."""
+    returns 1. A failed rank of a launched job then waits for the launcher to end it (it SIGKILLs
+    every rank once the others had FAIL_GRACE_S to write their records: an exit now would have
+    torchrun's agent SIGTERM them first), and leaves with os._exit (no interpreter teardown)."""
     from .. import liveness
 
-    if _ENV in os.environ and not _state["managed"]:  # exec'd by launch
-        info = json.loads(os.environ[_ENV])
-        logs = info["logs"]
-        _state.update(managed=True, rank=rank, ctrl=info["fd"])
-        _die_with_parent(info["launcher"])
-        _watch_fd(info["fd"])
     if _state["managed"]:
         import faulthandler
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the job on Ctrl-C
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log before a kill
     else:
         _watch_parent()
@@ -706,7 +855,12 @@ def run_rank(target, rank: int, logs: str | None = None) -> int:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        os._exit(code)
+        if code == 0:
+            return 0  # to the agent, which ends the ranks once all have returned
+        end = time.monotonic() + FAILED_WAIT_S
+        while time.monotonic() < end and not orphaned():
+            time.sleep(0.1)
+        os._exit(EXIT_ORPHANED if orphaned() else code)
     return code
 
 

@@ -6,8 +6,9 @@ run (metrics, checkpoints) is refused unless --resume continues it or --overwrit
 
 Without RANK in the environment, the command is the launcher of a one-node job (cli.job): it
 locks out_dir (a second job or a resume on it is refused, naming the holder's pid), validates
-the config once and starts <world_size> local ranks, forks of itself on CPU (fresh processes
-re-running this command on CUDA), each running the SPMD loop below; their output goes to
+the config once and starts <world_size> local ranks under torchrun's elastic agent, run in this
+process (c10d rendezvous on 127.0.0.1): forks of itself on CPU (fresh interpreters on CUDA),
+each running the SPMD loop below; their output goes to
 <out_dir>/logs/rank<r>.log (rank 0's stdout is shown too), and a failure anywhere ends the job
 with one line naming the rank, step, call and error. The ranks die with the launcher. Under an
 outside torchrun (several nodes) every rank runs the SPMD loop and rank 0 holds the lock.
@@ -15,6 +16,7 @@ outside torchrun (several nodes) every rank runs the SPMD loop and rank 0 holds 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sys
@@ -92,27 +94,26 @@ def _before_launch(cfg) -> None:
 
 
 def _launch(args, world: int) -> int:
-    """Run the job as `world` local ranks (cli.job.launch): forks of this process that run the
-    SPMD loop with the config validated here, or (CUDA) fresh processes re-invoking this
-    command with the same arguments."""
+    """Run the job as `world` local ranks under torchrun's elastic agent (cli.job.launch):
+    forks of this process that run the SPMD loop with the config validated here, or (CUDA)
+    fresh interpreters that read the config again (_spawned_rank)."""
+    import functools
+
     from . import job
 
     cfg, ckpt, validated = args.prepared
     if job.can_fork(cfg.device):
         _preimport()
-        return job.launch(world, cfg.out_dir, target=lambda: _spmd(args, cfg, ckpt, validated))
-    argv = ["train"] + list(args.overrides) + [x for k, v in (("--config", args.config), ("--steps", args.steps),
-                                         ("--out-dir", args.out_dir), ("--timeout", args.timeout))
-                        if v is not None for x in (k, str(v))]
-    if args.resume is not None:
-        argv += ["--resume"] + ([args.resume] if args.resume else [])
-    if args.no_progress:
-        argv.append("--no-progress")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return job.launch(world, cfg.out_dir, argv=argv, env=env,
+        return job.launch(world, cfg.out_dir, lambda: _spmd(args, cfg, ckpt, validated))
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("prepared", "func")})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return job.launch(world, cfg.out_dir, functools.partial(_spawned_rank, plain), fork=False,
                       what={"cuda": "NCCL processes", "cpu": "gloo processes"}.get(cfg.device, "processes"))
+
+
+def _spawned_rank(args) -> int:
+    """A rank in a fresh interpreter (spawn): the config read again, not validated again."""
+    return _rank(args)
 
 
 def _preimport() -> None:
@@ -129,7 +130,7 @@ def run(args) -> int:
     from ..rlhf.observe import check_no_links
     from . import job
 
-    if "RANK" in os.environ:  # a rank: started by cli.job.launch, or under an outside torchrun
+    if "RANK" in os.environ:  # a rank under an outside torchrun
         return job.run_rank(lambda: _rank(args), int(os.environ["RANK"]))
     try:
         cfg, ckpt = _config(args)
