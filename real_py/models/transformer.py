@@ -60,10 +60,12 @@ class WholeRMSNorm(nn.Module):
     def __init__(self, weight: nn.Parameter, eps: float, full: int, tp_group):
         super().__init__()
         self.weight, self.eps, self.full, self.tp_group = weight, eps, full, tp_group
+        self.single = tp_size(tp_group) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        ms = sum_over_tp(xf.pow(2).sum(-1, keepdim=True), self.tp_group) / self.full
+        sq = xf.pow(2).sum(-1, keepdim=True)
+        ms = (sq if self.single else sum_over_tp(sq, self.tp_group)) / self.full
         return (self.weight * (xf * torch.rsqrt(ms + self.eps))).to(x.dtype)
 
 
