@@ -2,10 +2,12 @@
 
     .venv/bin/python bench/bench_startup.py --base <commit> [--after <commit>] [--runs 5] [--steps 2]
                                             [--extension path/to/_C.cpython-*.so]
+                                            [--base-extension path/to/_C.cpython-*.so]
 
 Each side is a git worktree of its commit (--after defaults to HEAD) in a temporary folder, with
 the compiled extension copied in (--extension, default this checkout's; built from the two
-commits' csrc/, which must not differ). One untimed run per side first (byte-compiles the fresh
+commits' csrc/, which must not differ; when they do, --base-extension gives the base side one
+built from the base commit's csrc/: `python setup.py build_ext --inplace` in a worktree of it). One untimed run per side first (byte-compiles the fresh
 worktree); then the runs alternate (before, after, before, ...) so that load from other jobs on
 a shared machine hits both alike; each run is `python -m real_py train --steps N
 --no-progress` of the default job into a fresh out_dir, from the worktree's root. Phases come
@@ -86,18 +88,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--extension", help="the compiled extension to copy into both worktrees "
                     "(default: real_py/_C*.so of this checkout)")
+    ap.add_argument("--base-extension", help="the compiled extension for the base side, built from its own "
+                    "csrc/ (when csrc/ differs between the commits)")
     ap.add_argument("--out", help="results folder (default bench/results)")
     args = ap.parse_args()
     ext = [args.extension] if args.extension else glob.glob(os.path.join(ROOT, "real_py", "_C*.so"))
     if not ext:
         raise SystemExit("no compiled extension: run make build, or pass --extension")
     base, after = _git("rev-parse", "--short", args.base), _git("rev-parse", "--short", args.after)
-    if _git("diff", "--stat", base, after, "--", "csrc", "setup.py"):
-        raise SystemExit(f"csrc/ differs between {base} and {after}: the copied extension would not match one of them")
+    base_ext = [args.base_extension] if args.base_extension else ext
+    if not args.base_extension and _git("diff", "--stat", base, after, "--", "csrc", "setup.py"):
+        raise SystemExit(f"csrc/ differs between {base} and {after}: the copied extension would not match one of them "
+                         "(pass --base-extension)")
     tmp = tempfile.mkdtemp(prefix="bench_startup_")
     trees = {}
     try:
-        trees = {"before": _worktree(base, os.path.join(tmp, "before"), ext),
+        trees = {"before": _worktree(base, os.path.join(tmp, "before"), base_ext),
                  "after": _worktree(after, os.path.join(tmp, "after"), ext)}
         runs = {side: [] for side in trees}
         for side, tree in trees.items():

@@ -33,7 +33,7 @@ def ranks(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 
 def launch_torchrun(nproc: int, argv: list[str], env: dict, what: str) -> int:
-    """(`bench`; `train` has its own launcher, cli/job.py.)
+    """(`bench`; `train` runs torchrun's elastic agent itself, in its launcher: cli/job.py.)
     Run `python -m real_py <argv>` as ranks 0..nproc-1 of a single-node job under
     `torch.distributed.run --standalone` (torchrun: its c10d rendezvous, its worker monitoring:
     the first failing rank stops the others) and return the job's exit code.
