@@ -236,6 +236,7 @@ def main(argv=None):
                   + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
         extra["compiled"] = compile_states(rt)
         print("compiled:", extra["compiled"], flush=True)
+        report(args, cfg, rows, extra, small)
         if not args.no_estimate:
             # In this one-rank world, after the job: the job's memory is still held, as in a
             # run that calibrates beside its models.
@@ -258,6 +259,13 @@ def main(argv=None):
             extra["estimator"] = est_rows
             for r in est_rows:
                 print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    extra["complete"] = True
+    report(args, cfg, rows, extra, small)
+
+
+def report(args, cfg, rows: list[dict], extra: dict, small: bool) -> None:
+    """Write the report: once after the iterations (so a step cut during the calibrations still
+    leaves the per-call figures) and again with the estimator."""
     extra["config"] = CF.to_dict(cfg)
     notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
     hw = hardware_tag(args.device, small)
@@ -268,18 +276,23 @@ def main(argv=None):
             extra["baseline"], note = baseline_rows(base, cfg, rows)
             extra["baseline_file"] = base.name
             notes_est = note + notes_est
-            print(note, flush=True)
+            if extra.get("complete"):
+                print(note, flush=True)
         except (KeyError, ValueError, TypeError) as e:
             print(f"baseline {base}: not comparable ({type(e).__name__}: {e})", flush=True)
+    if not extra.get("complete"):
+        notes_est += "\n\nPARTIAL: written after the iterations; the estimator check had not run yet."
     paths = write_results("ppo", hw, rows,
                           columns=["iteration", "call", "seconds", "peak GiB"],
                           title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
                                 f"one {args.device} device",
                           notes="seconds: wall time of each call (generate includes the old log-probs "
                                 "pass); peak GiB: torch.cuda.max_memory_allocated during the call "
-                                "(0 on CPU). Iteration 0 includes warm-up." + notes_est,
+                                "(0 on CPU). Iteration 0 includes warm-up and compilation (decode step and "
+                                "train layers, torch.compile on CUDA)." + notes_est,
                           extra=extra, out_dir=args.out_dir)
-    print("wrote", *paths)
+    if extra.get("complete"):
+        print("wrote", *paths)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 #   build     the CUDA extension in place (no build isolation: against the installed torch)
 #   import    the CUDA kernels are registered and torch sees the GPU
 #   tests     pytest -m cuda (engines, bf16 train step, CUDA-graph decode, NCCL PPO on 1 GPU, ops)
-#   pack      pack/unpack GB/s against a device-to-device copy_ of the same bytes
-#   realloc   in-process reallocation of a 7B-shaped bf16 model between layouts on the GPU
+#   pack      strided copy GB/s per run-length class (>= 16 KiB goal 0.90, 2-16 KiB goal 0.85 of
+#             a device copy_ of the same bytes), per-call ops and compiled CopyPlans
+#   realloc   7B bf16 pairs and an MoE pair on the GPU, every rank a thread (one pass, compiled
+#             once), against copy_ of the same bytes (goal 0.7) and gather-and-slice (goal 3x)
+#   realloc_ipc  the same pairs with every rank a process on the GPU, CUDA IPC (goal 0.6)
 #   ppo       PPO iterations of a 1.1B actor + critic (bf16, fp32 master) on the GPU: seconds and
 #             peak memory per call against the previous report, and the estimator against them
 #             (datasheet profile and calibrate_gpu)
@@ -30,6 +33,8 @@
 #                                           its *_small reports stay in the raw folder
 #   GPU_CHECK_STEPS="build import tests pack profile" scripts/gpu_check.sh
 #                                           only those steps (env always runs; default: all)
+#   GPU_CHECK_STEPS="build import tests pack realloc realloc_ipc" scripts/gpu_check.sh
+#                                           the reallocation figures alone (about 6 minutes)
 # Environment: PYTHON (default python3), CUDA_HOME (default: found from nvcc), MAX_JOBS, TRL_WHEELS
 # (a folder of wheels for `pip install --no-index trl`; the trl step installs from it).
 set -uo pipefail
@@ -62,7 +67,7 @@ export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 # build). The system compiler links the shared libstdc++ that torch uses.
 if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 
-STEPS_KNOWN="build import tests pack realloc ppo generate trl profile"
+STEPS_KNOWN="build import tests pack realloc realloc_ipc ppo generate trl profile"
 for s in ${GPU_CHECK_STEPS:-}; do
   [[ " $STEPS_KNOWN " == *" $s "* ]] || { echo "gpu_check: GPU_CHECK_STEPS names '$s'; known: $STEPS_KNOWN" >&2; exit 2; }
 done
@@ -125,16 +130,19 @@ if [ "$DEVICE" = cuda ]; then
   fi
   step import 30 "$PY" -c "
 import torch, real_py.ops
-for op in ('pack', 'unpack'):
+for op in ('pack', 'unpack', 'copy_planned'):
     assert torch._C._dispatch_has_kernel_for_dispatch_key('real_py::' + op, 'CUDA'), op + ': no CUDA kernel'
 assert torch.cuda.is_available(), 'torch sees no GPU'
 print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
   step tests 170 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
 fi
 
-step pack 50 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$REPORTS"
-step realloc 60 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" $SMALL_FLAG --out-dir "$REPORTS"
-step ppo 200 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
+step pack 60 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$REPORTS"
+step realloc 150 "$PY" bench/bench_gpu_realloc.py --device "$DEVICE" --repeats 3 $SMALL_FLAG --out-dir "$REPORTS"
+if [ "$DEVICE" = cuda ]; then  # CUDA IPC: processes on one GPU (no CPU counterpart)
+  step realloc_ipc 120 "$PY" bench/bench_gpu_realloc.py --device cuda --transport ipc --repeats 3 $SMALL_FLAG --out-dir "$REPORTS"
+fi
+step ppo 240 "$PY" bench/bench_gpu_ppo.py --device "$DEVICE" --iters 3 $SMALL_FLAG --out-dir "$REPORTS"
 step generate 170 "$PY" bench/bench_generate.py --device "$DEVICE" --repeats 2 $SMALL_FLAG --out-dir "$REPORTS"
 TRL_WHEELS="${TRL_WHEELS:-$ROOT/bench/.cache/trl_wheels}"
 step trl 260 "$PY" bench/bench_trl.py --device "$DEVICE" $SMALL_FLAG --real-timeout 100 --trl-timeout 130 \
