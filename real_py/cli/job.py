@@ -54,6 +54,10 @@ LOCK_NAME = ".real_py.lock"
 """The lock file in out_dir: flock'ed by the job writing the directory, holding its pid."""
 LOCK_WAIT_S = 20.0
 """Seconds a new job waits for a lock whose launcher is gone (its ranks are exiting)."""
+WATCH_JOIN_S = 15.0
+"""Seconds the launcher waits for its watcher thread at the end of the job."""
+RANKS_GONE_S = 10.0
+"""Seconds the launcher waits for killed ranks to be gone before it releases the run directory."""
 FAIL_GRACE_S = 1.0
 """Seconds the launcher gives the other ranks to write their records after the first failure."""
 USER_WARN_S = float(os.environ.get("REAL_PY_USER_WARN_S", "10"))
@@ -152,11 +156,13 @@ def unlock() -> None:
     fd, path, made = _lock["fd"], _lock["path"], _lock["made"]
     if fd is None:
         return
+    keep = _lock.pop("keep_file", False)
     _lock.update(fd=None, path=None, made=None)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+    if not keep:  # a live rank still holds the file's lock: a new job must find that file
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     os.close(fd)
     if made:
         try:
@@ -242,6 +248,7 @@ class _Job:
         self.over = threading.Event()     # the agent has returned
         self.ended = threading.Event()    # the watcher has ended the ranks (or they all ended)
         self.lock = threading.RLock()
+        self.alive: list[int] = []      # pids of ranks still alive after the end (see _wait_ranks_gone)
 
     # -------------------------------------------------------------- start
 
@@ -377,8 +384,12 @@ class _Job:
         finally:
             self.over.set()
             if watcher is not None:
-                watcher.join()
+                watcher.join(WATCH_JOIN_S)
+                if watcher.is_alive():
+                    print(f"real_py: the job's watcher did not stop within {WATCH_JOIN_S:.0f} s", file=sys.stderr,
+                          flush=True)
             self._kill_all()
+            self._wait_ranks_gone(RANKS_GONE_S)
             self._drain(1.0)
             for fd in self.writers:
                 os.close(fd)
@@ -401,6 +412,25 @@ class _Job:
                 rk.code, rk.ended = f.exitcode, rk.ended or time.time()
         return self._report()
 
+    def _wait_ranks_gone(self, timeout: float) -> None:
+        """Wait until every started rank has exited (its pidfd readable), so that the run
+        directory's lock is released only when no rank can write any more; a rank still alive
+        after `timeout` (uninterruptible sleep) keeps the lock file in place (see `unlock`)."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        for rk in self.ranks:
+            if rk.pidfd is None:
+                continue
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([rk.pidfd], [], [], max(left, 0.0))
+            if not ready:
+                self.alive.append(rk.pid)
+        if self.alive:
+            print(f"real_py: ranks with pids {self.alive} are still alive {timeout:.0f} s after being killed; "
+                  f"the lock on the run directory stays until they are gone", file=sys.stderr, flush=True)
+            _lock["keep_file"] = True
+
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signum
@@ -409,8 +439,20 @@ class _Job:
     # -------------------------------------------------------------- watch
 
     def _watch(self) -> None:
-        """The watcher thread: the ranks' output into their logs, their pids, their ends, the
-        failure records and heartbeats; ends the job on a failure."""
+        """The watcher thread (see _watch_loop). An error inside it ends the job with one line
+        instead of leaving the ranks' pipes undrained (a rank would block in print)."""
+        try:
+            self._watch_loop()
+        except BaseException as e:  # noqa: BLE001 - reported, then the job ends
+            print(f"real_py: the job's watcher failed ({type(e).__name__}: {e}); ending the job", file=sys.stderr,
+                  flush=True)
+            self.signal = self.signal or signal.SIGTERM
+            self._kill_all(stacks=False)
+            self._drain(2.0)
+
+    def _watch_loop(self) -> None:
+        """The ranks' output into their logs, their pids, their ends, the failure records and
+        heartbeats; ends the job on a failure."""
         import selectors
 
         sel = selectors.DefaultSelector()
@@ -439,8 +481,9 @@ class _Job:
                 self._poll()
             if self.ended.is_set():
                 continue
-            if self.failing is None and (self.records or any(rk.code not in (None, 0) or (rk.ended and rk.code is None)
-                                                             for rk in self.ranks)):
+            # An exit whose status the agent reaped first (code unknown) is no failure by itself:
+            # ranks that return 0 are reaped at once, and a failed one the agent reports.
+            if self.failing is None and (self.records or any(rk.code not in (None, 0) for rk in self.ranks)):
                 self.failing = now
             if self.failing is not None and now - self.failing >= FAIL_GRACE_S:
                 self._poll()
@@ -509,7 +552,10 @@ class _Job:
             os.close(fd)
             del self.streams[fd]
             return False
-        os.write(rk.log, data)
+        try:
+            os.write(rk.log, data)
+        except OSError:  # a full disk: keep draining (the tail below still names the cause)
+            pass
         rk.tail = (rk.tail + data)[-4096:]
         if console:
             try:
