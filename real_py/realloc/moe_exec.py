@@ -103,6 +103,7 @@ class MoeReallocator:
             self.runner = RoundRunner(transport, lanes, self.opts)
         # Schedules kept for the byte counts either way.
         self.schedules = [lane.schedule for lane in lanes]
+        self._bytes: dict | None = None
 
     def _entries(self, p: int, rs: RankSchedule) -> list[Entry]:
         """One-pass entries of part p: its received chunks and local copies, expert parts'
@@ -170,7 +171,9 @@ class MoeReallocator:
             # Every send of this rank completed (waited in run), so nothing reads them any more.
             shard.flat.untyped_storage().resize_(0)
             experts.flat.untyped_storage().resize_(0)
-        return {"rank": self.rank, **schedule_bytes(self.schedules, self.plan.model.element_size),
+        if self._bytes is None:  # counted once: a replayed move does no work per chunk
+            self._bytes = schedule_bytes(self.schedules, self.plan.model.element_size)
+        return {"rank": self.rank, **self._bytes,
                 **stats, "parts": len(self.plan.parts), "lanes": len(self.schedules),
                 "seconds": time.perf_counter() - t0}
 
