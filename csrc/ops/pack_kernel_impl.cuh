@@ -20,6 +20,7 @@
 // times the instructions per byte. The second load of a lane is the first load of its
 // neighbour, so it hits L1: DRAM traffic is the bytes copied. No load touches a 16-byte word
 // without a byte of the run in it, so nothing is read outside the source buffer's allocation.
+// Runs of at most 1 KiB in a group item go to groups of 16 or 8 lanes (lanes_per_run).
 #pragma once
 
 #include <cstdint>
@@ -79,66 +80,79 @@ REAL_PY_HD Word16 realign(const Word16& a, const Word16& b, int bits) {
 }
 
 // Lane `lane` of a warp: its share of nw 16-byte words d[j] = source bytes at s + 16 j, for a
-// 16-byte aligned d and a source whose address is sa + delta (sa aligned, 0 < delta < 16).
+// 16-byte aligned d and a source whose address is sa + delta (sa aligned, 0 < delta < 16); lanes
+// lane, lane + width, ... of a group of `width` lanes.
 template <int Q>
 REAL_PY_HD void copy_realigned(Word16* __restrict__ d, const Word16* __restrict__ sa, int64_t nw,
-                               int bits, int lane) {
+                               int bits, int lane, int width) {
   int64_t j = lane;
-  for (; j + 32 * (kUnroll - 1) < nw; j += 32 * kUnroll) {
+  for (; j + width * (kUnroll - 1) < nw; j += width * kUnroll) {
     Word16 a[kUnroll], b[kUnroll];
 REAL_PY_UNROLL
-    for (int u = 0; u < kUnroll; ++u) a[u] = sa[j + 32 * u], b[u] = sa[j + 32 * u + 1];
+    for (int u = 0; u < kUnroll; ++u) a[u] = sa[j + width * u], b[u] = sa[j + width * u + 1];
 REAL_PY_UNROLL
-    for (int u = 0; u < kUnroll; ++u) d[j + 32 * u] = realign<Q>(a[u], b[u], bits);
+    for (int u = 0; u < kUnroll; ++u) d[j + width * u] = realign<Q>(a[u], b[u], bits);
   }
-  for (; j < nw; j += 32) d[j] = realign<Q>(sa[j], sa[j + 1], bits);
+  for (; j < nw; j += width) d[j] = realign<Q>(sa[j], sa[j + 1], bits);
 }
 
-REAL_PY_HD void copy_aligned(Word16* __restrict__ d, const Word16* __restrict__ s, int64_t nw, int lane) {
+REAL_PY_HD void copy_aligned(Word16* __restrict__ d, const Word16* __restrict__ s, int64_t nw, int lane,
+                             int width) {
   int64_t j = lane;
-  for (; j + 32 * (kUnroll - 1) < nw; j += 32 * kUnroll) {
+  for (; j + width * (kUnroll - 1) < nw; j += width * kUnroll) {
     Word16 v[kUnroll];
 REAL_PY_UNROLL
-    for (int u = 0; u < kUnroll; ++u) v[u] = s[j + 32 * u];
+    for (int u = 0; u < kUnroll; ++u) v[u] = s[j + width * u];
 REAL_PY_UNROLL
-    for (int u = 0; u < kUnroll; ++u) d[j + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u) d[j + width * u] = v[u];
   }
-  for (; j < nw; j += 32) d[j] = s[j];
+  for (; j < nw; j += width) d[j] = s[j];
 }
 
-// Lane `lane`'s share of copying n bytes s -> d (all 32 lanes of the warp call it alike).
-REAL_PY_HD void warp_copy_run(char* __restrict__ d, const char* __restrict__ s, int64_t n, int lane) {
+// Lane `lane` of a group of `width` lanes (32: the whole warp): its share of copying n bytes
+// s -> d (every lane of the group calls it alike).
+REAL_PY_HD void warp_copy_run(char* __restrict__ d, const char* __restrict__ s, int64_t n, int lane,
+                              int width = 32) {
   const int64_t head = (16 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) & 15)) & 15;
   const int64_t h = head < n ? head : n;
-  if (lane < h) d[lane] = s[lane];
+  for (int64_t k = lane; k < h; k += width) d[k] = s[k];
   d += h, s += h, n -= h;
   const int64_t nw = n >> 4;
   if (nw > 0) {
     const int delta = static_cast<int>(reinterpret_cast<uintptr_t>(s) & 15);
     Word16* dw = reinterpret_cast<Word16*>(d);
     if (delta == 0) {
-      copy_aligned(dw, reinterpret_cast<const Word16*>(s), nw, lane);
+      copy_aligned(dw, reinterpret_cast<const Word16*>(s), nw, lane, width);
     } else {
       const Word16* sa = reinterpret_cast<const Word16*>(s - delta);
       const int bits = (delta & 3) * 8;
       switch (delta >> 2) {
-        case 0: copy_realigned<0>(dw, sa, nw, bits, lane); break;
-        case 1: copy_realigned<1>(dw, sa, nw, bits, lane); break;
-        case 2: copy_realigned<2>(dw, sa, nw, bits, lane); break;
-        default: copy_realigned<3>(dw, sa, nw, bits, lane); break;
+        case 0: copy_realigned<0>(dw, sa, nw, bits, lane, width); break;
+        case 1: copy_realigned<1>(dw, sa, nw, bits, lane, width); break;
+        case 2: copy_realigned<2>(dw, sa, nw, bits, lane, width); break;
+        default: copy_realigned<3>(dw, sa, nw, bits, lane, width); break;
       }
     }
   }
-  const int64_t t = n - (nw << 4);
-  if (lane < t) d[(nw << 4) + lane] = s[(nw << 4) + lane];
+  for (int64_t k = (nw << 4) + lane; k < n; k += width) d[k] = s[k];
+}
+
+// Lanes per run for an item's runs: short runs of a group item split the warp into groups of 8
+// or 16 lanes, one run per group at a time, so a 256-byte run (16 words) keeps 8 lanes busy with
+// two words each instead of 32 lanes with 16 idle, and 4 runs are in flight per warp: short runs
+// (row-split pieces at high tensor parallelism, MoE expert pieces) are bound by loads in flight.
+REAL_PY_HD int lanes_per_run(const CopyItem& it) {
+  return it.count == 1 ? 32 : it.bytes <= 256 ? 8 : it.bytes <= 1024 ? 16 : 32;
 }
 
 // Lane `lane`'s share of one work item.
 REAL_PY_HD void warp_copy_item(const CopyItem& it, const BufTable& bufs, int lane) {
   const char* s = bufs.src[it.src_buf] + it.src;
   char* d = bufs.dst[it.dst_buf] + it.dst;
-  for (int32_t r = 0; r < it.count; ++r, s += it.src_stride, d += it.dst_stride) {
-    warp_copy_run(d, s, it.bytes, lane);
+  const int width = lanes_per_run(it), groups = 32 / width, g = lane / width;
+  s += g * it.src_stride, d += g * it.dst_stride;
+  for (int32_t r = g; r < it.count; r += groups, s += groups * it.src_stride, d += groups * it.dst_stride) {
+    warp_copy_run(d, s, it.bytes, lane % width, width);
   }
 }
 
