@@ -1,120 +1,297 @@
-"""In-process reallocation of a LLaMA-2-7B-shaped bf16 model between layouts on one device.
+"""Reallocation between layouts with every rank on ONE device, against a copy of the same bytes
+and against the gather-and-slice method, bit for bit.
 
-Every rank of both layouts is a thread of this process with its shard on the same device; the
-real_py in-process transport hands chunks over by a device-to-device copy, so a run measures the
-planner's schedule, the pack / unpack kernels and the copies, without a network. GB/s counts the
-bytes written into the destination shards (each destination byte once) over the wall time of
-one reallocation (median of --repeats after one untimed run, which is checked bit for bit against
-slicing the full tensors). The reference copies min(bytes moved, 4 GiB) with one contiguous
-copy_ on the same device; vs copy_ is the ratio of the two GB/s.
+Pairs: the 7B bf16 pairs tp4pp1 -> tp2pp2, tp2pp2 -> dp4tp1pp1, tp8 -> tp1, and an MoE pair
+dp4,ep4 -> tp4,etp4 (training-style expert parallelism to experts split by tensor parallelism).
+Models: on a GPU LLaMA-2-7B and Qwen3-30B-A3B cut to 12 layers (7.6B); on a CPU scaled-down
+shapes that fit a 24 GiB machine (`--device cpu`, default: a 0.94B LLaMA shape with 16 heads so
+that tp8 divides them, and a 0.43B Qwen3-MoE shape); `--small`: tiny models (smoke run).
+Methods (--transport):
+  inprocess   every rank a thread of this process, the in-process transport, one pass
+              (realloc/direct.py: one compiled copy per receiving rank and move), compiled once
+              (InProcessMove) and replayed: rows "threads" (a worker thread per rank) and
+              "one thread" (the phases of every rank in the calling thread)
+  ipc         every rank its own process on the same GPU, CUDA IPC (transports/ipc.py)
+  gather-slice  the peers' method on the same device (onedevice.GatherSlice): each tensor
+              gathered whole, then every destination piece sliced out of it
+Reference: one contiguous copy of the same bytes on the same device (GPU: copy_ of min(bytes,
+4 GiB); CPU: one numpy memcpy of min(bytes, 1 GiB), single-threaded, as the goal states).
+GB/s counts the bytes written into the destination shards (each once) over the median wall
+time of one move (synchronized on a GPU); every method's result is checked against slices of
+the full tensors (onedevice.check). Extra memory: beyond the source and destination shards,
+measured on a GPU (peak allocated minus the shards) and computed on a CPU (copy tables; the
+baseline's largest gathered tensor). Host work: the one-thread row's wall time minus the time
+inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no sync inside).
 
-    python bench/bench_gpu_realloc.py --device cuda               # 7B bf16, 88 GiB peak on the H200 (dp4)
-    python bench/bench_gpu_realloc.py --device cpu --small        # smoke run, tiny model
-Writes <out-dir>/realloc_<hw>_<date>.{json,md}; on a CPU only with --small (realloc_cpu<cores>_<date>
-is bench_realloc.py's gloo report).
+    python bench/bench_gpu_realloc.py --device cuda [--transport ipc]  -> realloc_<transport>_<gpu>_<date>
+    python bench/bench_gpu_realloc.py --device cpu                     -> realloc_inprocess_cpu<n>_<date>
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from timing import hardware_tag, time_fn, write_results  # noqa: E402
+from onedevice import GatherSlice, Shards, check, fill  # noqa: E402
+from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset  # noqa: E402
-from real_py.device import peak_memory_mib, reset_peak_memory  # noqa: E402
-from real_py.realloc.shard import ModelShard, gather_full  # noqa: E402
+from real_py.realloc.inprocess_move import InProcessMove  # noqa: E402
+from real_py.realloc.moe_plan import plan_moe_realloc  # noqa: E402
 from real_py.realloc.transports import InProcessHub  # noqa: E402
-from real_py.realloc.reallocator import run_in_process
 
-PAIRS = [("tp4pp1->tp2pp2", Layout(tp=4), Layout(tp=2, pp=2)),
-         ("tp2pp2->dp4tp1pp1", Layout(tp=2, pp=2), Layout(dp=4)),
-         ("tp8->tp1", Layout(tp=8), Layout(tp=1))]
+PAIRS = [("tp4pp1->tp2pp2", "tp4", "tp2,pp2"), ("tp2pp2->dp4tp1pp1", "tp2,pp2", "dp4"), ("tp8->tp1", "tp8", "tp1")]
+MOE_PAIR = ("dp4ep4->tp4etp4", "dp4,ep4", "tp4,etp4")
+GOALS = {("cuda", "inprocess"): 0.7, ("cuda", "ipc"): 0.6, ("cpu", "inprocess"): 0.7}
 
 
-def config(small: bool) -> ModelConfig:
+def models(device: str, small: bool):
     if small:
-        return ModelConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8,
-                           num_key_value_heads=8, vocab_size=1024, num_hidden_layers=4, dtype="bfloat16")
-    return preset("llama2-7b", dtype="bfloat16")
+        dense = ModelConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=8,
+                            vocab_size=1024, num_hidden_layers=4, dtype="bfloat16")
+        moe = preset("moe-tiny", dtype="bfloat16")
+        return model_spec(dense, "small"), model_spec(moe, "moe-tiny")
+    if device == "cuda":
+        return (model_spec(preset("llama2-7b", dtype="bfloat16"), "llama2-7b"),
+                model_spec(preset("qwen3-30b-a3b", num_hidden_layers=12), "qwen3-30b-a3b[12 layers]"))
+    dense = ModelConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
+                        vocab_size=32000, num_hidden_layers=16, dtype="bfloat16")
+    moe = preset("qwen3-30b-a3b", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                 num_hidden_layers=8, num_experts=32, moe_intermediate_size=384, vocab_size=32000)
+    return model_spec(dense, "llama-shape-0.9b"), model_spec(moe, "qwen3-moe-shape-0.4b")
 
 
-def sources(model, layout, device) -> dict[int, ModelShard]:
-    """Shards whose flat buffers hold arange patterns (distinct per rank, cheap to make)."""
-    out = {}
-    for r in layout.ranks:
-        shard = ModelShard.empty(model, layout, r, device)
-        shard.flat.copy_(torch.arange(shard.flat.numel(), device=device).remainder_(251)
-                         .to(shard.flat.dtype))
-        out[r] = shard
-    return out
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev, repeats: int) -> tuple[float, list[float]]:
+    fn()  # warm-up
+    sync(dev)
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def reference_gbps(nbytes: int, dev, repeats: int) -> float:
+    """One contiguous copy of min(nbytes, cap) on the device; numpy's memcpy on a CPU."""
+    cap = (4 << 30) if dev.type == "cuda" else (1 << 30)
+    n = min(nbytes, cap)
+    if dev.type == "cuda":
+        a = torch.empty(n // 2, dtype=torch.int16, device=dev)
+        b = torch.empty_like(a)
+        fn = lambda: b.copy_(a)  # noqa: E731
+    else:
+        a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+        fn = lambda: np.copyto(b, a)  # noqa: E731
+    med, _ = timed(fn, dev, repeats)
+    del a, b
+    return n / med / 1e9
+
+
+def make_plan(model, src: Layout, dst: Layout):
+    return plan_moe_realloc(model, src, dst) if model.num_experts else plan_realloc(model, src, dst)
+
+
+def shard_args(shards: Shards) -> dict:
+    """rank -> what InProcessMove.run takes: a ModelShard, or (ModelShard, ExpertShard)."""
+    if shards.experts:
+        return {r: (shards.dense[r], shards.experts[r]) for r in shards.dense}
+    return dict(shards.dense)
+
+
+def zero(shards: Shards) -> None:
+    for r in shards.dense:
+        for f in shards.flats(r):
+            if f is not None:
+                f.zero_()
+
+
+def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
+    """The in-process moves (threads, one thread), the reference copy and gather-and-slice, timed
+    round-robin within every repeat (so load from other processes hits them alike)."""
+    srcs, dsts = Shards(model, src, dev), Shards(model, dst, dev)
+    fill(srcs)
+    nbytes, shard_bytes = dsts.nbytes(), srcs.nbytes() + dsts.nbytes()
+    base = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30}
+    sa, da = shard_args(srcs), shard_args(dsts)
+    moves, info = {}, {}
+    for threads in (True, False):
+        key = "in-process, " + ("threads" if threads else "one thread")
+        t0 = time.perf_counter()
+        moves[key] = InProcessMove(InProcessHub(timeout=600), make_plan(model, src, dst), threads=threads)
+        zero(dsts)
+        moves[key].run(sa, da)  # compiles the copies (first call), checked here
+        sync(dev)
+        info[key] = {"compile s": time.perf_counter() - t0, "bit-exact": check(dsts), "host": [],
+                     "tables": sum(x.runner.table_bytes for x in moves[key].reallocs.values()),
+                     "launches": sum(len(p.groups) for x in moves[key].reallocs.values() for p in x.runner._plans.values())}
+    gs = GatherSlice(srcs, dsts)
+    zero(dsts)
+    gs.run()
+    sync(dev)
+    gs_ok = check(dsts)
+    ref_fn, ref_bytes = reference(nbytes, dev)
+    fns = {"ref": ref_fn, **{k: (lambda m=m: m.run(sa, da)) for k, m in moves.items()}, "gather-slice": gs.run}
+    times = {k: [] for k in fns}
+    peak = {}
+    for k, fn in fns.items():  # warm-up (and the peak memory of each, on a GPU)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        sync(dev)
+        if dev.type == "cuda":
+            peak[k] = torch.cuda.max_memory_allocated(dev) - shard_bytes
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            sync(dev)
+            t0 = time.perf_counter()
+            out = fn()
+            issued = time.perf_counter() - t0
+            sync(dev)
+            times[k].append(time.perf_counter() - t0)
+            if k in moves:  # host work: GPU, the time to issue; CPU, the wall time outside the copies
+                copy_s = sum(st["phases"]["unpack"] for st in out.values())
+                info[k]["host"].append((issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s)))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ref = ref_bytes / med["ref"] / 1e9
+    gbps = {k: nbytes / med[k] / 1e9 for k in moves}
+    g_gbps = nbytes / med["gather-slice"] / 1e9
+    rows = []
+    for k in moves:
+        host = statistics.median(h for _, h in info[k]["host"])
+        share = statistics.median(h / w for w, h in info[k]["host"]) if dev.type == "cpu" else host / med[k]
+        extra = peak.get(k, info[k]["tables"])
+        rows.append({**base, "method": k, "seconds": med[k], "GB/s": gbps[k], "ref GB/s": ref, "vs ref": gbps[k] / ref,
+                     "goal": goal, "met": "yes" if gbps[k] / ref >= goal else "NO", "vs gather-slice": gbps[k] / g_gbps,
+                     "bit-exact": info[k]["bit-exact"], "launches": info[k]["launches"], "extra MiB": extra / 2**20,
+                     "extra how": "measured" if k in peak else "copy tables (computed)", "host ms": host * 1e3,
+                     "host / move": share, "compile s": info[k]["compile s"]})
+        moves[k].close()
+    rows.append({**base, "method": "gather-slice", "seconds": med["gather-slice"], "GB/s": g_gbps, "ref GB/s": ref,
+                 "vs ref": g_gbps / ref, "bit-exact": gs_ok, "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
+                 "extra how": "measured" if peak else "largest tensor (computed)"})
+    for r in rows:
+        print(r, flush=True)
+    del srcs, dsts, moves, gs, sa, da, ref_fn
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def reference(nbytes: int, dev):
+    """One contiguous copy of min(nbytes, cap) on the device (copy_), numpy's memcpy on a CPU:
+    (fn, bytes it copies)."""
+    cap = (4 << 30) if dev.type == "cuda" else (1 << 30)
+    n = min(nbytes, cap)
+    if dev.type == "cuda":
+        a = torch.empty(n // 2, dtype=torch.int16, device=dev)
+        b = torch.empty_like(a)
+        return (lambda: b.copy_(a)), n
+    a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    return (lambda: np.copyto(b, a)), n
+
+
+def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
+    """The gather-and-slice method on the same device (onedevice.GatherSlice), checked."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    srcs, dsts = Shards(model, src, dev), Shards(model, dst, dev)
+    fill(srcs)
+    nbytes, shard_bytes = dsts.nbytes(), srcs.nbytes() + dsts.nbytes()
+    base_run = GatherSlice(srcs, dsts)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    med, _ = timed(base_run.run, dev, repeats)
+    extra = (torch.cuda.max_memory_allocated(dev) - shard_bytes) if dev.type == "cuda" else base_run.extra_bytes
+    gbps = nbytes / med / 1e9
+    row = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30, "method": "gather-slice",
+           "seconds": med, "GB/s": gbps, "ref GB/s": ref, "vs ref": gbps / ref, "bit-exact": check(dsts),
+           "extra MiB": extra / 2**20, "extra how": "measured" if dev.type == "cuda" else "largest tensor (computed)"}
+    print(row, flush=True)
+    del srcs, dsts, base_run
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--small", action="store_true", help="tiny model (smoke run)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transport", choices=("inprocess", "ipc"), default="inprocess")
+    ap.add_argument("--small", action="store_true", help="tiny models (smoke run)")
+    ap.add_argument("--pairs", nargs="*", default=None, help="pair names to run (default: all)")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible to torch")
-    if args.device == "cpu" and not args.small:
-        ap.error("--device cpu takes --small: the 7B model's layouts need ~90 GB, and a cpu report "
-                 "would replace bench_realloc.py's realloc_cpu<cores>_<date>")
-    cfg = config(args.small)
-    model = model_spec(cfg, name="llama2-7b" if not args.small else "small")
+    if args.transport == "ipc" and args.device != "cuda":
+        raise SystemExit("--transport ipc needs --device cuda (CUDA IPC)")
     dev = torch.device(args.device)
+    dense, moe = models(args.device, args.small)
+    pairs = [(n, dense, Layout.parse(s), Layout.parse(d)) for n, s, d in PAIRS]
+    pairs.append((MOE_PAIR[0], moe, Layout.parse(MOE_PAIR[1]), Layout.parse(MOE_PAIR[2])))
+    pairs = [p for p in pairs if args.pairs is None or p[0] in args.pairs]
+    goal = GOALS[(args.device, args.transport)]
     rows = []
-    for name, src, dst in PAIRS:
-        plan = plan_realloc(model, src, dst)
-        srcs = sources(model, src, dev)
-        dsts = {r: ModelShard.empty(model, dst, r, dev) for r in dst.ranks}
-        nbytes = sum(s.flat.numel() * s.flat.element_size() for s in dsts.values())
-        hub = InProcessHub(timeout=600)
-        run_in_process(hub, plan, srcs, dsts)  # warm-up, and the run that is checked
-        # Oracle: the destination shards, gathered, equal the sources gathered (bit for bit).
-        want, got = gather_full(model, srcs.values()), gather_full(model, dsts.values())
-        ok = all(torch.equal(want[k], got[k]) for k in want)
-        del want, got
-
-        def run():
-            run_in_process(hub, plan, srcs, dsts)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-
-        t = time_fn(run, device="cpu", warmup=0, repeats=args.repeats)
-        # The reference copies min(nbytes, 4 GiB): a copy that size already runs at the device's
-        # bandwidth, and a copy of all the bytes (50 GiB for dp4 of 7B) beside the shards would not fit.
-        cbytes = min(nbytes, 4 << 30)
-        a = torch.empty(cbytes // 2, dtype=torch.bfloat16, device=dev)
-        b = torch.empty_like(a)
-        tc = time_fn(lambda: b.copy_(a), device=args.device, warmup=1, repeats=args.repeats)
-        rows.append({"pair": name, "GiB moved": nbytes / 2**30, "seconds": t.median_s,
-                     "GB/s": t.gbps(nbytes), "copy_ GB/s": tc.gbps(cbytes),
-                     "vs copy_": t.gbps(nbytes) / tc.gbps(cbytes), "bit-exact": ok,
-                     "peak GiB": peak_memory_mib(dev) / 1024})
-        print(rows[-1], flush=True)
-        del srcs, dsts, a, b, hub
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        reset_peak_memory(dev)
-    paths = write_results("realloc", hardware_tag(args.device, args.small),
-                          rows, columns=list(rows[0]),
-                          title=f"in-process reallocation, {model.name} bf16 ({args.device})",
-                          notes="GB/s = destination bytes / median wall time of one reallocation "
-                                "(all ranks as threads on one device, in-process transport); copy_ = "
-                                "one contiguous device copy of min(bytes, 4 GiB) (GB/s counts them once "
-                                "too); vs copy_ = GB/s / copy_ GB/s.", out_dir=args.out_dir)
+    for name, model, src, dst in pairs:
+        if args.transport == "inprocess":
+            rows += inprocess_rows(name, model, src, dst, dev, args.repeats, goal)
+        else:
+            ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
+            from ipc_bench import ipc_rows
+            got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
+            rows += got + [gather_row(name, model, src, dst, dev, args.repeats, ref)]
+            got[0]["vs gather-slice"] = got[0]["GB/s"] / rows[-1]["GB/s"]
+    cols = ["pair", "model", "method", "GiB moved", "seconds", "GB/s", "ref GB/s", "vs ref", "goal", "met",
+            "vs gather-slice", "bit-exact", "launches", "extra MiB", "extra how", "host ms", "host / move", "compile s"]
+    ref_name = "one device copy_ of min(bytes, 4 GiB)" if dev.type == "cuda" else "one numpy memcpy of min(bytes, 1 GiB)"
+    notes = (f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a warm-up; "
+             f"the first call compiles, `compile s`; in process, the moves, the reference and gather-slice are timed "
+             f"round-robin within each repeat); ref = {ref_name}, same device; goal: vs ref >= {goal}. "
+             "vs gather-slice: against each tensor gathered whole and sliced (bench/onedevice.py). bit-exact: "
+             "every destination piece equals the slice of its full tensor. extra MiB: memory beyond the "
+             "source and destination shards. host ms: GPU, the host time to issue one replayed move (goal "
+             "<= 1 ms); CPU, a replayed move's wall time minus the time inside its copy calls (one at a time "
+             "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank).")
+    paths = write_results(f"realloc_{args.transport}", hardware_tag(args.device, args.small), rows, columns=cols,
+                          title=f"reallocation on one device ({args.transport}, {args.device})", notes=notes,
+                          out_dir=args.out_dir)
     print("wrote", *paths)
+
+
+def _dst_bytes(model, layout: Layout) -> int:
+    from real_py.layout import expert_shard_layout, shard_layout
+
+    es = model.element_size
+    total = 0
+    for r in layout.ranks:
+        _, _, stage = layout.coords(r)
+        total += shard_layout(model, layout, stage).numel * es
+        if model.num_experts:
+            c = layout.expert_coords(r)
+            total += expert_shard_layout(model, layout, c[3], c[1]).numel * es
+    return total
 
 
 if __name__ == "__main__":
