@@ -14,7 +14,7 @@ alone, which is what the transports' per-pair matching needs (transports/base.py
 
 Compiled once: each merged round's layout (round_layout.py: staging offsets, messages) is built
 at construction, and its pack and unpack are each ONE compiled copy over every lane
-(ops.CopyPlan, descriptor tables kept on the device, built on the first run per staging slot),
+(ops.CopyPlan, descriptor tables kept on the device, built on the first run),
 so a round costs one pack launch, one post and one unpack launch.
 
 Staging: `inflight` slots (1 without pipelining, 2 by default, 3 allowed), each holding one
@@ -147,14 +147,12 @@ class RoundRunner:
         self.staging: torch.Tensor | None = None
         self._plans: dict[tuple, CopyPlan] = {}
 
-    def _plan(self, key: tuple, rows: np.ndarray, base_col: int | None, base: int, like) -> CopyPlan:
-        """The compiled copy of `rows` with staging offsets (column base_col) moved by `base`."""
-        full = (key, base, str(like.device))
+    def _plan(self, key: tuple, rows: np.ndarray, like) -> CopyPlan:
+        """The compiled copy of `rows` on `like`'s device (built on first use; staging offsets
+        count from the slot passed at run time, so one plan serves every slot)."""
+        full = (key, str(like.device))
         p = self._plans.get(full)
         if p is None:
-            if base_col is not None and base:
-                rows = rows.copy()
-                rows[:, base_col] += base
             p = self._plans[full] = CopyPlan(rows, like.element_size(), device=like.device)
         return p
 
@@ -192,7 +190,7 @@ class RoundRunner:
                 nonlocal local_s
                 t = clock()
                 if len(self.local):
-                    self._plan(("local",), self.local, None, 0, like).run(srcs, dsts)
+                    self._plan(("local",), self.local, like).run(srcs, dsts)
                 local_s += clock() - t
 
             def complete(p):
@@ -233,7 +231,7 @@ class RoundRunner:
                 if lay.staged:
                     staging = self._staging(like)[slot * self.half:(slot + 1) * self.half]
                     if len(lay.pack):
-                        self._plan(("pack", k), lay.pack, 1, 0, like).run(srcs, [staging])
+                        self._plan(("pack", k), lay.pack, like).run(srcs, [staging])
                 sends, recvs = self._tensors(lay.sends, lay.recvs, srcs, dsts, staging)
                 row[1] += clock() - t
                 posted += 1
@@ -300,7 +298,7 @@ class RoundRunner:
                         f"from peer rank {sender}: sender computed {int(want.item())}, received "
                         f"data gives {int(got.item())}")
         if len(lay.unpack):
-            self._plan(("unpack", k), lay.unpack, 0, 0, like).run([staging], dsts)
+            self._plan(("unpack", k), lay.unpack, like).run([staging], dsts)
 
 
 __all__ = ["RoundRunner", "RoundOptions", "Lane", "checksum"]
