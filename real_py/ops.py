@@ -71,6 +71,9 @@ def unpack(packed: torch.Tensor, descs: torch.Tensor, dst: torch.Tensor) -> None
     torch.ops.real_py.unpack(packed, descs, dst)
 
 
+_CPU_ITEM_BYTES = 16 << 10
+
+
 class CopyPlan:
     """A strided copy compiled once and replayed: `run(srcs, dsts)` copies every run of `descs`.
 
@@ -100,7 +103,11 @@ class CopyPlan:
             a, b = (key // 65536) * 64, (key % 65536) * 64
             part[:, 6] -= a
             part[:, 7] -= b
-            items, bounds, nbytes = _C.copy_plan(part, self.element_size, item_bytes)
+            # A CPU runs items in tasks of ~256 KiB on a few threads: the largest items (16 KiB)
+            # cost the least per byte there; a GPU gets smaller ones for small plans (one warp
+            # each, enough of them to fill the device: csrc/ops/copy_items.cpp).
+            ib = item_bytes or (_CPU_ITEM_BYTES if self.device.type == "cpu" else 0)
+            items, bounds, nbytes = _C.copy_plan(part, self.element_size, ib)
             if nbytes == 0:
                 continue
             self.bytes += nbytes
