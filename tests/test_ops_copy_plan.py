@@ -163,3 +163,28 @@ def test_copy_plan_cuda_matches_cpu(dtype):
         plan.run(off, got)
         torch.cuda.synchronize()
         assert all(torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_plan_cuda_reads_a_source_on_another_gpu():
+    """Destinations on cuda:0, a source on cuda:1 (as a CUDA IPC peer's buffer is): the kernel runs on
+    the destinations' device and reads the peer over NVLink / PCIe, or refuses naming both devices."""
+    rng = np.random.default_rng(5)
+    descs, sn, dn = random_descs(rng, 2)
+    srcs = [torch.randint(0, 250, (n,), dtype=torch.uint8) for n in sn]
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in dn]
+    want = [d.clone() for d in dsts]
+    CopyPlan(descs, 1).run(srcs, want)
+    got = [d.to("cuda:0") for d in dsts]
+    plan = CopyPlan(descs, 1, device="cuda:0")
+    peer = [srcs[0].to("cuda:0"), srcs[1].to("cuda:1")]
+    if not torch.cuda.can_device_access_peer(0, 1):
+        with pytest.raises(ValueError, match=r"cannot access cuda:1 as a peer"):
+            plan.run(peer, got)
+        return
+    plan.run(peer, got)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match=r"destination buffer 1 is on cuda:1, expected cuda:0"):
+        plan.run(peer, [got[0], got[1].to("cuda:1")])

@@ -118,7 +118,11 @@ inline void check_planned_args(at::TensorList srcs, at::TensorList dsts, const a
                     op, ": items must be a contiguous int64 [m, 6] tensor (CopyItem rows), got ",
                     items.sizes(), " ", items.scalar_type());
   const int64_t* b = bounds.const_data_ptr<int64_t>();
-  const c10::Device device = srcs[0].device();
+  // Destinations and items on one device. On a GPU a source may sit on another GPU of the node
+  // (a peer's buffer mapped through CUDA IPC, which opens it with peer access enabled): the
+  // kernel, launched on the destinations' device, reads it over NVLink / PCIe.
+  const c10::Device device = dsts[0].device();
+  const bool cuda = device_type == c10::DeviceType::CUDA;
   for (int side = 0; side < 2; ++side) {
     at::TensorList bufs = side == 0 ? srcs : dsts;
     const char* name = side == 0 ? "source" : "destination";
@@ -128,9 +132,9 @@ inline void check_planned_args(at::TensorList srcs, at::TensorList dsts, const a
     }
     for (size_t i = 0; i < bufs.size(); ++i) {
       const at::Tensor& t = bufs[i];
-      TORCH_CHECK_VALUE(t.device().type() == device_type && t.device() == device, op, ": ", name,
-                        " buffer ", i, " is on ", t.device(), ", expected ", device,
-                        " (every buffer of one call on one device)");
+      TORCH_CHECK_VALUE(t.device().type() == device_type && (t.device() == device || (cuda && side == 0)), op,
+                        ": ", name, " buffer ", i, " is on ", t.device(), ", expected ", device,
+                        " (destinations and items of one call on one device)");
       TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), op, ": ", name, " buffer ", i,
                         " must be a 1-D contiguous flat buffer, got shape ", t.sizes());
       TORCH_CHECK_VALUE(nbytes(t) >= b[side * kMaxBufs + i], op, ": ", name, " buffer ", i, " holds ",
@@ -139,7 +143,7 @@ inline void check_planned_args(at::TensorList srcs, at::TensorList dsts, const a
   }
   const bool items_ok = device_type == c10::DeviceType::CPU ? items.device().is_cpu() : items.device() == device;
   TORCH_CHECK_VALUE(items_ok, op, ": items are on ", items.device(), ", the buffers on ", device,
-                    " (upload the plan to the buffers' device: CopyPlan.to)");
+                    " (build the CopyPlan on the destinations' device)");
   for (size_t i = 0; i < srcs.size(); ++i) {
     const auto* s0 = static_cast<const char*>(srcs[i].const_data_ptr());
     for (size_t j = 0; j < dsts.size(); ++j) {

@@ -69,6 +69,27 @@ void unpack_cuda(const at::Tensor& packed, const at::Tensor& descs, const at::Te
   strided_copy_cuda("unpack", packed, "packed", descs, dst, "dst");
 }
 
+// A source on another GPU is read by the kernel over NVLink / PCIe: the destination's device
+// needs peer access to it. CUDA IPC mappings open with it enabled; for other buffers enable it
+// here (once per pair: a second call answers "already enabled"), or refuse naming both devices
+// rather than fault on an illegal address.
+void ensure_peer_access(const c10::Device& dst, const c10::Device& src) {
+  if (src.index() == dst.index()) return;
+  int can = 0;
+  cudaError_t err = cudaDeviceCanAccessPeer(&can, dst.index(), src.index());
+  TORCH_CHECK(err == cudaSuccess, "copy_planned: cudaDeviceCanAccessPeer(", dst, ", ", src,
+              ") failed: ", cudaGetErrorString(err));
+  TORCH_CHECK_VALUE(can, "copy_planned: a source buffer is on ", src, " and the destinations on ", dst,
+                    ", and ", dst, " cannot access ", src, " as a peer (no NVLink / PCIe P2P between them)");
+  err = cudaDeviceEnablePeerAccess(src.index(), 0);  // for the current device: dst (guard above)
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();  // not an error: clear it so a later launch check does not report it
+  } else {
+    TORCH_CHECK(err == cudaSuccess, "copy_planned: enabling peer access from ", dst, " to ", src,
+                " failed: ", cudaGetErrorString(err));
+  }
+}
+
 void copy_planned_cuda(at::TensorList srcs, at::TensorList dsts, const at::Tensor& items,
                        const at::Tensor& bounds) {
   check_planned_args(srcs, dsts, items, bounds, c10::DeviceType::CUDA);
@@ -76,12 +97,13 @@ void copy_planned_cuda(at::TensorList srcs, at::TensorList dsts, const at::Tenso
   void* d[kMaxBufs];
   for (size_t i = 0; i < srcs.size(); ++i) s[i] = srcs[i].const_data_ptr();
   for (size_t i = 0; i < dsts.size(); ++i) d[i] = dsts[i].data_ptr();
-  const c10::cuda::CUDAGuard guard(srcs[0].device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(srcs[0].device().index()).stream();
+  const c10::cuda::CUDAGuard guard(dsts[0].device());  // sources may be peers' (checks.h)
+  for (size_t i = 0; i < srcs.size(); ++i) ensure_peer_access(dsts[0].device(), srcs[i].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dsts[0].device().index()).stream();
   const cudaError_t err = launch_copy_items(reinterpret_cast<const CopyItem*>(items.const_data_ptr<int64_t>()),
                                             items.size(0), s, static_cast<int>(srcs.size()), d,
                                             static_cast<int>(dsts.size()), stream);
-  TORCH_CHECK(err == cudaSuccess, "copy_planned: CUDA launch failed on ", srcs[0].device(), ": ",
+  TORCH_CHECK(err == cudaSuccess, "copy_planned: CUDA launch failed on ", dsts[0].device(), ": ",
               cudaGetErrorString(err));
 }
 

@@ -5,7 +5,8 @@
     Reallocator(plan, t).run(src_shard_on_gpu, dst_shard_on_gpu)    # one pass (realloc/direct.py)
 
 Beside DistTransport for ranks that share a node (GPUs of one machine, or several processes on
-one GPU): instead of sending, every rank maps its senders' source buffers into its own address
+one GPU; a peer on another GPU is read over NVLink / PCIe, torch opening IPC handles with peer
+access enabled): instead of sending, every rank maps its senders' source buffers into its own address
 space and runs its one compiled copy from them (one kernel launch per rank and move; no staging,
 no second copy, no network). Buffers are shared with torch's CUDA IPC (torch.multiprocessing's
 reduce_tensor: cudaIpcGetMemHandle on the producer, a cached cudaIpcOpenMemHandle on the
@@ -26,7 +27,8 @@ read within a fraction of a second and raise with (naming it and its reason).
 
 One pass only: verify=True and one_pass=False need a transport with a wire (DistTransport). The
 store keeps one small "done" key per rank and move (the source keys are deleted once read).
-Needs a CUDA GPU; imports and constructs nowhere else (tests/test_realloc_ipc.py, marked cuda).
+Needs a CUDA GPU; imports and constructs nowhere else (tests/test_realloc_ipc.py, marked cuda:
+several processes on ONE GPU; the cross-GPU path has not run).
 """
 
 from __future__ import annotations
@@ -87,34 +89,39 @@ class IpcTransport(Transport):
         fresh = self._sent.get(tag) != ptrs
         bufs = {b: reduce_tensor(t) for b, t in sources.items()} if fresh else None
         self._sent[tag] = ptrs
-        event = self._event(tag, seq, next(iter(sources.values())).device)
-        self.store.set(self._key(tag, seq, "src", self.rank), pickle.dumps((bufs, event.ipc_handle())))
+        device = next(iter(sources.values())).device
+        event = self._event(tag, seq, device)
+        self.store.set(self._key(tag, seq, "src", self.rank), pickle.dumps((bufs, event.ipc_handle(), device.index)))
         return seq
 
     def peer_sources(self, step: str, tag: str, seq: int, peers) -> dict:
         out = {}
         device = torch.device("cuda", torch.cuda.current_device())
         for p in peers:
-            bufs, handle = pickle.loads(self._get(self._key(tag, seq, "src", p), step, p,
-                                                  "read the source buffers of"))
+            bufs, handle, index = pickle.loads(self._get(self._key(tag, seq, "src", p), step, p,
+                                                         "read the source buffers of"))
             if bufs is not None:  # new buffers: map them (torch caches the mapping per block)
                 self._mapped[(tag, p)] = {b: fn(*args) for b, (fn, args) in bufs.items()}
             elif (tag, p) not in self._mapped:
                 raise TransferError(f"rank {self.rank}: {step}: peer rank {p} reused buffers this rank never mapped")
-            torch.cuda.current_stream(device).wait_event(torch.cuda.Event.from_ipc_handle(device, handle))
+            # The event lives on the sender's GPU; this rank's stream waits on it (across GPUs).
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
+            torch.cuda.current_stream(device).wait_event(event)
             out[p] = self._mapped[(tag, p)]
         return out
 
     def finish_reads(self, step: str, tag: str, seq: int, used, peers) -> None:
         if peers:
             device = next((t.device for t in used if t is not None), torch.device("cuda", torch.cuda.current_device()))
-            self.store.set(self._key(tag, seq, "done", self.rank), self._event(tag, seq, device).ipc_handle())
+            done = (self._event(tag, seq, device).ipc_handle(), device.index)
+            self.store.set(self._key(tag, seq, "done", self.rank), pickle.dumps(done))
 
     def wait_readers(self, step: str, tag: str, seq: int, readers) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         for r in readers:
-            handle = self._get(self._key(tag, seq, "done", r), step, r, "see the end of the reads of")
-            torch.cuda.current_stream(device).wait_event(torch.cuda.Event.from_ipc_handle(device, handle))
+            handle, index = pickle.loads(self._get(self._key(tag, seq, "done", r), step, r, "see the end of the reads of"))
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
+            torch.cuda.current_stream(device).wait_event(event)
         if readers:  # every reader fetched it
             self.store.delete_key(self._key(tag, seq, "src", self.rank))
 
