@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test test-fast test-area lint test-cpp test-py cuda-build bench bench-realloc clean
+.PHONY: venv build run test test-fast test-area lint test-cpp test-py cuda-build bench bench-realloc trl-wheels clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -85,6 +85,13 @@ $(BENCH_CACHE)/.stamp: bench/requirements-bench.txt $(STAMP)
 
 bench-realloc: build $(BENCH_CACHE)/.stamp
 	$(PY) bench/bench_realloc.py
+
+# Wheels of TRL and what it needs beyond the lent GPU machine's packages (Python 3.12), for the
+# trl step of scripts/gpu_check.sh: a device run carries bench/.cache/trl_wheels (docs/gpu.md).
+trl-wheels: bench/requirements-trl.txt
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d $(BENCH_CACHE)/trl_wheels -r $<
 
 clean:
 	rm -rf build real_py/_C*.so

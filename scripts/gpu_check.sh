@@ -18,8 +18,9 @@
 #             skipped with a message when trl cannot be imported), TRL's side <= 130 s
 #   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
-# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 660 s: 11 minutes);
-# a failing or timed-out step is recorded and the next one runs. Reports follow bench/README.md's
+# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 560 s: one call of the
+# device tool is at most 600 s); a failing or timed-out step is recorded and the next one runs, and
+# the summary ends with the GPU_CHECK_STEPS line that runs the steps the deadline cut. Reports follow bench/README.md's
 # rule (<theme>_<hardware>_<yyyymmdd>.{json,md}, one per theme and hardware, so a run replaces the
 # reports of the same day); raw logs go to a git-ignored folder:
 #
@@ -28,6 +29,10 @@
 #                                              versions, tests, the reports written); logs in
 #                                              bench/results/.raw/gpu_check_<yyyymmdd_HHMMSS>/
 #   REPORTS=/some/dir RAW=/other/dir scripts/gpu_check.sh
+#   BUNDLE=$OUT/gpu_check.tar.gz scripts/gpu_check.sh
+#                                           also packs the reports this run wrote (reports/) and its
+#                                           raw logs (raw/) into one archive: a device call returns
+#                                           at most 8 files (docs/gpu.md: the lent-machine recipe)
 #   SMALL=1 DEVICE=cpu scripts/gpu_check.sh dry run of every bench on the CPU (tiny sizes; no
 #                                           build, no tests): checks the script and the benches;
 #                                           its *_small reports stay in the raw folder
@@ -41,7 +46,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-CMDLINE="$(for v in DEVICE SMALL GPU_CHECK_STEPS GPU_CHECK_BUDGET_S PYTHON RAW REPORTS; do
+CMDLINE="$(for v in DEVICE SMALL GPU_CHECK_STEPS GPU_CHECK_BUDGET_S PYTHON RAW REPORTS BUNDLE; do
   [ -n "${!v:-}" ] && printf '%s="%s" ' "$v" "${!v}"; done)scripts/gpu_check.sh"
 RAW="${RAW:-$ROOT/bench/results/.raw/gpu_check_$(date -u +%Y%m%d_%H%M%S)}"
 if [ "${SMALL:-0}" = 1 ]; then REPORTS="${REPORTS:-$RAW}"; else REPORTS="${REPORTS:-$ROOT/bench/results}"; fi
@@ -52,7 +57,7 @@ DEVICE="${DEVICE:-cuda}"
 SMALL_FLAG=$([ "${SMALL:-0}" = 1 ] && echo --small || true)
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-660}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-560}))
 
 # torch finds CUDA through CUDA_HOME or `which nvcc`; a wrapper script on PATH (e.g.
 # /usr/local/bin/nvcc) would point it at the wrong prefix, so pick a prefix that has the headers.
@@ -79,6 +84,7 @@ printf '# gpu_check %s\n\nCommand: `%s`\n\n| step | exit | seconds |\n|---|---|-
   "$(date -u '+%Y-%m-%d %H:%M UTC')" "$CMDLINE" > "$SUMMARY"
 status=0
 last_rc=0
+CUT=""  # steps the deadline cut, for the rerun line
 step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/NAME.log, never exits
   local name="$1" cap="$2"
   shift 2
@@ -92,6 +98,7 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/N
   if [ "$limit" -lt 10 ]; then
     echo "=== $name: skipped, overall budget spent" | tee "$RAW/$name.log"
     echo "| $name | skipped (budget) | 0 |" >> "$SUMMARY"
+    CUT="$CUT $name"
     status=1
     return 0
   fi
@@ -101,6 +108,7 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/N
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RAW/$name.log"
   echo "| $name | $rc$([ "$rc" -eq 124 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
+  if [ "$rc" -eq 124 ] && [ "$limit" -lt "$cap" ]; then CUT="$CUT $name"; fi  # the deadline's cut, not its cap's
   [ "$rc" -eq 0 ] || status=1
   last_rc=$rc
   return 0
@@ -156,6 +164,13 @@ HW=$("$PY" -c "import sys; sys.path.insert(0, 'bench'); from timing import hardw
 REPORT="$REPORTS/gpu_check_${HW}_$(date -u +%Y%m%d).md"
 {
   echo
+  if [ -n "$CUT" ]; then
+    echo
+    echo "The deadline cut:$CUT. To run them (a warm machine keeps this run's build in place):"
+    echo
+    echo "    GPU_CHECK_STEPS=\"import$CUT\" scripts/gpu_check.sh"
+    echo
+  fi
   echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; git commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && echo +dirty); raw logs (not committed): $RAW/<step>.log"
   echo
   echo "Versions and machine (env step):"
@@ -172,5 +187,14 @@ REPORT="$REPORTS/gpu_check_${HW}_$(date -u +%Y%m%d).md"
     while read -r f; do echo "- $(basename "$f"): $(head -1 "$f" | sed -e 's/^# //')"; done
 } >> "$SUMMARY"
 cp "$SUMMARY" "$REPORT"
-echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (report: $REPORT; logs: $RAW)"
+if [ -n "${BUNDLE:-}" ]; then  # one archive: reports/ (the reports this run wrote), raw/ (its logs)
+  STAGE="$(mktemp -d)"
+  mkdir -p "$STAGE/reports" "$(dirname "$BUNDLE")"
+  find "$REPORTS" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.png' \) -newer "$RAW/.start" \
+    ! -name summary.md -exec cp {} "$STAGE/reports/" \;
+  cp -r "$RAW" "$STAGE/raw"
+  tar -czf "$BUNDLE" -C "$STAGE" reports raw && rm -rf "$STAGE"
+fi
+cat "$SUMMARY"
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (report: $REPORT; logs: $RAW${BUNDLE:+; bundle: $BUNDLE})"
 exit $status
