@@ -1,5 +1,5 @@
 # Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, and Ctrl-C ends the job with one line.
-# A failure points to real_py/cli/job.py (launcher, lock, failure records, root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+# A failure points to real_py/cli/job.py (launcher, watcher), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
 """Each job runs in its own session (start_new_session) with a marker in its environment, so the
 test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
 
@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from real_py.cli import job as J
+from real_py.cli import lock as L
+from real_py.cli import rank as R
 from real_py.cli import main
 from real_py.cli import train as cli_train
 
@@ -258,24 +259,24 @@ def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     unlock removes the file."""
     d = str(tmp_path / "run")
     os.makedirs(d)
-    path = os.path.join(d, J.LOCK_NAME)
+    path = os.path.join(d, L.LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, f"{os.getpid()} python -m real_py train\n".encode())
     t = time.monotonic()
     with pytest.raises(ValueError, match=f"in use by another job: pid {os.getpid()} \\(python -m real_py train\\)"):
-        J.lock_out_dir(d, wait_s=5)
+        L.lock_out_dir(d, wait_s=5)
     assert time.monotonic() - t < 1
     os.ftruncate(fd, 0)
     os.pwrite(fd, b"999999999 python -m real_py train\n", 0)   # no such pid: the launcher is gone
     with pytest.raises(ValueError, match="pid 999999999 \\(gone; its ranks still hold the lock"):
-        J.lock_out_dir(d, wait_s=0.3)
+        L.lock_out_dir(d, wait_s=0.3)
     threading.Timer(0.5, os.close, [fd]).start()               # its last rank exits
-    J.lock_out_dir(d, wait_s=10)
+    L.lock_out_dir(d, wait_s=10)
     try:
         assert open(path).read().startswith(f"{os.getpid()} ")
     finally:
-        J.unlock()
+        L.unlock()
     assert not os.path.exists(path) and os.path.isdir(d)
 
 
@@ -293,8 +294,8 @@ def test_failure_record_finds_the_cause():
         except RuntimeError as e:
             return e
 
-    rec = J.failure_record(wrapped(ValueError("cannot score response")), 2)
+    rec = R.failure_record(wrapped(ValueError("cannot score response")), 2)
     assert (rec["exception"], rec["message"], rec["consequent"]) == ("ValueError", "cannot score response", False)
-    rec = J.failure_record(wrapped(TransferError("rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
+    rec = R.failure_record(wrapped(TransferError("rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
                                                  "for 6.1 s (process stopped or hung), while waiting")), 0)
     assert rec["consequent"] and rec["silent_peer"] == 2 and rec["exception"] == "TransferError"

@@ -55,10 +55,11 @@ def _config(args):
     if args.out_dir:
         d["out_dir"] = args.out_dir
     cfg = config.from_dict(d)
-    from . import job
+    from .lock import lock_out_dir
+    from .rank import managed
 
-    if "RANK" not in os.environ or (os.environ["RANK"] == "0" and not job.managed()):
-        job.lock_out_dir(cfg.out_dir)  # before anything in out_dir changes (sweep, --overwrite)
+    if "RANK" not in os.environ or (os.environ["RANK"] == "0" and not managed()):
+        lock_out_dir(cfg.out_dir)  # before anything in out_dir changes (sweep, --overwrite)
     ckpt = None
     if args.resume is not None:
         if os.environ.get("RANK", "0") == "0":
@@ -128,10 +129,11 @@ def _preimport() -> None:
 def run(args) -> int:
     from ..rlhf import config
     from ..rlhf.observe import check_no_links
-    from . import job
+    from .lock import unlock
+    from .rank import run_rank
 
     if "RANK" in os.environ:  # a rank under an outside torchrun
-        return job.run_rank(lambda: _rank(args), int(os.environ["RANK"]))
+        return run_rank(lambda: _rank(args), int(os.environ["RANK"]))
     try:
         cfg, ckpt = _config(args)
         plan = cfg.execution_plan()
@@ -141,7 +143,7 @@ def run(args) -> int:
         args.prepared = (cfg, ckpt, validated)
         code = _launch(args, plan.world_size)
     finally:
-        job.unlock()
+        unlock()
     if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "real_py.__main__":
         # `python -m real_py train`: the job is over and its files are closed; skip the
         # interpreter's teardown of torch (about a second).
@@ -153,10 +155,10 @@ def run(args) -> int:
 
 def _rank(args) -> int:
     from .. import liveness
-    from . import job
+    from .rank import managed
 
     cfg, ckpt = _config(args)
-    if not job.managed():
+    if not managed():
         liveness.set_job_logs(os.path.join(cfg.out_dir, "logs"), int(os.environ["RANK"]))
     return _spmd(args, cfg, ckpt)
 
@@ -217,7 +219,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
     from ..rlhf import checkpoint, config
     from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
-    from .job import managed
+    from .rank import managed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..device import backend_for, resolve_device
@@ -283,7 +285,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
         ok = True
     finally:
         # A rank of a launched job that failed keeps beating until it exits (os._exit in
-        # cli.job.run_rank): a heartbeat ended "done" would read as a finished run to its peers.
+        # cli.rank.run_rank): a heartbeat ended "done" would read as a finished run to its peers.
         # Launched ranks skip destroy_process_group too: os._exit follows, and the launcher ends
         # the job as one.
         if ok or not managed():

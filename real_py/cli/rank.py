@@ -1,0 +1,263 @@
+"""What runs inside a rank of a `train` job: death with the launcher, the rank's output into the
+launcher's pipes, and its failure record.
+
+    run_rank(target, rank)       # target() -> exit code; an exception -> failure record, one line
+
+A rank started by `launch` (real_py/cli/job.py) enters through `rank_entry`: its own ends of
+the launcher's pipes become its stdout and stderr, it tells the launcher its pid, and it dies
+with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
+a rank never writes after its launcher is gone. A rank that fails writes logs/failed_rank<r>.json
+(`failure_record`: rank, where, exception, message, user code, whether the error is a
+consequence of a peer's failure) with its traceback in its log, then waits to be ended.
+
+Under an outside torchrun (several nodes) there is no launcher: each rank watches its parent (the
+torchrun agent) and ends when it is gone, and a failing rank writes its failure record and one
+line after its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+EXIT_ORPHANED = 70
+"""Exit code of a rank whose launcher (or torchrun agent) is gone."""
+FAILED_WAIT_S = 60.0
+"""Seconds a failed rank of a launched job waits for the launcher to end it before it exits."""
+
+
+class Fd:
+    """A file descriptor handed to a rank: inherited by a fork; passed to a spawned rank (the
+    multiprocessing pickler duplicates it into the child under the same number)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import context
+
+        popen = context.get_spawning_popen()
+        return (Fd, (popen.duplicate_for_child(self.fd) if popen is not None else self.fd,))
+
+
+class Plumbing:
+    """What a rank gets from the launcher: its pipes, the lock, the launcher's pid."""
+
+    def __init__(self, out, err, hello, lock, logs, launcher):
+        self.out, self.err, self.hello, self.lock = out, err, hello, lock
+        self.logs, self.launcher = logs, launcher
+
+
+_state: dict = {"managed": False, "rank": None, "launcher": None, "pidfd": None}
+
+
+def managed() -> bool:
+    """Whether this process is a rank started by `launch` (not under an outside torchrun)."""
+    return _state["managed"]
+
+
+def rank_entry(plumbing: Plumbing, target) -> int:
+    """A rank started by torchrun's agent in `launch` (its entry point: a fork of the launcher,
+    or a fresh interpreter for spawn): its own ends of the launcher's pipes as stdout and
+    stderr, death with the launcher, its pid to the watcher, then `target()` as run_rank. Returns
+    0 to the agent on success; a failed rank ends with os._exit (run_rank)."""
+    r = int(os.environ["LOCAL_RANK"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the job on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the rank's
+        signal.signal(sig, signal.SIG_DFL)
+    _state.update(managed=True, rank=r, launcher=plumbing.launcher)
+    _die_with_parent(plumbing.launcher)
+    mine = (plumbing.out[r].fd, plumbing.err[r].fd, plumbing.hello[r].fd)
+    for fd in (x.fd for x in plumbing.out + plumbing.err + plumbing.hello):
+        if fd not in mine:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(mine[0], 1)
+    os.dup2(mine[1], 2)
+    for fd in (null, mine[0], mine[1]):
+        os.close(fd)
+    os.write(mine[2], f"{os.getpid()} {os.environ.get('MASTER_PORT', 0)}\n".encode())
+    os.close(mine[2])
+    _watch_launcher(plumbing.launcher)
+    # plumbing.lock: the run directory's lock, inherited or handed over, held until this rank ends.
+
+    import torch
+
+    torch.random.default_generator.manual_seed(67280421310721)  # as in a fresh process
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"real_py-rank{r}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+    return run_rank(target, int(os.environ["RANK"]), plumbing.logs)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread that started it (the launcher's main thread, where
+    the agent runs) ends; exits at once when the launcher is already gone."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(EXIT_ORPHANED)
+
+
+def _watch_launcher(pid: int) -> None:
+    """End this process when the launcher is gone (a pidfd of it becomes readable; the parent
+    pid as a fallback): behind PR_SET_PDEATHSIG."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        fd = None
+    _state["pidfd"] = fd
+
+    def loop():
+        import select
+
+        if fd is not None:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            while not p.poll(1000):
+                pass
+        else:
+            while os.getppid() == pid:
+                time.sleep(0.5)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=loop, name="real_py-launcher-watch", daemon=True).start()
+
+
+def _watch_parent() -> None:
+    """Outside torchrun: end this process when its parent (the torchrun agent) is gone."""
+    parent = os.getppid()
+
+    def loop():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=loop, name="real_py-parent-watch", daemon=True).start()
+
+
+def orphaned() -> bool:
+    """Whether the launcher of this rank is gone."""
+    pid = _state["launcher"]
+    if pid is None:
+        return False
+    fd = _state["pidfd"]
+    if fd is not None:
+        import select
+
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(0))
+    return os.getppid() != pid
+
+
+def run_rank(target, rank: int, logs: str | None = None) -> int:
+    """Run this rank's part of the job: `target()` -> exit code. An exception is written as the
+    rank's failure record (liveness.record_failure) and its traceback to stderr, then one line;
+    returns 1. A failed rank of a launched job then waits for the launcher to end it (it SIGKILLs
+    every rank once the others had FAIL_GRACE_S to write their records: an exit now would have
+    torchrun's agent SIGTERM them first), and leaves with os._exit (no interpreter teardown)."""
+    from .. import liveness
+
+    if _state["managed"]:
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log before a kill
+    else:
+        _watch_parent()
+    if logs is not None:
+        liveness.set_job_logs(logs, rank)
+    code = 1
+    try:
+        code = target()
+    except BaseException as e:  # noqa: BLE001 - every failure is recorded and reported the same way
+        if orphaned():
+            os._exit(EXIT_ORPHANED)
+        import traceback
+
+        rec = failure_record(e, rank)
+        try:
+            traceback.print_exc()
+            print(f"real_py: {record_line(rec)}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        liveness.record_failure(rec)
+        code = 1
+    if _state["managed"]:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        if code == 0:
+            return 0  # to the agent, which ends the ranks once all have returned
+        end = time.monotonic() + FAILED_WAIT_S
+        while time.monotonic() < end and not orphaned():
+            time.sleep(0.1)
+        os._exit(EXIT_ORPHANED if orphaned() else code)
+    return code
+
+
+
+def record_line(rec: dict) -> str:
+    where = re.sub(r"^rank \d+, ", "", rec.get("where") or "") or "starting"
+    msg = f"rank {rec.get('rank')}, {where}: {rec.get('exception')}: {rec.get('message')}"
+    if rec.get("user"):
+        msg += f" (raised inside {rec['user']})"
+    return msg
+
+
+
+_CONSEQUENT = re.compile(r"peer rank \d+|connection (closed|reset)|broken pipe|timed out|"
+                         r"stopped waiting|failures reported by other ranks", re.IGNORECASE)
+_COMM = ("TransferError", "SilentPeer", "DistError", "DistNetworkError", "DistStoreError", "DistBackendError")
+_WRAPPER = re.compile(r"^rank \d+, (step \d+|dynamic sampling)")
+"""The runtime's RuntimeError around a call's error ("rank 2, step 0, call rew_inf: ValueError: ...")."""
+
+
+def failure_record(e: BaseException, rank: int) -> dict:
+    """rank, pid, time, where (the section or driver state it failed in), exception and message
+    (the first error in the chain below the runtime's wrappers: the user's ValueError, a
+    TransferError, ...; the message's first line), user (user code it was inside), consequent
+    (a communication error: a peer failed first), silent_peer (the global rank it names)."""
+    from .. import liveness
+
+    chain, cur = [], e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    shown = next((x for x in chain if not _WRAPPER.match(str(x))), chain[-1])
+    section, user = liveness.failed_in()
+    where = section or liveness.activity()["doing"]
+    text = str(shown).strip()
+    msg = re.split(r"; failures reported by other ranks", text.splitlines()[0] if text else "")[0][:500]
+    full = "\n".join(str(x) for x in chain)
+    silent = re.search(r"peer rank (\d+)(?: \(global rank (\d+)\))? (is silent|has finished)", full)
+    consequent = (any(type(x).__name__ in _COMM for x in chain) or bool(_CONSEQUENT.search(full))
+                  or isinstance(e, KeyboardInterrupt))
+    return {"rank": rank, "pid": os.getpid(), "time": time.time(), "where": where,
+            "exception": type(shown).__name__, "message": msg, "user": user, "consequent": consequent,
+            "silent_peer": int(silent.group(2) or silent.group(1)) if silent else None}
+
+
+
+__all__ = ["rank_entry", "Fd", "Plumbing", "run_rank", "managed", "orphaned", "failure_record", "record_line", "EXIT_ORPHANED"]
