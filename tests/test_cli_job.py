@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -299,3 +300,66 @@ def test_failure_record_finds_the_cause():
     rec = R.failure_record(wrapped(TransferError("rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
                                                  "for 6.1 s (process stopped or hung), while waiting")), 0)
     assert rec["consequent"] and rec["silent_peer"] == 2 and rec["exception"] == "TransferError"
+
+
+def _ended_job(tmp_path, codes: dict, records: dict, ended: dict | None = None):
+    """A launcher's job after its end, as the watcher and the agent left it: `codes` rank -> exit
+    code (negative: signal), `records` rank -> failure record; no process is started."""
+    from real_py.cli import job as J
+
+    jb = J._Job(4, str(tmp_path), None, True)
+    t = time.time()
+    for rk in jb.ranks:
+        rk.pid = 1000 + rk.r
+        rk.code = codes.get(rk.r)
+        rk.ended = (ended or {}).get(rk.r, t + 0.01 * rk.r)
+        rk.killed = rk.code is None
+    jb.records = records
+    return jb
+
+
+def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
+    """A rank that dies (exit 3, no record) makes torchrun's agent SIGTERM the others. When the
+    watcher sees the SIGTERMed ranks end before the first one (it was busy, or the agent reaped
+    the first one before it told its pid), the line still names the rank that died first; and a
+    Watchdog's record (consequent, the silent peer only in its message) names the stopped rank,
+    not a rank the agent's SIGTERM ended after the Watchdog's exit."""
+    from real_py.cli.report import cause, report
+
+    t = time.time()
+    jb = _ended_job(tmp_path, {0: -15, 1: 3, 2: -15, 3: -15}, {}, ended={0: t, 1: t + 0.5, 2: t, 3: t})
+    assert cause(jb)[:2] == (1, "rank 1 exited with code 3 (last reported: start-up)")
+    jb = _ended_job(tmp_path, {0: -15, 1: None, 2: -15, 3: -15}, {}, ended={0: t, 1: None, 2: t, 3: t})
+    jb.ranks[1].killed = False
+    jb._agent_failures({1: types.SimpleNamespace(local_rank=1, exitcode=3)})   # the agent reaped it first
+    assert jb.ranks[1].ended is None and cause(jb)[0] == 1
+    dog = {"rank": 0, "time": t, "where": "rank 0, step 1, call actor_train", "exception": "SilentPeer",
+           "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
+                      "stopped or hung); a blocked collective cannot be given up, so this process exits",
+           "consequent": True}
+    jb = _ended_job(tmp_path, {0: 75, 1: -15, 2: None, 3: -15}, {0: dog})
+    jb.ranks[2].pstate = "T"
+    assert report(jb) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("train failed: rank 2 was stopped (process state T: SIGSTOP or a debugger)"), line
+    assert "named silent by rank 0" in line, line
+    jb = _ended_job(tmp_path, {0: -15, 1: -15, 2: -15, 3: -15}, {})   # nothing else: the first one ended
+    assert cause(jb)[:2] == (0, "rank 0 was killed by signal SIGTERM (last reported: start-up)")
+
+
+def test_error_from_user_code_is_no_consequence(monkeypatch):
+    """An error raised by user code (a reward function's "Read timed out") is the rank's own,
+    whatever its words: not consequent, and the root cause before a peer's transfer error."""
+    from real_py import liveness
+    from real_py.cli.report import cause
+    from real_py.realloc.transports.base import TransferError
+
+    monkeypatch.setitem(liveness._doing, "failed_user", "the reward function reward.py:score")
+    rec = R.failure_record(TimeoutError("reward server: Read timed out"), 2)
+    assert rec["consequent"] is False and rec["user"] == "the reward function reward.py:score"
+    monkeypatch.setitem(liveness._doing, "failed_user", None)
+    peer = R.failure_record(TransferError("rank 0: round 1/3: recv from peer rank 2 timed out"), 0)
+    assert peer["consequent"] is True
+    peer["time"] = rec["time"] - 1   # the peer's record even came first
+    jb = types.SimpleNamespace(records={0: peer, 2: rec}, ranks=[], n=4)
+    assert cause(jb)[0] == 2

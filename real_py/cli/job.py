@@ -197,11 +197,18 @@ class _Job:
             for s, h in handlers.items():
                 signal.signal(s, h)
             undo_log()
-        for f in failed.values():  # the agent's first failed worker: its exit code, if not seen
+        self._agent_failures(failed)
+        return report(self)
+
+    def _agent_failures(self, failures: dict) -> None:
+        """The worker the agent found failed first (it then stops the others with SIGTERM): its
+        exit code where the watcher did not see it (the agent reaped it first). Its end time stays
+        as the watcher saw it, or unknown (it died before telling its pid): report.cause then
+        takes it as the first death, not a rank the agent's SIGTERM ended after it."""
+        for f in failures.values():
             rk = self.ranks[f.local_rank] if 0 <= f.local_rank < self.n else None
             if rk is not None and rk.code is None:
-                rk.code, rk.ended = f.exitcode, rk.ended or time.time()
-        return report(self)
+                rk.code = f.exitcode
 
     def _wait_ranks_gone(self, timeout: float) -> None:
         """Wait until every started rank has exited (its pidfd readable), so that the run

@@ -226,10 +226,10 @@ def record_line(rec: dict) -> str:
     return msg
 
 
-
 _CONSEQUENT = re.compile(r"peer rank \d+|connection (closed|reset)|broken pipe|timed out|"
                          r"stopped waiting|failures reported by other ranks", re.IGNORECASE)
 _COMM = ("TransferError", "SilentPeer", "DistError", "DistNetworkError", "DistStoreError", "DistBackendError")
+_SILENT = re.compile(r"peer rank (\d+)(?: \(global rank (\d+)\))? (is silent|has finished)")
 _WRAPPER = re.compile(r"^rank \d+, (step \d+|dynamic sampling)")
 """The runtime's RuntimeError around a call's error ("rank 2, step 0, call rew_inf: ValueError: ...")."""
 
@@ -251,13 +251,21 @@ def failure_record(e: BaseException, rank: int) -> dict:
     text = str(shown).strip()
     msg = re.split(r"; failures reported by other ranks", text.splitlines()[0] if text else "")[0][:500]
     full = "\n".join(str(x) for x in chain)
-    silent = re.search(r"peer rank (\d+)(?: \(global rank (\d+)\))? (is silent|has finished)", full)
-    consequent = (any(type(x).__name__ in _COMM for x in chain) or bool(_CONSEQUENT.search(full))
-                  or isinstance(e, KeyboardInterrupt))
+    # A communication error is a peer's failure seen here; words like "timed out" are one only
+    # outside user code (a reward function's own "Read timed out" is this rank's error).
+    consequent = (any(type(x).__name__ in _COMM for x in chain) or isinstance(e, KeyboardInterrupt)
+                  or (user is None and bool(_CONSEQUENT.search(full))))
     return {"rank": rank, "pid": os.getpid(), "time": time.time(), "where": where,
             "exception": type(shown).__name__, "message": msg, "user": user, "consequent": consequent,
-            "silent_peer": int(silent.group(2) or silent.group(1)) if silent else None}
+            "silent_peer": silent_peer(full)}
 
 
+def silent_peer(text: str) -> int | None:
+    """The global rank a message names as silent ("peer rank 2 is silent: ...", a failure record's
+    or a Watchdog's), or None."""
+    m = _SILENT.search(text or "")
+    return int(m.group(2) or m.group(1)) if m else None
 
-__all__ = ["rank_entry", "Fd", "Plumbing", "run_rank", "managed", "orphaned", "failure_record", "record_line", "EXIT_ORPHANED"]
+
+__all__ = ["rank_entry", "Fd", "Plumbing", "run_rank", "managed", "orphaned", "failure_record", "record_line",
+           "silent_peer", "EXIT_ORPHANED"]

@@ -4,8 +4,10 @@ ends, and what the watcher says about a rank while the job runs.
     code = report(job)          # 0, or prints "train failed: ..." / "interrupted (...)" and 1 / 128+n
 
 The root cause is, in this order: an error raised by the job's own code (a failure record that is
-no consequence of a peer's failure), a rank that died, a rank its peers named silent, a rank
-stuck in user code, the first transfer error.
+no consequence of a peer's failure), a rank that died (the first; not one that torchrun's agent
+ended with SIGTERM after another rank's failure), a rank its peers named silent (in their records,
+or in a Watchdog's message), a rank stuck in user code, a rank the agent ended, the first transfer
+error.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import signal
 import sys
 import time
 
-from .rank import EXIT_ORPHANED, record_line
+from .rank import EXIT_ORPHANED, record_line, silent_peer
 
 SIG_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 """The launcher's exit code after each signal that ends the job."""
@@ -49,20 +51,23 @@ def cause(job) -> tuple[int | None, str, list[int]]:
     if own:
         rec = own[0]
         return rec["rank"], record_line(rec), []
-    died = sorted((rk for rk in job.ranks if rk.code not in (None, 0) and not rk.killed
-                   and rk.r not in recs and rk.code != EXIT_ORPHANED), key=lambda rk: rk.ended or 0)
+    # Ranks that died on their own (no record): the first to end. A rank the agent reaped before
+    # the watcher saw its end (code known from the agent only, end time unknown) is the one the
+    # agent found failed first. A rank ended by SIGTERM was ended by the agent, which stops the
+    # other workers so after the first failure (this launcher itself only ever SIGKILLs): a
+    # consequence, named only when nothing else explains the failure.
+    gone = [rk for rk in job.ranks if rk.code not in (None, 0) and not rk.killed and rk.r not in recs
+            and rk.code != EXIT_ORPHANED]
+    died = sorted((rk for rk in gone if rk.code != -signal.SIGTERM),
+                  key=lambda rk: float("-inf") if rk.ended is None else rk.ended)
     if died:
-        rk = died[0]
-        how = (f"was killed by signal {signal.Signals(-rk.code).name}" if rk.code < 0
-               else f"exited with code {rk.code}")
-        where = doing(rk.state) if rk.state else "start-up"
-        last = _last_line(rk.tail)
-        return rk.r, (f"rank {rk.r} {how} (last reported: {where})"
-                      + (f"; its last output: {last}" if last else "")), []
+        return _died(died[0])
     named: dict[int, list[int]] = {}
     for rec in recs.values():
-        if rec.get("silent_peer") is not None:
-            named.setdefault(int(rec["silent_peer"]), []).append(rec["rank"])
+        p = rec.get("silent_peer")
+        p = silent_peer(rec.get("message") or "") if p is None else int(p)  # a Watchdog's record names it in text
+        if p is not None:
+            named.setdefault(p, []).append(rec["rank"])
     if named:
         p = max(named, key=lambda k: len(named[k]))
         rk = job.ranks[p] if 0 <= p < job.n else None
@@ -81,10 +86,21 @@ def cause(job) -> tuple[int | None, str, list[int]]:
         return rk.r, (f"rank {rk.r} has been inside {rk.state['user']} for {secs:.0f} s "
                       f"({doing(rk.state, user=False)})"
                       + (f"; the other ranks gave up waiting ({record_line(first)})" if first else "")), []
+    stopped = sorted((rk for rk in gone if rk.code == -signal.SIGTERM), key=lambda rk: rk.ended or 0)
+    if stopped:
+        return _died(stopped[0])
     if recs:
         rec = min(recs.values(), key=lambda x: x.get("time", 0))
         return rec["rank"], record_line(rec), []
     return None, "the job ended without a failure record", []
+
+
+def _died(rk) -> tuple[int, str, list[int]]:
+    how = (f"was killed by signal {signal.Signals(-rk.code).name}" if rk.code < 0
+           else f"exited with code {rk.code}")
+    where = doing(rk.state) if rk.state else "start-up"
+    last = _last_line(rk.tail)
+    return rk.r, (f"rank {rk.r} {how} (last reported: {where})" + (f"; its last output: {last}" if last else "")), []
 
 
 def proc_state(pid: int | None) -> str | None:
