@@ -19,7 +19,8 @@ Reference: one contiguous copy of the same bytes on the same device (GPU: copy_ 
 GB/s counts the bytes written into the destination shards (each once) over the median wall
 time of one move (synchronized on a GPU); every method's result is checked against slices of
 the full tensors (onedevice.check). Extra memory: beyond the source and destination shards,
-measured on a GPU (peak allocated minus the shards) and computed on a CPU (copy tables; the
+measured on a GPU (peak allocated during a call minus what was allocated before it, plus the
+move's own copy tables; not the reference's buffers) and computed on a CPU (copy tables; the
 baseline's largest gathered tensor). Host work: the one-thread row's wall time minus the time
 inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no sync inside).
 
@@ -128,7 +129,7 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
     round-robin within every repeat (so load from other processes hits them alike)."""
     srcs, dsts = Shards(model, src, dev), Shards(model, dst, dev)
     fill(srcs)
-    nbytes, shard_bytes = dsts.nbytes(), srcs.nbytes() + dsts.nbytes()
+    nbytes = dsts.nbytes()
     base = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30}
     sa, da = shard_args(srcs), shard_args(dsts)
     moves, info = {}, {}
@@ -151,13 +152,15 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
     fns = {"ref": ref_fn, **{k: (lambda m=m: m.run(sa, da)) for k, m in moves.items()}, "gather-slice": gs.run}
     times = {k: [] for k in fns}
     peak = {}
-    for k, fn in fns.items():  # warm-up (and the peak memory of each, on a GPU)
+    for k, fn in fns.items():  # warm-up (and the extra memory of each, on a GPU)
         if dev.type == "cuda":
+            sync(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)  # shards, reference buffers, every move's tables
         fn()
         sync(dev)
-        if dev.type == "cuda":
-            peak[k] = torch.cuda.max_memory_allocated(dev) - shard_bytes
+        if dev.type == "cuda":  # what the call allocated on top, plus the move's own copy tables
+            peak[k] = torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
     for _ in range(repeats):
         for k, fn in fns.items():
             sync(dev)
@@ -189,7 +192,7 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
                  "extra how": "measured" if peak else "largest tensor (computed)"})
     for r in rows:
         print(r, flush=True)
-    del srcs, dsts, moves, gs, sa, da, ref_fn
+    del srcs, dsts, moves, gs, sa, da, ref_fn, fns, fn  # fns (and fn) hold the moves, gs.run, the reference
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
