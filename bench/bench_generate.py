@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import statistics
 import sys
 import tempfile
 import time
@@ -164,8 +165,7 @@ def timed(fn, device, repeats: int) -> tuple[float, float, object]:
         out = fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return first, (times[len(times) // 2] if times else first), out
+    return first, (statistics.median(times) if times else first), out
 
 
 def ours(eng, prompts, lengths, n: int, mode: str, compile_flag):

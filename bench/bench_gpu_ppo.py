@@ -14,10 +14,10 @@ for actor_train and critic_train of the 1.1B iteration).
 
 Estimator check (on one GPU): the last iteration's seconds per call against
 real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
-(--profile, default h200) and with that profile calibrated on this GPU by calibrate_gpu twice:
-<profile>_cal on the small calibration model (calibrate.DEFAULT), <profile>_caljob on this job's own
-actor shape, dtype and pass sizes (Setup.for_job, as ReaL profiles the model it plans for). Skip
-with --no-estimate.
+(--profile, default: this GPU's own, h100 / h200 / a100, else h200) and with that profile
+calibrated on this GPU by calibrate_gpu twice: <profile>_cal on the small calibration model
+(calibrate.DEFAULT), <profile>_caljob on this job's own actor shape, dtype and pass sizes
+(Setup.for_job, as ReaL profiles the model it plans for). Skip with --no-estimate.
 
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
@@ -62,6 +62,13 @@ def train_config(device: str, small: bool, batch: int, prompt: int, new: int) ->
     cfg = CF.from_dict(d)
     cfg.plan = CF.single_process_plan(cfg.graph())
     return cfg
+
+
+def datasheet_profile(device: str) -> str:
+    """The PROFILES entry of this device's GPU (hardware_tag: "h100", "h200", ...); h200 where
+    there is none (a CPU dry run, another GPU)."""
+    tag = hardware_tag(device)
+    return tag if tag in PROFILES else "h200"
 
 
 def workload(cfg: CF.TrainConfig) -> Workload:
@@ -195,7 +202,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="datasheet profile to check")
+    ap.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                    help="datasheet profile to check (default: this GPU's, else h200)")
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
     ap.add_argument("--cal-reps", type=int, default=None, help="timed runs per calibration function (default 10; "
                     "small 2)")
@@ -213,6 +221,7 @@ def main(argv=None):
     cfg = train_config(args.device, small, args.batch or (4 if small else 32),
                        args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
     dev = resolve_device(args.device)
+    args.profile = args.profile or datasheet_profile(args.device)
     rows, extra = [], {}
     with one_rank_world(dev):
         plan, graph, models = CF.validate(cfg, 1)
