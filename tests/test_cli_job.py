@@ -363,3 +363,65 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     peer["time"] = rec["time"] - 1   # the peer's record even came first
     jb = types.SimpleNamespace(records={0: peer, 2: rec}, ranks=[], n=4)
     assert cause(jb)[0] == 2
+
+
+def _watching_child(launcher, pidfd_open=None, report_fd=None) -> int:
+    """Fork a process that runs the rank's launcher watch on `launcher` (os.pidfd_open replaced
+    by `pidfd_open`), writes "watching" to `report_fd`, and would run 10 s more."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        if pidfd_open is not None:
+            os.pidfd_open = pidfd_open
+        R._watch_launcher(launcher)
+        if report_fd is not None:
+            os.write(report_fd, b"watching\n")
+        time.sleep(10)
+    finally:
+        os._exit(0)
+
+
+def _exit_code(pid: int, timeout: float = 5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_launcher_watch_without_a_pidfd_of_the_launcher():
+    """A rank whose launcher is gone before it takes its pidfd exits at once (EXIT_ORPHANED):
+    pidfd_open's ESRCH, or a launcher pid that names another live process by then (never watched
+    instead); without pidfds the rank polls its parent and exits soon after the parent goes."""
+    gone = 2 ** 22 + 12345                                      # above pid_max: ESRCH
+    assert _exit_code(_watching_child(gone)) == R.EXIT_ORPHANED
+    # The launcher's pid is taken by another process (here the test runner's parent: alive, not
+    # the rank's parent): watching it would keep the rank running.
+    assert _exit_code(_watching_child(os.getppid())) == R.EXIT_ORPHANED
+
+    def no_pidfd(pid):
+        raise OSError(38, "Function not implemented")
+
+    r, w = os.pipe()
+    middle = os.fork()                                          # the launcher: parent of the rank
+    if middle == 0:
+        try:
+            os.close(r)
+            _watching_child(os.getpid(), no_pidfd, w)
+            time.sleep(10)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        assert f.readline() == b"watching\n"                    # running under its live launcher
+        os.kill(middle, signal.SIGKILL)
+        os.waitpid(middle, 0)
+        t = time.monotonic()
+        assert f.read() == b"" and time.monotonic() - t < 2, "the rank outlived its launcher"

@@ -119,12 +119,18 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _watch_launcher(pid: int) -> None:
-    """End this process when the launcher is gone (a pidfd of it becomes readable; the parent
-    pid as a fallback): behind PR_SET_PDEATHSIG."""
+    """End this process when the launcher, its parent, is gone: a thread waits on a pidfd of it
+    (behind PR_SET_PDEATHSIG). A launcher gone before the pidfd is taken (pidfd_open's ESRCH, or
+    its pid already another process's) ends the rank at once; without pidfds (an old kernel, a
+    seccomp filter) the thread watches the parent pid instead."""
     try:
         fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(EXIT_ORPHANED)
     except (OSError, AttributeError):
         fd = None
+    if os.getppid() != pid:  # gone before the pidfd: it may be another process's now
+        os._exit(EXIT_ORPHANED)
     _state["pidfd"] = fd
 
     def loop():
@@ -137,7 +143,7 @@ def _watch_launcher(pid: int) -> None:
                 pass
         else:
             while os.getppid() == pid:
-                time.sleep(0.5)
+                time.sleep(0.1)
         os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=loop, name="real_py-launcher-watch", daemon=True).start()
