@@ -189,12 +189,17 @@ def install_trl(wheels: str | None) -> str | None:
         if not os.path.isdir(wheels):
             return f"--wheels {wheels}: no such directory"
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index"]
-        r = subprocess.run(pip + ["--find-links", wheels, "trl"], capture_output=True, text=True, timeout=600)
+        # A distribution's system Python (PEP 668, e.g. Ubuntu's python3.12) refuses pip installs
+        # unless told otherwise; the lent machine is thrown away after the run. Older pips ignore it.
+        env = dict(os.environ, PIP_BREAK_SYSTEM_PACKAGES="1")
+        r = subprocess.run(pip + ["--find-links", wheels, "trl"], capture_output=True, text=True, timeout=600,
+                           env=env)
         if r.returncode:  # a version bound the machine's packages miss: the wheels alone, then import decides
             whls = sorted(str(p) for p in Path(wheels).glob("*.whl"))
-            r2 = subprocess.run(pip + ["--no-deps", *whls], capture_output=True, text=True, timeout=600)
+            r2 = subprocess.run(pip + ["--no-deps", *whls], capture_output=True, text=True, timeout=600, env=env)
             if r2.returncode:
-                return f"pip install --no-index --find-links {wheels} trl failed: {(r.stdout + r.stderr)[-600:]}"
+                return (f"pip install --no-index --find-links {wheels} trl failed: {(r.stdout + r.stderr)[-400:]}; "
+                        f"the wheels with --no-deps: {(r2.stdout + r2.stderr)[-400:]}")
             print(f"trl installed from {wheels} without its dependency check: {(r.stdout + r.stderr)[-300:]}")
     r = subprocess.run([sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
                        capture_output=True, text=True, timeout=300)
