@@ -256,7 +256,8 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
 
 def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     """lock_out_dir: a live holder (its pid in the lock file) is refused by pid at once; a holder
-    whose process is gone is waited for until its lock goes (its ranks exiting), then taken;
+    whose process is gone is waited for until its lock goes (its ranks exiting), then taken, and
+    refused after the wait naming the process that holds the lock (not a job that is gone);
     unlock removes the file."""
     d = str(tmp_path / "run")
     os.makedirs(d)
@@ -270,8 +271,12 @@ def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     assert time.monotonic() - t < 1
     os.ftruncate(fd, 0)
     os.pwrite(fd, b"999999999 python -m real_py train\n", 0)   # no such pid: the launcher is gone
-    with pytest.raises(ValueError, match="pid 999999999 \\(gone; its ranks still hold the lock"):
+    with pytest.raises(ValueError) as e:
         L.lock_out_dir(d, wait_s=0.3)
+    assert "in use by another job" not in str(e.value) and "kill 999999999" not in str(e.value), e.value
+    assert f"is locked by pid {os.getpid()} (" in str(e.value), e.value               # what holds it
+    assert "the job that took it (pid 999999999: python -m real_py train) is gone" in str(e.value)
+    assert f"kill {os.getpid()})" in str(e.value), e.value
     threading.Timer(0.5, os.close, [fd]).start()               # its last rank exits
     L.lock_out_dir(d, wait_s=10)
     try:
@@ -425,3 +430,26 @@ def test_launcher_watch_without_a_pidfd_of_the_launcher():
         os.waitpid(middle, 0)
         t = time.monotonic()
         assert f.read() == b"" and time.monotonic() - t < 2, "the rank outlived its launcher"
+
+
+def test_lock_of_a_gone_job_names_what_holds_it(tmp_path):
+    """A lock file naming a pid that another process took since (alive, without the lock file
+    open), or naming no pid at all, is no running job: lock_out_dir waits, then names the process
+    that holds the lock."""
+    d = str(tmp_path / "run")
+    os.makedirs(d)
+    fd = os.open(os.path.join(d, L.LOCK_NAME), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        for text in (f"{os.getppid()} python -m real_py train\n", "garbage\n"):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, text.encode(), 0)
+            t = time.monotonic()
+            with pytest.raises(ValueError) as e:
+                L.lock_out_dir(d, wait_s=0.3)
+            msg = str(e.value)
+            assert time.monotonic() - t >= 0.3, "refused at once, as if a live job held it"
+            assert "in use by another job" not in msg and f"is locked by pid {os.getpid()} (" in msg, msg
+        assert "its lock file names no job" in msg, msg
+    finally:
+        os.close(fd)

@@ -50,10 +50,65 @@ def _alive(pid: int | None) -> bool:
             return True
 
 
+def _opens(pid: int, key: tuple[int, int]) -> bool | None:
+    """Whether process `pid` has the file `key` (st_dev, st_ino) open; None: cannot tell
+    (another user's process)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == key:
+            return True
+    return False
+
+
+def _holds(pid: int | None, key: tuple[int, int]) -> bool:
+    """Whether the job whose pid the lock file names still runs: alive, with the lock file open
+    (a pid taken by another process since is no job)."""
+    if not _alive(pid):
+        return False
+    opens = _opens(pid, key)
+    return True if opens is None else opens
+
+
+def _process(pid: int) -> str:
+    """"pid 4711 (real_py-rank2: python -m real_py train ...)"."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+    except OSError:
+        return f"pid {pid}"
+    return f"pid {pid} ({comm}: {cmd[:200]})" if cmd else f"pid {pid} ({comm})"
+
+
+def _orphan_lock(out_dir: str, path: str, pid: int | None, what: str, key: tuple[int, int]) -> str:
+    """The refusal for a lock whose job is gone: the processes that hold it instead."""
+    job = (f"the job that took it (pid {pid}{f': {what}' if what else ''}) is gone" if pid
+           else "its lock file names no job")
+    openers = [p for p in (int(d) for d in os.listdir("/proc") if d.isdigit()) if _opens(p, key)]
+    if not openers:
+        return (f"out_dir {out_dir} is locked, but by no running job: {job}, and no process visible here "
+                f"holds {path} (another user's, or on another machine); find it with `fuser -v {path}`, or "
+                "choose another --out-dir")
+    them = "them" if len(openers) > 1 else "it"
+    return (f"out_dir {out_dir} is locked by {', '.join(map(_process, openers))}, not by a running job: "
+            f"{job}; stop {them} (kill {' '.join(map(str, openers))}), or choose another --out-dir")
+
+
 def lock_out_dir(out_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
     """Take out_dir's lock for this process (and the ranks it starts); ValueError naming the
-    holder's pid when another job holds it. A holder whose launcher is gone (killed: its ranks
-    are exiting) is waited for up to `wait_s` seconds. Creates out_dir if needed."""
+    holder's pid when another job holds it. A lock whose job is gone (its launcher killed: its
+    ranks are exiting) is waited for up to `wait_s` seconds, then refused naming the processes
+    that still hold it. Creates out_dir if needed."""
     import fcntl
 
     if _lock["fd"] is not None:
@@ -73,16 +128,19 @@ def lock_out_dir(out_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            st = os.fstat(fd)
             os.close(fd)
+            key = (st.st_dev, st.st_ino)
             pid, what = _holder(path)
-            if _alive(pid) or time.monotonic() > deadline:
-                state = "" if _alive(pid) else f" (gone; its ranks still hold the lock after {wait_s:g} s)"
-                raise ValueError(f"out_dir {out_dir} is in use by another job: pid {pid}{state}"
+            if _holds(pid, key):
+                raise ValueError(f"out_dir {out_dir} is in use by another job: pid {pid}"
                                  f"{f' ({what})' if what else ''}; wait for it to end or stop it "
                                  f"(kill {pid}), or choose another --out-dir") from None
+            if time.monotonic() > deadline:
+                raise ValueError(_orphan_lock(out_dir, path, pid, what, key)) from None
             if not told:
-                print(f"out_dir {out_dir}: waiting for the ranks of job pid {pid} (gone) to exit",
-                      file=sys.stderr, flush=True)
+                print(f"out_dir {out_dir}: waiting for the processes that still hold the lock of a gone job"
+                      f"{f' (pid {pid})' if pid else ''} to exit", file=sys.stderr, flush=True)
                 told = True
             time.sleep(0.1)
             continue
