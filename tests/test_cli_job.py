@@ -453,3 +453,73 @@ def test_lock_of_a_gone_job_names_what_holds_it(tmp_path):
         assert "its lock file names no job" in msg, msg
     finally:
         os.close(fd)
+
+
+_LAUNCHER_ENDS: dict = {}
+"""The launcher's own ends of the job's pipes ("pipe:[inode]"), noted before it starts the ranks."""
+
+
+def _fd_table() -> dict:
+    """fd -> (link, open for reading?, close-on-exec?) of this process."""
+    got = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                flags = int(f.read().split("flags:")[1].split()[0], 8)
+        except OSError:
+            continue
+        got[int(name)] = (link, flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR), bool(flags & 0o2000000))
+    return got
+
+
+def _report_fds(path: str, logs: str, lock_file: str) -> int:
+    """A rank's target: what it holds of the launcher's (see test_ranks_hold_only_their_own_fds)."""
+    table = _fd_table()
+    pid = os.fork()   # a process the rank starts (a data loader worker, a pool of the reward function)
+    if pid == 0:
+        os._exit(10 + sum(link == lock_file for link, _, _ in _fd_table().values()))
+    child_locks = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) - 10
+    out = {"logs": [link for link, _, _ in table.values() if link.startswith(logs + os.sep)],
+           "pidfds": [fd for fd, (link, _, _) in table.items() if link == "anon_inode:[pidfd]"
+                      and fd != R._state["pidfd"]],
+           "launcher_ends": [link for link, reads, _ in table.values() if reads and link in _LAUNCHER_ENDS.get("ends", ())],
+           "locks": [cloexec for link, _, cloexec in table.values() if link == lock_file],
+           "child_locks": child_locks}
+    with open(os.path.join(path, f"fds{os.environ['RANK']}.json"), "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fork", [True, False], ids=["fork", "spawn"])
+def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork):
+    """A rank holds nothing of the launcher's but its own pipe ends and the run directory's lock:
+    no rank's log, no torchrun.log, none of the launcher's pipe ends or pidfds; the lock once,
+    close-on-exec, and a process the rank forks does not inherit it (it could outlive the rank
+    and keep the directory locked)."""
+    import functools
+
+    from real_py.cli import job as J
+
+    out = str(tmp_path / "run")
+    pipes = J._Job._pipes
+
+    def noting(self):
+        plumbing = pipes(self)
+        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in list(self.streams) + list(self.hellos)}
+        return plumbing
+
+    monkeypatch.setattr(J._Job, "_pipes", noting)
+    L.lock_out_dir(out)
+    try:
+        logs = os.path.realpath(os.path.join(out, "logs"))
+        target = functools.partial(_report_fds, str(tmp_path), logs, os.path.realpath(os.path.join(out, L.LOCK_NAME)))
+        assert J.launch(2, out, target, fork=fork) == 0
+    finally:
+        L.unlock()
+        _LAUNCHER_ENDS.clear()
+    for r in range(2):
+        got = json.load(open(tmp_path / f"fds{r}.json"))
+        assert got == {"logs": [], "pidfds": [], "launcher_ends": [], "locks": [True], "child_locks": 0}, (r, got)

@@ -129,8 +129,7 @@ class _Job:
         for rk in self.ranks:
             rk.log = self._open_log(rk.r)
             for kind, console in ((out, rk.r == 0), (err, False), (hello, None)):
-                r, w = os.pipe()
-                os.set_inheritable(w, True)
+                r, w = os.pipe()  # not inheritable: a fork keeps it, a spawn passes it (Fd)
                 if console is None:
                     self.hellos[r] = rk
                 else:
@@ -138,7 +137,8 @@ class _Job:
                 self.writers.append(w)
                 kind.append(Fd(w))
         lock = _lock.held_fd()
-        return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid())
+        own = list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks] if self.fork else []
+        return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own)
 
     def run(self) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException

@@ -4,8 +4,9 @@ launcher's pipes, and its failure record.
     run_rank(target, rank)       # target() -> exit code; an exception -> failure record, one line
 
 A rank started by `launch` (real_py/cli/job.py) enters through `rank_entry`: its own ends of
-the launcher's pipes become its stdout and stderr, it tells the launcher its pid, and it dies
-with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
+the launcher's pipes become its stdout and stderr (the launcher's other fds a fork inherited are
+closed; the run directory's lock stays, close-on-exec and closed in any process the rank forks),
+it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
 a rank never writes after its launcher is gone. A rank that fails writes logs/failed_rank<r>.json
 (`failure_record`: rank, where, exception, message, user code, whether the error is a
 consequence of a peer's failure) with its traceback in its log, then waits to be ended.
@@ -17,6 +18,7 @@ line after its traceback.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -45,11 +47,12 @@ class Fd:
 
 
 class Plumbing:
-    """What a rank gets from the launcher: its pipes, the lock, the launcher's pid."""
+    """What a rank gets from the launcher: its pipes, the lock, the launcher's pid; `private`: the
+    launcher's own fds (its ends of the pipes, the ranks' logs), which a forked rank closes."""
 
-    def __init__(self, out, err, hello, lock, logs, launcher):
+    def __init__(self, out, err, hello, lock, logs, launcher, private=()):
         self.out, self.err, self.hello, self.lock = out, err, hello, lock
-        self.logs, self.launcher = logs, launcher
+        self.logs, self.launcher, self.private = logs, launcher, list(private)
 
 
 _state: dict = {"managed": False, "rank": None, "launcher": None, "pidfd": None}
@@ -74,10 +77,11 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     mine = (plumbing.out[r].fd, plumbing.err[r].fd, plumbing.hello[r].fd)
     for fd in (x.fd for x in plumbing.out + plumbing.err + plumbing.hello):
         if fd not in mine:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            _close(fd)
+    _close_launchers(plumbing, keep=mine)
+    if plumbing.lock is not None:  # the rank's only, released when it ends: never its children's
+        os.set_inheritable(plumbing.lock.fd, False)
+        os.register_at_fork(after_in_child=functools.partial(_close, plumbing.lock.fd))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(mine[0], 1)
@@ -87,7 +91,8 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     os.write(mine[2], f"{os.getpid()} {os.environ.get('MASTER_PORT', 0)}\n".encode())
     os.close(mine[2])
     _watch_launcher(plumbing.launcher)
-    # plumbing.lock: the run directory's lock, inherited or handed over, held until this rank ends.
+    # plumbing.lock: the run directory's lock, inherited or handed over, held until this rank ends
+    # (it ends with the launcher): a new job on the directory waits until no rank can write.
 
     import torch
 
@@ -102,6 +107,32 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     except (OSError, AttributeError):
         pass
     return run_rank(target, int(os.environ["RANK"]), plumbing.logs)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _close_launchers(plumbing: Plumbing, keep) -> None:
+    """A forked rank holds a copy of every fd of the launcher: close the launcher's own (its ends
+    of the ranks' pipes, every rank's log, torchrun.log, its pidfds of the ranks started before
+    this one), so that no rank holds another's log or keeps a pipe open for its reader."""
+    for fd in plumbing.private:
+        _close(fd)
+    logs = os.path.join(os.path.realpath(plumbing.logs), "")
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or (plumbing.lock is not None and fd == plumbing.lock.fd):
+            continue
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link == "anon_inode:[pidfd]" or link.startswith(logs):
+            _close(fd)
 
 
 def _die_with_parent(parent: int) -> None:
