@@ -523,3 +523,33 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork):
     for r in range(2):
         got = json.load(open(tmp_path / f"fds{r}.json"))
         assert got == {"logs": [], "pidfds": [], "launcher_ends": [], "locks": [True], "child_locks": 0}, (r, got)
+
+
+def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):
+    """A spawned rank (CUDA's start method) gets the config, checkpoint and validation the
+    launcher resolved, pickled: it never reads the config file again (which may have changed
+    since) nor runs the launcher's part (_config: the lock, the checkpoint sweep)."""
+    import pickle
+
+    from real_py.cli import job as J
+    from real_py.rlhf import config
+
+    got = {}
+    monkeypatch.setenv("REAL_PY_LAUNCH", "spawn")
+    monkeypatch.setattr(J, "launch", lambda world, out_dir, target, **kw: got.update(target=target, kw=kw) or 0)
+    out = str(tmp_path / "run")
+    assert main(["train", "--out-dir", out, "--steps", "2", "ppo.kl_coef=0.05"]) == 0
+    assert got["kw"]["fork"] is False
+    pickled = pickle.dumps(got["target"])
+
+    def never(*a, **k):
+        raise AssertionError("a spawned rank ran the launcher's part again")
+
+    ran = {}
+    monkeypatch.setattr(config, "read_yaml", never)
+    monkeypatch.setattr(cli_train, "_config", never)
+    monkeypatch.setattr(cli_train, "_spmd", lambda args, cfg, ckpt, validated=None: ran.update(
+        cfg=cfg, validated=validated) or 0)
+    assert pickle.loads(pickled)() == 0                        # as the spawned rank gets it and runs it
+    assert ran["cfg"].steps == 2 and ran["cfg"].ppo.kl_coef == 0.05 and ran["cfg"].out_dir == out
+    assert ran["validated"] is not None and ran["validated"][0].world_size == 4

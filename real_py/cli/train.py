@@ -7,8 +7,9 @@ run (metrics, checkpoints) is refused unless --resume continues it or --overwrit
 Without RANK in the environment, the command is the launcher of a one-node job (cli.job): it
 locks out_dir (a second job or a resume on it is refused, naming the holder's pid), validates
 the config once and starts <world_size> local ranks under torchrun's elastic agent, run in this
-process (c10d rendezvous on 127.0.0.1): forks of itself on CPU (fresh interpreters on CUDA),
-each running the SPMD loop below; their output goes to
+process (c10d rendezvous on 127.0.0.1): forks of itself on CPU (fresh interpreters on CUDA,
+handed the config as resolved and validated here), each running the SPMD loop below; their
+output goes to
 <out_dir>/logs/rank<r>.log (rank 0's stdout is shown too), and a failure anywhere ends the job
 with one line naming the rank, step, call and error. The ranks die with the launcher. Under an
 outside torchrun (several nodes) every rank runs the SPMD loop and rank 0 holds the lock.
@@ -56,9 +57,10 @@ def _config(args):
         d["out_dir"] = args.out_dir
     cfg = config.from_dict(d)
     from .lock import lock_out_dir
-    from .rank import managed
 
-    if "RANK" not in os.environ or (os.environ["RANK"] == "0" and not managed()):
+    # The launcher, or rank 0 under an outside torchrun (the ranks of a launched job never get
+    # here: they run the launcher's config).
+    if os.environ.get("RANK", "0") == "0":
         lock_out_dir(cfg.out_dir)  # before anything in out_dir changes (sweep, --overwrite)
     ckpt = None
     if args.resume is not None:
@@ -95,9 +97,10 @@ def _before_launch(cfg) -> None:
 
 
 def _launch(args, world: int) -> int:
-    """Run the job as `world` local ranks under torchrun's elastic agent (cli.job.launch):
-    forks of this process that run the SPMD loop with the config validated here, or (CUDA)
-    fresh interpreters that read the config again (_spawned_rank)."""
+    """Run the job as `world` local ranks under torchrun's elastic agent (cli.job.launch), each
+    running the SPMD loop with what was resolved and validated here (config, checkpoint, plan,
+    graph, models): forks of this process, or (CUDA) fresh interpreters that get it pickled,
+    never reading the config file or sweeping the checkpoints again."""
     import functools
 
     from . import job
@@ -108,13 +111,8 @@ def _launch(args, world: int) -> int:
         return job.launch(world, cfg.out_dir, lambda: _spmd(args, cfg, ckpt, validated))
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("prepared", "func")})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return job.launch(world, cfg.out_dir, functools.partial(_spawned_rank, plain), fork=False,
+    return job.launch(world, cfg.out_dir, functools.partial(_spmd, plain, cfg, ckpt, validated), fork=False,
                       what={"cuda": "NCCL processes", "cpu": "gloo processes"}.get(cfg.device, "processes"))
-
-
-def _spawned_rank(args) -> int:
-    """A rank in a fresh interpreter (spawn): the config read again, not validated again."""
-    return _rank(args)
 
 
 def _preimport() -> None:
@@ -154,12 +152,11 @@ def run(args) -> int:
 
 
 def _rank(args) -> int:
+    """A rank under an outside torchrun: it reads and validates the config itself."""
     from .. import liveness
-    from .rank import managed
 
     cfg, ckpt = _config(args)
-    if not managed():
-        liveness.set_job_logs(os.path.join(cfg.out_dir, "logs"), int(os.environ["RANK"]))
+    liveness.set_job_logs(os.path.join(cfg.out_dir, "logs"), int(os.environ["RANK"]))
     return _spmd(args, cfg, ckpt)
 
 
@@ -208,8 +205,8 @@ def _line(step: int, out: dict) -> str:
 
 def _spmd(args, cfg, ckpt, validated=None) -> int:
     """This rank's part of the job. `validated`: (plan, graph, models) of the launcher's
-    config.validate (forked ranks); a rank started by the launcher as a fresh process builds
-    them without validating again; under an outside torchrun every rank validates."""
+    config.validate (every rank the launcher started, forked or spawned); under an outside
+    torchrun every rank validates."""
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -233,11 +230,6 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         liveness.start_heartbeat()
         liveness.set_activity("starting: models")
-        if validated is None and managed():
-            validated = cfg.execution_plan(), cfg.graph(), cfg.model_configs()
-            if validated[0].world_size != world:
-                raise ValueError(f"execution plan is for world_size={validated[0].world_size}, but the job "
-                                 f"has {world} ranks")
         plan, graph, models = validated or config.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=args.timeout)
         rt.samples_path = os.path.join(cfg.out_dir, "samples.jsonl")
