@@ -256,18 +256,9 @@ def main(argv=None):
     pairs.append((MOE_PAIR[0], moe, Layout.parse(MOE_PAIR[1]), Layout.parse(MOE_PAIR[2])))
     pairs = [p for p in pairs if args.pairs is None or p[0] in args.pairs]
     goal = GOALS[(args.device, args.transport)]
-    rows = []
-    for name, model, src, dst in pairs:
-        if args.transport == "inprocess":
-            rows += inprocess_rows(name, model, src, dst, dev, args.repeats, goal)
-        else:
-            ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
-            from ipc_bench import ipc_rows
-            got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
-            rows += got + [gather_row(name, model, src, dst, dev, args.repeats, ref)]
-            got[0]["vs gather-slice"] = got[0]["GB/s"] / rows[-1]["GB/s"]
     cols = ["pair", "model", "method", "GiB moved", "seconds", "GB/s", "ref GB/s", "vs ref", "goal", "met",
-            "vs gather-slice", "bit-exact", "launches", "extra MiB", "extra how", "host ms", "host / move", "compile s"]
+            "vs gather-slice", "bit-exact", "launches", "extra MiB", "extra how", "host ms", "host / move", "compile s",
+            "error"]
     ref_name = "one device copy_ of min(bytes, 4 GiB)" if dev.type == "cuda" else "one numpy memcpy of min(bytes, 1 GiB)"
     notes = (f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a warm-up; "
              f"the first call compiles, `compile s`; in process, the moves, the reference and gather-slice are timed "
@@ -276,10 +267,33 @@ def main(argv=None):
              "every destination piece equals the slice of its full tensor. extra MiB: memory beyond the "
              "source and destination shards. host ms: GPU, the host time to issue one replayed move (goal "
              "<= 1 ms); CPU, a replayed move's wall time minus the time inside its copy calls (one at a time "
-             "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank).")
-    paths = write_results(f"realloc_{args.transport}", hardware_tag(args.device, args.small), rows, columns=cols,
-                          title=f"reallocation on one device ({args.transport}, {args.device})", notes=notes,
-                          out_dir=args.out_dir)
+             "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank). "
+             "error: a pair that failed (out of memory, say) is one row with its error; the others still run. "
+             "The report is rewritten after every pair, so a run stopped by a time limit keeps the pairs done.")
+    if not pairs:
+        raise SystemExit(f"--pairs {args.pairs}: no such pair; known: {[n for n, *_ in PAIRS] + [MOE_PAIR[0]]}")
+    rows = []
+    for name, model, src, dst in pairs:
+        try:
+            if args.transport == "inprocess":
+                rows += inprocess_rows(name, model, src, dst, dev, args.repeats, goal)
+            else:
+                ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
+                from ipc_bench import ipc_rows
+                got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
+                rows += got + [gather_row(name, model, src, dst, dev, args.repeats, ref)]
+                got[0]["vs gather-slice"] = got[0]["GB/s"] / rows[-1]["GB/s"]
+        except Exception as e:  # noqa: BLE001 - a benchmark reports, the next pair runs
+            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append({"pair": name, "model": model.name, "goal": goal, "met": "NO",
+                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+        finally:
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        paths = write_results(f"realloc_{args.transport}", hardware_tag(args.device, args.small), rows, columns=cols,
+                              title=f"reallocation on one device ({args.transport}, {args.device})", notes=notes,
+                              out_dir=args.out_dir)
     print("wrote", *paths)
 
 

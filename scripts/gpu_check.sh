@@ -142,7 +142,11 @@ for op in ('pack', 'unpack', 'copy_planned'):
     assert torch._C._dispatch_has_kernel_for_dispatch_key('real_py::' + op, 'CUDA'), op + ': no CUDA kernel'
 assert torch.cuda.is_available(), 'torch sees no GPU'
 print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
-  step tests 170 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors tests
+  # pytest-timeout, where installed (the lent machines have it): a hanging test fails alone instead of
+  # taking the step's whole cap and its summary line with it; --durations says where the time went.
+  PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90" || true)
+  step tests 170 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors \
+    --durations 12 $PER_TEST tests
 fi
 
 step pack 60 "$PY" bench/bench_pack.py --device "$DEVICE" --repeats 5 $SMALL_FLAG --out-dir "$REPORTS"
