@@ -23,7 +23,11 @@ from pathlib import Path
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
     """HEAD's short hash of the checkout holding `cwd` (default: this package's directory), with
     "+dirty" when tracked files differ from it (the run did not measure that commit's code alone);
-    "unknown" outside a git checkout or without git."""
+    "unknown" outside a git checkout or without git. REAL_PY_GIT_COMMIT in the environment wins:
+    a copy of the tree on another machine (a lent GPU's) may carry a stale .git, so the command
+    that sends it names the commit it sends."""
+    if os.environ.get("REAL_PY_GIT_COMMIT"):
+        return os.environ["REAL_PY_GIT_COMMIT"]
     where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
     try:
         def git(*args: str) -> str:

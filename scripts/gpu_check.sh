@@ -46,7 +46,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-CMDLINE="$(for v in DEVICE SMALL GPU_CHECK_STEPS GPU_CHECK_BUDGET_S PYTHON RAW REPORTS BUNDLE; do
+CMDLINE="$(for v in DEVICE SMALL GPU_CHECK_STEPS GPU_CHECK_BUDGET_S PYTHON RAW REPORTS BUNDLE REAL_PY_GIT_COMMIT; do
   [ -n "${!v:-}" ] && printf '%s="%s" ' "$v" "${!v}"; done)scripts/gpu_check.sh"
 RAW="${RAW:-$ROOT/bench/results/.raw/gpu_check_$(date -u +%Y%m%d_%H%M%S)}"
 if [ "${SMALL:-0}" = 1 ]; then REPORTS="${REPORTS:-$RAW}"; else REPORTS="${REPORTS:-$ROOT/bench/results}"; fi
@@ -175,7 +175,7 @@ REPORT="$REPORTS/gpu_check_${HW}_$(date -u +%Y%m%d).md"
     echo "    GPU_CHECK_STEPS=\"import$CUT\" scripts/gpu_check.sh"
     echo
   fi
-  echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; git commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && echo +dirty); raw logs (not committed): $RAW/<step>.log"
+  echo "Result: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s; git commit $("$PY" -c "from real_py.benchmark import git_commit; print(git_commit())" 2>/dev/null || echo unknown); raw logs (not committed): $RAW/<step>.log"
   echo
   echo "Versions and machine (env step):"
   echo
