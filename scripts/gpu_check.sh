@@ -107,8 +107,8 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/N
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$RAW/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RAW/$name.log"
-  echo "| $name | $rc$([ "$rc" -eq 124 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
-  if [ "$rc" -eq 124 ] && [ "$limit" -lt "$cap" ]; then CUT="$CUT $name"; fi  # the deadline's cut, not its cap's
+  echo "| $name | $rc$({ [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
+  if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "$limit" -lt "$cap" ]; then CUT="$CUT $name"; fi  # the deadline's cut, not its cap's
   [ "$rc" -eq 0 ] || status=1
   last_rc=$rc
   return 0
