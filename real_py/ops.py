@@ -84,9 +84,10 @@ class CopyPlan:
     runs, each with its own addresses) once, here, and the item table is uploaded to `device` once.
     A run checks the buffers against the plan's bounds and makes one call of real_py::copy_planned
     per group of 64 source x 64 destination buffers (one group: one launch). Buffers: 1-D
-    contiguous, destinations on `device` (on a GPU a source may be on another GPU that `device`
-    reaches by peer access, as CUDA IPC mappings do), any dtype of `element_size` bytes; no
-    destination byte written twice
+    contiguous, destinations on `device` (on a GPU a source may be on another GPU: the kernel runs
+    on `device` and reads it by peer access, enabled on first use, or refuses the pair; the caller
+    orders the source's writes before the run, as IpcTransport does with events), any dtype of
+    `element_size` bytes; no destination byte written twice
     (the plan's descriptors are disjoint on the destination side), no source sharing memory with a
     destination. CUDA: on the current stream."""
 

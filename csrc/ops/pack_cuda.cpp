@@ -16,6 +16,7 @@
 // a call checks the buffers against the plan's bounds and launches: no per-call host work that
 // grows with the plan.
 #include <ATen/ATen.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -69,25 +70,16 @@ void unpack_cuda(const at::Tensor& packed, const at::Tensor& descs, const at::Te
   strided_copy_cuda("unpack", packed, "packed", descs, dst, "dst");
 }
 
-// A source on another GPU is read by the kernel over NVLink / PCIe: the destination's device
-// needs peer access to it. CUDA IPC mappings open with it enabled; for other buffers enable it
-// here (once per pair: a second call answers "already enabled"), or refuse naming both devices
-// rather than fault on an illegal address.
+// A source on another GPU is read by the kernel over NVLink / PCIe: the destinations' device
+// needs peer access to the source's. at::cuda::get_p2p_access(dst, src) enables it once per pair
+// and caches the answer, for cudaMalloc'd blocks and the caching allocator's expandable segments
+// alike (a plain cudaDeviceEnablePeerAccess does not reach those); a pair without P2P is refused
+// naming both devices rather than faulting on an illegal address.
 void ensure_peer_access(const c10::Device& dst, const c10::Device& src) {
   if (src.index() == dst.index()) return;
-  int can = 0;
-  cudaError_t err = cudaDeviceCanAccessPeer(&can, dst.index(), src.index());
-  TORCH_CHECK(err == cudaSuccess, "copy_planned: cudaDeviceCanAccessPeer(", dst, ", ", src,
-              ") failed: ", cudaGetErrorString(err));
-  TORCH_CHECK_VALUE(can, "copy_planned: a source buffer is on ", src, " and the destinations on ", dst,
-                    ", and ", dst, " cannot access ", src, " as a peer (no NVLink / PCIe P2P between them)");
-  err = cudaDeviceEnablePeerAccess(src.index(), 0);  // for the current device: dst (guard above)
-  if (err == cudaErrorPeerAccessAlreadyEnabled) {
-    (void)cudaGetLastError();  // not an error: clear it so a later launch check does not report it
-  } else {
-    TORCH_CHECK(err == cudaSuccess, "copy_planned: enabling peer access from ", dst, " to ", src,
-                " failed: ", cudaGetErrorString(err));
-  }
+  TORCH_CHECK_VALUE(at::cuda::get_p2p_access(dst.index(), src.index()), "copy_planned: a source buffer is on ",
+                    src, " and the destinations on ", dst, ", and ", dst, " cannot access ", src,
+                    " as a peer (no NVLink / PCIe P2P between them)");
 }
 
 void copy_planned_cuda(at::TensorList srcs, at::TensorList dsts, const at::Tensor& items,

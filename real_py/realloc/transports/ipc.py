@@ -5,8 +5,8 @@
     Reallocator(plan, t).run(src_shard_on_gpu, dst_shard_on_gpu)    # one pass (realloc/direct.py)
 
 Beside DistTransport for ranks that share a node (GPUs of one machine, or several processes on
-one GPU; a peer on another GPU is read over NVLink / PCIe, torch opening IPC handles with peer
-access enabled): instead of sending, every rank maps its senders' source buffers into its own address
+one GPU; a peer on another GPU is read over NVLink / PCIe, the copy enabling peer access on
+first use): instead of sending, every rank maps its senders' source buffers into its own address
 space and runs its one compiled copy from them (one kernel launch per rank and move; no staging,
 no second copy, no network). Buffers are shared with torch's CUDA IPC (torch.multiprocessing's
 reduce_tensor: cudaIpcGetMemHandle on the producer, a cached cudaIpcOpenMemHandle on the
