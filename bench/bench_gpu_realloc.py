@@ -133,63 +133,66 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
     base = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30}
     sa, da = shard_args(srcs), shard_args(dsts)
     moves, info = {}, {}
-    for threads in (True, False):
-        key = "in-process, " + ("threads" if threads else "one thread")
-        t0 = time.perf_counter()
-        moves[key] = InProcessMove(InProcessHub(timeout=600), make_plan(model, src, dst), threads=threads)
-        zero(dsts)
-        moves[key].run(sa, da)  # compiles the copies (first call), checked here
-        sync(dev)
-        info[key] = {"compile s": time.perf_counter() - t0, "bit-exact": check(dsts), "host": [],
-                     "tables": sum(x.runner.table_bytes for x in moves[key].reallocs.values()),
-                     "launches": sum(len(p.groups) for x in moves[key].reallocs.values() for p in x.runner._plans.values())}
-    gs = GatherSlice(srcs, dsts)
-    zero(dsts)
-    gs.run()
-    sync(dev)
-    gs_ok = check(dsts)
-    ref_fn, ref_bytes = reference(nbytes, dev)
-    fns = {"ref": ref_fn, **{k: (lambda m=m: m.run(sa, da)) for k, m in moves.items()}, "gather-slice": gs.run}
-    times = {k: [] for k in fns}
-    peak = {}
-    for k, fn in fns.items():  # warm-up (and the extra memory of each, on a GPU)
-        if dev.type == "cuda":
-            sync(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            before = torch.cuda.memory_allocated(dev)  # shards, reference buffers, every move's tables
-        fn()
-        sync(dev)
-        if dev.type == "cuda":  # what the call allocated on top, plus the move's own copy tables
-            peak[k] = torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            sync(dev)
+    try:  # closed on every path: a worker blocked on its queue would keep its last shards alive
+        for threads in (True, False):
+            key = "in-process, " + ("threads" if threads else "one thread")
             t0 = time.perf_counter()
-            out = fn()
-            issued = time.perf_counter() - t0
+            moves[key] = InProcessMove(InProcessHub(timeout=600), make_plan(model, src, dst), threads=threads)
+            zero(dsts)
+            moves[key].run(sa, da)  # compiles the copies (first call), checked here
             sync(dev)
-            times[k].append(time.perf_counter() - t0)
-            if k in moves:  # host work: GPU, the time to issue; CPU, the wall time outside the copies
-                copy_s = sum(st["phases"]["unpack"] for st in out.values())
-                info[k]["host"].append((issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s)))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ref = ref_bytes / med["ref"] / 1e9
-    gbps = {k: nbytes / med[k] / 1e9 for k in moves}
-    g_gbps = nbytes / med["gather-slice"] / 1e9
-    rows = []
-    for k in moves:
-        host = statistics.median(h for _, h in info[k]["host"])
-        share = statistics.median(h / w for w, h in info[k]["host"]) if dev.type == "cpu" else host / med[k]
-        extra = peak.get(k, info[k]["tables"])
-        rows.append({**base, "method": k, "seconds": med[k], "GB/s": gbps[k], "ref GB/s": ref, "vs ref": gbps[k] / ref,
-                     "goal": goal, "met": "yes" if gbps[k] / ref >= goal else "NO", "vs gather-slice": gbps[k] / g_gbps,
-                     "bit-exact": info[k]["bit-exact"], "launches": info[k]["launches"], "extra MiB": extra / 2**20,
-                     "extra how": "measured" if k in peak else "copy tables (computed)", "host ms": host * 1e3,
-                     "host / move": share, "compile s": info[k]["compile s"]})
-        moves[k].close()
-    rows.append({**base, "method": "gather-slice", "seconds": med["gather-slice"], "GB/s": g_gbps, "ref GB/s": ref,
-                 "vs ref": g_gbps / ref, "bit-exact": gs_ok, "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
-                 "extra how": "measured" if peak else "largest tensor (computed)"})
+            info[key] = {"compile s": time.perf_counter() - t0, "bit-exact": check(dsts), "host": [],
+                         "tables": sum(x.runner.table_bytes for x in moves[key].reallocs.values()),
+                         "launches": sum(len(p.groups) for x in moves[key].reallocs.values() for p in x.runner._plans.values())}
+        gs = GatherSlice(srcs, dsts)
+        zero(dsts)
+        gs.run()
+        sync(dev)
+        gs_ok = check(dsts)
+        ref_fn, ref_bytes = reference(nbytes, dev)
+        fns = {"ref": ref_fn, **{k: (lambda m=m: m.run(sa, da)) for k, m in moves.items()}, "gather-slice": gs.run}
+        times = {k: [] for k in fns}
+        peak = {}
+        for k, fn in fns.items():  # warm-up (and the extra memory of each, on a GPU)
+            if dev.type == "cuda":
+                sync(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                before = torch.cuda.memory_allocated(dev)  # shards, reference buffers, every move's tables
+            fn()
+            sync(dev)
+            if dev.type == "cuda":  # what the call allocated on top, plus the move's own copy tables
+                peak[k] = torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                sync(dev)
+                t0 = time.perf_counter()
+                out = fn()
+                issued = time.perf_counter() - t0
+                sync(dev)
+                times[k].append(time.perf_counter() - t0)
+                if k in moves:  # host work: GPU, the time to issue; CPU, the wall time outside the copies
+                    copy_s = sum(st["phases"]["unpack"] for st in out.values())
+                    info[k]["host"].append((issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ref = ref_bytes / med["ref"] / 1e9
+        gbps = {k: nbytes / med[k] / 1e9 for k in moves}
+        g_gbps = nbytes / med["gather-slice"] / 1e9
+        rows = []
+        for k in moves:
+            host = statistics.median(h for _, h in info[k]["host"])
+            share = statistics.median(h / w for w, h in info[k]["host"]) if dev.type == "cpu" else host / med[k]
+            extra = peak.get(k, info[k]["tables"])
+            rows.append({**base, "method": k, "seconds": med[k], "GB/s": gbps[k], "ref GB/s": ref, "vs ref": gbps[k] / ref,
+                         "goal": goal, "met": "yes" if gbps[k] / ref >= goal else "NO", "vs gather-slice": gbps[k] / g_gbps,
+                         "bit-exact": info[k]["bit-exact"], "launches": info[k]["launches"], "extra MiB": extra / 2**20,
+                         "extra how": "measured" if k in peak else "copy tables (computed)", "host ms": host * 1e3,
+                         "host / move": share, "compile s": info[k]["compile s"]})
+        rows.append({**base, "method": "gather-slice", "seconds": med["gather-slice"], "GB/s": g_gbps, "ref GB/s": ref,
+                     "vs ref": g_gbps / ref, "bit-exact": gs_ok, "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
+                     "extra how": "measured" if peak else "largest tensor (computed)"})
+    finally:
+        for m in moves.values():
+            m.close()
     for r in rows:
         print(r, flush=True)
     del srcs, dsts, moves, gs, sa, da, ref_fn, fns, fn  # fns (and fn) hold the moves, gs.run, the reference

@@ -62,15 +62,18 @@ class InProcessMove:
 
     def _work(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:
-            rank, fn, out = job
-            try:
-                value = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
-                # Marked failed at once, so its peers stop waiting for it.
-                self.hub.fail(rank, f"{type(e).__name__}: {e}")
-                out.put((rank, False, e))
-            else:
-                out.put((rank, True, value))
+            self._one(*job)
+            job = None  # a worker waiting for its next job holds no shard of the last one
+
+    def _one(self, rank: int, fn, out: queue.SimpleQueue) -> None:
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+            # Marked failed at once, so its peers stop waiting for it.
+            self.hub.fail(rank, f"{type(e).__name__}: {e}")
+            out.put((rank, False, e))
+        else:
+            out.put((rank, True, value))
 
     def run(self, srcs: dict, dsts: dict, *, free_source: bool = False) -> dict[int, dict]:
         """rank -> stats of one move; raises the lowest failed rank's error after every rank
