@@ -34,6 +34,7 @@ Writes <out-dir>/trl_<hw>_<date>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -185,13 +186,15 @@ def run_real_py(s: dict, ckpt: str, work: str, device: str, timeout: float) -> d
 # -- TRL's side ----------------------------------------------------------------------------
 def install_trl(wheels: str | None) -> str | None:
     """None when trl imports (after installing it from `wheels`), else why not."""
-    if wheels:
+    if wheels and trl_version() is None:  # an importable trl is used as it is
         if not os.path.isdir(wheels):
             return f"--wheels {wheels}: no such directory"
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index"]
         # A distribution's system Python (PEP 668, e.g. Ubuntu's python3.12) refuses pip installs
-        # unless told otherwise; the lent machine is thrown away after the run. Older pips ignore it.
-        env = dict(os.environ, PIP_BREAK_SYSTEM_PACKAGES="1")
+        # unless told otherwise (older pips ignore it); a venv needs no such override.
+        env = dict(os.environ)
+        if sys.prefix == sys.base_prefix:
+            env["PIP_BREAK_SYSTEM_PACKAGES"] = "1"
         r = subprocess.run(pip + ["--find-links", wheels, "trl"], capture_output=True, text=True, timeout=600,
                            env=env)
         if r.returncode:  # a version bound the machine's packages miss: the wheels alone, then import decides
@@ -304,6 +307,14 @@ def _run(cmd: list[str], timeout: float, cwd: str) -> tuple[int, str]:
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                              env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        # This process stopped from outside (gpu_check's deadline: SIGTERM, then SIGKILL) must not
+        # leave the child's session on the GPU: a SIGTERM here ends the child's group first.
+        def _stop(signum, frame):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            raise SystemExit(128 + signum)
+
+        prev = signal.signal(signal.SIGTERM, _stop)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -314,6 +325,8 @@ def _run(cmd: list[str], timeout: float, cwd: str) -> tuple[int, str]:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             rc = 124
+        finally:
+            signal.signal(signal.SIGTERM, prev)
         out.seek(0)
         text = out.read()
     sys.stdout.write(text[-4000:])
