@@ -107,11 +107,27 @@ step() {  # step NAME CAP_S CMD...: timeout min(CAP_S, time left), log to $RAW/N
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$RAW/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RAW/$name.log"
-  echo "| $name | $rc$({ [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
-  if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "$limit" -lt "$cap" ]; then CUT="$CUT $name"; fi  # the deadline's cut, not its cap's
+  # timed out: 124 from timeout, or 137 once its grace ran out, after the whole limit (a 137 sooner
+  # is an OOM kill or another SIGKILL); cut by the deadline when the limit was less than the cap
+  local timed=0
+  if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ $((SECONDS - t0)) -ge "$limit" ]; then timed=1; fi
+  echo "| $name | $rc$([ "$timed" = 1 ] && echo ' (timeout)') | $((SECONDS - t0)) |" >> "$SUMMARY"
+  if [ "$timed" = 1 ] && [ "$limit" -lt "$cap" ]; then CUT="$CUT $name"; fi
   [ "$rc" -eq 0 ] || status=1
   last_rc=$rc
   return 0
+}
+
+bundle() {  # BUNDLE: one archive of reports/ (the reports this run wrote) and raw/ (its logs)
+  [ -n "${BUNDLE:-}" ] || return 0
+  local stage
+  stage="$(mktemp -d)"
+  mkdir -p "$stage/reports" "$(dirname "$BUNDLE")"
+  find "$REPORTS" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.png' \) -newer "$RAW/.start" \
+    ! -name summary.md -exec cp {} "$stage/reports/" \;
+  cp -r "$RAW" "$stage/raw"
+  tar -czf "$BUNDLE" -C "$stage" reports raw || echo "gpu_check: could not write $BUNDLE" >&2
+  rm -rf "$stage"
 }
 
 ENV_PY="
@@ -133,6 +149,7 @@ if [ "$DEVICE" = cuda ]; then
   if [ "$last_rc" -ne 0 ]; then  # without the CUDA build every later step would test a stale .so
     echo "| (all later steps) | skipped: build failed | 0 |" >> "$SUMMARY"
     echo "Result: FAILED (build) in $SECONDS s; logs: $RAW/build.log" >> "$SUMMARY"
+    bundle
     cat "$SUMMARY"
     exit 1
   fi
@@ -191,14 +208,7 @@ REPORT="$REPORTS/gpu_check_${HW}_$(date -u +%Y%m%d).md"
     while read -r f; do echo "- $(basename "$f"): $(head -1 "$f" | sed -e 's/^# //')"; done
 } >> "$SUMMARY"
 cp "$SUMMARY" "$REPORT"
-if [ -n "${BUNDLE:-}" ]; then  # one archive: reports/ (the reports this run wrote), raw/ (its logs)
-  STAGE="$(mktemp -d)"
-  mkdir -p "$STAGE/reports" "$(dirname "$BUNDLE")"
-  find "$REPORTS" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.png' \) -newer "$RAW/.start" \
-    ! -name summary.md -exec cp {} "$STAGE/reports/" \;
-  cp -r "$RAW" "$STAGE/raw"
-  tar -czf "$BUNDLE" -C "$STAGE" reports raw && rm -rf "$STAGE"
-fi
+bundle
 cat "$SUMMARY"
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) in $SECONDS s (report: $REPORT; logs: $RAW${BUNDLE:+; bundle: $BUNDLE})"
 exit $status
