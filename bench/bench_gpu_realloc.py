@@ -284,7 +284,8 @@ def main(argv=None):
                 ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
                 from ipc_bench import ipc_rows
                 got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
-                rows += got + [gather_row(name, model, src, dst, dev, args.repeats, ref)]
+                rows += got  # kept if gather-and-slice then fails
+                rows.append(gather_row(name, model, src, dst, dev, args.repeats, ref))
                 got[0]["vs gather-slice"] = got[0]["GB/s"] / rows[-1]["GB/s"]
         except Exception as e:  # noqa: BLE001 - a benchmark reports, the next pair runs
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
