@@ -18,7 +18,7 @@
 #             skipped with a message when trl cannot be imported), TRL's side <= 130 s
 #   profile   torch.profiler tables: pack calls vs copy_, and generate() per decode mode
 # Random-init models only; nothing is downloaded. Every step runs under `timeout` with its own cap
-# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 560 s: one call of the
+# and all of them under one overall deadline (GPU_CHECK_BUDGET_S, default 540 s: one call of the
 # device tool is at most 600 s); a failing or timed-out step is recorded and the next one runs, and
 # the summary ends with the GPU_CHECK_STEPS line that runs the steps the deadline cut. Reports follow bench/README.md's
 # rule (<theme>_<hardware>_<yyyymmdd>.{json,md}, one per theme and hardware, so a run replaces the
@@ -57,7 +57,7 @@ DEVICE="${DEVICE:-cuda}"
 SMALL_FLAG=$([ "${SMALL:-0}" = 1 ] && echo --small || true)
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-560}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
 
 # torch finds CUDA through CUDA_HOME or `which nvcc`; a wrapper script on PATH (e.g.
 # /usr/local/bin/nvcc) would point it at the wrong prefix, so pick a prefix that has the headers.
