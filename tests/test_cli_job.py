@@ -493,12 +493,14 @@ def _report_fds(path: str, logs: str, lock_file: str) -> int:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fork", [True, False], ids=["fork", "spawn"])
-def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork):
+@pytest.mark.parametrize("fork,lock_on_stdin", [(True, False), (False, False), (True, True)],
+                         ids=["fork", "spawn", "fork-lock-on-fd0"])
+def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdin):
     """A rank holds nothing of the launcher's but its own pipe ends and the run directory's lock:
     no rank's log, no torchrun.log, none of the launcher's pipe ends or pidfds; the lock once,
     close-on-exec, and a process the rank forks does not inherit it (it could outlive the rank
-    and keep the directory locked)."""
+    and keep the directory locked). Also when the launcher's stdin was closed and the lock took
+    fd 0 (which the rank's own stdin replaces)."""
     import functools
 
     from real_py.cli import job as J
@@ -512,17 +514,77 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork):
         return plumbing
 
     monkeypatch.setattr(J._Job, "_pipes", noting)
-    L.lock_out_dir(out)
+    stdin = os.dup(0) if lock_on_stdin else None
+    if stdin is not None:
+        os.close(0)
     try:
+        assert L.lock_out_dir(out) == 0 or stdin is None
         logs = os.path.realpath(os.path.join(out, "logs"))
         target = functools.partial(_report_fds, str(tmp_path), logs, os.path.realpath(os.path.join(out, L.LOCK_NAME)))
         assert J.launch(2, out, target, fork=fork) == 0
     finally:
         L.unlock()
+        if stdin is not None:
+            os.dup2(stdin, 0)
+            os.close(stdin)
         _LAUNCHER_ENDS.clear()
     for r in range(2):
         got = json.load(open(tmp_path / f"fds{r}.json"))
         assert got == {"logs": [], "pidfds": [], "launcher_ends": [], "locks": [True], "child_locks": 0}, (r, got)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_launcher_output_into_the_logs_folder(tmp_path):
+    """The launcher's stdout and stderr are a file in <out_dir>/logs/ (`train ... > run/logs/console.log
+    2>&1`): one that --overwrite deletes under it, then a live one on --resume. The ranks write into
+    their own pipes, and the job trains."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    for extra, steps in (["--overwrite"], "1"), (["--resume"], "2"):
+        with open(out / "logs" / "console.log", "w+") as f:
+            p = subprocess.Popen([sys.executable, "-m", "real_py", "train", "--no-progress", "--out-dir", str(out),
+                                  "--steps", steps, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            try:
+                code = p.wait(90)
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            f.seek(0)
+            text = f.read()
+        assert code == 0 and f"summary (steps 1-{steps}" in text, text[-3000:]
+
+
+def test_rank_closes_the_launchers_fds_by_identity(tmp_path):
+    """A forked rank closes the launcher's private fds by number and identity: a number the
+    launcher closed while the agent still forked ranks, and that another file took since (a
+    pidfd, the agent's pipe to the rank), stays open; a file in logs/ that is no private fd
+    (torchrun.log under the agent's inherited logging handler) becomes /dev/null, not a free
+    number that something else takes."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    gone = os.open(tmp_path / "hello", os.O_CREAT | os.O_WRONLY)
+    stale = R.fd_key(gone)
+    os.close(gone)
+    reused = os.open(tmp_path / "other", os.O_CREAT | os.O_WRONLY)  # the closed fd's number
+    r, w = os.pipe()
+    agent_log = os.open(logs / "torchrun.log", os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        assert reused == stale[0]
+        R._close_launchers(R.Plumbing([], [], [], None, str(logs), os.getppid(), [stale, R.fd_key(r)]),
+                           keep=(w, null), null=null)
+        assert os.readlink(f"/proc/self/fd/{reused}") == str(tmp_path / "other")
+        assert not os.path.exists(f"/proc/self/fd/{r}")
+        assert os.readlink(f"/proc/self/fd/{agent_log}") == os.devnull and os.write(agent_log, b"x") == 1
+        assert not os.get_inheritable(agent_log)
+        assert not R.close_if_same(w, *stale[1:]) and R.close_if_same(*R.fd_key(w))
+        assert not R.close_if_same(w, *stale[1:])  # closed already (EBADF)
+    finally:
+        for fd in (reused, r, w, agent_log, null):
+            R._close(fd)
 
 
 def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):

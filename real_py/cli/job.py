@@ -44,7 +44,7 @@ import time
 
 from . import lock as _lock
 from .agent import agent_log, launch_config, start_tracker
-from .rank import Fd, Plumbing, rank_entry
+from .rank import Fd, Plumbing, fd_key, rank_entry
 from .report import SIG_EXIT, doing, proc_state, report
 
 WATCH_JOIN_S = 15.0
@@ -137,7 +137,8 @@ class _Job:
                 self.writers.append(w)
                 kind.append(Fd(w))
         lock = _lock.held_fd()
-        own = list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks] if self.fork else []
+        own = [fd_key(fd) for fd in list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks]
+               ] if self.fork else []
         return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own)
 
     def run(self) -> int:

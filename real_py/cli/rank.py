@@ -5,7 +5,9 @@ launcher's pipes, and its failure record.
 
 A rank started by `launch` (real_py/cli/job.py) enters through `rank_entry`: its own ends of
 the launcher's pipes become its stdout and stderr (the launcher's other fds a fork inherited are
-closed; the run directory's lock stays, close-on-exec and closed in any process the rank forks),
+closed, each only while its number still holds the launcher's file, or, a file in logs/ the agent's
+logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
+or above, and closed in any process the rank forks),
 it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
 a rank never writes after its launcher is gone. A rank that fails writes logs/failed_rank<r>.json
 (`failure_record`: rank, where, exception, message, user code, whether the error is a
@@ -48,11 +50,32 @@ class Fd:
 
 class Plumbing:
     """What a rank gets from the launcher: its pipes, the lock, the launcher's pid; `private`: the
-    launcher's own fds (its ends of the pipes, the ranks' logs), which a forked rank closes."""
+    launcher's own fds (its ends of the pipes, the ranks' logs) as (fd, st_dev, st_ino), which a
+    forked rank closes where the number still holds that file (`close_if_same`: the launcher
+    closes some of them while the agent still forks ranks, and the numbers get reused)."""
 
     def __init__(self, out, err, hello, lock, logs, launcher, private=()):
         self.out, self.err, self.hello, self.lock = out, err, hello, lock
         self.logs, self.launcher, self.private = logs, launcher, list(private)
+
+
+def fd_key(fd: int) -> tuple[int, int, int]:
+    """(fd, st_dev, st_ino): an fd with the identity of the file it holds now (see close_if_same)."""
+    st = os.fstat(fd)
+    return fd, st.st_dev, st.st_ino
+
+
+def close_if_same(fd: int, dev: int, ino: int) -> bool:
+    """Close `fd` if it still holds the file (dev, ino) (fd_key); an fd closed since, or whose
+    number now holds another file, stays as it is. Whether it was closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        return False
+    _close(fd)
+    return True
 
 
 _state: dict = {"managed": False, "rank": None, "launcher": None, "pidfd": None}
@@ -78,11 +101,17 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     for fd in (x.fd for x in plumbing.out + plumbing.err + plumbing.hello):
         if fd not in mine:
             _close(fd)
-    _close_launchers(plumbing, keep=mine)
+    # Every fd the rank keeps goes to 3 or above before fds 0-2 are replaced: a launcher started
+    # with stdin (or stdout) closed may have handed the lock or a pipe over as fd 0-2, and the
+    # launcher's own 0-2 (a file in logs/, say) are replaced below, never closed in between.
+    null = _above_stdio(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+    mine = tuple(_above_stdio(fd) for fd in mine)
+    if plumbing.lock is not None:
+        plumbing.lock.fd = _above_stdio(plumbing.lock.fd)
+    _close_launchers(plumbing, keep=mine + (null,), null=null)
     if plumbing.lock is not None:  # the rank's only, released when it ends: never its children's
         os.set_inheritable(plumbing.lock.fd, False)
         os.register_at_fork(after_in_child=functools.partial(_close, plumbing.lock.fd))
-    null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(mine[0], 1)
     os.dup2(mine[1], 2)
@@ -116,23 +145,42 @@ def _close(fd: int) -> None:
         pass
 
 
-def _close_launchers(plumbing: Plumbing, keep) -> None:
+def _above_stdio(fd: int) -> int:
+    """`fd` if it is 3 or above, else a close-on-exec copy of it there (the original, one of
+    0-2, is replaced by the rank's stdin, stdout or stderr)."""
+    if fd > 2:
+        return fd
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+
+
+def _close_launchers(plumbing: Plumbing, keep, null: int) -> None:
     """A forked rank holds a copy of every fd of the launcher: close the launcher's own (its ends
-    of the ranks' pipes, every rank's log, torchrun.log, its pidfds of the ranks started before
-    this one), so that no rank holds another's log or keeps a pipe open for its reader."""
-    for fd in plumbing.private:
-        _close(fd)
+    of the ranks' pipes, every rank's log, its pidfds of the ranks started before this one), so
+    that no rank holds another's log or keeps a pipe open for its reader. Another file in logs/
+    (torchrun.log, under the agent's logging handler the rank inherited) gets /dev/null (`null`)
+    instead: its number stays taken, and what the rank logs there goes nowhere. Fds 0-2 stay
+    (rank_entry replaces them), as does the run directory's lock."""
+    for fd, dev, ino in plumbing.private:
+        if fd > 2 and fd not in keep:
+            close_if_same(fd, dev, ino)
     logs = os.path.join(os.path.realpath(plumbing.logs), "")
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd in keep or (plumbing.lock is not None and fd == plumbing.lock.fd):
+        if fd <= 2 or fd in keep or (plumbing.lock is not None and fd == plumbing.lock.fd):
             continue
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if link == "anon_inode:[pidfd]" or link.startswith(logs):
+        if link == "anon_inode:[pidfd]":
             _close(fd)
+        elif link.startswith(logs):
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass
 
 
 def _die_with_parent(parent: int) -> None:
@@ -304,5 +352,5 @@ def silent_peer(text: str) -> int | None:
     return int(m.group(2) or m.group(1)) if m else None
 
 
-__all__ = ["rank_entry", "Fd", "Plumbing", "run_rank", "managed", "orphaned", "failure_record", "record_line",
-           "silent_peer", "EXIT_ORPHANED"]
+__all__ = ["rank_entry", "Fd", "Plumbing", "fd_key", "close_if_same", "run_rank", "managed", "orphaned",
+           "failure_record", "record_line", "silent_peer", "EXIT_ORPHANED"]
