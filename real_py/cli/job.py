@@ -82,13 +82,14 @@ def launch(nproc: int, out_dir: str, target, *, fork: bool = True, what: str = "
 
 class _Rank:
     __slots__ = ("r", "pid", "pidfd", "log", "code", "ended", "state", "moved", "n", "killed", "warned",
-                 "stopped", "tail", "pstate")
+                 "stopped", "tail", "pstate", "reaped")
 
     def __init__(self, r):
         self.r, self.pid, self.pidfd, self.log = r, None, None, None
         self.code = self.ended = self.state = self.pstate = None
         self.moved, self.n, self.killed, self.warned, self.stopped = time.monotonic(), None, False, {}, None
         self.tail = b""
+        self.reaped = False  # gone (reaped by the agent) when it told its pid: never signalled by that pid
 
 
 class _Job:
@@ -306,9 +307,16 @@ class _Job:
             rk.pid = int(data[0])
             try:
                 rk.pidfd = os.pidfd_open(rk.pid)
-                sel.register(rk.pidfd, selectors.EVENT_READ, rk)
+            except ProcessLookupError:
+                rk.reaped = True
             except (OSError, AttributeError):
                 rk.pidfd = None
+            if rk.pidfd is not None and _parent(rk.pid) != os.getpid():
+                # Reaped by the agent before the pidfd was taken, its pid another process's now.
+                os.close(rk.pidfd)
+                rk.pidfd, rk.reaped = None, True
+            if rk.pidfd is not None:
+                sel.register(rk.pidfd, selectors.EVENT_READ, rk)
         if self.signal is not None or self.ended.is_set():
             self._kill_all(stacks=False)
         if self.hellos:
@@ -388,7 +396,7 @@ class _Job:
                     try:
                         if rk.pidfd is not None:
                             signal.pidfd_send_signal(rk.pidfd, signal.SIGUSR1)
-                        else:
+                        elif not rk.reaped:
                             os.kill(rk.pid, signal.SIGUSR1)
                     except ProcessLookupError:
                         pass
@@ -398,8 +406,10 @@ class _Job:
                 try:  # through its pidfd: never another process that took a reaped rank's pid
                     if rk.pidfd is not None:
                         signal.pidfd_send_signal(rk.pidfd, signal.SIGKILL)
-                    else:
+                    elif not rk.reaped:  # no pidfds here: by its pid
                         os.kill(rk.pid, signal.SIGKILL)
+                    else:
+                        continue
                     rk.killed = True
                 except ProcessLookupError:
                     pass
@@ -446,6 +456,15 @@ class _Job:
                     rk.warned[st["user_since"]] = nxt * 2
                     print(f"real_py: rank {rk.r} has been inside {st['user']} for {secs:.0f} s "
                           f"({doing(st, user=False)})", file=sys.stderr, flush=True)
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid of process `pid` (/proc/<pid>/stat), or None (gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 __all__ = ["can_fork", "launch", "FAIL_GRACE_S", "USER_WARN_S"]
