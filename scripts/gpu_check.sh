@@ -162,7 +162,7 @@ print('CUDA kernels registered; GPU:', torch.cuda.get_device_name())"
   # pytest-timeout, where installed (the lent machines have it): a hanging test fails alone instead of
   # taking the step's whole cap and its summary line with it; --durations says where the time went.
   PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout 90" || true)
-  step tests 170 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors \
+  step tests 240 "$PY" -m pytest -m cuda -q -ra -p no:cacheprovider --continue-on-collection-errors \
     --durations 12 $PER_TEST tests
 fi
 
