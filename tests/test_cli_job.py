@@ -557,6 +557,82 @@ def test_launcher_output_into_the_logs_folder(tmp_path):
         assert code == 0 and f"summary (steps 1-{steps}" in text, text[-3000:]
 
 
+def _note_start(path: str, logs: str) -> int:
+    """A rank's target: which ranks job.json lists as started when this rank's job begins."""
+    try:
+        with open(os.path.join(logs, "job.json")) as f:
+            started = json.load(f)["ranks"]
+    except OSError:
+        started = None
+    with open(os.path.join(path, f"start{os.environ['RANK']}.json"), "w") as f:
+        json.dump(started, f)
+    return 0
+
+
+def _slow_forks(monkeypatch, secs: float, after: int = 0):
+    """The agent's forks of the ranks after the first `after` take `secs` seconds longer."""
+    import multiprocessing.context as mpc
+
+    real, n = mpc.ForkProcess._Popen, [0]
+
+    def slow(process_obj):
+        n[0] += 1
+        if n[0] > after:
+            time.sleep(secs)
+        return real(process_obj)
+
+    monkeypatch.setattr(mpc.ForkProcess, "_Popen", staticmethod(slow))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_no_rank_runs_the_job_before_all_are_forked(tmp_path, monkeypatch):
+    """A rank's job (its store connection first) begins only once the launcher has heard every
+    rank start: the agent forks the ranks from a process with threads, among them the store's,
+    which resolves each connecting rank's address (getnameinfo); a rank forked meanwhile inherits
+    glibc's resolver lock held and hangs in its own first getnameinfo, in init_process_group.
+    With the forks 0.4 s apart, every rank finds all four listed as started when its job begins."""
+    import functools
+
+    from real_py.cli import job as J
+
+    out = str(tmp_path / "run")
+    _slow_forks(monkeypatch, 0.4, after=1)
+    L.lock_out_dir(out)
+    try:
+        target = functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs"))
+        assert J.launch(4, out, target, fork=True) == 0
+    finally:
+        L.unlock()
+    for r in range(4):
+        started = json.load(open(tmp_path / f"start{r}.json"))
+        assert started is not None and None not in started and len(started) == 4, (r, started)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_ranks_not_all_started_is_one_line(tmp_path, monkeypatch, capsys):
+    """A rank whose peers do not all start within START_WAIT_S fails, named as waiting for them,
+    and the job ends with that one line instead of hanging."""
+    import functools
+
+    from real_py.cli import job as J
+
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(R, "START_WAIT_S", 1.0)
+    _slow_forks(monkeypatch, 4.0, after=1)
+    L.lock_out_dir(out)
+    try:
+        target = functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs"))
+        assert J.launch(2, out, target, fork=True) == 1
+    finally:
+        L.unlock()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train failed: rank 0, starting: waiting for the job's other ranks to start: "
+                              "RuntimeError: rank 0: the job's other ranks did not all start within 1 s"), err
+    assert not os.path.exists(tmp_path / "start0.json")
+
+
 def test_rank_closes_the_launchers_fds_by_identity(tmp_path):
     """A forked rank closes the launcher's private fds by number and identity: a number the
     launcher closed while the agent still forked ranks, and that another file took since (a

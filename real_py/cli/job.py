@@ -100,7 +100,9 @@ class _Job:
         self.store = None
         self.streams = {}          # read fd -> (rank, console?)
         self.hellos = {}           # read fd -> rank: "<pid> <store port>" when it starts
-        self.writers = []          # the ranks' ends of the pipes, closed here once all started
+        self.writers = []          # the ranks' ends of the pipes and the go pipe's, closed here once all started
+        self.go = None             # the go pipe's read end (see _pipes)
+        self.store_port = None
         self.records: dict[int, dict] = {}
         self.failing = None        # monotonic time of the first failure seen
         self.signal = None
@@ -137,10 +139,15 @@ class _Job:
                     self.streams[r] = (rk, console)
                 self.writers.append(w)
                 kind.append(Fd(w))
+        # The go pipe: its end (the launcher closes the write end once every rank said hello) starts
+        # the job in every rank (rank._after_start).
+        self.go, go_w = os.pipe()
+        self.writers.append(go_w)
         lock = _lock.held_fd()
         own = [fd_key(fd) for fd in list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks]
-               ] if self.fork else []
-        return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own)
+               + [go_w]] if self.fork else []
+        return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own,
+                        go=Fd(self.go))
 
     def run(self) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
@@ -187,8 +194,9 @@ class _Job:
             for fd in self.writers:
                 os.close(fd)
             self.writers.clear()
-            for fd in list(self.streams) + list(self.hellos):
+            for fd in list(self.streams) + list(self.hellos) + ([self.go] if self.go is not None else []):
                 os.close(fd)
+            self.go = None
             self.streams.clear()
             self.hellos.clear()
             for rk in self.ranks:
@@ -290,10 +298,9 @@ class _Job:
                 self._kill_all()
 
     def _hello(self, fd: int, sel) -> None:
-        """A rank started: "<pid> <store port>". Once all have, job.json lists them, the
-        launcher's copies of the ranks' pipe ends are closed and the store is read."""
-        import selectors
-
+        """A rank started: "<pid> <store port>" (or died before: nothing). Once all have, job.json
+        lists them, the launcher's copies of the ranks' pipe ends and of the go pipe's write end
+        are closed (every rank then runs the job) and the store is read."""
         rk = self.hellos.pop(fd)
         sel.unregister(fd)
         try:
@@ -301,10 +308,36 @@ class _Job:
         except OSError:
             data = []
         os.close(fd)
-        if len(data) != 2:
+        if len(data) == 2:
+            self._started(rk, int(data[0]), sel)
+            self.store_port = int(data[1])
+        if self.hellos:
             return
+        with open(os.path.join(self.logs, "job.json"), "w") as f:
+            json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
+                       "start_method": "fork" if self.fork else "spawn", "store_port": self.store_port}, f)
+        for w in self.writers:
+            os.close(w)
+        self.writers.clear()
+        if self.store_port is None:
+            return
+        try:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", self.store_port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=10))
+        except Exception:  # noqa: BLE001 - without the store no heartbeats are read, nothing else
+            self.store = None
+
+    def _started(self, rk: _Rank, pid: int, sel) -> None:
+        """Rank `rk` told its pid: a pidfd of it (watched for its end), unless the agent reaped it
+        already; ended at once when the job is ending."""
+        import selectors
+
         with self.lock:
-            rk.pid = int(data[0])
+            rk.pid = pid
             try:
                 rk.pidfd = os.pidfd_open(rk.pid)
             except ProcessLookupError:
@@ -319,23 +352,6 @@ class _Job:
                 sel.register(rk.pidfd, selectors.EVENT_READ, rk)
         if self.signal is not None or self.ended.is_set():
             self._kill_all(stacks=False)
-        if self.hellos:
-            return
-        for w in self.writers:
-            os.close(w)
-        self.writers.clear()
-        with open(os.path.join(self.logs, "job.json"), "w") as f:
-            json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
-                       "start_method": "fork" if self.fork else "spawn", "store_port": int(data[1])}, f)
-        try:
-            import datetime
-
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore("127.0.0.1", int(data[1]), is_master=False,
-                                       timeout=datetime.timedelta(seconds=10))
-        except Exception:  # noqa: BLE001 - without the store no heartbeats are read, nothing else
-            self.store = None
 
     def _exited(self, rk: _Rank) -> None:
         """A rank's process ended: its exit status while the agent has not reaped it yet."""

@@ -9,7 +9,9 @@ closed, each only while its number still holds the launcher's file, or, a file i
 logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
 or above, and closed in any process the rank forks),
 it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
-a rank never writes after its launcher is gone. A rank that fails writes logs/failed_rank<r>.json
+a rank never writes after its launcher is gone. It runs the job only once the launcher has heard
+every rank start (the go pipe's end): no rank talks to the store while the agent still forks
+ranks from its threaded process (`_after_start`). A rank that fails writes logs/failed_rank<r>.json
 (`failure_record`: rank, where, exception, message, user code, whether the error is a
 consequence of a peer's failure) with its traceback in its log, then waits to be ended.
 
@@ -32,6 +34,8 @@ EXIT_ORPHANED = 70
 """Exit code of a rank whose launcher (or torchrun agent) is gone."""
 FAILED_WAIT_S = 60.0
 """Seconds a failed rank of a launched job waits for the launcher to end it before it exits."""
+START_WAIT_S = 300.0
+"""Seconds a rank of a launched job waits for every other rank to start before it fails."""
 
 
 class Fd:
@@ -54,9 +58,9 @@ class Plumbing:
     forked rank closes where the number still holds that file (`close_if_same`: the launcher
     closes some of them while the agent still forks ranks, and the numbers get reused)."""
 
-    def __init__(self, out, err, hello, lock, logs, launcher, private=()):
+    def __init__(self, out, err, hello, lock, logs, launcher, private=(), go=None):
         self.out, self.err, self.hello, self.lock = out, err, hello, lock
-        self.logs, self.launcher, self.private = logs, launcher, list(private)
+        self.logs, self.launcher, self.private, self.go = logs, launcher, list(private), go
 
 
 def fd_key(fd: int) -> tuple[int, int, int]:
@@ -106,9 +110,11 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     # launcher's own 0-2 (a file in logs/, say) are replaced below, never closed in between.
     null = _above_stdio(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
     mine = tuple(_above_stdio(fd) for fd in mine)
-    if plumbing.lock is not None:
-        plumbing.lock.fd = _above_stdio(plumbing.lock.fd)
-    _close_launchers(plumbing, keep=mine + (null,), null=null)
+    for held in (plumbing.lock, plumbing.go):
+        if held is not None:
+            held.fd = _above_stdio(held.fd)
+    go = () if plumbing.go is None else (plumbing.go.fd,)
+    _close_launchers(plumbing, keep=mine + go + (null,), null=null)
     if plumbing.lock is not None:  # the rank's only, released when it ends: never its children's
         os.set_inheritable(plumbing.lock.fd, False)
         os.register_at_fork(after_in_child=functools.partial(_close, plumbing.lock.fd))
@@ -135,7 +141,32 @@ def rank_entry(plumbing: Plumbing, target) -> int:
         ctypes.CDLL(None).prctl(15, f"real_py-rank{r}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+    if plumbing.go is not None:
+        target = functools.partial(_after_start, plumbing.go.fd, target)
     return run_rank(target, int(os.environ["RANK"]), plumbing.logs)
+
+
+def _after_start(go: int, target):
+    """`target()` once the launcher has seen every rank of the job start (the end of the go pipe;
+    see rank_entry): a rank that talked to the store earlier would have the agent's store thread
+    resolve its address (getnameinfo) while the agent forks the next rank, and that rank would
+    inherit glibc's resolver lock held, and hang in its own first getnameinfo. A job whose ranks
+    do not all start within START_WAIT_S is a failure of this rank, named as such."""
+    import select
+
+    from .. import liveness
+
+    liveness.set_activity("starting: waiting for the job's other ranks to start")
+    p = select.poll()
+    p.register(go, select.POLLIN)
+    try:
+        ready = p.poll(START_WAIT_S * 1000)
+    finally:
+        os.close(go)
+    if not ready:
+        raise RuntimeError(f"rank {os.environ.get('RANK')}: the job's other ranks did not all start within "
+                           f"{START_WAIT_S:.0f} s (see logs/torchrun.log)")
+    return target()
 
 
 def _close(fd: int) -> None:
