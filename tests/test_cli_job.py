@@ -548,13 +548,15 @@ def test_launcher_output_into_the_logs_folder(tmp_path):
                                  start_new_session=True)
             try:
                 code = p.wait(90)
+            except subprocess.TimeoutExpired:
+                code = "no end within 90 s"
             finally:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
             f.seek(0)
             text = f.read()
-        assert code == 0 and f"summary (steps 1-{steps}" in text, text[-3000:]
+        assert code == 0 and f"summary (steps 1-{steps}" in text, (extra, code, text[-3000:])
 
 
 def _note_start(path: str, logs: str) -> int:
