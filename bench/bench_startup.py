@@ -1,6 +1,6 @@
 """The fixed cost of a `python -m real_py train` call, phase by phase, for two trees side by side.
 
-    .venv/bin/python bench/bench_startup.py --base <commit> [--after <commit>] [--runs 5] [--steps 2]
+    .venv/bin/python bench/bench_startup.py --base <commit> [--after <commit>] [--runs 5] [--steps 2] [--limit 120]
                                             [--extension path/to/_C.cpython-*.so]
                                             [--base-extension path/to/_C.cpython-*.so]
 
@@ -10,7 +10,9 @@ commits' csrc/, which must not differ; when they do, --base-extension gives the 
 built from the base commit's csrc/: `python setup.py build_ext --inplace` in a worktree of it). One untimed run per side first (byte-compiles the fresh
 worktree); then the runs alternate (before, after, before, ...) so that load from other jobs on
 a shared machine hits both alike; each run is `python -m real_py train --steps N
---no-progress` of the default job into a fresh out_dir, from the worktree's root. Phases come
+--no-progress` of the default job into a fresh out_dir, from the worktree's root. A run that fails
+or is still running after --limit seconds (then killed: a start-up hang) is counted per side, not
+timed. Phases come
 from the wall-clock arrival of the command's output lines:
 
     launcher   start -> "launching ..."            imports, config validation, run-dir checks
@@ -56,23 +58,38 @@ def _worktree(commit: str, where: str, extension: list[str]) -> str:
     return where
 
 
-def one_run(tree: str, steps: int, out_dir: str) -> dict:
-    """Seconds per phase of one `train` call in `tree`."""
+class RunFailed(RuntimeError):
+    """A `train` call that failed or did not end within the run's limit."""
+
+
+def one_run(tree: str, steps: int, out_dir: str, limit_s: float) -> dict:
+    """Seconds per phase of one `train` call in `tree`; RunFailed when it fails or is still
+    running after `limit_s` (its process group is then killed)."""
+    import signal
+    import threading
+
     cmd = [sys.executable, "-m", "real_py", "train", "--steps", str(steps), "--no-progress", "--out-dir", out_dir]
     env = dict(os.environ, PYTHONPATH=tree)
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    killer = threading.Timer(limit_s, lambda: os.killpg(p.pid, signal.SIGKILL))
+    killer.start()
     seen, tail = {}, []
-    for line in p.stdout:
-        now = time.perf_counter() - t0
-        tail = (tail + [line])[-20:]
-        for name, prefix in MARKS:
-            if name not in seen and line.startswith(prefix):
-                seen[name] = now
-    code = p.wait()
+    try:
+        for line in p.stdout:
+            now = time.perf_counter() - t0
+            tail = (tail + [line])[-20:]
+            for name, prefix in MARKS:
+                if name not in seen and line.startswith(prefix):
+                    seen[name] = now
+        code = p.wait()
+    finally:
+        killer.cancel()
     end = time.perf_counter() - t0
     if code != 0 or len(seen) != len(MARKS):
-        raise RuntimeError(f"{tree}: train exited {code}, marks seen {sorted(seen)}:\n{''.join(tail)}")
+        what = f"no end within {limit_s:.0f} s" if code == -signal.SIGKILL else f"exit {code}"
+        raise RunFailed(f"{what}, marks seen {sorted(seen)}: {tail[-1].strip() if tail else ''}")
     ph = {"launcher": seen["launching"], "ranks": seen["world"] - seen["launching"],
           "steps": seen["done"] - seen["world"], "finish": seen["summary"] - seen["done"],
           "exit": end - seen["summary"], "total": end}
@@ -91,6 +108,8 @@ def main() -> int:
     ap.add_argument("--base-extension", help="the compiled extension for the base side, built from its own "
                     "csrc/ (when csrc/ differs between the commits)")
     ap.add_argument("--out", help="results folder (default bench/results)")
+    ap.add_argument("--limit", type=float, default=120.0,
+                    help="seconds a run may take before it counts as hung and is killed (default 120)")
     args = ap.parse_args()
     ext = [args.extension] if args.extension else glob.glob(os.path.join(ROOT, "real_py", "_C*.so"))
     if not ext:
@@ -106,30 +125,44 @@ def main() -> int:
         trees = {"before": _worktree(base, os.path.join(tmp, "before"), base_ext),
                  "after": _worktree(after, os.path.join(tmp, "after"), ext)}
         runs = {side: [] for side in trees}
-        for side, tree in trees.items():
-            one_run(tree, args.steps, os.path.join(tmp, f"out_{side}_warmup"))
-        for i in range(args.runs):
+        failed = {side: [] for side in trees}
+        for i in range(-1, args.runs):  # -1: the untimed warm-up run
             for side, tree in trees.items():
-                ph = one_run(tree, args.steps, os.path.join(tmp, f"out_{side}_{i}"))
-                runs[side].append(ph)
-                print(f"run {i + 1} {side:6s} " + " ".join(f"{k} {ph[k]:.2f}" for k in PHASES), flush=True)
+                try:
+                    ph = one_run(tree, args.steps, os.path.join(tmp, f"out_{side}_{i}"), args.limit)
+                except RunFailed as e:
+                    failed[side].append({"run": i + 1, "error": str(e)})
+                    print(f"run {i + 1} {side:6s} FAILED: {e}", flush=True)
+                    continue
+                if i >= 0:
+                    runs[side].append(ph)
+                    print(f"run {i + 1} {side:6s} " + " ".join(f"{k} {ph[k]:.2f}" for k in PHASES), flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
+    if not all(runs.values()):
+        raise SystemExit(f"no successful run on a side: {failed}")
     med = {side: {k: statistics.median(r[k] for r in rs) for k in PHASES} for side, rs in runs.items()}
     rows = [{"phase": k, f"before {base} (s)": med["before"][k], f"after {after} (s)": med["after"][k],
              "after / before": med["after"][k] / med["before"][k] if med["before"][k] else float("nan")}
             for k in PHASES]
     spread = {side: {k: (min(r[k] for r in rs), max(r[k] for r in rs)) for k in PHASES} for side, rs in runs.items()}
-    notes = (f"Medians of {args.runs} runs per side, interleaved, of `python -m real_py train --steps {args.steps} "
-             "--no-progress` (the default job: 4 gloo ranks). Ranges (min-max): "
+    notes = (f"Medians of the successful runs of {args.runs} per side, interleaved, of `python -m real_py train "
+             f"--steps {args.steps} --no-progress` (the default job: 4 gloo ranks), after one untimed warm-up run "
+             "per side. Failed or hung runs (warm-up included, "
+             f"killed after {args.limit:.0f} s): "
+             + "; ".join(f"{side} {len(f)} of {args.runs + 1}" + (" (" + "; ".join(f"run {x['run']}: {x['error']}"
+                                                                                 for x in f) + ")" if f else "")
+                         for side, f in failed.items())
+             + ". Ranges (min-max): "
              + "; ".join(f"{side}: " + ", ".join(f"{k} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in sp.items())
                          for side, sp in spread.items()))
     j, m = write_results("startup", hardware_tag("cpu"), rows,
                          columns=["phase", f"before {base} (s)", f"after {after} (s)", "after / before"],
                          title=f"Start-up and exit of `train`: {base} against {after}", notes=notes,
-                         extra={"runs": runs, "base": base, "after": after}, out_dir=args.out)
+                         extra={"runs": runs, "failed": failed, "base": base, "after": after,
+                                "limit_s": args.limit}, out_dir=args.out)
     print(f"wrote {m} and {j}")
     return 0
 
