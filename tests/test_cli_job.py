@@ -622,7 +622,7 @@ def test_ranks_not_all_started_is_one_line(tmp_path, monkeypatch, capsys):
 
     out = str(tmp_path / "run")
     monkeypatch.setattr(R, "START_WAIT_S", 1.0)
-    _slow_forks(monkeypatch, 4.0, after=1)
+    _slow_forks(monkeypatch, 8.0, after=1)
     L.lock_out_dir(out)
     try:
         target = functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs"))

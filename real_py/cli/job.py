@@ -139,13 +139,15 @@ class _Job:
                     self.streams[r] = (rk, console)
                 self.writers.append(w)
                 kind.append(Fd(w))
-        # The go pipe: its end (the launcher closes the write end once every rank said hello) starts
-        # the job in every rank (rank._after_start).
+        lock = _lock.held_fd()
+        if not self.fork:
+            return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid())
+        # The go pipe of forked ranks: its end (the launcher closes the write end once every rank
+        # said hello) starts the job in every rank (rank._after_start).
         self.go, go_w = os.pipe()
         self.writers.append(go_w)
-        lock = _lock.held_fd()
         own = [fd_key(fd) for fd in list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks]
-               + [go_w]] if self.fork else []
+               + [go_w]]
         return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own,
                         go=Fd(self.go))
 
@@ -298,9 +300,11 @@ class _Job:
                 self._kill_all()
 
     def _hello(self, fd: int, sel) -> None:
-        """A rank started: "<pid> <store port>" (or died before: nothing). Once all have, job.json
-        lists them, the launcher's copies of the ranks' pipe ends and of the go pipe's write end
-        are closed (every rank then runs the job) and the store is read."""
+        """A rank started: "<pid> <store port>" (nothing when its pipe fails). Once all have,
+        job.json lists them, the launcher's copies of the ranks' pipe ends and of the go pipe's
+        write end are closed (every forked rank then runs the job) and the store is read. A rank
+        that dies before its hello leaves its pipe open here (this holds the write end): the agent
+        sees it gone and stops the job."""
         rk = self.hellos.pop(fd)
         sel.unregister(fd)
         try:
@@ -313,9 +317,12 @@ class _Job:
             self.store_port = int(data[1])
         if self.hellos:
             return
-        with open(os.path.join(self.logs, "job.json"), "w") as f:
-            json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
-                       "start_method": "fork" if self.fork else "spawn", "store_port": self.store_port}, f)
+        try:
+            with open(os.path.join(self.logs, "job.json"), "w") as f:
+                json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
+                           "start_method": "fork" if self.fork else "spawn", "store_port": self.store_port}, f)
+        except OSError:  # a full disk: the job runs without it
+            pass
         for w in self.writers:
             os.close(w)
         self.writers.clear()

@@ -9,9 +9,9 @@ closed, each only while its number still holds the launcher's file, or, a file i
 logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
 or above, and closed in any process the rank forks),
 it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
-a rank never writes after its launcher is gone. It runs the job only once the launcher has heard
-every rank start (the go pipe's end): no rank talks to the store while the agent still forks
-ranks from its threaded process (`_after_start`). A rank that fails writes logs/failed_rank<r>.json
+a rank never writes after its launcher is gone. A forked rank runs the job only once the launcher
+has heard every rank start (the go pipe's end): no rank talks to the store while the agent still
+forks ranks from its threaded process (`_after_start`). A rank that fails writes logs/failed_rank<r>.json
 (`failure_record`: rank, where, exception, message, user code, whether the error is a
 consequence of a peer's failure) with its traceback in its log, then waits to be ended.
 
@@ -151,7 +151,8 @@ def _after_start(go: int, target):
     see rank_entry): a rank that talked to the store earlier would have the agent's store thread
     resolve its address (getnameinfo) while the agent forks the next rank, and that rank would
     inherit glibc's resolver lock held, and hang in its own first getnameinfo. A job whose ranks
-    do not all start within START_WAIT_S is a failure of this rank, named as such."""
+    do not all start within START_WAIT_S is a failure of this rank, named as such. Forked ranks
+    only: a spawned rank is a fresh interpreter and inherits no lock."""
     import select
 
     from .. import liveness
@@ -163,9 +164,14 @@ def _after_start(go: int, target):
         ready = p.poll(START_WAIT_S * 1000)
     finally:
         os.close(go)
+    if orphaned():  # the pipe's end was the launcher's death (its SIGKILL of this rank follows)
+        os._exit(EXIT_ORPHANED)
     if not ready:
         raise RuntimeError(f"rank {os.environ.get('RANK')}: the job's other ranks did not all start within "
                            f"{START_WAIT_S:.0f} s (see logs/torchrun.log)")
+    if ready[0][1] & select.POLLNVAL:
+        raise RuntimeError(f"rank {os.environ.get('RANK')}: the launcher's go pipe (fd {go}) is no open file")
+    liveness.set_activity(None)
     return target()
 
 
