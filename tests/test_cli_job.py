@@ -571,6 +571,20 @@ def _note_start(path: str, logs: str) -> int:
     return 0
 
 
+def _launch_noting_start(tmp_path, n: int) -> int:
+    """Exit code of an in-process forked job of `n` ranks running _note_start."""
+    import functools
+
+    from real_py.cli import job as J
+
+    out = str(tmp_path / "run")
+    L.lock_out_dir(out)
+    try:
+        return J.launch(n, out, functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs")), fork=True)
+    finally:
+        L.unlock()
+
+
 def _slow_forks(monkeypatch, secs: float, after: int = 0):
     """The agent's forks of the ranks after the first `after` take `secs` seconds longer."""
     import multiprocessing.context as mpc
@@ -594,18 +608,8 @@ def test_no_rank_runs_the_job_before_all_are_forked(tmp_path, monkeypatch):
     which resolves each connecting rank's address (getnameinfo); a rank forked meanwhile inherits
     glibc's resolver lock held and hangs in its own first getnameinfo, in init_process_group.
     With the forks 0.4 s apart, every rank finds all four listed as started when its job begins."""
-    import functools
-
-    from real_py.cli import job as J
-
-    out = str(tmp_path / "run")
     _slow_forks(monkeypatch, 0.4, after=1)
-    L.lock_out_dir(out)
-    try:
-        target = functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs"))
-        assert J.launch(4, out, target, fork=True) == 0
-    finally:
-        L.unlock()
+    assert _launch_noting_start(tmp_path, 4) == 0
     for r in range(4):
         started = json.load(open(tmp_path / f"start{r}.json"))
         assert started is not None and None not in started and len(started) == 4, (r, started)
@@ -616,19 +620,9 @@ def test_no_rank_runs_the_job_before_all_are_forked(tmp_path, monkeypatch):
 def test_ranks_not_all_started_is_one_line(tmp_path, monkeypatch, capsys):
     """A rank whose peers do not all start within START_WAIT_S fails, named as waiting for them,
     and the job ends with that one line instead of hanging."""
-    import functools
-
-    from real_py.cli import job as J
-
-    out = str(tmp_path / "run")
     monkeypatch.setattr(R, "START_WAIT_S", 1.0)
     _slow_forks(monkeypatch, 8.0, after=1)
-    L.lock_out_dir(out)
-    try:
-        target = functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs"))
-        assert J.launch(2, out, target, fork=True) == 1
-    finally:
-        L.unlock()
+    assert _launch_noting_start(tmp_path, 2) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("train failed: rank 0, starting: waiting for the job's other ranks to start: "
                               "RuntimeError: rank 0: the job's other ranks did not all start within 1 s"), err

@@ -140,16 +140,16 @@ class _Job:
                 self.writers.append(w)
                 kind.append(Fd(w))
         lock = _lock.held_fd()
+        lock = Fd(lock) if lock is not None else None
         if not self.fork:
-            return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid())
+            return Plumbing(out, err, hello, lock, self.logs, os.getpid())
         # The go pipe of forked ranks: its end (the launcher closes the write end once every rank
         # said hello) starts the job in every rank (rank._after_start).
         self.go, go_w = os.pipe()
         self.writers.append(go_w)
         own = [fd_key(fd) for fd in list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks]
                + [go_w]]
-        return Plumbing(out, err, hello, Fd(lock) if lock is not None else None, self.logs, os.getpid(), own,
-                        go=Fd(self.go))
+        return Plumbing(out, err, hello, lock, self.logs, os.getpid(), own, go=Fd(self.go))
 
     def run(self) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
