@@ -50,23 +50,37 @@ real_py::LayoutIn layout_from(const py::dict& d) {
   if (d.contains("param_groups")) l.param_groups = to_vec(d["param_groups"].cast<I64>());
   if (d.contains("param_vocab_multiple"))
     l.param_vocab_multiple = to_vec(d["param_vocab_multiple"].cast<I64>());
+  if (d.contains("param_replicate_units"))
+    l.param_replicate_units = to_vec(d["param_replicate_units"].cast<I64>());
   return l;
 }
 
-// geom: [P, 4] int64 (A, D, B, kind); block_ptr: [P + 1]; blocks: [block_ptr[P]].
+// geom: [P, 4] int64 (A, D, B, kind); block_ptr: [P + 1]; blocks: [block_ptr[P]] sizes, or
+// [block_ptr[P], 2] (size, unit count) rows (the unit counts a replicate_units format reads).
 std::vector<real_py::ParamGeom> params_from(const I64& geom, const I64& block_ptr, const I64& blocks) {
   if (geom.ndim() != 2 || geom.shape(1) != 4) throw std::invalid_argument("geom must be [P, 4]");
   const auto P = geom.shape(0);
   if (block_ptr.size() != P + 1) throw std::invalid_argument("block_ptr must be [P + 1]");
+  const bool with_units = blocks.ndim() == 2;
+  if (with_units ? blocks.shape(1) != 2 : blocks.ndim() != 1)
+    throw std::invalid_argument("blocks must be [num_blocks] or [num_blocks, 2]");
+  const int64_t num_blocks = blocks.shape(0);
   std::vector<real_py::ParamGeom> params(P);
   const int64_t* g = geom.data();
+  const int64_t* ptr = block_ptr.data();
+  const int64_t* b = blocks.data();
   for (py::ssize_t i = 0; i < P; ++i) {
     auto& p = params[i];
     p.A = g[4 * i];
     p.D = g[4 * i + 1];
     p.B = g[4 * i + 2];
     p.kind = static_cast<real_py::TPKind>(g[4 * i + 3]);
-    p.blocks.assign(blocks.data() + block_ptr.data()[i], blocks.data() + block_ptr.data()[i + 1]);
+    if (ptr[i] < 0 || ptr[i] > ptr[i + 1] || ptr[i + 1] > num_blocks)
+      throw std::invalid_argument("block_ptr must rise from 0 to the number of blocks");
+    for (int64_t j = ptr[i]; j < ptr[i + 1]; ++j) {
+      p.blocks.push_back(with_units ? b[2 * j] : b[j]);
+      if (with_units) p.units.push_back(b[2 * j + 1]);
+    }
   }
   return params;
 }

@@ -21,7 +21,8 @@ def held_indices(p, tp: int, k: int) -> torch.Tensor:
 
     Vocab padding rows are -1. Grouped storage (p.tp.groups = G): the rows in fused memory order
     are listed group by group (each group: its 1/G of every block), and rank k holds the k-th of
-    tp equal consecutive chunks of that list.
+    tp equal consecutive chunks of that list. replicate_units (vLLM kv heads): a block of
+    `count` units (TPRule.units) with count < tp gives rank k its unit k * count // tp whole.
     """
     gid = torch.arange(p.numel, dtype=torch.int64).view(p.shape)
     if p.tp.kind == "replicated":
@@ -43,8 +44,13 @@ def held_indices(p, tp: int, k: int) -> torch.Tensor:
                   for r in range(b // G)]
         return gid.index_select(d, torch.tensor(memory).chunk(tp)[k]).reshape(-1)
     rows, start = [], 0
-    for b in p.blocks:
-        rows.append(torch.arange(start + k * (b // tp), start + (k + 1) * (b // tp)))
+    for i, b in enumerate(p.blocks):
+        count = p.tp.units[i][1] if p.tp.replicate_units else tp
+        if count < tp:  # replicated block (vLLM kv heads): count units over tp ranks, in order
+            u, size = k * count // tp, b // count
+            rows.append(torch.arange(start + u * size, start + (u + 1) * size))
+        else:
+            rows.append(torch.arange(start + k * (b // tp), start + (k + 1) * (b // tp)))
         start += b
     return gid.index_select(d, torch.cat(rows)).reshape(-1)
 

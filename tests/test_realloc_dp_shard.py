@@ -200,22 +200,28 @@ def test_shard_from_params_takes_fsdp_local_pieces():
         shard_from_params(TIED, layout, 7, {**want.params(), "embed_tokens.weight": whole["embed_tokens.weight"]})
 
 
-def test_dp_sharded_layout_with_storage_format_refused():
-    # The dp-sharded planner handles blocked storage only: a Megatron-format spec on a
-    # dp-sharded side must be refused with the reason, not planned wrongly.
+def test_dp_sharded_layout_with_storage_format():
+    # A Megatron-format spec (grouped q|k|v, vocab padded to 128 x tp) on a dp-sharded side, either
+    # way: planned exactly (the boxes map through each side's segments), at the minimum bytes.
     from real_py import ModelConfig, model_spec
     from real_py.interop.adapters import megatron_config
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64, num_hidden_layers=2)
     blocked, mega = model_spec(cfg), model_spec(megatron_config(cfg))
-    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
-        plan_realloc(mega, Layout(dp=2, dp_shard="dim0"), Layout(dp=2), dst_model=blocked)
-    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
-        plan_realloc(mega, Layout(tp=2), Layout(dp=2, dp_shard="dim0"), dst_model=blocked)
-    with pytest.raises(ValueError, match="dp-sharded.*storage format"):
-        plan_realloc(blocked, Layout(dp=2), Layout(dp=2, dp_shard="flat"), dst_model=mega)
-    plan_realloc(mega, Layout(tp=2), Layout(dp=2), dst_model=blocked)  # without dp sharding: fine
+    for src_model, src, dst_model, dst in (
+            (mega, Layout(dp=2, dp_shard="dim0"), blocked, Layout(dp=2)),
+            (mega, Layout(tp=2), blocked, Layout(dp=2, dp_shard="dim0")),
+            (blocked, Layout(dp=2), mega, Layout(dp=2, tp=2, dp_shard="flat"))):
+        full = random_full(src_model, 5)
+        plan = plan_realloc(src_model, src, dst, dst_model=dst_model)
+        srcs = {r: ModelShard.from_full(src_model, src, r, full) for r in src.ranks}
+        dsts = {r: ModelShard.empty(dst_model, dst, r) for r in dst.ranks}
+        run_in_process(InProcessHub(timeout=20), plan, srcs, dsts)
+        for r in dst.ranks:
+            assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), (src, dst, r)
+        s = plan.summary()
+        assert s["network_bytes"] == s["min_network_bytes"], (src, dst)
 
 
 def test_dp_sharding_with_layer_count_split():

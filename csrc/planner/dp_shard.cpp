@@ -104,15 +104,9 @@ void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, con
   check_ranges(src, "src");
   check_ranges(dst, "dst");
   const size_t P = params.size();
-  // The boxes below use the blocked storage of every parameter; plan_realloc refuses other
-  // formats with dp sharding, and a direct caller gets the same refusal instead of a wrong plan.
-  for (size_t p = 0; p < P; ++p)
-    for (const LayoutIn* l : {&src, &dst}) {
-      const Format f = l->format_of(p);
-      if (f.groups != 0 || f.vocab_multiple != 1)
-        throw std::invalid_argument("dp-sharded plans need blocked storage (no grouped fused "
-                                    "tensors, no extra vocab padding) on both sides");
-    }
+  // Any storage format on either side: a dp piece is a flat range of the rank's local tensor
+  // ([A, local_extent, B] in that side's format), and to_global maps its boxes through the
+  // side's segments (Segment.local), dropping vocab padding.
   int64_t num_ranks = 1;
   for (int64_t r : src.grid) num_ranks = std::max(num_ranks, r + 1);
   for (int64_t r : dst.grid) num_ranks = std::max(num_ranks, r + 1);
@@ -136,22 +130,24 @@ void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, con
     const ParamGeom& g = params[p];
     if (src_ent[p].empty() && !dst_ent[p].empty())
       throw std::invalid_argument("parameter " + std::to_string(p) + " is held by no source shard");
-    const bool replicated = g.kind == TPKind::kReplicated;
-    const int64_t src_ext = local_extent(g, src.tp), dst_ext = local_extent(g, dst.tp);
+    const Format src_fmt = src.format_of(p), dst_fmt = dst.format_of(p);
+    const int64_t src_ext = local_extent(g, src.tp, src_fmt), dst_ext = local_extent(g, dst.tp, dst_fmt);
     const int64_t src_numel = g.A * src_ext * g.B, dst_numel = g.A * dst_ext * g.B;
-    const int64_t src_groups = replicated ? 1 : src.tp;
-    std::vector<std::vector<Segment>> src_segs(src_groups);
-    for (int64_t k = 0; k < src_groups; ++k) src_segs[k] = segments(g, src.tp, k);
-    // Global boxes held by source entry e (index into src_ent[p]), dp replica d, tp group k.
+    // Each global element in one source segment, with every TP rank holding it there (the
+    // same local position, so the same flat range of a dp replica; planner.cpp).
+    const SourceSegments src_segs = source_segments(g, src.tp, src_fmt);
+    const int64_t src_groups = static_cast<int64_t>(src_segs.segs.size());
+    // Global boxes held by source entry e (index into src_ent[p]), dp replica d, tp group k
+    // (inside k's own segments; its replicas hold the same boxes).
     auto held = [&](size_t e, int64_t d, int64_t k) {
       const Range r = entry_range(src, src_ent[p][e], d, src_numel);
-      return to_global(flat_boxes(src_ext, g.B, r[0], r[1]), src_segs[k]);
+      return to_global(flat_boxes(src_ext, g.B, r[0], r[1]), src_segs.segs[k]);
     };
 
     for (int64_t j : dst_ent[p]) {
       const int64_t t_stage = dst.entry_stage[j];
       for (int64_t k2 = 0; k2 < dst.tp; ++k2) {
-        const std::vector<Segment> dsegs = segments(g, dst.tp, k2);
+        const std::vector<Segment> dsegs = segments(g, dst.tp, k2, dst_fmt);
         // dp replicas needing the same range (all of them when dst is not dp-sharded).
         std::map<Range, std::vector<int64_t>> by_range;
         for (int64_t d2 = 0; d2 < dst.dp; ++d2)
@@ -161,7 +157,12 @@ void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, con
           for (const SegBox& db : to_global(flat_boxes(dst_ext, g.B, drange[0], drange[1]), dsegs)) {
             const Segment& ds = dsegs[db.seg];
             for (int64_t k = 0; k < src_groups; ++k) {
-              for (const Segment& ss : src_segs[k]) {
+              for (size_t si = 0; si < src_segs.segs[k].size(); ++si) {
+                const Segment& ss = src_segs.segs[k][si];
+                const std::vector<int64_t>& tps = src_segs.tps[k][si];
+                const auto holds_tp = [&](int64_t t) {
+                  return std::find(tps.begin(), tps.end(), t) != tps.end();
+                };
                 Box q = db.box;
                 q.x_lo = std::max(q.x_lo, ss.lo), q.x_hi = std::min(q.x_hi, ss.hi);
                 if (q.empty()) continue;
@@ -173,7 +174,7 @@ void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, con
                   if (src_stage[r] >= 0)
                     for (size_t e = 0; e < src_ent[p].size(); ++e)
                       if (src.entry_stage[src_ent[p][e]] == src_stage[r]) own = e;
-                  const bool holds = own >= 0 && (replicated || src_tp[r] == k);
+                  const bool holds = own >= 0 && holds_tp(src_tp[r]);
                   if (!src.dp_sharded()) {
                     if (holds)
                       sink.local(r, box_desc(g, q, src.entry_offset[src_ent[p][own]],
@@ -205,17 +206,15 @@ void plan_dp_into(const std::vector<ParamGeom>& params, const LayoutIn& src, con
                   if (piece.first < 0) {
                     for (int64_t i : src_ent[p])
                       for (int64_t d = 0; d < src.dp; ++d)
-                        for (int64_t t = 0; t < src.tp; ++t)
-                          if (replicated || t == k)
-                            holders.push_back({src.rank(src.entry_stage[i], d, t), src.entry_offset[i]});
+                        for (int64_t t : tps)
+                          holders.push_back({src.rank(src.entry_stage[i], d, t), src.entry_offset[i]});
                     pieces.push_back(q);
                   } else {
                     const auto [e, d] = piece;
                     const int64_t i = src_ent[p][e];
                     const Range sr = entry_range(src, i, d, src_numel);
-                    for (int64_t t = 0; t < src.tp; ++t)
-                      if (replicated || t == k)
-                        holders.push_back({src.rank(src.entry_stage[i], d, t), sr[2] - sr[0]});
+                    for (int64_t t : tps)
+                      holders.push_back({src.rank(src.entry_stage[i], d, t), sr[2] - sr[0]});
                     for (const SegBox& sb : held(e, d, k)) {
                       const Box i2 = intersect(q, sb.box);
                       if (!i2.empty()) pieces.push_back(i2);

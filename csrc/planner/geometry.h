@@ -16,6 +16,9 @@ struct ParamGeom {
   int64_t A = 1, D = 1, B = 1;
   TPKind kind = TPKind::kReplicated;
   std::vector<int64_t> blocks;  // sizes along D; empty means one block of size D
+  // Per block, its unit count (heads: TPRule.units); empty: none given. Only read by a Format
+  // with replicate_units.
+  std::vector<int64_t> units;
 };
 
 // Global [lo, hi) of D held by a TP rank, starting at index `local` of its local D axis.
@@ -41,8 +44,11 @@ struct Desc {
 //     1/groups of every block, in block order: Megatron's q|k|v per kv group); TP rank k
 //     holds groups/tp whole consecutive groups. 0: blocked (every block split evenly).
 //   vocab_multiple: vocab rows are padded to a multiple of vocab_multiple * tp (Megatron: 128).
+//   replicate_units (blocked only): a block of n = ParamGeom::units units with n < tp is not
+//     split: TP rank k holds unit k / (tp / n) whole, so tp / n ranks hold the same rows at the
+//     same local position (vLLM's kv heads when tp > num_key_value_heads); tp % n == 0.
 struct Format {
-  int64_t groups = 0, vocab_multiple = 1;
+  int64_t groups = 0, vocab_multiple = 1, replicate_units = 0;
 };
 
 // Local D extent of one TP rank (vocab: padded to a multiple of vocab_multiple * tp, divided).
@@ -51,6 +57,16 @@ int64_t local_extent(const ParamGeom& g, int64_t tp, const Format& f = {});
 // Segments of D held by TP rank k of tp, in local order (empty segments dropped; vocab
 // padding excluded).
 std::vector<Segment> segments(const ParamGeom& g, int64_t tp, int64_t k, const Format& f = {});
+
+// The source side's segments for planning, each global element once: TP rank k's segments
+// that no lower TP rank holds (segs[k]), each with every TP rank holding it at the same local
+// position (tps[k][i], ascending; {k} unless replicate_units replicates it; every TP rank of a
+// replicated parameter, which has only k = 0).
+struct SourceSegments {
+  std::vector<std::vector<Segment>> segs;
+  std::vector<std::vector<std::vector<int64_t>>> tps;
+};
+SourceSegments source_segments(const ParamGeom& g, int64_t tp, const Format& f = {});
 
 // Build the canonical descriptor copying rows [a_lo, a_hi) x D-range [lo, hi) from a source
 // local tensor (flat offset src_base, local extent src_ext, segment s) into a destination

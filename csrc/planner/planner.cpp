@@ -30,7 +30,7 @@ void check_layout(const LayoutIn& l, size_t num_params, const char* side) {
   }
   for (int64_t r : l.grid)
     if (r < 0) throw std::invalid_argument(s + ": negative rank " + str(r));
-  for (const auto* v : {&l.param_groups, &l.param_vocab_multiple})
+  for (const auto* v : {&l.param_groups, &l.param_vocab_multiple, &l.param_replicate_units})
     if (!v->empty() && v->size() != num_params)
       throw std::invalid_argument(s + ": per-parameter format arrays need " + str(num_params) + " entries");
 }
@@ -79,33 +79,35 @@ void plan_into(const std::vector<ParamGeom>& params, const LayoutIn& src, const 
     const ParamGeom& g = params[p];
     if (src_at[p].empty() && !dst_at[p].empty())
       throw std::invalid_argument("parameter " + str(p) + " is held by no source shard");
-    const bool replicated = g.kind == TPKind::kReplicated;
     const Format src_fmt = src.format_of(p), dst_fmt = dst.format_of(p);
     const int64_t src_ext = local_extent(g, src.tp, src_fmt), dst_ext = local_extent(g, dst.tp, dst_fmt);
-    const int64_t src_groups = replicated ? 1 : src.tp;
-    std::vector<std::vector<Segment>> src_segs(src_groups);
-    for (int64_t k = 0; k < src_groups; ++k) src_segs[k] = segments(g, src.tp, k, src_fmt);
+    // Each global element in one source segment, with the TP ranks holding it (several for a
+    // replicated parameter or a replicated unit); destination segments of different TP ranks
+    // may overlap (replicated units), each is filled on its own.
+    const SourceSegments src_segs = source_segments(g, src.tp, src_fmt);
+    const int64_t src_groups = static_cast<int64_t>(src_segs.segs.size());
 
     for (const auto& [t_stage, dst_off] : dst_at[p]) {
       for (int64_t k2 = 0; k2 < dst.tp; ++k2) {
         for (const Segment& ds : segments(g, dst.tp, k2, dst_fmt)) {
           for (int64_t k = 0; k < src_groups; ++k) {
-            for (const Segment& ss : src_segs[k]) {
+            for (size_t si = 0; si < src_segs.segs[k].size(); ++si) {
+              const Segment& ss = src_segs.segs[k][si];
+              const std::vector<int64_t>& tps = src_segs.tps[k][si];
               const int64_t lo = std::max(ds.lo, ss.lo), hi = std::min(ds.hi, ss.hi);
               if (lo >= hi) continue;
               // Holders: every source rank (any stage holding p) with this piece.
               holders.clear();
               for (const auto& [s, soff] : src_at[p])
                 for (int64_t d = 0; d < src.dp; ++d)
-                  for (int64_t t = 0; t < src.tp; ++t)
-                    if (replicated || t == k) holders.push_back({src.rank(s, d, t), soff});
+                  for (int64_t t : tps) holders.push_back({src.rank(s, d, t), soff});
               // Receivers: the dst replicas of (t_stage, k2); local when they hold the piece.
               net_recv.clear();
               for (int64_t d2 = 0; d2 < dst.dp; ++d2) {
                 const int64_t r = dst.rank(t_stage, d2, k2);
                 const int64_t s = src_stage[r];
                 int64_t soff = -1;
-                if (s >= 0 && (replicated || src_tp[r] == k))
+                if (s >= 0 && std::find(tps.begin(), tps.end(), src_tp[r]) != tps.end())
                   for (const auto& [hs, ho] : src_at[p])
                     if (hs == s) soff = ho;
                 if (soff >= 0) {

@@ -30,12 +30,13 @@ struct LayoutIn {
 
   bool dp_sharded() const { return !entry_range.empty(); }
   // Per parameter, how this side stores it (Format); empty means all default (blocked, no
-  // extra vocab padding).
-  std::vector<int64_t> param_groups, param_vocab_multiple;
+  // extra vocab padding, no replicated units).
+  std::vector<int64_t> param_groups, param_vocab_multiple, param_replicate_units;
 
   Format format_of(std::size_t p) const {
     return {param_groups.empty() ? 0 : param_groups[p],
-            param_vocab_multiple.empty() ? 1 : param_vocab_multiple[p]};
+            param_vocab_multiple.empty() ? 1 : param_vocab_multiple[p],
+            param_replicate_units.empty() ? 0 : param_replicate_units[p]};
   }
 
   int64_t rank(int64_t stage, int64_t d, int64_t t) const { return grid[(stage * dp + d) * tp + t]; }

@@ -2,6 +2,7 @@
 // A failure points to segment boundaries, padding, or descriptor canonicalization/merging.
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <vector>
 
 #include "planner/geometry.h"
@@ -117,7 +118,104 @@ static void test_vocab_multiple() {
   CHECK(s1.size() == 1 && s1[0].lo == 8 && s1[0].hi == 10 && s1[0].local == 0);
 }
 
+// q|k|v = 8|4|4 rows (4 q heads, 2 kv heads of 2 rows), B = 1, replicate_units (vLLM): at tp=4
+// every two ranks share a kv head. Global row of local row j of TP rank k, by hand.
+static int64_t vllm_row(int64_t tp, int64_t k, int64_t j) {
+  if (tp <= 2) {  // split as usual: q 8/tp rows, then k and v 4/tp rows each
+    const int64_t q = 8 / tp, kv = 4 / tp;
+    if (j < q) return k * q + j;
+    if (j < q + kv) return 8 + k * kv + j - q;
+    return 12 + k * kv + j - q - kv;
+  }
+  const int64_t head = k / 2;  // tp=4: kv head k / 2, whole
+  if (j < 2) return 2 * k + j;
+  if (j < 4) return 8 + 2 * head + j - 2;
+  return 12 + 2 * head + j - 4;
+}
+
+static void test_replicated_units_segments() {
+  ParamGeom g{1, 16, 1, TPKind::kSplit, {8, 4, 4}, {4, 2, 2}};
+  const Format f{0, 1, 1};
+  CHECK(local_extent(g, 4, f) == 6);
+  CHECK(local_extent(g, 2, f) == 8);  // tp <= kv heads: nothing replicated
+  for (int64_t k = 0; k < 4; ++k) {
+    auto s = segments(g, 4, k, f);
+    CHECK(s.size() == 3);
+    for (const Segment& x : s)
+      for (int64_t i = x.lo; i < x.hi; ++i) CHECK(vllm_row(4, k, x.local + i - x.lo) == i);
+  }
+  // The source view: each row once, with all its holders (kv head 1 on ranks 2 and 3).
+  SourceSegments src = source_segments(g, 4, f);
+  CHECK(src.segs.size() == 4);
+  CHECK(src.segs[0].size() == 3 && src.segs[1].size() == 1 && src.segs[3].size() == 1);
+  CHECK((src.tps[2][1] == std::vector<int64_t>{2, 3}) && (src.tps[3][0] == std::vector<int64_t>{3}));
+  CHECK(src.segs[2][2].lo == 14 && src.segs[2][2].hi == 16 && src.segs[2][2].local == 4);
+  bool threw = false;
+  try {
+    segments(g, 3, 0, f);  // 3 ranks cannot share 2 kv heads
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  CHECK(local_extent(g, 4) == 4);  // without the flag every block's rows split evenly
+}
+
+// Plans tp a -> tp b on ranks 0..3 (dp fills the rest), both sides replicate_units, runs it on
+// buffers of global row numbers, checks every destination row and the local / network split.
+static void check_replicated_plan(int64_t src_tp, int64_t dst_tp, int64_t want_network) {
+  ParamGeom g{1, 16, 1, TPKind::kSplit, {8, 4, 4}, {4, 2, 2}};
+  const Format f{0, 1, 1};
+  LayoutIn src, dst;
+  src.tp = src_tp, src.dp = 4 / src_tp, dst.tp = dst_tp, dst.dp = 4 / dst_tp;
+  src.grid = dst.grid = {0, 1, 2, 3};
+  src.entry_param = dst.entry_param = {0};
+  src.entry_stage = dst.entry_stage = {0};
+  src.entry_offset = dst.entry_offset = {0};
+  src.param_replicate_units = dst.param_replicate_units = {1};
+  const int64_t se = local_extent(g, src_tp, f), de = local_extent(g, dst_tp, f);
+  std::vector<std::vector<int64_t>> in(4, std::vector<int64_t>(se)), out(4, std::vector<int64_t>(de, -1));
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t j = 0; j < se; ++j) in[r][j] = vllm_row(src_tp, r % src_tp, j);
+  Plan p = make_plan({g}, src, dst, PlanOptions{});
+  const auto apply = [&](int64_t from, int64_t to, const Desc& d) {
+    for (int64_t run = 0; run < d.n; ++run)
+      for (int64_t e = 0; e < d.len; ++e) {
+        int64_t& slot = out[to][d.dst_off + run * d.dst_stride + e];
+        CHECK(slot == -1);  // written once
+        slot = in[from][d.src_off + run * d.src_stride + e];
+      }
+  };
+  int64_t network = 0;
+  for (size_t m = 0; m < p.msg_sender.size(); ++m)
+    for (int64_t i = p.msg_desc_ptr[m]; i < p.msg_desc_ptr[m + 1]; ++i)
+      for (int64_t x = p.msg_recv_ptr[m]; x < p.msg_recv_ptr[m + 1]; ++x) {
+        apply(p.msg_sender[m], p.msg_receivers[x], p.descs[i]);
+        network += p.descs[i].numel();
+      }
+  for (size_t l = 0; l < p.local_rank.size(); ++l)
+    for (int64_t i = p.local_desc_ptr[l]; i < p.local_desc_ptr[l + 1]; ++i)
+      apply(p.local_rank[l], p.local_rank[l], p.descs[i]);
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t j = 0; j < de; ++j) CHECK(out[r][j] == vllm_row(dst_tp, r % dst_tp, j));
+  CHECK(network == want_network);
+}
+
+static void test_replicated_units_plans() {
+  // tp1 dp4 -> tp4: every rank holds everything, all local.
+  check_replicated_plan(1, 4, 0);
+  // tp4 -> tp1 dp4: each rank holds 6 of 16 rows and receives 10.
+  check_replicated_plan(4, 1, 40);
+  // tp2 dp2 -> tp4: rank r (tp rank r % 2) holds q rows [4t, 4t+4) and kv head t = r % 2; tp4
+  // rank r needs q rows [2r, 2r+2) and kv head r / 2: ranks 0 and 3 hold all of it, ranks 1
+  // and 2 receive 2 q rows and 4 kv rows each.
+  check_replicated_plan(2, 4, 12);
+  // tp4 -> tp4: identity, all local.
+  check_replicated_plan(4, 4, 0);
+}
+
 int main() {
+  test_replicated_units_segments();
+  test_replicated_units_plans();
   test_grouped_blocks();
   test_vocab_multiple();
   test_split_blocks();

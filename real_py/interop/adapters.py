@@ -101,8 +101,18 @@ def _fuse(p: ParamSpec, parts: list[torch.Tensor], tp: int) -> torch.Tensor:
     return torch.cat([c[g] for g in range(per_rank) for c in chunks], d)
 
 
+def _block_pieces(p: ParamSpec, tp: int) -> list[int]:
+    """Rows of each block one TP rank holds (blocked storage; replicate_units keeps a block of
+    fewer units than tp whole per unit)."""
+    if p.tp.replicate_units:
+        return [b // min(tp, n) for b, (_, n) in zip(p.blocks, p.tp.units)]
+    return [b // tp for b in p.blocks]
+
+
 def _unfuse(p: ParamSpec, local: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Inverse of _fuse: one rank's local fused tensor -> its piece of every block."""
+    if p.tp.replicate_units:
+        return list(local.split(_block_pieces(p, tp), p.tp.dim))
     d, groups = p.tp.dim, p.tp.groups or tp
     per_rank, nb = groups // tp, len(p.blocks)
     pieces = local.split([b // groups for b in p.blocks] * per_rank, d)
@@ -171,7 +181,7 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout:
                 raise ValueError(f"{missing[0]}: missing, needed with {names} to build {name}")
             for j, n in enumerate(names):
                 want = list(e.local_shape)
-                want[p.tp.dim] = p.blocks[j] // layout.tp
+                want[p.tp.dim] = _block_pieces(p, layout.tp)[j]
                 _check_shape(n, got[j], want, f"tp rank {k} of {layout}")
             out[name] = _fuse(p, [got[j] for j in range(len(p.blocks))], layout.tp)
         else:

@@ -213,6 +213,10 @@ def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) ->
             lo, hi = min(size, k * local), min(size, (k + 1) * local)
             if hi > lo:
                 dst.narrow(p.tp.dim, 0, hi - lo).copy_(ckpt.read(names[0], p.tp.dim, lo, hi).to(dtype))
+        elif p.tp.replicate_units and any(n < tp for _, n in p.tp.units):
+            raise ValueError(f"{p.name}: reading a checkpoint into replicated units (kv_head_replicas "
+                             f"with tp={tp} above {p.tp.units[-1][0]}) is not supported; load at a tp "
+                             "that splits every head and reallocate")
         else:
             off = 0
             groups = p.tp.groups or tp  # blocked storage: one group per TP rank

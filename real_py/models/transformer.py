@@ -101,6 +101,10 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, pre: str, tp: int, group):
         super().__init__()
+        if c.num_key_value_heads < tp:  # only a kv_head_replicas spec gets here (TPRule.replicate_units)
+            raise ValueError(f"tp={tp} exceeds num_key_value_heads={c.num_key_value_heads}: replicated kv "
+                             "heads (kv_head_replicas, vLLM's storage) are a reallocation format; "
+                             "real_py's models need tp <= num_key_value_heads")
         self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
         self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group, p.get(pre + "o_proj.bias"))
         self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim

@@ -281,7 +281,9 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
     mode: "p2p" (one sender per receiver and piece) or "broadcast" (one sender per piece and set
     of receivers with identical needs). dst_model: the destination side's spec, checked for
     agreement with `model`; it may differ in storage format (ModelConfig.qkv_layout,
-    gate_up_layout, vocab_pad_multiple), which the plan converts exactly. ranks_per_node: prefer same-node senders and balance across nodes.
+    gate_up_layout, vocab_pad_multiple, kv_head_replicas), which the plan converts exactly, on
+    dp-sharded sides too (FSDP2 / ZeRO-3 straight into vLLM's format). ranks_per_node: prefer
+    same-node senders and balance across nodes.
     """
     require_spec(model)
     require_layout(src, "src")
@@ -299,16 +301,6 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
         model.check_compatible(dst_model, storage=True)
     else:
         dst_model = model
-    if src.dp_shard != "none" or dst.dp_shard != "none":
-        for spec in (model, dst_model):
-            if any(p.tp.groups or p.tp.vocab_multiple != 1 for p in spec.params):
-                # The dp-sharded planner works on blocked storage on both sides; convert the
-                # format between layouts without dp sharding first (two plans).
-                raise ValueError(f"{src} -> {dst} involves a dp-sharded layout and {spec.name} uses a "
-                                 "non-default storage format (qkv_layout/gate_up_layout other than "
-                                 "blocked, or vocab_pad_multiple > 1); dp-sharded plans need blocked "
-                                 "storage on both sides: reallocate the format change and the dp "
-                                 "sharding in two steps")
     return _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_bytes)
 
 
@@ -322,7 +314,11 @@ def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_byt
     geom = np.array([p.geometry() + (_KIND[p.tp.kind],) for p in model.params], np.int64).reshape(-1, 4)
     blocks = [p.blocks if p.tp.kind == "split" else () for p in model.params]
     block_ptr = np.concatenate(([0], np.cumsum([len(b) for b in blocks]))).astype(np.int64)
-    flat_blocks = np.array([b for bs in blocks for b in bs], np.int64)
+    # [num_blocks, 2]: (size, unit count; 0 when the rule names no units), the counts for
+    # replicate_units formats (units are logical: equal on both sides, check_compatible).
+    flat_blocks = np.array([(b, p.tp.units[i][1] if p.tp.units else 0)
+                            for p, bs in zip(model.params, blocks) for i, b in enumerate(bs)],
+                           np.int64).reshape(-1, 2)
     inputs = (geom, block_ptr, flat_blocks, _layout_arrays(model, src),
               _layout_arrays(dst_model, dst, order=model), MODES.index(mode), ranks_per_node,
               max(1, min_split_bytes // model.element_size))
@@ -362,7 +358,8 @@ def _build_layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | No
            "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
            "entry_offset": np.array(eo, np.int64),
            "param_groups": np.array([p.tp.groups for p in by_index], np.int64),
-           "param_vocab_multiple": np.array([p.tp.vocab_multiple for p in by_index], np.int64)}
+           "param_vocab_multiple": np.array([p.tp.vocab_multiple for p in by_index], np.int64),
+           "param_replicate_units": np.array([int(p.tp.replicate_units) for p in by_index], np.int64)}
     if layout.dp_shard != "none":
         # [num_entries, dp, 3]: (lo, hi, offset) of each dp replica's piece of each entry.
         ranges = []

@@ -29,12 +29,19 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
         out = full.new_zeros(shape)
         out.narrow(d, 0, hi - lo).copy_(full.narrow(d, lo, hi - lo))
         return out
+    if p.tp.replicate_units:
+        return torch.cat([blk.chunk(n, d)[tp_rank // (tp // n)] if n < tp else blk.chunk(tp, d)[tp_rank]
+                          for blk, n in zip(full.split(list(p.blocks), d), _unit_counts(p))], d)
     # Blocked storage is the grouped one with one group per TP rank.
     groups = p.tp.groups or tp
     per_rank = groups // tp
     chunks = [blk.chunk(groups, d) for blk in full.split(list(p.blocks), d)]
     pieces = [c[j] for j in range(tp_rank * per_rank, (tp_rank + 1) * per_rank) for c in chunks]
     return torch.cat(pieces, d)
+
+
+def _unit_counts(p: ParamSpec) -> list[int]:
+    return [n for _, n in p.tp.units]
 
 
 def _full_tensor(state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: Layout, rank: int) -> torch.Tensor:
@@ -210,6 +217,12 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
         ordered = [pieces[k] for k in range(layout.tp)]
         if p.tp.kind == "vocab":
             out[p.name] = torch.cat(ordered, d).narrow(d, 0, p.shape[d]).clone()
+        elif p.tp.replicate_units:
+            # A replicated block's unit u is read from the first of its tp / n holders.
+            tp = layout.tp
+            split = [t.split([b // min(tp, n) for b, n in zip(p.blocks, _unit_counts(p))], d) for t in ordered]
+            out[p.name] = torch.cat([split[k][j] for j, n in enumerate(_unit_counts(p))
+                                     for k in (range(0, tp, tp // n) if n < tp else range(tp))], d)
         else:
             groups = p.tp.groups or layout.tp
             nb = len(p.blocks)

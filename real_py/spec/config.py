@@ -59,6 +59,10 @@ class ModelConfig:
     vocab_pad_multiple: int = 1
     """Vocab rows padded to a multiple of this times tp (Megatron-core: 128); padding rows are
     zero on a destination and never transferred."""
+    kv_head_replicas: bool = False
+    """vLLM: when tp exceeds num_key_value_heads each kv head is held by tp / nkv consecutive tp
+    ranks (TPRule.replicate_units on qkv_proj; tp must then be a multiple of nkv). Storage only:
+    blocked qkv_layout."""
     model_type: str = "llama"
     """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2" or "gemma3_text"."""
     rope_scaling: dict | tuple | None = None
@@ -168,6 +172,9 @@ class ModelConfig:
         for f, allowed in (("qkv_layout", QKV_LAYOUTS), ("gate_up_layout", GATE_UP_LAYOUTS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; allowed: {allowed}")
+        if self.kv_head_replicas and self.qkv_layout != "blocked":
+            raise ValueError(f"ModelConfig.kv_head_replicas (vLLM) needs qkv_layout='blocked', not "
+                             f"{self.qkv_layout!r}")
         if not isinstance(self.vocab_pad_multiple, int) or self.vocab_pad_multiple < 1:
             raise ValueError(f"ModelConfig.vocab_pad_multiple={self.vocab_pad_multiple!r} must be "
                              "a positive int (Megatron-core: 128)")
@@ -250,7 +257,7 @@ def _check_config_types(c: ModelConfig) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"ModelConfig.{f}={v!r} must be a number >= 0 (0: off)")
     for f in ("tie_word_embeddings", "attention_bias", "qk_norm", "o_proj_bias", "mlp_bias", "norm_after",
-              "qk_norm_whole", "norm_plus_one", "sandwich_norm", "norm_topk_prob"):
+              "qk_norm_whole", "norm_plus_one", "sandwich_norm", "norm_topk_prob", "kv_head_replicas"):
         if not isinstance(getattr(c, f), bool):
             raise ValueError(f"ModelConfig.{f}={getattr(c, f)!r} must be true or false")
 

@@ -19,6 +19,10 @@ gate|up concatenated as HF concatenates them:
               block in block order; a TP rank holds G/tp consecutive groups. Megatron-core's fused
               linear_qkv is G = num_key_value_heads ([q heads of group 0, k0, v0, q of group 1, ...]).
   Megatron-core's linear_fc1 (swiglu) holds [gate piece; up piece] per TP rank: that is blocked.
+  replicate_units  blocked, but a block whose unit count (TPRule.units) is smaller than tp is not
+              split: each unit is held whole by tp / units consecutive TP ranks (vLLM's
+              QKVParallelLinear when tp > num_key_value_heads: rank k holds kv head k // (tp / nkv)
+              in both its k and its v block).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class TPRule:
     """split: 0 = blocked storage; G > 0 = blocks interleaved in G groups (module docstring)."""
     vocab_multiple: int = 1
     """vocab: rows padded to a multiple of vocab_multiple * tp (Megatron-core: 128)."""
+    replicate_units: bool = False
+    """split, blocked storage: a block whose unit count (TPRule.units, e.g. ("num_key_value_heads",
+    nkv)) is smaller than tp is replicated: TP rank k holds unit k // (tp / units), and tp must
+    be a multiple of the count; vLLM's kv heads. Other blocks split as usual."""
 
     def __post_init__(self):
         if self.kind not in ("replicated", "split", "vocab"):
@@ -56,6 +64,9 @@ class TPRule:
                              "set on a vocab rule")
         if self.units and len(self.units) != len(self.blocks):
             raise ValueError(f"TPRule.units has {len(self.units)} entries for {len(self.blocks)} blocks")
+        if self.replicate_units and (self.kind != "split" or not self.units or self.groups):
+            raise ValueError("TPRule.replicate_units needs a split rule with units and blocked storage "
+                             f"(groups=0); got kind={self.kind!r}, units={self.units}, groups={self.groups}")
 
 
 REPLICATED = TPRule()
@@ -116,7 +127,12 @@ class ParamSpec:
             return self.shape
         d, size = self.tp.dim, self.shape[self.tp.dim]
         m = self.tp.vocab_multiple
-        local = -(-size // (m * tp)) * m if self.tp.kind == "vocab" else size // tp
+        if self.tp.kind == "vocab":
+            local = -(-size // (m * tp)) * m
+        elif self.tp.replicate_units:  # a replicated block keeps one whole unit per rank
+            local = sum(b // min(tp, n) for b, (_, n) in zip(self.blocks, self.tp.units))
+        else:
+            local = size // tp
         return self.shape[:d] + (local,) + self.shape[d + 1:]
 
     def tp_error(self, tp: int) -> str | None:
@@ -127,6 +143,12 @@ class ParamSpec:
         # f-string per block) only once a block fails.
         units = self.tp.units
         for i, block in enumerate(self.blocks):
+            if self.tp.replicate_units and units[i][1] < tp:
+                unit, count = units[i]
+                if tp % count or block % count:
+                    return (f"tp={tp} is above {unit}={count} and not a multiple of it (replicate_units: "
+                            f"each of the {count} units is held by tp / {count} TP ranks)")
+                continue
             if block % tp or (units and units[i][1] % tp):
                 unit, count = units[i] if units else (f"{self.name}.shape[{self.tp.dim}]", block)
                 return f"tp={tp} does not divide {unit}={count}"
@@ -205,8 +227,8 @@ class ModelSpec:
     def check_compatible(self, other: "ModelSpec", *, storage: bool = False) -> None:
         """Raise ValueError if `other` disagrees on a parameter's name set, shape, dtype or rule.
 
-        storage: let the two differ in storage format (TPRule.groups, vocab_multiple), which a
-        reallocation plan converts between.
+        storage: let the two differ in storage format (TPRule.groups, vocab_multiple,
+        replicate_units), which a reallocation plan converts between.
         """
         mine, theirs = {p.name: p for p in self.params}, {p.name: p for p in other.params}
         if mine.keys() != theirs.keys():
@@ -227,7 +249,7 @@ def _logical(rule: TPRule) -> TPRule:
     """The rule without its storage format (what full tensors and the TP split depend on)."""
     from dataclasses import replace
 
-    return replace(rule, groups=0, vocab_multiple=1)
+    return replace(rule, groups=0, vocab_multiple=1, replicate_units=False)
 
 
 def _moe_params(c: ModelConfig, pre: str, lp: list) -> list:
@@ -283,8 +305,9 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       lm_head.weight                        [V, H]            vocab split (untied lm head)
       value_head.weight                     [1, H]            replicated (value head)
 
-    config.qkv_layout / gate_up_layout / vocab_pad_multiple set the storage format (TPRule.groups,
-    vocab_multiple) of qkv_proj, gate_up_proj and the vocab-split tensors.
+    config.qkv_layout / gate_up_layout / vocab_pad_multiple / kv_head_replicas set the storage
+    format (TPRule.groups, vocab_multiple, replicate_units) of qkv_proj, gate_up_proj and the
+    vocab-split tensors.
     """
     if isinstance(config, str):
         name = name or config
@@ -294,7 +317,8 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
                             c.num_key_value_heads, c.vocab_size)
     heads = (("num_attention_heads", nh), ("num_key_value_heads", nkv), ("num_key_value_heads", nkv))
     qkv = TPRule(kind="split", dim=0, blocks=(nh * hd, nkv * hd, nkv * hd), units=heads,
-                 groups=nkv if c.qkv_layout == "megatron_grouped" else 0)
+                 groups=nkv if c.qkv_layout == "megatron_grouped" else 0,
+                 replicate_units=c.kv_head_replicas)
     vocab = TPRule(kind="vocab", dim=0, vocab_multiple=c.vocab_pad_multiple)
     tied = c.tie_word_embeddings and c.head == "lm"
     params = [ParamSpec(name="embed_tokens.weight", shape=(V, H), dtype=dt, owner="embed",
