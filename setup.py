@@ -80,11 +80,7 @@ def check_shared_libstdcxx(so):
 
 
 setup(
-    name="real_py",
-    version="0.1.0",
-    description="Parameter reallocation between arbitrary TP/PP/DP layouts for RLHF",
     packages=find_packages(include=["real_py", "real_py.*"]),
     ext_modules=ext_modules(),
     cmdclass={"build_ext": build_ext_cls()},
-    python_requires=">=3.10",
 )

@@ -45,8 +45,9 @@ import torch.distributed as dist
 from ...liveness import PeerWatch, start_heartbeat, wait_watched
 from .base import Handle, Recvs, Sends, TransferError, Transport
 
-_EPOCHS: dict[str, int] = {}
-"""Setups per report prefix (process group) in this process. Setup is collective, so the k-th
+_EPOCHS: dict[tuple[str, int], int] = {}
+"""Setups per (report prefix (process group), rank) in this process (ranks may share a process
+as threads, each with its own transport). Setup is collective, so the k-th
 setup on a group is the same reallocation on every rank: reports are filed under that count."""
 
 REPORT_GRACE_S = 0.5
@@ -69,12 +70,19 @@ class DistTransport(Transport):
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")
         self.group, self.timeout = group, float(timeout)
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
+        # A group registered nowhere (a bare gloo backend two programs built on their own store,
+        # such as real_py.vllm's transfer group) is addressed through its own methods.
+        self._bare = group not in dist.distributed_c10d._world.pg_map
+        if self._bare and store is None:
+            raise ValueError("DistTransport over a process group that torch.distributed does not "
+                             "know (built on its own store) needs that store: pass store=")
+        self.rank = group.rank() if self._bare else dist.get_rank(group)
+        self.world = group.size() if self._bare else dist.get_world_size(group)
+        self.backend = group.name() if self._bare else dist.get_backend(group)
         self.stream_ordered = self.backend == "nccl" if stream_ordered is None else bool(stream_ordered)
         self.sent_bytes = self.received_bytes = 0
-        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self._global = (list(range(self.world)) if self._bare else
+                        [dist.get_global_rank(group, r) for r in range(self.world)])
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._prefix = f"real_py/failures/{getattr(group, 'group_name', 'group')}"
         if store is None:
@@ -83,11 +91,12 @@ class DistTransport(Transport):
             except (RuntimeError, ValueError):
                 store = None
         self.store = store
-        self._watch = PeerWatch(start_heartbeat(store, dist.get_rank())) if store is not None else None
+        self._watch = (PeerWatch(start_heartbeat(store, self.rank if self._bare else dist.get_rank()))
+                       if store is not None else None)
         # Reports are filed per setup epoch: a report written by a rank that failed before a
         # peer's setup is still read by that peer (same epoch), and a later reallocation on the
         # group never reads an earlier one's reports (next epoch).
-        self._epoch = _EPOCHS.get(self._prefix, 0)
+        self._epoch = _EPOCHS.get((self._prefix, self.rank), 0)
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -99,6 +108,13 @@ class DistTransport(Transport):
                                  "ranks are ranks of the transport's group")
         sets = sorted({(int(plan.msg_sender[m]),) + plan.receivers(m)
                        for m in range(plan.num_messages) if len(plan.receivers(m)) > 1})
+        if self._bare:
+            if sets:
+                raise ValueError("broadcast-mode plans need subgroups, which a group built on its "
+                                 "own store cannot make: plan with mode='p2p'")
+            self._warm = True
+            self._epoch = _EPOCHS[self._prefix, self.rank] = _EPOCHS.get((self._prefix, self.rank), 0) + 1
+            return
         whole = self.world == dist.get_world_size()
         for s in sets:
             key = tuple(sorted(s))
@@ -115,7 +131,7 @@ class DistTransport(Transport):
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
                             group=self.group)
         self._warm = True
-        self._epoch = _EPOCHS[self._prefix] = _EPOCHS.get(self._prefix, 0) + 1
+        self._epoch = _EPOCHS[self._prefix, self.rank] = _EPOCHS.get((self._prefix, self.rank), 0) + 1
 
     # ------------------------------------------------------------------ rounds
 
@@ -128,21 +144,24 @@ class DistTransport(Transport):
                                  "never go through the transport")
             self.sent_bytes += t.numel() * t.element_size()
             if len(receivers) == 1:
-                ops.append(dist.P2POp(dist.isend, t, self._global[receivers[0]], self.group))
+                ops.append((dist.isend, t, self._global[receivers[0]]))
                 works.append((f"send to peer rank {receivers[0]}", (receivers[0],)))
             else:
                 bcast.append(((self.rank,) + tuple(receivers), 0, i, t))
         for i, (sender, t, receivers) in enumerate(recvs):
             self.received_bytes += t.numel() * t.element_size()
             if len(receivers) == 1:
-                ops.append(dist.P2POp(dist.irecv, t, self._global[sender], self.group))
+                ops.append((dist.irecv, t, self._global[sender]))
                 works.append((f"receive from peer rank {sender}", (sender,)))
             else:
                 bcast.append(((sender,) + tuple(receivers), 1, i, t))
         pending = []
         try:
             if ops:
-                got = dist.batch_isend_irecv(ops)
+                # gloo matches a pair's messages in posting order, whichever way they are posted.
+                got = ([self.group.send([t], peer, 0) if fn is dist.isend else self.group.recv([t], peer, 0)
+                        for fn, t, peer in ops] if self._bare else
+                       dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self.group) for fn, t, peer in ops]))
                 # NCCL coalesces the group into one work; gloo returns one per op.
                 if len(got) == len(ops):
                     pending += [(w, what, peers) for w, (what, peers) in zip(got, works)]

@@ -1,0 +1,93 @@
+"""The transfer group: trainer ranks and vLLM workers in one gloo group of their own.
+
+    group = TransferGroup.connect(host, port, rank, world, timeout_s)   # the store only
+    publish_ready(group, error_or_None, extra=...)    # this member checked its inputs
+    wait_ready(group, side)                           # every member did, or one names its error
+    group = group.build()                             # the gloo backend over all members
+
+Neither side can put the other in its default process group (torchrun made the trainer's, vLLM
+made the workers'), so the members meet through a TCPStore that trainer rank 0 hosts and build a
+gloo backend on it that is registered nowhere (as vLLM's own stateless groups are). Group ranks:
+trainer rank t is t, vLLM worker i (index dp * tp_size + tp_rank) is num_trainers + i.
+DistTransport takes such a group as it is. A member that rejects its inputs (another model, a
+dtype, a worker count) says so in the store before the backend is built, so every member fails
+at once with that member's reason instead of waiting for a peer that never joins.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+
+PREFIX = "real_py/vllm/"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferGroup:
+    store: object
+    """The prefixed TCPStore of the group: readiness, the chosen format, failure reports,
+    heartbeats and per-update stats."""
+    rank: int
+    world: int
+    timeout_s: float
+    address: str
+    pg: object = None
+    """The gloo backend over all members (ProcessGroupGloo), once built."""
+
+    @classmethod
+    def connect(cls, host: str, port: int, rank: int, world: int, timeout_s: float) -> "TransferGroup":
+        """Reach the group's store (rank 0 hosts it)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            tcp = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout,
+                                wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - one line naming who waited for what
+            raise RuntimeError(f"real_py vLLM transfer group: member {rank} of {world} could not reach "
+                               f"the store at {host}:{port} within {timeout_s:g} s ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0][:200]})") from e
+        return cls(store=dist.PrefixStore(PREFIX, tcp), rank=rank, world=world, timeout_s=timeout_s,
+                   address=f"{host}:{port}")
+
+    def build(self) -> "TransferGroup":
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", self.store), self.rank, self.world, timeout)
+        return replace(self, pg=pg)
+
+    def close(self) -> None:
+        if self.pg is not None:
+            try:
+                self.pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: the group is unusable either way
+                pass
+
+
+def publish_ready(group: TransferGroup, error: str | None, extra: dict | None = None) -> None:
+    """Tell the members this one checked its inputs (error: why it cannot take part)."""
+    group.store.set(f"ready/{group.rank}", json.dumps({"error": error, "extra": extra}))
+
+
+def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[int, dict]:
+    """Every member's readiness record; RuntimeError naming this side and the first member that
+    refused (with its reason), or those that did not answer within the group's timeout."""
+    deadline = time.monotonic() + group.timeout_s
+    keys = [f"ready/{r}" for r in range(group.world)]
+    got: dict[int, dict] = {}
+    while True:
+        for r, key in enumerate(keys):
+            if r not in got and group.store.check([key]):
+                got[r] = json.loads(group.store.get(key))
+                if got[r]["error"]:
+                    raise RuntimeError(f"real_py vLLM transfer group ({side}): member {r} refused: "
+                                       f"{got[r]['error']}")
+        if len(got) == group.world:
+            return got
+        if time.monotonic() > deadline:
+            missing = [r for r in range(group.world) if r not in got]
+            raise RuntimeError(f"real_py vLLM transfer group ({side}): members {missing} of "
+                               f"{group.world} did not join at {group.address} within "
+                               f"{group.timeout_s:g} s (trainer ranks are 0..k-1, vLLM workers follow)")
+        time.sleep(poll_s)

@@ -1,0 +1,274 @@
+"""vLLM worker side of the `real_py` weight-transfer backend (runs inside every vLLM worker).
+
+    init_transfer_engine   check the trainer's model against vLLM's, join the transfer group,
+                           plan the move trainer layout -> this worker's live format, allocate
+                           the receive shard
+    start_weight_update    nothing (weights stay live until a whole update has arrived)
+    receive_weights        receive this worker's exact shard (real_py Reallocator over gloo),
+                           then write it into the live parameters and re-process touched layers
+    finish_weight_update   nothing (the trainer engine resets the prefix cache after it)
+
+An update is received into a shard buffer of this worker's own (one local copy of the model)
+and only written into the live parameters once all of it arrived: a trainer that dies or sends
+a wrong model mid-update fails the update on both sides and vLLM keeps serving the previous
+weights (the transfer group is then broken: initialize the engine again before the next update).
+
+A model whose parameters real_py cannot place in vLLM's live format (names.unknown_params)
+falls back to full tensors: every worker receives the whole model (still straight from the
+trainer ranks' shards, no gather) and loads it through vLLM's own `load_weights` inside its
+layerwise reload; one log line names the parameters that caused it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from ..layout import Layout
+from ..realloc import DistTransport, ModelShard, Reallocator, plan_realloc
+from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
+from ..spec import ModelConfig, model_spec, torch_dtype, vllm_config
+from .group import TransferGroup, publish_ready, wait_ready
+from .names import config_from_dict, unknown_params, vllm_name
+
+log = logging.getLogger("real_py.vllm")
+
+
+@dataclass
+class RealPyInitInfo(WeightTransferInitInfo):
+    """What the trainer sends every worker at init (JSON-safe)."""
+
+    master_address: str
+    master_port: int
+    num_trainers: int
+    config: dict
+    """The trainer's ModelConfig (names.config_dict): shapes and the trainer's storage format."""
+    layout: dict
+    """The trainer's real_py Layout (dataclasses.asdict)."""
+    num_workers: int
+    """vLLM workers the trainer expects (tensor_parallel_size * data_parallel_size)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+    full_tensors: bool = False
+    """Send every worker the full tensors and load them with vLLM's load_weights (the path
+    other trainers take; measured against in bench/bench_vllm_sync.py)."""
+
+
+@dataclass
+class RealPyUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    model: str
+    """The trainer spec's fingerprint (name and shapes), checked against the one at init."""
+
+
+def vllm_plan(config: ModelConfig, src: Layout, num_trainers: int, tp: int, dp: int, full: bool):
+    """The plan every member replays: trainer layout `src` (ranks 0..num_trainers-1) -> the vLLM
+    workers (ranks after them, tp fastest) in vLLM's live format, or, `full`, the whole model on
+    every worker in blocked storage (for load_weights)."""
+    ranks = tuple(range(num_trainers, num_trainers + tp * dp))
+    if full:
+        dst_cfg = replace(config, qkv_layout="blocked", gate_up_layout="blocked", vocab_pad_multiple=1)
+        dst = Layout(dp=tp * dp, ranks=ranks)
+    else:
+        dst_cfg, dst = vllm_config(config, tp), Layout(dp=dp, tp=tp, ranks=ranks)
+    return plan_realloc(model_spec(config), src, dst, dst_model=model_spec(dst_cfg))
+
+
+def fingerprint(config: ModelConfig, layout: Layout) -> str:
+    """Names, shapes, dtype and storage of the trainer's model and its layout, as one short
+    string that every process computes alike (no salted hash())."""
+    spec = model_spec(config)
+    text = repr([(p.name, p.shape, p.tp) for p in spec.params]) + config.dtype + repr(layout)
+    return f"{config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}:{config.dtype}:{layout}"
+
+
+class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpdateInfo]):
+    init_info_cls = RealPyInitInfo
+    update_info_cls = RealPyUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group: TransferGroup | None = None
+        self.realloc: Reallocator | None = None
+
+    # ------------------------------------------------------------------ init
+
+    def init_transfer_engine(self, info: RealPyInitInfo) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        pc = self.parallel_config
+        tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+        self.index = pc.data_parallel_index * pc.world_size + get_tensor_model_parallel_rank()
+        self.side = f"vLLM worker {self.index} (dp {pc.data_parallel_index}, tp rank " \
+                    f"{get_tensor_model_parallel_rank()} of {tp})"
+        T, W = int(info.num_trainers), tp * dp
+        rank = T + self.index
+        group = TransferGroup.connect(info.master_address, info.master_port, rank, T + W, info.timeout_s)
+        try:
+            self._setup(info, T, W, tp, dp, pc.pipeline_parallel_size)
+        except Exception as e:
+            publish_ready(group, f"{type(e).__name__}: {e}")
+            raise
+        publish_ready(group, None, extra=self._mode if self.index == 0 else None)
+        wait_ready(group, self.side)
+        self.group = group.build()
+        self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
+        self.realloc = Reallocator(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
+        self.version = -1
+        log.info("real_py: %s receives %s from %d trainer ranks", self.side,
+                 "full tensors (load_weights)" if self.full else "its shard in place", T)
+
+    def _setup(self, info: RealPyInitInfo, T: int, W: int, tp: int, dp: int, pp: int) -> None:
+        if pp != 1:
+            raise ValueError(f"{self.side}: vLLM pipeline_parallel_size={pp}; the real_py backend "
+                             "writes tensor- and data-parallel workers (pipeline_parallel_size=1)")
+        if info.num_workers != W:
+            raise ValueError(f"{self.side}: the trainer expects {info.num_workers} vLLM workers, this "
+                             f"engine has {W} (tensor_parallel_size={tp} x data_parallel_size={dp})")
+        cfg = config_from_dict(info.config)
+        src = Layout(**info.layout)
+        if tuple(src.ranks) != tuple(range(T)):
+            raise ValueError(f"{self.side}: trainer layout {src} must use ranks 0..{T - 1}")
+        spec = model_spec(cfg)
+        own = self._own_config(cfg)
+        want = torch_dtype(cfg.dtype)
+        if self.model_config.dtype != want:
+            raise ValueError(f"{self.side}: the trainer sends {cfg.dtype}, vLLM runs {self.model_config.dtype}; "
+                             "cast the trainer's shards (reallocation moves raw bytes) or start vLLM "
+                             f"with dtype={cfg.dtype}")
+        if cfg.num_experts:
+            raise ValueError(f"{self.side}: {cfg.model_type} has experts; the real_py vLLM backend moves "
+                             "dense models (MoE is not planned into vLLM's fused expert tensors yet)")
+        live = model_spec(vllm_config(own, tp))
+        dst_spec = model_spec(vllm_config(cfg, tp))
+        try:
+            dst_spec.check_compatible(live)
+        except ValueError as e:
+            raise ValueError(f"{self.side}: the trainer's model does not match vLLM's "
+                             f"({self.model_config.model}): {e}") from None
+        unknown = unknown_params(dst_spec, self.model)
+        self.full = bool(info.full_tensors or unknown)
+        if unknown:
+            log.warning("real_py: %s falls back to full tensors and load_weights: real_py does not "
+                        "know the vLLM loader of %s", self.side, ", ".join(unknown[:8])
+                        + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+        if not self.full:
+            self._check_live_shapes(dst_spec, tp)
+        self._mode = {"full": self.full, "unknown": unknown[:32], "tp": tp, "dp": dp}
+        self.fingerprint = fingerprint(cfg, src)
+        self.plan = vllm_plan(cfg, src, T, tp, dp, self.full)
+        self.dst_spec, self.dst = self.plan.dst_model, self.plan.dst
+        self.shard = ModelShard.empty(self.dst_spec, self.dst, T + self.index)
+
+    def _own_config(self, cfg: ModelConfig) -> ModelConfig:
+        """vLLM's model as a real_py ModelConfig (its checkpoint's config.json when vLLM loaded a
+        local directory), in the trainer's dtype and storage so that only shapes are compared."""
+        path = self.model_config.model
+        source = path if os.path.isfile(os.path.join(str(path), "config.json")) else \
+            self.model_config.hf_config.to_dict()
+        own = ModelConfig.from_hf(source)
+        return replace(own, dtype=cfg.dtype)
+
+    def _check_live_shapes(self, spec, tp: int) -> None:
+        """Every live vLLM tensor that still has its loaded shape (on CPU the linear weights are
+        prepacked and emptied) has the shape the plan writes; a mismatch is a format real_py
+        does not know, never a silent wrong write."""
+        live = dict(self.model.named_parameters())
+        for p in spec.params:
+            t = live[vllm_name(p.name)]
+            if t.numel() and tuple(t.shape) != p.local_shape(tp):
+                raise RuntimeError(f"{self.side}: vLLM holds {vllm_name(p.name)} as {tuple(t.shape)}, "
+                                   f"real_py planned {p.local_shape(tp)} for tp={tp}")
+
+    # ------------------------------------------------------------------ updates
+
+    def start_weight_update(self) -> None:
+        if self.realloc is None:
+            raise RuntimeError("real_py weight transfer: init_weight_transfer_engine was not called "
+                               "(or the last update failed and the engine must be initialized again)")
+
+    def receive_weights(self, info: RealPyUpdateInfo) -> None:
+        if self.realloc is None:
+            raise RuntimeError(f"real_py: {self.side}: no transfer engine (init_weight_transfer_engine "
+                               "was not called, or a failed update broke the group: initialize again)")
+        step = f"update {info.version}"
+        if info.model != self.fingerprint:
+            why = (f"{self.side}: the trainer sends {info.model}, this engine was initialized for "
+                   f"{self.fingerprint}; initialize the engine again for a new model or layout")
+            self.transport.fail(step, why)
+            self._broken()
+            raise ValueError(why)
+        t0 = time.perf_counter()
+        try:
+            stats = self.realloc.run(None, self.shard)
+        except Exception:
+            self._broken()  # the live weights were not touched: vLLM serves the previous ones
+            raise
+        t1 = time.perf_counter()
+        self._apply()
+        t2 = time.perf_counter()
+        self.version = info.version
+        report = {"worker": self.index, "received_bytes": stats["received_bytes"],
+                  "local_bytes": stats["local_bytes"], "receive_s": t1 - t0, "apply_s": t2 - t1,
+                  "full": self.full}
+        self.group.store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
+        log.info("real_py: %s %s: %d bytes in %.3f s, written and re-processed in %.3f s",
+                 self.side, step, stats["received_bytes"], t1 - t0, t2 - t1)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def _broken(self) -> None:
+        self.realloc = None
+        if self.group is not None:
+            self.group.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def _apply(self) -> None:
+        if self.full:
+            self._load_full()
+            return
+        live = dict(self.model.named_parameters())
+        touched = set()
+        with torch.no_grad():
+            for p in self.dst_spec.params:
+                t = self.shard.view(p.name)
+                param = live[vllm_name(p.name)]
+                if tuple(param.shape) == tuple(t.shape):
+                    param.data.copy_(t)
+                else:  # prepacked on CPU (an empty tensor): give the layer its weight back
+                    param.data = t.clone()
+                touched.add(id(param))
+        # Re-run what vLLM runs after loading on every module holding a written parameter (a
+        # tied lm_head holds the embedding's: its packed copy is rebuilt too).
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and any(id(v) in touched for v in module._parameters.values()
+                                          if v is not None):
+                method.process_weights_after_loading(module)
+
+    def _load_full(self) -> None:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+
+        from ..interop.hf import to_hf_state_dict
+
+        full = {p.name: self.shard.view(p.name) for p in self.dst_spec.params}
+        hf = to_hf_state_dict(self.dst_spec, full)
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(hf.items())
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self._broken()
+        self.group = None
