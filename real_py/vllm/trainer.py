@@ -158,10 +158,9 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
                 publish_ready(group, None)
                 ready = wait_ready(group, engine.side)
                 engine.group = group.build()
-            except Exception:
-                if rpc is not None and rpc.done():
-                    rpc.result()  # the worker's own error first
-                raise
+            except Exception as e:  # the member's own reason, with vLLM's error as the cause
+                cause = rpc.exception(timeout=1.0) if rpc is not None and rpc.done() else None
+                raise e from cause
             if rpc is not None:
                 rpc.result()
         mode = ready[T]["extra"]
@@ -178,23 +177,60 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         """Push this rank's shard to the vLLM workers; on rank 0 also drive vLLM's update (start,
         update while the ranks send, finish, prefix-cache reset). Returns this rank's stats
         (seconds, bytes sent, staging bytes; rank 0: every worker's receive and apply seconds)."""
+        if self.realloc is None:
+            raise RuntimeError(f"real_py: {self.side}: an earlier update failed and broke the transfer "
+                               "group; call trainer_init again (a new master_port) before sending")
         self.version += 1
         shard = self.source.shard
         if not self.is_sender:
-            return self.realloc.run(shard, None)
+            return self._run(shard)
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
+        rpc = pool.submit(self.client.update_weights, {"version": self.version, "model": self.fingerprint})
         try:
-            rpc = pool.submit(self.client.update_weights, {"version": self.version, "model": self.fingerprint})
-            stats = self.realloc.run(shard, None)
-            rpc.result()
+            stats = self._run(shard)
+        except BaseException:
+            # The workers learn of this rank's failure through the group's store and give up their
+            # receive, keeping the previous weights: let their call end, close vLLM's update
+            # session, then raise this rank's error.
+            try:
+                rpc.result(timeout=self.info.timeout_s)
+                self.client.finish_weight_update()
+            except Exception:  # noqa: BLE001 - this rank's own error is the one raised
+                pass
+            raise
         finally:
-            pool.shutdown(wait=False)  # a failed move leaves the workers' call to its own timeout
+            pool.shutdown(wait=False)
+        rpc.result()
+        stats["workers"] = self._worker_reports()
         self.client.finish_weight_update()
+        failed = [w["error"] for w in stats["workers"] if "error" in w]
+        if failed:
+            self.realloc = None
+            self.group.close()
+            raise RuntimeError(f"real_py: update {self.version} failed on {len(failed)} vLLM worker(s), "
+                               f"which keep the previous weights: {failed[0]}"
+                               + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
         reset_prefix_cache(self.client)
-        stats["workers"] = [json.loads(self.group.store.get(f"stats/{self.version}/{i}"))
-                            for i in range(self.info.num_workers)]
         return stats
+
+    def _worker_reports(self) -> list[dict]:
+        """Each worker's outcome of this update (written before its call returned)."""
+        keys = [f"stats/{self.version}/{i}" for i in range(self.info.num_workers)]
+        missing = [k for k in keys if not self.group.store.check([k])]
+        if missing:
+            raise RuntimeError(f"real_py: update {self.version}: vLLM workers "
+                               f"{[int(k.rsplit('/', 1)[1]) for k in missing]} answered without a report "
+                               "(their log says why)")
+        return [json.loads(self.group.store.get(k)) for k in keys]
+
+    def _run(self, shard) -> dict:
+        try:
+            return self.realloc.run(shard, None)
+        except BaseException:
+            self.realloc = None
+            self.group.close()
+            raise
 
     def shutdown(self) -> None:
         self.group.close()

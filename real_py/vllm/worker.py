@@ -99,31 +99,48 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         super().__init__(config, vllm_config, device, model)
         self.group: TransferGroup | None = None
         self.realloc: Reallocator | None = None
+        self.store = None
 
     # ------------------------------------------------------------------ init
+
+    # vLLM's executor reads only the first failed worker's answer to a collective call and leaves
+    # the others' in their queues, where the next call reads them (vLLM 0.32): so these methods
+    # never raise into vLLM. A failure is logged here (one line naming this worker and the cause)
+    # and reported through the group's store, where the trainer engine raises it.
 
     def init_transfer_engine(self, info: RealPyInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        self._broken()  # a new trainer, or the same one after a failed update: a new group
         pc = self.parallel_config
         tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
         self.index = pc.data_parallel_index * pc.world_size + get_tensor_model_parallel_rank()
         self.side = f"vLLM worker {self.index} (dp {pc.data_parallel_index}, tp rank " \
                     f"{get_tensor_model_parallel_rank()} of {tp})"
         T, W = int(info.num_trainers), tp * dp
-        rank = T + self.index
-        group = TransferGroup.connect(info.master_address, info.master_port, rank, T + W, info.timeout_s)
+        try:
+            group = TransferGroup.connect(info.master_address, info.master_port, T + self.index, T + W,
+                                          info.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the trainer times out naming this member
+            log.error("real_py: %s: %s", self.side, e)
+            return
+        self.store = group.store
         try:
             self._setup(info, T, W, tp, dp, pc.pipeline_parallel_size)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - refused: every member learns why from the store
+            log.error("real_py: %s refuses the trainer: %s: %s", self.side, type(e).__name__, e)
             publish_ready(group, f"{type(e).__name__}: {e}")
-            raise
+            return
         publish_ready(group, None, extra=self._mode if self.index == 0 else None)
-        wait_ready(group, self.side)
-        self.group = group.build()
-        self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
-        self.realloc = Reallocator(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
-        self.version = -1
+        try:
+            wait_ready(group, self.side)
+            self.group = group.build()
+            self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
+            self.realloc = Reallocator(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
+        except Exception as e:  # noqa: BLE001
+            log.error("real_py: %s: %s", self.side, e)
+            self._broken()
+            return
         log.info("real_py: %s receives %s from %d trainer ranks", self.side,
                  "full tensors (load_weights)" if self.full else "its shard in place", T)
 
@@ -192,37 +209,41 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
     # ------------------------------------------------------------------ updates
 
     def start_weight_update(self) -> None:
-        if self.realloc is None:
-            raise RuntimeError("real_py weight transfer: init_weight_transfer_engine was not called "
-                               "(or the last update failed and the engine must be initialized again)")
+        pass
 
     def receive_weights(self, info: RealPyUpdateInfo) -> None:
-        if self.realloc is None:
-            raise RuntimeError(f"real_py: {self.side}: no transfer engine (init_weight_transfer_engine "
-                               "was not called, or a failed update broke the group: initialize again)")
+        """Receive the whole update into this worker's shard buffer, then write it into the live
+        parameters; on any failure the live weights stay as they were. The outcome goes to the
+        store under stats/<version>/<worker> (an "error" entry on failure)."""
         step = f"update {info.version}"
-        if info.model != self.fingerprint:
-            why = (f"{self.side}: the trainer sends {info.model}, this engine was initialized for "
-                   f"{self.fingerprint}; initialize the engine again for a new model or layout")
-            self.transport.fail(step, why)
-            self._broken()
-            raise ValueError(why)
-        t0 = time.perf_counter()
+        report = {"worker": self.index, "full": getattr(self, "full", None)}
         try:
+            if self.realloc is None:
+                raise RuntimeError("no transfer group (init_weight_transfer_engine failed or was not "
+                                   "called, or an earlier update failed): initialize again")
+            if info.model != self.fingerprint:
+                why = (f"the trainer sends {info.model}, this engine was initialized for "
+                       f"{self.fingerprint}; initialize the engine again for a new model or layout")
+                self.transport.fail(step, why)
+                raise ValueError(why)
+            t0 = time.perf_counter()
             stats = self.realloc.run(None, self.shard)
-        except Exception:
-            self._broken()  # the live weights were not touched: vLLM serves the previous ones
-            raise
-        t1 = time.perf_counter()
-        self._apply()
-        t2 = time.perf_counter()
-        self.version = info.version
-        report = {"worker": self.index, "received_bytes": stats["received_bytes"],
-                  "local_bytes": stats["local_bytes"], "receive_s": t1 - t0, "apply_s": t2 - t1,
-                  "full": self.full}
-        self.group.store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
-        log.info("real_py: %s %s: %d bytes in %.3f s, written and re-processed in %.3f s",
-                 self.side, step, stats["received_bytes"], t1 - t0, t2 - t1)
+            t1 = time.perf_counter()
+            self._apply()
+            report.update(received_bytes=stats["received_bytes"], local_bytes=stats["local_bytes"],
+                          receive_s=t1 - t0, apply_s=time.perf_counter() - t1)
+            log.info("real_py: %s %s: %d bytes in %.3f s, written and re-processed in %.3f s",
+                     self.side, step, stats["received_bytes"], t1 - t0, report["apply_s"])
+        except Exception as e:  # noqa: BLE001 - reported to the trainer, never raised into vLLM
+            report["error"] = f"{self.side}: {type(e).__name__}: {str(e)[:1500]}"
+            log.error("real_py: %s %s failed, the previous weights stay: %s", self.side, step, report["error"])
+            self._broken()
+        store = getattr(self, "store", None)
+        if store is not None:
+            try:
+                store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
+            except Exception as e:  # noqa: BLE001 - the trainer times out reading it, naming us
+                log.error("real_py: %s could not report %s: %s", self.side, step, e)
 
     def finish_weight_update(self) -> None:
         pass
@@ -231,6 +252,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         self.realloc = None
         if self.group is not None:
             self.group.close()
+            self.group = None
 
     # ------------------------------------------------------------------ writing
 
@@ -271,4 +293,3 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
 
     def shutdown(self) -> None:
         self._broken()
-        self.group = None

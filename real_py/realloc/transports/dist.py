@@ -158,9 +158,9 @@ class DistTransport(Transport):
         pending = []
         try:
             if ops:
-                # gloo matches a pair's messages in posting order, whichever way they are posted.
-                got = ([self.group.send([t], peer, 0) if fn is dist.isend else self.group.recv([t], peer, 0)
-                        for fn, t, peer in ops] if self._bare else
+                # gloo matches a pair's messages in posting order, whichever way they are posted;
+                # posted one by one, a failed post names its peer (a dead one fails at once).
+                got = (self._post_each(ops, works, step) if self._bare else
                        dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self.group) for fn, t, peer in ops]))
                 # NCCL coalesces the group into one work; gloo returns one per op.
                 if len(got) == len(ops):
@@ -184,6 +184,15 @@ class DistTransport(Transport):
         except Exception as e:  # posting failed (peer gone): same error path as a failed wait
             raise self._error(step, "posting ops", e) from e
         return _DistHandle(self, pending, step)
+
+    def _post_each(self, ops, works, step: str) -> list:
+        got = []
+        for (fn, t, peer), (what, _) in zip(ops, works):
+            try:
+                got.append(self.group.send([t], peer, 0) if fn is dist.isend else self.group.recv([t], peer, 0))
+            except Exception as e:
+                raise self._error(step, f"posting ({what})", e) from e
+        return got
 
     # ------------------------------------------------------------------ failures
 

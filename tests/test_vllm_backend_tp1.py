@@ -1,0 +1,45 @@
+"""The real_py vLLM backend at vLLM tp=1 (one worker holds everything, vocab padded to 64 rows):
+updates from three trainer layouts equal a fresh vLLM on the exported checkpoint, bit for bit.
+A failure points to real_py/vllm/ or the vLLM storage format at tp=1 (spec/formats.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_cases import export, generate, load_full, perturbed, send, shards_of, start_llm, trainer_engines
+from vllm_cases import write_checkpoint
+
+from real_py import Layout, ModelShard, model_spec
+from real_py.interop import megatron_config, megatron_layout
+
+pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_tp1")
+    cfg = write_checkpoint(root / "init", vocab=500, heads=4, kv_heads=2, tie=True)
+    ref_full = perturbed(load_full(root / "init", cfg), seed=1)
+    export(root / "ref", cfg, ref_full, source=root / "init")
+    llm = start_llm(root / "ref", tp=1)
+    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm)}
+    del llm
+
+
+@pytest.mark.parametrize("name", ["tp2pp2", "fsdp2_dim0_dp4", "megatron_grouped_tp2"])
+def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
+    llm, cfg = world["llm"], world["cfg"]
+    layout = {"tp2pp2": Layout.parse("dp1,tp2,pp2"), "fsdp2_dim0_dp4": Layout(dp=4, dp_shard="dim0"),
+              "megatron_grouped_tp2": megatron_layout(dp=2, tp=2)}[name]
+    tcfg = megatron_config(cfg) if name.startswith("megatron") else cfg
+    shards = {r: ModelShard.from_full(model_spec(tcfg), layout, r, perturbed(world["ref_full"], seed=4))
+              for r in layout.ranks}
+    engines = trainer_engines(llm, tcfg, layout, shards)
+    stats = send(engines)
+    assert generate(llm) != world["ref"]
+    plan = engines[0].plan.summary()
+    assert plan["network_bytes"] == plan["min_network_bytes"] == stats[0]["workers"][0]["received_bytes"]
+    for r, sh in shards_of(tcfg, layout, world["ref_full"]).items():
+        shards[r].flat.copy_(sh.flat)
+    send(engines)
+    assert generate(llm) == world["ref"]

@@ -1,0 +1,129 @@
+"""Shared pieces of the vLLM backend tests: small HF checkpoints, one vLLM engine per module,
+trainer ranks as threads beside it (each with its own transfer-group member), greedy tokens and
+logprobs, and the reference: a fresh vLLM engine started from the exported checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import torch
+
+if os.environ.get("REAL_PY_REQUIRE_VLLM"):  # make test-vllm: a missing vLLM fails, never skips
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test-vllm` runs "
+                        "these tests in .venv-vllm")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec  # noqa: E402
+from real_py.interop.hf import load_hf_shard, save_hf  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5] * 8, [7, 8, 9], [11, 12, 13, 14] * 5]
+"""Token-id prompts; the first is longer than one KV block (prefix-cache test)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_checkpoint(path, *, model_type="qwen2", vocab=500, hidden=128, heads=4, kv_heads=2,
+                     layers=2, tie=False, seed=0) -> ModelConfig:
+    """A random-init transformers checkpoint (fp32, head_dim 32: vLLM's CPU attention takes it)."""
+    import transformers
+
+    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[model_type]
+    cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
+                 max_position_embeddings=256, tie_word_embeddings=tie, torch_dtype="float32")
+    torch.manual_seed(seed)
+    cls[1](cfg).save_pretrained(path)
+    return ModelConfig.from_hf(str(path))
+
+
+def perturbed(full: dict, seed: int, scale: float = 0.05) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in full.items()}
+
+
+def start_llm(path, tp: int):
+    from vllm import LLM
+
+    return LLM(model=str(path), tensor_parallel_size=tp, gpu_memory_utilization=0.15,
+               skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
+               enable_prefix_caching=True, weight_transfer_config={"backend": "real_py"})
+
+
+def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and the logprob of each, per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+
+
+def on_ranks(ranks, work) -> dict:
+    """work(rank) on every trainer rank, each a thread; rank -> result; the lowest failed rank's
+    error is raised after all finished."""
+    out, errors = {}, {}
+
+    def one(r):
+        try:
+            out[r] = work(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[min(errors)]
+    return out
+
+
+def trainer_engines(llm, cfg: ModelConfig, layout: Layout, shards: dict, *, timeout_s=60.0, **kw) -> dict:
+    from real_py.vllm import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource
+
+    port = free_port()
+    workers = llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def init(r):
+        info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port, config=cfg,
+                                     layout=layout, num_workers=workers, timeout_s=timeout_s, **kw)
+        return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shards[r]))
+
+    return on_ranks(range(layout.world), init)
+
+
+def send(engines: dict) -> dict:
+    return on_ranks(sorted(engines), lambda r: engines[r].send_weights())
+
+
+def shards_of(cfg: ModelConfig, layout: Layout, full: dict) -> dict:
+    spec = model_spec(cfg)
+    return {r: ModelShard.from_full(spec, layout, r, full) for r in layout.ranks}
+
+
+def export(path, cfg: ModelConfig, full: dict, source) -> None:
+    save_hf(str(path), cfg, full, source=str(source))
+
+
+def full_of(cfg: ModelConfig, shards: dict) -> dict:
+    return gather_full(model_spec(cfg), list(shards.values()))
+
+
+def load_full(path, cfg: ModelConfig) -> dict:
+    """The checkpoint's tensors under real_py names (one tp1 shard's views, cloned)."""
+    shard = load_hf_shard(str(path), cfg, Layout(), 0)
+    return {k: v.clone() for k, v in shard.params().items()}
