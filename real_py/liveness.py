@@ -233,6 +233,18 @@ def start_heartbeat(store=None, rank: int | None = None):
     return store
 
 
+def stop_heartbeat(store, timeout: float = 5.0) -> None:
+    """Stop the heartbeat beating on `store` (a transfer group closed while the process lives
+    on, as a vLLM worker after its trainer left); nothing if none does."""
+    with _lock:
+        th = _started.pop(id(store), None)
+        hit = [x for x in _running if x[0] is th]
+        _running[:] = [x for x in _running if x[0] is not th]
+    for t, stop in hit:
+        stop.set()
+        t.join(timeout)
+
+
 DONE = b"done"
 """A heartbeat's last value when its process stopped it on purpose (a finished run)."""
 

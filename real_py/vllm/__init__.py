@@ -13,18 +13,20 @@ its shard, from any trainer layout, written into its live parameters.
 | `plugin.py` | `register()`: the `vllm.general_plugins` entry point (both engines) |
 | `trainer.py` | `RealPyTrainerInitInfo`, `RealPyTrainerEngine`, `ShardSource` (trainer side) |
 | `worker.py` | `RealPyWeightTransferEngine` (inside each vLLM worker), the shared plan |
-| `group.py` | the gloo group of trainer ranks and workers on a store of their own |
 | `names.py` | real_py -> vLLM names, which loaders real_py plans, configs as JSON |
+
+The group of trainer ranks and workers on a store of their own is
+`real_py/realloc/transports/store_group.py` (TransferGroup).
 
 Importing this package needs vLLM; it registers the trainer engine (the worker engine comes with
 vLLM's plugin loading). Usage: docs/vllm.md, examples/vllm_offline.py.
 """
 
 from .plugin import register
-from .trainer import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource, reset_prefix_cache
+from .trainer import OfflineClient, RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource, reset_prefix_cache
 from .worker import RealPyInitInfo, RealPyWeightTransferEngine, vllm_plan
 
 register()
 
-__all__ = ["RealPyTrainerEngine", "RealPyTrainerInitInfo", "ShardSource", "RealPyInitInfo",
+__all__ = ["OfflineClient", "RealPyTrainerEngine", "RealPyTrainerInitInfo", "ShardSource", "RealPyInitInfo",
            "RealPyWeightTransferEngine", "register", "reset_prefix_cache", "vllm_plan"]

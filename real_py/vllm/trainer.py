@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
@@ -32,7 +32,7 @@ from ..layout import Layout, shard_layout
 from ..realloc import DistTransport, ModelShard, Reallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
 from ..spec import ModelConfig, model_spec, torch_dtype
-from .group import TransferGroup, publish_ready, wait_ready
+from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
 from .names import config_dict
 from .worker import fingerprint, vllm_plan
 
@@ -113,7 +113,9 @@ class RealPyTrainerInitInfo(TrainerInitInfo):
     and the rank."""
     full_tensors: bool = False
     """Every worker receives the full tensors and loads them with vLLM's load_weights."""
-    extra: dict = field(default_factory=dict, repr=False)
+    transport: str = "gloo"
+    """"gloo" (trainer shards in host memory) or "nccl" (trainer shards on this rank's current
+    CUDA device, workers receive on theirs)."""
 
 
 class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
@@ -137,9 +139,21 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         if shard.model != spec or shard.layout != layout or shard.rank != rank:
             raise ValueError(f"trainer rank {rank}: the source shard is {shard!r}, the init info says "
                              f"{spec.name} on {layout} rank {rank}")
+        if info.transport not in ("gloo", "nccl"):
+            raise ValueError(f"transport={info.transport!r}; allowed: 'gloo', 'nccl'")
+        want = "cuda" if info.transport == "nccl" else "cpu"
+        if shard.flat.device.type != want:
+            raise ValueError(f"trainer rank {rank}: transport={info.transport!r} sends from {want} "
+                             f"shards, this one is on {shard.flat.device}")
         if info.num_workers < 1:
             raise ValueError(f"num_workers={info.num_workers} must be >= 1 (vLLM tp x dp)")
         client = as_client(client)
+        if info.is_sender and not (callable(getattr(client, "reset_prefix_cache", None))
+                                   or getattr(client, "base_url", None)):
+            raise TypeError(f"client {type(client).__name__} can start, update and finish a weight "
+                            "update but not reset vLLM's prefix cache (reset_prefix_cache() or an HTTP "
+                            "base_url), so cached prompts would keep old-weight tokens; give it a "
+                            "reset_prefix_cache method")
         engine = cls(client=client, source=source, is_sender=info.is_sender)
         engine.info, engine.spec, engine.rank = info, spec, rank
         engine.side = f"trainer rank {rank} of {T}"
@@ -150,14 +164,15 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         worker_info = {"master_address": info.master_address, "master_port": info.master_port,
                        "num_trainers": T, "config": config_dict(cfg), "layout": asdict(layout),
                        "num_workers": info.num_workers, "bucket_bytes": info.bucket_bytes,
-                       "timeout_s": info.timeout_s, "full_tensors": info.full_tensors}
+                       "timeout_s": info.timeout_s, "full_tensors": info.full_tensors,
+                       "transport": info.transport}
         # The workers block in init until every member joined: rank 0 asks them on the side.
         with ThreadPoolExecutor(max_workers=1) as pool:
             rpc = pool.submit(client.init_weight_transfer_engine, worker_info) if engine.is_sender else None
             try:
                 publish_ready(group, None)
                 ready = wait_ready(group, engine.side)
-                engine.group = group.build()
+                engine.group = group.build(info.transport)
             except Exception as e:  # the member's own reason, with vLLM's error as the cause
                 cause = rpc.exception(timeout=1.0) if rpc is not None and rpc.done() else None
                 raise e from cause
@@ -251,4 +266,9 @@ def reset_prefix_cache(client) -> None:
                         "the prefix cache cannot be reset after the update")
     import requests
 
-    requests.post(f"{base}/reset_prefix_cache", timeout=getattr(client, "timeout", 300)).raise_for_status()
+    answer = requests.post(f"{base}/reset_prefix_cache", timeout=getattr(client, "timeout", 300))
+    answer.raise_for_status()
+    if answer.headers.get("content-type", "").startswith("application/json") and \
+            answer.json().get("success") is False:  # vLLM answers 200 with success false when busy
+        raise RuntimeError(f"vLLM at {base} refused to reset its prefix cache after the weight update "
+                           "(requests still running?); cached prompts would see old weights")

@@ -36,7 +36,7 @@ from ..layout import Layout
 from ..realloc import DistTransport, ModelShard, Reallocator, plan_realloc
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
 from ..spec import ModelConfig, model_spec, torch_dtype, vllm_config
-from .group import TransferGroup, publish_ready, wait_ready
+from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
 from .names import config_from_dict, unknown_params, vllm_name
 
 log = logging.getLogger("real_py.vllm")
@@ -60,6 +60,9 @@ class RealPyInitInfo(WeightTransferInitInfo):
     full_tensors: bool = False
     """Send every worker the full tensors and load them with vLLM's load_weights (the path
     other trainers take; measured against in bench/bench_vllm_sync.py)."""
+    transport: str = "gloo"
+    """"gloo" (the receive shard in host memory, then copied into the live parameters) or
+    "nccl" (on the worker's GPU; trainer shards on their GPUs)."""
 
 
 @dataclass
@@ -134,7 +137,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         publish_ready(group, None, extra=self._mode if self.index == 0 else None)
         try:
             wait_ready(group, self.side)
-            self.group = group.build()
+            self.group = group.build(info.transport)
             self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
             self.realloc = Reallocator(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
         except Exception as e:  # noqa: BLE001
@@ -184,7 +187,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         self.fingerprint = fingerprint(cfg, src)
         self.plan = vllm_plan(cfg, src, T, tp, dp, self.full)
         self.dst_spec, self.dst = self.plan.dst_model, self.plan.dst
-        self.shard = ModelShard.empty(self.dst_spec, self.dst, T + self.index)
+        device = self.device if info.transport == "nccl" else "cpu"
+        self.shard = ModelShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
 
     def _own_config(self, cfg: ModelConfig) -> ModelConfig:
         """vLLM's model as a real_py ModelConfig (its checkpoint's config.json when vLLM loaded a

@@ -112,6 +112,9 @@ class DistTransport(Transport):
             if sets:
                 raise ValueError("broadcast-mode plans need subgroups, which a group built on its "
                                  "own store cannot make: plan with mode='p2p'")
+            if self.backend == "nccl" and not self._warm:  # as below: every rank's first op
+                device = torch.device("cuda", torch.cuda.current_device())
+                self.group.allreduce([torch.zeros(1, device=device)]).wait()
             self._warm = True
             self._epoch = _EPOCHS[self._prefix, self.rank] = _EPOCHS.get((self._prefix, self.rank), 0) + 1
             return

@@ -1,4 +1,5 @@
-"""The transfer group: trainer ranks and vLLM workers in one gloo group of their own.
+"""A transfer group of programs that each have their own default process group (trainer ranks
+under torchrun and vLLM's workers, say): a gloo or NCCL group on a store of its own.
 
     group = TransferGroup.connect(host, port, rank, world, timeout_s)   # the store only
     publish_ready(group, error_or_None, extra=...)    # this member checked its inputs
@@ -6,10 +7,10 @@
     group = group.build()                             # the gloo backend over all members
 
 Neither side can put the other in its default process group (torchrun made the trainer's, vLLM
-made the workers'), so the members meet through a TCPStore that trainer rank 0 hosts and build a
-gloo backend on it that is registered nowhere (as vLLM's own stateless groups are). Group ranks:
-trainer rank t is t, vLLM worker i (index dp * tp_size + tp_rank) is num_trainers + i.
-DistTransport takes such a group as it is. A member that rejects its inputs (another model, a
+made the workers'), so the members meet through a TCPStore that member 0 hosts and build a
+backend on it that is registered nowhere (as vLLM's own stateless groups are). real_py.vllm
+numbers trainer rank t as t and vLLM worker i (dp * tp_size + tp_rank) as num_trainers + i.
+DistTransport takes such a group as it is (gloo, or NCCL on GPUs). A member that rejects its inputs (another model, a
 dtype, a worker count) says so in the store before the backend is built, so every member fails
 at once with that member's reason instead of waiting for a peer that never joins.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-PREFIX = "real_py/vllm/"
+PREFIX = "real_py/group/"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +37,7 @@ class TransferGroup:
     timeout_s: float
     address: str
     pg: object = None
-    """The gloo backend over all members (ProcessGroupGloo), once built."""
+    """The backend over all members (ProcessGroupGloo or ProcessGroupNCCL), once built."""
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world: int, timeout_s: float) -> "TransferGroup":
@@ -46,18 +47,32 @@ class TransferGroup:
             tcp = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout,
                                 wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - one line naming who waited for what
-            raise RuntimeError(f"real_py vLLM transfer group: member {rank} of {world} could not reach "
+            raise RuntimeError(f"real_py transfer group: member {rank} of {world} could not reach "
                                f"the store at {host}:{port} within {timeout_s:g} s ({type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0][:200]})") from e
         return cls(store=dist.PrefixStore(PREFIX, tcp), rank=rank, world=world, timeout_s=timeout_s,
                    address=f"{host}:{port}")
 
-    def build(self) -> "TransferGroup":
+    def build(self, backend: str = "gloo") -> "TransferGroup":
+        """The backend over all members: "gloo" (CPU shards, any machine) or "nccl" (shards on
+        each member's current CUDA device)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", self.store), self.rank, self.world, timeout)
+        store = dist.PrefixStore("pg", self.store)
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, self.rank, self.world, timeout)
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, self.rank, self.world, options)
+        else:
+            raise ValueError(f"transport={backend!r}; allowed: 'gloo', 'nccl'")
         return replace(self, pg=pg)
 
     def close(self) -> None:
+        """Stop this member's heartbeat on the group's store and shut the backend down."""
+        from ...liveness import stop_heartbeat
+
+        stop_heartbeat(self.store)
         if self.pg is not None:
             try:
                 self.pg.shutdown()
@@ -81,13 +96,27 @@ def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[in
             if r not in got and group.store.check([key]):
                 got[r] = json.loads(group.store.get(key))
                 if got[r]["error"]:
-                    raise RuntimeError(f"real_py vLLM transfer group ({side}): member {r} refused: "
+                    _linger(group)
+                    raise RuntimeError(f"real_py transfer group ({side}): member {r} refused: "
                                        f"{got[r]['error']}")
         if len(got) == group.world:
             return got
         if time.monotonic() > deadline:
             missing = [r for r in range(group.world) if r not in got]
-            raise RuntimeError(f"real_py vLLM transfer group ({side}): members {missing} of "
+            raise RuntimeError(f"real_py transfer group ({side}): members {missing} of "
                                f"{group.world} did not join at {group.address} within "
-                               f"{group.timeout_s:g} s (trainer ranks are 0..k-1, vLLM workers follow)")
+                               f"{group.timeout_s:g} s ")
         time.sleep(poll_s)
+
+
+def _linger(group: TransferGroup, grace_s: float = 10.0) -> None:
+    """A member that read a refusal says so; member 0, whose process hosts the store, waits (a
+    few seconds at most) until every member has read it, so none loses the reason with the store."""
+    try:
+        seen = group.store.add("refusal_seen", 1)
+        deadline = time.monotonic() + min(grace_s, group.timeout_s)
+        while group.rank == 0 and seen < group.world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = group.store.add("refusal_seen", 0)
+    except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
+        pass
