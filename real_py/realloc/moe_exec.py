@@ -87,8 +87,9 @@ class MoeReallocator:
                     readers |= schedule_readers(rs)
                 if part.experts is not None:
                     q = part.plan
-                    segs = [_segments(part, lay, plan.model, full, self.rank) if self.rank in lay.ranks
-                            else None for lay, full in ((q.src, plan.src), (q.dst, plan.dst))]
+                    segs = [_segments(part, lay, spec, full, self.rank) if self.rank in lay.ranks
+                            else None for lay, spec, full in ((q.src, plan.model, plan.src),
+                                                               (q.dst, plan.dst_model, plan.dst))]
                     rs = readdress(rs, *segs)
                 lanes.append(Lane(rs, plan.round_shift(p, rs.num_rounds), part.label,
                                   direct_first=part.experts is None))
@@ -157,7 +158,7 @@ class MoeReallocator:
                 q = part.plan
                 if part.experts is None:  # the dense spec addresses the ModelShards' own buffers
                     s = ModelShard(q.model, q.src, self.rank, src.flat) if src is not None else None
-                    d = ModelShard(q.model, q.dst, self.rank, dst.flat) if dst is not None else None
+                    d = ModelShard(q.dst_model, q.dst, self.rank, dst.flat) if dst is not None else None
                     bufs.append((s.flat if s is not None else None, d.flat if d is not None else None))
                 else:  # expert parts address the ExpertShards (readdress)
                     bufs.append((src_experts.flat if src_experts is not None else None,
@@ -188,12 +189,13 @@ class MoeReallocator:
             return
         if not holds:
             raise ValueError(f"rank {self.rank} is not in the {side} layout {layout} but passed {side} shards")
+        want = self.plan.model if side == "source" else self.plan.dst_model
         for what, x, cls in (("ModelShard", shard, ModelShard), ("ExpertShard", experts, ExpertShard)):
             if not isinstance(x, cls):
                 raise TypeError(f"{side} {what} expected, got {type(x).__name__}")
-            if x.model != self.plan.model or x.layout != layout or x.rank != self.rank:
+            if x.model != want or x.layout != layout or x.rank != self.rank:
                 raise ValueError(f"{side} {what} is for {x.model.name} {x.layout} rank {x.rank}; the "
-                                 f"plan's {side} is {self.plan.model.name} {layout} on this rank {self.rank}")
+                                 f"plan's {side} is {want.name} {layout} on this rank {self.rank}")
             flat = x.flat
             if flat.untyped_storage().nbytes() < (flat.storage_offset() + flat.numel()) * flat.element_size():
                 raise ValueError(f"{side} {what} of rank {self.rank} ({layout}) has no storage behind "

@@ -168,8 +168,11 @@ class MoePlan:
     """The parts of an MoE reallocation (dense part first), their byte totals and the merged
     schedule's rule (part_round_elems, round_shift, transfers)."""
 
-    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, parts: list[MoePart]):
+    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, parts: list[MoePart],
+                 dst_model: ModelSpec | None = None):
         self.model, self.src, self.dst, self.parts = model, src, dst, tuple(parts)
+        self.dst_model: ModelSpec = dst_model or model
+        """The destination side's spec: `model` up to the dense tensors' storage format."""
 
     def summary(self) -> dict:
         keys = ("total_bytes", "network_bytes", "local_bytes", "min_network_bytes", "num_messages")
@@ -273,23 +276,35 @@ def _union(ts: list[Transfers], rounds: np.ndarray, label: str) -> Transfers:
 
 
 def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",
-                     ranks_per_node: int = 0) -> MoePlan:
-    """Exact, byte-minimal plan moving an MoE `model` from `src` to `dst` (module docstring)."""
+                     ranks_per_node: int = 0, dst_model: ModelSpec | None = None) -> MoePlan:
+    """Exact, byte-minimal plan moving an MoE `model` from `src` to `dst` (module docstring).
+    dst_model: the destination's spec, `model` up to the storage format of its dense tensors
+    (vocab padding, fused q|k|v order, replicated kv heads: vLLM's live format); the experts'
+    storage is the same on both sides."""
     require_spec(model)
     require_layout(src, "src")
     require_layout(dst, "dst")
     if not model.num_experts:
         raise ValueError(f"{model.name} has no experts; use plan_realloc")
-    for side, layout in (("src", src), ("dst", dst)):
+    if dst_model is None or dst_model == model:
+        dst_model = model
+    else:
+        require_spec(dst_model, "dst_model")
+        model.check_compatible(dst_model, storage=True)
+        if [p for p in model.params if p.expert >= 0] != [p for p in dst_model.params if p.expert >= 0]:
+            raise ValueError(f"{model.name} -> {dst_model.name}: the expert tensors differ in storage; "
+                             "only dense tensors may change format in an MoE plan")
+    for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
         if layout.dp_shard != "none":
             raise ValueError(f"{side} layout {layout}: dp-sharded MoE layouts are not supported")
         try:
-            check_fits(model, layout)
+            check_fits(spec, layout)
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
     kw = dict(mode=mode, ranks_per_node=ranks_per_node)
     parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(model, src),
-                                           _dense_layout(model, dst), **kw), None)]
+                                           _dense_layout(dst_model, dst), dst_model=dense_spec(dst_model),
+                                           **kw), None)]
     ranges = _expert_ranges(model, src, dst)
     windows = _windows(model, src, dst, ranges)
     if len(windows) > 1 and src.etp == dst.etp == 1:
@@ -306,7 +321,7 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
         plan = plan_realloc(spec, expert_layout(model, src, ranges, (wl, wh)),
                             expert_layout(model, dst, ranges, (wl, wh)), **kw)
         parts.append(MoePart(f"experts of layers [{wl}, {wh})", plan, (0, model.num_experts)))
-    return MoePlan(model, src, dst, parts)
+    return MoePlan(model, src, dst, parts, dst_model=dst_model)
 
 
 def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = "per_expert") -> dict:
