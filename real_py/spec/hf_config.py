@@ -15,7 +15,7 @@ Supported (each covered by a transformers parity test, tests/test_models_hf_cove
 | qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
 | gemma3_text | Gemma3ForCausalLM, Gemma3TextForSequenceClassification | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 (also its Gemma3ForSequenceClassification) refused |
 | gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
-| qwen3_moe | Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification | as qwen3 (no sliding window) plus routed experts: num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
+| qwen3_moe | Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification | as qwen3 (no sliding window) plus routed experts: num_experts (transformers >= 5: num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
 | qwen2_moe | Qwen2MoeForCausalLM, Qwen2MoeForSequenceClassification | qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared expert with its sigmoid gate); no sliding window |
 | mixtral | MixtralForCausalLM, MixtralForSequenceClassification | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
 
@@ -107,7 +107,8 @@ _PER_TYPE["gemma3_text"] = _PER_TYPE["gemma2"] | {"rope_local_base_freq", "slidi
 _MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
                "attention_dropout", "hidden_act", "use_sliding_window", "sliding_window"}
-_PER_TYPE["qwen3_moe"] = _MOE_FIELDS
+# transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (read as num_experts)
+_PER_TYPE["qwen3_moe"] = _MOE_FIELDS | {"num_local_experts"}
 # max_window_layers is read by nothing in transformers' Qwen2MoE without use_sliding_window (refused)
 _PER_TYPE["qwen2_moe"] = _MOE_FIELDS | {"shared_expert_intermediate_size", "qkv_bias", "max_window_layers"}
 _PER_TYPE["mixtral"] = {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
@@ -284,7 +285,11 @@ def _moe_kwargs(config: dict, kw: dict, where: str, mt: str) -> None:
                     "random jitter of the router input in training; need 0")
     else:
         defaults = ((128, 8, 768) if mt == "qwen3_moe" else (60, 4, 1408))
-        kw.update(num_experts=config.get("num_experts", defaults[0]),
+        if "num_local_experts" in config and config.get("num_experts", config["num_local_experts"]) != \
+                config["num_local_experts"]:
+            _refuse(where, "num_local_experts", config["num_local_experts"],
+                    f"disagrees with num_experts={config['num_experts']}")
+        kw.update(num_experts=config.get("num_experts", config.get("num_local_experts", defaults[0])),
                   num_experts_per_tok=config.get("num_experts_per_tok", defaults[1]),
                   moe_intermediate_size=config.get("moe_intermediate_size", defaults[2]),
                   norm_topk_prob=bool(config.get("norm_topk_prob", False)),

@@ -6,12 +6,16 @@ holds of each is the loader's rule, which real_py plans as a storage format (rea
 vllm_config): QKVParallelLinear [q_r; k_r; v_r] (kv heads replicated when tp > num_kv_heads),
 MergedColumnParallelLinear [gate_r; up_r], RowParallelLinear split on the input dim,
 VocabParallelEmbedding / ParallelLMHead rows padded to a multiple of 64 and split evenly, RMSNorm
-replicated. A parameter whose module is of another class, or a vLLM parameter real_py has no name
-for, makes the whole model fall back to full tensors and vLLM's own `load_weights`.
+replicated; Qwen3-MoE's experts as RoutedExperts' stacked w13_weight [E, 2I/tp, H] (gate rows,
+then up) and w2_weight [E, H, I/tp], every expert on every worker (no expert parallelism). A
+parameter whose module is of another class, or a vLLM parameter real_py has no name for, makes
+a dense model fall back to full tensors and vLLM's own `load_weights` (an MoE model is refused:
+vLLM's CPU reload does not re-pack experts).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 
 from ..spec import ModelConfig, ModelSpec
@@ -19,17 +23,33 @@ from ..spec import ModelConfig, ModelSpec
 KNOWN_MODULES = {
     "qkv_proj": "QKVParallelLinear", "o_proj": "RowParallelLinear",
     "gate_up_proj": "MergedColumnParallelLinear", "down_proj": "RowParallelLinear",
-    "embed_tokens": "VocabParallelEmbedding", "lm_head": "ParallelLMHead",
+    "embed_tokens": "VocabParallelEmbedding", "lm_head": "ParallelLMHead", "gate": "GateLinear",
+    "routed_experts": "RoutedExperts",
 }
 """Module (last name part) -> the vLLM class whose loader real_py plans; every other module
 holding a planned parameter must be an RMSNorm (replicated)."""
-KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 """model_type values whose vLLM model keeps real_py's fused names (checked per parameter too)."""
 
 
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+EXPERTS_MODULE = "mlp.experts.routed_experts"
+"""Where vLLM 0.32 keeps a layer's routed experts (under its MoERunner `mlp.experts`)."""
+
+
 def vllm_name(name: str) -> str:
-    """real_py parameter name -> vLLM parameter name (Llama family)."""
+    """real_py parameter name -> vLLM parameter name (Llama family; an expert's tensor -> the
+    layer's stacked tensor, whose index `expert_index` gives)."""
+    m = _EXPERT.match(name)
+    if m:
+        return f"model.layers.{m[1]}.{EXPERTS_MODULE}.{'w13_weight' if m[3] == 'gate_up_proj' else 'w2_weight'}"
     return name if name.startswith("lm_head.") else "model." + name
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index of an expert tensor's real_py name (None for the rest)."""
+    m = _EXPERT.match(name)
+    return int(m[2]) if m else None
 
 
 def unknown_params(spec: ModelSpec, model) -> list[str]:
@@ -37,7 +57,7 @@ def unknown_params(spec: ModelSpec, model) -> list[str]:
     names without a real_py parameter, real_py names without a vLLM parameter, and parameters of
     modules whose class is not the one whose loader real_py plans. Empty: shards go in place."""
     config = spec.config
-    if config is None or config.model_type not in KNOWN_TYPES or config.num_experts:
+    if config is None or config.model_type not in KNOWN_TYPES:
         return [f"<model_type {getattr(config, 'model_type', None)!r}>"]
     live = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -49,6 +69,9 @@ def unknown_params(spec: ModelSpec, model) -> list[str]:
         expect = KNOWN_MODULES.get(name.rsplit(".", 2)[-2])
         if (expect or "RMSNorm") != kind:
             out.append(f"{name} ({kind})")
+        elif kind == "RoutedExperts" and live[name].shape[0] != config.num_experts:
+            out.append(f"{name} (holds {live[name].shape[0]} of {config.num_experts} experts: expert "
+                       "parallelism)")
     return out
 
 

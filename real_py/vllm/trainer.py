@@ -29,7 +29,8 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightTransferUpdateRequest)
 
 from ..layout import Layout, shard_layout
-from ..realloc import DistTransport, ModelShard, Reallocator
+from ..realloc import DistTransport, ExpertShard, ModelShard, Reallocator
+from ..realloc.moe_exec import MoeReallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
 from ..spec import ModelConfig, model_spec, torch_dtype
 from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
@@ -76,12 +77,15 @@ class ShardSource(WeightSource):
     held_names() the parameters of this rank's pipeline stage. The shard is read at every
     send_weights, so a trainer that updates it in place sends its newest weights."""
 
-    def __init__(self, shard: ModelShard):
+    def __init__(self, shard: ModelShard, experts: ExpertShard | None = None):
         if not isinstance(shard, ModelShard):
             raise TypeError(f"ShardSource takes this rank's real_py ModelShard, got {type(shard).__name__}; "
                             "a trainer's own name -> tensor dict becomes one with "
                             "real_py.interop.shard_from_params (after the interop adapters)")
-        self.shard = shard
+        if (experts is not None) != bool(shard.model.num_experts):
+            raise ValueError(f"{shard.model.name}: an MoE model's source is its ModelShard and its "
+                             "ExpertShard (experts=), a dense model's the ModelShard alone")
+        self.shard, self.experts = shard, experts
 
     def metadata(self) -> list[ParamMeta]:
         dtype = torch_dtype(self.shard.model.dtype)
@@ -89,10 +93,13 @@ class ShardSource(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.shard.params().items()
+        if self.experts is not None:
+            yield from self.experts.params().items()
 
     def held_names(self):
         stage = self.shard.layout.coords(self.shard.rank)[2]
-        return [e.param.name for e in shard_layout(self.shard.model, self.shard.layout, stage).entries]
+        held = [e.param.name for e in shard_layout(self.shard.model, self.shard.layout, stage).entries]
+        return held + (list(self.experts.params()) if self.experts is not None else [])
 
 
 @dataclass
@@ -185,7 +192,14 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
                         ", ".join(mode["unknown"]))
         engine.plan = vllm_plan(cfg, layout, T, mode["tp"], mode["dp"], engine.full)
         engine.transport = DistTransport(engine.group.pg, timeout=info.timeout_s, store=engine.group.store)
-        engine.realloc = Reallocator(engine.plan, engine.transport, bucket_bytes=info.bucket_bytes)
+        move = MoeReallocator if spec.num_experts else Reallocator
+        engine.realloc = move(engine.plan, engine.transport, bucket_bytes=info.bucket_bytes)
+        if engine.is_sender:
+            s = engine.plan.summary()
+            log.info("real_py: %s -> vLLM %s: %d bytes over the network (minimum %d, %s), %s",
+                     layout, engine.plan.dst, s["network_bytes"], s["min_network_bytes"],
+                     "met" if s["network_bytes"] == s["min_network_bytes"] else "NOT met",
+                     "full tensors (load_weights)" if engine.full else "each worker its shard in place")
         return engine
 
     def send_weights(self) -> dict:
@@ -241,6 +255,8 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
 
     def _run(self, shard) -> dict:
         try:
+            if self.source.experts is not None:
+                return self.realloc.run(shard, self.source.experts, None, None)
             return self.realloc.run(shard, None)
         except BaseException:
             self.realloc = None

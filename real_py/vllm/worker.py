@@ -33,11 +33,13 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ..layout import Layout
-from ..realloc import DistTransport, ModelShard, Reallocator, plan_realloc
+from ..realloc import (DistTransport, ExpertShard, ModelShard, Reallocator, plan_moe_realloc,
+                       plan_realloc)
+from ..realloc.moe_exec import MoeReallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
 from ..spec import ModelConfig, model_spec, torch_dtype, vllm_config
 from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
-from .names import config_from_dict, unknown_params, vllm_name
+from .names import EXPERTS_MODULE, config_from_dict, unknown_params, vllm_name
 
 log = logging.getLogger("real_py.vllm")
 
@@ -80,8 +82,11 @@ def vllm_plan(config: ModelConfig, src: Layout, num_trainers: int, tp: int, dp: 
     if full:
         dst_cfg = replace(config, qkv_layout="blocked", gate_up_layout="blocked", vocab_pad_multiple=1)
         dst = Layout(dp=tp * dp, ranks=ranks)
-    else:
-        dst_cfg, dst = vllm_config(config, tp), Layout(dp=dp, tp=tp, ranks=ranks)
+    else:  # MoE: every expert on every worker, each split by tp (vLLM without expert parallelism)
+        dst_cfg = vllm_config(config, tp)
+        dst = Layout(dp=dp, tp=tp, etp=tp if config.num_experts else 1, ranks=ranks)
+    if config.num_experts:
+        return plan_moe_realloc(model_spec(config), src, dst, dst_model=model_spec(dst_cfg))
     return plan_realloc(model_spec(config), src, dst, dst_model=model_spec(dst_cfg))
 
 
@@ -139,7 +144,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             wait_ready(group, self.side)
             self.group = group.build(info.transport)
             self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
-            self.realloc = Reallocator(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
+            move = MoeReallocator if self.experts is not None else Reallocator
+            self.realloc = move(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
         except Exception as e:  # noqa: BLE001
             log.error("real_py: %s: %s", self.side, e)
             self._broken()
@@ -165,9 +171,6 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             raise ValueError(f"{self.side}: the trainer sends {cfg.dtype}, vLLM runs {self.model_config.dtype}; "
                              "cast the trainer's shards (reallocation moves raw bytes) or start vLLM "
                              f"with dtype={cfg.dtype}")
-        if cfg.num_experts:
-            raise ValueError(f"{self.side}: {cfg.model_type} has experts; the real_py vLLM backend moves "
-                             "dense models (MoE is not planned into vLLM's fused expert tensors yet)")
         live = model_spec(vllm_config(own, tp))
         dst_spec = model_spec(vllm_config(cfg, tp))
         try:
@@ -176,6 +179,14 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             raise ValueError(f"{self.side}: the trainer's model does not match vLLM's "
                              f"({self.model_config.model}): {e}") from None
         unknown = unknown_params(dst_spec, self.model)
+        if cfg.num_experts and (unknown or info.full_tensors):
+            # vLLM's CPU reload re-packs no experts on a weight update (UnquantizedFusedMoEMethod
+            # skips the kernel's prepack once set up): loading full tensors would serve garbage.
+            raise ValueError(f"{self.side}: {cfg.model_type} has experts and "
+                             + (f"real_py does not know the vLLM loader of {', '.join(unknown[:4])}"
+                                if unknown else "full_tensors=True was asked")
+                             + "; MoE models go in place only (vLLM's own reload does not re-pack "
+                             "experts on its CPU backend)")
         self.full = bool(info.full_tensors or unknown)
         if unknown:
             log.warning("real_py: %s falls back to full tensors and load_weights: real_py does not "
@@ -189,6 +200,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         self.dst_spec, self.dst = self.plan.dst_model, self.plan.dst
         device = self.device if info.transport == "nccl" else "cpu"
         self.shard = ModelShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
+        self.experts = (ExpertShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
+                        if cfg.num_experts else None)
 
     def _own_config(self, cfg: ModelConfig) -> ModelConfig:
         """vLLM's model as a real_py ModelConfig (its checkpoint's config.json when vLLM loaded a
@@ -205,6 +218,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         does not know, never a silent wrong write."""
         live = dict(self.model.named_parameters())
         for p in spec.params:
+            if p.expert >= 0:  # stacked, maybe padded and prepacked by the MoE kernel
+                continue
             t = live[vllm_name(p.name)]
             if t.numel() and tuple(t.shape) != p.local_shape(tp):
                 raise RuntimeError(f"{self.side}: vLLM holds {vllm_name(p.name)} as {tuple(t.shape)}, "
@@ -231,7 +246,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                 self.transport.fail(step, why)
                 raise ValueError(why)
             t0 = time.perf_counter()
-            stats = self.realloc.run(None, self.shard)
+            stats = (self.realloc.run(None, None, self.shard, self.experts) if self.experts is not None
+                     else self.realloc.run(None, self.shard))
             t1 = time.perf_counter()
             self._apply()
             report.update(received_bytes=stats["received_bytes"], local_bytes=stats["local_bytes"],
@@ -268,6 +284,8 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         touched = set()
         with torch.no_grad():
             for p in self.dst_spec.params:
+                if p.expert >= 0:
+                    continue
                 t = self.shard.view(p.name)
                 param = live[vllm_name(p.name)]
                 if tuple(param.shape) == tuple(t.shape):
@@ -281,6 +299,32 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             method = getattr(module, "quant_method", None)
             if method is not None and any(id(v) in touched for v in module._parameters.values()
                                           if v is not None):
+                method.process_weights_after_loading(module)
+        if self.experts is not None:
+            self._apply_experts()
+
+    def _apply_experts(self) -> None:
+        """Each MoE layer's experts stacked into vLLM's w13 [E, 2I/tp, H] / w2 [E, H, I/tp], then
+        the layer processed as at load: on CPU the MoE kernel's own step (pad the intermediate
+        dim, prepack), which vLLM's weight-update path skips once the kernel is set up."""
+        from vllm.platforms import current_platform
+
+        modules = dict(self.model.named_modules())
+        cfg, views = self.dst_spec.config, self.experts.params()
+        for i in range(cfg.num_hidden_layers):
+            if not cfg.is_moe_layer(i):
+                continue
+            module = modules[f"model.layers.{i}.{EXPERTS_MODULE}"]
+            pre = f"layers.{i}.mlp.experts."
+            with torch.no_grad():
+                for attr, part in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+                    stacked = torch.stack([views[f"{pre}{j}.{part}.weight"] for j in range(cfg.num_experts)])
+                    setattr(module, attr, torch.nn.Parameter(stacked.to(self.device), requires_grad=False))
+            method = module.quant_method
+            kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if current_platform.is_cpu() and kernel is not None:
+                kernel.process_weights_after_loading(module)
+            else:
                 method.process_weights_after_loading(module)
 
     def _load_full(self) -> None:
