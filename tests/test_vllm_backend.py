@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vllm_cases import (export, free_port, generate, load_full, on_ranks, perturbed, send, shards_of,
-                        start_llm, trainer_engines, write_checkpoint)
+from vllm_cases import (assert_matches_transformers, export, free_port, generate, load_full, on_ranks,
+                        perturbed, send, shards_of, start_llm, trainer_engines, write_checkpoint)
 
 from real_py import Layout, ModelShard, model_spec
 from real_py.interop import from_megatron_state_dict, megatron_config, megatron_layout, shard_from_params
@@ -32,7 +32,7 @@ def world(tmp_path_factory):
     ref_full = perturbed(load_full(root / "init", cfg), seed=1)
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
-    w = {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm)}
+    w = {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
     yield w
     del llm
 
@@ -66,6 +66,7 @@ def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
     engines = trainer_engines(llm, cfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != ref, "other weights sent, but vLLM still answers as the reference"
+    assert_matches_transformers(generate(llm), world["root"], name, world["cfg"], other, world["root"] / "init")
     # Every byte a worker holds arrived once; the trainers sent exactly the plan's minimum.
     plan = engines[0].plan.summary()
     assert plan["network_bytes"] == plan["min_network_bytes"]
@@ -90,6 +91,8 @@ def test_full_tensor_fallback_loads_through_vllm(world):
     assert generate(llm) == world["ref"]  # init alone changes nothing
     stats = send(engines)
     assert generate(llm) != world["ref"]
+    assert_matches_transformers(generate(llm), world["root"], "full3", cfg, perturbed(world["ref_full"], seed=3),
+                                world["root"] / "init")
     workers = stats[0]["workers"]
     assert all(w["full"] for w in workers)
     full_bytes = model_spec(cfg).numel * 4

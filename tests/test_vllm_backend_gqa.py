@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_cases import export, generate, load_full, perturbed, send, shards_of, start_llm, trainer_engines
-from vllm_cases import write_checkpoint
+from vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
+                        start_llm, trainer_engines, write_checkpoint)
 
 from real_py import Layout
 
@@ -23,7 +23,7 @@ def world(tmp_path_factory):
     ref_full = perturbed(load_full(root / "init", cfg), seed=1)
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
-    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm)}
+    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
     del llm
 
 
@@ -31,10 +31,13 @@ def world(tmp_path_factory):
 def test_update_with_replicated_kv_heads(world, text):
     llm, cfg = world["llm"], world["cfg"]
     layout = Layout.parse(text)
-    shards = shards_of(cfg, layout, perturbed(world["ref_full"], seed=6))
+    other = perturbed(world["ref_full"], seed=6)
+    shards = shards_of(cfg, layout, other)
     engines = trainer_engines(llm, cfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != world["ref"]
+    assert_matches_transformers(generate(llm), world["root"], text.replace(",", "_"), cfg, other,
+                                world["root"] / "init")
     plan = engines[0].plan.summary()
     # Both workers hold the one kv head: each receives its copy once, nothing more.
     assert plan["network_bytes"] == plan["min_network_bytes"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_cases import export, free_port, generate, on_ranks, perturbed, send, start_llm
+from vllm_cases import (assert_matches_transformers, export, free_port, generate, on_ranks, perturbed, send,
+                        start_llm)
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec
 from real_py.interop.hf import load_hf_experts, load_hf_shard
@@ -47,7 +48,7 @@ def world(tmp_path_factory):
     ref_full = perturbed(_full(root / "init", cfg), seed=1)
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
-    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm)}
+    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
     del llm
 
 
@@ -61,7 +62,8 @@ def _sources(cfg, layout, full):
 def test_moe_update_equals_fresh_engine(world, text):
     llm, cfg = world["llm"], world["cfg"]
     layout = Layout.parse(text)
-    src = _sources(cfg, layout, perturbed(world["ref_full"], seed=8))
+    other = perturbed(world["ref_full"], seed=8)
+    src = _sources(cfg, layout, other)
     port, workers = free_port(), llm.llm_engine.vllm_config.parallel_config.world_size
 
     def init(r):
@@ -72,6 +74,8 @@ def test_moe_update_equals_fresh_engine(world, text):
     engines = on_ranks(layout.ranks, init)
     stats = send(engines)
     assert generate(llm) != world["ref"]
+    assert_matches_transformers(generate(llm), world["root"], text.replace(",", "_"), cfg, other,
+                                world["root"] / "init")
     plan = engines[0].plan.summary()
     assert plan["network_bytes"] == plan["min_network_bytes"]
     assert sum(w["received_bytes"] for w in stats[0]["workers"]) == plan["network_bytes"]

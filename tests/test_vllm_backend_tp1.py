@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_cases import export, generate, load_full, perturbed, send, shards_of, start_llm, trainer_engines
-from vllm_cases import write_checkpoint
+from vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
+                        start_llm, trainer_engines, write_checkpoint)
 
 from real_py import Layout, ModelShard, model_spec
 from real_py.interop import megatron_config, megatron_layout
@@ -22,7 +22,7 @@ def world(tmp_path_factory):
     ref_full = perturbed(load_full(root / "init", cfg), seed=1)
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=1)
-    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm)}
+    yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
     del llm
 
 
@@ -32,11 +32,12 @@ def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
     layout = {"tp2pp2": Layout.parse("dp1,tp2,pp2"), "fsdp2_dim0_dp4": Layout(dp=4, dp_shard="dim0"),
               "megatron_grouped_tp2": megatron_layout(dp=2, tp=2)}[name]
     tcfg = megatron_config(cfg) if name.startswith("megatron") else cfg
-    shards = {r: ModelShard.from_full(model_spec(tcfg), layout, r, perturbed(world["ref_full"], seed=4))
-              for r in layout.ranks}
+    other = perturbed(world["ref_full"], seed=4)
+    shards = {r: ModelShard.from_full(model_spec(tcfg), layout, r, other) for r in layout.ranks}
     engines = trainer_engines(llm, tcfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != world["ref"]
+    assert_matches_transformers(generate(llm), world["root"], name, cfg, other, world["root"] / "init")
     plan = engines[0].plan.summary()
     assert plan["network_bytes"] == plan["min_network_bytes"] == stats[0]["workers"][0]["received_bytes"]
     for r, sh in shards_of(tcfg, layout, world["ref_full"]).items():

@@ -92,8 +92,17 @@ def on_ranks(ranks, work) -> dict:
     return out
 
 
+_LIVE: list = []
+"""The last trainer engines made here: shut down when the next ones are made (their groups, heartbeat
+threads and rank 0's store go with them)."""
+
+
 def trainer_engines(llm, cfg: ModelConfig, layout: Layout, shards: dict, *, timeout_s=60.0, **kw) -> dict:
     from real_py.vllm import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource
+
+    for engine in _LIVE:
+        engine.shutdown()
+    _LIVE.clear()
 
     port = free_port()
     workers = llm.llm_engine.vllm_config.parallel_config.world_size
@@ -103,7 +112,9 @@ def trainer_engines(llm, cfg: ModelConfig, layout: Layout, shards: dict, *, time
                                      layout=layout, num_workers=workers, timeout_s=timeout_s, **kw)
         return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shards[r]))
 
-    return on_ranks(range(layout.world), init)
+    engines = on_ranks(range(layout.world), init)
+    _LIVE.extend(engines.values())
+    return engines
 
 
 def send(engines: dict) -> dict:
@@ -127,3 +138,33 @@ def load_full(path, cfg: ModelConfig) -> dict:
     """The checkpoint's tensors under real_py names (one tp1 shard's views, cloned)."""
     shard = load_hf_shard(str(path), cfg, Layout(), 0)
     return {k: v.clone() for k, v in shard.params().items()}
+
+
+def hf_greedy(path, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    """The independent reference: transformers' own forward on a checkpoint, greedy token by token."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids, toks, lps = list(p), [], []
+            for _ in range(max_tokens):
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+                t = int(lp.argmax())
+                toks.append(t)
+                lps.append(float(lp[t]))
+                ids.append(t)
+            out.append((toks, lps))
+    return out
+
+
+def assert_matches_transformers(got, root, name: str, cfg: ModelConfig, full: dict, source, tol=1e-4):
+    """vLLM's answer after an update against transformers on the same weights exported as an HF
+    checkpoint: the same greedy tokens, logprobs within `tol` (fp32). Catches any parameter the
+    backend does not write (its old value would change the answer far beyond tol)."""
+    export(root / name, cfg, full, source)
+    ref = hf_greedy(root / name)
+    for (gt, gl), (rt, rl) in zip(got, ref):
+        assert gt == rt, f"{name}: vLLM tokens {gt} != transformers {rt}"
+        assert max(abs(a - b) for a, b in zip(gl, rl)) <= tol, f"{name}: logprobs {gl} vs {rl}"

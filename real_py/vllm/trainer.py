@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -33,9 +34,9 @@ from ..realloc import DistTransport, ExpertShard, ModelShard, Reallocator
 from ..realloc.moe_exec import MoeReallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
 from ..spec import ModelConfig, model_spec, torch_dtype
-from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
+from ..realloc.transports.store_group import TransferGroup, publish_ready, refuse, wait_ready
 from .names import config_dict
-from .worker import fingerprint, vllm_plan
+from .worker import fingerprint, trainers_disagree, vllm_plan
 
 log = logging.getLogger("real_py.vllm")
 
@@ -141,50 +142,66 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         if tuple(layout.ranks) != tuple(range(T)):
             raise ValueError(f"trainer layout {layout}: the real_py backend numbers trainer ranks 0..n-1; "
                              f"got ranks {list(layout.ranks)[:8]}")
-        spec = model_spec(cfg)
-        shard = source.shard
-        if shard.model != spec or shard.layout != layout or shard.rank != rank:
-            raise ValueError(f"trainer rank {rank}: the source shard is {shard!r}, the init info says "
-                             f"{spec.name} on {layout} rank {rank}")
         if info.transport not in ("gloo", "nccl"):
             raise ValueError(f"transport={info.transport!r}; allowed: 'gloo', 'nccl'")
-        want = "cuda" if info.transport == "nccl" else "cpu"
-        if shard.flat.device.type != want:
-            raise ValueError(f"trainer rank {rank}: transport={info.transport!r} sends from {want} "
-                             f"shards, this one is on {shard.flat.device}")
         if info.num_workers < 1:
             raise ValueError(f"num_workers={info.num_workers} must be >= 1 (vLLM tp x dp)")
         client = as_client(client)
-        if info.is_sender and not (callable(getattr(client, "reset_prefix_cache", None))
-                                   or getattr(client, "base_url", None)):
-            raise TypeError(f"client {type(client).__name__} can start, update and finish a weight "
-                            "update but not reset vLLM's prefix cache (reset_prefix_cache() or an HTTP "
-                            "base_url), so cached prompts would keep old-weight tokens; give it a "
-                            "reset_prefix_cache method")
         engine = cls(client=client, source=source, is_sender=info.is_sender)
-        engine.info, engine.spec, engine.rank = info, spec, rank
+        engine.info, engine.rank = info, rank
         engine.side = f"trainer rank {rank} of {T}"
-        engine.fingerprint = fingerprint(cfg, layout)
         engine.version = 0
-        world = T + info.num_workers
-        group = TransferGroup.connect(info.master_address, info.master_port, rank, world, info.timeout_s)
+        group = TransferGroup.connect(info.master_address, info.master_port, rank, T + info.num_workers,
+                                      info.timeout_s)
+        # From here a refusal is published, so every member fails with it at once.
+        try:
+            engine.spec = spec = model_spec(cfg)
+            engine.fingerprint = fingerprint(cfg, layout)
+            shard = source.shard
+            if shard.model != spec or shard.layout != layout or shard.rank != rank:
+                raise ValueError(f"trainer rank {rank}: the source shard is {shard!r}, the init info says "
+                                 f"{spec.name} on {layout} rank {rank}")
+            want = "cuda" if info.transport == "nccl" else "cpu"
+            if shard.flat.device.type != want:
+                raise ValueError(f"trainer rank {rank}: transport={info.transport!r} sends from {want} "
+                                 f"shards, this one is on {shard.flat.device}")
+            if info.is_sender and not (callable(getattr(client, "reset_prefix_cache", None))
+                                       or getattr(client, "base_url", None)):
+                raise TypeError(f"client {type(client).__name__} can start, update and finish a weight "
+                                "update but not reset vLLM's prefix cache (reset_prefix_cache() or an "
+                                "HTTP base_url), so cached prompts would keep old-weight tokens; give it "
+                                "a reset_prefix_cache method")
+        except Exception as e:
+            publish_ready(group, f"{type(e).__name__}: {e}")
+            raise
         worker_info = {"master_address": info.master_address, "master_port": info.master_port,
                        "num_trainers": T, "config": config_dict(cfg), "layout": asdict(layout),
                        "num_workers": info.num_workers, "bucket_bytes": info.bucket_bytes,
                        "timeout_s": info.timeout_s, "full_tensors": info.full_tensors,
                        "transport": info.transport}
-        # The workers block in init until every member joined: rank 0 asks them on the side.
+        settings = [engine.fingerprint, info.num_workers, info.bucket_bytes, info.timeout_s,
+                    info.full_tensors, info.transport]
+        # The workers block in init until every member joined: rank 0 asks them on the side, and
+        # a failed call (no weight_transfer_config, a server without dev mode) fails every member.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            rpc = pool.submit(client.init_weight_transfer_engine, worker_info) if engine.is_sender else None
+            rpc = None
+            if engine.is_sender:
+                rpc = pool.submit(client.init_weight_transfer_engine, worker_info)
+                rpc.add_done_callback(lambda f: f.exception() is not None and refuse(
+                    group, "vLLM's init_weight_transfer_engine call (trainer rank 0)",
+                    f"{type(f.exception()).__name__}: {str(f.exception())[:600]}"))
             try:
-                publish_ready(group, None)
+                publish_ready(group, None, extra={"settings": settings})
                 ready = wait_ready(group, engine.side)
+                disagree = trainers_disagree(ready, T)
+                if disagree:
+                    raise RuntimeError(f"real_py transfer group ({engine.side}): {disagree}")
                 engine.group = group.build(info.transport)
             except Exception as e:  # the member's own reason, with vLLM's error as the cause
                 cause = rpc.exception(timeout=1.0) if rpc is not None and rpc.done() else None
                 raise e from cause
             if rpc is not None:
-                rpc.result()
+                rpc.result(timeout=info.timeout_s)
         mode = ready[T]["extra"]
         engine.full = mode["full"]
         if mode["unknown"]:
@@ -204,44 +221,96 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
 
     def send_weights(self) -> dict:
         """Push this rank's shard to the vLLM workers; on rank 0 also drive vLLM's update (start,
-        update while the ranks send, finish, prefix-cache reset). Returns this rank's stats
-        (seconds, bytes sent, staging bytes; rank 0: every worker's receive and apply seconds)."""
+        update while the ranks send, finish, prefix-cache reset). Every rank returns once rank 0
+        has heard every worker, with the same outcome: its stats (seconds, bytes sent, staging
+        bytes; rank 0: every worker's receive and apply seconds), or the same error on every rank
+        (vLLM then serves the previous weights on every worker, unless the error says a worker's
+        weights are partly written)."""
         if self.realloc is None:
             raise RuntimeError(f"real_py: {self.side}: an earlier update failed and broke the transfer "
                                "group; call trainer_init again (a new master_port) before sending")
         self.version += 1
-        shard = self.source.shard
+        step = f"update {self.version}"
         if not self.is_sender:
-            return self._run(shard)
+            try:
+                stats = self._run(self.source.shard)
+            finally:
+                verdict = self._read_verdict()
+            if verdict != "ok":
+                self._break()
+                raise RuntimeError(verdict)
+            return stats
+        try:
+            stats = self._drive(step)
+        except BaseException as e:
+            self._verdict(f"real_py: {step} failed (reported by trainer rank 0): {type(e).__name__}: {e}")
+            self._break()
+            raise
+        self._verdict("ok")
+        return stats
+
+    def _drive(self, step: str) -> dict:
+        """Rank 0: vLLM's start / update / finish around this rank's own move; the workers' reports."""
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         rpc = pool.submit(self.client.update_weights, {"version": self.version, "model": self.fingerprint})
+
+        def told(f):  # vLLM's call failed: every rank's waits end now, naming it, not at the timeout
+            if f.exception() is not None:
+                self.transport.fail(step, f"vLLM's update_weights call failed: {type(f.exception()).__name__}: "
+                                          f"{str(f.exception())[:600]}", who="vLLM client (trainer rank 0)")
+
+        rpc.add_done_callback(told)
+        error = None
         try:
-            stats = self._run(shard)
-        except BaseException:
-            # The workers learn of this rank's failure through the group's store and give up their
-            # receive, keeping the previous weights: let their call end, close vLLM's update
-            # session, then raise this rank's error.
-            try:
-                rpc.result(timeout=self.info.timeout_s)
-                self.client.finish_weight_update()
-            except Exception:  # noqa: BLE001 - this rank's own error is the one raised
-                pass
-            raise
+            stats = self._run(self.source.shard)
+        except BaseException as e:  # noqa: BLE001 - raised below, after vLLM's call ended
+            error = e
+        # The workers end their call either way (done, or told of a failure through the store):
+        # wait for it, bounded, then close vLLM's update session (else its next start refuses).
+        try:
+            rpc.result(timeout=self.info.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            error = error or e
         finally:
             pool.shutdown(wait=False)
-        rpc.result()
+        if rpc.done():
+            try:
+                self.client.finish_weight_update()
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise error
         stats["workers"] = self._worker_reports()
-        self.client.finish_weight_update()
         failed = [w["error"] for w in stats["workers"] if "error" in w]
         if failed:
-            self.realloc = None
-            self.group.close()
-            raise RuntimeError(f"real_py: update {self.version} failed on {len(failed)} vLLM worker(s), "
-                               f"which keep the previous weights: {failed[0]}"
-                               + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+            partly = [w["worker"] for w in stats["workers"] if w.get("partly_written")]
+            raise RuntimeError(f"real_py: {step} failed on {len(failed)} vLLM worker(s): {failed[0]}"
+                               + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+                               + (f"; workers {partly} have partly written weights: send a complete update "
+                                  "before generating" if partly else "; every worker keeps the previous "
+                                  "weights"))
         reset_prefix_cache(self.client)
         return stats
+
+    def _verdict(self, text: str) -> None:
+        try:
+            self.group.store.set(f"verdict/{self.version}", text)
+        except Exception:  # noqa: BLE001 - the other ranks then time out waiting, naming rank 0
+            pass
+
+    def _read_verdict(self) -> str:
+        """Rank 0's outcome of this update (waited for, bounded)."""
+        key, deadline = f"verdict/{self.version}", time.monotonic() + self.info.timeout_s
+        try:
+            while not self.group.store.check([key]):
+                if time.monotonic() > deadline:
+                    return (f"real_py: {self.side}: no outcome of update {self.version} from trainer "
+                            f"rank 0 within {self.info.timeout_s:g} s (rank 0 gone or stuck)")
+                time.sleep(0.02)
+            return self.group.store.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - the store went with rank 0
+            return f"real_py: {self.side}: lost trainer rank 0's store reading update {self.version}'s outcome: {e}"
 
     def _worker_reports(self) -> list[dict]:
         """Each worker's outcome of this update (written before its call returned)."""
@@ -254,17 +323,20 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         return [json.loads(self.group.store.get(k)) for k in keys]
 
     def _run(self, shard) -> dict:
-        try:
-            if self.source.experts is not None:
-                return self.realloc.run(shard, self.source.experts, None, None)
-            return self.realloc.run(shard, None)
-        except BaseException:
-            self.realloc = None
-            self.group.close()
-            raise
+        if self.source.experts is not None:
+            return self.realloc.run(shard, self.source.experts, None, None)
+        return self.realloc.run(shard, None)
+
+    def _break(self) -> None:
+        self.realloc = None
+        self.group.close()
 
     def shutdown(self) -> None:
-        self.group.close()
+        """Close the transfer group (rank 0: its store goes with the last reference)."""
+        self.realloc = self.transport = None
+        if self.group is not None:
+            self.group.close()
+        self.group = None
 
 
 def reset_prefix_cache(client) -> None:

@@ -90,6 +90,19 @@ def vllm_plan(config: ModelConfig, src: Layout, num_trainers: int, tp: int, dp: 
     return plan_realloc(model_spec(config), src, dst, dst_model=model_spec(dst_cfg))
 
 
+def trainers_disagree(ready: dict, num_trainers: int) -> str:
+    """Which trainer rank's settings (model, layout, worker count, bucket, timeout, path,
+    transport) differ from rank 0's, from the readiness records: "" when none. Every member
+    reads the same records, so all of them refuse together."""
+    first = ready[0]["extra"]["settings"]
+    for r in range(1, num_trainers):
+        if ready[r]["extra"]["settings"] != first:
+            return (f"trainer rank {r} was initialized with {ready[r]['extra']['settings']}, rank 0 with "
+                    f"{first} (fingerprint, num_workers, bucket_bytes, timeout_s, full_tensors, "
+                    "transport must agree)")
+    return ""
+
+
 def fingerprint(config: ModelConfig, layout: Layout) -> str:
     """Names, shapes, dtype and storage of the trainer's model and its layout, as one short
     string that every process computes alike (no salted hash())."""
@@ -126,6 +139,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         self.side = f"vLLM worker {self.index} (dp {pc.data_parallel_index}, tp rank " \
                     f"{get_tensor_model_parallel_rank()} of {tp})"
         T, W = int(info.num_trainers), tp * dp
+        self.num_workers, self.timeout_s = W, float(info.timeout_s)
         try:
             group = TransferGroup.connect(info.master_address, info.master_port, T + self.index, T + W,
                                           info.timeout_s)
@@ -141,7 +155,9 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             return
         publish_ready(group, None, extra=self._mode if self.index == 0 else None)
         try:
-            wait_ready(group, self.side)
+            disagree = trainers_disagree(wait_ready(group, self.side), T)
+            if disagree:
+                raise RuntimeError(disagree)
             self.group = group.build(info.transport)
             self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
             move = MoeReallocator if self.experts is not None else Reallocator
@@ -157,6 +173,9 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         if pp != 1:
             raise ValueError(f"{self.side}: vLLM pipeline_parallel_size={pp}; the real_py backend "
                              "writes tensor- and data-parallel workers (pipeline_parallel_size=1)")
+        if info.transport not in ("gloo", "nccl") or (info.transport == "nccl" and self.device.type != "cuda"):
+            raise ValueError(f"{self.side}: transport={info.transport!r} on a worker on {self.device}; "
+                             "allowed: 'gloo', or 'nccl' with vLLM on GPUs")
         if info.num_workers != W:
             raise ValueError(f"{self.side}: the trainer expects {info.num_workers} vLLM workers, this "
                              f"engine has {W} (tensor_parallel_size={tp} x data_parallel_size={dp})")
@@ -216,14 +235,19 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         """Every live vLLM tensor that still has its loaded shape (on CPU the linear weights are
         prepacked and emptied) has the shape the plan writes; a mismatch is a format real_py
         does not know, never a silent wrong write."""
-        live = dict(self.model.named_parameters())
+        live, modules = dict(self.model.named_parameters()), dict(self.model.named_modules())
         for p in spec.params:
             if p.expert >= 0:  # stacked, maybe padded and prepacked by the MoE kernel
                 continue
-            t = live[vllm_name(p.name)]
-            if t.numel() and tuple(t.shape) != p.local_shape(tp):
-                raise RuntimeError(f"{self.side}: vLLM holds {vllm_name(p.name)} as {tuple(t.shape)}, "
-                                   f"real_py planned {p.local_shape(tp)} for tp={tp}")
+            name = vllm_name(p.name)
+            shape = tuple(live[name].shape)
+            owner = modules[name.rsplit(".", 1)[0]]
+            if not live[name].numel() and name.endswith(".weight") and hasattr(owner, "input_size_per_partition"):
+                shape = (owner.output_size_per_partition, owner.input_size_per_partition)  # prepacked
+            if live[name].numel() or len(shape) == 2:
+                if shape != p.local_shape(tp):
+                    raise RuntimeError(f"{self.side}: vLLM holds {name} as {shape}, real_py planned "
+                                       f"{p.local_shape(tp)} for tp={tp}")
 
     # ------------------------------------------------------------------ updates
 
@@ -231,11 +255,14 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         pass
 
     def receive_weights(self, info: RealPyUpdateInfo) -> None:
-        """Receive the whole update into this worker's shard buffer, then write it into the live
-        parameters; on any failure the live weights stay as they were. The outcome goes to the
-        store under stats/<version>/<worker> (an "error" entry on failure)."""
+        """Receive the whole update into this worker's shard buffer; write it into the live
+        parameters only once every worker has received all of its own (a worker that writes while
+        a peer failed would serve tensor-parallel halves of two models). On any failure before the
+        write every worker keeps the previous weights. The outcome goes to the store under
+        stats/<version>/<worker> ("error" on failure; "partly_written" if the write itself failed)."""
         step = f"update {info.version}"
         report = {"worker": self.index, "full": getattr(self, "full", None)}
+        received = False
         try:
             if self.realloc is None:
                 raise RuntimeError("no transfer group (init_weight_transfer_engine failed or was not "
@@ -246,9 +273,18 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                 self.transport.fail(step, why)
                 raise ValueError(why)
             t0 = time.perf_counter()
-            stats = (self.realloc.run(None, None, self.shard, self.experts) if self.experts is not None
-                     else self.realloc.run(None, self.shard))
+            try:
+                stats = (self.realloc.run(None, None, self.shard, self.experts) if self.experts is not None
+                         else self.realloc.run(None, self.shard))
+            except BaseException as e:
+                self.store.set(f"recv/{info.version}/{self.index}", f"{type(e).__name__}: {e}"[:1500])
+                raise
+            self.store.set(f"recv/{info.version}/{self.index}", "ok")
+            peers = self._all_received(info.version)
+            if peers:
+                raise RuntimeError(f"not written: {peers}")
             t1 = time.perf_counter()
+            received = True
             self._apply()
             report.update(received_bytes=stats["received_bytes"], local_bytes=stats["local_bytes"],
                           receive_s=t1 - t0, apply_s=time.perf_counter() - t1)
@@ -256,20 +292,38 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                      self.side, step, stats["received_bytes"], t1 - t0, report["apply_s"])
         except Exception as e:  # noqa: BLE001 - reported to the trainer, never raised into vLLM
             report["error"] = f"{self.side}: {type(e).__name__}: {str(e)[:1500]}"
-            log.error("real_py: %s %s failed, the previous weights stay: %s", self.side, step, report["error"])
+            report["partly_written"] = received
+            log.error("real_py: %s %s failed, %s: %s", self.side, step,
+                      "its weights are partly written" if received else "the previous weights stay",
+                      report["error"])
             self._broken()
-        store = getattr(self, "store", None)
-        if store is not None:
+        if self.store is not None:
             try:
-                store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
+                self.store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
             except Exception as e:  # noqa: BLE001 - the trainer times out reading it, naming us
                 log.error("real_py: %s could not report %s: %s", self.side, step, e)
+
+    def _all_received(self, version: int) -> str:
+        """Wait (bounded) until every worker said how its receive went; "" when all did fine,
+        else which ones failed or did not answer."""
+        keys = [f"recv/{version}/{i}" for i in range(self.num_workers)]
+        deadline = time.monotonic() + self.timeout_s
+        while not all(self.store.check([k]) for k in keys):
+            if time.monotonic() > deadline:
+                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+                return f"vLLM workers {missing} did not finish receiving within {self.timeout_s:g} s"
+            time.sleep(0.01)
+        bad = [(i, self.store.get(k).decode()) for i, k in enumerate(keys)]
+        bad = [(i, why) for i, why in bad if why != "ok"]
+        return "; ".join(f"vLLM worker {i} failed to receive ({why[:300]})" for i, why in bad)
 
     def finish_weight_update(self) -> None:
         pass
 
     def _broken(self) -> None:
-        self.realloc = None
+        """Drop the transfer group and what the move held (the receive shard: a model copy)."""
+        self.realloc = self.transport = self.plan = None
+        self.shard = self.experts = None
         if self.group is not None:
             self.group.close()
             self.group = None

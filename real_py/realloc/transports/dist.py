@@ -96,7 +96,10 @@ class DistTransport(Transport):
         # Reports are filed per setup epoch: a report written by a rank that failed before a
         # peer's setup is still read by that peer (same epoch), and a later reallocation on the
         # group never reads an earlier one's reports (next epoch).
-        self._epoch = _EPOCHS.get((self._prefix, self.rank), 0)
+        # A bare group is built anew for each pairing (its own store): count its setups alone,
+        # so a long-lived process (a vLLM worker) and a restarted peer agree on the first one.
+        self._epoch_key = (self._prefix, self.rank) + ((id(group),) if self._bare else ())
+        self._epoch = _EPOCHS.get(self._epoch_key, 0)
         self._warm = False
 
     # ------------------------------------------------------------------ setup
@@ -116,7 +119,7 @@ class DistTransport(Transport):
                 device = torch.device("cuda", torch.cuda.current_device())
                 self.group.allreduce([torch.zeros(1, device=device)]).wait()
             self._warm = True
-            self._epoch = _EPOCHS[self._prefix, self.rank] = _EPOCHS.get((self._prefix, self.rank), 0) + 1
+            self._epoch = _EPOCHS[self._epoch_key] = _EPOCHS.get(self._epoch_key, 0) + 1
             return
         whole = self.world == dist.get_world_size()
         for s in sets:
@@ -134,7 +137,7 @@ class DistTransport(Transport):
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
                             group=self.group)
         self._warm = True
-        self._epoch = _EPOCHS[self._prefix, self.rank] = _EPOCHS.get((self._prefix, self.rank), 0) + 1
+        self._epoch = _EPOCHS[self._epoch_key] = _EPOCHS.get(self._epoch_key, 0) + 1
 
     # ------------------------------------------------------------------ rounds
 
@@ -199,8 +202,10 @@ class DistTransport(Transport):
 
     # ------------------------------------------------------------------ failures
 
-    def fail(self, step: str, why: str) -> None:
-        line = f"rank {self.rank} in {step}: {why}"
+    def fail(self, step: str, why: str, who: str | None = None) -> None:
+        """who: the failing party when it is not this rank (a controller this rank drives): the
+        line then reaches this rank's own waits too."""
+        line = f"{who or f'rank {self.rank}'} in {step}: {why}"
         if self.store is None:
             return
         try:

@@ -83,6 +83,14 @@ class TransferGroup:
 def publish_ready(group: TransferGroup, error: str | None, extra: dict | None = None) -> None:
     """Tell the members this one checked its inputs (error: why it cannot take part)."""
     group.store.set(f"ready/{group.rank}", json.dumps({"error": error, "extra": extra}))
+    if error:  # it has read its own refusal (member 0 lingers until every member has)
+        group.store.add("refusal_seen", 1)
+
+
+def refuse(group: TransferGroup, who: str, why: str) -> None:
+    """Fail the join for every member on behalf of a party that is not a member (the call that
+    asks vLLM's workers to join, say)."""
+    group.store.set("refused", json.dumps({"who": who, "why": why}))
 
 
 def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[int, dict]:
@@ -92,6 +100,10 @@ def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[in
     keys = [f"ready/{r}" for r in range(group.world)]
     got: dict[int, dict] = {}
     while True:
+        if group.store.check(["refused"]):
+            other = json.loads(group.store.get("refused"))
+            _linger(group)
+            raise RuntimeError(f"real_py transfer group ({side}): {other['who']} failed: {other['why']}")
         for r, key in enumerate(keys):
             if r not in got and group.store.check([key]):
                 got[r] = json.loads(group.store.get(key))
