@@ -44,3 +44,21 @@ def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
         shards[r].flat.copy_(sh.flat)
     send(engines)
     assert generate(llm) == world["ref"]
+
+
+def test_full_tensor_fallback_repacks_a_tied_lm_head(world):
+    """The full-tensor path on a tied model: vLLM's layerwise reload leaves the tied lm_head's
+    packed CPU copy of the old embedding; the backend re-packs it, so the answer equals
+    transformers on the new weights."""
+    llm, cfg = world["llm"], world["cfg"]
+    layout = Layout.parse("dp1,tp2,pp2")
+    other = perturbed(world["ref_full"], seed=12)
+    shards = shards_of(cfg, layout, other)
+    engines = trainer_engines(llm, cfg, layout, shards, full_tensors=True)
+    stats = send(engines)
+    assert all(w["full"] for w in stats[0]["workers"])
+    assert_matches_transformers(generate(llm), world["root"], "full_tied", cfg, other, world["root"] / "init")
+    for r, sh in shards_of(cfg, layout, world["ref_full"]).items():
+        shards[r].flat.copy_(sh.flat)
+    send(engines)
+    assert generate(llm) == world["ref"]

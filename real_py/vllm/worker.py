@@ -348,11 +348,14 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                     param.data = t.clone()
                 touched.add(id(param))
         # Re-run what vLLM runs after loading on every module holding a written parameter (a
-        # tied lm_head holds the embedding's: its packed copy is rebuilt too).
+        # tied lm_head holds the embedding's: its packed copy is rebuilt too). Not on the input
+        # embedding: its lookup reads the weight itself, and the GEMM copy vLLM's CPU backend packs
+        # for it at load is never used (a tied lm_head packs its own): a third of the re-processing
+        # of a 0.5B model (bench/results/vllm_sync_cpu2_*).
         for module in self.model.modules():
             method = getattr(module, "quant_method", None)
-            if method is not None and any(id(v) in touched for v in module._parameters.values()
-                                          if v is not None):
+            if (method is not None and type(module).__name__ != "VocabParallelEmbedding"
+                    and any(id(v) in touched for v in module._parameters.values() if v is not None)):
                 method.process_weights_after_loading(module)
         if self.experts is not None:
             self._apply_experts()
@@ -392,6 +395,13 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         initialize_layerwise_reload(self.model)
         self.model.load_weights(hf.items())
         finalize_layerwise_reload(self.model, self.model_config)
+        # A tied lm_head has no checkpoint tensor of its own: the layerwise reload restores it
+        # unprocessed, and on CPU it would go on computing from the packed copy of the old
+        # embedding (measured: logprobs 0.37 off transformers). Re-pack it from the new weight.
+        if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
+            for module in self.model.modules():
+                if type(module).__name__ == "ParallelLMHead":
+                    module.quant_method.process_weights_after_loading(module)
 
     def shutdown(self) -> None:
         self._broken()
