@@ -335,7 +335,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             self._load_full()
             return
         live = dict(self.model.named_parameters())
-        touched = set()
+        touched, lent = set(), []
         with torch.no_grad():
             for p in self.dst_spec.params:
                 if p.expert >= 0:
@@ -344,8 +344,9 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                 param = live[vllm_name(p.name)]
                 if tuple(param.shape) == tuple(t.shape):
                     param.data.copy_(t)
-                else:  # prepacked on CPU (an empty tensor): give the layer its weight back
-                    param.data = t.clone()
+                else:  # prepacked on CPU (an empty tensor): lend the layer the received weight,
+                    param.data = t  # which its re-processing packs into a copy of its own
+                    lent.append(param)
                 touched.add(id(param))
         # Re-run what vLLM runs after loading on every module holding a written parameter (a
         # tied lm_head holds the embedding's: its packed copy is rebuilt too). Not on the input
@@ -357,6 +358,12 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             if (method is not None and type(module).__name__ != "VocabParallelEmbedding"
                     and any(id(v) in touched for v in module._parameters.values() if v is not None)):
                 method.process_weights_after_loading(module)
+        # A layer that kept its weight (no prepack on this platform) must not keep the receive
+        # buffer, which the next update overwrites before all workers agreed to write.
+        buffer = self.shard.flat.untyped_storage().data_ptr()
+        for param in lent:
+            if param.numel() and param.untyped_storage().data_ptr() == buffer:
+                param.data = param.data.clone()
         if self.experts is not None:
             self._apply_experts()
 
