@@ -23,7 +23,8 @@ from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec  # 
 from real_py.interop.hf import load_hf_shard, save_hf  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5] * 8, [7, 8, 9], [11, 12, 13, 14] * 5]
-"""Token-id prompts; the first is longer than one KV block (prefix-cache test)."""
+"""Token-id prompts; the first is longer than one KV block of 32 tokens (start_llm's block_size: the
+CPU default, 128, would leave a 40-token prompt uncached and the prefix-cache test empty)."""
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ def start_llm(path, tp: int):
 
     return LLM(model=str(path), tensor_parallel_size=tp, gpu_memory_utilization=0.15,
                skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-               enable_prefix_caching=True, weight_transfer_config={"backend": "real_py"})
+               enable_prefix_caching=True, block_size=32, weight_transfer_config={"backend": "real_py"})
 
 
 def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
