@@ -285,8 +285,9 @@ def _apply_breakdown(worker) -> dict:
     for p in eng.dst_spec.params:
         if getattr(p, "expert", -1) >= 0:  # dense models only here
             continue
-        param, mib = live[vllm_name(p.name)], p.numel * eng.shard.flat.element_size() / 2**20
-        out["copied_MiB" if tuple(param.shape) == tuple(p.local_shape(eng.dst.tp)) else "emptied_MiB"] += mib
+        local, param = eng.shard.view(p.name), live[vllm_name(p.name)]  # this worker's piece
+        key = "copied_MiB" if tuple(param.shape) == tuple(local.shape) else "emptied_MiB"
+        out[key] += local.numel() * local.element_size() / 2**20
     depth = [0]
 
     def timed(orig):
