@@ -183,7 +183,6 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         src = Layout(**info.layout)
         if tuple(src.ranks) != tuple(range(T)):
             raise ValueError(f"{self.side}: trainer layout {src} must use ranks 0..{T - 1}")
-        spec = model_spec(cfg)
         own = self._own_config(cfg)
         want = torch_dtype(cfg.dtype)
         if self.model_config.dtype != want:
