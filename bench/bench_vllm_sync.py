@@ -136,22 +136,9 @@ def free_port() -> int:
 
 def on_ranks(ranks, work) -> dict:
     """work(rank) on every trainer rank, each a thread; the lowest failed rank's error raised."""
-    out, errors = {}, {}
+    from real_py.realloc.reallocator import run_ranks
 
-    def one(r):
-        try:
-            out[r] = work(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,), name=f"trainer-{r}") for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[min(errors)]
-    return out
+    return run_ranks(None, ranks, work)
 
 
 def rss_bytes() -> int:

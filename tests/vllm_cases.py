@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec  # noqa: E402
+from real_py.realloc.reallocator import run_ranks  # noqa: E402
 from real_py.interop.hf import load_hf_shard, save_hf  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5] * 8, [7, 8, 9], [11, 12, 13, 14] * 5]
@@ -73,24 +73,8 @@ def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int],
 
 
 def on_ranks(ranks, work) -> dict:
-    """work(rank) on every trainer rank, each a thread; rank -> result; the lowest failed rank's
-    error is raised after all finished."""
-    out, errors = {}, {}
-
-    def one(r):
-        try:
-            out[r] = work(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[min(errors)]
-    return out
+    """work(rank) on every trainer rank, each a thread; the lowest failed rank's error raised."""
+    return run_ranks(None, ranks, work)
 
 
 _LIVE: list = []

@@ -223,10 +223,10 @@ def run_in_process(hub: InProcessHub, plan: ReallocPlan, srcs: dict, dsts: dict,
                      .run(srcs.get(rank), dsts.get(rank)))
 
 
-def run_ranks(hub: InProcessHub, ranks, work) -> dict:
+def run_ranks(hub: InProcessHub | None, ranks, work) -> dict:
     """work(rank) for every rank, each in its own thread; rank -> its result. A rank that raises
-    is marked failed on the hub (its peers stop waiting for it); the lowest failed rank's error
-    is raised after every thread has finished."""
+    is marked failed on the hub, if any (its peers stop waiting for it); the lowest failed rank's
+    error is raised after every thread has finished."""
     results, errors = {}, {}
 
     def one(rank):
@@ -234,7 +234,8 @@ def run_ranks(hub: InProcessHub, ranks, work) -> dict:
             results[rank] = work(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
             errors[rank] = e
-            hub.fail(rank, f"{type(e).__name__}: {e}")
+            if hub is not None:
+                hub.fail(rank, f"{type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=one, args=(r,), name=f"rank{r}") for r in ranks]
     for t in threads:

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from ...liveness import PeerWatch, start_heartbeat, wait_watched
 from .base import Handle, Recvs, Sends, TransferError, Transport
 
-_EPOCHS: dict[tuple[str, int], int] = {}
-"""Setups per (report prefix (process group), rank) in this process (ranks may share a process
-as threads, each with its own transport). Setup is collective, so the k-th
+_EPOCHS: dict[tuple, int] = {}
+"""Setups per (report prefix (process group), rank[, bare group]) in this process (ranks may share
+a process as threads, each with its own transport). Setup is collective, so the k-th
 setup on a group is the same reallocation on every rank: reports are filed under that count."""
 
 REPORT_GRACE_S = 0.5
