@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -26,10 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _member(rank, world, port, refuse, die):
+def _member(rank, world, port, refuse, die, late=-1):
     """Each process joins the transfer group beside its own default group (run_distributed's)."""
     group = TransferGroup.connect("127.0.0.1", port, rank, world, timeout_s=20)
     publish_ready(group, "ValueError: not this model" if rank == refuse else None)
+    if rank == late:  # reads the refusal after the refuser and the store's host have
+        time.sleep(2.0)
     try:
         wait_ready(group, f"member {rank}")
     except RuntimeError as e:
@@ -61,7 +64,8 @@ def test_store_group_moves_exactly_beside_each_default_group():
 
 
 def test_a_member_that_refuses_is_named_to_every_member():
-    out = run_distributed(_member, 3, _free_port(), 2, -1, timeout=120)
+    """Member 1 comes late: the store's host (member 0) must wait for it to read the reason."""
+    out = run_distributed(_member, 3, _free_port(), 2, -1, 1, timeout=120)
     assert all("member 2 refused: ValueError: not this model" in o for o in out), out
 
 

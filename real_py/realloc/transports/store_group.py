@@ -83,8 +83,8 @@ class TransferGroup:
 def publish_ready(group: TransferGroup, error: str | None, extra: dict | None = None) -> None:
     """Tell the members this one checked its inputs (error: why it cannot take part)."""
     group.store.set(f"ready/{group.rank}", json.dumps({"error": error, "extra": extra}))
-    if error:  # it has read its own refusal (member 0 lingers until every member has)
-        group.store.add("refusal_seen", 1)
+    if error:  # it knows its own refusal (member 0 lingers until every member has read one)
+        group.store.set(f"refusal_seen/{group.rank}", "1")
 
 
 def refuse(group: TransferGroup, who: str, why: str) -> None:
@@ -122,13 +122,14 @@ def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[in
 
 
 def _linger(group: TransferGroup, grace_s: float = 10.0) -> None:
-    """A member that read a refusal says so; member 0, whose process hosts the store, waits (a
-    few seconds at most) until every member has read it, so none loses the reason with the store."""
+    """A member that read a refusal says so (one key per member: a member that refused and then
+    read its own refusal counts once); member 0, whose process hosts the store, waits (a few
+    seconds at most) until every member has, so none loses the reason with the store."""
     try:
-        seen = group.store.add("refusal_seen", 1)
+        group.store.set(f"refusal_seen/{group.rank}", "1")
+        keys = [f"refusal_seen/{r}" for r in range(group.world)]
         deadline = time.monotonic() + min(grace_s, group.timeout_s)
-        while group.rank == 0 and seen < group.world and time.monotonic() < deadline:
+        while group.rank == 0 and not group.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
-            seen = group.store.add("refusal_seen", 0)
     except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
         pass
