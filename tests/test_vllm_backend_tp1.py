@@ -62,3 +62,47 @@ def test_full_tensor_fallback_repacks_a_tied_lm_head(world):
         shards[r].flat.copy_(sh.flat)
     send(engines)
     assert generate(llm) == world["ref"]
+
+
+def _modules_on_receive_buffer(worker) -> list[str]:
+    """Runs in the vLLM worker: the modules that keep a tensor on the backend's receive buffer."""
+    from real_py.vllm.worker import _holds_storage
+
+    eng = worker.weight_transfer_engine
+    ptr = eng.shard.flat.untyped_storage().data_ptr()
+    return [name for name, m in eng.model.named_modules() if _holds_storage(m, ptr)]
+
+
+def test_no_layer_keeps_the_receive_buffer(world):
+    """The prepacked layers are lent the received weight and pack a copy; none may keep the
+    buffer itself, which the next update overwrites before every worker agreed to write."""
+    llm, cfg = world["llm"], world["cfg"]
+    layout = Layout.parse("dp1,tp2,pp2")
+    shards = shards_of(cfg, layout, perturbed(world["ref_full"], seed=21))
+    engines = trainer_engines(llm, cfg, layout, shards)
+    send(engines)
+    assert llm.collective_rpc(_modules_on_receive_buffer) == [[]]
+    for r, sh in shards_of(cfg, layout, world["ref_full"]).items():
+        shards[r].flat.copy_(sh.flat)
+    send(engines)
+    assert generate(llm) == world["ref"]
+
+
+def test_holds_storage_sees_parameters_attributes_and_closures():
+    import torch
+
+    from real_py.vllm.worker import _holds_storage
+
+    buf = torch.zeros(64)
+    other = torch.zeros(8)
+    m = torch.nn.Linear(4, 4)
+    assert not _holds_storage(m, buf.untyped_storage().data_ptr())
+    view = buf[8:24].view(4, 4)
+    m.cpu_linear = lambda x, w, b: x @ view  # noqa: E731 - captured, as vLLM's dispatch does
+    assert _holds_storage(m, buf.untyped_storage().data_ptr())
+    m.cpu_linear = lambda x, w, b, _w=view.t(): x @ _w  # noqa: E731
+    assert _holds_storage(m, buf.untyped_storage().data_ptr())
+    m.cpu_linear = lambda x, w, b, _w=other: x @ _w  # noqa: E731
+    assert not _holds_storage(m, buf.untyped_storage().data_ptr())
+    m.weight.data = buf[:16].view(4, 4)
+    assert _holds_storage(m, buf.untyped_storage().data_ptr())

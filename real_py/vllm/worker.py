@@ -103,6 +103,29 @@ def trainers_disagree(ready: dict, num_trainers: int) -> str:
     return ""
 
 
+def _holds_storage(module: torch.nn.Module, ptr: int) -> bool:
+    """Whether the module keeps a tensor on the storage at ptr: as a parameter or buffer, an
+    attribute, or captured by a callable attribute (vLLM's CPU GEMM dispatch stores closures)."""
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif callable(value):
+            for cell in getattr(value, "__closure__", None) or ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(content, torch.Tensor):
+                    yield content
+            for default in getattr(value, "__defaults__", None) or ():
+                if isinstance(default, torch.Tensor):
+                    yield default
+
+    values = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+    return any(t.numel() and t.untyped_storage().data_ptr() == ptr
+               for v in values if v is not None for t in tensors(v))
+
+
 def fingerprint(config: ModelConfig, layout: Layout) -> str:
     """Names, shapes, dtype and storage of the trainer's model and its layout, as one short
     string that every process computes alike (no salted hash())."""
@@ -334,7 +357,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             self._load_full()
             return
         live = dict(self.model.named_parameters())
-        touched, lent = set(), []
+        touched, lent = set(), set()
         with torch.no_grad():
             for p in self.dst_spec.params:
                 if p.expert >= 0:
@@ -345,24 +368,32 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                     param.data.copy_(t)
                 else:  # prepacked on CPU (an empty tensor): lend the layer the received weight,
                     param.data = t  # which its re-processing packs into a copy of its own
-                    lent.append(param)
+                    lent.add(id(param))
                 touched.add(id(param))
         # Re-run what vLLM runs after loading on every module holding a written parameter (a
         # tied lm_head holds the embedding's: its packed copy is rebuilt too). Not on the input
         # embedding: its lookup reads the weight itself, and the GEMM copy vLLM's CPU backend packs
         # for it at load is never used (a tied lm_head packs its own): a third of the re-processing
         # of a 0.5B model (bench/results/vllm_sync_cpu2_*).
+        buffer = self.shard.flat.untyped_storage().data_ptr()
         for module in self.model.modules():
             method = getattr(module, "quant_method", None)
-            if (method is not None and type(module).__name__ != "VocabParallelEmbedding"
-                    and any(id(v) in touched for v in module._parameters.values() if v is not None)):
+            if method is None or type(module).__name__ == "VocabParallelEmbedding":
+                continue
+            mine = {n: v for n, v in module._parameters.items() if v is not None and id(v) in touched}
+            if not mine:
+                continue
+            method.process_weights_after_loading(module)
+            # A layer must not keep the receive buffer (the next update overwrites it before every
+            # worker agreed to write). The CPU packers copy the lent weight and drop it for an
+            # empty tensor; one that keeps it (no prepack on this platform, or a packer that
+            # captures it) gets its own copy and is processed again.
+            if any(id(v) in lent for v in mine.values()) and _holds_storage(module, buffer):
+                for n, v in mine.items():
+                    if id(v) in lent:
+                        v.data = v.data.clone()
+                        module._parameters[n] = v
                 method.process_weights_after_loading(module)
-        # A layer that kept its weight (no prepack on this platform) must not keep the receive
-        # buffer, which the next update overwrites before all workers agreed to write.
-        buffer = self.shard.flat.untyped_storage().data_ptr()
-        for param in lent:
-            if param.numel() and param.untyped_storage().data_ptr() == buffer:
-                param.data = param.data.clone()
         if self.experts is not None:
             self._apply_experts()
 
