@@ -103,6 +103,70 @@ def trainers_disagree(ready: dict, num_trainers: int) -> str:
     return ""
 
 
+def check_live_shapes(model: torch.nn.Module, spec, tp: int, side: str) -> None:
+    """Every live vLLM tensor that still has its loaded shape (on CPU the linear weights are
+    prepacked and emptied) has the shape the plan writes; a mismatch is a format real_py does
+    not know, never a silent wrong write."""
+    live, modules = dict(model.named_parameters()), dict(model.named_modules())
+    for p in spec.params:
+        if p.expert >= 0:  # stacked, maybe padded and prepacked by the MoE kernel
+            continue
+        name = vllm_name(p.name)
+        shape = tuple(live[name].shape)
+        owner = modules[name.rsplit(".", 1)[0]]
+        if not live[name].numel() and name.endswith(".weight") and hasattr(owner, "input_size_per_partition"):
+            shape = (owner.output_size_per_partition, owner.input_size_per_partition)  # prepacked
+        if live[name].numel() or len(shape) == 2:
+            if shape != p.local_shape(tp):
+                raise RuntimeError(f"{side}: vLLM holds {name} as {shape}, real_py planned "
+                                   f"{p.local_shape(tp)} for tp={tp}")
+
+
+def write_dense(model: torch.nn.Module, spec, shard: ModelShard) -> None:
+    """Write a received shard in vLLM's live per-rank format (spec = model_spec(vllm_config(...)),
+    experts excluded) into the live vLLM model, then re-run what vLLM runs after loading on every
+    module holding a written parameter. The shard is not kept: a layer that would keep the
+    buffer gets its own copy."""
+    live = dict(model.named_parameters())
+    touched, lent = set(), set()
+    with torch.no_grad():
+        for p in spec.params:
+            if p.expert >= 0:
+                continue
+            t = shard.view(p.name)
+            param = live[vllm_name(p.name)]
+            if tuple(param.shape) == tuple(t.shape):
+                param.data.copy_(t)
+            else:  # prepacked on CPU (an empty tensor): lend the layer the received weight,
+                param.data = t  # which its re-processing packs into a copy of its own
+                lent.add(id(param))
+            touched.add(id(param))
+    # Re-run what vLLM runs after loading on every module holding a written parameter (a tied
+    # lm_head holds the embedding's: its packed copy is rebuilt too). Not on the input embedding:
+    # its lookup reads the weight itself, and the GEMM copy vLLM's CPU backend packs for it at
+    # load is never used (a tied lm_head packs its own): a third of the re-processing of a 0.5B
+    # model (bench/results/vllm_sync_cpu2_*).
+    buffer = shard.flat.untyped_storage().data_ptr()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or type(module).__name__ == "VocabParallelEmbedding":
+            continue
+        mine = {n: v for n, v in module._parameters.items() if v is not None and id(v) in touched}
+        if not mine:
+            continue
+        method.process_weights_after_loading(module)
+        # A layer must not keep the receive buffer (the next update overwrites it before every
+        # worker agreed to write). The CPU packers copy the lent weight and drop it for an empty
+        # tensor; one that keeps it (no prepack on this platform, or a packer that captures it)
+        # gets its own copy and is processed again.
+        if any(id(v) in lent for v in mine.values()) and _holds_storage(module, buffer):
+            for n, v in mine.items():
+                if id(v) in lent:
+                    v.data = v.data.clone()
+                    module._parameters[n] = v
+            method.process_weights_after_loading(module)
+
+
 def _holds_storage(module: torch.nn.Module, ptr: int) -> bool:
     """Whether the module keeps a tensor on the storage at ptr: as a parameter or buffer, an
     attribute, or captured by a callable attribute (vLLM's CPU GEMM dispatch stores closures)."""
@@ -254,22 +318,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         return replace(own, dtype=cfg.dtype)
 
     def _check_live_shapes(self, spec, tp: int) -> None:
-        """Every live vLLM tensor that still has its loaded shape (on CPU the linear weights are
-        prepacked and emptied) has the shape the plan writes; a mismatch is a format real_py
-        does not know, never a silent wrong write."""
-        live, modules = dict(self.model.named_parameters()), dict(self.model.named_modules())
-        for p in spec.params:
-            if p.expert >= 0:  # stacked, maybe padded and prepacked by the MoE kernel
-                continue
-            name = vllm_name(p.name)
-            shape = tuple(live[name].shape)
-            owner = modules[name.rsplit(".", 1)[0]]
-            if not live[name].numel() and name.endswith(".weight") and hasattr(owner, "input_size_per_partition"):
-                shape = (owner.output_size_per_partition, owner.input_size_per_partition)  # prepacked
-            if live[name].numel() or len(shape) == 2:
-                if shape != p.local_shape(tp):
-                    raise RuntimeError(f"{self.side}: vLLM holds {name} as {shape}, real_py planned "
-                                       f"{p.local_shape(tp)} for tp={tp}")
+        check_live_shapes(self.model, spec, tp, self.side)
 
     # ------------------------------------------------------------------ updates
 
@@ -356,44 +405,7 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         if self.full:
             self._load_full()
             return
-        live = dict(self.model.named_parameters())
-        touched, lent = set(), set()
-        with torch.no_grad():
-            for p in self.dst_spec.params:
-                if p.expert >= 0:
-                    continue
-                t = self.shard.view(p.name)
-                param = live[vllm_name(p.name)]
-                if tuple(param.shape) == tuple(t.shape):
-                    param.data.copy_(t)
-                else:  # prepacked on CPU (an empty tensor): lend the layer the received weight,
-                    param.data = t  # which its re-processing packs into a copy of its own
-                    lent.add(id(param))
-                touched.add(id(param))
-        # Re-run what vLLM runs after loading on every module holding a written parameter (a
-        # tied lm_head holds the embedding's: its packed copy is rebuilt too). Not on the input
-        # embedding: its lookup reads the weight itself, and the GEMM copy vLLM's CPU backend packs
-        # for it at load is never used (a tied lm_head packs its own): a third of the re-processing
-        # of a 0.5B model (bench/results/vllm_sync_cpu2_*).
-        buffer = self.shard.flat.untyped_storage().data_ptr()
-        for module in self.model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is None or type(module).__name__ == "VocabParallelEmbedding":
-                continue
-            mine = {n: v for n, v in module._parameters.items() if v is not None and id(v) in touched}
-            if not mine:
-                continue
-            method.process_weights_after_loading(module)
-            # A layer must not keep the receive buffer (the next update overwrites it before every
-            # worker agreed to write). The CPU packers copy the lent weight and drop it for an
-            # empty tensor; one that keeps it (no prepack on this platform, or a packer that
-            # captures it) gets its own copy and is processed again.
-            if any(id(v) in lent for v in mine.values()) and _holds_storage(module, buffer):
-                for n, v in mine.items():
-                    if id(v) in lent:
-                        v.data = v.data.clone()
-                        module._parameters[n] = v
-                method.process_weights_after_loading(module)
+        write_dense(self.model, self.dst_spec, self.shard)
         if self.experts is not None:
             self._apply_experts()
 
