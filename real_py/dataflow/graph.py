@@ -12,7 +12,7 @@ algorithm picking, among ready calls, the earliest declared, so every rank deriv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KINDS = ("generate", "generate_greedy", "logprobs", "values", "reward", "train_ppo_actor", "train_grpo_actor",
          "train_critic")
@@ -82,6 +82,27 @@ ALGORITHMS = {"ppo": PPO_CALLS, "grpo": GRPO_CALLS, "rloo": GRPO_CALLS, "reinfor
 """algo -> its calls. ppo: GAE with a critic; the others are critic-free and differ in the
 advantage estimator (calls.py `_advantages`): grpo (and Dr.GRPO with ppo.norm_adv_by_std: false),
 rloo, reinforce_pp, reinforce_pp_baseline, remax."""
+
+ROLLOUT_LOGP_CALL = "actor_logp"
+
+
+def with_engine_logprobs(calls) -> tuple[Call, ...]:
+    """The graph of a generation engine whose log-probs are not the trainer's (vLLM): the actor's
+    sampling call writes the engine's log-probs as rollout_logp, a new call actor_logp (the
+    actor's weights, kind logprobs) recomputes old_logp from the tokens, and the actor's train
+    call also reads rollout_logp (the gap metrics, truncated importance sampling)."""
+    out = []
+    for c in calls:
+        if c.kind == "generate" and c.model == "actor":
+            out.append(replace(c, writes=tuple("rollout_logp" if k == "old_logp" else k for k in c.writes)))
+            out.append(Call(name=ROLLOUT_LOGP_CALL, model="actor", kind="logprobs",
+                            reads=ROLLOUT + ("prompt_lengths",), writes=("old_logp",)))
+        elif c.trains and c.model == "actor":
+            out.append(replace(c, reads=c.reads + ("rollout_logp",)))
+        else:
+            out.append(c)
+    return tuple(out)
+
 
 GROUPED = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 """Algorithms that sample each prompt ppo.group_size times (contiguous rows)."""

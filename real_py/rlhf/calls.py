@@ -32,7 +32,9 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
         if not rows:
             return False
     reporter = g.tp_rank == 0 and g.is_last_stage
-    if call.kind in ("generate", "generate_greedy"):
+    if call.name == ctx.models.rollout_call:
+        _generate_vllm(ctx, call, engine, store, rows)
+    elif call.kind in ("generate", "generate_greedy"):
         gc = ctx.generation
         greedy = gc.greedy or call.kind == "generate_greedy"
         hook = None
@@ -86,6 +88,22 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
     else:
         raise ValueError(f"call {call.name}: no runner for kind {call.kind!r}")
     return True
+
+
+def _generate_vllm(ctx: CallContext, call, rollout, store, rows) -> None:
+    """The actor's sampling call on vLLM (real_py/vllm/rollout.py): the same settings as the
+    built-in engine (generation.*), one seeded request per row; writes tokens, lengths and
+    vLLM's log-prob of each sampled token (rollout_logp)."""
+    from ..vllm.rollout import Sampling
+
+    gc = ctx.generation
+    s = Sampling(max_new_tokens=gc.max_new_tokens, min_new_tokens=gc.min_new_tokens, greedy=gc.greedy,
+                 temperature=gc.temperature, top_p=gc.top_p, top_k=gc.top_k,
+                 stop_token_ids=tuple(stop_ids(gc, ctx.tokenizer)))
+    out = rollout.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
+                           store.rows("seeds", rows), s)
+    for key, value in zip(call.writes, (out["tokens"], out["lengths"], out["logprobs"])):
+        store.write(key, rows, value)
 
 
 def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, writer) -> None:
@@ -243,6 +261,19 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
     if decoupled:
         # The proximal policy: this train engine's weights before the step's first update.
         d["prox_logp"] = engine.inference(d["tokens"], d["lengths"])["logprobs"]
+    tis = None
+    if "rollout_logp" in d and not critic:
+        # The generation engine's log-probs against the trainer's recompute (old_logp), over
+        # the response tokens; truncated importance sampling weights from their ratio.
+        if reporter:
+            diff, kl, n = P.logprob_gap(d["old_logp"], d["rollout_logp"], d["mask"])
+            sums.add("rollout_logp_diff", diff, n)
+            sums.add("rollout_kl", kl, n)
+        if pc.tis_cap is not None:
+            tis, capped = P.truncated_is_weights(d["old_logp"], d["rollout_logp"], d["mask"], pc.tis_cap)
+            d["tis_w"] = tis
+            if reporter:
+                sums.add("tis_capped_frac", capped, float(d["mask"].sum()))
     if reporter and not critic:
         resp = d["mask"].sum(1)
         sums.add("reward", float(d["raw_scores"].sum()), len(rows))
@@ -255,6 +286,7 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
     fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
     fields += ["ref_logp"] if kl_loss else []
     fields += ["prox_logp"] if decoupled else []
+    fields += ["tis_w"] if tis is not None else []
     local = torch.arange(len(rows))
     base_lr = pc.critic_lr if critic else pc.actor_lr
     total = ctx.steps * pc.ppo_epochs * pc.mini_batches
@@ -283,6 +315,8 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
                 else:
                     loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
                                                          pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                if "tis_w" in data:
+                    loss = loss * data["tis_w"]
                 if kl_loss:
                     loss = loss + coef * P.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
                 ent_tok = out["entropy"] * m

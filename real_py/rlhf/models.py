@@ -56,8 +56,9 @@ class Models:
                  lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
                  paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
                  critic_init: str = "checkpoint", device: torch.device | str = "cpu",
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, rollout_call: str | None = None):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
+        self.verify = verify
         self.temperature = temperature  # every engine's logit_temperature (generation.temperature)
         self.device = torch.device(device)
         self.rank = dist.get_rank()
@@ -67,6 +68,7 @@ class Models:
         self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
         self.engines: dict[str, Engine | None] = {}
         self._reallocators: dict = {}
+        self.rollout_call, self.rollout = rollout_call, None   # vLLM generation (attach_rollout)
         self.offloads: dict[str, HostOffload] = {}   # frozen model -> its offloader (holding ranks)
         self.expert_offloads: dict[str, HostOffload] = {}  # MoE: the same for its expert shard
         inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
@@ -108,6 +110,8 @@ class Models:
                     self.expert_offloads[m].offload()
         for call in graph.order:
             m = graph.calls[call].model
+            if call == rollout_call:
+                continue   # attach_rollout plans it into vLLM's live format
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
                 if self.specs[m].num_experts:  # dense part + one part per pair of ep groups
                     mplan = plan_moe_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
@@ -117,6 +121,30 @@ class Models:
                 rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
                                      ranks_per_node=plan.ranks_per_node)
                 self._reallocators[(m, call)] = Reallocator(rplan, self.transport, verify=verify)
+
+    def attach_rollout(self, rollout) -> None:
+        """vLLM generation (real_py.vllm.rollout.VLLMRollout on every rank): the actor's weights
+        go from its home layout into vLLM's live per-rank format (rollout.spec) before each
+        generation call, with the same transport as every other reallocation. Collective."""
+        call = self.rollout_call
+        src, dst = self.plan.calls[self.home["actor"]], self.plan.calls[call]
+        rplan = plan_realloc(self.specs["actor"], src, dst, dst_model=rollout.spec,
+                             ranks_per_node=self.plan.ranks_per_node)
+        self._reallocators[("actor", call)] = Reallocator(rplan, self.transport, verify=self.verify)
+        self.rollout = rollout
+
+    def _to_rollout(self, call: str) -> tuple[object, dict]:
+        src, dst = self.plan.calls[self.home["actor"]], self.plan.calls[call]
+        home_engine = self.engines["actor"]
+        shard = (ModelShard.empty(self.rollout.spec, dst, self.rank, self.device)
+                 if self.rank in dst.ranks else None)
+        t0, wall = time.perf_counter(), time.time()
+        stats = self._reallocators[("actor", call)].run(home_engine.shard if home_engine else None, shard)
+        if shard is not None:
+            self.rollout.write(shard)
+        stats["seconds"] = time.perf_counter() - t0
+        stats["start"], stats["end"] = wall, wall + stats["seconds"]
+        return (self.rollout if shard is not None else None), stats
 
     def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
         """The engine to run `call` with (reallocating if needed) and the reallocation stats.
@@ -132,6 +160,8 @@ class Models:
         if off is not None and off.offloaded:
             raise RuntimeError(f"{c.model} weights are offloaded to host on rank {self.rank}; "
                                f"call Models.reload({c.model!r}) before running {call}")
+        if call == self.rollout_call:
+            return self._to_rollout(call)
         src, dst = self.plan.calls[home], self.plan.calls[call]
         if src == dst:
             return self.engines[c.model], None

@@ -37,7 +37,11 @@ METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip
            "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest",
            # MoE models: the load-balancing aux loss of each train step (transformers' formula, in
            # the actor's / critic's loss with the config's router_aux_loss_coef)
-           "moe_aux_loss")
+           "moe_aux_loss",
+           # vLLM generation: the token mean of |old_logp - rollout_logp| (the trainer's recompute
+           # against vLLM's log-prob of each sampled token), the k3 estimate of KL(pi_vllm ||
+           # pi_train) per token, and with ppo.tis_cap the share of tokens whose weight was capped
+           "rollout_logp_diff", "rollout_kl", "tis_capped_frac")
 """Per-step metrics every call may add to (sum, count) rows of the step's MetricSums, in this order.
 Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
 response_length are means over sequences; policy_loss / value_loss means over optimizer steps

@@ -47,6 +47,27 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, 
     return kl * mask
 
 
+def logprob_gap(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """How far the trainer's log-probs of the sampled tokens are from the generation engine's,
+    over the mask: (sum of |train - rollout|, sum of the k3 estimate of KL(pi_rollout || pi_train),
+    tokens). The tokens were drawn from pi_rollout, so k3 is taken at d = rollout - train."""
+    diff = ((train_logp - rollout_logp).abs() * mask).sum()
+    kl = kl_estimate(rollout_logp, train_logp, mask, "k3").sum()
+    return float(diff), float(kl), float(mask.sum())
+
+
+def truncated_is_weights(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, float]:
+    """Truncated importance sampling (Yao et al. 2025): per-token weights min(pi_train /
+    pi_rollout, cap) on the mask, 0 off it, no gradient; and how many tokens were capped. They
+    multiply the per-token policy loss, correcting for tokens sampled by an engine whose
+    probabilities differ from the trainer's."""
+    ratio = torch.exp(train_logp - rollout_logp)
+    on = mask > 0
+    capped = float((on & (ratio > cap)).sum())
+    return (ratio.clamp(max=cap) * mask).detach(), capped
+
+
 def last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """mask [B, N] -> (index of each row's last masked prediction [B], rows with any [B] bool)."""
     last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)

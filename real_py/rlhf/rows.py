@@ -34,6 +34,7 @@ def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     i64, f32 = torch.int64, torch.float32
     return {"prompts": ((P,), i64), "prompt_lengths": ((), i64), "seeds": ((), i64),
             "tokens": ((T,), i64), "lengths": ((), i64), "old_logp": ((T - 1,), f32),
+            "rollout_logp": ((T - 1,), f32),   # vLLM generation: the engine's own log-probs
             "ref_logp": ((T - 1,), f32), "scores": ((), f32), "values": ((T,), f32),
             "base_tokens": ((T,), i64), "base_lengths": ((), i64), "base_scores": ((), f32),
             # async mode: actor weight version of every response token (-1 off the response)

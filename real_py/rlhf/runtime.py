@@ -101,7 +101,10 @@ class Runtime:
                              timeout_s=timeout_s, rule_reward=cfg.reward.kind in ("rule", "function"),
                              paths=cfg.model_paths(), verify=cfg.verify_realloc,
                              offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
-                             device=self.device, temperature=cfg.generation.temperature)
+                             device=self.device, temperature=cfg.generation.temperature,
+                             rollout_call=self._vllm_call(graph))
+        if self.models.rollout_call is not None:
+            self.models.attach_rollout(self._start_vllm(cfg, plan, configs["actor"]))
         # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
         store = start_heartbeat()
         self.watch = PeerWatch(store) if store is not None else None
@@ -131,6 +134,23 @@ class Runtime:
             reward_fn=FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None,
             astate=astate, prefetch=self.prefetch, kl_coef=pc.kl_coef,
             reward_moments=torch.zeros(3, dtype=torch.float64))
+
+    def _vllm_call(self, graph) -> str | None:
+        """The actor's sampling call when vLLM runs it (generation.engine: vllm), else None."""
+        if self.cfg.generation.engine != "vllm":
+            return None
+        return next(n for n in graph.order if graph.calls[n].kind == "generate")
+
+    def _start_vllm(self, cfg, plan, actor):
+        """vLLM inside every rank (collective: each rank builds its worker, vLLM cuts its groups
+        from the world). A start failure names the rank and vLLM's reason before step 1."""
+        from ..vllm.rollout import VLLMRollout
+
+        gc = cfg.generation
+        return VLLMRollout(actor, plan.calls[self.models.rollout_call],
+                           max_model_len=cfg.data.max_prompt_len + gc.max_new_tokens, seed=cfg.seed,
+                           source=cfg.actor_path, kv_cache_gib=gc.vllm_kv_cache_gib,
+                           gpu_memory_utilization=gc.vllm_gpu_memory_utilization)
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns, on every rank, {"metrics" (means, see observe.METRICS),

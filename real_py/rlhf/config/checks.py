@@ -38,6 +38,9 @@ _RANGES = (
     ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
     ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
     ("ppo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 or null"),
+    ("ppo.tis_cap", lambda v: v is None or v >= 1, ">= 1 or null"),
+    ("generation.vllm_kv_cache_gib", lambda v: v >= 1, ">= 1"),
+    ("generation.vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "(0, 1]"),
     ("async_.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
     ("async_.interrupt_wait_step", lambda v: v is None or v >= 1, ">= 1 or null"),
     ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
@@ -226,6 +229,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
             raise ValueError(f"max_prompt_len + max_new_tokens = {total} exceeds {m} "
                              f"max_position_embeddings={models[m].max_position_embeddings}")
     _check_runtime_support(cfg, plan, graph, models)
+    _check_vllm(cfg, plan, graph, models)
     _check_host_memory(cfg, plan, graph, models)
     _check_checkpoints(cfg, graph, models)
     _check_data_and_reward(cfg, models)
@@ -265,6 +269,10 @@ def host_memory_need(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models
         per_elem = es + ((12 + (4 if es < 4 else 0)) if trained else 0)
         others = {plan.calls[c] for c in calls if plan.calls[c] != plan.calls[home]}
         out[m] = total(plan.calls[home]) * per_elem + max((total(l) * es for l in others), default=0)
+        if m == "actor" and cfg.generation.engine == "vllm":
+            # vLLM's live model on the generation ranks beside the received shard, and its KV cache
+            gen = plan.calls[next(c for c in calls if graph.calls[c].kind == "generate")]
+            out["vllm"] = total(gen) * es + int(cfg.generation.vllm_kv_cache_gib * 2 ** 30) * gen.world
     return out
 
 
@@ -338,6 +346,51 @@ def _check_runtime_support(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, 
                 raise ValueError(f"config export: hf: {m} trains on {plan.calls[call]} (etp="
                                  f"{plan.calls[call].etp}) and experts are gathered for export from etp=1 "
                                  f"layouts only; train {m} with etp=1 (plan.calls.{call}.etp), or remove export")
+
+
+def vllm_layout_errors(layout, world: int, config) -> list[str]:
+    """Why vLLM cannot run the actor's generation call on `layout` in a world of `world` ranks
+    ([] when it can). vLLM runs inside the ranks (real_py/vllm/rollout.py) and cuts its
+    tensor-parallel groups from the whole torch world, consecutive ranks."""
+    out = []
+    if layout.pp != 1:
+        out.append(f"pp={layout.pp}: vLLM generation runs dp x tp (pp 1)")
+    if layout.dp * layout.tp != world or tuple(layout.ranks) != tuple(range(world)) or layout.order != "tp-dp-pp":
+        out.append(f"ranks {list(layout.ranks)}: vLLM generation uses every rank of the world, tp fastest "
+                   f"(dp * tp = {world}, ranks 0..{world - 1} in order): inside torchrun vLLM cuts its "
+                   "tensor-parallel groups from the whole world")
+    if config.num_experts:
+        out.append("a mixture-of-experts actor: the runtime does not move experts into vLLM yet (the "
+                   "real_py vLLM backend does, real_py.vllm)")
+    heads, kv, tp = config.num_attention_heads, config.num_key_value_heads, layout.tp
+    if heads % tp or (kv % tp and tp % kv):
+        out.append(f"tp={tp} must divide the {heads} attention heads and divide or be a multiple of the "
+                   f"{kv} kv heads (vLLM's rule)")
+    return out
+
+
+def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
+    """generation.engine: vllm and ppo.tis_cap, refused before launch where they cannot run."""
+    if cfg.generation.engine != "vllm":
+        if cfg.ppo.tis_cap is not None:
+            raise ValueError(f"config ppo.tis_cap={cfg.ppo.tis_cap} needs generation.engine: vllm (the built-in "
+                             "engine's rollout log-probs are the trainer's own: the weight would be 1)")
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("config generation.engine: vllm, but vLLM is not installed in this Python; "
+                         "`make vllm-venv` builds .venv-vllm (docs/vllm.md): run the job with "
+                         ".venv-vllm/bin/python -m real_py train ...")
+    if cfg.async_.max_staleness:
+        raise ValueError(f"config generation.engine: vllm with async.max_staleness={cfg.async_.max_staleness}: "
+                         "asynchronous RL with vLLM generation is not implemented (weights pushed at version "
+                         "boundaries); use async.max_staleness: 0")
+    gen = next(n for n in graph.order if graph.calls[n].kind == "generate")
+    errs = vllm_layout_errors(plan.calls[gen], plan.world_size, models["actor"])
+    if errs:
+        raise ValueError(f"config generation.engine: vllm cannot run {gen} on {plan.calls[gen]}: "
+                         + "; ".join(errs))
 
 
 def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:

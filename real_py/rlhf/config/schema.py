@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ...dataflow.execplan import ExecutionPlan
-from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
+from ...dataflow.graph import ALGORITHMS, GROUPED, ROLLOUT_LOGP_CALL, Graph, with_engine_logprobs
 from ...spec import ModelConfig
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -95,6 +95,20 @@ class GenConfig:
     """KV cache and decode step (real_py/engines/decode.py): "auto" replays the decode step from a
     CUDA graph on CUDA with tp == 1 and uses the dynamic (growing) cache elsewhere; "static"
     (the graph's code run eagerly), "dynamic" or "graph" (CUDA with tp == 1 only) force one."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """Who runs the actor's generation call: "builtin" (real_py's engine on the call's layout) or
+    "vllm" (vLLM inside the ranks of the call's layout: its tp is vLLM's tensor_parallel_size,
+    its dp the number of vLLM replicas; the layout must use every rank, tp fastest, pp 1). With
+    vLLM the actor's weights go from its train layout straight into vLLM's live per-rank format
+    every step, the rollouts keep vLLM's log-prob of each sampled token (rollout_logp) and an
+    extra call, actor_logp (on the actor's train layout unless the plan places it), recomputes
+    old_logp with the trainer's weights; the step logs their gap (rollout_logp_diff,
+    rollout_kl). Needs vLLM (make vllm-venv; docs/vllm.md)."""
+    vllm_kv_cache_gib: int = 1
+    """vLLM on CPU: KV-cache memory per rank in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vLLM on GPU: the share of the GPU it may take (weights, KV cache), beside the train
+    engines' own memory."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,6 +148,12 @@ class PPOConfig:
     norm_adv_by_std: bool = True
     """grpo: divide the group-centred score by the group's std (GRPO); false: Dr.GRPO (Liu et al.
     2025), which also pairs with loss_agg: seq-mean-token-sum-norm."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): every response token's policy loss is weighted by
+    min(pi_train_old / pi_rollout, tis_cap), pi_rollout being the generation engine's log-prob of
+    the token and pi_train_old the trainer's recompute of it (generation.engine: vllm, where the
+    two differ); None: off. Applies to every algorithm's actor loss."""
     clip_high: float | None = None
     """Upper clip of the ratio, 1 + clip_high (DAPO clip-higher, e.g. 0.28); None: clip. `clip` is
     the lower one, 1 - clip."""
@@ -348,8 +368,18 @@ class TrainConfig:
             if not isinstance(data["path"], str) or not data["path"]:
                 raise ValueError(f"config plan.path={data['path']!r}: expected the path of an execution-plan "
                                  "JSON file (python -m real_py search --out plan.json)")
-            return ExecutionPlan.from_json(data["path"])
-        return ExecutionPlan.from_json(data)
+            return self._with_engine_calls(ExecutionPlan.from_json(data["path"]))
+        return self._with_engine_calls(ExecutionPlan.from_json(data))
+
+    def _with_engine_calls(self, plan: ExecutionPlan) -> ExecutionPlan:
+        """generation.engine: vllm adds the call actor_logp; a plan that does not place it runs it
+        on the actor's train layout (no reallocation)."""
+        if self.generation.engine != "vllm" or ROLLOUT_LOGP_CALL in plan.calls:
+            return plan
+        train = Graph(ALGORITHMS[self.algo]).train_call("actor")
+        if train not in plan.calls:
+            return plan   # validate names the missing call
+        return dataclasses.replace(plan, calls={**plan.calls, ROLLOUT_LOGP_CALL: plan.calls[train]})
 
     def graph(self) -> Graph:
         calls = ALGORITHMS[self.algo]
@@ -359,6 +389,8 @@ class TrainConfig:
             calls = tuple(dataclasses.replace(c, writes=c.writes + ("versions",)) if c.kind == "generate"
                           else dataclasses.replace(c, reads=c.reads + ("versions",))
                           if c.trains and c.model == "actor" else c for c in calls)
+        if self.generation.engine == "vllm":
+            calls = with_engine_logprobs(calls)
         return Graph(calls)
 
     def group_size(self) -> int:
