@@ -93,3 +93,48 @@ def test_models_over_host_memory_are_refused_before_launch(tmp_path, capsys, mon
     assert "the models need at least 251.1 GiB of memory on this machine (actor 200.8, ref 50.2" in err, err
     assert "but 16.0 GiB is available; use smaller models" in err, err
     CF.validate(CF.from_dict({}), 4)   # the default job fits
+
+
+def _vllm(plan_calls=None, **kw):
+    calls = {"actor_gen": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "pp": 1},
+             "ref_inf": {"ranks": [0, 1], "dp": 2, "tp": 1, "pp": 1},
+             "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+             "actor_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "pp": 1}}
+    calls.update(plan_calls or {})
+    gen = kw.pop("generation", {})
+    return CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "data": {"batch_size": 16},
+                         "ppo": {"group_size": 4, **kw.pop("ppo", {})}, "generation": {"engine": "vllm", **gen},
+                         "plan": {"world_size": 4, "calls": calls}, **kw})
+
+
+@pytest.mark.parametrize("gen, why", [
+    ({"ranks": [0, 1, 2, 3], "dp": 2, "tp": 1, "pp": 2}, "pp=2: vLLM generation runs dp x tp"),
+    ({"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}, "vLLM generation uses every rank of the world"),
+    ({"ranks": [1, 0, 3, 2], "dp": 2, "tp": 2, "pp": 1}, "vLLM generation uses every rank of the world"),
+])
+def test_vllm_generation_layouts_vllm_cannot_run_are_refused_before_launch(gen, why):
+    cfg = _vllm({"actor_gen": gen}, allow_idle_ranks=True)
+    with pytest.raises(ValueError, match="generation.engine: vllm cannot run actor_gen") as e:
+        CF.validate(cfg, 4)
+    assert why in str(e.value), str(e.value)
+
+
+def test_vllm_generation_adds_the_trainer_recompute_and_refuses_async_and_tis_without_it():
+    cfg = _vllm()
+    g, plan = cfg.graph(), cfg.execution_plan()
+    assert g.order[:2] == ("actor_gen", "actor_logp") and g.calls["actor_gen"].writes[-1] == "rollout_logp"
+    assert plan.calls["actor_logp"] == plan.calls["actor_train"]   # no reallocation for the recompute
+    with pytest.raises(ValueError, match="asynchronous RL with vLLM generation is not implemented"):
+        CF.validate(_vllm(**{"async": {"max_staleness": 1}}), 4)
+    with pytest.raises(ValueError, match=r"ppo.tis_cap=2.0 needs generation.engine: vllm"):
+        CF.validate(CF.from_dict({"ppo": {"tis_cap": 2.0}, "reward": {"kind": "rule"}}), 4)
+
+
+def test_vllm_generation_without_vllm_names_the_venv():
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ValueError, match=r"vLLM is not installed in this Python; `make vllm-venv`"):
+        CF.validate(_vllm(), 4)

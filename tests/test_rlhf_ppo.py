@@ -208,3 +208,23 @@ def test_shipped_configs():
     assert ppo.execution_plan() == default.execution_plan()
     assert ppo.model_configs() == CF.from_dict({}).model_configs()
     CF.validate(CF.load(os.path.join(ROOT, "configs", "grpo_cpu4.yaml")), 4)
+
+
+def test_truncated_importance_weights_and_the_logprob_gap_on_known_numbers():
+    import math
+
+    train = torch.tensor([[0.0, math.log(0.5), math.log(0.9), 0.0]])
+    rollout = torch.tensor([[0.0, math.log(0.1), math.log(0.9), math.log(0.3)]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    w, capped = P.truncated_is_weights(train, rollout, mask, cap=2.0)
+    # ratios 5 (capped to 2), 1, 1/0.3; off the mask 0
+    assert torch.allclose(w, torch.tensor([[0.0, 2.0, 1.0, 2.0]])), w
+    assert capped == 2.0 and not w.requires_grad
+    w, capped = P.truncated_is_weights(train, rollout, mask, cap=10.0)
+    assert torch.allclose(w, torch.tensor([[0.0, 5.0, 1.0, 1 / 0.3]])) and capped == 0.0
+    diff, kl, n = P.logprob_gap(train, rollout, mask)
+    assert n == 3.0
+    assert math.isclose(diff, math.log(5) + 0 + math.log(1 / 0.3), rel_tol=1e-6)
+    # k3 of KL(rollout || train) at each token: r - 1 - log r, r = train / rollout
+    want = sum(r - 1 - math.log(r) for r in (5.0, 1.0, 1 / 0.3))
+    assert math.isclose(kl, want, rel_tol=1e-5)

@@ -376,12 +376,6 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
             raise ValueError(f"config ppo.tis_cap={cfg.ppo.tis_cap} needs generation.engine: vllm (the built-in "
                              "engine's rollout log-probs are the trainer's own: the weight would be 1)")
         return
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("config generation.engine: vllm, but vLLM is not installed in this Python; "
-                         "`make vllm-venv` builds .venv-vllm (docs/vllm.md): run the job with "
-                         ".venv-vllm/bin/python -m real_py train ...")
     if cfg.async_.max_staleness:
         raise ValueError(f"config generation.engine: vllm with async.max_staleness={cfg.async_.max_staleness}: "
                          "asynchronous RL with vLLM generation is not implemented (weights pushed at version "
@@ -391,6 +385,12 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
     if errs:
         raise ValueError(f"config generation.engine: vllm cannot run {gen} on {plan.calls[gen]}: "
                          + "; ".join(errs))
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("config generation.engine: vllm, but vLLM is not installed in this Python; "
+                         "`make vllm-venv` builds .venv-vllm (docs/vllm.md): run the job with "
+                         ".venv-vllm/bin/python -m real_py train ...")
 
 
 def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
