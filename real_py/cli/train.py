@@ -183,7 +183,7 @@ def _protect_run_dir(out_dir: str, args) -> None:
 def _line(step: int, out: dict) -> str:
     m = out["metrics"]
     keys = ("reward", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_length",
-            "kl_coef", "dropped_groups", "gen_rounds")
+            "kl_coef", "dropped_groups", "gen_rounds", "rollout_logp_diff", "rollout_kl", "tis_capped_frac")
     parts = [f"{k} {m[k]:.4g}" for k in keys if k in m]
     calls = " ".join(f"{n} {s:.2f}s" for n, s in out["calls"].items())
     re = " ".join(f"{k} {v:.3f}s" for k, v in out["realloc_seconds"].items())

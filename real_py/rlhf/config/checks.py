@@ -391,6 +391,18 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
         raise ValueError("config generation.engine: vllm, but vLLM is not installed in this Python; "
                          "`make vllm-venv` builds .venv-vllm (docs/vllm.md): run the job with "
                          ".venv-vllm/bin/python -m real_py train ...")
+    import torch
+
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    head_dim = models["actor"].head_dim
+    if cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(f"config generation.engine: vllm on CPU: the actor's head_dim={head_dim} is not one "
+                             f"vLLM's CPU attention runs ({sizes}); change the actor's hidden_size / "
+                             "num_attention_heads (or head_dim), or use the built-in engine")
 
 
 def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
