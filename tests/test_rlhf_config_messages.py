@@ -119,6 +119,23 @@ def test_vllm_generation_layouts_vllm_cannot_run_are_refused_before_launch(gen, 
     assert why in str(e.value), str(e.value)
 
 
+def test_a_searched_plan_vllm_cannot_run_is_refused_before_launch(tmp_path):
+    # `search` without --engine vllm may place the sampling call on part of the world; train with
+    # generation.engine: vllm refuses that plan file by name, before any rank starts.
+    from real_py.dataflow.execplan import ExecutionPlan
+    from real_py.layout import Layout
+
+    half, world = Layout(dp=2, tp=1, pp=1, ranks=(0, 1)), Layout(dp=2, tp=2, pp=1, ranks=(0, 1, 2, 3))
+    ExecutionPlan(world_size=4, ranks_per_node=4, calls={
+        "actor_gen": half, "ref_inf": half, "rew_inf": Layout(dp=2, tp=1, pp=1, ranks=(2, 3)),
+        "actor_train": world}).save(str(tmp_path / "plan.json"))
+    cfg = CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "data": {"batch_size": 16},
+                        "ppo": {"group_size": 4}, "generation": {"engine": "vllm"},
+                        "plan": {"path": str(tmp_path / "plan.json")}})
+    with pytest.raises(ValueError, match=r"generation.engine: vllm cannot run actor_gen .*uses every rank"):
+        CF.validate(cfg, 4)
+
+
 def test_vllm_generation_adds_the_trainer_recompute_and_refuses_async_and_tis_without_it():
     cfg = _vllm()
     g, plan = cfg.graph(), cfg.execution_plan()

@@ -44,6 +44,9 @@ def add_parser(sub):
     p.add_argument("--max-staleness", type=int, default=0,
                    help="async RL bound the run allows (async.max_staleness); the search scores plans in async "
                         "mode and says whether running asynchronously pays (default 0: synchronous)")
+    p.add_argument("--engine", default="builtin", choices=("builtin", "vllm"),
+                   help="generation.engine of the run: vllm places the actor's sampling call only on layouts "
+                        "vLLM can run (every rank, tp fastest, pp 1) and adds the recompute call actor_logp")
     p.add_argument("--out", help="write the ExecutionPlan JSON here")
     p.add_argument("--plot", help="write a timeline PNG here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -82,7 +85,7 @@ def run(args) -> int:
     hw = resolve_profile(args.hardware)
     res = plan_search(actor, critic, num_gpus=args.gpus, hardware=hw, workload=wl, per_mesh=args.per_mesh,
                       time_budget=args.time_budget, chains=args.chains, seed=args.seed, dtype=args.dtype,
-                      algo=args.algo, max_staleness=args.max_staleness)
+                      algo=args.algo, max_staleness=args.max_staleness, engine=args.engine)
     sim = res.simulate()
     if args.out:
         res.plan.save(args.out)
@@ -131,7 +134,8 @@ def run(args) -> int:
           f"{st['planner_calls']} planner calls")
     if args.out:
         print(f"plan written to {args.out}" + (f" (idle_ranks {idle})" if idle else "")
-              + f"; train it with plan: {{path: {args.out}}}")
+              + f"; train it with plan: {{path: {args.out}}}"
+              + (", generation: {engine: vllm}" if args.engine == "vllm" else ""))
     if args.plot:
         print(f"timeline written to {args.plot}")
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..dataflow.graph import ALGORITHMS, Graph
+from ..dataflow.graph import ALGORITHMS, Graph, with_engine_logprobs
 from ..spec import ModelConfig, ModelSpec, model_spec, preset
 from .costmodel import Mesh, Workload
 
@@ -32,13 +32,21 @@ _KINDS = {"generate": "generate", "generate_greedy": "generate", "logprobs": "in
           "values": "inference", "reward": "inference"}
 
 
-def search_graph(algo: str = "ppo") -> tuple[CallSpec, ...]:
+ENGINES = ("builtin", "vllm")
+
+
+def search_graph(algo: str = "ppo", engine: str = "builtin") -> tuple[CallSpec, ...]:
     """The calls of `algo` as the search sees them, derived from the runtime's own dataflow graph
     (real_py.dataflow.graph): kind generate / inference / train, dependencies = the producers of the
-    keys a call reads, weight_src = the call that trains the model (the weights' home layout)."""
+    keys a call reads, weight_src = the call that trains the model (the weights' home layout).
+    engine="vllm": the graph the runtime runs with generation.engine: vllm (the recompute call
+    actor_logp added, dataflow.graph.with_engine_logprobs)."""
     if algo not in ALGORITHMS:
         raise ValueError(f"algo={algo!r}; allowed: {sorted(ALGORITHMS)}")
-    g = Graph(ALGORITHMS[algo])
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}; allowed: {list(ENGINES)}")
+    calls = ALGORITHMS[algo]
+    g = Graph(with_engine_logprobs(calls) if engine == "vllm" else calls)
     out = []
     for n in g.order:
         c = g.calls[n]
@@ -47,6 +55,11 @@ def search_graph(algo: str = "ppo") -> tuple[CallSpec, ...]:
         out.append(CallSpec(name=n, model=c.model, kind="train" if c.trains else _KINDS[c.kind],
                             deps=deps, weight_src=home if home != n else None))
     return tuple(out)
+
+
+def sampling_call(algo: str) -> str:
+    """The actor's sampling call of `algo` (the one generation.engine: vllm moves onto vLLM)."""
+    return next(c.name for c in ALGORITHMS[algo] if c.kind == "generate" and c.model == "actor")
 
 
 PPO_GRAPH: tuple[CallSpec, ...] = search_graph("ppo")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dataflow.execplan import ExecutionPlan
-from ..dataflow.rules import call_rule_errors
+from ..dataflow.rules import call_rule_errors, vllm_layout_errors
 from ..layout import Layout
 from .costmodel import Mesh, Workload, call_memory, call_time
 from .graph import PPO_GRAPH, PPOModels, cluster_meshes, dep_bytes, strategies
@@ -61,7 +61,8 @@ class Problem:
     def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
                  iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
                  fixed: dict | None = None, realloc: ReallocCost | None = None,
-                 graph: tuple | None = None, grouped: bool = False, staleness: int = 0):
+                 graph: tuple | None = None, grouped: bool = False, staleness: int = 0,
+                 vllm_call: str | None = None):
         if per_mesh is not None and per_mesh < 1:
             raise ValueError(f"per_mesh must be None (no pruning) or >= 1, got {per_mesh}")
         if staleness < 0:
@@ -71,6 +72,10 @@ class Problem:
         """Asynchronous RL bound k (async.max_staleness) the simulators place the steps with."""
         self.calls = PPO_GRAPH if graph is None else graph
         self.grouped = grouped
+        self.vllm_call = vllm_call
+        """The call that generates on vLLM (generation.engine: vllm), else None: its candidates are
+        the layouts vLLM can run (dataflow.rules.vllm_layout_errors); its cost is the built-in
+        engine's (no vLLM cost model)."""
         """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole groups)."""
         self.names = [c.name for c in self.calls]
         self.rpn = min(hw.ranks_per_node, num_gpus)
@@ -84,7 +89,7 @@ class Problem:
             if fixed is not None:
                 if call.name not in fixed:
                     raise ValueError(f"plan has no layout for call {call.name}; calls: {self.names}")
-                errs = self._rule_errors(call, fixed[call.name][1])
+                errs = self._rule_errors(call, fixed[call.name][1], fixed[call.name])
                 if errs:  # a plan the trainer refuses has no meaningful estimate (dataflow/rules.py)
                     raise ValueError("plan breaks a batch rule: " + "; ".join(errs))
                 self.options.append([self._option(call, *fixed[call.name])])
@@ -106,11 +111,18 @@ class Problem:
         t, persist, transient, weights = hit
         return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t, t["busy"], t["working"])
 
-    def _rule_errors(self, call, dp: int) -> list[str]:
+    def _rule_errors(self, call, dp: int, layout: tuple | None = None) -> list[str]:
+        """Why the trainer would refuse `call` at data-parallel degree dp; with layout (mesh, dp,
+        tp, pp), also why vLLM could not run it when it is the vLLM call."""
         wl = self.wl
         grpo_actor = self.grouped and call.kind == "train" and call.model == "actor"
-        return call_rule_errors(call.name, call.kind == "train", grpo_actor, dp, wl.batch_size,
+        errs = call_rule_errors(call.name, call.kind == "train", grpo_actor, dp, wl.batch_size,
                                 wl.ppo_minibatches, wl.micro_batches, wl.group_size)
+        if layout is not None and call.name == self.vllm_call:
+            mesh, dp, tp, pp = layout
+            errs += [f"call {call.name} on vLLM: {e}" for e in vllm_layout_errors(
+                Layout(dp=dp, tp=tp, pp=pp, ranks=mesh.ranks), self.num_gpus, self.models.of(call.model).config)]
+        return errs
 
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
         model = self.models.of(call.model)
@@ -121,7 +133,7 @@ class Problem:
                 continue
             opts = []
             for dp, tp, pp in strategies(model, mesh.size, self.rpn, self.wl):
-                errs = self._rule_errors(call, dp)
+                errs = self._rule_errors(call, dp, (mesh, dp, tp, pp))
                 if errs:  # the trainer would refuse it (dataflow/rules.py)
                     refused.setdefault(mesh.size, errs[0])
                     continue
@@ -141,7 +153,7 @@ class Problem:
             out += opts if per_mesh is None else opts[:per_mesh]
         have = {o.key for o in out}
         for key in extra:
-            if key not in have and not self._rule_errors(call, key[1]):
+            if key not in have and not self._rule_errors(call, key[1], key):
                 out.append(self._option(call, *key))
                 have.add(key)
         if not out and smallest is None and refused:

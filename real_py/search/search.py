@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..dataflow.execplan import ExecutionPlan
 from ..dataflow.graph import GROUPED
 from .costmodel import Mesh, Workload
-from .graph import PPO_GRAPH, PPOModels, ppo_models, search_graph, strategies
+from .graph import PPO_GRAPH, PPOModels, ppo_models, sampling_call, search_graph, strategies
 from .hardware import HardwareProfile, get_profile
 from .problem import GiB, Problem, layouts_from_plan
 from .simulate import SimResult, simulate
@@ -128,7 +128,8 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
                 seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
                 restart_steps: int = 100_000,
                 per_mesh: int | None = None, iters: int = 3, dtype: str = "bfloat16",
-                models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0) -> SearchResult:
+                models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0,
+                engine: str = "builtin") -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
     algorithms have no critic calls). time_budget: seconds for everything (tables included).
     per_mesh: keep only that many fastest strategies per (call, mesh) (default: every
@@ -136,6 +137,11 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
 
     hardware: a HardwareProfile, or the name of a fixed one (hardware.PROFILES); a measured
     profile (`cpu`) comes from real_py.calibrate.resolve_profile: the search never calibrates.
+
+    engine: the runtime's generation.engine. "vllm": the actor's sampling call gets only the
+    layouts vLLM can run inside the ranks (every rank, tp fastest, pp 1, vLLM's head rule) and
+    the graph gains the recompute call actor_logp; the sampling call is costed as the built-in
+    engine (no vLLM cost model yet), and a mixture-of-experts actor has no candidate (refused).
 
     max_staleness: the asynchronous RL bound k the run allows (async.max_staleness). With k >= 1
     plans are scored in async mode (a step costs about the slower of the rollout and train sides
@@ -147,9 +153,10 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
-    graph = search_graph(algo)
+    graph = search_graph(algo, engine)
     prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph, grouped=algo in GROUPED,
-                   extra=baseline_layouts(models, hw, num_gpus, wl, graph), staleness=max_staleness)
+                   extra=baseline_layouts(models, hw, num_gpus, wl, graph), staleness=max_staleness,
+                   vllm_call=sampling_call(algo) if engine == "vllm" else None)
     sym = symmetric_baseline(prob)
     heu = heuristic_baseline(prob, sym)
     t_tables = time.perf_counter() - t0
@@ -213,7 +220,8 @@ def _idle_ranks_last(prob: Problem, best: list, cost: float, staleness: int) -> 
 
 def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",
              workload: Workload | None = None, iters: int = 3, dtype: str = "bfloat16",
-             models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0) -> dict:
+             models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0,
+             engine: str = "builtin") -> dict:
     """Estimated seconds per iteration of a given plan, with per-call and reallocation times;
     max_staleness >= 1: run in async mode with that bound (async.max_staleness).
 
@@ -227,7 +235,8 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
-                   graph=search_graph(algo), grouped=algo in GROUPED, staleness=max_staleness)
+                   graph=search_graph(algo, engine), grouped=algo in GROUPED, staleness=max_staleness,
+                   vllm_call=sampling_call(algo) if engine == "vllm" else None)
     r = simulate(prob, [0] * len(prob.calls))
     # A call's seconds in the timeline of the last simulated step: its own time, stretched by the
     # calls beside it when ranks share cores (simulate.py); "alone": without them.

@@ -15,7 +15,7 @@ reach them with the runtime's own reallocation, planned into vLLM's live format
 it locally; the write and re-processing is the real_py backend's (worker.write_dense). The cost:
 vLLM's tensor-parallel groups are cut from the whole torch world (consecutive ranks), so the
 generation layout must use every rank, tp fastest, pp = 1 (checked before launch:
-real_py.rlhf.config.checks.vllm_layout_errors).
+real_py.dataflow.rules.vllm_layout_errors).
 
 Sampling: one vLLM request per row with the row's seed (vLLM seeds each request's own
 generator, so a row's tokens do not depend on its neighbours); greedy is temperature 0; stop
@@ -67,7 +67,7 @@ class VLLMRollout:
         self.rank, world = dist.get_rank(), dist.get_world_size()
         if layout.pp != 1 or tuple(layout.ranks) != tuple(range(world)) or config.num_experts:
             raise ValueError(f"vLLM generation on {layout} in a world of {world}: see "
-                             "real_py.rlhf.config.checks.vllm_layout_errors")
+                             "real_py.dataflow.rules.vllm_layout_errors")
         self.layout, self.config = layout, config
         self.tp = layout.tp
         self.spec = model_spec(vllm_config(config, self.tp), name="actor")

@@ -10,7 +10,7 @@ import os
 
 from ...dataflow.execplan import ExecutionPlan
 from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
-from ...dataflow.rules import call_rule_errors
+from ...dataflow.rules import call_rule_errors, vllm_layout_errors
 from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
@@ -346,27 +346,6 @@ def _check_runtime_support(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, 
                 raise ValueError(f"config export: hf: {m} trains on {plan.calls[call]} (etp="
                                  f"{plan.calls[call].etp}) and experts are gathered for export from etp=1 "
                                  f"layouts only; train {m} with etp=1 (plan.calls.{call}.etp), or remove export")
-
-
-def vllm_layout_errors(layout, world: int, config) -> list[str]:
-    """Why vLLM cannot run the actor's generation call on `layout` in a world of `world` ranks
-    ([] when it can). vLLM runs inside the ranks (real_py/vllm/rollout.py) and cuts its
-    tensor-parallel groups from the whole torch world, consecutive ranks."""
-    out = []
-    if layout.pp != 1:
-        out.append(f"pp={layout.pp}: vLLM generation runs dp x tp (pp 1)")
-    if layout.dp * layout.tp != world or tuple(layout.ranks) != tuple(range(world)) or layout.order != "tp-dp-pp":
-        out.append(f"ranks {list(layout.ranks)}: vLLM generation uses every rank of the world, tp fastest "
-                   f"(dp * tp = {world}, ranks 0..{world - 1} in order): inside torchrun vLLM cuts its "
-                   "tensor-parallel groups from the whole world")
-    if config.num_experts:
-        out.append("a mixture-of-experts actor: the runtime does not move experts into vLLM yet (the "
-                   "real_py vLLM backend does, real_py.vllm)")
-    heads, kv, tp = config.num_attention_heads, config.num_key_value_heads, layout.tp
-    if heads % tp or (kv % tp and tp % kv):
-        out.append(f"tp={tp} must divide the {heads} attention heads and divide or be a multiple of the "
-                   f"{kv} kv heads (vLLM's rule)")
-    return out
 
 
 def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
