@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc  # noqa: E402
-from real_py.benchmark import slowest_rank, timed_slowest  # noqa: E402
+from real_py.benchmark import pattern, slowest_rank, timed_slowest  # noqa: E402
 from real_py.realloc.plan import _shard_data_numel  # noqa: E402
 from real_py.realloc.shard import ModelShard, tp_slice  # noqa: E402
 
@@ -60,27 +60,10 @@ STAGED = "real_py staged"
 i.e. the reallocator before big contiguous pieces of mixed messages were sent directly."""
 
 
-_INDEX: list[torch.Tensor] = []
-
-
 def oracle_piece(index: int, p, tp: int, tp_rank: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s piece of parameter `index`'s full tensor, by slicing (tp_slice).
-
-    The full tensor is v(i) = (i * 40503 + c) mod 2**24 over flat index i: integers exact in fp32,
-    and i -> i * odd mod 2**24 is a bijection, so no two elements within 16M of each other share
-    a value and a misplaced element is caught. Since v is elementwise, slicing the full index
-    tensor (a view of one cached arange) and then applying v equals slicing the full tensor,
-    at the cost of the piece only. Vocab padding rows are zero, as in a shard."""
-    if not _INDEX or _INDEX[0].numel() < p.numel:
-        _INDEX[:] = [torch.arange(p.numel, dtype=torch.int64)]
-    idx = tp_slice(p, _INDEX[0][:p.numel].view(p.shape), tp, tp_rank)
-    v = ((idx * 40503 + (index + 1) * 7919) & 0xFFFFFF).to(getattr(torch, p.dtype))
-    if p.tp.kind == "vocab":
-        d, rows = p.tp.dim, p.shape[p.tp.dim]
-        local = v.shape[d]
-        held = max(0, min(rows, (tp_rank + 1) * local) - tp_rank * local)
-        v.narrow(d, held, local - held).zero_()
-    return v
+    """TP rank `tp_rank`'s piece of parameter `index`'s full tensor (real_py.benchmark.pattern),
+    by slicing (tp_slice); vocab padding rows are zero, as in a shard."""
+    return tp_slice(p, pattern(index, p), tp, tp_rank)
 
 
 def make_source(model, layout, rank) -> ModelShard | None:
