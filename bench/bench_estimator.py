@@ -11,7 +11,7 @@ default rows; `--compare [SETUP]` a second setup too, each plan scored with both
 same measurements), then for six execution
 plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
-`python -m real_py train` through bench_rlhf.run (median over the steps after the warm-up) and
+`python -m real_py train` (run_train: median over the steps after the warm-up) and
 asks `estimate()` for the same plan, models and workload. One of the plans is the one
 `plan_search(..., hardware=<that profile>, num_gpus=4)` finds for this job.
 """
@@ -23,13 +23,15 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, fields
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from bench_rlhf import ONE_LAYOUT, run  # noqa: E402
+import yaml  # noqa: E402
 from timing import hardware_tag, write_results  # noqa: E402
 
 from real_py.calibrate import DEFAULT, Setup, cpu_profile, profile_from_raw  # noqa: E402
@@ -52,8 +54,22 @@ def _all(dp: int, tp: int, pp: int) -> dict:
     return {"world_size": 4, "calls": {n: {"ranks": [0, 1, 2, 3], "dp": dp, "tp": tp, "pp": pp} for n in CALLS}}
 
 
-PLANS = {"default": CF.DEFAULT_PLAN, "all dp1tp2pp2": ONE_LAYOUT, "all dp2tp2pp1": _all(2, 2, 1),
+PLANS = {"default": CF.DEFAULT_PLAN, "all dp1tp2pp2": _all(1, 2, 2), "all dp2tp2pp1": _all(2, 2, 1),
          "all dp2tp1pp2": _all(2, 1, 2), "all dp4tp1pp1": _all(4, 1, 1)}
+
+
+def run_train(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
+    """`python -m real_py train` on the default config with `plan`; the per-step records of its
+    metrics.jsonl."""
+    cfg = os.path.join(tmp, f"{name}.yaml")
+    with open(cfg, "w") as f:
+        yaml.safe_dump({"steps": steps, "save_every": 0, "allow_idle_ranks": True}
+                       | ({"plan": plan} if plan else {}), f)
+    out = os.path.join(tmp, name)
+    subprocess.run([sys.executable, "-m", "real_py", "train", "--config", cfg, "--out-dir", out,
+                    "--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def job():
@@ -116,7 +132,7 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, 
     rows, med = [], (lambda xs: statistics.median(xs) if xs else 0.0)
     for i, (name, plan) in enumerate(plans.items()):
         CF.validate(CF.from_dict({"plan": plan, "allow_idle_ranks": True}), 4)
-        recs = run(plan, args.steps, tmp, f"r{rnd}p{i}")[args.warmup:]
+        recs = run_train(plan, args.steps, tmp, f"r{rnd}p{i}")[args.warmup:]
         est = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=hw, workload=wl, dtype=dtype)
         meas = med([r["seconds"] for r in recs])
         row = {"round": rnd, "plan": name, "measured s": meas, "estimated s": est["iter_time"],

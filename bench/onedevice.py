@@ -6,12 +6,12 @@ tensor against slices of full tensors, and the gather-and-slice baseline.
     check(dst_shards) -> bool                         # destinations == slices of pattern(p)
     GatherSlice(src_shards, dst_shards).run()         # the baseline method
 
-Oracle: parameter i's full tensor is pattern(i) = (j * 40503 + 7919 (i + 1)) & 0x7FFF over its
-flat index j, stored as int16 bits (any dtype of 2 bytes; compared as bits, so NaN patterns
-compare too); i -> j * odd mod 2^15 never repeats within 32K elements, so a misplaced element is
-caught. A rank's expected piece is tp_slice (real_py/realloc/shard.py, the same slicing the
-tests' oracle uses) of that full tensor: independent of the planner. Done one tensor at a time,
-so the check needs the largest tensor's memory, not the model's.
+Oracle: parameter i's full tensor is real_py.benchmark.pattern(i) with 15 bits, stored as int16
+bits (any dtype of 2 bytes; compared as bits, so NaN patterns compare too); it never repeats
+within 32K elements, so a misplaced element is caught. A rank's expected piece is tp_slice
+(real_py/realloc/shard.py, the same slicing the tests' oracle uses) of that full tensor:
+independent of the planner. Done one tensor at a time, so the check needs the largest tensor's
+memory, not the model's.
 
 GatherSlice, the method the peers use (gather each tensor whole, then slice what each
 destination needs): per tensor, its pieces from one replica of the source layout are
@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from real_py.benchmark import pattern
 from real_py.layout import Layout
 from real_py.realloc.shard import ExpertShard, ModelShard, tp_slice
 from real_py.spec import ModelSpec
-
-
-def pattern(index: int, p, device) -> torch.Tensor:
-    j = torch.arange(p.numel, device=device, dtype=torch.int32)
-    return ((j * 40503 + (index + 1) * 7919) & 0x7FFF).to(torch.int16).view(p.shape)
 
 
 class Shards:
@@ -78,7 +74,7 @@ class Shards:
 def fill(shards: Shards) -> None:
     for name in shards.names():
         p = shards.spec[name]
-        full = pattern(shards.index[name], p, shards.device)
+        full = pattern(shards.index[name], p, bits=15, dtype=torch.int16, device=shards.device)
         for tp, k, _, v in shards.pieces(name):
             v.view(torch.int16).copy_(tp_slice(p, full, tp, k))
 
@@ -87,7 +83,7 @@ def check(shards: Shards) -> bool:
     """Every piece of every tensor equals the slice of its full pattern tensor (bits)."""
     for name in shards.names():
         p = shards.spec[name]
-        full = pattern(shards.index[name], p, shards.device)
+        full = pattern(shards.index[name], p, bits=15, dtype=torch.int16, device=shards.device)
         for tp, k, _, v in shards.pieces(name):
             if not torch.equal(v.view(torch.int16), tp_slice(p, full, tp, k)):
                 return False

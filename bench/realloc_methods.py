@@ -10,7 +10,8 @@ network per run under the method's own scheme (over-sending shows up there).
   DTensorMethod   torch.distributed.tensor redistribute per tensor (per fused block), where
                   source and destination fit one device mesh
   RealPy          real_py's Reallocator over a torch.distributed transport
-  GlooFloor       not a method: the plan's messages alone over gloo (the floor for all)
+  GlooFloor       not a method: the plan's messages alone over gloo (the floor for all;
+                  real_py.benchmark.PlanMessages, as `python -m real_py bench` times it)
   GlooFloorLocal  not a method: the floor plus the plan's rank-local elements as one contiguous copy
   (Megatron-core lives in realloc_mcore.py.)
 """
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from real_py.benchmark import PlanMessages
 from real_py.layout import param_stages
 from real_py.realloc.shard import tp_slice
 
@@ -176,23 +178,14 @@ class RealPy:
         return acc
 
 
-class GlooFloor:
-    """Not a method: the plan's messages posted as one batch_isend_irecv between preallocated
-    buffers, with no packing, no local copies and no rounds. Its time is what moving exactly
-    these bytes over gloo costs on this machine, the floor for any exact method."""
+class GlooFloor(PlanMessages):
+    """Not a method: the plan's messages alone over gloo (real_py.benchmark.PlanMessages), the
+    floor for any exact method."""
 
     name = "gloo floor"
 
     def __init__(self, plan, dtype):
-        mine = plan.for_rank(dist.get_rank())
-        self.ops = [(dist.isend, m.peers[0], torch.empty(m.numel, dtype=dtype)) for m in mine.sends]
-        self.ops += [(dist.irecv, m.peers[0], torch.empty(m.numel, dtype=dtype)) for m in mine.recvs]
-        self.recv_bytes = sum(m.numel for m in mine.recvs) * plan.element_size
-
-    def run(self) -> None:
-        if self.ops:
-            for w in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, peer, t in self.ops]):
-                w.wait()
+        super().__init__(plan, dist.get_rank(), dtype)
 
 
 class GlooFloorLocal(GlooFloor):
@@ -211,8 +204,7 @@ class GlooFloorLocal(GlooFloor):
         self.local = (torch.ones(n, dtype=dtype), torch.empty(n, dtype=dtype)) if n else None
 
     def run(self) -> None:
-        works = (dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, peer, t in self.ops])
-                 if self.ops else [])
+        works = self.start()
         if self.local is not None:
             self.local[1].copy_(self.local[0])
         for w in works:

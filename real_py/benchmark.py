@@ -1,13 +1,17 @@
-"""What every benchmark result records, and the slowest rank's time of a distributed step: the
-helpers `python -m real_py bench` and the scripts in bench/ share.
+"""What every benchmark result records, the slowest rank's time of a distributed step, the test
+pattern a moved tensor is checked against, and the floor of a plan's messages: the helpers
+`python -m real_py bench` and the scripts in bench/ share.
 
     git_commit()        "1a2b3c4", "1a2b3c4+dirty" when tracked files differ from HEAD, or "unknown"
     cpu_model()         the processor's model name (/proc/cpuinfo), or platform.processor()
     environment()       versions, machine and date (UTC) of this run, for a results file
     slowest_rank(s)     the largest of every rank's `s` (an all-reduce MAX)
     timed_slowest(fn)   seconds of fn() on the slowest rank, all ranks starting together
+    pattern(i, p)       parameter i's full test tensor; a rank's expected piece is tp_slice of it
+    PlanMessages(plan)  a plan's messages alone between preallocated buffers (the floor)
 
-A bottom layer: nothing from real_py is imported; torch and numpy only inside the functions.
+A bottom layer: nothing from real_py is imported (a plan and a parameter spec are read through
+their attributes); torch and numpy only inside the functions.
 """
 
 from __future__ import annotations
@@ -98,4 +102,60 @@ def timed_slowest(fn, device=None, *, barrier_after: bool = False) -> float:
     return slowest_rank(time.perf_counter() - t0, device)
 
 
-__all__ = ["cpu_model", "environment", "git_commit", "slowest_rank", "timed_slowest"]
+def pattern(index: int, p, *, bits: int = 24, dtype=None, device=None):
+    """Parameter `index`'s full test tensor [*p.shape] as `dtype` (default p.dtype): flat element
+    i is (i * 40503 + (index + 1) * 7919) mod 2**bits.
+
+    40503 is odd, so i -> i * 40503 mod 2**bits is a bijection: no two elements within 2**bits of
+    each other share a value and a misplaced element is caught. bits=24 gives integers exact in
+    fp32; bits=15 with dtype=torch.int16 fits any 2-byte dtype compared as bits. A rank's expected
+    piece is real_py.realloc.shard.tp_slice of this tensor (vocab padding rows zero): the same
+    slicing the tests' oracle uses, independent of the planner.
+    p: a ParamSpec (numel, shape, dtype)."""
+    import torch
+
+    v = torch.arange(p.numel, dtype=torch.int64, device=device)
+    v.mul_(40503).add_((index + 1) * 7919).bitwise_and_((1 << bits) - 1)
+    return v.to(dtype if dtype is not None else getattr(torch, p.dtype)).view(p.shape)
+
+
+class PlanMessages:
+    """A plan's messages alone on this rank: every send and receive between preallocated buffers
+    (a broadcast message: one send per receiver), posted as one batch_isend_irecv, with no packing,
+    no local copies and no rounds. Its time is what moving exactly these bytes costs over the
+    process group here: the floor of any exact method (the measured peak of `python -m real_py
+    bench`, the gloo floor rows of bench/bench_realloc.py).
+
+        floor = PlanMessages(plan, rank, torch.bfloat16, device)
+        floor.run()                       # or: works = floor.start(); ...; wait on each
+
+    plan: a realloc Plan (for_rank(rank).sends / .recvs, each message with numel and peers).
+    recv_bytes: what this rank receives per run."""
+
+    def __init__(self, plan, rank: int, dtype, device=None):
+        import torch
+        import torch.distributed as dist
+
+        mine = plan.for_rank(rank)
+        self.ops = []
+        for m in mine.sends:
+            buf = torch.ones(m.numel, dtype=dtype, device=device)
+            self.ops += [dist.P2POp(dist.isend, buf, peer) for peer in m.peers]
+        for m in mine.recvs:
+            buf = torch.empty(m.numel, dtype=dtype, device=device)
+            self.ops.append(dist.P2POp(dist.irecv, buf, m.peers[0]))
+        self.recv_bytes = sum(m.numel for m in mine.recvs) * torch.empty(0, dtype=dtype).element_size()
+
+    def start(self) -> list:
+        """Post every message; the works to wait on."""
+        import torch.distributed as dist
+
+        return dist.batch_isend_irecv(self.ops) if self.ops else []
+
+    def run(self) -> None:
+        for w in self.start():
+            w.wait()
+
+
+__all__ = ["PlanMessages", "cpu_model", "environment", "git_commit", "pattern", "slowest_rank",
+           "timed_slowest"]

@@ -33,7 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..benchmark import cpu_model, environment, timed_slowest
+from ..benchmark import PlanMessages, cpu_model, environment, pattern, timed_slowest
 from ..rlhf.observe import open_nofollow
 from .common import launch_torchrun, ranks
 
@@ -290,49 +290,20 @@ def _launch(args, nproc: int) -> int:
 # ---------------------------------------------------------------- workers (under torchrun)
 
 def _pattern(model, shard) -> dict:
-    """name -> the values `shard` must hold: full tensor element i of parameter j is
-    (i * 40503 + (j + 1) * 7919) mod 2**24 (exact in fp32; a bijection on i), cut like the shard."""
-    import torch
-
+    """name -> the values `shard` must hold: benchmark.pattern of each parameter, cut like the
+    shard (tp_slice, then the dp-sharded piece)."""
     from ..realloc.shard import tp_slice
 
     out = {}
     index = {p.name: j for j, p in enumerate(model.params)}
     for name, view in shard.params().items():
         p = model.param(name)
-        idx = tp_slice(p, torch.arange(p.numel, dtype=torch.int64).view(p.shape), shard.layout.tp,
-                       shard.tp_rank)
-        v = ((idx * 40503 + (index[name] + 1) * 7919) & 0xFFFFFF).to(view.dtype)
-        if p.tp.kind == "vocab":  # padding rows are zero in a shard
-            rows, local = p.shape[p.tp.dim], v.shape[p.tp.dim]
-            held = max(0, min(rows, (shard.tp_rank + 1) * local) - shard.tp_rank * local)
-            v.narrow(p.tp.dim, held, local - held).zero_()
+        v = tp_slice(p, pattern(index[name], p, dtype=view.dtype), shard.layout.tp, shard.tp_rank)
         if shard.dp_layout is not None:
             piece = shard.dp_layout.piece(name)
             v = v.reshape(-1)[piece.lo:piece.hi].view(piece.shape)
         out[name] = v.to(view.device)
     return out
-
-
-def _floor_fn(plan, rank: int, dtype, device):
-    """The plan's messages alone (no pack/unpack): one batch_isend_irecv between preallocated
-    buffers. Broadcast messages become one send per receiver."""
-    import torch
-    import torch.distributed as dist
-
-    mine = plan.for_rank(rank)
-    ops = []
-    for m in mine.sends:
-        buf = torch.ones(m.numel, dtype=dtype, device=device)
-        ops += [dist.P2POp(dist.isend, buf, r) for r in m.peers]
-    for m in mine.recvs:
-        ops.append(dist.P2POp(dist.irecv, torch.empty(m.numel, dtype=dtype, device=device), m.peers[0]))
-
-    def fn():
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-    return fn
 
 
 def _machine(backend: str, world: int, device) -> dict:
@@ -382,8 +353,8 @@ def _bench_pair(model, src, dst, args, transport, device) -> dict:
                            f"{ {r: b[:3] for r, b in wrong.items()} }")
     realloc = Reallocator(plan, transport, bucket_bytes=bucket)
     realloc.run(src_shard, dst_shard)  # warm: staging allocated, descriptors cached
-    floor = _floor_fn(plan, rank, src_shard.flat.dtype if src_shard is not None else
-                      dst_shard.flat.dtype if dst_shard is not None else torch.float32, device)
+    floor = PlanMessages(plan, rank, src_shard.flat.dtype if src_shard is not None else
+                         dst_shard.flat.dtype if dst_shard is not None else torch.float32, device).run
     timed_slowest(floor, device)
     times, floors = [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine state

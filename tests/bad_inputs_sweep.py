@@ -1,6 +1,10 @@
-"""Bad-input sweep: ~70 inputs a new user might give, each run through the real CLI.
+"""Bad-input sweep: ~90 inputs a new user might give, each run through the real CLI.
 
-    python bench/tools/bad_inputs.py [--only ID,ID] [--timeout 180] [--no-write]
+    make test-bad-inputs                                       # about 10-20 minutes
+    .venv/bin/python tests/bad_inputs_sweep.py [--only ID,ID] [--timeout 180] [--no-write]
+
+An acceptance suite beside the tests, not collected by pytest (each case is a CLI process of up
+to minutes): it exits 1 when a case ends unclear or silent, and writes its report.
 
 Every case runs `python -m real_py ...` in a subprocess (fresh interpreter, its own timeout) in a
 scratch workspace holding small HF checkpoints written with transformers (a Qwen3 actor, LLaMA
@@ -35,8 +39,7 @@ import tempfile
 import time
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE_S = 30.0
 
 FAST = ["steps=1", "save_every=0", "generation.max_new_tokens=4", "--no-progress", "--timeout", "60"]
@@ -434,7 +437,7 @@ def run_case(c: dict, w: str, timeout: float) -> dict:
             "message": shown.replace(w, "W").replace("|", "/")[:260]}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated case ids")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
@@ -459,9 +462,10 @@ def main() -> None:
     summary = (f"tried {len(rows)}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                + f"; late (> {LATE_S:.0f} s) {late}")
     print(summary)
+    failed = counts["unclear"] + counts["silent"]
     if args.no_write:
-        return
-    sys.path.insert(0, os.path.dirname(HERE))
+        return 1 if failed else 0
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     from timing import hardware_tag, write_results
 
     for r in rows:
@@ -470,7 +474,7 @@ def main() -> None:
         "bad_inputs", hardware_tag("cpu"), rows,
         columns=["id", "what", "outcome", "late", "seconds", "exit", "launched", "message"],
         title="Bad-input sweep: what a new user might give, through the real CLI",
-        notes=summary + ". Each case is `python -m real_py ...` in a fresh subprocess (bench/tools/bad_inputs.py "
+        notes=summary + ". Each case is `python -m real_py ...` in a fresh subprocess (tests/bad_inputs_sweep.py "
               "lists the cases and the phrase each message must hold); W is the scratch workspace. Classes: "
               "clear-before-launch (exit 2, one `error:` line naming the cause, no ranks started), warned (ran, "
               "with a `warning:` line before launch naming the cause), clear-after-launch (ranks started, the "
@@ -478,7 +482,8 @@ def main() -> None:
               "input that must run), late (> 30 s, beside its class).",
         extra={"counts": dict(counts), "late": late})
     print("wrote", *paths)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
