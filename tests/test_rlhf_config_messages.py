@@ -1,4 +1,4 @@
-# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm ignores (critic_path with a critic-free algorithm), more ranks than cores or GPUs, and the legend of the step line's kl.
+# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, more ranks than cores or GPUs, and the legend of the step line's kl.
 # A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, notes, KL_LEGEND) or real_py/cli/train.py (_config, _before_launch).
 import os
 
@@ -45,13 +45,36 @@ def test_causal_lm_critic_path_suggests_critic_init(lm):
     CF.validate(CF.from_dict({"critic_path": lm, "critic_init": "zero"}), 4)   # the suggestion works
 
 
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "remax"])
+def test_critic_keys_with_a_critic_free_algorithm_are_refused(lm, algo):
+    base = {"algo": algo, "reward": {"kind": "rule"}}
+    for keys, named in (({"critic_path": lm}, f"critic_path='{lm}'"),
+                        ({"critic_path": lm, "critic_init": "zero"}, f"critic_path='{lm}'"),
+                        ({"critic_init": "normal"}, "critic_init='normal'")):
+        with pytest.raises(ValueError) as e:
+            CF.from_dict({**base, **keys})
+        key = named.split("=")[0]
+        assert str(e.value) == (f"config {named} but algo='{algo}' has no critic (critic-free): remove "
+                                f"{key}, or use algo: ppo to train a critic"), str(e.value)
+    # The fixes the message names work: without the critic keys, or PPO with them.
+    CF.validate(CF.from_dict(base), 4)
+    CF.validate(CF.from_dict({**base, "algo": "ppo", "critic_path": lm, "critic_init": "zero"}), 4)
+
+
+def test_launcher_refuses_critic_path_with_grpo_before_launch(lm, tmp_path, capsys, no_launch):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "algo=grpo", f"critic_path={lm}", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"critic_path='{lm}' but algo='grpo' has no critic (critic-free)" in err, err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    notes = CF.notes(CF.from_dict({"algo": "grpo", "critic_path": lm, "critic_init": "zero",
-                                   "reward": {"kind": "rule"}, "reward_path": lm, "device": "cpu"}), 8)
+    notes = CF.notes(CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "reward_path": lm,
+                                   "device": "cpu"}), 8)
     text = "\n".join(notes)
-    assert f"critic_path='{lm}' is ignored: algo='grpo' has no critic (critic-free); remove critic_path" in text
-    assert "critic_init='zero' is ignored" in text
     assert f"reward_path='{lm}' is ignored: reward.kind='rule' scores without a reward model" in text
     assert ("the plan has 8 ranks with calls but this machine gives this process 2 CPU cores: ranks share cores and the "
             "run will be slow (calls running side by side stretch by up to 4x)") in text
@@ -60,9 +83,10 @@ def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
 
 
 def test_launcher_prints_warnings_and_the_kl_legend(lm, tmp_path, capsys, no_launch):
-    assert main(["train", "algo=grpo", f"critic_path={lm}", "--out-dir", str(tmp_path / "run")]) == 0
+    assert main(["train", "algo=grpo", "reward={kind: rule}", f"reward_path={lm}",
+                 "--out-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert f"warning: critic_path='{lm}' is ignored: algo='grpo' has no critic" in out, out
+    assert f"warning: reward_path='{lm}' is ignored: reward.kind='rule'" in out, out
     assert "step lines: kl = the k1 estimate of KL(actor || reference), sum over each response's tokens" in out
     assert "can be negative" in out
 

@@ -114,6 +114,12 @@ def check_values(cfg: TrainConfig) -> None:
         if used and v is not None and not 0 <= v < vocab:
             raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "
                              f"(vocab_size={vocab})")
+    if "critic" not in cfg.graph().models():
+        # A critic-free run would load no critic: a critic_path there is a config meant for PPO.
+        for key, v, default in (("critic_path", cfg.critic_path, None), ("critic_init", cfg.critic_init, "checkpoint")):
+            if v != default:
+                raise ValueError(f"config {key}={v!r} but algo={cfg.algo!r} has no critic (critic-free): "
+                                 f"remove {key}, or use algo: ppo to train a critic")
     if cfg.critic_init != "checkpoint" and not cfg.critic_path:
         raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
                          "body the fresh value head sits on); it applies to the critic only, never to "
@@ -465,15 +471,9 @@ KL_LEGEND = ("kl = the k1 estimate of KL(actor || reference), sum over each resp
 
 
 def notes(cfg: TrainConfig, world_size: int) -> list[str]:
-    """Warnings about a config that runs but not as its author may expect: keys the algorithm or
-    reward kind ignores, and more ranks than CPU cores. The launcher prints them before launch."""
+    """Warnings about a config that runs but not as its author may expect: keys the reward kind
+    ignores, and more ranks than CPU cores. The launcher prints them before launch."""
     out = []
-    used = cfg.graph().models()
-    if "critic" not in used:
-        for key, v, default in (("critic_path", cfg.critic_path, None), ("critic_init", cfg.critic_init, "checkpoint")):
-            if v != default:
-                out.append(f"{key}={v!r} is ignored: algo={cfg.algo!r} has no critic (critic-free); remove "
-                           f"{key}, or use algo: ppo to train a critic")
     plan = cfg.execution_plan()
     idle = plan.uncovered_ranks()
     if idle:
