@@ -1,5 +1,5 @@
-# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, more ranks than cores or GPUs, and the legend of the step line's kl.
-# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, notes, KL_LEGEND) or real_py/cli/train.py (_config, _before_launch).
+# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, a searched plan run with other batch settings than it was searched for, more ranks than cores or GPUs, and the legend of the step line's kl.
+# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, _check_searched_for, notes, KL_LEGEND), real_py/dataflow/execplan.py (searched_for) or real_py/cli/train.py (_config, _before_launch).
 import os
 
 import pytest
@@ -80,6 +80,76 @@ def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
             "run will be slow (calls running side by side stretch by up to 4x)") in text
     assert "python -m real_py search --gpus 2 --hardware cpu" in text
     assert CF.notes(CF.from_dict({"device": "cpu"}), 2) == []
+
+
+@pytest.fixture(scope="module")
+def searched_plan(tmp_path_factory):
+    """A GRPO plan searched for the tiny models at 8 rows, 2 mini-batches, 2 epochs, groups of 2."""
+    from real_py.search import Workload, plan_search
+
+    models = CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}}).model_configs()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=12, ppo_minibatches=2, ppo_epochs=2, group_size=2)
+    res = plan_search(models["actor"], models["critic"], num_gpus=4, hardware="h100", workload=wl,
+                      dtype=models["actor"].dtype, time_budget=1.0, algo="grpo")
+    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    res.plan.save(path)
+    return path
+
+
+def test_searched_plan_records_its_batch_settings_and_other_ones_are_refused(searched_plan, tmp_path, capsys,
+                                                                              no_launch):
+    from real_py.dataflow.execplan import BatchSettings, ExecutionPlan
+
+    plan = ExecutionPlan.from_json(searched_plan)
+    assert plan.searched_for == BatchSettings(batch_size=8, mini_batches=2, micro_batches=1, ppo_epochs=2,
+                                              group_size=2)
+    base = {"algo": "grpo", "reward": {"kind": "rule"}, "plan": {"path": searched_plan},
+            "data": {"batch_size": 8}, "ppo": {"mini_batches": 2, "ppo_epochs": 2, "group_size": 2}}
+    CF.validate(CF.from_dict(base), 4)   # the settings it was searched for
+    # Each setting on its own, then two at once: named with the search flag that fixes it.
+    for over, named, flag in (
+            ({"data": {"batch_size": 16}}, "data.batch_size=16 (searched for 8)", "--batch-size 16"),
+            ({"ppo": {"mini_batches": 1}}, "ppo.mini_batches=1 (searched for 2)", "--ppo-minibatches 1"),
+            ({"ppo": {"micro_batches": 2}}, "ppo.micro_batches=2 (searched for 1)", "--micro-batches 2"),
+            ({"ppo": {"ppo_epochs": 1}}, "ppo.ppo_epochs=1 (searched for 2)", "--ppo-epochs 1"),
+            ({"ppo": {"group_size": 4}}, "ppo.group_size=4 (searched for 2)", "--group-size 4"),
+            ({"data": {"batch_size": 16}, "ppo": {"group_size": 4}},
+             "data.batch_size=16 (searched for 8), ppo.group_size=4 (searched for 2)",
+             "--batch-size 16 --group-size 4")):
+        d = {**base, "data": {**base["data"], **over.get("data", {})}, "ppo": {**base["ppo"], **over.get("ppo", {})}}
+        with pytest.raises(ValueError) as e:
+            CF.validate(CF.from_dict(d), 4)
+        msg = str(e.value)
+        assert (f"execution plan plan.path='{searched_plan}' was searched for other batch settings than the "
+                f"config's: {named}; ") in msg, msg
+        assert f"Search again with {flag}, or set" in msg, msg
+    # Inline in the config (the JSON pasted under plan:) it is checked the same way.
+    inline = dict(base, plan=plan.to_json(), data={"batch_size": 16})
+    with pytest.raises(ValueError, match=r"the execution plan under plan: was searched for .*data.batch_size=16"):
+        CF.validate(CF.from_dict(inline), 4)
+    # The launcher refuses it before launch, in one line.
+    with pytest.raises(SystemExit) as e:
+        main(["train", "algo=grpo", "reward={kind: rule}", f"plan.path={searched_plan}", "data.batch_size=16",
+              "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "other batch settings than the config's: data.batch_size=16 (searched for 8); " in err, err
+
+
+def test_plan_without_or_with_a_malformed_searched_for(searched_plan):
+    from real_py.dataflow.execplan import ExecutionPlan
+
+    data = ExecutionPlan.from_json(searched_plan).to_json()
+    # A plan written by hand (no searched_for) runs with any batch settings its rules allow.
+    bare = {k: v for k, v in data.items() if k != "searched_for"}
+    assert ExecutionPlan.from_json(bare).searched_for is None
+    CF.validate(CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "plan": bare,
+                              "data": {"batch_size": 16}}), 4)
+    with pytest.raises(ValueError, match=r"searched_for=\{'batch_size': 8\} must map exactly batch_size, "
+                                         "mini_batches, micro_batches, ppo_epochs, group_size"):
+        ExecutionPlan.from_json(dict(data, searched_for={"batch_size": 8}))
+    with pytest.raises(ValueError, match=r"searched_for.ppo_epochs=0 must be an integer >= 1"):
+        ExecutionPlan.from_json(dict(data, searched_for=dict(data["searched_for"], ppo_epochs=0)))
 
 
 def test_launcher_prints_warnings_and_the_kl_legend(lm, tmp_path, capsys, no_launch):

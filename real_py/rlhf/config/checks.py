@@ -196,6 +196,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     if plan.world_size != world_size:
         raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
                          f"{world_size} ranks")
+    _check_searched_for(cfg, plan)
     uncovered = plan.uncovered_ranks()
     unplanned = [r for r in uncovered if r not in plan.idle_ranks]   # the search records its own
     if unplanned and not cfg.allow_idle_ranks:
@@ -240,6 +241,29 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     _check_checkpoints(cfg, graph, models)
     _check_data_and_reward(cfg, models)
     return plan, graph, models
+
+
+def _check_searched_for(cfg: TrainConfig, plan: ExecutionPlan) -> None:
+    """A searched plan runs only with the batch settings it was searched for: its memory check,
+    its divisibility rules and its estimate were for those batches."""
+    if plan.searched_for is None:
+        return
+    p = cfg.ppo
+    have = {"batch_size": ("data.batch_size", cfg.data.batch_size, "--batch-size"),
+            "mini_batches": ("ppo.mini_batches", p.mini_batches, "--ppo-minibatches"),
+            "micro_batches": ("ppo.micro_batches", p.micro_batches, "--micro-batches"),
+            "ppo_epochs": ("ppo.ppo_epochs", p.ppo_epochs, "--ppo-epochs"),
+            "group_size": ("ppo.group_size", cfg.group_size(), "--group-size")}
+    diff = [(key, getattr(plan.searched_for, f), v, flag) for f, (key, v, flag) in have.items()
+            if getattr(plan.searched_for, f) != v]
+    if diff:
+        where = f"execution plan plan.path={cfg.plan['path']!r}" if set(cfg.plan) == {"path"} else \
+            "the execution plan under plan:"
+        raise ValueError(f"{where} was searched for other batch settings than the config's: "
+                         + ", ".join(f"{key}={v} (searched for {s})" for key, s, v, _ in diff)
+                         + "; its memory check and estimate hold for the searched ones. Search again with "
+                         + " ".join(f"{flag} {v}" for _, _, v, flag in diff)
+                         + ", or set " + ", ".join(f"{key}: {s}" for key, s, _, _ in diff) + " in the config")
 
 
 def _available_bytes() -> int | None:
