@@ -46,7 +46,7 @@ from ..spec import ModelSpec
 from .moe_plan import MoePart, MoePlan
 from .rank_schedule import RankSchedule, rank_schedule
 from .direct import DirectRunner, Entry, plan_tag, schedule_readers
-from .reallocator import (DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, resolve_one_pass, run_ranks,
+from .reallocator import (DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_MIN_BYTES, check_flat, resolve_one_pass, run_ranks,
                           schedule_bytes)
 from .rounds import Lane, RoundOptions, RoundRunner
 from .shard import ExpertShard, ModelShard
@@ -196,6 +196,7 @@ class MoeReallocator:
             if x.model != want or x.layout != layout or x.rank != self.rank:
                 raise ValueError(f"{side} {what} is for {x.model.name} {x.layout} rank {x.rank}; the "
                                  f"plan's {side} is {want.name} {layout} on this rank {self.rank}")
+            check_flat(x, side, "shard" if cls is ModelShard else "expert shard")
             flat = x.flat
             if flat.untyped_storage().nbytes() < (flat.storage_offset() + flat.numel()) * flat.element_size():
                 raise ValueError(f"{side} {what} of rank {self.rank} ({layout}) has no storage behind "

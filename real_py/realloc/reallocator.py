@@ -46,10 +46,13 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from .direct import DirectRunner, plan_tag, schedule_entries, schedule_readers
 from .plan import ReallocPlan
 from .rank_schedule import RankSchedule, rank_schedule
 from .rounds import Lane, RoundOptions, RoundRunner, checksum
+from ..spec import torch_dtype
 from .shard import ModelShard
 from .transports.base import Transport
 from .transports.inprocess import InProcessHub
@@ -190,6 +193,7 @@ def check_shard(plan: ReallocPlan, rank: int, shard: ModelShard | None, side: st
                          f"{side} layout is {layout}")
     if shard.rank != rank:
         raise ValueError(f"{side} shard belongs to rank {shard.rank}, this is rank {rank}")
+    check_flat(shard, side, "shard")
     # The kernels read raw pointers: a buffer whose storage was released (free_source=True, an
     # offloaded shard) or shrunk under its view would be read or written out of bounds.
     flat = shard.flat
@@ -200,6 +204,24 @@ def check_shard(plan: ReallocPlan, rank: int, shard: ModelShard | None, side: st
                          "buffer: it was freed (free_source=True) or offloaded (HostOffload); "
                          "reload it before reallocating")
 
+
+def check_flat(shard, side: str, what: str) -> None:
+    """ValueError unless `shard.flat` (a ModelShard's or an ExpertShard's) is still the 1-D
+    contiguous buffer of the model's dtype and the layout's size that the constructor checked.
+    The compiled copies address bytes at element offsets of the plan's dtype, so a buffer
+    assigned to `flat` afterwards in another dtype or size would be read as the wrong values or
+    fail deep in the copy without naming the shard."""
+    flat, want = shard.flat, torch_dtype(shard.model.dtype)
+    numel = shard.flat_numel
+    if (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.dtype == want and flat.numel() == numel
+            and flat.is_contiguous()):
+        return
+    got = (f"{tuple(flat.shape)} {flat.dtype}{'' if flat.is_contiguous() else ' non-contiguous'}"
+           if isinstance(flat, torch.Tensor) else type(flat).__name__)
+    raise ValueError(f"{side} {what} of rank {shard.rank} ({shard.model.name}, {shard.layout}): its flat buffer is "
+                     f"{got}; the plan needs a 1-D contiguous {want} buffer of {numel} elements "
+                     f"({numel * shard.model.element_size} bytes): was `flat` replaced after the shard was "
+                     f"built? Build a new {type(shard).__name__} around the buffer instead")
 
 
 def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | None:
