@@ -182,7 +182,7 @@ def test_moe_merged_gloo_verify_tiny_bucket():
     assert all(n > 0 for n in out)
 
 
-# The merged schedule: every part's rounds run together (moe_exec.py, rounds.py).
+# The merged schedule: every part's rounds run together (executor.py, rounds.py).
 
 MERGED_PAIRS = [  # ep grows, shrinks, vanishes, appears; etp; stages
     ("dp4,ep4", "tp4,etp4"), ("tp4,etp4", "dp4,ep4"), ("dp2,tp2,ep2", "tp2,dp2,ep4"),
