@@ -35,6 +35,15 @@ def _src_params():
     return {k: v.clone() for k, v in ModelShard.from_full(SPEC, SRC, 0, FULL).params().items()}
 
 
+def _replaced(dtype, extra=0, shard=None):
+    """A shard whose `flat` was swapped after construction for a buffer of another dtype or size
+    (the constructor's checks never saw it)."""
+    shard = shard or ModelShard.from_full(SPEC, SRC, 0, FULL)
+    n = shard.flat.numel() + extra
+    shard.flat = torch.cat([shard.flat, shard.flat])[:n].to(dtype)
+    return shard
+
+
 def _cases(tmp):
     """(id, fn, exc, phrase, inputs): `inputs` are tensors/files the call must leave unchanged."""
     flat = ModelShard.from_full(SPEC, SRC, 0, FULL).flat
@@ -104,6 +113,17 @@ def _cases(tmp):
         ("run non-shard", lambda: _realloc().run(flat, None), TypeError, "source shard must be a ModelShard or None", [flat]),
         ("run freed source", lambda: _realloc().run(freed, ModelShard.empty(SPEC, DST, 0)), ValueError,
          r"source shard of rank 0 .* has 0 bytes of storage behind a \d+-byte buffer: it was freed", []),
+        ("run float64 source", lambda: _realloc().run(_replaced(torch.float64), ModelShard.empty(SPEC, DST, 0)),
+         ValueError, rf"source shard of rank 0 \({SPEC.name}, dp1tp1pp1\): its flat buffer is \({flat.numel()},\) "
+         rf"torch.float64; the plan needs a 1-D contiguous torch.float32 buffer of {flat.numel()} elements "
+         rf"\({flat.numel() * 4} bytes\)", []),
+        ("run short source", lambda: _realloc().run(_replaced(torch.float32, -1), ModelShard.empty(SPEC, DST, 0)),
+         ValueError, rf"source shard of rank 0 .* is \({flat.numel() - 1},\) torch.float32; .* of {flat.numel()} "
+         "elements", []),
+        ("run float16 destination", lambda: _realloc().run(ModelShard.from_full(SPEC, SRC, 0, FULL),
+                                                           _replaced(torch.float16, shard=ModelShard.empty(SPEC, DST, 0))),
+         ValueError, r"destination shard of rank 0 \(.*, dp1tp2pp1\): its flat buffer is \(\d+,\) torch.float16; "
+         r"the plan needs a 1-D contiguous torch.float32 buffer of \d+ elements", []),
         # Trainer-facing embed API
         ("reallocate_flat wrong size", lambda: reallocate_flat(_realloc(), long_flat), ValueError,
          rf"src_flat: .* of {flat.numel()} elements, got \({flat.numel() + 1},\)", [long_flat]),
@@ -159,6 +179,30 @@ def test_bad_library_inputs(tmp_path):
                 failures.append(f"{name}: input {x if isinstance(x, os.PathLike) else 'tensor'} changed")
     assert not failures, "\n".join(failures)
     print(f"{len(cases)} bad-input cases")
+
+
+@pytest.mark.parametrize("one_pass", [None, False], ids=["one-pass", "rounds"])
+@pytest.mark.parametrize("side,dtype,extra", [("source", torch.float64, 0), ("destination", torch.float16, 0),
+                                              ("source", torch.float32, 3), ("destination", torch.float32, -3)],
+                         ids=["src-float64", "dst-float16", "src-long", "dst-short"])
+def test_replaced_flat_named_on_every_path(one_pass, side, dtype, extra):
+    """A shard whose flat buffer was replaced by one of another dtype or length fails before any
+    copy with a ValueError naming the shard (side, rank, model, layout), both dtypes and the
+    expected size, in one pass and in rounds (the copy would otherwise read float64 bytes as
+    float32 values, or fail inside copy_planned naming only a buffer index)."""
+    plan = plan_realloc(SPEC, Layout(), Layout(tp=2))
+    srcs = {0: ModelShard.from_full(SPEC, Layout(), 0, FULL)}
+    dsts = {r: ModelShard.empty(SPEC, Layout(tp=2), r) for r in (0, 1)}
+    bad = srcs[0] if side == "source" else dsts[0]
+    numel = bad.flat.numel()
+    _replaced(dtype, extra, shard=bad)
+    before = srcs[0].flat.clone() if side == "destination" else None
+    with pytest.raises(ValueError, match=rf"{side} shard of rank 0 \({SPEC.name}, {bad.layout}\): its flat buffer "
+                       rf"is \({numel + extra},\) {dtype}; the plan needs a 1-D contiguous torch.float32 buffer "
+                       rf"of {numel} elements \({numel * 4} bytes\)"):
+        run_in_process(InProcessHub(timeout=10), plan, srcs, dsts, one_pass=one_pass)
+    if before is not None:
+        assert torch.equal(srcs[0].flat, before)
 
 
 def test_good_inputs_still_work():

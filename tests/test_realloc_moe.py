@@ -182,7 +182,7 @@ def test_moe_merged_gloo_verify_tiny_bucket():
     assert all(n > 0 for n in out)
 
 
-# The merged schedule: every part's rounds run together (moe_exec.py, rounds.py).
+# The merged schedule: every part's rounds run together (executor.py, rounds.py).
 
 MERGED_PAIRS = [  # ep grows, shrinks, vanishes, appears; etp; stages
     ("dp4,ep4", "tp4,etp4"), ("tp4,etp4", "dp4,ep4"), ("dp2,tp2,ep2", "tp2,dp2,ep4"),
@@ -353,6 +353,22 @@ def test_moe_rank_in_layout_without_shards_is_named():
         run_moe_in_process(InProcessHub(timeout=30), plan, srcs_missing, dsts)
     for r, (s, e) in srcs_missing.items():
         assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r
+
+
+@pytest.mark.parametrize("one_pass", [None, False], ids=["one-pass", "rounds"])
+def test_moe_replaced_expert_flat_is_named(one_pass):
+    """An ExpertShard whose flat buffer was replaced by a float64 one (its constructor never saw
+    it) fails before anything moves, naming the rank, the shard and both dtypes."""
+    src, dst = L("dp2,ep2"), L("tp2,etp2")
+    plan = plan_moe_realloc(MOE, src, dst)
+    srcs, dsts = _moe_shards(MOE, src, dst, random_full(MOE, 5))
+    experts = srcs[0][1]
+    numel = experts.flat.numel()
+    experts.flat = experts.flat.double()
+    with pytest.raises(ValueError, match=rf"source expert shard of rank 0 \({MOE.name}, {src}\): its flat buffer "
+                       rf"is \({numel},\) torch.float64; the plan needs a 1-D contiguous torch.float32 buffer "
+                       rf"of {numel} elements"):
+        run_moe_in_process(InProcessHub(timeout=30), plan, srcs, dsts, one_pass=one_pass)
 
 
 @pytest.mark.parametrize("src", ["dp2,tp2,ep2", "dp4,ep4", "dp2,pp2,ep2"])

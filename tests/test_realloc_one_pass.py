@@ -3,8 +3,8 @@ every rank's messages straight from the senders' source shards into its destinat
 compiled copy, bit for bit against tests/oracle.py, replayed, sources untouched.
 
 A failure points to direct.py (entries, buffer keys), the in-process transport's publish /
-release slots (transports/inprocess.py), InProcessMove (reallocator.py) or the copy plans
-(real_py/ops.py, csrc/ops/).
+release slots (transports/inprocess.py), InProcessMove (inprocess_move.py), the executor
+(executor.py) or the copy plans (real_py/ops.py, csrc/ops/).
 """
 
 from __future__ import annotations

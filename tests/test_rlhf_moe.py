@@ -1,7 +1,7 @@
 # Checks PPO and GRPO from mixture-of-experts HF checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral) through
 # the runtime, on a plan whose actor trains with experts split by ep (dp2tp2ep4) and generates with
 # every expert split by TP (dp2tp2etp2, vLLM's TP experts).
-# A failure points to real_py/rlhf/models.py (experts, MoeReallocator), real_py/realloc/moe_exec.py,
+# A failure points to real_py/rlhf/models.py (experts, MoeReallocator), real_py/realloc/executor.py,
 # real_py/engines/moe_train.py or real_py/dataflow/execplan.py (ep / etp keys).
 """After one iteration: every metric finite (the aux loss among them), the trained actor's dense and
 expert tensors finite and moved from the checkpoint; the critic (PPO) trains from a zero value

@@ -1,15 +1,21 @@
-"""The reallocation path: plan -> schedule -> pack -> transport -> unpack, on shard buffers.
+"""The reallocation path: plan -> schedule -> copy plans (one pass, or pack rows -> transport ->
+unpack rows per round), on shard buffers.
 
   shard.py        ModelShard: one rank's flat buffer with named views; ExpertShard (MoE experts); tp_slice, gather_full
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
+  moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
   rank_schedule.py one rank's rounds of the bucket schedule (chunks in rounds of bounded size, the
                   same on every rank), from C++ without the other ranks' descriptors
-  rounds.py       the round loop (pack, transport, unpack, verify) over one or several plans' lanes
-  reallocator.py  Reallocator: executes a plan on one rank; run_in_process for all ranks at once
-  direct.py       one-pass moves (addressable transports): one compiled copy per rank and move
+  options.py      MoveOptions: the move's knobs, resolved for a transport in one place
+  executor.py     Executor: one rank's move of a ReallocPlan or MoePlan, one lane per part;
+                  run_in_process for all ranks at once
+  reallocator.py  Reallocator: the executor for a ReallocPlan, run(src, dst)
+  moe_exec.py     MoeReallocator: the executor for a MoePlan, run(src, src_experts, dst, dst_experts)
+  expert_readdress.py expert parts' descriptors moved into the ExpertShard buffers
+  direct.py       one pass (addressable transports): one compiled copy per rank and move
+  rounds.py       the round loop (pack rows, transport, unpack rows, verify) over lanes
+  round_layout.py one merged round's staging offsets, pack / unpack rows and messages
   inprocess_move.py InProcessMove: every rank of a plan in this process, compiled once, replayed
-  moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
-  moe_exec.py     MoeReallocator: runs a MoePlan's parts as one schedule on a rank's ModelShard + ExpertShard
   offload.py      HostOffload: a shard's flat buffer out to host memory and back
   transports/     in-process, CUDA IPC, torch.distributed (gloo / NCCL), cupy-NCCL
 """
@@ -17,13 +23,16 @@
 from .moe_plan import MoePlan, plan_moe_realloc
 from .offload import HostOffload
 from .plan import MODES, ReallocPlan, plan_realloc
-from .reallocator import Reallocator, checksum, new_destination, run_in_process
+from .executor import Executor, run_in_process
+from .moe_exec import MoeReallocator
+from .options import MoveOptions
+from .reallocator import Reallocator, checksum, new_destination
 from .rank_schedule import RankSchedule, rank_schedule
 from .shard import ExpertShard, ModelShard, gather_full, tp_slice
 from .inprocess_move import InProcessMove
 from .transports import DistTransport, InProcessHub, IpcTransport, TransferError, Transport
 
-__all__ = ["MODES", "DistTransport", "ExpertShard", "MoePlan", "plan_moe_realloc", "HostOffload", "InProcessHub",
-           "InProcessMove", "IpcTransport", "ModelShard", "ReallocPlan", "Reallocator",
+__all__ = ["MODES", "DistTransport", "Executor", "ExpertShard", "HostOffload", "InProcessHub", "InProcessMove",
+           "IpcTransport", "ModelShard", "MoePlan", "MoeReallocator", "MoveOptions", "ReallocPlan", "Reallocator",
            "RankSchedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
-           "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]
+           "plan_moe_realloc", "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]

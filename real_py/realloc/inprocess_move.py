@@ -5,8 +5,8 @@
     move.close()                                   # or: with InProcessMove(...) as move:
 
 srcs / dsts map rank -> ModelShard (a ReallocPlan) or rank -> (ModelShard, ExpertShard) (a
-MoePlan), as run_in_process / run_moe_in_process take them. Built once: every rank's
-Reallocator (MoeReallocator): its schedule, its compiled copy (descriptor tables on the device,
+MoePlan), as run_in_process takes them. Built once: every rank's
+Executor (executor.py): its schedule, its compiled copy (descriptor tables on the device,
 one pass) or staging buffer (rounds), and, with threads=True, one worker thread per rank that
 lives until close(). A call hands each worker its shards and collects the stats: no plan, no
 schedule, no descriptor upload, no thread start.
@@ -27,23 +27,16 @@ import queue
 import threading
 import time
 
-from .moe_exec import MoeReallocator
-from .moe_plan import MoePlan
-from .reallocator import Reallocator
+from .executor import Executor, plan_ranks, shards_of
 from .transports.inprocess import InProcessHub
 
 
 class InProcessMove:
-    def __init__(self, hub: InProcessHub, plan, *, threads: bool = True, **realloc_kwargs):
+    def __init__(self, hub: InProcessHub, plan, *, threads: bool = True, **knobs):
+        """knobs: MoveOptions fields (options.py)."""
         self.hub, self.plan, self.threads = hub, plan, threads
-        self.moe = isinstance(plan, MoePlan)
-        if self.moe:
-            self.ranks = sorted({r for part in plan.parts for r in part.plan.src.ranks + part.plan.dst.ranks})
-            make = MoeReallocator
-        else:
-            self.ranks = plan.ranks()
-            make = Reallocator
-        self.reallocs = {r: make(plan, hub.transport(r), **realloc_kwargs) for r in self.ranks}
+        self.ranks = plan_ranks(plan)
+        self.reallocs = {r: Executor(plan, hub.transport(r), **knobs) for r in self.ranks}
         if not threads and not all(x.one_pass for x in self.reallocs.values()):
             raise ValueError("InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)")
         self._jobs: dict[int, queue.SimpleQueue] = {}
@@ -54,11 +47,6 @@ class InProcessMove:
                 t = threading.Thread(target=self._work, args=(q,), name=f"rank{r}", daemon=True)
                 t.start()
                 self._workers.append(t)
-
-    def _args(self, srcs: dict, dsts: dict, rank: int) -> tuple:
-        if self.moe:
-            return (*srcs.get(rank, (None, None)), *dsts.get(rank, (None, None)))
-        return srcs.get(rank), dsts.get(rank)
 
     def _work(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:
@@ -84,8 +72,8 @@ class InProcessMove:
             raise RuntimeError("InProcessMove was closed")
         out: queue.SimpleQueue = queue.SimpleQueue()
         for r in self.ranks:
-            x, args = self.reallocs[r], self._args(srcs, dsts, r)
-            self._jobs[r].put((r, lambda x=x, a=args: x.run(*a, free_source=free_source), out))
+            x, args = self.reallocs[r], shards_of(self.plan, srcs, dsts, r)
+            self._jobs[r].put((r, lambda x=x, a=args: x.move(*a, free_source=free_source), out))
         results, errors = {}, {}
         for _ in self.ranks:
             r, ok, value = out.get()
@@ -98,7 +86,7 @@ class InProcessMove:
         t0 = time.perf_counter()
         try:
             for r in self.ranks:
-                bufs, check = self.reallocs[r]._inputs(*self._args(srcs, dsts, r))
+                bufs, check = self.reallocs[r].inputs(*shards_of(self.plan, srcs, dsts, r))
                 self.reallocs[r].runner.begin(bufs, check)
             for r in self.ranks:
                 self.reallocs[r].runner.copy()
@@ -107,11 +95,8 @@ class InProcessMove:
             for r in self.ranks:
                 self.hub.fail(r, f"{type(e).__name__} in this thread's move: {e}")
             raise
-        out = {}
-        for r in self.ranks:
-            src = self._args(srcs, dsts, r)[:2] if self.moe else srcs.get(r)
-            out[r] = self.reallocs[r]._done(src, free_source, stats[r], t0)
-        return out
+        return {r: self.reallocs[r].done(shards_of(self.plan, srcs, dsts, r)[0], free_source, stats[r], t0)
+                for r in self.ranks}
 
     def close(self) -> None:
         for q in self._jobs.values():

@@ -30,9 +30,9 @@ stacked grouped-GEMM tensors ([E_local, 2I/etp, H] gate|up, [E_local, H, I/etp] 
 views of the same expert-shard bytes (spec order puts a layer's gate|up pieces, then its down
 pieces, one expert after the other; `expert_views`), so choosing a form per side costs nothing.
 
-Execution (moe_exec.MoeReallocator): the parts run as one schedule, merged round r = round r of
-each part (rotated by round_shift), each part with rounds of part_round_elems, so a merged round
-holds at most one round's budget per rank and direction. MoePlan.transfers() is that schedule for
+Execution (executor.Executor; moe_exec.MoeReallocator): the parts run as one schedule, merged
+round r = round r of each part (rotated by round_shift), each part with rounds of
+part_round_elems, so a merged round holds at most one round's budget per rank and direction. MoePlan.transfers() is that schedule for
 the cluster simulator; sequential_transfers() the parts one after the other (the comparison).
 """
 

@@ -1,11 +1,11 @@
-"""One rank's round loop, shared by every executor: pack -> transport -> unpack, per round.
+"""One rank's round loop (the executor's staged path): pack -> transport -> unpack, per round.
 
-    runner = RoundRunner(transport, [lane, ...], opts)      # opts: RoundOptions
+    runner = RoundRunner(transport, [lane, ...], opts)      # opts: options.ResolvedOptions
     stats = runner.run([(src_flat, dst_flat), ...], check=...)
 
 A lane is one plan's share of this rank's rounds (its RankSchedule, rank_schedule.py) on its own
-pair of flat buffers; the Reallocator runs one lane, the MoeReallocator one lane per part of an
-MoE plan that the rank takes part in. Merged round r is every lane's round r, relabelled by the
+pair of flat buffers: the executor (executor.py) runs one lane per part of the plan that the
+rank takes part in (a dense plan: one). Merged round r is every lane's round r, relabelled by the
 lane's `shift` (round i of a lane with n rounds is merged round (i + shift) % n, a bijection of
 [0, n), so a lane still has at most one round in any merged round). All of a merged round's
 messages go out in ONE transport.start call, listed lane by lane (lane order, then the lane's own
@@ -41,15 +41,16 @@ rank, the round, the lane's chunks and the peer. Errors are reported to the peer
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..ops import CopyPlan
+from .options import ResolvedOptions, RoundOptions
 from .rank_schedule import RankSchedule
-from .round_layout import direct_messages, layout_round
-from .transports.base import TransferError, Transport
+from .round_layout import RoundLayout, direct_messages, layout_round
+from .transports.base import Handle, TransferError, Transport
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
@@ -68,50 +69,6 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class RoundOptions:
-    """The Reallocator's bucket options resolved for one transport and element size."""
-
-    round_elems: int
-    """Elements per round (bucket / inflight): the per-rank budget is half of it per direction
-    (rank_schedule.py)."""
-    pipeline: bool
-    verify: bool
-    direct_first: bool
-    direct_min_elems: int
-    inflight: int = 1
-    """Staging slots: rounds packed or on the wire at once (1: no pipelining)."""
-    merge: bool = False
-    """One message per peer and round, direct pieces included (round_layout.py)."""
-
-    @classmethod
-    def resolve(cls, transport: Transport, element_size: int, dtype, *, bucket_bytes: int,
-                pipeline: bool | None, verify: bool, direct_min_bytes: int | None,
-                inflight: int | None = None, merge: bool | None = None) -> RoundOptions:
-        if bucket_bytes < 2 * element_size:
-            raise ValueError(f"bucket_bytes={bucket_bytes} is smaller than two elements of {dtype}")
-        if direct_min_bytes is not None and direct_min_bytes < 0:
-            raise ValueError(f"direct_min_bytes={direct_min_bytes} must be >= 0 (0 or None: send "
-                             "every piece of a mixed message through staging)")
-        if inflight is not None and inflight not in (1, 2, 3):
-            raise ValueError(f"inflight={inflight}: 1, 2 or 3 rounds in flight")
-        bucket_elems = bucket_bytes // element_size
-        if pipeline is None:
-            pipeline = transport.asynchronous
-        slots = (inflight or 2) if pipeline else 1
-        # Slots of at least two elements each, else a single buffer without overlap.
-        while slots > 1 and bucket_elems // slots < 2:
-            slots -= 1
-        if merge is None:
-            merge = getattr(transport, "stream_ordered", False)
-        # An asynchronous transport posts every direct piece at the start (they use no
-        # staging); with verify=True (or merged messages) they stay in their rounds.
-        direct_first = transport.asynchronous and not verify and not merge
-        # Rounded up to whole elements, so a tiny positive threshold never turns the feature off.
-        return cls(bucket_elems // slots, slots > 1, verify, direct_first,
-                   -(-(direct_min_bytes or 0) // element_size), slots, bool(merge))
-
-
-@dataclass(frozen=True, slots=True)
 class Lane:
     schedule: RankSchedule
     shift: int = 0
@@ -119,13 +76,56 @@ class Lane:
     name: str = ""
     """Named in checksum errors ("" for a lone plan)."""
     direct_first: bool = True
-    """Whether this lane's direct pieces may be posted at the start (RoundOptions.direct_first);
+    """Whether this lane's direct pieces may be posted at the start (ResolvedOptions.direct_first);
     False keeps them in their rounds, where each end may stage its side of a piece on its own
-    (moe_exec.readdress): both ends of a chunk read the same lane flag, so they agree."""
+    (expert_readdress.readdress): both ends of a chunk read the same lane flag, so they agree."""
+
+
+@dataclass(slots=True)
+class RoundTimes:
+    """Seconds one merged round spent in each phase on this rank (round -1: the direct pieces)."""
+
+    round: int
+    pack: float = 0.0
+    post: float = 0.0
+    wait: float = 0.0
+    unpack: float = 0.0
+
+
+@dataclass(slots=True, kw_only=True)
+class Posted:
+    """A posted round (or the direct pieces, layout None), until it is completed."""
+
+    handle: Handle
+    round: int
+    step: str
+    """Named in errors: "round i/total", "merged round i" or "direct pieces of every round"."""
+    layout: RoundLayout | None = None
+    staging: torch.Tensor | None = None
+    """The staging slot the round was packed into (None: nothing staged)."""
+    recvs: list = field(default_factory=list)
+    """The transport's receive list: data, then checksums (verify)."""
+
+
+@dataclass(slots=True)
+class Call:
+    """One run() call's state: the buffers, timings, and the step named if it fails."""
+
+    times: dict[int, RoundTimes]
+    srcs: list = field(default_factory=list)
+    dsts: list = field(default_factory=list)
+    like: torch.Tensor | None = None
+    """The first buffer passed: device and dtype of the staging buffer and the copies."""
+    step: str = "input check"
+    posted: int = 0
+    """Rounds posted so far (round-robin over the staging slots)."""
+    local_s: float = 0.0
+    watch: list[Posted] = field(default_factory=list)
+    """Stream-ordered transports: every completed handle, waited on the host at the end."""
 
 
 class RoundRunner:
-    def __init__(self, transport: Transport, lanes: list[Lane], opts: RoundOptions,
+    def __init__(self, transport: Transport, lanes: list[Lane], opts: ResolvedOptions,
                  total: int | None = None):
         """total: the number of merged rounds, when every rank knows it (named in steps as
         "round i/total"; it must be the same on both ends of a message)."""
@@ -171,104 +171,99 @@ class RoundRunner:
         its input tells its peers at once). Returns stats: rounds, staging_bytes, "phases"
         (seconds in local copies, pack, post, wait, unpack) and "per_round" ([merged round,
         pack, post, wait, unpack] seconds; round -1: the direct pieces, posted at once)."""
-        clock, opts = time.perf_counter, self.opts
-        ordered = getattr(self.transport, "stream_ordered", False)
-        per_round = {k: [k, 0.0, 0.0, 0.0, 0.0] for k, _ in self.layouts}
-        local_s = 0.0
-        like = None
-        step = "input check"
-        watch: list = []  # stream-ordered: every handle, waited on the host at the end
+        call = Call(times={k: RoundTimes(k) for k, _ in self.layouts})
         try:
             if check is not None:
                 check()  # may fill `bufs`
-            like = next((b for pair in bufs for b in pair if b is not None), None)
-            srcs, dsts = [b[0] for b in bufs], [b[1] for b in bufs]
-
-            def local_copies():
-                # Run while transfers are in flight (disjoint destination ranges: each element
-                # comes either from this rank's source or from a peer).
-                nonlocal local_s
-                t = clock()
-                if len(self.local):
-                    self._plan(("local",), self.local, like).run(srcs, dsts)
-                local_s += clock() - t
-
-            def complete(p):
-                handle, k, lay, staging, step_k, recvs = p
-                t = clock()
-                if ordered:
-                    handle.order()
-                    watch.append((handle, step_k))
-                else:
-                    handle.wait()
-                per_round[k][3] += clock() - t
-                t = clock()
-                self._finish(k, lay, staging, recvs, step_k, dsts, like)
-                per_round[k][4] += clock() - t
-
-            direct = None
-            if self.direct[0] or self.direct[1]:
-                # Pieces sent straight from / into the buffers need no staging, so the memory
-                # bound does not hold them to their rounds: post them all now (both ends derive
-                # the same order) and wait for them at the end.
-                step = "direct pieces of every round"
-                t = clock()
-                sends, recvs = self._tensors(self.direct[0], self.direct[1], srcs, dsts, None)
-                direct = (self.transport.start(sends, recvs, step), step)
-                per_round[-1] = [-1, 0.0, clock() - t, 0.0, 0.0]
+            call.srcs, call.dsts = [b[0] for b in bufs], [b[1] for b in bufs]
+            call.like = next((b for pair in bufs for b in pair if b is not None), None)
+            direct = self._post_direct(call) if self.direct[0] or self.direct[1] else None
             if direct is not None or not self.layouts:
-                step = "local copies"
-                local_copies()
-            pending, posted = [], 0
+                self._local_copies(call)
+            pending: list[Posted] = []
             for k, lay in self.layouts:
-                step = cur = self._step(k)
-                row = per_round[k]
                 if not lay.sends and not lay.recvs:  # only direct pieces, posted above
                     continue
-                t = clock()
-                slot = posted % opts.inflight
-                staging = None
-                if lay.staged:
-                    staging = self._staging(like)[slot * self.half:(slot + 1) * self.half]
-                    if len(lay.pack):
-                        self._plan(("pack", k), lay.pack, like).run(srcs, [staging])
-                sends, recvs = self._tensors(lay.sends, lay.recvs, srcs, dsts, staging)
-                row[1] += clock() - t
-                posted += 1
-                t = clock()
-                handle = self.transport.start(sends, recvs, cur)
-                row[2] += clock() - t
-                if posted == 1 and direct is None:
-                    step = "local copies"
-                    local_copies()
-                pending.append((handle, k, lay, staging, cur, recvs))
-                while len(pending) >= opts.inflight:
-                    step = pending[0][4]
-                    complete(pending.pop(0))
+                pending.append(self._post_round(call, k, lay))
+                if call.posted == 1 and direct is None:
+                    # Run while the first round is in flight (disjoint destination ranges: each
+                    # element comes either from this rank's source or from a peer).
+                    self._local_copies(call)
+                while len(pending) >= self.opts.inflight:
+                    self._complete(call, pending.pop(0))
             while pending:
-                step = pending[0][4]
-                complete(pending.pop(0))
+                self._complete(call, pending.pop(0))
             if direct is not None:
-                step = direct[1]
-                t = clock()
-                (direct[0].order if ordered else direct[0].wait)()
-                if ordered:
-                    watch.append((direct[0], step))
-                per_round[-1][3] += clock() - t
-            for handle, step_k in watch:  # the host's only waits: timeouts and failures
-                step = step_k
-                handle.wait()
+                self._complete(call, direct)
+            for posted in call.watch:  # the host's only waits: timeouts and failures
+                call.step = posted.step
+                posted.handle.wait()
         except BaseException as e:
             if not getattr(e, "reported", False):  # the transport's own errors are reported
-                self.transport.fail(step, f"{type(e).__name__}: {e}"[:1000])
+                self.transport.fail(call.step, f"{type(e).__name__}: {e}"[:1000])
             raise
-        es = like.element_size() if like is not None else 0
+        es = call.like.element_size() if call.like is not None else 0
+        times = sorted(call.times.values(), key=lambda x: x.round)
         return {"rounds": len(self.merged),
                 "staging_bytes": 0 if self.staging is None else self.staging.numel() * es,
-                "phases": {"local": local_s,
-                           **{k: sum(r[j] for r in per_round.values())
-                              for j, k in enumerate(("pack", "post", "wait", "unpack"), 1)}},
-                "per_round": sorted(per_round.values())}
+                "phases": {"local": call.local_s, **{phase: sum(getattr(x, phase) for x in times)
+                                                     for phase in ("pack", "post", "wait", "unpack")}},
+                "per_round": [[x.round, x.pack, x.post, x.wait, x.unpack] for x in times]}
+
+    def _local_copies(self, call: Call) -> None:
+        call.step = "local copies"
+        t = time.perf_counter()
+        if len(self.local):
+            self._plan(("local",), self.local, call.like).run(call.srcs, call.dsts)
+        call.local_s += time.perf_counter() - t
+
+    def _post_direct(self, call: Call) -> Posted:
+        """Post every direct piece of every round at once: sent straight from / into the
+        buffers, they need no staging, so the memory bound does not hold them to their rounds
+        (both ends derive the same order); completed after the rounds."""
+        call.step = "direct pieces of every round"
+        t = time.perf_counter()
+        sends, recvs = self._tensors(self.direct[0], self.direct[1], call.srcs, call.dsts, None)
+        handle = self.transport.start(sends, recvs, call.step)
+        call.times[-1] = RoundTimes(-1, post=time.perf_counter() - t)
+        return Posted(handle=handle, round=-1, step=call.step)
+
+    def _post_round(self, call: Call, k: int, lay: RoundLayout) -> Posted:
+        """Pack merged round k into the next staging slot and post its messages."""
+        clock, row = time.perf_counter, call.times[k]
+        call.step = self._step(k)
+        t = clock()
+        staging = None
+        if lay.staged:
+            slot = call.posted % self.opts.inflight
+            staging = self._staging(call.like)[slot * self.half:(slot + 1) * self.half]
+            if len(lay.pack):
+                self._plan(("pack", k), lay.pack, call.like).run(call.srcs, [staging])
+        sends, recvs = self._tensors(lay.sends, lay.recvs, call.srcs, call.dsts, staging)
+        row.pack += clock() - t
+        call.posted += 1
+        t = clock()
+        handle = self.transport.start(sends, recvs, call.step)
+        row.post += clock() - t
+        return Posted(handle=handle, round=k, step=call.step, layout=lay, staging=staging, recvs=recvs)
+
+    def _complete(self, call: Call, posted: Posted) -> None:
+        """Complete a posted round (stream-ordered: order the current stream after it and watch
+        it at the end; else wait), then check and unpack it (not the direct pieces: they landed
+        in place)."""
+        clock, row = time.perf_counter, call.times[posted.round]
+        call.step = posted.step
+        t = clock()
+        if getattr(self.transport, "stream_ordered", False):
+            posted.handle.order()
+            call.watch.append(posted)
+        else:
+            posted.handle.wait()
+        row.wait += clock() - t
+        if posted.layout is not None:
+            t = clock()
+            self._finish(posted, call.dsts, call.like)
+            row.unpack += clock() - t
 
     def _tensors(self, sends, recvs, srcs, dsts, staging):
         """The transport's (receivers, tensor) / (sender, tensor, receivers) lists of messages:
@@ -282,7 +277,9 @@ class RoundRunner:
             out_r += [(s, torch.empty(1, dtype=torch.int64, device=t.device), r) for s, t, r in out_r]
         return out_s, out_r
 
-    def _finish(self, k, lay, staging, recvs, step, dsts, like) -> None:
+    def _finish(self, posted: Posted, dsts, like) -> None:
+        """Check a completed round's checksums (verify) and unpack it."""
+        k, lay, recvs, step = posted.round, posted.layout, posted.recvs, posted.step
         if self.opts.verify:
             n = len(recvs) // 2
             for j, ((sender, data, _), (_, want, _)) in enumerate(zip(recvs[:n], recvs[n:])):
@@ -298,7 +295,7 @@ class RoundRunner:
                         f"from peer rank {sender}: sender computed {int(want.item())}, received "
                         f"data gives {int(got.item())}")
         if len(lay.unpack):
-            self._plan(("unpack", k), lay.unpack, like).run([staging], dsts)
+            self._plan(("unpack", k), lay.unpack, like).run([posted.staging], dsts)
 
 
 __all__ = ["RoundRunner", "RoundOptions", "Lane", "checksum"]

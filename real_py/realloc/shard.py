@@ -76,7 +76,7 @@ class ModelShard:
         self.shard_layout: ShardLayout = shard_layout(model, layout, self.stage)
         self.dp_layout: DpShardLayout | None = (
             None if layout.dp_shard == "none" else dp_shard_layout(model, layout, self.stage, self.dp_rank))
-        numel = (self.dp_layout or self.shard_layout).numel
+        numel = self.flat_numel
         want = torch_dtype(model.dtype)
         if flat.dim() != 1 or flat.numel() != numel or flat.dtype != want:
             raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be 1-D "
@@ -86,6 +86,11 @@ class ModelShard:
             raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be contiguous, got "
                              f"stride {flat.stride()}; pass flat.contiguous() (views alias the buffer)")
         self.flat = flat
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements the layout puts in `flat` (the dp piece's in a dp-sharded layout)."""
+        return (self.dp_layout or self.shard_layout).numel
 
     @classmethod
     def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ModelShard":
@@ -158,6 +163,11 @@ class ExpertShard:
             raise ValueError(f"expert flat buffer for {model.name} {layout} rank {rank} must be a contiguous "
                              f"1-D {want} tensor of {self.shard_layout.numel} elements, got {got}")
         self.flat = flat
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements the layout puts in `flat`."""
+        return self.shard_layout.numel
 
     @classmethod
     def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ExpertShard":
