@@ -1,5 +1,5 @@
 # Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, and Ctrl-C ends the job with one line.
-# A failure points to real_py/cli/job.py (launcher, watcher), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+# A failure points to real_py/launch/job.py (launcher, watcher), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
 """Each job runs in its own session (start_new_session) with a marker in its environment, so the
 test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
 
@@ -15,10 +15,10 @@ import types
 
 import pytest
 
-from real_py.cli import lock as L
-from real_py.cli import rank as R
 from real_py.cli import main
 from real_py.cli import train as cli_train
+from real_py.launch import lock as L
+from real_py.launch import rank as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = '''import os, time
@@ -310,7 +310,7 @@ def test_failure_record_finds_the_cause():
 def _ended_job(tmp_path, codes: dict, records: dict, ended: dict | None = None):
     """A launcher's job after its end, as the watcher and the agent left it: `codes` rank -> exit
     code (negative: signal), `records` rank -> failure record; no process is started."""
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     jb = J._Job(4, str(tmp_path), None, True)
     t = time.time()
@@ -329,7 +329,7 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
     the first one before it told its pid), the line still names the rank that died first; and a
     Watchdog's record (consequent, the silent peer only in its message) names the stopped rank,
     not a rank the agent's SIGTERM ended after the Watchdog's exit."""
-    from real_py.cli.report import cause, report
+    from real_py.launch.report import cause, report
 
     t = time.time()
     jb = _ended_job(tmp_path, {0: -15, 1: 3, 2: -15, 3: -15}, {}, ended={0: t, 1: t + 0.5, 2: t, 3: t})
@@ -356,7 +356,7 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     """An error raised by user code (a reward function's "Read timed out") is the rank's own,
     whatever its words: not consequent, and the root cause before a peer's transfer error."""
     from real_py import liveness
-    from real_py.cli.report import cause
+    from real_py.launch.report import cause
     from real_py.realloc.transports.base import TransferError
 
     monkeypatch.setitem(liveness._doing, "failed_user", "the reward function reward.py:score")
@@ -503,7 +503,7 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
     fd 0 (which the rank's own stdin replaces)."""
     import functools
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     out = str(tmp_path / "run")
     pipes = J._Job._pipes
@@ -575,7 +575,7 @@ def _launch_noting_start(tmp_path, n: int) -> int:
     """Exit code of an in-process forked job of `n` ranks running _note_start."""
     import functools
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     out = str(tmp_path / "run")
     L.lock_out_dir(out)
@@ -665,7 +665,7 @@ def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):
     since) nor runs the launcher's part (_config: the lock, the checkpoint sweep)."""
     import pickle
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
     from real_py.rlhf import config
 
     got = {}

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from ..benchmark import PlanMessages, cpu_model, environment, pattern, timed_slowest
 from ..rlhf.observe import open_nofollow
-from .common import launch_torchrun, ranks
+from ..launch.torchrun import launch_torchrun
+from .common import ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")

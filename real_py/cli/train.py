@@ -56,7 +56,7 @@ def _config(args):
     if args.out_dir:
         d["out_dir"] = args.out_dir
     cfg = config.from_dict(d)
-    from .lock import lock_out_dir
+    from ..launch.lock import lock_out_dir
 
     # The launcher, or rank 0 under an outside torchrun (the ranks of a launched job never get
     # here: they run the launcher's config).
@@ -103,7 +103,7 @@ def _launch(args, world: int) -> int:
     never reading the config file or sweeping the checkpoints again."""
     import functools
 
-    from . import job
+    from ..launch import job
 
     cfg, ckpt, validated = args.prepared
     if job.can_fork(cfg.device):
@@ -127,8 +127,8 @@ def _preimport() -> None:
 def run(args) -> int:
     from ..rlhf import config
     from ..rlhf.observe import check_no_links
-    from .lock import unlock
-    from .rank import run_rank
+    from ..launch.lock import unlock
+    from ..launch.rank import run_rank
 
     if "RANK" in os.environ:  # a rank under an outside torchrun
         return run_rank(lambda: _rank(args), int(os.environ["RANK"]))
@@ -216,7 +216,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
     from ..rlhf import checkpoint, config
     from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
-    from .rank import managed
+    from ..launch.rank import managed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..device import backend_for, resolve_device

@@ -35,7 +35,7 @@ def agent_log(logs: str):
 
 
 def launch_config(n: int, logs: str, fork: bool):
-    """torchrun's launch of `n` ranks on this node (see real_py/cli/job.py)."""
+    """torchrun's launch of `n` ranks on this node (see real_py/launch/job.py)."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 

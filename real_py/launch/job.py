@@ -2,7 +2,7 @@
 ranks, and the launcher process holds the run directory, watches the ranks, and ends them
 together.
 
-    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes (real_py/cli/lock.py)
+    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes (real_py/launch/lock.py)
     code = launch(world, out_dir, target, fork=True)
     lock.unlock()                       # after the job (the ranks hold the lock until they exit)
 
@@ -17,7 +17,7 @@ config validated here already loaded, and calls `target()`; otherwise it is "spa
 CUDA must not be initialized before a fork), and `target` is pickled to a fresh interpreter. The
 ranks are children of this process (in its process group: a kill of the group reaches them) and
 hold the run directory's lock with it. What runs inside a rank (death with the launcher, its
-failure record) is real_py/cli/rank.py.
+failure record) is real_py/launch/rank.py.
 
 Output. Each rank's stdout and stderr go through pipes (inherited, or handed over at spawn) to
 a watcher thread of the launcher, into <out_dir>/logs/rank<r>.log; rank 0's stdout (step lines,
@@ -27,7 +27,7 @@ watcher ends the job at the first failure record or rank death (after FAIL_GRACE
 other ranks' records, then SIGKILL of every rank: a stopped rank cannot act on SIGTERM; each
 rank tells the watcher its pid when it starts, and logs/job.json lists them); the agent then
 sees its workers gone, and instead of its ChildFailedError the launcher prints one line: the
-root cause and the log with the full trace (real_py/cli/report.py). Ctrl-C (SIGINT, SIGTERM,
+root cause and the log with the full trace (real_py/launch/report.py). Ctrl-C (SIGINT, SIGTERM,
 SIGHUP) ends the ranks and prints one line. While the job runs, a rank inside user code (the
 reward function, data loading) for USER_WARN_S seconds or more is named on stderr.
 """

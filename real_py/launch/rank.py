@@ -3,7 +3,7 @@ launcher's pipes, and its failure record.
 
     run_rank(target, rank)       # target() -> exit code; an exception -> failure record, one line
 
-A rank started by `launch` (real_py/cli/job.py) enters through `rank_entry`: its own ends of
+A rank started by `launch` (real_py/launch/job.py) enters through `rank_entry`: its own ends of
 the launcher's pipes become its stdout and stderr (the launcher's other fds a fork inherited are
 closed, each only while its number still holds the launcher's file, or, a file in logs/ the agent's
 logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
