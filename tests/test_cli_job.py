@@ -315,11 +315,11 @@ def _ended_job(tmp_path, codes: dict, records: dict, ended: dict | None = None):
     jb = J._Job(4, str(tmp_path), None, True)
     t = time.time()
     for rk in jb.ranks:
-        rk.pid = 1000 + rk.r
-        rk.code = codes.get(rk.r)
-        rk.ended = (ended or {}).get(rk.r, t + 0.01 * rk.r)
-        rk.killed = rk.code is None
-    jb.records = records
+        rk.pid = 1000 + rk.rank
+        rk.exit_code = codes.get(rk.rank)
+        rk.ended_at = (ended or {}).get(rk.rank, t + 0.01 * rk.rank)
+        rk.killed = rk.exit_code is None
+    jb.failure_records = records
     return jb
 
 
@@ -337,13 +337,13 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
     jb = _ended_job(tmp_path, {0: -15, 1: None, 2: -15, 3: -15}, {}, ended={0: t, 1: None, 2: t, 3: t})
     jb.ranks[1].killed = False
     jb._agent_failures({1: types.SimpleNamespace(local_rank=1, exitcode=3)})   # the agent reaped it first
-    assert jb.ranks[1].ended is None and cause(jb)[0] == 1
+    assert jb.ranks[1].ended_at is None and cause(jb)[0] == 1
     dog = {"rank": 0, "time": t, "where": "rank 0, step 1, call actor_train", "exception": "SilentPeer",
            "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
                       "stopped or hung); a blocked collective cannot be given up, so this process exits",
            "consequent": True}
     jb = _ended_job(tmp_path, {0: 75, 1: -15, 2: None, 3: -15}, {0: dog})
-    jb.ranks[2].pstate = "T"
+    jb.ranks[2].state_at_kill = "T"
     assert report(jb) == 1
     line = capsys.readouterr().err.strip()
     assert line.startswith("train failed: rank 2 was stopped (process state T: SIGSTOP or a debugger)"), line
@@ -366,7 +366,7 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     peer = R.failure_record(TransferError("rank 0: round 1/3: recv from peer rank 2 timed out"), 0)
     assert peer["consequent"] is True
     peer["time"] = rec["time"] - 1   # the peer's record even came first
-    jb = types.SimpleNamespace(records={0: peer, 2: rec}, ranks=[], n=4)
+    jb = types.SimpleNamespace(failure_records={0: peer, 2: rec}, ranks=[], num_ranks=4)
     assert cause(jb)[0] == 2
 
 
@@ -510,7 +510,8 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
 
     def noting(self):
         plumbing = pipes(self)
-        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in list(self.streams) + list(self.hellos)}
+        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]"
+                                  for fd in list(self.output_pipes) + list(self.hello_pipes)}
         return plumbing
 
     monkeypatch.setattr(J._Job, "_pipes", noting)
@@ -646,7 +647,8 @@ def test_rank_closes_the_launchers_fds_by_identity(tmp_path):
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         assert reused == stale[0]
-        R._close_launchers(R.Plumbing([], [], [], None, str(logs), os.getppid(), [stale, R.fd_key(r)]),
+        R._close_launchers(R.Plumbing(stdout=[], stderr=[], hello=[], lock=None, logs=str(logs),
+                                      launcher_pid=os.getppid(), private=[stale, R.fd_key(r)]),
                            keep=(w, null), null=null)
         assert os.readlink(f"/proc/self/fd/{reused}") == str(tmp_path / "other")
         assert not os.path.exists(f"/proc/self/fd/{r}")
