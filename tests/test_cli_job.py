@@ -1,5 +1,5 @@
-# Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, and Ctrl-C ends the job with one line.
-# A failure points to real_py/launch/job.py (launcher, watcher), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+# Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, Ctrl-C ends the job with one line, and the job's store listens on the loopback only.
+# A failure points to real_py/launch/job.py (launcher, watcher), agent.py (launch config, loopback rendezvous), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
 """Each job runs in its own session (start_new_session) with a marker in its environment, so the
 test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
 
@@ -227,7 +227,7 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
     responses, config.validate) runs once, not once more per rank; and the command ends
     within a couple of seconds of its summary line (no interpreter teardown, no torchrun command
     in a child process). The ranks were started by torchrun's elastic agent in the launcher
-    (its c10d rendezvous in logs/torchrun.log; job.json lists the ranks and the fork start)."""
+    (its one-node rendezvous in logs/torchrun.log; job.json lists the ranks and the fork start)."""
     (tmp_path / "reward.py").write_text(
         "import os\n"
         "def score(prompts, responses, answer):\n"
@@ -244,7 +244,7 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         assert job.finish() == 0, job.stderr()[-3000:]
         took = time.monotonic() - t
         agent = open(os.path.join(out, "logs", "torchrun.log")).read()
-        assert "hosts the TCP store for the C10d rendezvous backend" in agent, agent[-2000:]
+        assert "hosts the job's TCPStore on 127.0.0.1:" in agent, agent[-2000:]
         info = json.load(open(os.path.join(out, "logs", "job.json")))
         assert info["launcher"] == job.p.pid and info["start_method"] == "fork" and len(info["ranks"]) == 4
         checks = (tmp_path / "checks").read_text().split()
@@ -532,6 +532,67 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
     for r in range(2):
         got = json.load(open(tmp_path / f"fds{r}.json"))
         assert got == {"logs": [], "pidfds": [], "launcher_ends": [], "locks": [True], "child_locks": 0}, (r, got)
+
+
+def _tcp_listeners(pid: int) -> list[str]:
+    """"address:port" of every TCP socket process `pid` listens on (from /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:   # LISTEN
+                addr, port = cols[1].split(":")
+                ip = (".".join(str(b) for b in reversed(bytes.fromhex(addr))) if len(addr) == 8 else
+                      ":".join(addr[i:i + 4] for i in range(0, 32, 4)))
+                out.append(f"{ip}:{int(port, 16)}")
+    return out
+
+
+def _report_store(path: str) -> int:
+    """A rank's target: the ranks' store works (a gloo group over it), and what the launcher
+    (this rank's parent, the agent's process) listens on."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    with open(os.path.join(path, f"store{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"sum": t.item(), "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])],
+                   "listeners": _tcp_listeners(os.getppid())}, f)
+    return 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fork", [True, False], ids=["fork", "spawn"])
+def test_the_jobs_store_listens_on_the_loopback_only(tmp_path, fork):
+    """The launcher's only listening socket is the store the ranks use, bound to 127.0.0.1 (torch's
+    own rendezvous backends listen on every interface, a second store included)."""
+    import functools
+
+    from real_py.launch import job as J
+
+    out = str(tmp_path / "run")
+    L.lock_out_dir(out)
+    try:
+        assert J.launch(2, out, functools.partial(_report_store, str(tmp_path)), fork=fork) == 0
+    finally:
+        L.unlock()
+    for r in range(2):
+        got = json.load(open(tmp_path / f"store{r}.json"))
+        addr, port = got["master"]
+        assert got["sum"] == 2.0 and addr == "127.0.0.1", (r, got)
+        assert got["listeners"] == [f"127.0.0.1:{port}"], (r, got)
 
 
 @pytest.mark.dist

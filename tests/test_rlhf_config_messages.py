@@ -1,5 +1,5 @@
-# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm ignores (critic_path with a critic-free algorithm), more ranks than cores or GPUs, and the legend of the step line's kl.
-# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, notes, KL_LEGEND) or real_py/cli/train.py (_config, _before_launch).
+# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, a searched plan run with other batch settings than it was searched for, more ranks than cores or GPUs, and the legend of the step line's kl.
+# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, _check_searched_for, notes, KL_LEGEND), real_py/dataflow/execplan.py (searched_for) or real_py/cli/train.py (_config, _before_launch).
 import os
 
 import pytest
@@ -45,13 +45,36 @@ def test_causal_lm_critic_path_suggests_critic_init(lm):
     CF.validate(CF.from_dict({"critic_path": lm, "critic_init": "zero"}), 4)   # the suggestion works
 
 
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "remax"])
+def test_critic_keys_with_a_critic_free_algorithm_are_refused(lm, algo):
+    base = {"algo": algo, "reward": {"kind": "rule"}}
+    for keys, named in (({"critic_path": lm}, f"critic_path='{lm}'"),
+                        ({"critic_path": lm, "critic_init": "zero"}, f"critic_path='{lm}'"),
+                        ({"critic_init": "normal"}, "critic_init='normal'")):
+        with pytest.raises(ValueError) as e:
+            CF.from_dict({**base, **keys})
+        key = named.split("=")[0]
+        assert str(e.value) == (f"config {named} but algo='{algo}' has no critic (critic-free): remove "
+                                f"{key}, or use algo: ppo to train a critic"), str(e.value)
+    # The fixes the message names work: without the critic keys, or PPO with them.
+    CF.validate(CF.from_dict(base), 4)
+    CF.validate(CF.from_dict({**base, "algo": "ppo", "critic_path": lm, "critic_init": "zero"}), 4)
+
+
+def test_launcher_refuses_critic_path_with_grpo_before_launch(lm, tmp_path, capsys, no_launch):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "algo=grpo", f"critic_path={lm}", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"critic_path='{lm}' but algo='grpo' has no critic (critic-free)" in err, err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    notes = CF.notes(CF.from_dict({"algo": "grpo", "critic_path": lm, "critic_init": "zero",
-                                   "reward": {"kind": "rule"}, "reward_path": lm, "device": "cpu"}), 8)
+    notes = CF.notes(CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "reward_path": lm,
+                                   "device": "cpu"}), 8)
     text = "\n".join(notes)
-    assert f"critic_path='{lm}' is ignored: algo='grpo' has no critic (critic-free); remove critic_path" in text
-    assert "critic_init='zero' is ignored" in text
     assert f"reward_path='{lm}' is ignored: reward.kind='rule' scores without a reward model" in text
     assert ("the plan has 8 ranks with calls but this machine gives this process 2 CPU cores: ranks share cores and the "
             "run will be slow (calls running side by side stretch by up to 4x)") in text
@@ -59,10 +82,81 @@ def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
     assert CF.notes(CF.from_dict({"device": "cpu"}), 2) == []
 
 
+@pytest.fixture(scope="module")
+def searched_plan(tmp_path_factory):
+    """A GRPO plan searched for the tiny models at 8 rows, 2 mini-batches, 2 epochs, groups of 2."""
+    from real_py.search import Workload, plan_search
+
+    models = CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}}).model_configs()
+    wl = Workload(batch_size=8, prompt_len=8, gen_len=12, ppo_minibatches=2, ppo_epochs=2, group_size=2)
+    res = plan_search(models["actor"], models["critic"], num_gpus=4, hardware="h100", workload=wl,
+                      dtype=models["actor"].dtype, time_budget=1.0, algo="grpo")
+    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    res.plan.save(path)
+    return path
+
+
+def test_searched_plan_records_its_batch_settings_and_other_ones_are_refused(searched_plan, tmp_path, capsys,
+                                                                              no_launch):
+    from real_py.dataflow.execplan import BatchSettings, ExecutionPlan
+
+    plan = ExecutionPlan.from_json(searched_plan)
+    assert plan.searched_for == BatchSettings(batch_size=8, mini_batches=2, micro_batches=1, ppo_epochs=2,
+                                              group_size=2)
+    base = {"algo": "grpo", "reward": {"kind": "rule"}, "plan": {"path": searched_plan},
+            "data": {"batch_size": 8}, "ppo": {"mini_batches": 2, "ppo_epochs": 2, "group_size": 2}}
+    CF.validate(CF.from_dict(base), 4)   # the settings it was searched for
+    # Each setting on its own, then two at once: named with the search flag that fixes it.
+    for over, named, flag in (
+            ({"data": {"batch_size": 16}}, "data.batch_size=16 (searched for 8)", "--batch-size 16"),
+            ({"ppo": {"mini_batches": 1}}, "ppo.mini_batches=1 (searched for 2)", "--ppo-minibatches 1"),
+            ({"ppo": {"micro_batches": 2}}, "ppo.micro_batches=2 (searched for 1)", "--micro-batches 2"),
+            ({"ppo": {"ppo_epochs": 1}}, "ppo.ppo_epochs=1 (searched for 2)", "--ppo-epochs 1"),
+            ({"ppo": {"group_size": 4}}, "ppo.group_size=4 (searched for 2)", "--group-size 4"),
+            ({"data": {"batch_size": 16}, "ppo": {"group_size": 4}},
+             "data.batch_size=16 (searched for 8), ppo.group_size=4 (searched for 2)",
+             "--batch-size 16 --group-size 4")):
+        d = {**base, "data": {**base["data"], **over.get("data", {})}, "ppo": {**base["ppo"], **over.get("ppo", {})}}
+        with pytest.raises(ValueError) as e:
+            CF.validate(CF.from_dict(d), 4)
+        msg = str(e.value)
+        assert (f"execution plan plan.path='{searched_plan}' was searched for other batch settings than the "
+                f"config's: {named}; ") in msg, msg
+        assert f"Search again with {flag}, or set" in msg, msg
+    # Inline in the config (the JSON pasted under plan:) it is checked the same way.
+    inline = dict(base, plan=plan.to_json(), data={"batch_size": 16})
+    with pytest.raises(ValueError, match=r"the execution plan under plan: was searched for .*data.batch_size=16"):
+        CF.validate(CF.from_dict(inline), 4)
+    # The launcher refuses it before launch, in one line.
+    with pytest.raises(SystemExit) as e:
+        main(["train", "algo=grpo", "reward={kind: rule}", f"plan.path={searched_plan}", "data.batch_size=16",
+              "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "other batch settings than the config's: data.batch_size=16 (searched for 8); " in err, err
+
+
+def test_plan_without_or_with_a_malformed_searched_for(searched_plan):
+    from real_py.dataflow.execplan import ExecutionPlan
+
+    data = ExecutionPlan.from_json(searched_plan).to_json()
+    # A plan written by hand (no searched_for) runs with any batch settings its rules allow.
+    bare = {k: v for k, v in data.items() if k != "searched_for"}
+    assert ExecutionPlan.from_json(bare).searched_for is None
+    CF.validate(CF.from_dict({"algo": "grpo", "reward": {"kind": "rule"}, "plan": bare,
+                              "data": {"batch_size": 16}}), 4)
+    with pytest.raises(ValueError, match=r"searched_for=\{'batch_size': 8\} must map exactly batch_size, "
+                                         "mini_batches, micro_batches, ppo_epochs, group_size"):
+        ExecutionPlan.from_json(dict(data, searched_for={"batch_size": 8}))
+    with pytest.raises(ValueError, match=r"searched_for.ppo_epochs=0 must be an integer >= 1"):
+        ExecutionPlan.from_json(dict(data, searched_for=dict(data["searched_for"], ppo_epochs=0)))
+
+
 def test_launcher_prints_warnings_and_the_kl_legend(lm, tmp_path, capsys, no_launch):
-    assert main(["train", "algo=grpo", f"critic_path={lm}", "--out-dir", str(tmp_path / "run")]) == 0
+    assert main(["train", "algo=grpo", "reward={kind: rule}", f"reward_path={lm}",
+                 "--out-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert f"warning: critic_path='{lm}' is ignored: algo='grpo' has no critic" in out, out
+    assert f"warning: reward_path='{lm}' is ignored: reward.kind='rule'" in out, out
     assert "step lines: kl = the k1 estimate of KL(actor || reference), sum over each response's tokens" in out
     assert "can be negative" in out
 

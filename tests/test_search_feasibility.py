@@ -179,7 +179,8 @@ def test_searched_plan_with_idle_ranks_trains_as_returned(tmp_path):
     env = dict(os.environ, REAL_PY_CACHE=str(cache))
     r = subprocess.run([sys.executable, "-m", "real_py", "search", "--model", str(tmp_path / "actor"),
                         "--critic", str(tmp_path / "rm"), "--gpus", "4", "--hardware", "cpu", "--batch-size", "8",
-                        "--prompt-len", "8", "--gen-len", "4", "--time-budget", "2", "--out", str(tmp_path / "plan.json")],
+                        "--prompt-len", "8", "--gen-len", "4", "--ppo-minibatches", "2", "--ppo-epochs", "2", "--time-budget", "2",
+                        "--out", str(tmp_path / "plan.json")],
                        cwd=root, env=env, capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .common import model_config
-from ..dataflow.graph import ALGORITHMS
+from ..dataflow.graph import ALGORITHMS, GROUPED
 from ..search import Workload, plan_search
 from ..search.hardware import PROFILE_NAMES
 from ..spec import PRESETS
@@ -134,8 +134,11 @@ def run(args) -> int:
           f"{st['planner_calls']} planner calls")
     if args.out:
         print(f"plan written to {args.out}" + (f" (idle_ranks {idle})" if idle else "")
-              + f"; train it with plan: {{path: {args.out}}}"
-              + (", generation: {engine: vllm}" if args.engine == "vllm" else ""))
+              + f"; train it with plan: {{path: {args.out}}} and the batch settings it was searched for: "
+              f"data.batch_size: {args.batch_size}, ppo.mini_batches: {args.ppo_minibatches}, "
+              f"ppo.micro_batches: {args.micro_batches}, ppo.ppo_epochs: {args.ppo_epochs}"
+              + (f", ppo.group_size: {args.group_size}" if args.algo in GROUPED else "")
+              + (", generation.engine: vllm" if args.engine == "vllm" else ""))
     if args.plot:
         print(f"timeline written to {args.plot}")
     return 0

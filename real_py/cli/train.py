@@ -7,7 +7,7 @@ run (metrics, checkpoints) is refused unless --resume continues it or --overwrit
 Without RANK in the environment, the command is the launcher of a one-node job (cli.job): it
 locks out_dir (a second job or a resume on it is refused, naming the holder's pid), validates
 the config once and starts <world_size> local ranks under torchrun's elastic agent, run in this
-process (c10d rendezvous on 127.0.0.1): forks of itself on CPU (fresh interpreters on CUDA,
+process (its store on 127.0.0.1 only): forks of itself on CPU (fresh interpreters on CUDA,
 handed the config as resolved and validated here), each running the SPMD loop below; their
 output goes to
 <out_dir>/logs/rank<r>.log (rank 0's stdout is shown too), and a failure anywhere ends the job

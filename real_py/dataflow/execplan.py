@@ -5,11 +5,16 @@ runtime reads. JSON form:
 
     {"world_size": 8, "ranks_per_node": 8,
      "calls": {"actor_gen": {"ranks": [0, 1, 2, 3], "dp": 4, "tp": 1, "pp": 1}, ...},
-     "idle_ranks": [7]}
+     "idle_ranks": [7],
+     "searched_for": {"batch_size": 512, "mini_batches": 4, "micro_batches": 1, "ppo_epochs": 1,
+                      "group_size": 1}}
 
 `idle_ranks` (optional) lists ranks the plan leaves without a call on purpose: the search writes it
 when its plan uses fewer ranks than the world it was searched for, and the trainer then runs the
 plan without `allow_idle_ranks` (a plan that leaves other ranks idle is still refused).
+`searched_for` (optional, written by the search) holds the batch settings the plan was searched
+for; the trainer refuses a config with other ones (the plan's memory check, its divisibility
+rules and its estimate were for those batches).
 """
 
 from __future__ import annotations
@@ -21,6 +26,32 @@ from ..layout import Layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSettings:
+    """The batch settings a plan was searched for (the search's flags; the train config's keys
+    in brackets)."""
+
+    batch_size: int
+    """Rows per iteration (--batch-size; data.batch_size)."""
+    mini_batches: int
+    """Optimizer steps per epoch (--ppo-minibatches; ppo.mini_batches)."""
+    micro_batches: int
+    """Micro-batches per train mini-batch (--micro-batches; ppo.micro_batches)."""
+    ppo_epochs: int
+    """Passes over the batch per train call (--ppo-epochs; ppo.ppo_epochs)."""
+    group_size: int
+    """Rows per prompt (--group-size; ppo.group_size), 1 for an algorithm without groups."""
+
+    def __post_init__(self):
+        for f in BATCH_FIELDS:
+            v = getattr(self, f)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"searched_for.{f}={v!r} must be an integer >= 1")
+
+
+BATCH_FIELDS = ("batch_size", "mini_batches", "micro_batches", "ppo_epochs", "group_size")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ExecutionPlan:
     world_size: int
     calls: dict[str, Layout] = field(default_factory=dict)
@@ -29,6 +60,8 @@ class ExecutionPlan:
     """0 means unknown / one node."""
     idle_ranks: tuple[int, ...] = ()
     """Ranks left without a call on purpose (the search's plan used fewer ranks than the world)."""
+    searched_for: BatchSettings | None = None
+    """The batch settings the search placed the calls for; None: a plan not written by the search."""
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -60,7 +93,9 @@ class ExecutionPlan:
                           | ({"partition": l.partition} if l.partition != "params" else {})
                           | ({"ep": l.ep} if l.ep > 1 else {}) | ({"etp": l.etp} if l.etp > 1 else {})
                           for name, l in self.calls.items()}} \
-            | ({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {})
+            | ({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {}) \
+            | ({"searched_for": {f: getattr(self.searched_for, f) for f in BATCH_FIELDS}}
+               if self.searched_for else {})
 
     @classmethod
     def from_json(cls, data: dict | str) -> "ExecutionPlan":
@@ -77,10 +112,10 @@ class ExecutionPlan:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected a JSON object with world_size and calls, got "
                              f"{type(data).__name__}")
-        unknown = set(data) - {"world_size", "ranks_per_node", "calls", "idle_ranks"}
+        unknown = set(data) - {"world_size", "ranks_per_node", "calls", "idle_ranks", "searched_for"}
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: "
-                             "world_size, ranks_per_node, calls, idle_ranks")
+                             "world_size, ranks_per_node, calls, idle_ranks, searched_for")
         idle = data.get("idle_ranks", [])
         if not isinstance(idle, list) or not all(type(r) is int for r in idle):
             raise ValueError(f"{where}: idle_ranks={idle!r} must be a list of rank numbers")
@@ -111,9 +146,14 @@ class ExecutionPlan:
                                      ep=c.get("ep", 1), etp=c.get("etp", 1))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
+        searched = data.get("searched_for")
+        if searched is not None and (not isinstance(searched, dict) or set(searched) != set(BATCH_FIELDS)):
+            raise ValueError(f"{where}: searched_for={searched!r} must map exactly "
+                             f"{', '.join(BATCH_FIELDS)} to the values the search used")
         try:
             return cls(world_size=data["world_size"], calls=calls, ranks_per_node=data.get("ranks_per_node", 0),
-                       idle_ranks=tuple(idle))
+                       idle_ranks=tuple(idle),
+                       searched_for=BatchSettings(**searched) if searched is not None else None)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 

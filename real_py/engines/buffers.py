@@ -1,5 +1,6 @@
-"""Optimizer state of one flat parameter buffer, shared by the dense Trainer and the MoE expert
-buffers (real_py/engines/train.py, moe_train.py)."""
+"""Optimizer state of one flat parameter buffer and the fp64 sum of squares of its gradient
+runs, shared by the dense Trainer and the MoE expert buffers (real_py/engines/train.py,
+moe_train.py)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,21 @@ def init_optim_buffers(obj, flat: torch.Tensor) -> None:
     obj.red = torch.zeros_like(flat, dtype=torch.float32) if lowp else obj.grad
     obj.exp_avg = torch.zeros_like(flat, dtype=torch.float32)
     obj.exp_avg_sq = torch.zeros_like(flat, dtype=torch.float32)
+
+
+SQUARES_PIECE = 1 << 22
+"""Elements per piece of a gradient run whose sum of squares is taken (bounds a CPU fp64 copy to
+32 MiB)."""
+
+
+def sum_of_squares(buf: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Sum of squares of buf[lo:hi] over the [lo, hi) spans, as a [1] float64 tensor on buf's
+    device, accumulated in fp64: one fp32 norm over a long run (torch's CPU kernel accumulates
+    sequentially in fp32) is off by 1e-5 relative at a million elements and 1e-3 at fifty
+    million. With dtype float64 torch's CPU path takes each piece's norm over an fp64 copy of
+    it (hence the pieces); on CUDA it stays one multi-tensor launch (not yet run on a GPU)."""
+    pieces = [buf[lo:min(hi, lo + SQUARES_PIECE)] for start, hi in spans
+              for lo in range(start, hi, SQUARES_PIECE)]
+    if not pieces:
+        return torch.zeros(1, dtype=torch.float64, device=buf.device)
+    return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).pow(2).sum().reshape(1)

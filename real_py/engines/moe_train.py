@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import expert_token_counts, load_balancing_loss, router_records, router_z_loss
-from .buffers import init_optim_buffers
+from .buffers import init_optim_buffers, sum_of_squares
 
 
 class ExpertBuffers:
@@ -52,9 +52,7 @@ class ExpertBuffers:
 
     def squares(self) -> torch.Tensor:
         """Sum of squares of every expert gradient of the layout (collective over it)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.red.device)
-        if self.counted:
-            sq += torch._foreach_norm([self.red], 2)[0].double() ** 2  # one fp32 pass, no temporary
+        sq = sum_of_squares(self.red, [(0, self.red.numel())] if self.counted else [])
         if self.engine.groups.layout_group is not None:
             dist.all_reduce(sq, group=self.engine.groups.layout_group)
         return sq

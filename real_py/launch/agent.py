@@ -1,6 +1,7 @@
 """torchrun's elastic agent as the launcher runs it in its own process: its launch config (one
-node, c10d rendezvous on 127.0.0.1, no restarts, no redirection by the agent), its log in
-logs/torchrun.log, and multiprocessing's resource tracker for spawned ranks.
+node, no restarts, no redirection by the agent), the one-node rendezvous whose store listens on
+the loopback only, its log in logs/torchrun.log, and multiprocessing's resource tracker for
+spawned ranks.
 """
 
 from __future__ import annotations
@@ -9,6 +10,11 @@ import os
 
 MONITOR_S = 0.1
 """The agent's monitor interval: seconds between its looks at the workers."""
+LOOPBACK_RDZV = "real_py-loopback"
+"""The rendezvous backend name of LoopbackRendezvous in torch's handler registry."""
+STORE_TIMEOUT_S = 600
+"""The store server's timeout (torch's static rendezvous uses the same); every client (the
+ranks, the launcher's watcher) sets its own."""
 
 
 def agent_log(logs: str):
@@ -18,7 +24,7 @@ def agent_log(logs: str):
     h = logging.FileHandler(os.path.join(logs, "torchrun.log"))
     h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = []
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", __name__):
         lg = logging.getLogger(name)
         saved.append((lg, lg.propagate, lg.level))
         lg.addHandler(h)
@@ -34,10 +40,73 @@ def agent_log(logs: str):
     return undo
 
 
+def _loopback_rendezvous(params):
+    """torch's rendezvous handler registry calls this for LOOPBACK_RDZV."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+    class LoopbackRendezvous(RendezvousHandler):
+        """The rendezvous of a one-node job: this node is node 0 of 1, and the TCPStore it hosts
+        (the agent's store and, through TORCHELASTIC_USE_AGENT_STORE, the ranks') listens on
+        127.0.0.1 only. torch's own backends start every TCPStore server on all interfaces
+        (c10d, static; also for `torchrun --standalone`); a socket bound to the loopback and
+        handed over as master_listen_fd is the one way TCPStore takes another address."""
+
+        def __init__(self, run_id: str):
+            self.run_id, self.store, self.port = run_id, None, 0
+
+        def get_backend(self) -> str:
+            return LOOPBACK_RDZV
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True
+
+        def next_rendezvous(self):
+            import datetime
+            import logging
+            import socket
+
+            from torch.distributed import PrefixStore, TCPStore
+
+            if self.store is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(128)
+                self.port = sock.getsockname()[1]
+                # The store owns the socket from here (detach: Python never closes it).
+                self.store = TCPStore("127.0.0.1", self.port, None, True,
+                                      datetime.timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=sock.detach())
+                logging.getLogger(__name__).info("process %d hosts the job's TCPStore on 127.0.0.1:%d only",
+                                                 os.getpid(), self.port)
+            return RendezvousInfo(PrefixStore(self.run_id, self.store), 0, 1,
+                                  RendezvousStoreInfo("127.0.0.1", self.port))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self) -> None:
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return self.run_id
+
+        def shutdown(self) -> bool:
+            return True
+
+    return LoopbackRendezvous(params.run_id)
+
+
 def launch_config(n: int, logs: str, fork: bool):
-    """torchrun's launch of `n` ranks on this node (see real_py/launch/job.py)."""
+    """torchrun's launch of `n` ranks on this node (see real_py/launch/job.py), with the loopback
+    rendezvous (registered here, once per process)."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig
+
+    rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_rendezvous)
 
     class _Logs(LogsSpecs):
         """No redirection by the agent (each rank redirects into its pipes itself); the
@@ -56,8 +125,8 @@ def launch_config(n: int, logs: str, fork: bool):
             return logs
 
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, logs_specs=_Logs(),
-                        run_id=f"real_py-{os.getpid()}", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                        rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=MONITOR_S,
+                        run_id=f"real_py-{os.getpid()}", rdzv_backend=LOOPBACK_RDZV, rdzv_endpoint="",
+                        max_restarts=0, monitor_interval=MONITOR_S,
                         start_method="fork" if fork else "spawn", local_addr="127.0.0.1",
                         # SIGINT / SIGTERM / SIGHUP stay the launcher's own (one line, SIGKILL at once)
                         signals_to_handle="SIGQUIT", shutdown_timeout=2)
@@ -80,4 +149,4 @@ def start_tracker(logs: str) -> None:
         os.close(fd)
 
 
-__all__ = ["agent_log", "launch_config", "start_tracker", "MONITOR_S"]
+__all__ = ["agent_log", "launch_config", "start_tracker", "LOOPBACK_RDZV", "MONITOR_S"]

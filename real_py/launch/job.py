@@ -7,9 +7,10 @@ together.
     lock.unlock()                       # after the job (the ranks hold the lock until they exit)
 
 Ranks. `launch` runs torchrun's elastic agent in this process, through the library call the
-torchrun command itself makes (torch.distributed.launcher.api.elastic_launch: one node, c10d
-rendezvous on 127.0.0.1 with a port the kernel picks, no restarts, the workers polled every
-0.1 s). The agent hosts the rendezvous TCPStore, which the ranks use as their store
+torchrun command itself makes (torch.distributed.launcher.api.elastic_launch: one node, a
+one-node rendezvous whose TCPStore listens on 127.0.0.1 only with a port the kernel picks
+(agent.py), no restarts, the workers polled every 0.1 s). The agent hosts that TCPStore, which
+the ranks use as their store
 (TORCHELASTIC_USE_AGENT_STORE: env:// makes every rank a client), and starts the ranks with
 RANK, WORLD_SIZE, MASTER_ADDR, ... in their environment. With `fork` (CPU jobs) the agent's
 start method is "fork": rank r is a fork of this process, with torch, the package and the

@@ -17,10 +17,11 @@ def launch_torchrun(nproc: int, argv: list[str], env: dict, what: str) -> int:
     the first failing rank stops the others) and return the job's exit code.
 
     torchrun writes a torchelastic_* directory per job into TMPDIR and leaves it behind: the job
-    gets a private TMPDIR that is removed afterwards. The rendezvous store is torchrun's own
-    TCPStore, which listens on every interface (only a socket bound before the store is created
-    restricts it, and torchrun takes none); on a shared host, firewall its port or run the job
-    in a network namespace. For several nodes run torchrun yourself (docs/running.md)."""
+    gets a private TMPDIR that is removed afterwards. The rendezvous stores are torchrun's own
+    TCPStores, which listen on every interface (only a socket bound before a store is created
+    restricts it, and torchrun's backends take none; `train`'s launcher binds its own,
+    launch/agent.py); on a shared host, firewall their ports or run the job in a network
+    namespace. For several nodes run torchrun yourself (docs/running.md)."""
     import shutil
     import subprocess
     import sys

@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..dataflow.execplan import ExecutionPlan
+from ..dataflow.execplan import BatchSettings, ExecutionPlan
 from ..dataflow.graph import GROUPED
 from .costmodel import Mesh, Workload
 from .graph import PPO_GRAPH, PPOModels, ppo_models, sampling_call, search_graph, strategies
@@ -184,8 +184,12 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
              "chains": chains_out, "sync_iter_time": times[0]}
     plan = prob.execution_plan(best)
     # A plan may use fewer ranks than it was searched for (spreading its calls further did not
-    # lower the estimate): it records them, so the trainer runs it as returned.
-    plan = dataclasses.replace(plan, idle_ranks=tuple(plan.uncovered_ranks()))
+    # lower the estimate): it records them, so the trainer runs it as returned. It records the
+    # batch settings too: the trainer refuses to run it for other batches.
+    searched_for = BatchSettings(batch_size=wl.batch_size, mini_batches=wl.ppo_minibatches,
+                                 micro_batches=wl.micro_batches, ppo_epochs=wl.ppo_epochs,
+                                 group_size=wl.group_size if algo in GROUPED else 1)
+    plan = dataclasses.replace(plan, idle_ranks=tuple(plan.uncovered_ranks()), searched_for=searched_for)
     stats["idle_ranks"] = list(plan.idle_ranks)
     return SearchResult(plan, res["best_cost"], best, prob,
                         {"symmetric": sym, "heuristic": heu}, stats, staleness=chosen)

@@ -114,6 +114,12 @@ def check_values(cfg: TrainConfig) -> None:
         if used and v is not None and not 0 <= v < vocab:
             raise ValueError(f"config {key}={v} is outside the actor vocabulary; allowed: 0 .. {vocab - 1} "
                              f"(vocab_size={vocab})")
+    if "critic" not in cfg.graph().models():
+        # A critic-free run would load no critic: a critic_path there is a config meant for PPO.
+        for key, v, default in (("critic_path", cfg.critic_path, None), ("critic_init", cfg.critic_init, "checkpoint")):
+            if v != default:
+                raise ValueError(f"config {key}={v!r} but algo={cfg.algo!r} has no critic (critic-free): "
+                                 f"remove {key}, or use algo: ppo to train a critic")
     if cfg.critic_init != "checkpoint" and not cfg.critic_path:
         raise ValueError(f"config critic_init={cfg.critic_init!r} needs critic_path (the checkpoint whose "
                          "body the fresh value head sits on); it applies to the critic only, never to "
@@ -190,6 +196,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     if plan.world_size != world_size:
         raise ValueError(f"execution plan is for world_size={plan.world_size}, but the job has "
                          f"{world_size} ranks")
+    _check_searched_for(cfg, plan)
     uncovered = plan.uncovered_ranks()
     unplanned = [r for r in uncovered if r not in plan.idle_ranks]   # the search records its own
     if unplanned and not cfg.allow_idle_ranks:
@@ -234,6 +241,29 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     _check_checkpoints(cfg, graph, models)
     _check_data_and_reward(cfg, models)
     return plan, graph, models
+
+
+def _check_searched_for(cfg: TrainConfig, plan: ExecutionPlan) -> None:
+    """A searched plan runs only with the batch settings it was searched for: its memory check,
+    its divisibility rules and its estimate were for those batches."""
+    if plan.searched_for is None:
+        return
+    p = cfg.ppo
+    have = {"batch_size": ("data.batch_size", cfg.data.batch_size, "--batch-size"),
+            "mini_batches": ("ppo.mini_batches", p.mini_batches, "--ppo-minibatches"),
+            "micro_batches": ("ppo.micro_batches", p.micro_batches, "--micro-batches"),
+            "ppo_epochs": ("ppo.ppo_epochs", p.ppo_epochs, "--ppo-epochs"),
+            "group_size": ("ppo.group_size", cfg.group_size(), "--group-size")}
+    diff = [(key, getattr(plan.searched_for, f), v, flag) for f, (key, v, flag) in have.items()
+            if getattr(plan.searched_for, f) != v]
+    if diff:
+        where = f"execution plan plan.path={cfg.plan['path']!r}" if set(cfg.plan) == {"path"} else \
+            "the execution plan under plan:"
+        raise ValueError(f"{where} was searched for other batch settings than the config's: "
+                         + ", ".join(f"{key}={v} (searched for {s})" for key, s, v, _ in diff)
+                         + "; its memory check and estimate hold for the searched ones. Search again with "
+                         + " ".join(f"{flag} {v}" for _, _, v, flag in diff)
+                         + ", or set " + ", ".join(f"{key}: {s}" for key, s, _, _ in diff) + " in the config")
 
 
 def _available_bytes() -> int | None:
@@ -444,15 +474,9 @@ KL_LEGEND = ("kl = the k1 estimate of KL(actor || reference), sum over each resp
 
 
 def notes(cfg: TrainConfig, world_size: int) -> list[str]:
-    """Warnings about a config that runs but not as its author may expect: keys the algorithm or
-    reward kind ignores, and more ranks than CPU cores. The launcher prints them before launch."""
+    """Warnings about a config that runs but not as its author may expect: keys the reward kind
+    ignores, and more ranks than CPU cores. The launcher prints them before launch."""
     out = []
-    used = cfg.graph().models()
-    if "critic" not in used:
-        for key, v, default in (("critic_path", cfg.critic_path, None), ("critic_init", cfg.critic_init, "checkpoint")):
-            if v != default:
-                out.append(f"{key}={v!r} is ignored: algo={cfg.algo!r} has no critic (critic-free); remove "
-                           f"{key}, or use algo: ppo to train a critic")
     plan = cfg.execution_plan()
     idle = plan.uncovered_ranks()
     if idle:
