@@ -21,7 +21,7 @@ Collectives that are not waited on through here (TP / DP all-reduces inside a ca
 by `Watchdog`: a thread that, while the process is inside a named section, ends the process with
 a message naming the section and the silent peer.
 
-What a process is doing goes out with its heartbeat, so that a launcher (real_py/cli/job.py) can
+What a process is doing goes out with its heartbeat, so that a launcher (real_py/launch/job.py) can
 name a rank that is stuck in user code long before any transfer times out:
 
     set_activity("step 3")                    # the driver's coarse state

@@ -1,5 +1,5 @@
 # Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, Ctrl-C ends the job with one line, and the job's store listens on the loopback only.
-# A failure points to real_py/cli/job.py (launcher, watcher), agent.py (launch config, loopback rendezvous), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+# A failure points to real_py/launch/job.py (launcher, watcher), agent.py (launch config, loopback rendezvous), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
 """Each job runs in its own session (start_new_session) with a marker in its environment, so the
 test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
 
@@ -15,10 +15,10 @@ import types
 
 import pytest
 
-from real_py.cli import lock as L
-from real_py.cli import rank as R
 from real_py.cli import main
 from real_py.cli import train as cli_train
+from real_py.launch import lock as L
+from real_py.launch import rank as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = '''import os, time
@@ -310,16 +310,16 @@ def test_failure_record_finds_the_cause():
 def _ended_job(tmp_path, codes: dict, records: dict, ended: dict | None = None):
     """A launcher's job after its end, as the watcher and the agent left it: `codes` rank -> exit
     code (negative: signal), `records` rank -> failure record; no process is started."""
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     jb = J._Job(4, str(tmp_path), None, True)
     t = time.time()
     for rk in jb.ranks:
-        rk.pid = 1000 + rk.r
-        rk.code = codes.get(rk.r)
-        rk.ended = (ended or {}).get(rk.r, t + 0.01 * rk.r)
-        rk.killed = rk.code is None
-    jb.records = records
+        rk.pid = 1000 + rk.rank
+        rk.exit_code = codes.get(rk.rank)
+        rk.ended_at = (ended or {}).get(rk.rank, t + 0.01 * rk.rank)
+        rk.killed = rk.exit_code is None
+    jb.failure_records = records
     return jb
 
 
@@ -329,7 +329,7 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
     the first one before it told its pid), the line still names the rank that died first; and a
     Watchdog's record (consequent, the silent peer only in its message) names the stopped rank,
     not a rank the agent's SIGTERM ended after the Watchdog's exit."""
-    from real_py.cli.report import cause, report
+    from real_py.launch.report import cause, report
 
     t = time.time()
     jb = _ended_job(tmp_path, {0: -15, 1: 3, 2: -15, 3: -15}, {}, ended={0: t, 1: t + 0.5, 2: t, 3: t})
@@ -337,13 +337,13 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
     jb = _ended_job(tmp_path, {0: -15, 1: None, 2: -15, 3: -15}, {}, ended={0: t, 1: None, 2: t, 3: t})
     jb.ranks[1].killed = False
     jb._agent_failures({1: types.SimpleNamespace(local_rank=1, exitcode=3)})   # the agent reaped it first
-    assert jb.ranks[1].ended is None and cause(jb)[0] == 1
+    assert jb.ranks[1].ended_at is None and cause(jb)[0] == 1
     dog = {"rank": 0, "time": t, "where": "rank 0, step 1, call actor_train", "exception": "SilentPeer",
            "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
                       "stopped or hung); a blocked collective cannot be given up, so this process exits",
            "consequent": True}
     jb = _ended_job(tmp_path, {0: 75, 1: -15, 2: None, 3: -15}, {0: dog})
-    jb.ranks[2].pstate = "T"
+    jb.ranks[2].state_at_kill = "T"
     assert report(jb) == 1
     line = capsys.readouterr().err.strip()
     assert line.startswith("train failed: rank 2 was stopped (process state T: SIGSTOP or a debugger)"), line
@@ -356,7 +356,7 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     """An error raised by user code (a reward function's "Read timed out") is the rank's own,
     whatever its words: not consequent, and the root cause before a peer's transfer error."""
     from real_py import liveness
-    from real_py.cli.report import cause
+    from real_py.launch.report import cause
     from real_py.realloc.transports.base import TransferError
 
     monkeypatch.setitem(liveness._doing, "failed_user", "the reward function reward.py:score")
@@ -366,7 +366,7 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     peer = R.failure_record(TransferError("rank 0: round 1/3: recv from peer rank 2 timed out"), 0)
     assert peer["consequent"] is True
     peer["time"] = rec["time"] - 1   # the peer's record even came first
-    jb = types.SimpleNamespace(records={0: peer, 2: rec}, ranks=[], n=4)
+    jb = types.SimpleNamespace(failure_records={0: peer, 2: rec}, ranks=[], num_ranks=4)
     assert cause(jb)[0] == 2
 
 
@@ -503,14 +503,15 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
     fd 0 (which the rank's own stdin replaces)."""
     import functools
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     out = str(tmp_path / "run")
     pipes = J._Job._pipes
 
     def noting(self):
         plumbing = pipes(self)
-        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in list(self.streams) + list(self.hellos)}
+        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]"
+                                  for fd in list(self.output_pipes) + list(self.hello_pipes)}
         return plumbing
 
     monkeypatch.setattr(J._Job, "_pipes", noting)
@@ -579,7 +580,7 @@ def test_the_jobs_store_listens_on_the_loopback_only(tmp_path, fork):
     own rendezvous backends listen on every interface, a second store included)."""
     import functools
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     out = str(tmp_path / "run")
     L.lock_out_dir(out)
@@ -636,7 +637,7 @@ def _launch_noting_start(tmp_path, n: int) -> int:
     """Exit code of an in-process forked job of `n` ranks running _note_start."""
     import functools
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
 
     out = str(tmp_path / "run")
     L.lock_out_dir(out)
@@ -707,7 +708,8 @@ def test_rank_closes_the_launchers_fds_by_identity(tmp_path):
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         assert reused == stale[0]
-        R._close_launchers(R.Plumbing([], [], [], None, str(logs), os.getppid(), [stale, R.fd_key(r)]),
+        R._close_launchers(R.Plumbing(stdout=[], stderr=[], hello=[], lock=None, logs=str(logs),
+                                      launcher_pid=os.getppid(), private=[stale, R.fd_key(r)]),
                            keep=(w, null), null=null)
         assert os.readlink(f"/proc/self/fd/{reused}") == str(tmp_path / "other")
         assert not os.path.exists(f"/proc/self/fd/{r}")
@@ -726,7 +728,7 @@ def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):
     since) nor runs the launcher's part (_config: the lock, the checkpoint sweep)."""
     import pickle
 
-    from real_py.cli import job as J
+    from real_py.launch import job as J
     from real_py.rlhf import config
 
     got = {}

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..engines import Engine, OptimConfig
+from ..launch.spawn import spawn_ranks
 from ..layout import Layout
 from ..parallel import ParallelGroups
 from ..realloc.plan import plan_realloc
@@ -55,7 +56,6 @@ from ..search.costmodel import HEAD_COLLS, Workload, fwd_flops
 from ..search.hardware import PROFILES, HardwareProfile
 from ..search.realloc_cost import transfer_time
 from ..spec import ModelConfig, model_spec
-from ..testing import run_distributed
 
 G = (2, 10)
 """The two generation lengths per calibration rank (the decode step is their difference)."""
@@ -453,7 +453,7 @@ def _calibrate_once(reps: int, cal: Setup = DEFAULT) -> dict:
     """One calibration's raw measurements (the slowest rank's figure of each)."""
     cores = os.cpu_count() or 1
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
-    res = run_distributed(_worker, 2 * n, n, reps, cal, timeout=600)
+    res = spawn_ranks(_worker, 2 * n, n, reps, cal, timeout=600)
     # Slowest rank for times, slowest rank's rate for rates: what a synchronous runtime sees.
     raw = {k: (min if k.endswith("per_s") or k == "matmul_flops" else max)(r[k] for r in res if k in r)
            for k in res[0]}
@@ -499,7 +499,7 @@ def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=N
         raws = [_gpu_costs(0, 1, reps, device, setup) for _ in range(repeats)]
     else:
         backend = "gloo" if device is not None and torch.device(device).type == "cpu" else "nccl"
-        raws = [run_distributed(_gpu_costs, 1, reps, device, setup, timeout=600, backend=backend)[0]
+        raws = [spawn_ranks(_gpu_costs, 1, reps, device, setup, timeout=600, backend=backend)[0]
                 for _ in range(repeats)]
     prof = PROFILES[base]
     fits = [_fit_single(raw, prof.flops, setup) for raw in raws]

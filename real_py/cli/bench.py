@@ -5,7 +5,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
 Without RANK in the environment (not under torchrun) the command checks its arguments and
-re-invokes itself under torchrun --standalone (cli.common.launch_torchrun) with as many local processes as the
+re-invokes itself under torchrun --standalone (launch.torchrun.launch_torchrun) with as many local processes as the
 layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
 --device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
 result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
@@ -35,7 +35,8 @@ from pathlib import Path
 
 from ..benchmark import PlanMessages, cpu_model, environment, pattern, timed_slowest
 from ..rlhf.observe import open_nofollow
-from .common import launch_torchrun, ranks
+from ..launch.torchrun import launch_torchrun
+from .common import ranks
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")

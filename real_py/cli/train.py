@@ -4,7 +4,7 @@ KEY=VALUE overrides use the config's dotted keys (`ppo.actor_lr=1e-5 plan.path=p
 steps=3`); values are read as YAML and typed like the file. An out_dir that already holds a
 run (metrics, checkpoints) is refused unless --resume continues it or --overwrite clears it.
 
-Without RANK in the environment, the command is the launcher of a one-node job (cli.job): it
+Without RANK in the environment, the command is the launcher of a one-node job (launch.job): it
 locks out_dir (a second job or a resume on it is refused, naming the holder's pid), validates
 the config once and starts <world_size> local ranks under torchrun's elastic agent, run in this
 process (its store on 127.0.0.1 only): forks of itself on CPU (fresh interpreters on CUDA,
@@ -56,7 +56,7 @@ def _config(args):
     if args.out_dir:
         d["out_dir"] = args.out_dir
     cfg = config.from_dict(d)
-    from .lock import lock_out_dir
+    from ..launch.lock import lock_out_dir
 
     # The launcher, or rank 0 under an outside torchrun (the ranks of a launched job never get
     # here: they run the launcher's config).
@@ -97,13 +97,13 @@ def _before_launch(cfg) -> None:
 
 
 def _launch(args, world: int) -> int:
-    """Run the job as `world` local ranks under torchrun's elastic agent (cli.job.launch), each
+    """Run the job as `world` local ranks under torchrun's elastic agent (launch.job.launch), each
     running the SPMD loop with what was resolved and validated here (config, checkpoint, plan,
     graph, models): forks of this process, or (CUDA) fresh interpreters that get it pickled,
     never reading the config file or sweeping the checkpoints again."""
     import functools
 
-    from . import job
+    from ..launch import job
 
     cfg, ckpt, validated = args.prepared
     if job.can_fork(cfg.device):
@@ -127,8 +127,8 @@ def _preimport() -> None:
 def run(args) -> int:
     from ..rlhf import config
     from ..rlhf.observe import check_no_links
-    from .lock import unlock
-    from .rank import run_rank
+    from ..launch.lock import unlock
+    from ..launch.rank import run_rank
 
     if "RANK" in os.environ:  # a rank under an outside torchrun
         return run_rank(lambda: _rank(args), int(os.environ["RANK"]))
@@ -216,7 +216,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
     from ..rlhf import checkpoint, config
     from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
-    from .rank import managed
+    from ..launch.rank import managed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..device import backend_for, resolve_device
@@ -277,7 +277,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
         ok = True
     finally:
         # A rank of a launched job that failed keeps beating until it exits (os._exit in
-        # cli.rank.run_rank): a heartbeat ended "done" would read as a finished run to its peers.
+        # launch.rank.run_rank): a heartbeat ended "done" would read as a finished run to its peers.
         # Launched ranks skip destroy_process_group too: os._exit follows, and the launcher ends
         # the job as one.
         if ok or not managed():

@@ -112,7 +112,7 @@ def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, 
     if ctx.reward_fn is not None:
         texts = _texts(ctx, rows, tok, pl, ln)
         row = ctx.prompts.fields(ctx.batch_index[rows]) if ctx.prompts is not None else {}
-        with user_code(f"the reward function {ctx.reward_fn.spec}"):   # named if it hangs (cli.job)
+        with user_code(f"the reward function {ctx.reward_fn.spec}"):   # named if it hangs (launch.job)
             score = ctx.reward_fn(texts[0], texts[1], row)
     elif engine is None:
         score = P.rule_reward(tok, pl, ln, ctx.reward.target_token)

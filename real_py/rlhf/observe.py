@@ -26,7 +26,7 @@ import torch
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves.png", "hf", "logs")
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files
-(logs: the ranks' logs and failure records of the last job, real_py/cli/job.py)."""
+(logs: the ranks' logs and failure records of the last job, real_py/launch/job.py)."""
 
 METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
            "value_clip_frac", "entropy",

@@ -100,7 +100,7 @@ def _loopback_rendezvous(params):
 
 
 def launch_config(n: int, logs: str, fork: bool):
-    """torchrun's launch of `n` ranks on this node (see real_py/cli/job.py), with the loopback
+    """torchrun's launch of `n` ranks on this node (see real_py/launch/job.py), with the loopback
     rendezvous (registered here, once per process)."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry

@@ -27,18 +27,18 @@ SIG_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 def report(job) -> int:
     """0 when every rank succeeded; else one line on stderr (the root cause, or the signal that
     ended the job) and the exit code."""
-    if job.signal is not None:
-        name = signal.Signals(job.signal).name
-        where = doing(job.ranks[0].state or {}, user=False)
-        print(f"interrupted ({name}): ended the job's {job.n} ranks (rank 0 was at {where}); logs in "
+    if job.ended_by_signal is not None:
+        name = signal.Signals(job.ended_by_signal).name
+        where = doing(job.ranks[0].heartbeat or {}, user=False)
+        print(f"interrupted ({name}): ended the job's {job.num_ranks} ranks (rank 0 was at {where}); logs in "
               f"{job.logs}", file=sys.stderr, flush=True)
-        return SIG_EXIT.get(job.signal, 128 + int(job.signal))
-    if all(rk.code == 0 for rk in job.ranks) and not job.records:
+        return SIG_EXIT.get(job.ended_by_signal, 128 + int(job.ended_by_signal))
+    if all(rk.exit_code == 0 for rk in job.ranks) and not job.failure_records:
         return 0
     r, line, named = cause(job)
-    others = sorted(x for x in job.records if x != r and x not in named)
+    others = sorted(x for x in job.failure_records if x != r and x not in named)
     tail = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too" if others else ""
-    where = (f"full trace: {os.path.join(job.logs, f'rank{r}.log')}" if r in job.records
+    where = (f"full trace: {os.path.join(job.logs, f'rank{r}.log')}" if r in job.failure_records
              else f"logs: {job.logs}")
     print(f"train failed: {line} ({where}{tail})", file=sys.stderr, flush=True)
     return 1
@@ -46,7 +46,7 @@ def report(job) -> int:
 
 def cause(job) -> tuple[int | None, str, list[int]]:
     """(the rank at the root, one line on it, the ranks that line already names)."""
-    recs = job.records
+    recs = job.failure_records
     own = sorted((rec for rec in recs.values() if not rec.get("consequent")), key=lambda x: x.get("time", 0))
     if own:
         rec = own[0]
@@ -56,10 +56,10 @@ def cause(job) -> tuple[int | None, str, list[int]]:
     # agent found failed first. A rank ended by SIGTERM was ended by the agent, which stops the
     # other workers so after the first failure (this launcher itself only ever SIGKILLs): a
     # consequence, named only when nothing else explains the failure.
-    gone = [rk for rk in job.ranks if rk.code not in (None, 0) and not rk.killed and rk.r not in recs
-            and rk.code != EXIT_ORPHANED]
-    died = sorted((rk for rk in gone if rk.code != -signal.SIGTERM),
-                  key=lambda rk: float("-inf") if rk.ended is None else rk.ended)
+    gone = [rk for rk in job.ranks if rk.exit_code not in (None, 0) and not rk.killed and rk.rank not in recs
+            and rk.exit_code != EXIT_ORPHANED]
+    died = sorted((rk for rk in gone if rk.exit_code != -signal.SIGTERM),
+                  key=lambda rk: float("-inf") if rk.ended_at is None else rk.ended_at)
     if died:
         return _died(died[0])
     named: dict[int, list[int]] = {}
@@ -70,23 +70,23 @@ def cause(job) -> tuple[int | None, str, list[int]]:
             named.setdefault(p, []).append(rec["rank"])
     if named:
         p = max(named, key=lambda k: len(named[k]))
-        rk = job.ranks[p] if 0 <= p < job.n else None
+        rk = job.ranks[p] if 0 <= p < job.num_ranks else None
         how = "stopped responding"
-        if rk is not None and rk.pstate == "T":
+        if rk is not None and rk.state_at_kill == "T":
             how = "was stopped (process state T: SIGSTOP or a debugger)"
-        where = doing(rk.state) if rk is not None and rk.state else "starting"
+        where = doing(rk.heartbeat) if rk is not None and rk.heartbeat else "starting"
         by = ", ".join(map(str, sorted(named[p])))
         return p, (f"rank {p} {how} (last reported: {where}): no heartbeat, named silent by "
                    f"rank{'s' if len(named[p]) > 1 else ''} {by}"), named[p]
-    stuck = [rk for rk in job.ranks if rk.state and rk.state.get("user")]
+    stuck = [rk for rk in job.ranks if rk.heartbeat and rk.heartbeat.get("user")]
     if stuck:
-        rk = min(stuck, key=lambda k: k.state["user_since"])
+        rk = min(stuck, key=lambda k: k.heartbeat["user_since"])
         first = min(recs.values(), key=lambda x: x.get("time", 0)) if recs else None
-        secs = (rk.ended or time.time()) - rk.state["user_since"]
-        return rk.r, (f"rank {rk.r} has been inside {rk.state['user']} for {secs:.0f} s "
-                      f"({doing(rk.state, user=False)})"
-                      + (f"; the other ranks gave up waiting ({record_line(first)})" if first else "")), []
-    stopped = sorted((rk for rk in gone if rk.code == -signal.SIGTERM), key=lambda rk: rk.ended or 0)
+        secs = (rk.ended_at or time.time()) - rk.heartbeat["user_since"]
+        return rk.rank, (f"rank {rk.rank} has been inside {rk.heartbeat['user']} for {secs:.0f} s "
+                         f"({doing(rk.heartbeat, user=False)})"
+                         + (f"; the other ranks gave up waiting ({record_line(first)})" if first else "")), []
+    stopped = sorted((rk for rk in gone if rk.exit_code == -signal.SIGTERM), key=lambda rk: rk.ended_at or 0)
     if stopped:
         return _died(stopped[0])
     if recs:
@@ -96,11 +96,12 @@ def cause(job) -> tuple[int | None, str, list[int]]:
 
 
 def _died(rk) -> tuple[int, str, list[int]]:
-    how = (f"was killed by signal {signal.Signals(-rk.code).name}" if rk.code < 0
-           else f"exited with code {rk.code}")
-    where = doing(rk.state) if rk.state else "start-up"
-    last = _last_line(rk.tail)
-    return rk.r, (f"rank {rk.r} {how} (last reported: {where})" + (f"; its last output: {last}" if last else "")), []
+    how = (f"was killed by signal {signal.Signals(-rk.exit_code).name}" if rk.exit_code < 0
+           else f"exited with code {rk.exit_code}")
+    where = doing(rk.heartbeat) if rk.heartbeat else "start-up"
+    last = _last_line(rk.output_tail)
+    line = f"rank {rk.rank} {how} (last reported: {where})" + (f"; its last output: {last}" if last else "")
+    return rk.rank, line, []
 
 
 def proc_state(pid: int | None) -> str | None:

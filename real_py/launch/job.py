@@ -2,7 +2,7 @@
 ranks, and the launcher process holds the run directory, watches the ranks, and ends them
 together.
 
-    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes (real_py/cli/lock.py)
+    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes (real_py/launch/lock.py)
     code = launch(world, out_dir, target, fork=True)
     lock.unlock()                       # after the job (the ranks hold the lock until they exit)
 
@@ -18,7 +18,7 @@ config validated here already loaded, and calls `target()`; otherwise it is "spa
 CUDA must not be initialized before a fork), and `target` is pickled to a fresh interpreter. The
 ranks are children of this process (in its process group: a kill of the group reaches them) and
 hold the run directory's lock with it. What runs inside a rank (death with the launcher, its
-failure record) is real_py/cli/rank.py.
+failure record) is real_py/launch/rank.py.
 
 Output. Each rank's stdout and stderr go through pipes (inherited, or handed over at spawn) to
 a watcher thread of the launcher, into <out_dir>/logs/rank<r>.log; rank 0's stdout (step lines,
@@ -28,7 +28,7 @@ watcher ends the job at the first failure record or rank death (after FAIL_GRACE
 other ranks' records, then SIGKILL of every rank: a stopped rank cannot act on SIGTERM; each
 rank tells the watcher its pid when it starts, and logs/job.json lists them); the agent then
 sees its workers gone, and instead of its ChildFailedError the launcher prints one line: the
-root cause and the log with the full trace (real_py/cli/report.py). Ctrl-C (SIGINT, SIGTERM,
+root cause and the log with the full trace (real_py/launch/report.py). Ctrl-C (SIGINT, SIGTERM,
 SIGHUP) ends the ranks and prints one line. While the job runs, a rank inside user code (the
 reward function, data loading) for USER_WARN_S seconds or more is named on stderr.
 """
@@ -42,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 from . import lock as _lock
 from .agent import agent_log, launch_config, start_tracker
@@ -81,36 +82,78 @@ def launch(nproc: int, out_dir: str, target, *, fork: bool = True, what: str = "
     return job.run()
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
 class _Rank:
-    __slots__ = ("r", "pid", "pidfd", "log", "code", "ended", "state", "moved", "n", "killed", "warned",
-                 "stopped", "tail", "pstate", "reaped")
+    """One rank of the job as the launcher sees it; the watcher thread and the agent's side fill
+    it in (under _Job.lock where both may). Compared by identity: one record per process."""
 
-    def __init__(self, r):
-        self.r, self.pid, self.pidfd, self.log = r, None, None, None
-        self.code = self.ended = self.state = self.pstate = None
-        self.moved, self.n, self.killed, self.warned, self.stopped = time.monotonic(), None, False, {}, None
-        self.tail = b""
-        self.reaped = False  # gone (reaped by the agent) when it told its pid: never signalled by that pid
+    rank: int
+    """Its local rank (on one node also its global rank)."""
+    pid: int | None = None
+    """Its pid, as it told the watcher when it started (None: not started, or died before)."""
+    pidfd: int | None = None
+    """The launcher's pidfd of it: watched for its end, signalled instead of the pid."""
+    log_fd: int | None = None
+    """The launcher's fd of logs/rank<r>.log."""
+    exit_code: int | None = None
+    """Its exit status (negative: the signal that killed it); None while unknown."""
+    ended_at: float | None = None
+    """time.time() when the watcher saw it end (None: not seen)."""
+    heartbeat: dict | None = None
+    """Its last heartbeat-and-activity record from the store (liveness.JOB_KEY: "doing",
+    "user", "user_since", "n", "done")."""
+    beat_count: int | None = None
+    """The record's beat counter ("n") when it last changed."""
+    beat_changed_at: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the beat counter last changed."""
+    silent_for: float | None = None
+    """Seconds without a beat when the watcher named it silent (None: not silent)."""
+    user_warn_at: dict = field(default_factory=dict)
+    """user_since of a stay in user code -> seconds inside it at which it is named next."""
+    killed: bool = False
+    """SIGKILLed by the launcher."""
+    state_at_kill: str | None = None
+    """Its process state letter (/proc) just before the launcher's SIGKILL ("T": stopped)."""
+    output_tail: bytes = b""
+    """The last 4 KiB of its stdout and stderr (its last line goes into the report)."""
+    reaped: bool = False
+    """Gone (reaped by the agent) when it told its pid: never signalled by that pid."""
 
 
 class _Job:
+    """The launcher's side of one job: its ranks (_Rank), the pipes it reads, the store it reads
+    heartbeats from, and how the job is ending. The agent's thread (run) and the watcher thread
+    (_watch) share it; _kill_all holds `lock`."""
+
     def __init__(self, nproc, out_dir, target, fork):
-        self.n, self.out_dir, self.target, self.fork = nproc, out_dir, target, fork
+        self.num_ranks, self.out_dir, self.target, self.fork = nproc, out_dir, target, fork
         self.logs = os.path.join(out_dir, "logs")
-        self.ranks = [_Rank(r) for r in range(nproc)]
+        """The logs folder, <out_dir>/logs."""
+        self.ranks = [_Rank(rank=r) for r in range(nproc)]
         self.store = None
-        self.streams = {}          # read fd -> (rank, console?)
-        self.hellos = {}           # read fd -> rank: "<pid> <store port>" when it starts
-        self.writers = []          # the ranks' ends of the pipes and the go pipe's, closed here once all started
-        self.go = None             # the go pipe's read end (see _pipes)
-        self.store_port = None
-        self.records: dict[int, dict] = {}
-        self.failing = None        # monotonic time of the first failure seen
-        self.signal = None
-        self.over = threading.Event()     # the agent has returned
-        self.ended = threading.Event()    # the watcher has ended the ranks (or they all ended)
+        """A client of the job's TCPStore once every rank started (heartbeats), or None."""
+        self.store_port: int | None = None
+        self.output_pipes: dict[int, tuple[_Rank, bool]] = {}
+        """Read end of a rank's stdout or stderr pipe -> (the rank, shown on the console too)."""
+        self.hello_pipes: dict[int, _Rank] = {}
+        """Read end of a rank's hello pipe ("<pid> <store port>" when it starts) -> the rank."""
+        self.rank_pipe_ends: list[int] = []
+        """The ranks' ends of the pipes and the go pipe's write end: closed here once all started."""
+        self.go_fd: int | None = None
+        """The go pipe's read end (forked ranks only; see _pipes)."""
+        self.failure_records: dict[int, dict] = {}
+        """Rank -> its failure record (logs/failed_rank<r>.json)."""
+        self.first_failure_at: float | None = None
+        """time.monotonic() of the first failure seen (None: none yet)."""
+        self.ended_by_signal: int | None = None
+        """The signal that ended the job (Ctrl-C, SIGTERM, SIGHUP, the agent's SIGQUIT), or None."""
+        self.agent_returned = threading.Event()
+        """Set when torchrun's agent has returned."""
+        self.ranks_ended = threading.Event()
+        """Set when the watcher has ended the ranks (or they all ended)."""
         self.lock = threading.RLock()
-        self.alive: list[int] = []      # pids of ranks still alive after the end (see _wait_ranks_gone)
+        self.alive_after_end: list[int] = []
+        """Pids of ranks still alive after the end (see _wait_ranks_gone)."""
 
     # -------------------------------------------------------------- start
 
@@ -131,26 +174,27 @@ class _Job:
     def _pipes(self) -> Plumbing:
         out, err, hello = [], [], []
         for rk in self.ranks:
-            rk.log = self._open_log(rk.r)
-            for kind, console in ((out, rk.r == 0), (err, False), (hello, None)):
+            rk.log_fd = self._open_log(rk.rank)
+            for kind, console in ((out, rk.rank == 0), (err, False), (hello, None)):
                 r, w = os.pipe()  # not inheritable: a fork keeps it, a spawn passes it (Fd)
                 if console is None:
-                    self.hellos[r] = rk
+                    self.hello_pipes[r] = rk
                 else:
-                    self.streams[r] = (rk, console)
-                self.writers.append(w)
+                    self.output_pipes[r] = (rk, console)
+                self.rank_pipe_ends.append(w)
                 kind.append(Fd(w))
         lock = _lock.held_fd()
         lock = Fd(lock) if lock is not None else None
         if not self.fork:
-            return Plumbing(out, err, hello, lock, self.logs, os.getpid())
+            return Plumbing(stdout=out, stderr=err, hello=hello, lock=lock, logs=self.logs, launcher_pid=os.getpid())
         # The go pipe of forked ranks: its end (the launcher closes the write end once every rank
         # said hello) starts the job in every rank (rank._after_start).
-        self.go, go_w = os.pipe()
-        self.writers.append(go_w)
-        own = [fd_key(fd) for fd in list(self.streams) + list(self.hellos) + [rk.log for rk in self.ranks]
+        self.go_fd, go_w = os.pipe()
+        self.rank_pipe_ends.append(go_w)
+        own = [fd_key(fd) for fd in list(self.output_pipes) + list(self.hello_pipes) + [rk.log_fd for rk in self.ranks]
                + [go_w]]
-        return Plumbing(out, err, hello, lock, self.logs, os.getpid(), own, go=Fd(self.go))
+        return Plumbing(stdout=out, stderr=err, hello=hello, lock=lock, logs=self.logs, launcher_pid=os.getpid(),
+                        private=own, go=Fd(self.go_fd))
 
     def run(self) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
@@ -171,7 +215,7 @@ class _Job:
         failed = {}
         try:
             plumbing = self._pipes()
-            config = launch_config(self.n, self.logs, self.fork)
+            config = launch_config(self.num_ranks, self.logs, self.fork)
             if not self.fork:
                 start_tracker(self.logs)
             watcher = threading.Thread(target=self._watch, name="real_py-job-watch", daemon=True)
@@ -179,13 +223,13 @@ class _Job:
             try:
                 elastic_launch(config, rank_entry)(plumbing, self.target)
                 for rk in self.ranks:  # every rank returned 0 to the agent
-                    rk.code = 0 if rk.code is None else rk.code
+                    rk.exit_code = 0 if rk.exit_code is None else rk.exit_code
             except ChildFailedError as e:
                 failed = e.failures
             except SignalException as e:  # a signal the agent handles (SIGQUIT)
-                self.signal = self.signal or e.sigval
+                self.ended_by_signal = self.ended_by_signal or e.sigval
         finally:
-            self.over.set()
+            self.agent_returned.set()
             if watcher is not None:
                 watcher.join(WATCH_JOIN_S)
                 if watcher.is_alive():
@@ -194,17 +238,18 @@ class _Job:
             self._kill_all()
             self._wait_ranks_gone(RANKS_GONE_S)
             self._drain(1.0)
-            for fd in self.writers:
+            for fd in self.rank_pipe_ends:
                 os.close(fd)
-            self.writers.clear()
-            for fd in list(self.streams) + list(self.hellos) + ([self.go] if self.go is not None else []):
+            self.rank_pipe_ends.clear()
+            go = [self.go_fd] if self.go_fd is not None else []
+            for fd in list(self.output_pipes) + list(self.hello_pipes) + go:
                 os.close(fd)
-            self.go = None
-            self.streams.clear()
-            self.hellos.clear()
+            self.go_fd = None
+            self.output_pipes.clear()
+            self.hello_pipes.clear()
             for rk in self.ranks:
-                if rk.log is not None:
-                    os.close(rk.log)
+                if rk.log_fd is not None:
+                    os.close(rk.log_fd)
                 if rk.pidfd is not None:
                     os.close(rk.pidfd)
             for s, h in handlers.items():
@@ -219,9 +264,9 @@ class _Job:
         as the watcher saw it, or unknown (it died before telling its pid): report.cause then
         takes it as the first death, not a rank the agent's SIGTERM ended after it."""
         for f in failures.values():
-            rk = self.ranks[f.local_rank] if 0 <= f.local_rank < self.n else None
-            if rk is not None and rk.code is None:
-                rk.code = f.exitcode
+            rk = self.ranks[f.local_rank] if 0 <= f.local_rank < self.num_ranks else None
+            if rk is not None and rk.exit_code is None:
+                rk.exit_code = f.exitcode
 
     def _wait_ranks_gone(self, timeout: float) -> None:
         """Wait until every started rank has exited (its pidfd readable), so that the run
@@ -236,15 +281,15 @@ class _Job:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([rk.pidfd], [], [], max(left, 0.0))
             if not ready:
-                self.alive.append(rk.pid)
-        if self.alive:
-            print(f"real_py: ranks with pids {self.alive} are still alive {timeout:.0f} s after being killed; "
-                  f"the lock on the run directory stays until they are gone", file=sys.stderr, flush=True)
+                self.alive_after_end.append(rk.pid)
+        if self.alive_after_end:
+            print(f"real_py: ranks with pids {self.alive_after_end} are still alive {timeout:.0f} s after being "
+                  f"killed; the lock on the run directory stays until they are gone", file=sys.stderr, flush=True)
             _lock.keep_file()
 
     def _on_signal(self, signum, frame) -> None:
-        if self.signal is None:
-            self.signal = signum
+        if self.ended_by_signal is None:
+            self.ended_by_signal = signum
         self._kill_all(stacks=False)
 
     # -------------------------------------------------------------- watch
@@ -257,7 +302,7 @@ class _Job:
         except BaseException as e:  # noqa: BLE001 - reported, then the job ends
             print(f"real_py: the job's watcher failed ({type(e).__name__}: {e}); ending the job", file=sys.stderr,
                   flush=True)
-            self.signal = self.signal or signal.SIGTERM
+            self.ended_by_signal = self.ended_by_signal or signal.SIGTERM
             self._kill_all(stacks=False)
             self._drain(2.0)
 
@@ -267,36 +312,37 @@ class _Job:
         import selectors
 
         sel = selectors.DefaultSelector()
-        for fd in list(self.streams) + list(self.hellos):
+        for fd in list(self.output_pipes) + list(self.hello_pipes):
             sel.register(fd, selectors.EVENT_READ)
         next_poll = 0.0
         while True:
             for key, _ in sel.select(timeout=0.1):
-                if key.fd in self.hellos:
+                if key.fd in self.hello_pipes:
                     self._hello(key.fd, sel)
-                elif key.fd in self.streams:
+                elif key.fd in self.output_pipes:
                     if not self._pump(key.fd):
                         sel.unregister(key.fd)
                 else:  # a rank's pidfd: it ended
                     sel.unregister(key.fd)
                     self._exited(key.data)
-            if self.over.is_set():
+            if self.agent_returned.is_set():
                 self._poll()
                 return
             now = time.monotonic()
-            if self.signal is not None:
+            if self.ended_by_signal is not None:
                 self._kill_all(stacks=False)
                 continue
             if now >= next_poll:
                 next_poll = now + 0.25
                 self._poll()
-            if self.ended.is_set():
+            if self.ranks_ended.is_set():
                 continue
             # An exit whose status the agent reaped first (code unknown) is no failure by itself:
             # ranks that return 0 are reaped at once, and a failed one the agent reports.
-            if self.failing is None and (self.records or any(rk.code not in (None, 0) for rk in self.ranks)):
-                self.failing = now
-            if self.failing is not None and now - self.failing >= FAIL_GRACE_S:
+            if self.first_failure_at is None and (
+                    self.failure_records or any(rk.exit_code not in (None, 0) for rk in self.ranks)):
+                self.first_failure_at = now
+            if self.first_failure_at is not None and now - self.first_failure_at >= FAIL_GRACE_S:
                 self._poll()
                 self._kill_all()
 
@@ -306,7 +352,7 @@ class _Job:
         write end are closed (every forked rank then runs the job) and the store is read. A rank
         that dies before its hello leaves its pipe open here (this holds the write end): the agent
         sees it gone and stops the job."""
-        rk = self.hellos.pop(fd)
+        rk = self.hello_pipes.pop(fd)
         sel.unregister(fd)
         try:
             data = os.read(fd, 256).decode().split()
@@ -316,7 +362,7 @@ class _Job:
         if len(data) == 2:
             self._started(rk, int(data[0]), sel)
             self.store_port = int(data[1])
-        if self.hellos:
+        if self.hello_pipes:
             return
         try:
             with open(os.path.join(self.logs, "job.json"), "w") as f:
@@ -324,9 +370,9 @@ class _Job:
                            "start_method": "fork" if self.fork else "spawn", "store_port": self.store_port}, f)
         except OSError:  # a full disk: the job runs without it
             pass
-        for w in self.writers:
+        for w in self.rank_pipe_ends:
             os.close(w)
-        self.writers.clear()
+        self.rank_pipe_ends.clear()
         if self.store_port is None:
             return
         try:
@@ -358,36 +404,36 @@ class _Job:
                 rk.pidfd, rk.reaped = None, True
             if rk.pidfd is not None:
                 sel.register(rk.pidfd, selectors.EVENT_READ, rk)
-        if self.signal is not None or self.ended.is_set():
+        if self.ended_by_signal is not None or self.ranks_ended.is_set():
             self._kill_all(stacks=False)
 
     def _exited(self, rk: _Rank) -> None:
         """A rank's process ended: its exit status while the agent has not reaped it yet."""
-        rk.ended = rk.ended or time.time()
+        rk.ended_at = rk.ended_at or time.time()
         try:
             info = os.waitid(os.P_PID, rk.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except (ChildProcessError, OSError):
             info = None
         if info is not None and info.si_pid == rk.pid:
-            rk.code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-        elif rk.code is None:
-            rk.code = -1 if rk.killed else None
+            rk.exit_code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+        elif rk.exit_code is None:
+            rk.exit_code = -1 if rk.killed else None
 
     def _pump(self, fd: int) -> bool:
         try:
             data = os.read(fd, 1 << 16)
         except OSError:
             data = b""
-        rk, console = self.streams[fd]
+        rk, console = self.output_pipes[fd]
         if not data:
             os.close(fd)
-            del self.streams[fd]
+            del self.output_pipes[fd]
             return False
         try:
-            os.write(rk.log, data)
+            os.write(rk.log_fd, data)
         except OSError:  # a full disk: keep draining (the tail below still names the cause)
             pass
-        rk.tail = (rk.tail + data)[-4096:]
+        rk.output_tail = (rk.output_tail + data)[-4096:]
         if console:
             try:
                 sys.stdout.buffer.write(data)
@@ -402,8 +448,8 @@ class _Job:
         import select
 
         end = time.monotonic() + secs
-        while self.streams and time.monotonic() < end:
-            ready, _, _ = select.select(list(self.streams), [], [], 0.05)
+        while self.output_pipes and time.monotonic() < end:
+            ready, _, _ = select.select(list(self.output_pipes), [], [], 0.05)
             for fd in ready:
                 self._pump(fd)
 
@@ -411,10 +457,10 @@ class _Job:
         """SIGKILL every rank still running (first, after a failure, their Python stacks into
         their logs: where a rank stuck in user code hangs)."""
         with self.lock:
-            live = [rk for rk in self.ranks if rk.pid is not None and not rk.killed and rk.code is None]
+            live = [rk for rk in self.ranks if rk.pid is not None and not rk.killed and rk.exit_code is None]
             if not live:
                 return
-            if stacks and self.failing is not None and self.signal is None:
+            if stacks and self.first_failure_at is not None and self.ended_by_signal is None:
                 # faulthandler on SIGUSR1 (run_rank). A stopped rank cannot answer.
                 for rk in live:
                     try:
@@ -426,7 +472,7 @@ class _Job:
                         pass
                 self._drain(0.3)
             for rk in live:
-                rk.pstate = proc_state(rk.pid)
+                rk.state_at_kill = proc_state(rk.pid)
                 try:  # through its pidfd: never another process that took a reaped rank's pid
                     if rk.pidfd is not None:
                         signal.pidfd_send_signal(rk.pidfd, signal.SIGKILL)
@@ -437,17 +483,17 @@ class _Job:
                     rk.killed = True
                 except ProcessLookupError:
                     pass
-            self.ended.set()
+            self.ranks_ended.set()
 
     def _poll(self) -> None:
         """Failure records from the logs folder; each rank's heartbeat and activity from the
         store; warnings for a rank long inside user code."""
         for rk in self.ranks:
-            if rk.r not in self.records:
-                path = os.path.join(self.logs, f"failed_rank{rk.r}.json")
+            if rk.rank not in self.failure_records:
+                path = os.path.join(self.logs, f"failed_rank{rk.rank}.json")
                 try:
                     with open(path) as f:
-                        self.records[rk.r] = json.load(f)
+                        self.failure_records[rk.rank] = json.load(f)
                 except (OSError, ValueError):
                     pass
         if self.store is None:
@@ -456,29 +502,29 @@ class _Job:
 
         now = time.monotonic()
         for rk in self.ranks:
-            if rk.code is not None or rk.killed:
+            if rk.exit_code is not None or rk.killed:
                 continue
-            key = f"{JOB_KEY}{rk.r}"
+            key = f"{JOB_KEY}{rk.rank}"
             try:
                 if not self.store.check([key]):
                     continue
                 st = json.loads(self.store.get(key))
             except Exception:  # noqa: BLE001 - an unreadable record judges nobody
                 continue
-            if st.get("n") != rk.n:
-                rk.n, rk.moved, rk.stopped = st.get("n"), now, None
-            rk.state = st
-            if now - rk.moved >= SILENT_S and rk.stopped is None and not st.get("done"):
-                rk.stopped = now - rk.moved
+            if st.get("n") != rk.beat_count:
+                rk.beat_count, rk.beat_changed_at, rk.silent_for = st.get("n"), now, None
+            rk.heartbeat = st
+            if now - rk.beat_changed_at >= SILENT_S and rk.silent_for is None and not st.get("done"):
+                rk.silent_for = now - rk.beat_changed_at
                 ps = proc_state(rk.pid)
-                print(f"real_py: rank {rk.r} is silent: no heartbeat for {rk.stopped:.0f} s"
+                print(f"real_py: rank {rk.rank} is silent: no heartbeat for {rk.silent_for:.0f} s"
                       f"{' (process stopped)' if ps == 'T' else ''}; {doing(st)}", file=sys.stderr, flush=True)
             if st.get("user"):
                 secs = time.time() - st["user_since"]
-                nxt = rk.warned.get(st["user_since"], USER_WARN_S)
+                nxt = rk.user_warn_at.get(st["user_since"], USER_WARN_S)
                 if secs >= nxt:
-                    rk.warned[st["user_since"]] = nxt * 2
-                    print(f"real_py: rank {rk.r} has been inside {st['user']} for {secs:.0f} s "
+                    rk.user_warn_at[st["user_since"]] = nxt * 2
+                    print(f"real_py: rank {rk.rank} has been inside {st['user']} for {secs:.0f} s "
                           f"({doing(st, user=False)})", file=sys.stderr, flush=True)
 
 

@@ -3,7 +3,7 @@ launcher's pipes, and its failure record.
 
     run_rank(target, rank)       # target() -> exit code; an exception -> failure record, one line
 
-A rank started by `launch` (real_py/cli/job.py) enters through `rank_entry`: its own ends of
+A rank started by `launch` (real_py/launch/job.py) enters through `rank_entry`: its own ends of
 the launcher's pipes become its stdout and stderr (the launcher's other fds a fork inherited are
 closed, each only while its number still holds the launcher's file, or, a file in logs/ the agent's
 logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 EXIT_ORPHANED = 70
 """Exit code of a rank whose launcher (or torchrun agent) is gone."""
@@ -52,15 +53,29 @@ class Fd:
         return (Fd, (popen.duplicate_for_child(self.fd) if popen is not None else self.fd,))
 
 
+@dataclass(kw_only=True)
 class Plumbing:
-    """What a rank gets from the launcher: its pipes, the lock, the launcher's pid; `private`: the
-    launcher's own fds (its ends of the pipes, the ranks' logs) as (fd, st_dev, st_ino), which a
-    forked rank closes where the number still holds that file (`close_if_same`: the launcher
-    closes some of them while the agent still forks ranks, and the numbers get reused)."""
+    """What a rank gets from the launcher (pickled to a spawned rank): its pipes, the lock, the
+    launcher's pid, and the launcher's own fds for a forked rank to close."""
 
-    def __init__(self, out, err, hello, lock, logs, launcher, private=(), go=None):
-        self.out, self.err, self.hello, self.lock = out, err, hello, lock
-        self.logs, self.launcher, self.private, self.go = logs, launcher, list(private), go
+    stdout: list[Fd]
+    """Per rank, the write end of its stdout pipe (index: local rank)."""
+    stderr: list[Fd]
+    """Per rank, the write end of its stderr pipe."""
+    hello: list[Fd]
+    """Per rank, the write end of its hello pipe: "<pid> <store port>" once it starts."""
+    lock: Fd | None
+    """The run directory's lock (lock.held_fd), held by every rank until it ends; None: no lock."""
+    logs: str
+    """The logs folder, <out_dir>/logs."""
+    launcher_pid: int
+    """The launcher's pid: a rank dies with it."""
+    private: list[tuple[int, int, int]] = field(default_factory=list)
+    """The launcher's own fds (its ends of the pipes, the ranks' logs) as (fd, st_dev, st_ino),
+    which a forked rank closes where the number still holds that file (`close_if_same`: the
+    launcher closes some of them while the agent still forks ranks, and the numbers get reused)."""
+    go: Fd | None = None
+    """The read end of the go pipe (forked ranks only; see _after_start)."""
 
 
 def fd_key(fd: int) -> tuple[int, int, int]:
@@ -99,10 +114,10 @@ def rank_entry(plumbing: Plumbing, target) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the job on Ctrl-C
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers are not the rank's
         signal.signal(sig, signal.SIG_DFL)
-    _state.update(managed=True, rank=r, launcher=plumbing.launcher)
-    _die_with_parent(plumbing.launcher)
-    mine = (plumbing.out[r].fd, plumbing.err[r].fd, plumbing.hello[r].fd)
-    for fd in (x.fd for x in plumbing.out + plumbing.err + plumbing.hello):
+    _state.update(managed=True, rank=r, launcher=plumbing.launcher_pid)
+    _die_with_parent(plumbing.launcher_pid)
+    mine = (plumbing.stdout[r].fd, plumbing.stderr[r].fd, plumbing.hello[r].fd)
+    for fd in (x.fd for x in plumbing.stdout + plumbing.stderr + plumbing.hello):
         if fd not in mine:
             _close(fd)
     # Every fd the rank keeps goes to 3 or above before fds 0-2 are replaced: a launcher started
@@ -125,7 +140,7 @@ def rank_entry(plumbing: Plumbing, target) -> int:
         os.close(fd)
     os.write(mine[2], f"{os.getpid()} {os.environ.get('MASTER_PORT', 0)}\n".encode())
     os.close(mine[2])
-    _watch_launcher(plumbing.launcher)
+    _watch_launcher(plumbing.launcher_pid)
     # plumbing.lock: the run directory's lock, inherited or handed over, held until this rank ends
     # (it ends with the launcher): a new job on the directory waits until no rank can write.
 

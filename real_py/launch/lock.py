@@ -6,7 +6,7 @@
 
 `<out_dir>/.real_py.lock` is flock'ed by the job writing the directory and holds the launcher's
 pid and command line. A job whose launcher is gone while its ranks still exit is waited for
-(LOCK_WAIT_S); see real_py/cli/job.py for the launcher and real_py/cli/rank.py for the ranks.
+(LOCK_WAIT_S); see real_py/launch/job.py for the launcher and real_py/launch/rank.py for the ranks.
 """
 
 from __future__ import annotations
