@@ -58,7 +58,9 @@ def _job(rank, world, d):
         # rank 0 holds every row of the rollout keys (dp4 reference call reads them all)
         out.append({k: st.data[k].tolist() for k in ("tokens", "lengths", "prompt_lengths", "old_logp", "rollout_logp")
                     if k in st.data} | {"metrics": res["metrics"]})
-    return out if rank == 0 else None
+    with open("/proc/self/maps") as f:   # vLLM's CPU tp-group segments this rank maps
+        shm = sorted({line.split(None, 5)[5].strip() for line in f if "cpushm" in line})
+    return (out, shm) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,11 @@ def test_vllm_generation_equals_the_builtin_engine_over_steps(ckpt):
     runs = {}
     for engine in ("builtin", "vllm"):
         d = _config(ckpt / "actor", ckpt / f"out_{engine}", engine, generation={"greedy": True})
-        runs[engine] = run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0]
+        runs[engine], shm = run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0]
+    # vLLM's tp group talks through /dev/shm segments whose names are the same for every job
+    # under the external launcher: their names are gone once vLLM started (the next job with
+    # tp > 1 on this machine would fail to create them), the mappings stay.
+    assert shm and all(p.endswith("(deleted)") for p in shm), shm
     runs = {k: [{n: torch.tensor(x) if n != "metrics" else x for n, x in s.items()} for s in r]
             for k, r in runs.items()}
     for step in range(2):
@@ -101,7 +107,7 @@ def test_vllm_sampling_is_seeded_per_row_and_tis_weights_apply(ckpt):
     for i in range(2):
         d = _config(ckpt / "actor", ckpt / f"out_s{i}", "vllm", gen="dp4", train="dp2,tp2",
                     ppo={"tis_cap": 2.0})
-        outs.append(run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0])
+        outs.append(run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0][0])
     assert outs[0][0]["tokens"] == outs[1][0]["tokens"]
     m = outs[0][1]["metrics"]
     assert 0.0 <= m["tis_capped_frac"] <= 1.0 and m["rollout_logp_diff"] < 1e-3, m

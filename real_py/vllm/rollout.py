@@ -103,9 +103,16 @@ class VLLMRollout:
         except Exception as e:
             lines = [x.strip() for x in str(e).splitlines()
                      if x.strip() and not x.strip().startswith("For further information")]
+            hint = ""
+            if "create shm" in str(e):
+                hint = (" (a /dev/shm/*cpushm_* file of the same name exists: another vLLM job with "
+                        "tp > 1 is starting on this machine, or one was killed while starting; remove "
+                        "the file if none runs)")
             raise RuntimeError(f"rank {self.rank}: vLLM did not start for the actor "
                                f"({config.model_type}, tp={self.tp}, max_model_len={max_model_len}): "
-                               f"{type(e).__name__}: {' | '.join(lines)[:600]}") from e
+                               f"{type(e).__name__}: {' | '.join(lines)[:600]}{hint}") from e
+        if not cuda:
+            _unlink_cpu_shm()
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         unknown = unknown_params(self.spec, self.model)
         if unknown:
@@ -156,3 +163,24 @@ class VLLMRollout:
 
 
 __all__ = ["Sampling", "VLLMRollout"]
+
+
+def _unlink_cpu_shm() -> None:
+    """Remove the names of the shared-memory segments vLLM's CPU tp / pp groups just opened.
+
+    Under the external launcher every job's segments get the same names ("-tp:0-[0-1]-cpushm_<r>":
+    the worker derives them from the init method, "env://"), and vLLM never unlinks them, so the
+    next job with tp > 1 on the machine failed to start ("create shm in SHMManager failed. errno:
+    17"). Every rank of a group has mapped every segment of it by the time LLM() returns (vLLM's
+    barrier after the join), so the names can go now; the mappings live on until the process ends."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if "cpushm" in line and "/dev/shm/" in line}
+    except OSError:
+        return
+    for path in paths:
+        try:
+            os.unlink(path.removesuffix(" (deleted)"))
+        except OSError:
+            pass  # a peer removed it first (every rank maps every segment of its group)
+
