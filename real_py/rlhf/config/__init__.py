@@ -3,6 +3,7 @@
   schema.py  the keys: one dataclass per section with a docstring under each field; the default
   load.py    YAML and KEY=VALUE overrides -> typed TrainConfig (unknown keys and types refused)
   paths.py   relative input paths of a config file resolve against its folder
+  ranges.py  the allowed range of a field, declared beside it in schema.py (`ranged`)
   checks.py  ranges, then `validate`: plan vs graph, world and models; vocabularies; data; reward
 """
 

@@ -1,5 +1,5 @@
 """Checks of a train config before any rank starts: value ranges (`check_values`, run by
-from_dict) and `validate(cfg, world_size)`: the execution plan against the graph, the world and the
+from_dict: the ranges declared beside the fields, ranges.py) and `validate(cfg, world_size)`: the execution plan against the graph, the world and the
 models, vocabularies and tokenizers against each other, the prompt data and the reward function.
 """
 
@@ -15,61 +15,12 @@ from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
 from .paths import path_origin
+from .ranges import check_ranges
 from .schema import TrainConfig
 
 
-_RANGES = (
-    # (dotted key, test, allowed range in words); types are already checked.
-    ("save_every", lambda v: v >= 0, ">= 0 (0: no checkpoints)"),
-    ("ppo.clip", lambda v: v > 0, "> 0"),
-    ("ppo.value_clip", lambda v: v > 0, "> 0"),
-    ("ppo.gamma", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("ppo.lam", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
-    ("ppo.actor_lr", lambda v: v > 0, "> 0"),
-    ("ppo.critic_lr", lambda v: v > 0, "> 0"),
-    ("ppo.max_grad_norm", lambda v: v > 0, "> 0"),
-    ("ppo.adam_eps", lambda v: v > 0, "> 0"),
-    ("ppo.group_size", lambda v: v >= 1, ">= 1"),
-    ("ppo.clip_high", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.dual_clip", lambda v: v is None or v > 1, "> 1 or null"),
-    ("ppo.kl_clamp", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
-    ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
-    ("ppo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 or null"),
-    ("ppo.tis_cap", lambda v: v is None or v >= 1, ">= 1 or null"),
-    ("generation.vllm_kv_cache_gib", lambda v: v >= 1, ">= 1"),
-    ("generation.vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "(0, 1]"),
-    ("async_.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
-    ("async_.interrupt_wait_step", lambda v: v is None or v >= 1, ">= 1 or null"),
-    ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("generation.temperature", lambda v: v > 0, "> 0"),
-    ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
-    ("generation.min_new_tokens", lambda v: v >= 0, ">= 0 (0: off)"),
-    ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
-    ("reward.overlong_penalty", lambda v: v >= 0, ">= 0"),
-    ("reward.clip", lambda v: v is None or v > 0, "> 0 or null"),
-    ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
-    ("data.samples_per_step", lambda v: v >= 0, ">= 0"),
-    *((k, lambda v: v >= 1, ">= 1") for k in (
-        "steps", "data.batch_size", "data.num_prompts", "ppo.ppo_epochs", "ppo.mini_batches",
-        "ppo.micro_batches", "generation.max_new_tokens")),
-)
-
-
-def _get(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def check_values(cfg: TrainConfig) -> None:
-    for key, ok, allowed in _RANGES:
-        v = _get(cfg, key)
-        if not ok(v):
-            raise ValueError(f"config {key.replace('async_', 'async')}={v!r} is out of range; allowed: {allowed}")
+    check_ranges(cfg)
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ValueError(f"config out_dir={cfg.out_dir!r} is a file, not a directory; pick another out_dir")
     for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
