@@ -4,6 +4,9 @@ each field, and the embedded default (tiny models, DEFAULT_PLAN on 4 ranks).
 A field declared `ranged(default, allowed)` has an allowed range, checked by ranges.py when a
 config is built. Reading YAML and overrides into these classes is load.py; the checks that span
 fields, files and the plan are checks.py.
+
+One file past 400 lines: it is the reference of the config format, a dataclass per section with
+a docstring under each key, meant to be read top to bottom.
 """
 
 from __future__ import annotations
