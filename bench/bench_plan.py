@@ -25,7 +25,7 @@ import time
 import tracemalloc
 
 from real_py import Layout, model_spec, plan_realloc
-from real_py import layout as layout_mod
+from real_py.layout import grid, shards, stages
 from real_py.realloc import plan as plan_mod
 from real_py.realloc.rank_schedule import rank_schedule
 from real_py.spec.config import preset
@@ -59,10 +59,10 @@ def spec(name: str):
 
 def clear_caches():
     plan_mod._plan_cached.cache_clear()
-    layout_mod._shard_layout.cache_clear()
-    layout_mod._fits.cache_clear()
-    layout_mod.stage_layer_ranges.cache_clear()
-    layout_mod._coords_table.cache_clear()
+    shards._shard_layout.cache_clear()
+    shards._fits.cache_clear()
+    stages.stage_layer_ranges.cache_clear()
+    grid._coords_table.cache_clear()
 
 
 def one_rank(model, src, dst, mode, rpn, rank, trace=False):

@@ -33,6 +33,10 @@ Every beat also writes `real_py/job/rank/<global rank>` = JSON {"n": beat counte
 process group's prefixes), which the launcher of the job hosts. A process that fails writes a
 failure record (`record_failure`): JSON into the job's logs folder, where the launcher picks the
 root cause among the ranks' records.
+
+One module past 400 lines: the heartbeat thread carries both the counter PeerWatch and the
+Watchdog read and the activity record the launcher reads, and they share its private state
+(the thread registry and lock, the activity levels); split, each part would reach into the others.
 """
 
 from __future__ import annotations

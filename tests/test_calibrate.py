@@ -1,6 +1,6 @@
 # Checks the hardware calibration (real_py/calibrate): the line and pipe-wait fits by hand, the cpu
 # profile measured on gloo ranks and cached, calibrate_gpu's dry run on the processor, job-shaped setups;
-# a failure points to real_py/calibrate/measure.py (timings, fits) or profiles.py (cache, resolve_profile).
+# a failure points to real_py/calibrate/measure.py (timings), fit.py (fits), setup.py (Setup) or profiles.py (cache, resolve_profile).
 import pytest
 
 from real_py.search import Workload
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_calibration_line_fit():
-    from real_py.calibrate.measure import _fit_line
+    from real_py.calibrate.fit import _fit_line
 
     assert _fit_line({1: 3.0, 3: 7.0, 5: 11.0}) == pytest.approx((2.0, 1.0))
     assert _fit_line({1: 3.0, 5: 12.2}) == pytest.approx((2.3, 0.7))
@@ -20,7 +20,7 @@ def test_pipe_wait_fit_by_hand():
     """Pipelines side by side against half as many: the extra seconds of an inference pass and of
     a decode step (two messages between the stages each), per message, their mean; >= 0; absent
     timings (older calibrations) give 0."""
-    from real_py.calibrate.measure import _pipe_wait
+    from real_py.calibrate.fit import _pipe_wait
 
     raw = {"pp2_inf_4": 2.0, "pp2busy_inf_4": 3.0, "pp2_gen2_4": 1.0, "pp2_gen10_4": 9.0,
            "pp2busy_gen2_4": 2.0, "pp2busy_gen10_4": 18.0}

@@ -1,5 +1,5 @@
 # Checks that bad input to the train / plan / search / export / plot commands and to train configs (YAML or KEY=VALUE) is refused before any rank starts, with one line naming the key/flag/file and what was expected, and that no input or existing checkpoint file changes; and that good-but-loose input (numeric strings, overrides) is typed right.
-# A failure points to real_py/rlhf/config/ (_coerce, _RANGES, apply_overrides, read_yaml), real_py/cli/train.py (_config, _protect_run_dir), real_py/cli/common.py, real_py/dataflow/execplan.py (from_json messages) or the command modules.
+# A failure points to real_py/rlhf/config/ (_coerce, ranged fields of schema.py / ranges.py, apply_overrides, read_yaml), real_py/cli/train.py (_config, _protect_run_dir), real_py/cli/common.py, real_py/dataflow/execplan.py (from_json messages) or the command modules.
 """Every case runs `real_py.cli.main(argv)` in this process with the launcher replaced by a
 failing stub, so an input that wrongly passed validation fails the test instead of starting
 torchrun. Bad input must end in SystemExit(2) with a single `error: ...` line on stderr."""

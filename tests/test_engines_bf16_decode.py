@@ -255,9 +255,9 @@ def test_config_device_precision_decode_checked(monkeypatch):
     assert d.pop("device") == "cuda"
     # Validated as a CPU job here, whose host-memory check (tests/test_rlhf_config_messages.py)
     # would refuse the 1.1B models on a small machine: that check is left out.
-    from real_py.rlhf.config import checks
+    from real_py.rlhf.config import host_memory
 
-    monkeypatch.setattr(checks, "_available_bytes", lambda: None)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
     CF.validate(CF.from_dict(d), 1)
 
 

@@ -1,5 +1,5 @@
 # Checks that bad inputs to the library API (Layout, plan_realloc, check_fits, ModelShard, Reallocator, reallocate_params/flat, shard_from_params, load_hf_shard, ParallelGroups) raise one clear TypeError/ValueError naming the argument or file, and leave their inputs untouched.
-# A failure points to the argument checks at the top of real_py/layout.py, plan.py, shard.py, reallocator.py, embed.py, hf.py or parallel.py.
+# A failure points to the argument checks in real_py/layout/ (grid.py, fits.py), plan.py, shard.py, reallocator.py, embed.py, hf.py or parallel.py.
 """Table-driven: each case is (id, call, exception type, regex of the message, inputs to compare
 before/after). Everything runs in-process; no case reaches a collective (the meta-tensor case
 used to hang in the transfer until its timeout)."""

@@ -1,6 +1,6 @@
 """Checks dp-sharded layouts (FSDP2 dim-0 chunks, ZeRO-3 / FSDP1 flat split) as reallocation source and destination.
 
-A failure points to real_py/layout.py (dp_shard_layout), real_py/realloc/shard.py (dp pieces), plan.py (entry ranges)
+A failure points to real_py/layout/dp_shard.py (dp_shard_layout), real_py/realloc/shard.py (dp pieces), plan.py (entry ranges)
 or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is tests/oracle.py (index_buffer, torch.chunk).
 """
 

@@ -1,6 +1,6 @@
 """Checks the C++ transfer planner against an independent oracle (no process group).
 
-A failure points to the planner (csrc/planner/), the layout/shard offsets (real_py/layout.py), or
+A failure points to the planner (csrc/planner/), the layout/shard offsets (real_py/layout/shards.py), or
 sender selection: a destination element uncovered, covered twice, or sent when held locally.
 """
 

@@ -1,5 +1,5 @@
 # Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, a searched plan run with other batch settings than it was searched for, more ranks than cores or GPUs, and the legend of the step line's kl.
-# A failure points to real_py/rlhf/config/checks.py (_check_checkpoints, _check_searched_for, notes, KL_LEGEND), real_py/dataflow/execplan.py (searched_for) or real_py/cli/train.py (_config, _before_launch).
+# A failure points to real_py/rlhf/config/ (files.py check_checkpoints, checks.py _check_searched_for, notes.py, host_memory.py), real_py/dataflow/execplan.py (searched_for) or real_py/cli/train.py (_config, _before_launch).
 import os
 
 import pytest
@@ -174,9 +174,9 @@ def test_local_cuda_job_with_more_ranks_than_gpus_is_refused(tmp_path, capsys, m
 def test_models_over_host_memory_are_refused_before_launch(tmp_path, capsys, monkeypatch, no_launch):
     """A 7B-shaped actor on the default 4-rank CPU plan: its train copy with Adam states and the
     dp4 generation copies cannot fit; refused naming the need per model, not killed mid-start-up."""
-    from real_py.rlhf.config import checks
+    from real_py.rlhf.config import host_memory
 
-    monkeypatch.setattr(checks, "_available_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 16 << 30)
     big = ("{hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, num_attention_heads: 32, "
            "num_key_value_heads: 32, vocab_size: 32000}")
     (tmp_path / "c.yaml").write_text(f"actor: {big}\ncritic: {{vocab_size: 32000}}\n")

@@ -1,5 +1,5 @@
 # Checks PPO model initialisation from HF checkpoints: a critic on the actor's causal-LM checkpoint with a fresh value head (critic_init), a reference from its own ref_path, and the vocab / tokenizer checks before ranks start.
-# A failure points to real_py/interop/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config/ (_check_vocab, critic_init, ref_path).
+# A failure points to real_py/interop/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config/ (checks.py _check_vocab, files.py check_same_tokenizer, critic_init, ref_path).
 """The 4-rank run uses the default execution plan: the critic lives on dp2tp2 (train) and is
 reallocated to pp2 for inference, the reference on dp2 ranks 0-1; the gathered weights are
 compared bit for bit with the checkpoints' tensors (transformers' own state dict)."""

@@ -11,7 +11,8 @@ import platform
 from dataclasses import asdict
 
 from ..search.hardware import MEASURED, PROFILE_NAMES, HardwareProfile, get_profile
-from .measure import DEFAULT, Setup, calibrate_cpu
+from .measure import calibrate_cpu
+from .setup import DEFAULT, Setup
 
 
 def _cache_path() -> str:

@@ -21,6 +21,9 @@ compared bit for bit with the values the source pattern implies):
 The machine is described from what the run detects (cpu count and model, GPU name, hosts, world
 size, backend). --out writes JSON; an existing file is kept unless --overwrite, and paths
 under the repository's bench/results/ (the project's own recorded results) are refused.
+
+One file past 400 lines: the checks before the torchrun re-launch and the ranks' timing loop read
+the same parsed model and pairs, and the command reads as one piece like the other cli/ modules.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new,
 differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
 longrope outside llama / phi3, pruned_heads, quantization_config, custom code (auto_map), and any field not
 listed below that is set (softcapping, qk norms, ...).
+
+One file past 400 lines: config_kwargs (read) and export_config (write) are the two directions of
+one mapping and go by the same tables (ARCHITECTURES, MOE_TYPES, the fields read per model type),
+so a new architecture is one edit here.
 """
 
 from __future__ import annotations

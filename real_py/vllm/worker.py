@@ -17,6 +17,10 @@ A model whose parameters real_py cannot place in vLLM's live format (names.unkno
 falls back to full tensors: every worker receives the whole model (still straight from the
 trainer ranks' shards, no gather) and loads it through vLLM's own `load_weights` inside its
 layerwise reload; one log line names the parameters that caused it.
+
+One file past 400 lines: most of it is RealPyWeightTransferEngine, whose hooks share the transfer
+group, plan and receive shard that init_transfer_engine sets up; the helpers before it are the
+ones the trainer side (trainer.py, rollout.py) checks against the same plan.
 """
 
 from __future__ import annotations

@@ -1,84 +1,30 @@
-"""Checks of a train config before any rank starts: value ranges (`check_values`, run by
-from_dict) and `validate(cfg, world_size)`: the execution plan against the graph, the world and the
-models, vocabularies and tokenizers against each other, the prompt data and the reward function.
+"""Checks of a train config before any rank starts: `check_values` (run by from_dict: the value
+ranges of ranges.py, paths, and the rules that span fields) and `validate(cfg, world_size)`: the
+execution plan against the graph, the world and the models, vocabularies against each other, then
+host memory (host_memory.py), checkpoints, the prompt data and the reward function (files.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 from ...dataflow.execplan import ExecutionPlan
 from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
 from ...dataflow.rules import call_rule_errors, vllm_layout_errors
-from ...interop.hf import HFCheckpoint
 from ...layout import check_fits
 from ...spec import model_spec
-from .paths import path_origin
+from .files import check_checkpoints, check_data_and_reward, check_paths, check_same_tokenizer
+from .host_memory import check_host_memory, host_memory_need
+from .notes import KL_LEGEND, notes
+from .ranges import check_ranges
 from .schema import TrainConfig
 
-
-_RANGES = (
-    # (dotted key, test, allowed range in words); types are already checked.
-    ("save_every", lambda v: v >= 0, ">= 0 (0: no checkpoints)"),
-    ("ppo.clip", lambda v: v > 0, "> 0"),
-    ("ppo.value_clip", lambda v: v > 0, "> 0"),
-    ("ppo.gamma", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("ppo.lam", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
-    ("ppo.actor_lr", lambda v: v > 0, "> 0"),
-    ("ppo.critic_lr", lambda v: v > 0, "> 0"),
-    ("ppo.max_grad_norm", lambda v: v > 0, "> 0"),
-    ("ppo.adam_eps", lambda v: v > 0, "> 0"),
-    ("ppo.group_size", lambda v: v >= 1, ">= 1"),
-    ("ppo.clip_high", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.dual_clip", lambda v: v is None or v > 1, "> 1 or null"),
-    ("ppo.kl_clamp", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.kl_target", lambda v: v is None or v > 0, "> 0 or null"),
-    ("ppo.kl_horizon", lambda v: v >= 1, ">= 1"),
-    ("ppo.max_gen_rounds", lambda v: v >= 1, ">= 1"),
-    ("ppo.behav_imp_weight_cap", lambda v: v is None or v > 1, "> 1 or null"),
-    ("ppo.tis_cap", lambda v: v is None or v >= 1, ">= 1 or null"),
-    ("generation.vllm_kv_cache_gib", lambda v: v >= 1, ">= 1"),
-    ("generation.vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "(0, 1]"),
-    ("async_.max_staleness", lambda v: v >= 0, ">= 0 (0: synchronous)"),
-    ("async_.interrupt_wait_step", lambda v: v is None or v >= 1, ">= 1 or null"),
-    ("ppo.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("ppo.min_lr_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
-    ("generation.temperature", lambda v: v > 0, "> 0"),
-    ("generation.top_k", lambda v: v >= 0, ">= 0 (0: no top-k)"),
-    ("generation.min_new_tokens", lambda v: v >= 0, ">= 0 (0: off)"),
-    ("reward.overlong_buffer", lambda v: v >= 0, ">= 0 (0: no overlong penalty)"),
-    ("reward.overlong_penalty", lambda v: v >= 0, ">= 0"),
-    ("reward.clip", lambda v: v is None or v > 0, "> 0 or null"),
-    ("generation.top_p", lambda v: 0 < v <= 1, "(0, 1]"),
-    ("data.samples_per_step", lambda v: v >= 0, ">= 0"),
-    *((k, lambda v: v >= 1, ">= 1") for k in (
-        "steps", "data.batch_size", "data.num_prompts", "ppo.ppo_epochs", "ppo.mini_batches",
-        "ppo.micro_batches", "generation.max_new_tokens")),
-)
-
-
-def _get(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+# host_memory_need, notes and KL_LEGEND live in host_memory.py and notes.py; importable here too.
+__all__ = ["check_values", "validate", "host_memory_need", "notes", "KL_LEGEND"]
 
 
 def check_values(cfg: TrainConfig) -> None:
-    for key, ok, allowed in _RANGES:
-        v = _get(cfg, key)
-        if not ok(v):
-            raise ValueError(f"config {key.replace('async_', 'async')}={v!r} is out of range; allowed: {allowed}")
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
-        raise ValueError(f"config out_dir={cfg.out_dir!r} is a file, not a directory; pick another out_dir")
-    for key, path in (("actor_path", cfg.actor_path), ("critic_path", cfg.critic_path),
-                      ("reward_path", cfg.reward_path), ("ref_path", cfg.ref_path)):
-        if path and not os.path.exists(path):
-            raise ValueError(f"config {key}={path!r}: no such local file or directory ({path_origin(key, path)}); "
-                             "only local HF checkpoint directories are read (nothing is downloaded from the "
-                             "Hub: download it first, e.g. huggingface-cli download, and give its directory)")
-    _check_input_files(cfg)
+    """The checks of one config on its own (no plan): ranges, paths, then the rules between fields."""
+    check_ranges(cfg)
+    check_paths(cfg)
     if cfg.wandb is not None:
         from ..observe import wandb_available
 
@@ -127,22 +73,6 @@ def check_values(cfg: TrainConfig) -> None:
     _check_vocab(cfg, models)
 
 
-def _check_input_files(cfg: TrainConfig) -> None:
-    """The prompt file, tokenizer directory, reward file and plan file exist; a missing one is
-    named with the base its relative path was resolved against (load.path_origin)."""
-    d, plan = cfg.data, cfg.plan
-    reward_file = (cfg.reward.path.rpartition(":")[0] if cfg.reward.kind == "function" and
-                   isinstance(cfg.reward.path, str) and cfg.reward.path.rpartition(":")[0].endswith(".py") else None)
-    plan_file = plan.get("path") if set(plan) == {"path"} and isinstance(plan.get("path"), str) else None
-    for key, value, path, ok, what in (
-            ("data.path", d.path, d.path, os.path.isfile, "no such file"),
-            ("data.tokenizer_path", d.tokenizer_path, d.tokenizer_path, os.path.isdir, "no such directory"),
-            ("reward.path", cfg.reward.path, reward_file, os.path.isfile, f"no such file {reward_file!r}"),
-            ("plan.path", plan_file, plan_file, os.path.isfile, "no such file")):
-        if path and not ok(path):
-            raise ValueError(f"config {key}={value!r}: {what} ({path_origin(key, value)})")
-
-
 def _check_vocab(cfg: TrainConfig, models: dict) -> None:
     """Every model that reads the actor's tokens (ref, critic, reward) covers its vocab: an id past
     a model's embedding would embed as zeros, silently."""
@@ -152,37 +82,12 @@ def _check_vocab(cfg: TrainConfig, models: dict) -> None:
         if m not in used or (m == "reward" and cfg.reward.kind in ("rule", "function")):
             continue
         if paths.get(m) and paths["actor"]:
-            _check_same_tokenizer(paths["actor"], paths[m], m)
+            check_same_tokenizer(paths["actor"], paths[m], m)
         if models[m].vocab_size < V:
             src = f"{paths[m]}" if paths.get(m) else "random init (section `critic`)" if m != "ref" else "actor"
             raise ValueError(f"config: {m} has vocab_size={models[m].vocab_size} ({src}) but the actor "
                              f"({paths['actor'] or 'random init'}) emits ids up to {V - 1}; give {m} a "
                              f"checkpoint / `critic: {{vocab_size: {V}}}` covering the actor's vocab")
-
-
-def _tokenizer_vocab(path: str):
-    """token -> id of a checkpoint's tokenizer.json (vocab and added tokens), or None without one."""
-    f = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(f):
-        return None
-    try:
-        with open(f) as fh:
-            d = json.load(fh)
-        vocab = dict(d.get("model", {}).get("vocab") or {})
-        vocab.update({t["content"]: t["id"] for t in d.get("added_tokens") or ()})
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"{f}: not a tokenizers JSON file ({e})") from None
-    return vocab
-
-
-def _check_same_tokenizer(actor_path: str, path: str, model: str) -> None:
-    a, b = _tokenizer_vocab(actor_path), _tokenizer_vocab(path)
-    if a is None or b is None or a == b:
-        return
-    diff = sorted(t for t in a.keys() | b.keys() if a.get(t) != b.get(t))
-    raise ValueError(f"config: {model} ({path}) and the actor ({actor_path}) have different tokenizers: "
-                     f"{len(diff)} tokens map to other ids, e.g. {diff[:3]}; {model} would read the "
-                     "actor's token ids as other tokens")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, dict]:
@@ -237,9 +142,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
                              f"max_position_embeddings={models[m].max_position_embeddings}")
     _check_runtime_support(cfg, plan, graph, models)
     _check_vllm(cfg, plan, graph, models)
-    _check_host_memory(cfg, plan, graph, models)
-    _check_checkpoints(cfg, graph, models)
-    _check_data_and_reward(cfg, models)
+    check_host_memory(cfg, plan, graph, models)
+    check_checkpoints(cfg, graph, models)
+    check_data_and_reward(cfg, models)
     return plan, graph, models
 
 
@@ -264,66 +169,6 @@ def _check_searched_for(cfg: TrainConfig, plan: ExecutionPlan) -> None:
                          + "; its memory check and estimate hold for the searched ones. Search again with "
                          + " ".join(f"{flag} {v}" for _, _, v, flag in diff)
                          + ", or set " + ", ".join(f"{key}: {s}" for key, s, _, _ in diff) + " in the config")
-
-
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_memory_need(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> dict[str, int]:
-    """Bytes per model that a CPU job holds at once, summed over its ranks (all on this machine):
-    the home layout's shards (a trained model's with its fp32 gradient and Adam moments, and the
-    fp32 master copy under bf16) plus the largest other layout it is reallocated to. A lower bound
-    of the job's peak: activations, buffers and the processes themselves come on top."""
-    from ...realloc.plan import _shard_data_numel
-
-    out = {}
-    for m, calls in graph.models().items():
-        if m == "reward" and cfg.reward.kind != "model":
-            continue
-        spec = model_spec(models[m], name=m)
-        es = spec.element_size
-
-        def total(layout):
-            return sum(_shard_data_numel(spec, layout, r) for r in layout.ranks)
-
-        home = graph.train_call(m) or calls[0]
-        trained = graph.calls[home].trains
-        per_elem = es + ((12 + (4 if es < 4 else 0)) if trained else 0)
-        others = {plan.calls[c] for c in calls if plan.calls[c] != plan.calls[home]}
-        out[m] = total(plan.calls[home]) * per_elem + max((total(l) * es for l in others), default=0)
-        if m == "actor" and cfg.generation.engine == "vllm":
-            # vLLM's live model on the generation ranks beside the received shard, and its KV cache
-            gen = plan.calls[next(c for c in calls if graph.calls[c].kind == "generate")]
-            out["vllm"] = total(gen) * es + int(cfg.generation.vllm_kv_cache_gib * 2 ** 30) * gen.world
-    return out
-
-
-def _check_host_memory(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
-    """A CPU job whose models cannot fit this machine's available memory is refused before its
-    ranks start (they would be killed by the kernel's OOM killer mid-start-up, without a word)."""
-    import torch
-
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return
-    avail = _available_bytes()
-    if avail is None:
-        return
-    need = host_memory_need(cfg, plan, graph, models)
-    if sum(need.values()) > 0.9 * avail:
-        GiB = 2 ** 30
-        parts = ", ".join(f"{m} {b / GiB:.1f}" for m, b in sorted(need.items(), key=lambda x: -x[1]))
-        raise ValueError(f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on this "
-                         f"machine ({parts} GiB: every rank's shards, trained models with gradients and Adam "
-                         f"states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is available; use "
-                         "smaller models, fewer data-parallel replicas in the plan, or GPUs (device: cuda)")
 
 
 def _check_runtime_support(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
@@ -412,94 +257,3 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
             raise ValueError(f"config generation.engine: vllm on CPU: the actor's head_dim={head_dim} is not one "
                              f"vLLM's CPU attention runs ({sizes}); change the actor's hidden_size / "
                              "num_attention_heads (or head_dim), or use the built-in engine")
-
-
-def _check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
-    """Read the safetensors headers of every checkpoint the graph's models load (cheap: no tensor
-    data), so a truncated or missing file, or a tensor whose shape disagrees with config.json,
-    fails here, naming the file and tensor, instead of on every rank after start-up."""
-    paths = cfg.model_paths()
-    for m in sorted({c.model for c in graph.calls.values()}):
-        if not paths.get(m) or (m == "reward" and cfg.reward.kind != "model"):
-            continue
-        fresh = m == "critic" and cfg.critic_init != "checkpoint"
-        try:
-            ck = HFCheckpoint(paths[m])
-            if m == "reward" and "score.weight" not in ck.shapes:
-                raise ValueError(
-                    f"config reward_path={paths[m]!r} is not a reward model: it has no value head "
-                    "'score.weight' (a causal-LM checkpoint?). A reward model is a trained "
-                    "*ForSequenceClassification checkpoint with num_labels=1; critic_init gives only the "
-                    "critic a fresh head (it trains; a frozen reward model with a fresh head would score "
-                    "at random). Give reward_path such a checkpoint, or score the text with "
-                    "reward: {kind: function, path: 'file.py:fn'} and no reward_path")
-            if m == "critic" and not fresh and "score.weight" not in ck.shapes:
-                raise ValueError(
-                    f"config critic_path={paths[m]!r} has no value head 'score.weight' (a causal-LM "
-                    "checkpoint?); set critic_init: zero (or normal) to start a fresh value head on its "
-                    "body, or give a *ForSequenceClassification checkpoint with num_labels=1")
-            ck.check(model_spec(models[m], name=m), fresh_head=fresh)
-        except ValueError as e:
-            if str(e).startswith("config "):
-                raise
-            raise ValueError(f"model {m} ({paths[m]}): {e}") from None
-
-
-def _check_data_and_reward(cfg: TrainConfig, models: dict) -> None:
-    """Load the prompt data set, tokenizer and reward function once, so that any error in them
-    shows before ranks start (every rank loads them again, cached per process)."""
-    from .. import data as D
-    from ..rewards import FunctionReward, check_call, check_signature
-
-    data = D.load(cfg, models["actor"].vocab_size)
-    if cfg.reward.kind == "function":
-        fr = FunctionReward(cfg.reward.path)
-        if D.tokenizer(cfg, data) is None:
-            raise ValueError("config reward.kind=function needs a tokenizer to decode responses: set "
-                             "data.tokenizer_path (or data.path with a tokenizer)")
-        if data is None:
-            check_signature(fr, [], "no data.path: the built-in synthetic prompts")
-        else:
-            fields = sorted({k for r in data.rows for k in r} - {data.prompt_key})
-            check_signature(fr, fields, f"data.path={cfg.data.path!r}, prompt_key={data.prompt_key!r}")
-            check_call(fr, data)
-
-
-KL_LEGEND = ("kl = the k1 estimate of KL(actor || reference), sum over each response's tokens of "
-             "(log pi_old - log pi_ref), mean over the batch's sequences; k1 is unbiased only on "
-             "average over sampled responses, so a step's value can be negative (often while the actor is "
-             "still close to the reference, or when sampling with temperature / top_p / top_k differs from "
-             "the actor's own distribution)")
-"""The step line's `kl` in words (printed by the launcher; docs/running.md)."""
-
-
-def notes(cfg: TrainConfig, world_size: int) -> list[str]:
-    """Warnings about a config that runs but not as its author may expect: keys the reward kind
-    ignores, and more ranks than CPU cores. The launcher prints them before launch."""
-    out = []
-    plan = cfg.execution_plan()
-    idle = plan.uncovered_ranks()
-    if idle:
-        why = ("recorded in the plan's idle_ranks: the search found no faster use for them"
-               if set(idle) <= set(plan.idle_ranks) else "allow_idle_ranks: true")
-        out.append(f"the execution plan leaves ranks {idle} of {plan.world_size} without a call ({why}); "
-                   "they only join the world's collectives")
-    if cfg.reward.kind != "model" and cfg.reward_path:
-        out.append(f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
-                   "a reward model; remove reward_path, or set reward.kind: model to use it")
-    if cfg.reward.kind != "function" and cfg.reward.path:
-        out.append(f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function only "
-                   f"(reward.kind={cfg.reward.kind!r})")
-    import torch
-
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = world_size - len(idle)                 # idle ranks wait in collectives, using no core
-    if not cuda and busy > cores:
-        out.append(f"the plan has {busy} ranks with calls but this machine gives this process {cores} CPU "
-                   f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
-                   f"running side by side stretch by up to {busy / cores:g}x); for speed use a plan "
-                   f"of at most {cores} ranks "
-                   f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
-                   "with more cores")
-    return out

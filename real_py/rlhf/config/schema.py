@@ -1,7 +1,12 @@
 """The keys of a `python -m real_py train` config: one dataclass per section, a docstring under
 each field, and the embedded default (tiny models, DEFAULT_PLAN on 4 ranks).
 
-Reading YAML and overrides into these classes is load.py; range and cross-checks are checks.py.
+A field declared `ranged(default, allowed)` has an allowed range, checked by ranges.py when a
+config is built. Reading YAML and overrides into these classes is load.py; the checks that span
+fields, files and the plan are checks.py.
+
+One file past 400 lines: it is the reference of the config format, a dataclass per section with
+a docstring under each key, meant to be read top to bottom.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Literal
 from ...dataflow.execplan import ExecutionPlan
 from ...dataflow.graph import ALGORITHMS, GROUPED, ROLLOUT_LOGP_CALL, Graph, with_engine_logprobs
 from ...spec import ModelConfig
+from .ranges import ranged
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=64, num_hidden_layers=4, max_position_embeddings=64)
@@ -50,9 +56,9 @@ def default_plan(algo: str) -> dict:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    num_prompts: int = 256
+    num_prompts: int = ranged(256, ">= 1")
     """Size of the built-in synthetic prompt set (random token ids, seeded)."""
-    batch_size: int = 8
+    batch_size: int = ranged(8, ">= 1")
     """Prompts per iteration (rows of the global batch)."""
     min_prompt_len: int = 3
     max_prompt_len: int = 8
@@ -72,21 +78,21 @@ class DataConfig:
     max_prompt_len tokens), "right" (keep its first)."""
     shuffle: bool = True
     """Visit the data set in a seeded random order (else in file order); wraps around."""
-    samples_per_step: int = 4
+    samples_per_step: int = ranged(4, ">= 0")
     """Samples (prompt, response, reward) appended per step to <out_dir>/samples.jsonl; 0: none."""
 
 
 @dataclass(kw_only=True, slots=True)
 class GenConfig:
-    max_new_tokens: int = 12
-    min_new_tokens: int = 0
+    max_new_tokens: int = ranged(12, ">= 1")
+    min_new_tokens: int = ranged(0, ">= 0 (0: off)")
     """No response ends before this many new tokens: the EOS and stop_token_ids are never sampled
     earlier (transformers' min_new_tokens, vLLM's min_tokens); 0: off."""
     greedy: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = ranged(1.0, "> 0")
+    top_p: float = ranged(1.0, "(0, 1]")
     eos_token_id: int | None = None
-    top_k: int = 0
+    top_k: int = ranged(0, ">= 0 (0: no top-k)")
     """Sample among the top_k most likely tokens only (after temperature, before top_p); 0: all."""
     stop_token_ids: list | None = None
     """More token ids that end a response besides the EOS (e.g. <|im_end|>); the stop token is
@@ -104,37 +110,37 @@ class GenConfig:
     extra call, actor_logp (on the actor's train layout unless the plan places it), recomputes
     old_logp with the trainer's weights; the step logs their gap (rollout_logp_diff,
     rollout_kl). Needs vLLM (make vllm-venv; docs/vllm.md)."""
-    vllm_kv_cache_gib: int = 1
+    vllm_kv_cache_gib: int = ranged(1, ">= 1")
     """vLLM on CPU: KV-cache memory per rank in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float = ranged(0.3, "(0, 1]")
     """vLLM on GPU: the share of the GPU it may take (weights, KV cache), beside the train
     engines' own memory."""
 
 
 @dataclass(kw_only=True, slots=True)
 class PPOConfig:
-    kl_coef: float = 0.05
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip: float = 0.2
+    kl_coef: float = ranged(0.05, ">= 0")
+    gamma: float = ranged(1.0, "[0, 1]")
+    lam: float = ranged(0.95, "[0, 1]")
+    clip: float = ranged(0.2, "> 0")
     """Policy ratio clip."""
-    value_clip: float = 0.2
-    ppo_epochs: int = 2
-    mini_batches: int = 2
+    value_clip: float = ranged(0.2, "> 0")
+    ppo_epochs: int = ranged(2, ">= 1")
+    mini_batches: int = ranged(2, ">= 1")
     """Mini-batches per PPO epoch (each an optimizer step)."""
-    micro_batches: int = 1
+    micro_batches: int = ranged(1, ">= 1")
     """Micro-batches per train step (pipeline schedule)."""
-    actor_lr: float = 1e-3
-    critic_lr: float = 1e-3
-    warmup_steps: int = 0
+    actor_lr: float = ranged(1e-3, "> 0")
+    critic_lr: float = ranged(1e-3, "> 0")
+    warmup_steps: int = ranged(0, ">= 0")
     """Optimizer steps of linear learning-rate warmup (actor and critic); 0: none."""
     lr_decay: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after the warmup, over all optimizer steps of the run (steps *
     ppo_epochs * mini_batches), down to min_lr_ratio * the base rate (ppo.lr_at)."""
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-    adam_eps: float = 1e-8
-    group_size: int = 2
+    min_lr_ratio: float = ranged(0.0, "[0, 1]")
+    max_grad_norm: float = ranged(1.0, "> 0")
+    adam_eps: float = ranged(1e-8, "> 0")
+    group_size: int = ranged(2, ">= 1")
     """GRPO: consecutive rows sharing a prompt (the prompt is repeated group_size times)."""
     whiten_advantages: bool = True
     kl_in: Literal["loss", "reward"] | None = None
@@ -148,16 +154,16 @@ class PPOConfig:
     norm_adv_by_std: bool = True
     """grpo: divide the group-centred score by the group's std (GRPO); false: Dr.GRPO (Liu et al.
     2025), which also pairs with loss_agg: seq-mean-token-sum-norm."""
-    tis_cap: float | None = None
+    tis_cap: float | None = ranged(None, ">= 1 or null")
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
     brings you off-policy RL training"): every response token's policy loss is weighted by
     min(pi_train_old / pi_rollout, tis_cap), pi_rollout being the generation engine's log-prob of
     the token and pi_train_old the trainer's recompute of it (generation.engine: vllm, where the
     two differ); None: off. Applies to every algorithm's actor loss."""
-    clip_high: float | None = None
+    clip_high: float | None = ranged(None, "> 0 or null")
     """Upper clip of the ratio, 1 + clip_high (DAPO clip-higher, e.g. 0.28); None: clip. `clip` is
     the lower one, 1 - clip."""
-    dual_clip: float | None = None
+    dual_clip: float | None = ranged(None, "> 1 or null")
     """Dual-clip constant c > 1 (e.g. 3): for negative advantages the loss is capped at -c * A."""
     ratio: Literal["token", "sequence"] = "token"
     """Importance ratio per token (PPO) or per sequence, the geometric mean over the response
@@ -168,20 +174,20 @@ class PPOConfig:
     ranks and micro-batches together); see ppo.aggregate."""
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
     """Estimator of the per-token KL where it enters (kl_in); None: k1 in the reward, k3 in the loss."""
-    kl_clamp: float | None = None
+    kl_clamp: float | None = ranged(None, "> 0 or null")
     """Clamp the per-token KL estimate to [-kl_clamp, kl_clamp]; None: no clamp."""
-    kl_target: float | None = None
+    kl_target: float | None = ranged(None, "> 0 or null")
     """Adaptive KL controller (Ziegler et al. 2019): the coefficient starts at kl_coef and after each
     step is multiplied by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon, KL the
     step's mean per-sequence k1 sum. None: fixed kl_coef."""
-    kl_horizon: int = 10000
+    kl_horizon: int = ranged(10000, ">= 1")
     """Horizon (in samples) of the adaptive KL controller."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): after the reward call, groups whose
     scores are all equal are dropped and their rows regenerated from new prompts (rollout calls
     rerun on those rows only), up to max_gen_rounds generation rounds; groups still all-equal
     after the last round stay (advantage 0). Grouped algorithms only."""
-    max_gen_rounds: int = 3
+    max_gen_rounds: int = ranged(3, ">= 1")
     """Generation rounds at most per step with dynamic_sampling (1: no refill)."""
     decoupled: bool = False
     """Decoupled PPO objective (AReaL, Fu et al. 2025, eq. 5): per token
@@ -190,7 +196,7 @@ class PPOConfig:
     train engine with the weights before this step's update (the previous version). Works with
     every actor loss (ppo, grpo, rloo, reinforce_pp*, remax); with fresh rollouts w is 1 up to
     layout rounding."""
-    behav_imp_weight_cap: float | None = None
+    behav_imp_weight_cap: float | None = ranged(None, "> 1 or null")
     """With decoupled: tokens whose w = pi_prox / pi_behav exceeds this cap get weight 0 (AReaL's
     behav_imp_weight_cap); None: no cap."""
     whiten_returns: bool = True
@@ -209,14 +215,14 @@ class RewardConfig:
     normalize: bool = False
     """Standardise scores with the running mean and std of every score seen so far, this step's
     included (moments summed over the whole batch, then over steps)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = ranged(0, ">= 0 (0: no overlong penalty)")
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a response longer than
     max_new_tokens - overlong_buffer gets overlong_penalty * (max_new_tokens - overlong_buffer -
     length) / overlong_buffer added (down to -overlong_penalty at max_new_tokens); 0 disables."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = ranged(1.0, ">= 0")
     missing_eos_penalty: float | None = None
     """Subtracted from the score of a response that ended without a stop token (truncated)."""
-    clip: float | None = None
+    clip: float | None = ranged(None, "> 0 or null")
     """Clamp the shaped score to [-clip, clip] (after normalisation and penalties); None: no clamp."""
     mask_truncated: bool = False
     """Leave truncated responses (no stop token) out of the policy and value losses (DAPO's
@@ -225,7 +231,7 @@ class RewardConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AsyncConfig:
-    max_staleness: int = 0
+    max_staleness: int = ranged(0, ">= 0 (0: synchronous)")
     """k: the actor weight version that generated a batch is at most k train steps behind the
     version that trains on it. 0: the synchronous iteration (generation waits for the previous
     train step), bit for bit. k >= 1: the rollout calls of batch s + k run (on their ranks) while
@@ -244,7 +250,7 @@ class AsyncConfig:
     (KV cache recomputed by one prefill, engines/generate.py). Its tokens then carry two versions
     (per token in `versions`) and their behaviour log-probs are computed with each token's own
     version."""
-    interrupt_wait_step: int | None = None
+    interrupt_wait_step: int | None = ranged(None, ">= 1 or null")
     """With interrupt: wait (up to the timeout) for version s + 1 before decode step j, so the swap
     happens exactly there (deterministic runs and tests); None: swap whenever it has arrived."""
     check_versions: bool = False
@@ -259,10 +265,10 @@ class TrainConfig:
     algo: str = "ppo"
     """A key of graph.ALGORITHMS: "ppo" (GAE, critic) or a critic-free one: "grpo", "rloo",
     "reinforce_pp", "reinforce_pp_baseline", "remax". Each has its own default plan."""
-    steps: int = 30
+    steps: int = ranged(30, ">= 1")
     seed: int = 1234
     out_dir: str = "runs/train"
-    save_every: int = 10
+    save_every: int = ranged(10, ">= 0 (0: no checkpoints)")
     """Checkpoint every N steps (and at the end); 0 disables."""
     actor: dict | None = None
     """ModelConfig fields of the actor (the reference shares it, and its initial weights unless
