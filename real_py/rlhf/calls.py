@@ -44,8 +44,8 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
                               min_new_tokens=gc.min_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
                               top_k=gc.top_k, eos_token_id=stop_ids(gc, ctx.tokenizer) or None, decode=gc.decode,
-                              swap=hook[0] if hook else None)
-        at = hook[1]["at"] if hook else None
+                              swap=hook.swap if hook else None)
+        at = hook.at if hook else None
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
         ver = None
@@ -64,7 +64,7 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
             if at is not None:
                 # Behaviour log-probs of the tokens sampled before the swap: the old weights.
                 new_w = engine.shard.flat.clone()
-                engine.shard.flat.copy_(hook[1]["old"])
+                engine.shard.flat.copy_(hook.old)
                 lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
                 engine.shard.flat.copy_(new_w)
                 lp = torch.where(ver[:, :lp.shape[1]] == ctx.gen_version, lp_old, lp)
