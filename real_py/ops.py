@@ -95,8 +95,6 @@ class CopyPlan:
         d = np.ascontiguousarray(descs, dtype=np.int64).reshape(-1, 8)
         self.device = torch.device(device)
         self.element_size = int(element_size)
-        self.num_src = int(d[:, 6].max()) + 1 if len(d) else 0
-        self.num_dst = int(d[:, 7].max()) + 1 if len(d) else 0
         self.bytes = 0
         self.groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         """(first source buffer, first destination buffer, items on device, bounds) per launch."""

@@ -35,7 +35,9 @@ def test_kl_rewards_and_mask():
     assert mask.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0]]
     logp = torch.tensor([[-1.0, -1.0, -2.0, -1.0], [-1.0, -2.0, 0.0, 0.0]])
     ref = torch.tensor([[-1.5, -1.0, -1.0, -3.0], [-2.0, -1.0, 0.0, 0.0]])
-    rewards, kl = P.kl_penalized_rewards(torch.tensor([2.0, -1.0]), logp, ref, mask, kl_coef=0.1)
+    # k1 KL in the reward, as InstructGPT / OpenRLHF: -kl_coef * (logp - ref) per prediction
+    kl = P.kl_estimate(logp, ref, mask, "k1")
+    rewards = P.token_rewards(torch.tensor([2.0, -1.0]), kl, mask, kl_coef=0.1)
     assert kl.tolist() == [[0, 0, -1, 0], [1, -1, 0, 0]]
     # score lands on the last response prediction: index 2 of row 0, index 1 of row 1.
     torch.testing.assert_close(rewards, torch.tensor([[0, 0, 2.1, 0], [-0.1, -0.9, 0, 0]]))

@@ -49,7 +49,7 @@ from ..parallel import ParallelGroups
 from ..realloc.reallocator import Reallocator
 from ..realloc.shard import ModelShard
 from ..realloc.transports.dist import DistTransport
-from ..rlhf import ppo as P
+from ..rlhf import ppo
 from ..rlhf.models import init_weights
 from ..search.hardware import PROFILES
 from ..spec import model_spec
@@ -103,15 +103,15 @@ def _ppo_loss(cal: Setup, head: str, tok):
     clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
     g, d, (b, t) = torch.Generator().manual_seed(7), tok.device, tok.shape
     n = t - 1  # log-probs of tokens 1..t-1; values of positions 0..t-2
-    mask = P.response_mask(torch.full((b,), cal.prompt, device=d), torch.full((b,), t, device=d), t)
+    mask = ppo.response_mask(torch.full((b,), cal.prompt, device=d), torch.full((b,), t, device=d), t)
     old, adv = (torch.randn(b, n, generator=g) - 3.0).to(d), torch.randn(b, n, generator=g).to(d)
 
     def loss_fn(out, data):
         if head == "lm":
-            loss, nclip = P.policy_loss(out["logprobs"], old, adv, mask, 0.2)
+            loss, nclip = ppo.policy_loss(out["logprobs"], old, adv, mask, 0.2)
             float(nclip), float((out["entropy"].detach() * mask).sum()), float(mask.sum())
         else:
-            loss, nclip = P.value_loss(out["values"][:, :-1], old, adv, mask, 0.2)
+            loss, nclip = ppo.value_loss(out["values"][:, :-1], old, adv, mask, 0.2)
             float(nclip), float(mask.sum())
         return loss / float(mask.sum())
 

@@ -230,8 +230,9 @@ def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) ->
                     off += piece
 
 
-def to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fused full tensors -> HF names (q/k/v and gate/up split back out)."""
+def full_to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors by project name, q/k/v and gate/up fused -> HF names, split back
+    out. The public interop.to_hf_state_dict takes one rank's shard of a layout instead."""
     out = {}
     for p in model.params:
         names = _names(model, p)
@@ -302,7 +303,7 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
         hf_config = dict(source, torch_dtype=config.dtype)
         hf_config.pop("dtype", None)
     os.makedirs(path, exist_ok=True)
-    save_file(to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
+    save_file(full_to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config or hf_config_dict(config, model_type, source), f, indent=2, default=str)

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 from .tp import ColumnParallelLinear, RowParallelLinear
 
-ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid,
-        "tanh": torch.tanh, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTS = {"silu": functional.silu, "swish": functional.silu, "gelu": functional.gelu, "relu": functional.relu,
+        "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+        "gelu_pytorch_tanh": lambda x: functional.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):

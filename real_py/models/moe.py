@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 from ..spec import ModelConfig
 from .mlp import ACTS, MLP
@@ -122,7 +122,7 @@ class MoEBlock(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         xs, lo, hi = scatter_rows_to_tp(flat, self.tp_group)
-        logits = F.linear(xs, copy_to_tp(self.gate, self.tp_group))
+        logits = functional.linear(xs, copy_to_tp(self.gate, self.tp_group))
         probs = torch.softmax(logits, -1, dtype=torch.float)
         w, chosen = torch.topk(probs, self.k, dim=-1)
         if self.norm_topk:
@@ -140,7 +140,7 @@ class MoEBlock(nn.Module):
         if self.shared_expert is not None:
             s = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
-                s = torch.sigmoid(F.linear(flat, self.shared_expert_gate)) * s
+                s = torch.sigmoid(functional.linear(flat, self.shared_expert_gate)) * s
             y = y + s
         return y.view(B, T, H)
 
@@ -149,8 +149,8 @@ class MoEBlock(nn.Module):
         Experts with no rows still run (on zero rows), so every expert weight gets a gradient."""
         outs = []
         for j, r in enumerate(rows.split(counts)):
-            gate, up = F.linear(r, self.gate_up[j]).chunk(2, -1)
-            outs.append(F.linear(self.act(gate) * up, self.down[j]))
+            gate, up = functional.linear(r, self.gate_up[j]).chunk(2, -1)
+            outs.append(functional.linear(self.act(gate) * up, self.down[j]))
         return torch.cat(outs)
 
     def _routed(self, xs: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ def load_balancing_loss(records: list[RouterRecord], num_experts: int, top_k: in
     psum = torch.zeros(num_experts, device=dev)
     for rec in records:
         m = _token_weights(rec, token_mask)
-        counts[:num_experts] += (F.one_hot(rec.experts, num_experts).float() * m[:, None, None]).sum((0, 1))
+        counts[:num_experts] += (functional.one_hot(rec.experts, num_experts).float() * m[:, None, None]).sum((0, 1))
         counts[num_experts] += m.sum()
         psum = psum + (rec.probs * m[:, None]).sum(0)
     if group is not None:

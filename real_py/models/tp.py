@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 
 def _size(group) -> int:
@@ -100,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         self.single = _size(group) == 1  # read once: no collective query per forward (or per trace)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x if self.single else _CopyToTP.apply(x, self.group), self.weight, self.bias)
+        return functional.linear(x if self.single else _CopyToTP.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -113,7 +113,7 @@ class RowParallelLinear(nn.Module):
         self.single = _size(group) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = functional.linear(x, self.weight)
         y = y if self.single else _ReduceFromTP.apply(y, self.group)
         return y if self.bias is None else y + self.bias
 
@@ -135,11 +135,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.single:
-            return F.embedding(tokens, self.weight, self.padding_idx)
+            return functional.embedding(tokens, self.weight, self.padding_idx)
         local = tokens - self.lo
         outside = (local < 0) | (local >= self.weight.shape[0])
         # outside tokens read row 0 and are zeroed below, so they add no gradient to it either
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        out = functional.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
 

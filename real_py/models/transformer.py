@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 
 from ..layout import stage_layer_ranges
 from ..realloc.shard import ExpertShard, ModelShard
@@ -139,8 +139,8 @@ class Attention(nn.Module):
             # whole cache g times. On the H200 the copies cost ~1.2 ms of a 1.1B model's ~7 ms
             # decode step at batch 32 (bench/results/profile_h200_20261204.md).
             g = self.nh // self.nkv
-            out = F.scaled_dot_product_attention(q.reshape(B, self.nkv, g, self.hd), k, v, attn_mask=mask,
-                                                 scale=self.scale)
+            out = functional.scaled_dot_product_attention(q.reshape(B, self.nkv, g, self.hd), k, v, attn_mask=mask,
+                                                          scale=self.scale)
             return self.o_proj(out.reshape(B, T, self.nh * self.hd))
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -151,7 +151,7 @@ class Attention(nn.Module):
             causal = False
             if mask is None and T > 1:  # a branch: under torch.compile T may be symbolic
                 causal = True
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+            out = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -269,8 +269,8 @@ class StageModel(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Last stage: local logits [B, T, V_local] (lm) or values [B, T] (value head)."""
         if self.config.head == "value":
-            return F.linear(h, self.head_weight).squeeze(-1)
-        logits = F.linear(copy_to_tp(h, self.tp_group), self.head_weight)
+            return functional.linear(h, self.head_weight).squeeze(-1)
+        logits = functional.linear(copy_to_tp(h, self.tp_group), self.head_weight)
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits  # elementwise: fine on a vocab slice
 

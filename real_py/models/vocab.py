@@ -29,16 +29,6 @@ CHUNK_ELEMS = 1 << 25
 """fp32 logits held at once per chunk (128 MiB); a chunk covers whole tokens."""
 
 
-def mask_vocab_padding(logits: torch.Tensor, tp_rank: int, vocab_size: int) -> torch.Tensor:
-    """Set logits of padding rows (global index >= vocab_size) to the dtype's lowest value."""
-    v_local = logits.shape[-1]
-    valid = _valid_cols(v_local, tp_rank, vocab_size)
-    if valid == v_local:
-        return logits
-    pad = torch.arange(v_local, device=logits.device) >= valid
-    return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-
-
 def _valid_cols(v_local: int, tp_rank: int, vocab_size: int) -> int:
     return min(max(vocab_size - tp_rank * v_local, 0), v_local)
 

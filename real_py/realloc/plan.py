@@ -59,14 +59,6 @@ class RankPlan:
     """[k, 6] descriptors copying this rank's source shard into its destination shard."""
 
     @property
-    def send_numel(self) -> int:
-        return sum(m.numel for m in self.sends)
-
-    @property
-    def recv_numel(self) -> int:
-        return sum(m.numel for m in self.recvs)
-
-    @property
     def local_numel(self) -> int:
         return int((self.local[:, 2] * self.local[:, 3]).sum())
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -141,6 +143,19 @@ def prefetch_calls(graph, plan, home: dict[str, str]) -> list[str]:
     return calls
 
 
+@dataclass
+class SwapHook:
+    """Prefetch.swap_hook's answer: the callback that lets one generate call switch to the next
+    actor version mid-rollout, and what it did."""
+    # engines.generate's `swap`: asked before each decode step; True when it has just replaced
+    # the weights (at most once per call)
+    swap: Callable[[int], bool]
+    # decode step from which the new weights generate; None while the old ones do
+    at: int | None = None
+    # the replaced flat weights, kept for the behaviour log-probs of the tokens sampled before `at`
+    old: torch.Tensor | None = None
+
+
 class Prefetch:
     """The double buffer of async.overlap_realloc for `calls` (prefetch_calls). In a step that
     arms it, the generation ranks start receiving the next actor version in a thread right after
@@ -230,20 +245,18 @@ class Prefetch:
             rec.events.append(Event(self.rank, "recv_thread:" + n, t0, t1))
             self.ready[n] = eng
 
-    def swap_hook(self, call, g, engine, ac: AsyncConfig):
-        """(swap, state) for engines.generate when the call may pick up the next version
+    def swap_hook(self, call, g, engine, ac: AsyncConfig) -> SwapHook | None:
+        """The SwapHook for engines.generate when the call may pick up the next version
         mid-rollout (async.interrupt, a receive thread running for this call), else None. The
         ranks of the replica agree (MIN over TP, then PP) before swapping, so they swap at the
-        same step. state: {"at": decode step of the swap or None, "old": the replaced weights
-        (for behaviour log-probs)}."""
+        same step."""
         if not ac.interrupt or self.thread is None or call.name not in self.calls:
             return None
         thread, box = self.thread
-        state = {"at": None, "old": None}
         timeout_s, device = self.timeout_s, self.device
 
         def swap(step: int) -> bool:
-            if state["at"] is not None:
+            if hook.at is not None:
                 return False                   # one new version per step
             if ac.interrupt_wait_step is not None:
                 if step != ac.interrupt_wait_step:
@@ -258,11 +271,12 @@ class Prefetch:
                     dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=grp)
             if not int(ready.item()):
                 return False
-            state["old"] = engine.shard.flat.clone()
+            hook.old = engine.shard.flat.clone()
             engine.shard.flat.copy_(box[call.name][0].shard.flat)
-            state["at"] = step
+            hook.at = step
             return True
-        return swap, state
+        hook = SwapHook(swap)
+        return hook
 
 
 def async_report(events, rollout: set[str], train: set[str], prologue_s: float, wait_s: float

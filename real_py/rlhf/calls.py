@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..liveness import user_code
-from . import asyncrl as A
-from . import ppo as P
+from . import asyncrl, ppo
 from .config.schema import GenConfig, PPOConfig, RewardConfig
 from .context import CallContext
 from .data import decode
@@ -45,8 +44,8 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
                               min_new_tokens=gc.min_new_tokens,
                               greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
                               top_k=gc.top_k, eos_token_id=stop_ids(gc, ctx.tokenizer) or None, decode=gc.decode,
-                              swap=hook[0] if hook else None)
-        at = hook[1]["at"] if hook else None
+                              swap=hook.swap if hook else None)
+        at = hook.at if hook else None
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
         ver = None
@@ -55,7 +54,7 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
             # after an interrupt (new weights from decode step `at`) the later tokens are newer.
             pl = store.rows("prompt_lengths", rows)
             T1 = ctx.T - 1
-            m = P.response_mask(pl, out["lengths"], T1 + 1)
+            m = ppo.response_mask(pl, out["lengths"], T1 + 1)
             j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(1)   # new-token index of each prediction
             ver = torch.full_like(j, ctx.gen_version) + (0 if at is None else (j >= at).long())
             ver = torch.where(m > 0, ver, torch.full_like(ver, -1))
@@ -65,7 +64,7 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
             if at is not None:
                 # Behaviour log-probs of the tokens sampled before the swap: the old weights.
                 new_w = engine.shard.flat.clone()
-                engine.shard.flat.copy_(hook[1]["old"])
+                engine.shard.flat.copy_(hook.old)
                 lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
                 engine.shard.flat.copy_(new_w)
                 lp = torch.where(ver[:, :lp.shape[1]] == ctx.gen_version, lp_old, lp)
@@ -115,7 +114,7 @@ def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, 
         with user_code(f"the reward function {ctx.reward_fn.spec}"):   # named if it hangs (launch.job)
             score = ctx.reward_fn(texts[0], texts[1], row)
     elif engine is None:
-        score = P.rule_reward(tok, pl, ln, ctx.reward.target_token)
+        score = ppo.rule_reward(tok, pl, ln, ctx.reward.target_token)
     else:
         v = engine.inference(tok, ln)["values"]
         score = v.gather(1, (ln - 1).unsqueeze(1)).squeeze(1)
@@ -179,11 +178,11 @@ def kl_estimator(pc: PPOConfig, algo: str) -> str:
 
 
 def _shape(rc: RewardConfig, max_len: int, moments, scores, resp_len, trunc):
-    """P.shape_scores with the config's reward options (moments: None without reward.normalize)."""
-    return P.shape_scores(scores, resp_len, trunc, max_len=max_len,
-                          moments=moments, overlong_buffer=rc.overlong_buffer,
-                          overlong_factor=rc.overlong_penalty, missing_eos_penalty=rc.missing_eos_penalty,
-                          clip=rc.clip)
+    """ppo.shape_scores with the config's reward options (moments: None without reward.normalize)."""
+    return ppo.shape_scores(scores, resp_len, trunc, max_len=max_len,
+                            moments=moments, overlong_buffer=rc.overlong_buffer,
+                            overlong_factor=rc.overlong_penalty, missing_eos_penalty=rc.missing_eos_penalty,
+                            clip=rc.clip)
 
 
 def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
@@ -192,47 +191,47 @@ def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
     pc, rc, algo = ctx.ppo, ctx.reward, ctx.algo
     max_len, stops = ctx.generation.max_new_tokens, stop_ids(ctx.generation, ctx.tokenizer)
     T = d["tokens"].shape[1]
-    mask = P.response_mask(d["prompt_lengths"], d["lengths"], T)
-    d["kl"] = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, "k1")
-    trunc = P.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stops)
+    mask = ppo.response_mask(d["prompt_lengths"], d["lengths"], T)
+    d["kl"] = ppo.kl_estimate(d["old_logp"], d["ref_logp"], mask, "k1")
+    trunc = ppo.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stops)
     d["raw_scores"] = d["scores"]
     moments = None
     if rc.normalize:   # the previous steps' moments plus this batch's (summed over DP)
-        cur = P.masked_moments(d["scores"], torch.ones_like(d["scores"]))
+        cur = ppo.masked_moments(d["scores"], torch.ones_like(d["scores"]))
         moments = ctx.reward_moments + _allreduce_dp(cur, g, ctx.device)
     d["scores"] = _shape(rc, max_len, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc)
     if "base_scores" in d:   # ReMax's greedy baseline, shaped like the samples it is compared with
-        bt = P.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stops)
+        bt = ppo.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stops)
         d["base_scores"] = _shape(rc, max_len, moments, d["base_scores"],
                                   d["base_lengths"] - d["prompt_lengths"], bt)
     if rc.mask_truncated:
         mask = mask * (~trunc).float().unsqueeze(1)
     d["mask"] = mask
     in_reward = kl_in(pc, algo) == "reward"
-    kl = P.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(pc, algo), pc.kl_clamp) if in_reward \
+    kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(pc, algo), pc.kl_clamp) if in_reward \
         else torch.zeros_like(mask)
     coef = ctx.kl_coef if in_reward else 0.0
     scores = d["scores"]
     if algo in ("grpo", "rloo"):
-        d["adv"] = P.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(pc, algo),
-                                     norm_by_std=pc.norm_adv_by_std, estimator=algo)
+        d["adv"] = ppo.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(pc, algo),
+                                       norm_by_std=pc.norm_adv_by_std, estimator=algo)
         return d
     if algo in ("reinforce_pp", "reinforce_pp_baseline", "remax"):
         base = None
         if algo == "reinforce_pp_baseline":
-            base = P.group_mean(scores, pc.group_size)
+            base = ppo.group_mean(scores, pc.group_size)
         elif algo == "remax":
             base = d["base_scores"]
-        adv = P.reinforce_returns(scores, kl, mask, coef, pc.gamma, base)
+        adv = ppo.reinforce_returns(scores, kl, mask, coef, pc.gamma, base)
         if algo != "remax" and pc.whiten_returns:
-            adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, ctx.device))
+            adv = ppo.whiten(adv, mask, _allreduce_dp(ppo.masked_moments(adv, mask), g, ctx.device))
         d["adv"] = adv
         return d
-    rewards = P.token_rewards(scores, kl, mask, coef)
+    rewards = ppo.token_rewards(scores, kl, mask, coef)
     values = d["values"][:, :-1] * mask
-    adv, ret = P.gae(rewards, values, mask, pc.gamma, pc.lam)
+    adv, ret = ppo.gae(rewards, values, mask, pc.gamma, pc.lam)
     if pc.whiten_advantages:
-        adv = P.whiten(adv, mask, _allreduce_dp(P.masked_moments(adv, mask), g, ctx.device))
+        adv = ppo.whiten(adv, mask, _allreduce_dp(ppo.masked_moments(adv, mask), g, ctx.device))
     d["adv"], d["returns"], d["old_values"] = adv, ret, values
     return d
 
@@ -246,14 +245,14 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
     st = ctx.astate
     if "versions" in d:
         # Async mode: rows generated more than k versions ago leave the loss (counted dropped).
-        d["mask"], old = A.version_mask(d["versions"], d["mask"], st.version, st.k)
+        d["mask"], old = asyncrl.version_mask(d["versions"], d["mask"], st.version, st.k)
         if reporter:
             sums.add("rows_dropped_step", float(old.sum()), 0.0)
-            s_sum, s_cnt = A.staleness(d["versions"], d["mask"], st.version)
+            s_sum, s_cnt = asyncrl.staleness(d["versions"], d["mask"], st.version)
             sums.add("staleness", s_sum, s_cnt)
         if ctx.async_.check_versions:
-            e_rec, e_new, ntok = A.version_errors(st, ctx.models.configs["actor"], ctx.models.specs["actor"],
-                                                  g, engine, d, d["mask"])
+            e_rec, e_new, ntok = asyncrl.version_errors(st, ctx.models.configs["actor"], ctx.models.specs["actor"],
+                                                        g, engine, d, d["mask"])
             if reporter:
                 sums.add("version_err", e_rec, ntok)
                 sums.add("version_err_newest", e_new, ntok)
@@ -266,11 +265,11 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
         # The generation engine's log-probs against the trainer's recompute (old_logp), over
         # the response tokens; truncated importance sampling weights from their ratio.
         if reporter:
-            diff, kl, n = P.logprob_gap(d["old_logp"], d["rollout_logp"], d["mask"])
+            diff, kl, n = ppo.logprob_gap(d["old_logp"], d["rollout_logp"], d["mask"])
             sums.add("rollout_logp_diff", diff, n)
             sums.add("rollout_kl", kl, n)
         if pc.tis_cap is not None:
-            tis, capped = P.truncated_is_weights(d["old_logp"], d["rollout_logp"], d["mask"], pc.tis_cap)
+            tis, capped = ppo.truncated_is_weights(d["old_logp"], d["rollout_logp"], d["mask"], pc.tis_cap)
             d["tis_w"] = tis
             if reporter:
                 sums.add("tis_capped_frac", capped, float(d["mask"].sum()))
@@ -293,7 +292,7 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
     for epoch in range(pc.ppo_epochs):
         for j, mb in enumerate(local.tensor_split(pc.mini_batches)):
             k = (step * pc.ppo_epochs + epoch) * pc.mini_batches + j      # optimizer step of the run
-            lr = P.lr_at(k, base_lr, total, pc.warmup_steps, pc.lr_decay, pc.min_lr_ratio)
+            lr = ppo.lr_at(k, base_lr, total, pc.warmup_steps, pc.lr_decay, pc.min_lr_ratio)
             batch = {k: d[k][mb] for k in fields}
             # Tokens and rows of the GLOBAL mini-batch: every part's loss is its share of the
             # whole (ppo.aggregate), and gradients are summed over micro-batches and DP.
@@ -304,26 +303,26 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
             def loss_fn(out, data, n_tok=max(n_tok, 1.0), n_seq=n_seq, extra=extra):
                 m = data["mask"]
                 if critic:
-                    loss, nclip = P.value_loss(out["values"][:, :-1], data["old_values"], data["returns"],
-                                               m, pc.value_clip)
+                    loss, nclip = ppo.value_loss(out["values"][:, :-1], data["old_values"], data["returns"],
+                                                 m, pc.value_clip)
                     extra.append((float(nclip), 0.0, float(m.sum())))
                     return loss / n_tok
                 if decoupled:
-                    loss, clipped = P.decoupled_policy_loss_tokens(
+                    loss, clipped = ppo.decoupled_policy_loss_tokens(
                         out["logprobs"], data["prox_logp"], data["old_logp"], data["adv"], m, pc.clip,
                         pc.clip_high, pc.dual_clip, pc.ratio, pc.behav_imp_weight_cap)
                 else:
-                    loss, clipped = P.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
-                                                         pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                    loss, clipped = ppo.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
+                                                           pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
                 if "tis_w" in data:
                     loss = loss * data["tis_w"]
                 if kl_loss:
-                    loss = loss + coef * P.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
+                    loss = loss + coef * ppo.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
                 ent_tok = out["entropy"] * m
                 if pc.entropy_coef:
                     loss = loss - pc.entropy_coef * ent_tok
                 extra.append((float(clipped.sum()), float(ent_tok.sum().detach()), float(m.sum())))
-                return P.aggregate(loss, m, pc.loss_agg, n_tok, n_seq, max_len)
+                return ppo.aggregate(loss, m, pc.loss_agg, n_tok, n_seq, max_len)
             res = engine.train_step(loss_fn, batch, micro_batches=pc.micro_batches,
                                     with_entropy=not critic, lr=lr)
             if reporter:

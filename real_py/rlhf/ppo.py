@@ -85,17 +85,6 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
     return rewards
 
 
-def kl_penalized_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
-                         mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [B]; logp, ref_logp, mask [B, N]. Returns (rewards [B, N], kl [B, N]).
-
-    rewards = -kl_coef * (logp - ref_logp) on response predictions, plus the sequence score on
-    its last response prediction (the k1 estimator of KL, as in InstructGPT / OpenRLHF).
-    """
-    kl = kl_estimate(logp, ref_logp, mask, "k1")
-    return token_rewards(scores, kl, mask, kl_coef), kl
-
-
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """rewards, values, mask [B, N] -> (advantages, returns) [B, N], zero outside the mask.
@@ -273,13 +262,6 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, *
     return adv.reshape(-1).masked_fill(zero, 0.0)
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi || ref), all [B, N]: exp(r) - r - 1 with r = ref_logp - logp on
-    masked predictions, 0 elsewhere. Non-negative, unbiased for tokens sampled from pi, and its
-    gradient in logp, 1 - exp(r), pulls logp toward ref_logp (Schulman 2020; GRPO's KL term)."""
-    return kl_estimate(logp, ref_logp, mask, "k3")
-
-
 OUTCOME_ESTIMATORS = ("grpo", "rloo")
 
 
@@ -412,9 +394,9 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
     return hits / resp.sum(1).clamp(min=1).float()
 
 
-__all__ = ["response_mask", "kl_penalized_rewards", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
+__all__ = ["response_mask", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
            "policy_loss_tokens", "aggregate", "LOSS_AGG", "returns_to_go", "reinforce_returns",
            "group_mean", "OUTCOME_ESTIMATORS", "last_index", "truncated", "overlong_penalty",
            "shape_scores", "lr_at", "LR_DECAYS", "gae", "masked_moments", "whiten", "policy_loss",
-           "value_loss", "group_advantages", "zero_variance_groups", "k3_kl", "grpo_advantages",
+           "value_loss", "group_advantages", "zero_variance_groups", "grpo_advantages",
            "rule_reward"]

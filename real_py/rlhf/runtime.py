@@ -30,15 +30,16 @@ import torch.distributed as dist
 from ..device import peak_memory_mib, reset_peak_memory, resolve_device
 from ..liveness import PeerWatch, Watchdog, start_heartbeat, user_code
 from ..parallel import ParallelGroups
-from . import calls as C
-from . import data as D
-from . import ppo as P
 from .asyncrl import AsyncState, Prefetch, async_report, prefetch_calls
+from .calls import run_call
 from .config.schema import PPOConfig
 from .context import CallContext
+from .data import load as load_prompts
 from .data import make_batch
+from .data import tokenizer as data_tokenizer
 from .models import Models
 from .observe import Event, MetricSums, Offload, Realloc, StepRecord, step_summary, sync_free_calls
+from .ppo import zero_variance_groups
 from .rewards import FunctionReward
 from .rows import Pusher, Store, dp_rows, key_schema, push_plan
 
@@ -112,7 +113,7 @@ class Runtime:
         # watchdog names a peer that stops beating meanwhile (and ends this process).
         self.dog = Watchdog(store) if store is not None else None
         with user_code(f"loading the data set {cfg.data.path}"):
-            prompts = D.load(cfg, configs["actor"].vocab_size)
+            prompts = load_prompts(cfg, configs["actor"].vocab_size)
         self.B, self.T = cfg.data.batch_size, cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: pc.mini_batches for n in graph.order if graph.calls[n].trains}
@@ -130,7 +131,7 @@ class Runtime:
             rank=self.rank, device=self.device, algo=cfg.algo, steps=cfg.steps, B=self.B, T=self.T,
             mini_batches=self.mini_batches, data=cfg.data, generation=cfg.generation, ppo=pc,
             reward=cfg.reward, async_=ac, models=self.models, prompts=prompts,
-            tokenizer=D.tokenizer(cfg, prompts),
+            tokenizer=data_tokenizer(cfg, prompts),
             reward_fn=FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None,
             astate=astate, prefetch=self.prefetch, kl_coef=pc.kl_coef,
             reward_moments=torch.zeros(3, dtype=torch.float64))
@@ -180,7 +181,7 @@ class Runtime:
         self._run(self.rollout, step, store, pusher, sums, rec)
         rounds, dropped = 1, 0
         while True:
-            zero = P.zero_variance_groups(self._all_scores(store, step), pc.group_size)
+            zero = zero_variance_groups(self._all_scores(store, step), pc.group_size)
             if not bool(zero.any()) or rounds == pc.max_gen_rounds:
                 return rounds, dropped
             rows = zero.nonzero().flatten().tolist()
@@ -358,7 +359,7 @@ class Runtime:
         if g.member:
             pusher.wait_for(store, call.reads, step)
             t0 = time.time()
-            worked = C.run_call(self.ctx, call, g, engine, store, sums, step)
+            worked = run_call(self.ctx, call, g, engine, store, sums, step)
             t1 = time.time()
             # A run with no rows of this rank leaves a zero-length marker: it counts the run
             # (runs are matched across ranks by their order) but does not open its span.

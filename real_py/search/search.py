@@ -47,9 +47,6 @@ class SearchResult:
     staleness: int = 0
     """async.max_staleness to run the plan with (0: synchronous); see plan_search."""
 
-    def speedup(self, baseline: str) -> float:
-        return self.baselines[baseline].iter_time / self.iter_time
-
     def simulate(self) -> SimResult:
         return simulate(self.problem, self.choice, staleness=self.staleness)
 

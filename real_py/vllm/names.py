@@ -39,17 +39,11 @@ EXPERTS_MODULE = "mlp.experts.routed_experts"
 
 def vllm_name(name: str) -> str:
     """real_py parameter name -> vLLM parameter name (Llama family; an expert's tensor -> the
-    layer's stacked tensor, whose index `expert_index` gives)."""
+    layer's stacked tensor, indexed by the expert number in the real_py name)."""
     m = _EXPERT.match(name)
     if m:
         return f"model.layers.{m[1]}.{EXPERTS_MODULE}.{'w13_weight' if m[3] == 'gate_up_proj' else 'w2_weight'}"
     return name if name.startswith("lm_head.") else "model." + name
-
-
-def expert_index(name: str) -> int | None:
-    """The expert index of an expert tensor's real_py name (None for the rest)."""
-    m = _EXPERT.match(name)
-    return int(m[2]) if m else None
 
 
 def unknown_params(spec: ModelSpec, model) -> list[str]:

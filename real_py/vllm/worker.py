@@ -441,10 +441,10 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                              initialize_layerwise_reload)
 
-        from ..interop.hf import to_hf_state_dict
+        from ..interop.hf import full_to_hf_state_dict
 
         full = {p.name: self.shard.view(p.name) for p in self.dst_spec.params}
-        hf = to_hf_state_dict(self.dst_spec, full)
+        hf = full_to_hf_state_dict(self.dst_spec, full)
         initialize_layerwise_reload(self.model)
         self.model.load_weights(hf.items())
         finalize_layerwise_reload(self.model, self.model_config)
