@@ -78,7 +78,7 @@ class Reallocator:
                                          verify=verify, direct_min_bytes=direct_min_bytes,
                                          inflight=inflight, merge=merge)
         self.pipeline, self.round_elems = self.opts.pipeline, self.opts.round_elems
-        # This rank's rounds only (C++; tests/schedule_oracle.py derives every rank's at once).
+        # This rank's rounds only (C++; tests/support/schedule_oracle.py derives every rank's at once).
         self.schedule: RankSchedule = rank_schedule(plan, self.rank, self.round_elems,
                                                     self.opts.direct_min_elems)
         self.rounds = self.schedule.rounds
