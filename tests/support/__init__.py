@@ -4,6 +4,7 @@
     schedule_oracle   the global bucket schedule (every rank's rounds at once), the C++ per-rank rule's reference
     dist_cases        named and random layout pairs, and one checked transfer on gloo ranks
     models_oracle     tiny HF checkpoints and the transformers oracle of the models / engines tests
+    ops_cases         the pack / unpack op tests' reference, random descriptors and named samples
     vllm_cases        the vLLM backend tests' checkpoints, engines and references (skips without vLLM)
     bad_inputs_sweep  the bad-input acceptance sweep through the CLI (`make test-bad-inputs`), a script
 
