@@ -45,11 +45,11 @@ test-area: build
 	@test -n "$(AREA)" || { echo "usage: make test-area AREA=<package> (e.g. realloc, rlhf, search)" >&2; exit 2; }
 	$(PY) -m pytest -q -ra $(wildcard tests/test_$(AREA).py tests/test_$(AREA)_*.py)
 
-# The bad-input sweep (tests/bad_inputs_sweep.py, not collected by pytest): ~90 wrong inputs through
+# The bad-input sweep (tests/support/bad_inputs_sweep.py, not collected by pytest): ~90 wrong inputs through
 # the real CLI, each classified; fails on an unclear or silent one; 10-20 minutes. It rewrites
 # bench/results/bad_inputs_<hw>_<date>.{md,json}.
 test-bad-inputs: build
-	$(PY) tests/bad_inputs_sweep.py
+	$(PY) tests/support/bad_inputs_sweep.py
 
 # Architecture contracts (.importlinter): layers and no import circles; names both modules on a break.
 lint: $(STAMP)

@@ -5,7 +5,7 @@
 Gloo rows: a small MoE model (8 experts) on the 4 gloo ranks of bench_realloc.py, four
 expert-layout pairs (ep / etp changes), real_py's MoeReallocator against Megatron-core's
 resharding (bench/realloc_mcore.py; `make bench-realloc` installs it), each verified bit for bit
-against slicing the full tensors (tests/oracle.py), timed interleaved. Simulated rows: the cluster
+against slicing the full tensors (tests/support/oracle.py), timed interleaved. Simulated rows: the cluster
 simulator on Qwen3-235B-A22B (one 8-GPU node) and a Kimi-K2-shaped 1T model (256 GPUs) against
 the link lower bound and checkpoint-engine's published figures. Writes
 bench/results/moe_realloc_<hw>_<date>.{json,md}.
@@ -61,12 +61,12 @@ def _mcore_moe_setup() -> dict | str:
 
 def _mcore_moe(ctx, model, plan, rank, full):
     """(MegatronMoeResharder over its own shards (source filled from `full`, destination empty),
-    check() -> bool: destination bit for bit against tests/oracle.py, zero(): clear the
+    check() -> bool: destination bit for bit against tests/support/oracle.py, zero(): clear the
     destination), or ("n/a: <why>", None, None) where Megatron refuses the pair."""
     if isinstance(ctx, str):
         return ctx, None, None
     import realloc_mcore
-    from oracle import expert_oracle, oracle_flat
+    from support.oracle import expert_oracle, oracle_flat
 
     from real_py.realloc import ExpertShard
 
@@ -98,10 +98,10 @@ def _mcore_moe(ctx, model, plan, rank, full):
 def moe_worker(rank, world, args) -> dict | None:
     """Each MoE pair: real_py's MoeReallocator (all parts as one merged schedule, gloo) on the
     rank's ModelShard + ExpertShard, and Megatron-core's resharding (_mcore_moe), each verified
-    bit for bit against slicing the full tensors (tests/oracle.py), timed interleaved as a
+    bit for bit against slicing the full tensors (tests/support/oracle.py), timed interleaved as a
     median of --repeats."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from oracle import expert_oracle, oracle_flat, random_full
+    from support.oracle import expert_oracle, oracle_flat, random_full
 
     from real_py.realloc import ExpertShard, plan_moe_realloc
     from real_py.realloc.moe_exec import MoeReallocator
@@ -220,7 +220,7 @@ def main() -> None:
             "frac_of_checkpoint_engine", "note"]
     notes = (f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
              f"median of {args.repeats} after a warmup that is the verification run (destination "
-             "dense buffer and every expert piece compared bit for bit with tests/oracle.py slicing "
+             "dense buffer and every expert piece compared bit for bit with tests/support/oracle.py slicing "
              "the full tensors); MoeReallocator runs all parts of the plan as one merged schedule "
              "on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
              "largest bytes one rank receives / the p2p gloo GB/s measured in the run "

@@ -12,7 +12,7 @@ vLLM: one in-process `LLM` at tensor_parallel_size=2 started from that checkpoin
 tokenizer, with weight_transfer_config={"backend": "real_py"}.
 
 Trainer: 4 ranks as threads of this process beside the LLM (each its own RealPyTrainerEngine
-and transfer-group member, as tests/vllm_cases.py), holding the same weights in a layout:
+and transfer-group member, as tests/support/vllm_cases.py), holding the same weights in a layout:
 tp2pp2 (dp1,tp2,pp2) or fsdp2 (FSDP2-style dim-0 sharding over 4 ranks, Layout(dp=4,
 dp_shard="dim0")). Two paths per layout, through the same backend and the same vLLM engine:
 

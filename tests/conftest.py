@@ -1,6 +1,8 @@
 """Test markers and the fast path.
 
-    cuda   needs a CUDA GPU: skipped here when torch sees none (scripts/gpu_check.sh runs them)
+    cuda   needs a CUDA GPU: skipped here when torch sees none (scripts/gpu_check.sh runs them); a
+           parametrization of many CUDA cases lives in a module of its own that skips as a whole
+           (tests/test_ops_cuda.py), so a CPU run shows one skip line for it, not one per case
     dist   starts processes (gloo ranks, torchrun, the CLI in a subprocess): seconds to minutes each
 
 `make test-fast` runs `-m "not dist and not cuda"`; `make test` runs everything. A test that starts

@@ -98,8 +98,8 @@ def _files(out_dir: str) -> dict:
 @pytest.mark.parametrize("kill", ["group", "launcher"])
 def test_killed_launcher_takes_its_ranks(tmp_path, kill):
     """SIGKILL of the job's process group (or of the launcher alone) after its first step: within
-    a few seconds no process of the job is left, and nothing more is written (no checkpoint,
-    no metrics line)."""
+    seconds no process of the job is left, and nothing more is written (no checkpoint, no
+    metrics line)."""
     out = str(tmp_path / "run")
     job = Job(tmp_path, ["--out-dir", out, "--steps", "200", "save_every=1"])
     try:
@@ -111,12 +111,14 @@ def test_killed_launcher_takes_its_ranks(tmp_path, kill):
             os.kill(job.p.pid, signal.SIGKILL)
         t = time.monotonic()
         job.p.wait()
-        while _job_pids(job.marker) and time.monotonic() - t < 10:
+        # The ranks die with the launcher (PR_SET_PDEATHSIG, a pidfd watch): well under a second
+        # idle; 20 s leaves a loaded 2-core machine room to reap four torch processes, while ranks
+        # that outlive their launcher go on with the job's 200 steps (minutes), so they still fail.
+        while _job_pids(job.marker) and time.monotonic() - t < 20:
             time.sleep(0.05)
         left = _job_pids(job.marker)
         took = time.monotonic() - t
         assert not left, f"{len(left)} processes of the job still run {took:.1f} s after the kill"
-        assert took < 5, f"the ranks took {took:.1f} s to go"
         before = _files(out)
         time.sleep(3)
         assert _files(out) == before, "files written after the launcher was killed"
@@ -193,9 +195,9 @@ def test_reward_error_is_one_line(tmp_path, launch):
 @pytest.mark.timeout(400)
 def test_reward_hang_is_named(tmp_path):
     """The reward function hangs on rank 2: a warning names rank 2 inside the reward function
-    within seconds (REAL_PY_USER_WARN_S=3), long before the transfer timeout (20 s); when the
-    peers give up, the one line names rank 2 inside the reward function, and rank 2's log holds
-    its stack in the function."""
+    within seconds (REAL_PY_USER_WARN_S=3), long before the transfer timeout (20 s) ends the job;
+    when the peers give up, the one line names rank 2 inside the reward function, and rank 2's
+    log holds its stack in the function."""
     cfg = _copy_task(tmp_path, "time.sleep(3600)")
     out = str(tmp_path / "run")
     job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "3", "--timeout", "20",
@@ -208,11 +210,15 @@ def test_reward_hang_is_named(tmp_path):
             if seen is None and "rank 2 has been inside the reward function" in job.stderr():
                 seen = time.monotonic() - t0
             time.sleep(0.1)
+        ended = time.monotonic() - t0
         assert job.finish() == 1
         err = job.stderr()
         warn = err.index("real_py: rank 2 has been inside the reward function")
         last = err.strip().splitlines()[-1]
-        assert warn < err.index(last) and seen is not None and seen < 20, (seen, err)
+        # Measured against the job's end, not against "launching" (the ranks' start and the first
+        # generation take a while on a loaded machine): the warning is due 3 s into the hang, the
+        # peers give up 20 s into it, so a warning that only comes with the give-up fails here.
+        assert warn < err.index(last) and seen is not None and ended - seen > 8, (seen, ended, err)
         assert last.startswith("train failed: rank 2 has been inside the reward function"), err
         assert "step 0, call rew_inf" in last and "gave up waiting" in last, last
         assert 'in score' in open(os.path.join(out, "logs", "rank2.log")).read()  # faulthandler stack
@@ -249,7 +255,10 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         assert info["launcher"] == job.p.pid and info["start_method"] == "fork" and len(info["ranks"]) == 4
         checks = (tmp_path / "checks").read_text().split()
         assert checks == [str(job.p.pid)], f"the reward function's validation call ran in {checks}"
-        assert took < 2.5, f"the command took {took:.1f} s to exit after its summary"
+        # About 0.2 s idle (bench/results/startup_cpu2_20261206.md); the interpreter teardown this
+        # guards against took 6.4 s there (c77c110), so 5 s holds on a loaded machine and still fails
+        # on it. A torchrun command in a child (2.4 s) is caught above: job.json names this launcher.
+        assert took < 5, f"the command took {took:.1f} s to exit after its summary"
     finally:
         job.kill()
 
@@ -267,8 +276,8 @@ def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     os.write(fd, f"{os.getpid()} python -m real_py train\n".encode())
     t = time.monotonic()
     with pytest.raises(ValueError, match=f"in use by another job: pid {os.getpid()} \\(python -m real_py train\\)"):
-        L.lock_out_dir(d, wait_s=5)
-    assert time.monotonic() - t < 1
+        L.lock_out_dir(d, wait_s=30)
+    assert time.monotonic() - t < 10, "a live holder must be refused at once, not after the 30 s wait"
     os.ftruncate(fd, 0)
     os.pwrite(fd, b"999999999 python -m real_py train\n", 0)   # no such pid: the launcher is gone
     with pytest.raises(ValueError) as e:
@@ -429,7 +438,9 @@ def test_launcher_watch_without_a_pidfd_of_the_launcher():
         os.kill(middle, signal.SIGKILL)
         os.waitpid(middle, 0)
         t = time.monotonic()
-        assert f.read() == b"" and time.monotonic() - t < 2, "the rank outlived its launcher"
+        # The rank polls its parent every 0.1 s; one that outlives its launcher runs its 10 s
+        # more: 5 s holds on a loaded machine and still tells the two apart.
+        assert f.read() == b"" and time.monotonic() - t < 5, "the rank outlived its launcher"
 
 
 def test_lock_of_a_gone_job_names_what_holds_it(tmp_path):

@@ -1,6 +1,6 @@
 # Checks what `python -m real_py train` leaves behind on 4 gloo ranks (default plan: the actor trains on dp1tp2pp2 and generates on dp4tp1pp1, so weights move): HF export (end of run and `export` command) reloaded by transformers equals the saved shards bit for bit, TensorBoard events and summary.json match metrics.jsonl, `plot` writes the PNG, KEY=VALUE overrides reach the ranks, and an existing run directory is neither overwritten nor mixed into.
 # A failure points to real_py/cli/export.py (gather / HF names), real_py/rlhf/observe.py (RunLog, summarize), real_py/cli/plot.py, or real_py/cli/train.py (override pass-through, _protect_run_dir).
-"""The oracle for the export is tests/oracle.py: the reloaded full tensors are sliced into every
+"""The oracle for the export is tests/support/oracle.py: the reloaded full tensors are sliced into every
 rank's flat buffer of the train layout by index math and compared with torch.equal to the
 rank files the checkpoint wrote."""
 
@@ -20,7 +20,7 @@ from real_py.interop.hf import hf_names
 from real_py.rlhf import observe
 from real_py.dataflow.graph import ALGORITHMS, Graph
 from real_py.spec import ModelConfig, model_spec
-from oracle import oracle_flat
+from support.oracle import oracle_flat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,7 +37,7 @@ from real_py.realloc.shard import ModelShard
 from real_py.spec import model_spec
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 LAYOUTS = [Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2), Layout(dp=2, tp=2, pp=1)]
 LR, WD, MAX_NORM, EPS, STEPS = 1e-4, 0.01, 0.5, 1e-6, 2

@@ -16,7 +16,7 @@ from real_py.interop.hf import load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 PROMPTS = torch.tensor([[5, 17, 3, 44, 8], [9, 2, 61, 0, 0], [70, 71, 0, 0, 0]])
 LENGTHS = torch.tensor([5, 3, 2])

@@ -22,7 +22,7 @@ from real_py.parallel import ParallelGroups
 from real_py.realloc.shard import tp_slice
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 from test_models_moe import B, CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, hf_grads
 
 pytestmark = pytest.mark.dist

@@ -1,6 +1,6 @@
 # Checks real_py.interop.adapters in one process: HF-named and Megatron-core-named per-rank dicts (built
 # by hand in examples/trainer_interop.py from a transformers LlamaForCausalLM) map to exactly the
-# local tensors tests/oracle.py says the rank holds, and back; bad dicts raise ValueError naming
+# local tensors tests/support/oracle.py says the rank holds, and back; bad dicts raise ValueError naming
 # the key and the expected shape / order / pipeline split, leaving the dict untouched. A failure
 # points to real_py/interop/adapters.py, the Megatron conventions in it, or Layout.partition.
 import sys
@@ -16,7 +16,7 @@ from real_py.interop.embed import shard_from_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from trainer_interop import hf_rank_dict, megatron_rank_dict, tiny_llama  # noqa: E402
-from oracle import oracle_flat
+from support.oracle import oracle_flat
 
 MODELS = {tied: tiny_llama(tied) for tied in (False, True)}
 

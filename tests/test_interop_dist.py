@@ -2,7 +2,7 @@
 # hand (tp2 pp2, HF-named slices and Megatron-core local dicts with grouped q|k|v and 128 x tp
 # vocab padding, tied and untied) -> generation layout dp4 -> back, bit for bit against the full
 # transformers tensors and the trainer's own dicts; plus storage-format layout pairs over gloo
-# against tests/oracle.py. A failure points to real_py/interop/adapters.py, the planner's storage-format
+# against tests/support/oracle.py. A failure points to real_py/interop/adapters.py, the planner's storage-format
 # conversion (csrc/planner/geometry.cpp, real_py/realloc/plan.py) or examples/trainer_interop.py.
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ import torch
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.testing import run_distributed
 
-from oracle import oracle_flat, random_full, tiny_spec
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from trainer_interop import tiny_llama, worker  # noqa: E402

@@ -1,7 +1,7 @@
 """Checks the trainer embedding API (dicts of local tensors, flat buffers) and the DeviceMesh ->
 Layout conversion, on 4 spawned gloo ranks with real DeviceMeshes, plus input validation.
 
-A failure points to real_py/interop/embed.py; reallocation results are compared with tests/oracle.py.
+A failure points to real_py/interop/embed.py; reallocation results are compared with tests/support/oracle.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
 from real_py.realloc.transports.dist import DistTransport
 
-from dist_cases import BIAS, TIED, random_full
-from oracle import oracle_flat
+from support.dist_cases import BIAS, TIED, random_full
+from support.oracle import oracle_flat
 
 
 def trainer_params(model, layout: Layout, rank: int, full: dict) -> dict:

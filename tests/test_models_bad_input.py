@@ -11,7 +11,7 @@ from real_py.models.vocab import vocab_parallel_logprobs
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 CFG = ModelConfig(**O.TINY)
 TIED = ModelConfig(**O.TINY, tie_word_embeddings=True)

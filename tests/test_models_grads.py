@@ -26,8 +26,8 @@ from real_py.rlhf import ppo as P
 from real_py.testing import run_distributed
 from real_py.realloc.transports.dist import DistTransport
 
-import models_oracle as O
-from oracle import oracle_flat
+from support import models_oracle as O
+from support.oracle import oracle_flat
 
 pytestmark = pytest.mark.dist
 

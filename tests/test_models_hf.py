@@ -18,7 +18,7 @@ from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec
 from real_py.interop.hf import HFCheckpoint, load_hf_shard, save_hf
 from real_py.models import StageModel
 
-import models_oracle as O
+from support import models_oracle as O
 
 CASES = [("llama", False, "lm"), ("llama", True, "lm"), ("qwen2", False, "lm"), ("qwen2", True, "lm"),
          ("llama", False, "value")]

@@ -27,7 +27,7 @@ from real_py.parallel import ParallelGroups
 from real_py.spec.hf_config import export_config
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 ROPE = {
     "linear": {"rope_type": "linear", "factor": 2.0},

@@ -28,7 +28,7 @@ from real_py.parallel import ParallelGroups
 from real_py.realloc.shard import ExpertShard, tp_slice
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 COEF = 0.5  # router_aux_loss_coef: large, so a wrong aux gradient shows
 CASES = {  # model_type -> checkpoint fields beyond models_oracle.TINY

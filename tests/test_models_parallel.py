@@ -23,7 +23,7 @@ from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 pytestmark = pytest.mark.dist
 

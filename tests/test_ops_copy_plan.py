@@ -16,7 +16,7 @@ from real_py import Layout, plan_realloc
 from real_py.ops import CopyPlan, extension
 from real_py.realloc.shard import ModelShard
 
-from oracle import oracle_flat, random_full, tiny_spec
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 
 def random_descs(rng, bufs: int, dst_sizes: list[int] | None = None, max_len=3000):

@@ -17,8 +17,8 @@ from real_py.realloc.reallocator import Reallocator
 from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process
 
-import models_oracle as O
-from oracle import random_full, tiny_spec
+from support import models_oracle as O
+from support.oracle import random_full, tiny_spec
 
 SPEC = tiny_spec()
 SAME_NAME = tiny_spec(bias=True, name=SPEC.name)  # another model that carries the same name

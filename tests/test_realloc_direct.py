@@ -1,8 +1,8 @@
 """Checks direct (unstaged) sends of big contiguous pieces inside mixed messages: which chunks go
-direct, staging shrinks, results bit for bit against tests/oracle.py, in-process and over gloo.
+direct, staging shrinks, results bit for bit against tests/support/oracle.py, in-process and over gloo.
 
 A failure points to the message splitting in the C++ per-rank schedule (real_py/realloc/rank_schedule.py,
-csrc/planner/rank_schedule.cpp) or its oracle tests/schedule_oracle.py (_split_message, Chunk.contiguous)
+csrc/planner/rank_schedule.cpp) or its oracle tests/support/schedule_oracle.py (_split_message, Chunk.contiguous)
 or the direct-send slices in real_py/realloc/reallocator.py; byte counts point to the transports.
 """
 
@@ -21,9 +21,9 @@ from real_py.testing import run_distributed
 from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process
 
-from dist_cases import L, SPECS, check_transfer, named_pairs, random_case
-from oracle import oracle_flat, random_full
-from schedule_oracle import Schedule
+from support.dist_cases import L, SPECS, check_transfer, named_pairs, random_case
+from support.oracle import oracle_flat, random_full
+from support.schedule_oracle import Schedule
 
 # Pieces of 64K-256K fp32 elements (256 KiB - 1 MiB): the default threshold splits some of them.
 MID = model_spec(ModelConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4,

@@ -1,7 +1,7 @@
 """Checks distributed reallocation over gloo (DistTransport) on 2, 4 and 8 spawned ranks.
 
 A failure points to real_py/realloc/transports/dist.py (p2p batches, broadcast subgroups, byte counts) or
-the reallocator's pipelined rounds; results are compared with the index oracle (tests/oracle.py).
+the reallocator's pipelined rounds; results are compared with the index oracle (tests/support/oracle.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from real_py.testing import run_distributed
 from real_py.realloc.transports.dist import DistTransport
 
-from dist_cases import SPECS, check_transfer, named_pairs, random_full
-from oracle import random_layout
+from support.dist_cases import SPECS, check_transfer, named_pairs, random_full
+from support.oracle import random_layout
 
 pytestmark = pytest.mark.dist
 

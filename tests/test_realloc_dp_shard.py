@@ -1,7 +1,7 @@
 """Checks dp-sharded layouts (FSDP2 dim-0 chunks, ZeRO-3 / FSDP1 flat split) as reallocation source and destination.
 
 A failure points to real_py/layout/dp_shard.py (dp_shard_layout), real_py/realloc/shard.py (dp pieces), plan.py (entry ranges)
-or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is tests/oracle.py (index_buffer, torch.chunk).
+or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is tests/support/oracle.py (index_buffer, torch.chunk).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from real_py.layout import dp_shard_layout
 from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process
 
-from oracle import min_network_elems, oracle_flat, random_dp_layout, random_full, tiny_spec
+from support.oracle import min_network_elems, oracle_flat, random_dp_layout, random_full, tiny_spec
 from test_realloc_plan import check_pair
 
 TIED, BIAS, VALUE = tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value")

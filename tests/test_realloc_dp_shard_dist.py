@@ -16,8 +16,8 @@ from real_py.realloc.reallocator import Reallocator
 from real_py.testing import run_distributed
 from real_py.realloc.transports.dist import DistTransport
 
-from dist_cases import check_transfer
-from oracle import oracle_flat, random_full, tiny_spec
+from support.dist_cases import check_transfer
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 pytestmark = pytest.mark.dist
 

@@ -21,8 +21,8 @@ from real_py.testing import run_distributed
 from real_py.realloc.transports.base import Handle, TransferError, Transport
 from real_py.realloc.transports.dist import DistTransport
 
-from dist_cases import TIED, random_full
-from oracle import oracle_flat
+from support.dist_cases import TIED, random_full
+from support.oracle import oracle_flat
 
 SRC, DST = Layout.parse("tp2,pp2"), Layout.parse("dp4")  # every rank needs data from every other
 

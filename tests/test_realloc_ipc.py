@@ -1,6 +1,6 @@
 """Checks the CUDA IPC transport (real_py/realloc/transports/ipc.py): 2-4 processes on ONE GPU, each
 rank's shards in its own process, moves in one pass from the mapped peers' buffers, bit for bit
-against tests/oracle.py, replayed with the same buffers (mapped once) and with new ones, a rank
+against tests/support/oracle.py, replayed with the same buffers (mapped once) and with new ones, a rank
 that fails named by its peers. GPU tests are marked cuda (tests/conftest.py skips them without a
 GPU); the rest runs anywhere.
 
@@ -18,7 +18,7 @@ from real_py.realloc.reallocator import Reallocator, resolve_one_pass
 from real_py.realloc.transports import IpcTransport, TransferError
 from real_py.testing import run_distributed
 
-from oracle import oracle_flat, random_full, tiny_spec
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 PAIRS = [("tp2", "dp2"), ("tp4", "tp2,pp2"), ("tp2,pp2", "dp4"), ("dp2,tp2", "tp4"), ("tp4", "tp1")]
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layouts (ep, etp) and their reallocation, checked against tests/oracle.py.
+"""Mixture-of-experts layouts (ep, etp) and their reallocation, checked against tests/support/oracle.py.
 
 Every destination piece is compared bit for bit with the oracle's slice of the full tensors
 (expert pieces by the oracle's own folding math), and each plan's network bytes with the
@@ -20,7 +20,7 @@ from real_py.layout import expert_shard_layout
 from real_py.spec import ModelConfig, model_spec
 from real_py.testing import run_distributed
 
-from oracle import (expert_oracle, min_network_elems_moe, oracle_flat, random_full,
+from support.oracle import (expert_oracle, min_network_elems_moe, oracle_flat, random_full,
                     random_moe_layout)
 
 MOE = model_spec("moe-tiny")

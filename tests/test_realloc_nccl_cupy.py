@@ -19,8 +19,8 @@ from real_py.testing import run_distributed
 from real_py.realloc.transports.base import TransferError
 from real_py.realloc.transports.nccl import CupyNcclTransport
 
-from dist_cases import BIAS, TIED, random_full
-from oracle import oracle_flat
+from support.dist_cases import BIAS, TIED, random_full
+from support.oracle import oracle_flat
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 needs_cupy = pytest.mark.skipif(not HAS_CUPY, reason="needs cupy")

@@ -1,6 +1,6 @@
 """Checks one-pass moves (real_py/realloc/direct.py) and compiled in-process moves (InProcessMove):
 every rank's messages straight from the senders' source shards into its destination shard in one
-compiled copy, bit for bit against tests/oracle.py, replayed, sources untouched.
+compiled copy, bit for bit against tests/support/oracle.py, replayed, sources untouched.
 
 A failure points to direct.py (entries, buffer keys), the in-process transport's publish /
 release slots (transports/inprocess.py), InProcessMove (inprocess_move.py), the executor
@@ -20,7 +20,7 @@ from real_py.realloc.inprocess_move import InProcessMove
 from real_py.realloc.reallocator import Reallocator, run_in_process
 from real_py.realloc.transports import InProcessHub, TransferError, Transport
 
-from oracle import data_mask, oracle_flat, random_full, random_layout, tiny_spec
+from support.oracle import data_mask, oracle_flat, random_full, random_layout, tiny_spec
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(layers=3, vocab=97, dtype="bfloat16"),
          tiny_spec(layers=2, vocab=53, dtype="float16")]

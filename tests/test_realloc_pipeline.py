@@ -18,8 +18,8 @@ from real_py.realloc.reallocator import Reallocator, checksum
 from real_py.realloc.transports import InProcessHub, InProcessTransport, TransferError
 from real_py.realloc.reallocator import run_in_process
 
-from dist_cases import random_case
-from oracle import oracle_flat, random_full, tiny_spec
+from support.dist_cases import random_case
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True, dtype="bfloat16"), tiny_spec(head="value")]
 

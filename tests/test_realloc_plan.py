@@ -19,7 +19,7 @@ import torch
 from real_py import Layout, ModelShard, model_spec, plan_realloc
 from real_py.spec import ModelConfig
 
-from oracle import (data_mask, min_network_elems, oracle_flat, random_full, random_layout,
+from support.oracle import (data_mask, min_network_elems, oracle_flat, random_full, random_layout,
                     tiny_spec)
 
 

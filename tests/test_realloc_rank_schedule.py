@@ -1,5 +1,5 @@
 """Per-rank schedules (C++, real_py/realloc/rank_schedule.py) agree chunk for chunk with the
-global Python Schedule (tests/schedule_oracle.py), and a 1024-rank plan + schedule is built
+global Python Schedule (tests/support/schedule_oracle.py), and a 1024-rank plan + schedule is built
 for one rank without the other ranks' descriptors.
 
 A failure points to csrc/planner/rank_schedule.cpp (size summary, frontier fill, splitting,
@@ -17,9 +17,9 @@ import pytest
 from real_py import Layout, ModelConfig, model_spec, plan_realloc
 from real_py.realloc.rank_schedule import rank_schedule
 
-from dist_cases import L, SPECS, named_pairs
-from oracle import random_dp_layout, random_layout
-from schedule_oracle import Schedule
+from support.dist_cases import L, SPECS, named_pairs
+from support.oracle import random_dp_layout, random_layout
+from support.schedule_oracle import Schedule
 
 # (round elements, direct-min elements): tiny rounds cut messages into many chunks and force
 # round overflows; direct-min 1 and 7 split mixed messages into direct pieces.

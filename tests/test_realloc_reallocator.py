@@ -1,7 +1,7 @@
 """Checks the reallocator end to end with the in-process transport (all ranks in one process).
 
-A failure points to the bucket schedule (real_py/realloc/rank_schedule.py; tests/schedule_oracle.py), staging/direct-send handling in
-real_py/realloc/reallocator.py, the ops, or the in-process transport; the oracle is tests/oracle.py.
+A failure points to the bucket schedule (real_py/realloc/rank_schedule.py; tests/support/schedule_oracle.py), staging/direct-send handling in
+real_py/realloc/reallocator.py, the ops, or the in-process transport; the oracle is tests/support/oracle.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from real_py.realloc.reallocator import Reallocator
 from real_py.realloc.transports import InProcessHub, TransferError
 from real_py.realloc.reallocator import run_in_process
 
-from oracle import oracle_flat, random_full, random_layout, tiny_spec
-from schedule_oracle import Schedule, split_descs
+from support.oracle import oracle_flat, random_full, random_layout, tiny_spec
+from support.schedule_oracle import Schedule, split_descs
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
          tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),

@@ -13,8 +13,8 @@ from real_py import Layout, plan_realloc
 from real_py.realloc.simulate import (CLUSTERS, Cluster, Transfers, broadcast_per_node,
                                       schedule_transfers, simulate)
 
-from dist_cases import SPECS, named_pairs
-from schedule_oracle import Schedule
+from support.dist_cases import SPECS, named_pairs
+from support.schedule_oracle import Schedule
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 # Checks fused-tensor storage formats (qkv_layout blocked | megatron_grouped, gate_up_layout
 # blocked | interleaved, vocab_pad_multiple) end to end in one process: the planner converts
-# between two sides' formats exactly (bit for bit against tests/oracle.py's independent index
+# between two sides' formats exactly (bit for bit against tests/support/oracle.py's independent index
 # math), shards / gather_full agree with the oracle, the opt-in check catches Megatron-ordered
 # q|k|v declared blocked, bad formats are refused. A failure points to csrc/planner/geometry.cpp
 # (segments with Format), real_py/realloc/plan.py (_layout_arrays, dst_model), real_py/spec/params.py (TPRule
@@ -18,7 +18,7 @@ from real_py.realloc.reallocator import Reallocator
 from real_py.realloc.transports import InProcessHub
 from real_py.realloc.reallocator import run_in_process
 
-from oracle import held_indices, oracle_flat, random_full, random_layout, tiny_spec
+from support.oracle import held_indices, oracle_flat, random_full, random_layout, tiny_spec
 
 FORMATS = [
     {},

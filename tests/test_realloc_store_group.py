@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from oracle import oracle_flat, random_full, tiny_spec
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc import DistTransport, Reallocator

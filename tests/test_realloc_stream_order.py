@@ -1,7 +1,7 @@
 """Checks the round loop of stream-ordered transports (NCCL) on the code path gloo can run:
 DistTransport(stream_ordered=True) completes rounds with Handle.order() and watches them at the
 end, messages merged per peer and round (merge=True, direct pieces packed in), 1-3 rounds in
-flight; bit for bit against tests/oracle.py, the staging bound, a silent peer named within the
+flight; bit for bit against tests/support/oracle.py, the staging bound, a silent peer named within the
 timeout. The in-process tests count the merged messages.
 
 A failure points to real_py/realloc/rounds.py (inflight slots, order / watch), round_layout.py
@@ -24,8 +24,8 @@ from real_py.realloc.transports import InProcessHub, InProcessTransport, Transfe
 from real_py.realloc.transports.dist import DistTransport
 from real_py.testing import run_distributed
 
-from dist_cases import check_transfer, named_pairs, random_case
-from oracle import oracle_flat, random_full, tiny_spec
+from support.dist_cases import check_transfer, named_pairs, random_case
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 
 def _gloo_ordered(rank: int, world: int) -> int:

@@ -1,4 +1,4 @@
-# Checks reallocation into vLLM's live per-rank storage format (vllm_config: blocked q|k|v and gate|up, vocab padded to 64, kv heads replicated when tp > nkv) from trainer layouts, bit for bit against tests/oracle.py, at the minimum network bytes.
+# Checks reallocation into vLLM's live per-rank storage format (vllm_config: blocked q|k|v and gate|up, vocab padded to 64, kv heads replicated when tp > nkv) from trainer layouts, bit for bit against tests/support/oracle.py, at the minimum network bytes.
 # A failure points to csrc/planner/geometry.cpp (segments / source_segments with replicate_units), planner.cpp or dp_shard.cpp (formats on dp-sharded sides), real_py/spec (TPRule.replicate_units, vllm_config) or real_py/realloc/shard.py (tp_slice, gather_full).
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from real_py.interop.adapters import megatron_config
 from real_py.realloc import InProcessHub, run_in_process
 from real_py.spec import TPRule, vllm_config
 
-from oracle import held_indices, index_buffer, oracle_flat, random_dp_layout, random_full, tiny_spec
+from support.oracle import held_indices, index_buffer, oracle_flat, random_dp_layout, random_full, tiny_spec
 
 # Qwen2-style GQA (q|k|v bias): 8 q heads, 2 kv heads of 4; tp 4 and 8 replicate the kv heads.
 GQA2 = ModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=8, num_key_value_heads=2,

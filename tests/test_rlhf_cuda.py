@@ -28,7 +28,7 @@ from real_py.realloc.shard import ModelShard
 from real_py.spec import model_spec
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 import test_engines_bf16_decode as B16
 
 pytestmark = [pytest.mark.dist, pytest.mark.cuda, pytest.mark.timeout(450)]

@@ -19,8 +19,8 @@ from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-import models_oracle as O
-from oracle import data_mask, oracle_flat
+from support import models_oracle as O
+from support.oracle import data_mask, oracle_flat
 
 pytestmark = pytest.mark.dist
 

@@ -16,7 +16,7 @@ from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 
 BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 1, "adam_eps": 1e-6},
         "generation": {"max_new_tokens": 6}}

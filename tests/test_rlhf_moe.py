@@ -16,7 +16,7 @@ from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-import models_oracle as O
+from support import models_oracle as O
 from test_models_moe import CASES
 
 pytestmark = pytest.mark.dist

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vllm_cases import (assert_matches_transformers, export, free_port, generate, load_full, on_ranks,
+from support.vllm_cases import (assert_matches_transformers, export, free_port, generate, load_full, on_ranks,
                         perturbed, send, shards_of, start_llm, trainer_engines, write_checkpoint)
 
 from real_py import Layout, ModelShard, model_spec

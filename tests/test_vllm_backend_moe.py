@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_cases import (assert_matches_transformers, export, free_port, generate, on_ranks, perturbed, send,
+from support.vllm_cases import (assert_matches_transformers, export, free_port, generate, on_ranks, perturbed, send,
                         start_llm)
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec

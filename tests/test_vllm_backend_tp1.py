@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
+from support.vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
                         start_llm, trainer_engines, write_checkpoint)
 
 from real_py import Layout, ModelShard, model_spec

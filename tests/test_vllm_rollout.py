@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
+from support import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
 
 from real_py.rlhf import config as CF
 from real_py.rlhf.ppo import response_mask

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
+from support import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
 
 pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
 

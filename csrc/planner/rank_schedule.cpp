@@ -1,4 +1,4 @@
-// Per-rank plan + schedule (see rank_schedule.h); mirrors tests/schedule_oracle.py exactly.
+// Per-rank plan + schedule (see rank_schedule.h); mirrors tests/support/schedule_oracle.py exactly.
 #include "planner/rank_schedule.h"
 
 #include <algorithm>

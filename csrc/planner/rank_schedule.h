@@ -1,6 +1,6 @@
 // One rank's share of a plan and of its bucket schedule, without the other ranks' descriptors.
 //
-// The rule is tests/schedule_oracle.py's (the global Python Schedule, the tests' reference): messages in the
+// The rule is tests/support/schedule_oracle.py's (the global Python Schedule, the tests' reference): messages in the
 // plan's order are cut into chunks (direct one-run pieces of a mixed message after its staged
 // remainder), and each chunk goes to the earliest round where its sender can send it and its
 // receivers can receive it, half the bucket per rank, round and direction (earliest fit). That placement only needs

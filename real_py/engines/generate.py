@@ -133,7 +133,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     mask = (mask | torch.eye(P, dtype=torch.bool)).to(dev)
     left, valid, pos, lengths_dev = left.to(dev), valid.to(dev), pos.to(dev), prompt_lengths.to(dev)
     # One uniform per sequence and step from the sequence's own generator, drawn up front: rand(n)
-    # of a CPU generator is n successive rand(1) (the oracle in tests/models_oracle.py draws them one
+    # of a CPU generator is n successive rand(1) (the oracle in tests/support/models_oracle.py draws them one
     # by one), and one host-to-device copy replaces one per step, each of which waited for the
     # device (a pageable copy synchronizes with the stream).
     draws = None

@@ -9,7 +9,7 @@ round, its slot and its descriptors): a plan's messages are cut into chunks, big
 descriptors alone (direct: sent from the source buffer, received into the destination, no
 staging), and each chunk, in the plan's message order, goes to the earliest round where its
 sender can send it and all its receivers can receive it, each side holding at most half a bucket
-per rank and round. tests/schedule_oracle.py is that rule written globally in Python (every
+per rank and round. tests/support/schedule_oracle.py is that rule written globally in Python (every
 rank's rounds at once); tests/test_realloc_rank_schedule.py checks this module against it chunk for
 chunk. The C++ planner runs its usual loop but keeps each message it is not part of
 as sizes only (numel, descriptor count, sizes of its big one-run descriptors), which is all the

@@ -9,7 +9,7 @@ import torch
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.reallocator import Reallocator
 
-from oracle import min_network_elems, oracle_flat, random_full, random_layout, tiny_spec
+from support.oracle import min_network_elems, oracle_flat, random_full, random_layout, tiny_spec
 
 SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
          tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),

@@ -1,7 +1,7 @@
 """Bad-input sweep: ~90 inputs a new user might give, each run through the real CLI.
 
     make test-bad-inputs                                       # about 10-20 minutes
-    .venv/bin/python tests/bad_inputs_sweep.py [--only ID,ID] [--timeout 180] [--no-write]
+    .venv/bin/python tests/support/bad_inputs_sweep.py [--only ID,ID] [--timeout 180] [--no-write]
 
 An acceptance suite beside the tests, not collected by pytest (each case is a CLI process of up
 to minutes): it exits 1 when a case ends unclear or silent, and writes its report.
@@ -39,7 +39,7 @@ import tempfile
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the checkout
 LATE_S = 30.0
 
 FAST = ["steps=1", "save_every=0", "generation.max_new_tokens=4", "--no-progress", "--timeout", "60"]
@@ -474,7 +474,7 @@ def main() -> int:
         "bad_inputs", hardware_tag("cpu"), rows,
         columns=["id", "what", "outcome", "late", "seconds", "exit", "launched", "message"],
         title="Bad-input sweep: what a new user might give, through the real CLI",
-        notes=summary + ". Each case is `python -m real_py ...` in a fresh subprocess (tests/bad_inputs_sweep.py "
+        notes=summary + ". Each case is `python -m real_py ...` in a fresh subprocess (tests/support/bad_inputs_sweep.py "
               "lists the cases and the phrase each message must hold); W is the scratch workspace. Classes: "
               "clear-before-launch (exit 2, one `error:` line naming the cause, no ranks started), warned (ran, "
               "with a `warning:` line before launch naming the cause), clear-after-launch (ranks started, the "
