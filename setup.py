@@ -42,13 +42,26 @@ def ext_modules():
     # 2.13 on; torch 2.14 refuses C++17 with "#error C++20 or later compatible compiler").
     cxx = ["-O3", "-fvisibility=hidden"]
     if want_cuda():
-        nvcc = ["-O3", "-gencode=arch=compute_80,code=sm_80",
-                "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
-        return [CUDAExtension("real_py._C", sources("core", "torch", "cuda_torch", "cuda"),
-                              include_dirs=[str(CSRC)], define_macros=[("REAL_PY_WITH_CUDA", "1")],
-                              extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
-    return [CppExtension("real_py._C", sources("core", "torch"), include_dirs=[str(CSRC)],
-                         extra_compile_args=cxx)]
+        nvcc = [
+            "-O3",
+            "-gencode=arch=compute_80,code=sm_80",
+            "-gencode=arch=compute_90,code=sm_90",
+            "-gencode=arch=compute_90,code=compute_90",
+        ]
+        return [
+            CUDAExtension(
+                "real_py._C",
+                sources("core", "torch", "cuda_torch", "cuda"),
+                include_dirs=[str(CSRC)],
+                define_macros=[("REAL_PY_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            )
+        ]
+    return [
+        CppExtension(
+            "real_py._C", sources("core", "torch"), include_dirs=[str(CSRC)], extra_compile_args=cxx
+        )
+    ]
 
 
 def build_ext_cls():
@@ -76,7 +89,8 @@ def check_shared_libstdcxx(so):
         raise RuntimeError(
             f"{so} does not link libstdc++.so: the C++ compiler ({os.environ.get('CXX', 'c++')}) linked "
             "libstdc++ statically, and torch's error paths would crash in it; rebuild with the system "
-            "compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ (remove build/ first)")
+            "compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ (remove build/ first)"
+        )
 
 
 setup(

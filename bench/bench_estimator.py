@@ -43,19 +43,42 @@ from real_py.search.costmodel import HOST_BOUND  # noqa: E402
 from real_py.search.hardware import HardwareProfile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
-PROFILE_KEYS = ("intra_lat", "lat_contention", "coll_lat_growth", "p2p_lat_ratio", "layer_lat", "head_lat", "value_head_lat",
-                "value_train_lat", "decode_layer_lat",
-                "decode_lat", "train_layer_lat", "train_lat", "tp_head_lat", "tp_train_lat", "tp_decode_lat",
-                "realloc_lat", "pipe_wait_lat")
+PROFILE_KEYS = (
+    "intra_lat",
+    "lat_contention",
+    "coll_lat_growth",
+    "p2p_lat_ratio",
+    "layer_lat",
+    "head_lat",
+    "value_head_lat",
+    "value_train_lat",
+    "decode_layer_lat",
+    "decode_lat",
+    "train_layer_lat",
+    "train_lat",
+    "tp_head_lat",
+    "tp_train_lat",
+    "tp_decode_lat",
+    "realloc_lat",
+    "pipe_wait_lat",
+)
 
 
 def _all(dp: int, tp: int, pp: int) -> dict:
     """Every call on ranks 0-3 with one layout."""
-    return {"world_size": 4, "calls": {n: {"ranks": [0, 1, 2, 3], "dp": dp, "tp": tp, "pp": pp} for n in CALLS}}
+    return {
+        "world_size": 4,
+        "calls": {n: {"ranks": [0, 1, 2, 3], "dp": dp, "tp": tp, "pp": pp} for n in CALLS},
+    }
 
 
-PLANS = {"default": CF.DEFAULT_PLAN, "all dp1tp2pp2": _all(1, 2, 2), "all dp2tp2pp1": _all(2, 2, 1),
-         "all dp2tp1pp2": _all(2, 1, 2), "all dp4tp1pp1": _all(4, 1, 1)}
+PLANS = {
+    "default": CF.DEFAULT_PLAN,
+    "all dp1tp2pp2": _all(1, 2, 2),
+    "all dp2tp2pp1": _all(2, 2, 1),
+    "all dp2tp1pp2": _all(2, 1, 2),
+    "all dp4tp1pp1": _all(4, 1, 1),
+}
 
 
 def run_train(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
@@ -63,11 +86,28 @@ def run_train(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
     metrics.jsonl."""
     cfg = os.path.join(tmp, f"{name}.yaml")
     with open(cfg, "w") as f:
-        yaml.safe_dump({"steps": steps, "save_every": 0, "allow_idle_ranks": True}
-                       | ({"plan": plan} if plan else {}), f)
+        yaml.safe_dump(
+            {"steps": steps, "save_every": 0, "allow_idle_ranks": True}
+            | ({"plan": plan} if plan else {}),
+            f,
+        )
     out = os.path.join(tmp, name)
-    subprocess.run([sys.executable, "-m", "real_py", "train", "--config", cfg, "--out-dir", out,
-                    "--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "real_py",
+            "train",
+            "--config",
+            cfg,
+            "--out-dir",
+            out,
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -81,9 +121,15 @@ def job():
     # one train call is ppo_epochs x mini_batches optimizer steps of ppo.micro_batches micro-batches
     # each, a forward-only pass is whole: the runtime's counts (runtime_micro_batches), so
     # the estimator never pipelines a pass over more micro-batches than the runtime runs.
-    wl = Workload(batch_size=cfg.data.batch_size, prompt_len=cfg.data.max_prompt_len,
-                  gen_len=cfg.generation.max_new_tokens, ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches,
-                  micro_batches=p.micro_batches, runtime_micro_batches=True)
+    wl = Workload(
+        batch_size=cfg.data.batch_size,
+        prompt_len=cfg.data.max_prompt_len,
+        gen_len=cfg.generation.max_new_tokens,
+        ppo_epochs=p.ppo_epochs,
+        ppo_minibatches=p.mini_batches,
+        micro_batches=p.micro_batches,
+        runtime_micro_batches=True,
+    )
     return cfg, models["actor"], models["critic"], wl
 
 
@@ -91,15 +137,20 @@ SETUPS = ("default", "job", "shape")
 
 
 def calibration_setup(on: str, actor, wl: Workload) -> Setup:
-    """"job": the calibration engines run the job's own actor shape and pass sizes (ReaL-style
+    """ "job": the calibration engines run the job's own actor shape and pass sizes (ReaL-style
     profiling of the model planned for); "shape": the job's actor shape with the default
     setup's rows and lengths (per-rank passes the size of a dp2-dp4 replica's, as most plans'
     ranks run them); "default": the small calibration model."""
     if on == "default":
         return DEFAULT
     if on == "shape":
-        return Setup.for_job(actor, batch_rows=DEFAULT.rows, train_rows=DEFAULT.train_rows, seq=DEFAULT.seq,
-                             prompt=DEFAULT.prompt)
+        return Setup.for_job(
+            actor,
+            batch_rows=DEFAULT.rows,
+            train_rows=DEFAULT.train_rows,
+            seq=DEFAULT.seq,
+            prompt=DEFAULT.prompt,
+        )
     if on == "job":
         return Setup.for_workload(actor, wl)
     raise ValueError(f"calibration setup {on!r}; allowed: {SETUPS}")
@@ -121,49 +172,84 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, 
     dtype = actor.dtype
     order = [args.calibrate_on] + ([args.other] if args.other else [])
     prof = {}
-    for on in (order if rnd % 2 else order[::-1]):
+    for on in order if rnd % 2 else order[::-1]:
         prof[on] = cpu_profile(refresh=True, setup=calibration_setup(on, actor, wl))
-        with open(profiles_module._cache_path()) as f:  # the raw measurements, for --rescore --refit
+        with open(
+            profiles_module._cache_path()
+        ) as f:  # the raw measurements, for --rescore --refit
             RAW.setdefault(rnd, {})[on] = json.load(f)["measured"]["repeats"]
     hw, other = prof[args.calibrate_on], prof.get(args.other)
-    found = plan_search(actor, critic, num_gpus=4, hardware=hw, workload=wl, dtype=dtype,
-                        time_budget=args.search_budget, seed=0)
+    found = plan_search(
+        actor,
+        critic,
+        num_gpus=4,
+        hardware=hw,
+        workload=wl,
+        dtype=dtype,
+        time_budget=args.search_budget,
+        seed=0,
+    )
     plans = dict(PLANS, searched=found.plan.to_json())
     rows, med = [], (lambda xs: statistics.median(xs) if xs else 0.0)
     for i, (name, plan) in enumerate(plans.items()):
         CF.validate(CF.from_dict({"plan": plan, "allow_idle_ranks": True}), 4)
-        recs = run_train(plan, args.steps, tmp, f"r{rnd}p{i}")[args.warmup:]
-        est = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=hw, workload=wl, dtype=dtype)
+        recs = run_train(plan, args.steps, tmp, f"r{rnd}p{i}")[args.warmup :]
+        est = estimate(
+            ExecutionPlan.from_json(plan), actor, critic, hardware=hw, workload=wl, dtype=dtype
+        )
         meas = med([r["seconds"] for r in recs])
-        row = {"round": rnd, "plan": name, "measured s": meas, "estimated s": est["iter_time"],
-               "rel err": (est["iter_time"] - meas) / meas}
+        row = {
+            "round": rnd,
+            "plan": name,
+            "measured s": meas,
+            "estimated s": est["iter_time"],
+            "rel err": (est["iter_time"] - meas) / meas,
+        }
         row["calls meas s"] = {c: med([r["calls"][c] for r in recs]) for c in CALLS}
         for c, m in row["calls meas s"].items():
             row[f"{c} meas/est s"] = f"{m:.4f}/{est['calls'][c]['seconds']:.4f}"
         for m in ("actor", "critic"):
             row[f"realloc {m} meas s"] = med([r["realloc_seconds"].get(m, 0.0) for r in recs])
         row["realloc est s"] = sum(est["realloc_seconds"].values())
-        row["call meas/est pairs"] = [[m, e] for _, m, e in _call_pairs(row, row["calls meas s"], est)]
+        row["call meas/est pairs"] = [
+            [m, e] for _, m, e in _call_pairs(row, row["calls meas s"], est)
+        ]
         call_errs = [e for _, e in _call_errors(row, row["calls meas s"], est)]
         row["call rel errs"] = [round(x, 3) for x in call_errs]
         row["median call |rel err|"] = med([abs(x) for x in call_errs])
         if other is not None:
-            e2 = estimate(ExecutionPlan.from_json(plan), actor, critic, hardware=other, workload=wl, dtype=dtype)
+            e2 = estimate(
+                ExecutionPlan.from_json(plan),
+                actor,
+                critic,
+                hardware=other,
+                workload=wl,
+                dtype=dtype,
+            )
             errs2 = [e for _, e in _call_errors(row, row["calls meas s"], e2)]
-            row["other est s"], row["other rel err"] = e2["iter_time"], (e2["iter_time"] - meas) / meas
+            row["other est s"], row["other rel err"] = (
+                e2["iter_time"],
+                (e2["iter_time"] - meas) / meas,
+            )
             row["other call rel errs"] = [round(x, 3) for x in errs2]
             row["other median call |rel err|"] = med([abs(x) for x in errs2])
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
         # per-layer and per-pass overheads) vs waiting on messages (tp/dp/pp), over all calls.
-        comp = sum(v for c in CALLS for k, v in est["calls"][c]["breakdown"].items() if k in HOST_BOUND)
+        comp = sum(
+            v for c in CALLS for k, v in est["calls"][c]["breakdown"].items() if k in HOST_BOUND
+        )
         every = sum(est["calls"][c]["alone"] for c in CALLS)
         row["est host s"], row["est comm s"] = comp, every - comp
         row["layouts"] = "; ".join(f"{c}={est['calls'][c]['layout']}" for c in CALLS)
         row["plan_json"] = plan
-        row["breakdown"] = {c: {k: round(v, 6) for k, v in est["calls"][c]["breakdown"].items()}
-                            for c in CALLS}
+        row["breakdown"] = {
+            c: {k: round(v, 6) for k, v in est["calls"][c]["breakdown"].items()} for c in CALLS
+        }
         rows.append(row)
-        print(f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s", flush=True)
+        print(
+            f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s",
+            flush=True,
+        )
     return rows, hw, found.iter_time, other
 
 
@@ -191,11 +277,13 @@ def size_split(pairs: list[tuple[float, float]]) -> str:
     """Supplementary to the per-call median (the goal): of (measured, estimated) seconds, the
     misestimated share of the measured time (sum |est - meas| / sum meas) and the median relative
     error of calls at least and under SHORT_S long."""
-    med = lambda xs: f"{statistics.median(xs):.3f} ({len(xs)} calls)" if xs else "-"  # noqa: E731
+    med = lambda xs: f"{statistics.median(xs):.3f} ({len(xs)} calls)" if xs else "-"
     rel = [(m, abs(e - m) / m) for m, e in pairs]
-    return (f"time-weighted |rel err| {sum(abs(e - m) for m, e in pairs) / sum(m for m, _ in pairs):.3f}; "
-            f"median |rel err| of calls >= {SHORT_S * 1e3:g} ms {med([r for m, r in rel if m >= SHORT_S])}, "
-            f"of shorter ones {med([r for m, r in rel if m < SHORT_S])}")
+    return (
+        f"time-weighted |rel err| {sum(abs(e - m) for m, e in pairs) / sum(m for m, _ in pairs):.3f}; "
+        f"median |rel err| of calls >= {SHORT_S * 1e3:g} ms {med([r for m, r in rel if m >= SHORT_S])}, "
+        f"of shorter ones {med([r for m, r in rel if m < SHORT_S])}"
+    )
 
 
 def _plan_of(row: dict) -> dict:
@@ -205,7 +293,9 @@ def _plan_of(row: dict) -> dict:
     calls = {}
     for part in row["layouts"].split("; "):
         c, lay = part.split("=")
-        dp, tp, pp, lo, hi = map(int, re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)@\[(\d+),(\d+)\)", lay).groups())
+        dp, tp, pp, lo, hi = map(
+            int, re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)@\[(\d+),(\d+)\)", lay).groups()
+        )
         calls[c] = {"ranks": list(range(lo, hi)), "dp": dp, "tp": tp, "pp": pp}
     return {"world_size": 4, "calls": calls}
 
@@ -220,13 +310,19 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
         # --refit fits them anew.
         dropped = sorted({f for v in data["extra"]["profiles"].values() for f in v} - known)
         if dropped:
-            print(f"profile fields of a replaced model dropped (--refit fits today's): {', '.join(dropped)}")
-        return {int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
-                for k, v in data["extra"]["profiles"].items()}, []
+            print(
+                f"profile fields of a replaced model dropped (--refit fits today's): {', '.join(dropped)}"
+            )
+        return {
+            int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
+            for k, v in data["extra"]["profiles"].items()
+        }, []
     cache = profiles_module._cache_path()
     if not os.path.exists(cache):
-        raise SystemExit(f"--rescore: the file records no whole profiles and there is no cached cpu profile "
-                         f"({cache}) to fill them from; calibrate once: python -c \"from real_py.calibrate import cpu_profile; cpu_profile()\"")
+        raise SystemExit(
+            f"--rescore: the file records no whole profiles and there is no cached cpu profile "
+            f'({cache}) to fill them from; calibrate once: python -c "from real_py.calibrate import cpu_profile; cpu_profile()"'
+        )
     with open(cache) as f:
         base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
     # Terms newer than these files are off, so that their rescore does not move with the cache.
@@ -240,7 +336,9 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
         filled |= known - set(given) - {"name", "inter_lat", "pipe_wait_lat"}
         out[int(m.group(1))] = HardwareProfile(**kw)
     if not out:
-        raise SystemExit("--rescore: no round profiles in the file (neither extra.profiles nor notes)")
+        raise SystemExit(
+            "--rescore: no round profiles in the file (neither extra.profiles nor notes)"
+        )
     return out, sorted(filled)
 
 
@@ -258,32 +356,50 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
     if refit:
         raws = data["extra"].get("calibration_raw")
         if not raws:
-            raise SystemExit("--refit: the file records no raw calibrations (older bench_estimator files do not; rerun the benchmark)")
+            raise SystemExit(
+                "--refit: the file records no raw calibrations (older bench_estimator files do not; rerun the benchmark)"
+            )
         on = refit_on or data["extra"]["calibrate_on"]
         if any(on not in v for v in raws.values()):
-            raise SystemExit(f"--refit-on {on}: the file records raw calibrations of "
-                             f"{ {int(r): sorted(v) for r, v in raws.items()} } only")
+            raise SystemExit(
+                f"--refit-on {on}: the file records raw calibrations of "
+                f"{ {int(r): sorted(v) for r, v in raws.items()} } only"
+            )
         setup = calibration_setup(on, actor, wl)
         profiles = {int(r): profile_from_raw(v[on], setup) for r, v in raws.items()}
         print(f"profiles refitted by this code from the recorded raw calibrations ({on} setup)")
     it_errs, call_errs, per, pairs = [], [], {}, []
     for r in data["rows"]:
-        est = estimate(ExecutionPlan.from_json(_plan_of(r)), actor, critic, hardware=profiles[r["round"]],
-                       workload=wl, dtype=actor.dtype)
+        est = estimate(
+            ExecutionPlan.from_json(_plan_of(r)),
+            actor,
+            critic,
+            hardware=profiles[r["round"]],
+            workload=wl,
+            dtype=actor.dtype,
+        )
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
-        per.setdefault((r["plan"], "ITERATION"), []).append((est["iter_time"] - r["measured s"]) / r["measured s"])
-        meas = r.get("calls meas s") or {c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS}
+        per.setdefault((r["plan"], "ITERATION"), []).append(
+            (est["iter_time"] - r["measured s"]) / r["measured s"]
+        )
+        meas = r.get("calls meas s") or {
+            c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS
+        }
         for c, m, e in _call_pairs(r, meas, est):
             call_errs.append(abs(e - m) / m)
             per.setdefault((r["plan"], c), []).append((e - m) / m)
             pairs.append((m, e))
-    print(f"{path} (measured at {data['environment'].get('git_commit')}), re-estimated with this "
-          f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over {len(it_errs)} rows, "
-          f"per call {statistics.median(call_errs):.3f} over {len(call_errs)} calls and reallocations; "
-          f"{size_split(pairs)}")
+    print(
+        f"{path} (measured at {data['environment'].get('git_commit')}), re-estimated with this "
+        f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over {len(it_errs)} rows, "
+        f"per call {statistics.median(call_errs):.3f} over {len(call_errs)} calls and reallocations; "
+        f"{size_split(pairs)}"
+    )
     if filled:
-        print(f"profile fields not recorded in the file, taken from this machine's cached cpu profile: "
-              f"{', '.join(filled)}")
+        print(
+            f"profile fields not recorded in the file, taken from this machine's cached cpu profile: "
+            f"{', '.join(filled)}"
+        )
     for (plan, c), errs in sorted(per.items()):
         print(f"  {plan:14s} {c:13s} " + " ".join(f"{x:+.2f}" for x in errs))
 
@@ -294,27 +410,44 @@ def pool(paths: list[str]) -> None:
     give them), then the median signed error of each (plan, call) over every round of every run,
     what is left systematic, largest under-estimates first."""
     it_all, call_all, per = [], [], {}
-    print("| run | commit | iterations | median iteration abs rel err | calls | median call abs rel err |")
+    print(
+        "| run | commit | iterations | median iteration abs rel err | calls | median call abs rel err |"
+    )
     print("|---|---|---|---|---|---|")
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        missing = {k for r in data["rows"] for k in ("rel err", "calls meas s", "call rel errs") if k not in r}
+        missing = {
+            k
+            for r in data["rows"]
+            for k in ("rel err", "calls meas s", "call rel errs")
+            if k not in r
+        }
         if missing:
-            raise SystemExit(f"--pool {path}: its rows lack {sorted(missing)} (older bench_estimator runs do not record them; --rescore re-estimates those)")
+            raise SystemExit(
+                f"--pool {path}: its rows lack {sorted(missing)} (older bench_estimator runs do not record them; --rescore re-estimates those)"
+            )
         its, calls = [abs(r["rel err"]) for r in data["rows"]], []
         for r in data["rows"]:
-            names = list(r["calls meas s"]) + ["realloc"]  # _call_pairs' order; realloc only if measured
+            names = list(r["calls meas s"]) + [
+                "realloc"
+            ]  # _call_pairs' order; realloc only if measured
             for c, x in zip(names, r["call rel errs"]):
                 calls.append(abs(x))
                 per.setdefault((r["plan"], c), []).append(x)
         it_all += its
         call_all += calls
-        print(f"| {os.path.basename(path)} | {data['environment'].get('git_commit')} | {len(its)} | "
-              f"{statistics.median(its):.3f} | {len(calls)} | {statistics.median(calls):.3f} |")
-    print(f"| pooled | | {len(it_all)} | {statistics.median(it_all):.3f} | {len(call_all)} | "
-          f"{statistics.median(call_all):.3f} |")
-    print("\n| plan | call | n | median signed rel err (estimated - measured) / measured |\n|---|---|---|---|")
+        print(
+            f"| {os.path.basename(path)} | {data['environment'].get('git_commit')} | {len(its)} | "
+            f"{statistics.median(its):.3f} | {len(calls)} | {statistics.median(calls):.3f} |"
+        )
+    print(
+        f"| pooled | | {len(it_all)} | {statistics.median(it_all):.3f} | {len(call_all)} | "
+        f"{statistics.median(call_all):.3f} |"
+    )
+    print(
+        "\n| plan | call | n | median signed rel err (estimated - measured) / measured |\n|---|---|---|---|"
+    )
     for (plan, c), errs in sorted(per.items(), key=lambda kv: statistics.median(kv[1])):
         print(f"| {plan} | {c} | {len(errs)} | {statistics.median(errs):+.3f} |")
 
@@ -325,29 +458,59 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
-    ap.add_argument("--calibrate-on", choices=SETUPS, default="default",
-                    help="calibration engines: the job's own model shape and pass sizes (job), its shape with the "
-                         "default rows (shape), or the small default model (default)")
-    ap.add_argument("--compare", nargs="?", const="auto", choices=SETUPS + ("auto",),
-                    help="also calibrate this setup (without a value: job for default, default otherwise) each round "
-                         "and estimate every plan with it too")
-    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded estimator_*.json with this "
-                    "code's cost model and the run's profiles (no measurement)")
-    ap.add_argument("--refit", action="store_true", help="with --rescore: fit the profiles anew with this code "
-                    "from the file's raw calibrations")
-    ap.add_argument("--refit-on", choices=SETUPS, help="with --rescore (implies --refit): the raw calibrations of this "
-                    "setup (a --compare run records both), default: the run's --calibrate-on")
-    ap.add_argument("--pool", nargs="+", metavar="JSON", help="pool recorded estimator_*.json runs as measured "
-                    "(no re-estimate): per-run and pooled medians, each (plan, call)'s median signed error")
+    ap.add_argument(
+        "--calibrate-on",
+        choices=SETUPS,
+        default="default",
+        help="calibration engines: the job's own model shape and pass sizes (job), its shape with the "
+        "default rows (shape), or the small default model (default)",
+    )
+    ap.add_argument(
+        "--compare",
+        nargs="?",
+        const="auto",
+        choices=SETUPS + ("auto",),
+        help="also calibrate this setup (without a value: job for default, default otherwise) each round "
+        "and estimate every plan with it too",
+    )
+    ap.add_argument(
+        "--rescore",
+        metavar="JSON",
+        help="re-estimate a recorded estimator_*.json with this "
+        "code's cost model and the run's profiles (no measurement)",
+    )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="with --rescore: fit the profiles anew with this code "
+        "from the file's raw calibrations",
+    )
+    ap.add_argument(
+        "--refit-on",
+        choices=SETUPS,
+        help="with --rescore (implies --refit): the raw calibrations of this "
+        "setup (a --compare run records both), default: the run's --calibrate-on",
+    )
+    ap.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="pool recorded estimator_*.json runs as measured "
+        "(no re-estimate): per-run and pooled medians, each (plan, call)'s median signed error",
+    )
     args = ap.parse_args()
     if args.pool:
         if args.rescore or args.refit or args.refit_on or args.compare:
-            ap.error("--pool reads recorded runs as measured; it takes no --rescore / --refit / --compare")
+            ap.error(
+                "--pool reads recorded runs as measured; it takes no --rescore / --refit / --compare"
+            )
         return pool(args.pool)
     if (args.refit or args.refit_on) and not args.rescore:
         ap.error("--refit / --refit-on need --rescore JSON")
     if args.rescore and args.compare:
-        ap.error("--compare measures; --rescore re-estimates a recorded run (use --refit-on for its other setup)")
+        ap.error(
+            "--compare measures; --rescore re-estimates a recorded run (use --refit-on for its other setup)"
+        )
     args.refit = args.refit or bool(args.refit_on)
     args.other = (OTHER[args.calibrate_on] if args.compare == "auto" else args.compare) or None
     if args.other == args.calibrate_on:
@@ -364,41 +527,69 @@ def main() -> None:
             saved[rnd] = asdict(hw)
             if other is not None:
                 saved_other[rnd] = asdict(other)
-            profiles.append(f"round {rnd}: " + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
-                            + f"; searched plan estimated {found:.4f} s")
-    per_round = {rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd])
-                 for rnd in range(1, args.rounds + 1)}
+            profiles.append(
+                f"round {rnd}: "
+                + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
+                + f"; searched plan estimated {found:.4f} s"
+            )
+    per_round = {
+        rnd: med([abs(r["rel err"]) for r in rows if r["round"] == rnd])
+        for rnd in range(1, args.rounds + 1)
+    }
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
     split = size_split([tuple(p) for r in rows for p in r["call meas/est pairs"]])
-    cols = [c for c in rows[0] if c not in ("breakdown", "layouts", "call rel errs", "plan_json", "calls meas s", "call meas/est pairs",
-                                            "other call rel errs")]
+    cols = [
+        c
+        for c in rows[0]
+        if c
+        not in (
+            "breakdown",
+            "layouts",
+            "call rel errs",
+            "plan_json",
+            "calls meas s",
+            "call meas/est pairs",
+            "other call rel errs",
+        )
+    ]
     compared = ""
     if args.other:
         o_it = [abs(r["other rel err"]) for r in rows]
         o_call = [abs(x) for r in rows for x in r["other call rel errs"]]
-        compared = (f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
-                    f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
-                    f"{med(o_call):.3f} (columns `other ...`).")
-    write_results("estimator", hardware_tag("cpu"), rows, columns=cols + ["layouts"],
-                  title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
-                  notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
-                        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "
-                        f"a dp-only rollout call's, whose ranks never wait for each other, are its longest rank's own run). Estimated: "
-                        f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
-                        f"(real_py/calibrate/measure.py) and Workload {wl}. Median |rel err| over all "
-                        f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "
-                        f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
-                        f"supplementary: {split}; "
-                        f"iteration error per round "
-                        + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
-                        + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
-                        f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
-                        "breakdowns are in the JSON." + compared,
-                  extra={"profiles": saved, "calibrate_on": args.calibrate_on, "compare_on": args.other,
-                         "calibration_raw": RAW,
-                         "setup": asdict(calibration_setup(args.calibrate_on, actor, wl))}
-                  | ({"profiles_other": saved_other} if args.other else {}))
+        compared = (
+            f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
+            f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
+            f"{med(o_call):.3f} (columns `other ...`)."
+        )
+    write_results(
+        "estimator",
+        hardware_tag("cpu"),
+        rows,
+        columns=cols + ["layouts"],
+        title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
+        notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
+        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "
+        f"a dp-only rollout call's, whose ranks never wait for each other, are its longest rank's own run). Estimated: "
+        f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
+        f"(real_py/calibrate/measure.py) and Workload {wl}. Median |rel err| over all "
+        f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "
+        f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
+        f"supplementary: {split}; "
+        f"iteration error per round "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
+        + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
+        f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
+        "breakdowns are in the JSON." + compared,
+        extra={
+            "profiles": saved,
+            "calibrate_on": args.calibrate_on,
+            "compare_on": args.other,
+            "calibration_raw": RAW,
+            "setup": asdict(calibration_setup(args.calibrate_on, actor, wl)),
+        }
+        | ({"profiles_other": saved_other} if args.other else {}),
+    )
 
 
 if __name__ == "__main__":

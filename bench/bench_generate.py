@@ -50,24 +50,47 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from timing import hardware_tag, write_results  # noqa: E402
+from timing import hardware_tag, write_results
 
-from real_py import Layout, ModelConfig, model_spec  # noqa: E402
-from real_py.device import backend_for, peak_memory_mib, reset_peak_memory, resolve_device  # noqa: E402
-from real_py.engines import Engine  # noqa: E402
-from real_py.parallel import ParallelGroups  # noqa: E402
-from real_py.rlhf.models import init_weights  # noqa: E402
-from real_py.realloc.shard import ModelShard  # noqa: E402
+from real_py import Layout, ModelConfig, model_spec
+from real_py.device import backend_for, peak_memory_mib, reset_peak_memory, resolve_device
+from real_py.engines import Engine
+from real_py.parallel import ParallelGroups
+from real_py.realloc.shard import ModelShard
+from real_py.rlhf.models import init_weights
 
 # 1.10B parameters (the TinyLlama-1.1B shape): 22 layers of hidden 2048, GQA 32/4 heads,
 # intermediate 5632, vocab 32000, untied head.
-BIG = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
-           vocab_size=32000, num_hidden_layers=22, max_position_embeddings=2048)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, num_hidden_layers=2, max_position_embeddings=256)
+BIG = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    num_hidden_layers=22,
+    max_position_embeddings=2048,
+)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+)
 
-HBM_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "h800": 3.35e12, "gh200": 4.0e12, "b200": 8.0e12,
-                   "a100": 2.0e12, "l40s": 0.864e12, "a10": 0.6e12, "l4": 0.3e12}
+HBM_BYTES_PER_S = {
+    "h200": 4.8e12,
+    "h100": 3.35e12,
+    "h800": 3.35e12,
+    "gh200": 4.0e12,
+    "b200": 8.0e12,
+    "a100": 2.0e12,
+    "l40s": 0.864e12,
+    "a10": 0.6e12,
+    "l4": 0.3e12,
+}
 """Datasheet HBM bandwidth by device-name keyword (H100: the SXM part; PCIe is 2.0 TB/s)."""
 
 
@@ -77,8 +100,13 @@ def one_rank_world(device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(backend_for(device), init_method=f"file://{tmp}/rdzv",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(
+            backend_for(device),
+            init_method=f"file://{tmp}/rdzv",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=300),
+        )
         try:
             yield
         finally:
@@ -88,7 +116,9 @@ def one_rank_world(device: torch.device):
 def engine(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Engine:
     """An engine on real_py's own random init (bench_gpu_ppo, profile_gpu)."""
     layout = Layout()
-    shard = ModelShard.from_full(model_spec(cfg), layout, 0, init_weights(cfg, seed, device), device)
+    shard = ModelShard.from_full(
+        model_spec(cfg), layout, 0, init_weights(cfg, seed, device), device
+    )
     return Engine(cfg, layout, ParallelGroups(layout), shard)
 
 
@@ -104,8 +134,9 @@ def make_hf_model(sizes: dict, device: torch.device, path: str):
     """transformers' LlamaForCausalLM with its own random init, bf16 on `device`, saved to path."""
     import transformers
 
-    cfg = transformers.LlamaConfig(**sizes, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                                   pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        **sizes, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     torch.manual_seed(0)
     with torch.device(device):
         try:
@@ -174,9 +205,12 @@ def ours(eng, prompts, lengths, n: int, mode: str, compile_flag):
     def run(n=n):
         eng.compile_decode = compile_flag
         try:
-            return eng.generate(prompts, lengths, seeds, max_new_tokens=n, decode=mode)["new_tokens"]
+            return eng.generate(prompts, lengths, seeds, max_new_tokens=n, decode=mode)[
+                "new_tokens"
+            ]
         finally:
             eng.compile_decode = None
+
     return run
 
 
@@ -185,21 +219,29 @@ def hf(model, prompts, n: int, static: bool):
     from transformers import GenerationConfig
 
     mask = torch.ones_like(prompts)
-    model.generation_config.eos_token_id = None  # a default filled in from the model would stop rows
+    model.generation_config.eos_token_id = (
+        None  # a default filled in from the model would stop rows
+    )
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=1)
     if static:
         kw["cache_implementation"] = "static"
 
     def run(n=n):
         with torch.no_grad():
-            out = model.generate(input_ids=prompts, attention_mask=mask,
-                                 generation_config=GenerationConfig(max_new_tokens=n, **kw))
-        return out[:, prompts.shape[1]:]
+            out = model.generate(
+                input_ids=prompts,
+                attention_mask=mask,
+                generation_config=GenerationConfig(max_new_tokens=n, **kw),
+            )
+        return out[:, prompts.shape[1] :]
+
     return run
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model and sizes (smoke run)")
     ap.add_argument("--batch", type=int, default=None, help="default 32 (small: 4)")
@@ -208,7 +250,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate()")
     ap.add_argument("--check-batch", type=int, default=8, help="fp32 token check: prompts")
-    ap.add_argument("--check-new", type=int, default=32, help="fp32 token check: new tokens (0: skip)")
+    ap.add_argument(
+        "--check-new", type=int, default=32, help="fp32 token check: new tokens (0: skip)"
+    )
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     B = args.batch or (4 if args.small else 32)
@@ -230,17 +274,29 @@ def main(argv=None):
         bw, bw_src, bw_measured = hbm_bandwidth(dev)
         kv_per_slot = 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * cfg.head_dim * 2
         kv_bytes = kv_per_slot * (P + N / 2)  # the average step's keys and values (a dense read)
-        extra.update(params=spec.numel, weight_bytes=weight_bytes, hbm_bytes_per_s=bw, hbm_source=bw_src,
-                     copy_bytes_per_s=bw_measured, kv_bytes_avg_step=kv_bytes,
-                     weight_read_ms=weight_bytes / bw * 1e3)
-        print(f"{spec.numel / 1e9:.2f}B params, weights {weight_bytes / 2**30:.2f} GiB, HBM {bw / 1e12:.2f} TB/s "
-              f"({bw_src}; copy_ {bw_measured / 1e12:.2f} TB/s): weight read {weight_bytes / bw * 1e3:.3f} ms",
-              flush=True)
+        extra.update(
+            params=spec.numel,
+            weight_bytes=weight_bytes,
+            hbm_bytes_per_s=bw,
+            hbm_source=bw_src,
+            copy_bytes_per_s=bw_measured,
+            kv_bytes_avg_step=kv_bytes,
+            weight_read_ms=weight_bytes / bw * 1e3,
+        )
+        print(
+            f"{spec.numel / 1e9:.2f}B params, weights {weight_bytes / 2**30:.2f} GiB, HBM {bw / 1e12:.2f} TB/s "
+            f"({bw_src}; copy_ {bw_measured / 1e12:.2f} TB/s): weight read {weight_bytes / bw * 1e3:.3f} ms",
+            flush=True,
+        )
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(3, cfg.vocab_size, (B, P), generator=g).to(dev)
         lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
         if dev.type == "cuda":
-            modes = [("dynamic", "dynamic", False), ("graph", "graph", None), ("graph-eager", "graph", False)]
+            modes = [
+                ("dynamic", "dynamic", False),
+                ("graph", "graph", None),
+                ("graph-eager", "graph", False),
+            ]
         else:
             modes = [("dynamic", "dynamic", False), ("static", "static", None)]
         runs = {name: ours(eng, prompts, lengths, N, mode, flag) for name, mode, flag in modes}
@@ -251,19 +307,33 @@ def main(argv=None):
             row = {"mode": name, "batch": B, "prompt": P, "new tokens": N}
             try:
                 reset_peak_memory(dev)
-                reps = 0 if name == "dynamic" and dev.type == "cuda" else args.repeats  # host-bound: slow
+                reps = (
+                    0 if name == "dynamic" and dev.type == "cuda" else args.repeats
+                )  # host-bound: slow
                 first, sec, toks = timed(run, dev, reps)
                 tokens[name] = toks.cpu()
                 peak = peak_memory_mib(dev) / 1024
                 _, one, _ = timed(lambda: run(1), dev, 2)
                 step = (sec - one) / max(N - 1, 1)
                 ref = toks if ref is None else ref
-                row.update({"first s": first, "seconds": sec, "tokens/s": B * N / sec, "step ms": step * 1e3,
-                            "roofline %": 100 * weight_bytes / bw / step if step > 0 else float("nan"),
-                            "KV %": 100 * (weight_bytes + kv_bytes) / bw / step if step > 0 else float("nan"),
-                            "same": bool(toks.shape == ref.shape and torch.equal(toks.cpu(), ref.cpu())),
-                            "prefix": prefix_fraction(toks.cpu(), ref.cpu()), "peak GiB": peak})
-            except Exception as e:  # noqa: BLE001 - the other modes still run; the error is reported
+                row.update(
+                    {
+                        "first s": first,
+                        "seconds": sec,
+                        "tokens/s": B * N / sec,
+                        "step ms": step * 1e3,
+                        "roofline %": 100 * weight_bytes / bw / step if step > 0 else float("nan"),
+                        "KV %": 100 * (weight_bytes + kv_bytes) / bw / step
+                        if step > 0
+                        else float("nan"),
+                        "same": bool(
+                            toks.shape == ref.shape and torch.equal(toks.cpu(), ref.cpu())
+                        ),
+                        "prefix": prefix_fraction(toks.cpu(), ref.cpu()),
+                        "peak GiB": peak,
+                    }
+                )
+            except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 traceback.print_exc()
             rows.append(row)
@@ -275,15 +345,21 @@ def main(argv=None):
                     a, b = tokens[r["mode"]], tokens["hf-static"]
                     r["same as hf"] = bool(a.shape == b.shape and torch.equal(a, b))
                     r["hf prefix"] = prefix_fraction(a, b)
-        extra["decode_states"] = [[st.backend, st.compiled_ok, st.backend_failed, sorted(st.graphs), st.capacity]
-                                  for st in getattr(eng, "_decode_states", {}).values()]
+        extra["decode_states"] = [
+            [st.backend, st.compiled_ok, st.backend_failed, sorted(st.graphs), st.capacity]
+            for st in getattr(eng, "_decode_states", {}).values()
+        ]
         by = {r["mode"]: r for r in rows}
         ours_name = "graph" if dev.type == "cuda" else "static"
         if "tokens/s" in by.get(ours_name, {}) and "tokens/s" in by.get("hf-static", {}):
             extra["speedup_vs_hf_static"] = by[ours_name]["tokens/s"] / by["hf-static"]["tokens/s"]
-            extra["step_speedup_vs_hf_static"] = by["hf-static"]["step ms"] / by[ours_name]["step ms"]
+            extra["step_speedup_vs_hf_static"] = (
+                by["hf-static"]["step ms"] / by[ours_name]["step ms"]
+            )
         if args.check_new > 0:
-            extra["fp32_check"] = fp32_check(hf_model, tmp, dev, args.check_batch, P, args.check_new)
+            extra["fp32_check"] = fp32_check(
+                hf_model, tmp, dev, args.check_batch, P, args.check_new
+            )
             print("fp32 check", extra["fp32_check"], flush=True)
     extra["complete"] = True
     write_report(args, rows, extra)
@@ -292,33 +368,61 @@ def main(argv=None):
 def write_report(args, rows: list[dict], extra: dict) -> None:
     """The report of what has run so far (written after every mode: a step cut by its time cap
     still leaves one; extra["complete"] says whether every part ran)."""
-    cols = ["mode", "batch", "prompt", "new tokens", "first s", "seconds", "tokens/s", "step ms", "roofline %",
-            "KV %", "same", "prefix", "same as hf", "hf prefix", "peak GiB"]
+    cols = [
+        "mode",
+        "batch",
+        "prompt",
+        "new tokens",
+        "first s",
+        "seconds",
+        "tokens/s",
+        "step ms",
+        "roofline %",
+        "KV %",
+        "same",
+        "prefix",
+        "same as hf",
+        "hf prefix",
+        "peak GiB",
+    ]
     if any("error" in r for r in rows):
         cols.append("error")
     bw = extra["hbm_bytes_per_s"]
-    notes = (f"{extra['params'] / 1e9:.2f}B parameters; a step reads {extra['weight_bytes'] / 2**30:.2f} GiB of "
-             f"weights: {extra['weight_read_ms']:.3f} ms at {bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device "
-             f"copy_ measured {extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
-             "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token generate()) / "
-             "(new tokens - 1); roofline % = weight-read time / step ms (KV %: with the average step's KV-cache "
-             "read); first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
-             "the dynamic (eager) mode's; same as hf / hf prefix: against transformers' (in bf16 different "
-             "kernels flip near-tied argmaxes, so a row can part after a while; the fp32 check below is "
-             "the exact comparison). graph = CUDA-graph decode with the torch.compile'd step; "
-             "graph-eager = the graph of the eager modules; hf-static = transformers' generate() with "
-             "cache_implementation='static' on the same checkpoint.")
+    notes = (
+        f"{extra['params'] / 1e9:.2f}B parameters; a step reads {extra['weight_bytes'] / 2**30:.2f} GiB of "
+        f"weights: {extra['weight_read_ms']:.3f} ms at {bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device "
+        f"copy_ measured {extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
+        "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token generate()) / "
+        "(new tokens - 1); roofline % = weight-read time / step ms (KV %: with the average step's KV-cache "
+        "read); first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
+        "the dynamic (eager) mode's; same as hf / hf prefix: against transformers' (in bf16 different "
+        "kernels flip near-tied argmaxes, so a row can part after a while; the fp32 check below is "
+        "the exact comparison). graph = CUDA-graph decode with the torch.compile'd step; "
+        "graph-eager = the graph of the eager modules; hf-static = transformers' generate() with "
+        "cache_implementation='static' on the same checkpoint."
+    )
     if not extra.get("complete"):
         notes += "\n\nPARTIAL: the run stopped before every mode and check had run."
     if "speedup_vs_hf_static" in extra:
-        notes += (f"\n\nOurs against transformers' static-cache generate(): {extra['speedup_vs_hf_static']:.2f}x "
-                  f"tokens/s, {extra['step_speedup_vs_hf_static']:.2f}x per decode step (goal 2x).")
+        notes += (
+            f"\n\nOurs against transformers' static-cache generate(): {extra['speedup_vs_hf_static']:.2f}x "
+            f"tokens/s, {extra['step_speedup_vs_hf_static']:.2f}x per decode step (goal 2x)."
+        )
     if "fp32_check" in extra:
-        notes += "\n\nfp32 greedy token check: " + ", ".join(f"{k}: {v}" for k, v in extra["fp32_check"].items())
-    paths = write_results("generate", hardware_tag(args.device, args.small), rows, columns=cols,
-                          title=f"decode speed, {'tiny' if args.small else '1.1B'} bf16 model, dp1tp1pp1 "
-                                f"({args.device}), against the weight-read roofline and transformers",
-                          notes=notes, extra=extra, out_dir=args.out_dir)
+        notes += "\n\nfp32 greedy token check: " + ", ".join(
+            f"{k}: {v}" for k, v in extra["fp32_check"].items()
+        )
+    paths = write_results(
+        "generate",
+        hardware_tag(args.device, args.small),
+        rows,
+        columns=cols,
+        title=f"decode speed, {'tiny' if args.small else '1.1B'} bf16 model, dp1tp1pp1 "
+        f"({args.device}), against the weight-read roofline and transformers",
+        notes=notes,
+        extra=extra,
+        out_dir=args.out_dir,
+    )
     if extra.get("complete"):
         print("wrote", *paths)
 
@@ -335,12 +439,18 @@ def fp32_check(hf_model, path: str, dev, B: int, P: int, N: int) -> dict:
         lengths = torch.full((B,), P, dtype=torch.int64, device=dev)
         seeds = torch.arange(B, device=dev)
         auto = eng.generate(prompts, lengths, seeds, max_new_tokens=N)["new_tokens"].cpu()
-        dyn = eng.generate(prompts, lengths, seeds, max_new_tokens=N, decode="dynamic")["new_tokens"].cpu()
+        dyn = eng.generate(prompts, lengths, seeds, max_new_tokens=N, decode="dynamic")[
+            "new_tokens"
+        ].cpu()
         ref = hf(model, prompts, N, static=False)().cpu()
-        out.update({"ours == transformers": bool(auto.shape == ref.shape and torch.equal(auto, ref)),
-                    "dynamic == transformers": bool(dyn.shape == ref.shape and torch.equal(dyn, ref)),
-                    "ours prefix": round(prefix_fraction(auto, ref), 4)})
-    except Exception as e:  # noqa: BLE001 - reported
+        out.update(
+            {
+                "ours == transformers": bool(auto.shape == ref.shape and torch.equal(auto, ref)),
+                "dynamic == transformers": bool(dyn.shape == ref.shape and torch.equal(dyn, ref)),
+                "ours prefix": round(prefix_fraction(auto, ref), 4),
+            }
+        )
+    except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         traceback.print_exc()
     return out

@@ -36,29 +36,38 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import BIG, SMALL, one_rank_world  # noqa: E402
-from timing import hardware_tag, markdown_table, write_results  # noqa: E402
+from bench_generate import BIG, SMALL, one_rank_world
+from timing import hardware_tag, markdown_table, write_results
 
-from real_py.calibrate import DEFAULT, Setup, calibrate_gpu  # noqa: E402
-from real_py.device import resolve_device  # noqa: E402
-from real_py.rlhf import config as CF  # noqa: E402
-from real_py.rlhf.runtime import Runtime  # noqa: E402
-from real_py.search import Workload, estimate  # noqa: E402
-from real_py.search.hardware import PROFILES, HardwareProfile  # noqa: E402
-from real_py.spec import model_spec  # noqa: E402
+from real_py.calibrate import DEFAULT, Setup, calibrate_gpu
+from real_py.device import resolve_device
+from real_py.rlhf import config as CF
+from real_py.rlhf.runtime import Runtime
+from real_py.search import Workload, estimate
+from real_py.search.hardware import PROFILES, HardwareProfile
+from real_py.spec import model_spec
 
 
 def train_config(device: str, small: bool, batch: int, prompt: int, new: int) -> CF.TrainConfig:
     model = SMALL if small else BIG
-    d = {"actor": dict(model), "critic": dict(model), "precision": "bf16", "device": device,
-         "data": {"batch_size": batch, "num_prompts": 4 * batch, "min_prompt_len": prompt // 2,
-                  "max_prompt_len": prompt},
-         "generation": {"max_new_tokens": new},
-         "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2}, "save_every": 0}
+    d = {
+        "actor": dict(model),
+        "critic": dict(model),
+        "precision": "bf16",
+        "device": device,
+        "data": {
+            "batch_size": batch,
+            "num_prompts": 4 * batch,
+            "min_prompt_len": prompt // 2,
+            "max_prompt_len": prompt,
+        },
+        "generation": {"max_new_tokens": new},
+        "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2},
+        "save_every": 0,
+    }
     cfg = CF.from_dict(d)
     cfg.plan = CF.single_process_plan(cfg.graph())
     return cfg
@@ -78,18 +87,33 @@ def workload(cfg: CF.TrainConfig) -> Workload:
     micro_tokens, a mini-batch's tokens / micro_batches, charged the forward-only passes 2-4
     passes' fixed costs for the runtime's one: bench/results/gpu_check_h200_20261204.md)."""
     p, d = cfg.ppo, cfg.data
-    return Workload(batch_size=d.batch_size, prompt_len=d.max_prompt_len, gen_len=cfg.generation.max_new_tokens,
-                    ppo_epochs=p.ppo_epochs, ppo_minibatches=p.mini_batches, micro_batches=p.micro_batches,
-                    runtime_micro_batches=True)
+    return Workload(
+        batch_size=d.batch_size,
+        prompt_len=d.max_prompt_len,
+        gen_len=cfg.generation.max_new_tokens,
+        ppo_epochs=p.ppo_epochs,
+        ppo_minibatches=p.mini_batches,
+        micro_batches=p.micro_batches,
+        runtime_micro_batches=True,
+    )
 
 
-def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None) -> list[dict]:
+def estimator_rows(
+    cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None
+) -> list[dict]:
     """One row per call: measured seconds (last iteration) and each profile's estimate; with the
     measured `iteration` seconds, a last row "(iteration)" against the estimated iter_time."""
     wl = workload(cfg)
-    est = {name: estimate(plan, models["actor"], models["critic"], hardware=hw, workload=wl, dtype="bfloat16")
-           for name, hw in profiles.items()}
-    items = [(call, m, {n: e["calls"][call]["seconds"] for n, e in est.items()}) for call, m in measured.items()]
+    est = {
+        name: estimate(
+            plan, models["actor"], models["critic"], hardware=hw, workload=wl, dtype="bfloat16"
+        )
+        for name, hw in profiles.items()
+    }
+    items = [
+        (call, m, {n: e["calls"][call]["seconds"] for n, e in est.items()})
+        for call, m in measured.items()
+    ]
     if iteration is not None:
         items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
     rows = []
@@ -105,18 +129,40 @@ def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration:
 def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
     """The estimator table (unless `table` is False) and its median |rel err| per profile (also
     stored in extra)."""
-    errs = {name: statistics.median(abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)")
-            for name in extra["profiles"]}
+    errs = {
+        name: statistics.median(
+            abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)"
+        )
+        for name in extra["profiles"]
+    }
     extra["median_call_abs_rel_err"] = errs
-    return (("\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
-             + markdown_table(extra["estimator"], list(extra["estimator"][0])) if table else "")
-            + "\n\nmedian |rel err| per call (the iteration row aside): " + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
-            + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
-              "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
-              "with this job's actor shape, dtype and pass sizes ("
-            + ("; ".join(f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
-                         + (f", FAILED: {extra[f'calibration_error_{k}']}" if f"calibration_error_{k}" in extra else "")
-                         for k in ("cal", "caljob") if f"calibration_seconds_{k}" in extra) or "not recorded") + ").")
+    return (
+        (
+            "\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
+            + markdown_table(extra["estimator"], list(extra["estimator"][0]))
+            if table
+            else ""
+        )
+        + "\n\nmedian |rel err| per call (the iteration row aside): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
+        + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
+        "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
+        "with this job's actor shape, dtype and pass sizes ("
+        + (
+            "; ".join(
+                f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+                + (
+                    f", FAILED: {extra[f'calibration_error_{k}']}"
+                    if f"calibration_error_{k}" in extra
+                    else ""
+                )
+                for k in ("cal", "caljob")
+                if f"calibration_seconds_{k}" in extra
+            )
+            or "not recorded"
+        )
+        + ")."
+    )
 
 
 def compile_states(rt) -> dict:
@@ -127,9 +173,15 @@ def compile_states(rt) -> dict:
         if e is None:
             continue
         t = e._trainer
-        out[m] = {"train": None if t is None or t.calls is None else [t.calls.backend, t.calls.ok, t.calls.failed],
-                  "decode": [[s.backend, s.compiled_ok, s.backend_failed, sorted(s.graphs)]
-                             for s in getattr(e, "_decode_states", {}).values()]}
+        out[m] = {
+            "train": None
+            if t is None or t.calls is None
+            else [t.calls.backend, t.calls.ok, t.calls.failed],
+            "decode": [
+                [s.backend, s.compiled_ok, s.backend_failed, sorted(s.graphs)]
+                for s in getattr(e, "_decode_states", {}).values()
+            ],
+        }
     return out
 
 
@@ -137,8 +189,11 @@ def find_baseline(hw: str, out_dir: str | None) -> Path | None:
     """The newest ppo_<hw>_<yyyymmdd>.json in the results folder from before today."""
     folder = Path(out_dir) if out_dir else Path(__file__).resolve().parent / "results"
     today = time.strftime("%Y%m%d", time.gmtime())
-    found = sorted(p for p in folder.glob(f"ppo_{hw}_*.json")
-                   if p.stem.rsplit("_", 1)[-1].isdigit() and p.stem.rsplit("_", 1)[-1] < today)
+    found = sorted(
+        p
+        for p in folder.glob(f"ppo_{hw}_*.json")
+        if p.stem.rsplit("_", 1)[-1].isdigit() and p.stem.rsplit("_", 1)[-1] < today
+    )
     if not found and out_dir:  # gpu_check writes elsewhere: the committed reports
         return find_baseline(hw, None)
     return found[-1] if found else None
@@ -149,7 +204,10 @@ def baseline_rows(path: Path, cfg, rows: list[dict]) -> tuple[list[dict], str]:
     rec = json.loads(Path(path).read_text())
     old_cfg = rec.get("extra", {}).get("config", {})
     now_cfg = CF.to_dict(cfg)
-    same = all(old_cfg.get(k) == now_cfg.get(k) for k in ("actor", "critic", "data", "generation", "ppo", "precision"))
+    same = all(
+        old_cfg.get(k) == now_cfg.get(k)
+        for k in ("actor", "critic", "data", "generation", "ppo", "precision")
+    )
     last_old = max(r["iteration"] for r in rec["rows"])
     last_new = max(r["iteration"] for r in rows)
     old = {r["call"]: r for r in rec["rows"] if r["iteration"] == last_old}
@@ -158,12 +216,23 @@ def baseline_rows(path: Path, cfg, rows: list[dict]) -> tuple[list[dict], str]:
         o = old.get(r["call"])
         if o is None:
             continue
-        out.append({"call": r["call"], "earlier s": o["seconds"], "now s": r["seconds"],
-                    "speed-up": o["seconds"] / r["seconds"] if r["seconds"] else float("nan"),
-                    "earlier peak GiB": o.get("peak GiB", 0.0), "now peak GiB": r.get("peak GiB", 0.0)})
-    note = (f"\n\nAgainst {Path(path).name} (git {rec.get('environment', {}).get('git_commit')}, "
-            f"{'same' if same else 'DIFFERENT'} models and sizes), last iteration of each:\n\n"
-            + markdown_table(out, ["call", "earlier s", "now s", "speed-up", "earlier peak GiB", "now peak GiB"]))
+        out.append(
+            {
+                "call": r["call"],
+                "earlier s": o["seconds"],
+                "now s": r["seconds"],
+                "speed-up": o["seconds"] / r["seconds"] if r["seconds"] else float("nan"),
+                "earlier peak GiB": o.get("peak GiB", 0.0),
+                "now peak GiB": r.get("peak GiB", 0.0),
+            }
+        )
+    note = (
+        f"\n\nAgainst {Path(path).name} (git {rec.get('environment', {}).get('git_commit')}, "
+        f"{'same' if same else 'DIFFERENT'} models and sizes), last iteration of each:\n\n"
+        + markdown_table(
+            out, ["call", "earlier s", "now s", "speed-up", "earlier peak GiB", "now peak GiB"]
+        )
+    )
     return out, note
 
 
@@ -171,46 +240,82 @@ def rescore(path: str, out_dir: str | None) -> None:
     """Re-estimate a recorded run (its measurements, config and calibrated profiles) with this
     tree's estimator and workload(); no device needed. Writes ppo_rescore_<hw>_<date>."""
     rec = json.loads(Path(path).read_text())
-    extra = {k: v for k, v in rec["extra"].items() if k.startswith("calibration_seconds") or k == "profiles"}
+    extra = {
+        k: v
+        for k, v in rec["extra"].items()
+        if k.startswith("calibration_seconds") or k == "profiles"
+    }
     conf = dict(rec["extra"]["config"], device="cpu")  # estimates do not depend on the device
     cfg = CF.from_dict(conf)
     plan, _, models = CF.validate(cfg, 1)
     last = max(r["iteration"] for r in rec["rows"])
     measured = {r["call"]: r["seconds"] for r in rec["rows"] if r["iteration"] == last}
     iteration = measured.pop("(iteration)")
-    known = {f.name for f in dataclasses.fields(HardwareProfile)}  # fields of replaced models dropped
-    profiles = {k: HardwareProfile(**{f: x for f, x in v.items() if f in known}) for k, v in extra["profiles"].items()}
+    known = {
+        f.name for f in dataclasses.fields(HardwareProfile)
+    }  # fields of replaced models dropped
+    profiles = {
+        k: HardwareProfile(**{f: x for f, x in v.items() if f in known})
+        for k, v in extra["profiles"].items()
+    }
     extra["estimator"] = estimator_rows(cfg, plan, models, measured, profiles, iteration)
-    extra["rescored"] = {"file": Path(path).name, "recorded_git_commit": rec["environment"].get("git_commit")}
+    extra["rescored"] = {
+        "file": Path(path).name,
+        "recorded_git_commit": rec["environment"].get("git_commit"),
+    }
     base = next(k for k in profiles if "_" not in k)
     hw = Path(path).stem.rsplit("_", 1)[0].split("ppo_", 1)[-1]  # [gpu_]ppo_<hw>_<yyyymmdd>
-    paths = write_results("ppo_rescore", hw, extra["estimator"], columns=list(extra["estimator"][0]),
-                          title=f"estimator re-scored on the recorded run {Path(path).name}",
-                          notes=f"Measured seconds, config and calibrated profiles from {path} (recorded at "
-                                f"{rec['environment'].get('date_utc')}); estimates from this tree."
-                                + estimator_notes(extra, base, table=False),
-                          extra=extra, out_dir=out_dir)
+    paths = write_results(
+        "ppo_rescore",
+        hw,
+        extra["estimator"],
+        columns=list(extra["estimator"][0]),
+        title=f"estimator re-scored on the recorded run {Path(path).name}",
+        notes=f"Measured seconds, config and calibrated profiles from {path} (recorded at "
+        f"{rec['environment'].get('date_utc')}); estimates from this tree."
+        + estimator_notes(extra, base, table=False),
+        extra=extra,
+        out_dir=out_dir,
+    )
     print("wrote", *paths)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny models and sizes (smoke run)")
-    ap.add_argument("--batch", type=int, default=None, help="prompts per iteration (default 32; small 4)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="prompts per iteration (default 32; small 4)"
+    )
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (small 8)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--profile", default=None, choices=sorted(PROFILES),
-                    help="datasheet profile to check (default: this GPU's, else h200)")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        choices=sorted(PROFILES),
+        help="datasheet profile to check (default: this GPU's, else h200)",
+    )
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
-    ap.add_argument("--cal-reps", type=int, default=None, help="timed runs per calibration function (default 10; "
-                    "small 2)")
-    ap.add_argument("--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)")
-    ap.add_argument("--baseline", metavar="JSON", default=None,
-                    help="earlier ppo_*.json to compare per call (default: the newest earlier report of "
-                         "this hardware; 'none' to skip)")
+    ap.add_argument(
+        "--cal-reps",
+        type=int,
+        default=None,
+        help="timed runs per calibration function (default 10; small 2)",
+    )
+    ap.add_argument(
+        "--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)"
+    )
+    ap.add_argument(
+        "--baseline",
+        metavar="JSON",
+        default=None,
+        help="earlier ppo_*.json to compare per call (default: the newest earlier report of "
+        "this hardware; 'none' to skip)",
+    )
     args = ap.parse_args(argv)
     if args.rescore:
         return rescore(args.rescore, args.out_dir)
@@ -218,8 +323,13 @@ def main(argv=None):
         ap.error(f"--iters {args.iters}: need at least 1")
     small = args.small
     cal_reps = args.cal_reps or (2 if small else 10)
-    cfg = train_config(args.device, small, args.batch or (4 if small else 32),
-                       args.prompt_len or (8 if small else 128), args.new_tokens or (8 if small else 128))
+    cfg = train_config(
+        args.device,
+        small,
+        args.batch or (4 if small else 32),
+        args.prompt_len or (8 if small else 128),
+        args.new_tokens or (8 if small else 128),
+    )
     dev = resolve_device(args.device)
     args.profile = args.profile or datasheet_profile(args.device)
     rows, extra = [], {}
@@ -234,15 +344,31 @@ def main(argv=None):
             out = rt.iteration(step)
             seconds = time.perf_counter() - t0
             for call, sec in out["calls"].items():
-                rows.append({"iteration": step, "call": call, "seconds": sec,
-                             "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024})
-            rows.append({"iteration": step, "call": "(iteration)", "seconds": seconds,
-                         "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024})
+                rows.append(
+                    {
+                        "iteration": step,
+                        "call": call,
+                        "seconds": sec,
+                        "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024,
+                    }
+                )
+            rows.append(
+                {
+                    "iteration": step,
+                    "call": "(iteration)",
+                    "seconds": seconds,
+                    "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024,
+                }
+            )
             extra[f"metrics_{step}"] = out["metrics"]
             last = out["calls"]
-            print(f"iteration {step}: {seconds:.2f} s; calls "
-                  + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
-                  + "; peak MiB " + str({k: round(v) for k, v in out["peak_mem_mib"].items()}), flush=True)
+            print(
+                f"iteration {step}: {seconds:.2f} s; calls "
+                + ", ".join(f"{k} {v:.2f}s" for k, v in out["calls"].items())
+                + "; peak MiB "
+                + str({k: round(v) for k, v in out["peak_mem_mib"].items()}),
+                flush=True,
+            )
         extra["compiled"] = compile_states(rt)
         print("compiled:", extra["compiled"], flush=True)
         report(args, cfg, rows, extra, small)
@@ -255,19 +381,32 @@ def main(argv=None):
             for suffix, setup in setups.items():
                 name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
                 try:
-                    cal, raw = calibrate_gpu(args.profile, reps=cal_reps, repeats=1 if small else 3,
-                                             device=dev, setup=setup)
+                    cal, raw = calibrate_gpu(
+                        args.profile,
+                        reps=cal_reps,
+                        repeats=1 if small else 3,
+                        device=dev,
+                        setup=setup,
+                    )
                     profiles[name] = replace(cal, name=name)
                     extra[f"calibration_raw_{suffix}"] = raw
-                except Exception as e:  # noqa: BLE001 - the other profiles still run; the error is recorded
+                except Exception as e:
                     extra[f"calibration_error_{suffix}"] = f"{type(e).__name__}: {e}"
-                    print(f"calibration {name} failed:", extra[f"calibration_error_{suffix}"], flush=True)
+                    print(
+                        f"calibration {name} failed:",
+                        extra[f"calibration_error_{suffix}"],
+                        flush=True,
+                    )
                 extra[f"calibration_seconds_{suffix}"] = time.perf_counter() - t0
             extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
             est_rows = estimator_rows(cfg, plan, models, last, profiles, seconds)
             extra["estimator"] = est_rows
             for r in est_rows:
-                print("estimate", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+                print(
+                    "estimate",
+                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
+                    flush=True,
+                )
     extra["complete"] = True
     report(args, cfg, rows, extra, small)
 
@@ -278,8 +417,13 @@ def report(args, cfg, rows: list[dict], extra: dict, small: bool) -> None:
     extra["config"] = CF.to_dict(cfg)
     notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
     hw = hardware_tag(args.device, small)
-    base = (None if args.baseline == "none" else Path(args.baseline) if args.baseline
-            else find_baseline(hw, args.out_dir))
+    base = (
+        None
+        if args.baseline == "none"
+        else Path(args.baseline)
+        if args.baseline
+        else find_baseline(hw, args.out_dir)
+    )
     if base is not None and base.exists():
         try:
             extra["baseline"], note = baseline_rows(base, cfg, rows)
@@ -290,16 +434,23 @@ def report(args, cfg, rows: list[dict], extra: dict, small: bool) -> None:
         except (KeyError, ValueError, TypeError) as e:
             print(f"baseline {base}: not comparable ({type(e).__name__}: {e})", flush=True)
     if not extra.get("complete"):
-        notes_est += "\n\nPARTIAL: written after the iterations; the estimator check had not run yet."
-    paths = write_results("ppo", hw, rows,
-                          columns=["iteration", "call", "seconds", "peak GiB"],
-                          title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
-                                f"one {args.device} device",
-                          notes="seconds: wall time of each call (generate includes the old log-probs "
-                                "pass); peak GiB: torch.cuda.max_memory_allocated during the call "
-                                "(0 on CPU). Iteration 0 includes warm-up and compilation (decode step and "
-                                "train layers, torch.compile on CUDA)." + notes_est,
-                          extra=extra, out_dir=args.out_dir)
+        notes_est += (
+            "\n\nPARTIAL: written after the iterations; the estimator check had not run yet."
+        )
+    paths = write_results(
+        "ppo",
+        hw,
+        rows,
+        columns=["iteration", "call", "seconds", "peak GiB"],
+        title=f"one PPO iteration, {'tiny' if small else '1.1B'} bf16 actor + critic, "
+        f"one {args.device} device",
+        notes="seconds: wall time of each call (generate includes the old log-probs "
+        "pass); peak GiB: torch.cuda.max_memory_allocated during the call "
+        "(0 on CPU). Iteration 0 includes warm-up and compilation (decode step and "
+        "train layers, torch.compile on CUDA)." + notes_est,
+        extra=extra,
+        out_dir=args.out_dir,
+    )
     if extra.get("complete"):
         print("wrote", *paths)
 

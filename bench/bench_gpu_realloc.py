@@ -31,6 +31,7 @@ inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -43,32 +44,61 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from onedevice import GatherSlice, Shards, check, fill  # noqa: E402
-from timing import hardware_tag, write_results  # noqa: E402
+from onedevice import GatherSlice, Shards, check, fill
+from timing import hardware_tag, write_results
 
-from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset  # noqa: E402
-from real_py.realloc.inprocess_move import InProcessMove  # noqa: E402
-from real_py.realloc.moe_plan import plan_moe_realloc  # noqa: E402
-from real_py.realloc.transports import InProcessHub  # noqa: E402
+from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset
+from real_py.realloc.inprocess_move import InProcessMove
+from real_py.realloc.moe_plan import plan_moe_realloc
+from real_py.realloc.transports import InProcessHub
 
-PAIRS = [("tp4pp1->tp2pp2", "tp4", "tp2,pp2"), ("tp2pp2->dp4tp1pp1", "tp2,pp2", "dp4"), ("tp8->tp1", "tp8", "tp1")]
+PAIRS = [
+    ("tp4pp1->tp2pp2", "tp4", "tp2,pp2"),
+    ("tp2pp2->dp4tp1pp1", "tp2,pp2", "dp4"),
+    ("tp8->tp1", "tp8", "tp1"),
+]
 MOE_PAIR = ("dp4ep4->tp4etp4", "dp4,ep4", "tp4,etp4")
 GOALS = {("cuda", "inprocess"): 0.7, ("cuda", "ipc"): 0.6, ("cpu", "inprocess"): 0.7}
 
 
 def models(device: str, small: bool):
     if small:
-        dense = ModelConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=8,
-                            vocab_size=1024, num_hidden_layers=4, dtype="bfloat16")
+        dense = ModelConfig(
+            hidden_size=256,
+            intermediate_size=688,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=1024,
+            num_hidden_layers=4,
+            dtype="bfloat16",
+        )
         moe = preset("moe-tiny", dtype="bfloat16")
         return model_spec(dense, "small"), model_spec(moe, "moe-tiny")
     if device == "cuda":
-        return (model_spec(preset("llama2-7b", dtype="bfloat16"), "llama2-7b"),
-                model_spec(preset("qwen3-30b-a3b", num_hidden_layers=12), "qwen3-30b-a3b[12 layers]"))
-    dense = ModelConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
-                        vocab_size=32000, num_hidden_layers=16, dtype="bfloat16")
-    moe = preset("qwen3-30b-a3b", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                 num_hidden_layers=8, num_experts=32, moe_intermediate_size=384, vocab_size=32000)
+        return (
+            model_spec(preset("llama2-7b", dtype="bfloat16"), "llama2-7b"),
+            model_spec(preset("qwen3-30b-a3b", num_hidden_layers=12), "qwen3-30b-a3b[12 layers]"),
+        )
+    dense = ModelConfig(
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        num_hidden_layers=16,
+        dtype="bfloat16",
+    )
+    moe = preset(
+        "qwen3-30b-a3b",
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_hidden_layers=8,
+        num_experts=32,
+        moe_intermediate_size=384,
+        vocab_size=32000,
+    )
     return model_spec(dense, "llama-shape-0.9b"), model_spec(moe, "qwen3-moe-shape-0.4b")
 
 
@@ -97,10 +127,10 @@ def reference_gbps(nbytes: int, dev, repeats: int) -> float:
     if dev.type == "cuda":
         a = torch.empty(n // 2, dtype=torch.int16, device=dev)
         b = torch.empty_like(a)
-        fn = lambda: b.copy_(a)  # noqa: E731
+        fn = functools.partial(b.copy_, a)
     else:
         a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
-        fn = lambda: np.copyto(b, a)  # noqa: E731
+        fn = functools.partial(np.copyto, b, a)
     med, _ = timed(fn, dev, repeats)
     del a, b
     return n / med / 1e9
@@ -137,31 +167,51 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
         for threads in (True, False):
             key = "in-process, " + ("threads" if threads else "one thread")
             t0 = time.perf_counter()
-            moves[key] = InProcessMove(InProcessHub(timeout=600), make_plan(model, src, dst), threads=threads)
+            moves[key] = InProcessMove(
+                InProcessHub(timeout=600), make_plan(model, src, dst), threads=threads
+            )
             zero(dsts)
             moves[key].run(sa, da)  # compiles the copies (first call), checked here
             sync(dev)
-            info[key] = {"compile s": time.perf_counter() - t0, "bit-exact": check(dsts), "host": [],
-                         "tables": sum(x.runner.table_bytes for x in moves[key].reallocs.values()),
-                         "launches": sum(len(p.groups) for x in moves[key].reallocs.values() for p in x.runner._plans.values())}
+            info[key] = {
+                "compile s": time.perf_counter() - t0,
+                "bit-exact": check(dsts),
+                "host": [],
+                "tables": sum(x.runner.table_bytes for x in moves[key].reallocs.values()),
+                "launches": sum(
+                    len(p.groups)
+                    for x in moves[key].reallocs.values()
+                    for p in x.runner._plans.values()
+                ),
+            }
         gs = GatherSlice(srcs, dsts)
         zero(dsts)
         gs.run()
         sync(dev)
         gs_ok = check(dsts)
         ref_fn, ref_bytes = reference(nbytes, dev)
-        fns = {"ref": ref_fn, **{k: (lambda m=m: m.run(sa, da)) for k, m in moves.items()}, "gather-slice": gs.run}
+        fns = {
+            "ref": ref_fn,
+            **{k: functools.partial(m.run, sa, da) for k, m in moves.items()},
+            "gather-slice": gs.run,
+        }
         times = {k: [] for k in fns}
         peak = {}
         for k, fn in fns.items():  # warm-up (and the extra memory of each, on a GPU)
             if dev.type == "cuda":
                 sync(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-                before = torch.cuda.memory_allocated(dev)  # shards, reference buffers, every move's tables
+                before = torch.cuda.memory_allocated(
+                    dev
+                )  # shards, reference buffers, every move's tables
             fn()
             sync(dev)
-            if dev.type == "cuda":  # what the call allocated on top, plus the move's own copy tables
-                peak[k] = torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
+            if (
+                dev.type == "cuda"
+            ):  # what the call allocated on top, plus the move's own copy tables
+                peak[k] = (
+                    torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
+                )
         for _ in range(repeats):
             for k, fn in fns.items():
                 sync(dev)
@@ -170,9 +220,13 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
                 issued = time.perf_counter() - t0
                 sync(dev)
                 times[k].append(time.perf_counter() - t0)
-                if k in moves:  # host work: GPU, the time to issue; CPU, the wall time outside the copies
+                if (
+                    k in moves
+                ):  # host work: GPU, the time to issue; CPU, the wall time outside the copies
                     copy_s = sum(st["phases"]["unpack"] for st in out.values())
-                    info[k]["host"].append((issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s)))
+                    info[k]["host"].append(
+                        (issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s))
+                    )
         med = {k: statistics.median(v) for k, v in times.items()}
         ref = ref_bytes / med["ref"] / 1e9
         gbps = {k: nbytes / med[k] / 1e9 for k in moves}
@@ -180,22 +234,61 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
         rows = []
         for k in moves:
             host = statistics.median(h for _, h in info[k]["host"])
-            share = statistics.median(h / w for w, h in info[k]["host"]) if dev.type == "cpu" else host / med[k]
+            share = (
+                statistics.median(h / w for w, h in info[k]["host"])
+                if dev.type == "cpu"
+                else host / med[k]
+            )
             extra = peak.get(k, info[k]["tables"])
-            rows.append({**base, "method": k, "seconds": med[k], "GB/s": gbps[k], "ref GB/s": ref, "vs ref": gbps[k] / ref,
-                         "goal": goal, "met": "yes" if gbps[k] / ref >= goal else "NO", "vs gather-slice": gbps[k] / g_gbps,
-                         "bit-exact": info[k]["bit-exact"], "launches": info[k]["launches"], "extra MiB": extra / 2**20,
-                         "extra how": "measured" if k in peak else "copy tables (computed)", "host ms": host * 1e3,
-                         "host / move": share, "compile s": info[k]["compile s"]})
-        rows.append({**base, "method": "gather-slice", "seconds": med["gather-slice"], "GB/s": g_gbps, "ref GB/s": ref,
-                     "vs ref": g_gbps / ref, "bit-exact": gs_ok, "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
-                     "extra how": "measured" if peak else "largest tensor (computed)"})
+            rows.append(
+                {
+                    **base,
+                    "method": k,
+                    "seconds": med[k],
+                    "GB/s": gbps[k],
+                    "ref GB/s": ref,
+                    "vs ref": gbps[k] / ref,
+                    "goal": goal,
+                    "met": "yes" if gbps[k] / ref >= goal else "NO",
+                    "vs gather-slice": gbps[k] / g_gbps,
+                    "bit-exact": info[k]["bit-exact"],
+                    "launches": info[k]["launches"],
+                    "extra MiB": extra / 2**20,
+                    "extra how": "measured" if k in peak else "copy tables (computed)",
+                    "host ms": host * 1e3,
+                    "host / move": share,
+                    "compile s": info[k]["compile s"],
+                }
+            )
+        rows.append(
+            {
+                **base,
+                "method": "gather-slice",
+                "seconds": med["gather-slice"],
+                "GB/s": g_gbps,
+                "ref GB/s": ref,
+                "vs ref": g_gbps / ref,
+                "bit-exact": gs_ok,
+                "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
+                "extra how": "measured" if peak else "largest tensor (computed)",
+            }
+        )
     finally:
         for m in moves.values():
             m.close()
     for r in rows:
         print(r, flush=True)
-    del srcs, dsts, moves, gs, sa, da, ref_fn, fns, fn  # fns (and fn) hold the moves, gs.run, the reference
+    del (
+        srcs,
+        dsts,
+        moves,
+        gs,
+        sa,
+        da,
+        ref_fn,
+        fns,
+        fn,
+    )  # fns (and fn) hold the moves, gs.run, the reference
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -227,11 +320,25 @@ def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     med, _ = timed(base_run.run, dev, repeats)
-    extra = (torch.cuda.max_memory_allocated(dev) - shard_bytes) if dev.type == "cuda" else base_run.extra_bytes
+    extra = (
+        (torch.cuda.max_memory_allocated(dev) - shard_bytes)
+        if dev.type == "cuda"
+        else base_run.extra_bytes
+    )
     gbps = nbytes / med / 1e9
-    row = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30, "method": "gather-slice",
-           "seconds": med, "GB/s": gbps, "ref GB/s": ref, "vs ref": gbps / ref, "bit-exact": check(dsts),
-           "extra MiB": extra / 2**20, "extra how": "measured" if dev.type == "cuda" else "largest tensor (computed)"}
+    row = {
+        "pair": name,
+        "model": model.name,
+        "GiB moved": nbytes / 2**30,
+        "method": "gather-slice",
+        "seconds": med,
+        "GB/s": gbps,
+        "ref GB/s": ref,
+        "vs ref": gbps / ref,
+        "bit-exact": check(dsts),
+        "extra MiB": extra / 2**20,
+        "extra how": "measured" if dev.type == "cuda" else "largest tensor (computed)",
+    }
     print(row, flush=True)
     del srcs, dsts, base_run
     gc.collect()
@@ -241,7 +348,9 @@ def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--transport", choices=("inprocess", "ipc"), default="inprocess")
     ap.add_argument("--small", action="store_true", help="tiny models (smoke run)")
@@ -259,22 +368,48 @@ def main(argv=None):
     pairs.append((MOE_PAIR[0], moe, Layout.parse(MOE_PAIR[1]), Layout.parse(MOE_PAIR[2])))
     pairs = [p for p in pairs if args.pairs is None or p[0] in args.pairs]
     goal = GOALS[(args.device, args.transport)]
-    cols = ["pair", "model", "method", "GiB moved", "seconds", "GB/s", "ref GB/s", "vs ref", "goal", "met",
-            "vs gather-slice", "bit-exact", "launches", "extra MiB", "extra how", "host ms", "host / move", "compile s",
-            "error"]
-    ref_name = "one device copy_ of min(bytes, 4 GiB)" if dev.type == "cuda" else "one numpy memcpy of min(bytes, 1 GiB)"
-    notes = (f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a warm-up; "
-             f"the first call compiles, `compile s`; in process, the moves, the reference and gather-slice are timed "
-             f"round-robin within each repeat); ref = {ref_name}, same device; goal: vs ref >= {goal}. "
-             "vs gather-slice: against each tensor gathered whole and sliced (bench/onedevice.py). bit-exact: "
-             "every destination piece equals the slice of its full tensor. extra MiB: memory beyond the "
-             "source and destination shards. host ms: GPU, the host time to issue one replayed move (goal "
-             "<= 1 ms); CPU, a replayed move's wall time minus the time inside its copy calls (one at a time "
-             "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank). "
-             "error: a pair that failed (out of memory, say) is one row with its error; the others still run. "
-             "The report is rewritten after every pair, so a run stopped by a time limit keeps the pairs done.")
+    cols = [
+        "pair",
+        "model",
+        "method",
+        "GiB moved",
+        "seconds",
+        "GB/s",
+        "ref GB/s",
+        "vs ref",
+        "goal",
+        "met",
+        "vs gather-slice",
+        "bit-exact",
+        "launches",
+        "extra MiB",
+        "extra how",
+        "host ms",
+        "host / move",
+        "compile s",
+        "error",
+    ]
+    ref_name = (
+        "one device copy_ of min(bytes, 4 GiB)"
+        if dev.type == "cuda"
+        else "one numpy memcpy of min(bytes, 1 GiB)"
+    )
+    notes = (
+        f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a warm-up; "
+        f"the first call compiles, `compile s`; in process, the moves, the reference and gather-slice are timed "
+        f"round-robin within each repeat); ref = {ref_name}, same device; goal: vs ref >= {goal}. "
+        "vs gather-slice: against each tensor gathered whole and sliced (bench/onedevice.py). bit-exact: "
+        "every destination piece equals the slice of its full tensor. extra MiB: memory beyond the "
+        "source and destination shards. host ms: GPU, the host time to issue one replayed move (goal "
+        "<= 1 ms); CPU, a replayed move's wall time minus the time inside its copy calls (one at a time "
+        "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank). "
+        "error: a pair that failed (out of memory, say) is one row with its error; the others still run. "
+        "The report is rewritten after every pair, so a run stopped by a time limit keeps the pairs done."
+    )
     if not pairs:
-        raise SystemExit(f"--pairs {args.pairs}: no such pair; known: {[n for n, *_ in PAIRS] + [MOE_PAIR[0]]}")
+        raise SystemExit(
+            f"--pairs {args.pairs}: no such pair; known: {[n for n, *_ in PAIRS] + [MOE_PAIR[0]]}"
+        )
     rows = []
     for name, model, src, dst in pairs:
         try:
@@ -283,21 +418,35 @@ def main(argv=None):
             else:
                 ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
                 from ipc_bench import ipc_rows
+
                 got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
                 rows += got  # kept if gather-and-slice then fails
                 rows.append(gather_row(name, model, src, dst, dev, args.repeats, ref))
                 got[0]["vs gather-slice"] = got[0]["GB/s"] / rows[-1]["GB/s"]
-        except Exception as e:  # noqa: BLE001 - a benchmark reports, the next pair runs
+        except Exception as e:
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
-            rows.append({"pair": name, "model": model.name, "goal": goal, "met": "NO",
-                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+            rows.append(
+                {
+                    "pair": name,
+                    "model": model.name,
+                    "goal": goal,
+                    "met": "NO",
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                }
+            )
         finally:
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        paths = write_results(f"realloc_{args.transport}", hardware_tag(args.device, args.small), rows, columns=cols,
-                              title=f"reallocation on one device ({args.transport}, {args.device})", notes=notes,
-                              out_dir=args.out_dir)
+        paths = write_results(
+            f"realloc_{args.transport}",
+            hardware_tag(args.device, args.small),
+            rows,
+            columns=cols,
+            title=f"reallocation on one device ({args.transport}, {args.device})",
+            notes=notes,
+            out_dir=args.out_dir,
+        )
     print("wrote", *paths)
 
 

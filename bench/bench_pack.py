@@ -38,12 +38,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import hardware_tag, time_interleaved, write_results  # noqa: E402
+from timing import hardware_tag, time_interleaved, write_results
 
-from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout  # noqa: E402
-from real_py.ops import CopyPlan, descs_tensor, pack, unpack  # noqa: E402
+from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout
+from real_py.ops import CopyPlan, descs_tensor, pack, unpack
 
-CLASSES = (("runs >= 16 KiB", 16 << 10, 0.90), ("runs 2-16 KiB", 2 << 10, 0.85), ("runs < 2 KiB", 0, None))
+CLASSES = (
+    ("runs >= 16 KiB", 16 << 10, 0.90),
+    ("runs 2-16 KiB", 2 << 10, 0.85),
+    ("runs < 2 KiB", 0, None),
+)
 SYNTH_RUNS = (2 << 10, 4 << 10, 7 << 10, 16 << 10, 64 << 10, 1 << 20)
 SMALL = {}
 """--small: ModelConfig overrides that shrink the plan cases (same head structure)."""
@@ -54,8 +58,9 @@ def run_class(min_run_bytes: int) -> tuple[str, float | None]:
 
 
 def subset(names: tuple[str, ...], layers: int) -> ModelSpec:
-    full = model_spec(preset("llama2-70b", dtype="bfloat16", num_hidden_layers=layers, **SMALL),
-                      name="llama2-70b")
+    full = model_spec(
+        preset("llama2-70b", dtype="bfloat16", num_hidden_layers=layers, **SMALL), name="llama2-70b"
+    )
     params = tuple(p for p in full.params if any(n in p.name for n in names))
     return ModelSpec(name=f"llama2-70b[{','.join(names)}]", params=params, num_layers=layers)
 
@@ -65,7 +70,14 @@ def disjoint(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     return src, Layout(dp=dst.dp, tp=dst.tp, pp=dst.pp, ranks=tuple(range(n, n + dst.world)))
 
 
-LAYER = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
+LAYER = (
+    "input_layernorm",
+    "qkv_proj",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_up_proj",
+    "down_proj",
+)
 PLAN_CASES = [
     ("column-split lm_head tp8->tp4", ("lm_head",), 1, *disjoint(Layout(tp=8), Layout(tp=4))),
     ("row-split o_proj x2 tp4->tp8", ("o_proj",), 2, *disjoint(Layout(tp=4), Layout(tp=8))),
@@ -81,30 +93,36 @@ def filled(numel: int, device: str) -> torch.Tensor:
 
 
 def runs_of(descs: np.ndarray) -> list[tuple[int, int, int]]:
-    return [(so + i * ss, do + i * ds, ln) for so, do, ln, n, ss, ds in descs.tolist() for i in range(n)]
+    return [
+        (so + i * ss, do + i * ds, ln) for so, do, ln, n, ss, ds in descs.tolist() for i in range(n)
+    ]
 
 
 def torch_runs(jobs):
     for s, d, t, op in jobs:
         runs = runs_of(d)
         if op is pack:
-            torch.cat([s[a:a + ln] for a, _, ln in runs], out=t)
+            torch.cat([s[a : a + ln] for a, _, ln in runs], out=t)
         else:
             for a, b, ln in runs:
-                t[b:b + ln].copy_(s[a:a + ln])
+                t[b : b + ln].copy_(s[a : a + ln])
 
 
 def measure(jobs, numel: int, device: str, repeats: int, baselines: bool) -> dict:
     """jobs: [(src, descs [k, 6] elements, dst, op)] making up one timed step of numel elements."""
     prepared = [(s, descs_tensor(d), t, op) for s, d, t, op in jobs]
     # One CopyPlan over every job: job j reads source buffer j and writes destination buffer j.
-    rows8 = np.concatenate([np.hstack([d, np.full((len(d), 2), j, np.int64)]) for j, (_, d, _, _) in enumerate(jobs)])
+    rows8 = np.concatenate(
+        [np.hstack([d, np.full((len(d), 2), j, np.int64)]) for j, (_, d, _, _) in enumerate(jobs)]
+    )
     plan = CopyPlan(rows8, 2, device=device)
     srcs, dsts = [j[0] for j in jobs], [j[2] for j in jobs]
     a, b = filled(numel, device), filled(numel, device)
-    fns = {"ours": lambda: [op(s, d, t) for s, d, t, op in prepared],
-           "planned": lambda: plan.run(srcs, dsts),
-           "copy_": lambda: b.copy_(a)}
+    fns = {
+        "ours": lambda: [op(s, d, t) for s, d, t, op in prepared],
+        "planned": lambda: plan.run(srcs, dsts),
+        "copy_": lambda: b.copy_(a),
+    }
     if device == "cpu":
         na, nb = a.view(torch.int16).numpy(), b.view(torch.int16).numpy()
         fns["memcpy"] = lambda: np.copyto(nb, na)
@@ -121,8 +139,16 @@ def row(case, op, jobs, numel, device, repeats, baselines=False) -> dict:
     min_run = 2 * min(int(d[:, 2].min()) for _, d, _, _ in jobs)
     cls, goal = run_class(min_run)
     r = measure(jobs, numel, device, repeats, baselines)
-    out = {"case": case, "class": cls, "op": op, "MiB": numel * 2 / 2**20, "runs": runs, "min run B": min_run,
-           "items": r.pop("items"), **{f"{k} GB/s": v for k, v in r.items()}}
+    out = {
+        "case": case,
+        "class": cls,
+        "op": op,
+        "MiB": numel * 2 / 2**20,
+        "runs": runs,
+        "min run B": min_run,
+        "items": r.pop("items"),
+        **{f"{k} GB/s": v for k, v in r.items()},
+    }
     out["ours/copy_"] = r["ours"] / r["copy_"]
     out["planned/copy_"] = r["planned"] / r["copy_"]
     if "memcpy" in r:
@@ -130,8 +156,15 @@ def row(case, op, jobs, numel, device, repeats, baselines=False) -> dict:
     if "torch_runs" in r:
         out["planned/torch_runs"] = r["planned"] / r["torch_runs"]
     out["goal"] = goal if goal is not None else ""
-    out["met"] = "" if goal is None or device != "cuda" else ("yes" if out["planned/copy_"] >= goal else "NO")
-    print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()), flush=True)
+    out["met"] = (
+        ""
+        if goal is None or device != "cuda"
+        else ("yes" if out["planned/copy_"] >= goal else "NO")
+    )
+    print(
+        "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()),
+        flush=True,
+    )
     return out
 
 
@@ -148,7 +181,9 @@ def synthetic_rows(device, repeats, payload_bytes) -> list[dict]:
             name = f"runs {run >> 10} KiB, stride 2x, {tag}"
             rows.append(row(name, "pack", [(strided, side, packed, pack)], numel, device, repeats))
             back = side[:, [1, 0, 2, 3, 5, 4]]
-            rows.append(row(name, "unpack", [(packed, back, strided, unpack)], numel, device, repeats))
+            rows.append(
+                row(name, "unpack", [(packed, back, strided, unpack)], numel, device, repeats)
+            )
         del strided, packed
         gc.collect()
     return rows
@@ -164,14 +199,28 @@ def plan_rows(name, names, layers, src_l, dst_l, device, repeats) -> list[dict]:
     r_src, r_dst = src_l.ranks[0], dst_l.ranks[0]
     if r_src == r_dst:  # same ranks on both sides: the local copy
         rp = plan.for_rank(r_src)
-        steps = [("local(unpack)", [(shard(src_l, r_src), rp.local, shard(dst_l, r_dst), unpack)], rp.local_numel)]
+        steps = [
+            (
+                "local(unpack)",
+                [(shard(src_l, r_src), rp.local, shard(dst_l, r_dst), unpack)],
+                rp.local_numel,
+            )
+        ]
     else:
         sends, recvs = plan.for_rank(r_src).sends, plan.for_rank(r_dst).recvs
         src, dst = shard(src_l, r_src), shard(dst_l, r_dst)
-        steps = [("pack", [(src, m.pack_descs(), filled(m.numel, device), pack) for m in sends],
-                  sum(m.numel for m in sends)),
-                 ("unpack", [(filled(m.numel, device), m.unpack_descs(), dst, unpack) for m in recvs],
-                  sum(m.numel for m in recvs))]
+        steps = [
+            (
+                "pack",
+                [(src, m.pack_descs(), filled(m.numel, device), pack) for m in sends],
+                sum(m.numel for m in sends),
+            ),
+            (
+                "unpack",
+                [(filled(m.numel, device), m.unpack_descs(), dst, unpack) for m in recvs],
+                sum(m.numel for m in recvs),
+            ),
+        ]
     out = [row(name, op, jobs, numel, device, repeats, baselines=True) for op, jobs, numel in steps]
     del steps
     gc.collect()
@@ -184,16 +233,31 @@ def class_summary(rows: list[dict], device: str) -> list[str]:
         got = [r["planned/copy_"] for r in rows if r["class"] == name]
         if not got:
             continue
-        verdict = "no goal" if goal is None else (
-            f"goal {goal}: {'met' if min(got) >= goal else 'NOT met'}" if device == "cuda" else f"GPU goal {goal}")
-        lines.append(f"{name}: planned/copy_ {min(got):.3f} - {max(got):.3f} over {len(got)} rows ({verdict})")
+        verdict = (
+            "no goal"
+            if goal is None
+            else (
+                f"goal {goal}: {'met' if min(got) >= goal else 'NOT met'}"
+                if device == "cuda"
+                else f"GPU goal {goal}"
+            )
+        )
+        lines.append(
+            f"{name}: planned/copy_ {min(got):.3f} - {max(got):.3f} over {len(got)} rows ({verdict})"
+        )
     return lines
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--hardware", default=None, help="results tag (default: cpu<cores> on cpu, the GPU's model on cuda)")
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="results tag (default: cpu<cores> on cpu, the GPU's model on cuda)",
+    )
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--small", action="store_true", help="shrunken cases (smoke run)")
     ap.add_argument("--no-plans", action="store_true", help="synthetic run-length cases only")
@@ -208,17 +272,46 @@ def main(argv=None):
     if not args.no_plans:
         for case in PLAN_CASES:
             rows += plan_rows(*case, args.device, args.repeats)
-    cols = ["case", "class", "op", "MiB", "runs", "min run B", "items", "ours GB/s", "planned GB/s", "copy_ GB/s"]
-    cols += (["memcpy GB/s"] if args.device == "cpu" else []) + ["torch_runs GB/s", "ours/copy_", "planned/copy_"]
-    cols += (["planned/memcpy"] if args.device == "cpu" else []) + ["planned/torch_runs", "goal", "met"]
+    cols = [
+        "case",
+        "class",
+        "op",
+        "MiB",
+        "runs",
+        "min run B",
+        "items",
+        "ours GB/s",
+        "planned GB/s",
+        "copy_ GB/s",
+    ]
+    cols += (["memcpy GB/s"] if args.device == "cpu" else []) + [
+        "torch_runs GB/s",
+        "ours/copy_",
+        "planned/copy_",
+    ]
+    cols += (["planned/memcpy"] if args.device == "cpu" else []) + [
+        "planned/torch_runs",
+        "goal",
+        "met",
+    ]
     summary = class_summary(rows, args.device)
     print("\n".join(summary))
     hw = (args.hardware or hardware_tag(args.device)) + ("_small" if args.small else "")
-    notes = ("GB/s = (bytes read + bytes written) / median time. A case's class is that of its shortest run; "
-             "goals (GPU): planned/copy_ >= 0.90 for runs >= 16 KiB, >= 0.85 for runs of 2-16 KiB. Per class:\n\n"
-             + "\n".join(f"- {line}" for line in summary))
-    paths = write_results("pack", hw, rows, columns=cols, title=f"strided copy bandwidth per run length ({args.device})",
-                          notes=notes, out_dir=args.out_dir, extra={"classes": summary})
+    notes = (
+        "GB/s = (bytes read + bytes written) / median time. A case's class is that of its shortest run; "
+        "goals (GPU): planned/copy_ >= 0.90 for runs >= 16 KiB, >= 0.85 for runs of 2-16 KiB. Per class:\n\n"
+        + "\n".join(f"- {line}" for line in summary)
+    )
+    paths = write_results(
+        "pack",
+        hw,
+        rows,
+        columns=cols,
+        title=f"strided copy bandwidth per run length ({args.device})",
+        notes=notes,
+        out_dir=args.out_dir,
+        extra={"classes": summary},
+    )
     print("wrote", *paths)
 
 

@@ -31,7 +31,7 @@ from real_py.realloc.rank_schedule import rank_schedule
 from real_py.spec.config import preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import hardware_tag, write_results  # noqa: E402
+from timing import hardware_tag, write_results
 
 BUCKET_BYTES, DIRECT_MIN_BYTES = 256 << 20, 256 << 10
 
@@ -92,8 +92,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-ranks", type=int, default=1024)
-    ap.add_argument("--note", default="", help="appended to the results' notes (e.g. the load the "
-                    "run shared the machine with)")
+    ap.add_argument(
+        "--note",
+        default="",
+        help="appended to the results' notes (e.g. the load the run shared the machine with)",
+    )
     args = ap.parse_args()
     rows = []
     for name, src_s, dst_s, mode, rpn in PAIRS:
@@ -117,39 +120,77 @@ def main():
         global_bytes = plan.global_bytes()  # builds the global arrays (C++ _C.plan)
         global_s = time.perf_counter() - t0
         goal = 0.5 if "405b" in name else 0.05
-        rows.append({
-            "model": name, "ranks": world, "src": src_s, "dst": dst_s, "mode": mode,
-            "ranks_per_node": rpn, "worst_rank": rank,
-            "rank_plan_ms": plan_s * 1e3, "rank_schedule_ms": sched_s * 1e3,
-            "rank_total_ms": total * 1e3, "rank_cpu_ms": cpu_s * 1e3, "goal_ms": goal * 1e3,
-            "rank_cpp_MiB": rs.held_bytes / 2**20, "rank_python_peak_MiB": py_peak / 2**20,
-            "global_plan_ms": global_s * 1e3, "global_arrays_MiB": global_bytes / 2**20,
-            "num_messages": plan.num_messages, "num_descs": int(len(plan.descs)),
-            "rank_rounds": len(rs.rounds), "num_rounds": rs.num_rounds,
-            "rank_chunks": sum(len(r.sends) + len(r.recvs) for r in rs.rounds),
-        })
+        rows.append(
+            {
+                "model": name,
+                "ranks": world,
+                "src": src_s,
+                "dst": dst_s,
+                "mode": mode,
+                "ranks_per_node": rpn,
+                "worst_rank": rank,
+                "rank_plan_ms": plan_s * 1e3,
+                "rank_schedule_ms": sched_s * 1e3,
+                "rank_total_ms": total * 1e3,
+                "rank_cpu_ms": cpu_s * 1e3,
+                "goal_ms": goal * 1e3,
+                "rank_cpp_MiB": rs.held_bytes / 2**20,
+                "rank_python_peak_MiB": py_peak / 2**20,
+                "global_plan_ms": global_s * 1e3,
+                "global_arrays_MiB": global_bytes / 2**20,
+                "num_messages": plan.num_messages,
+                "num_descs": int(len(plan.descs)),
+                "rank_rounds": len(rs.rounds),
+                "num_rounds": rs.num_rounds,
+                "rank_chunks": sum(len(r.sends) + len(r.recvs) for r in rs.rounds),
+            }
+        )
         r = rows[-1]
-        print(f"{name:14} {world:5d} {src_s:>13} -> {dst_s:<14} {mode:9} rpn={rpn}: rank {rank} "
-              f"plan {r['rank_plan_ms']:6.1f} + sched {r['rank_schedule_ms']:6.1f} ms "
-              f"(goal {r['goal_ms']:.0f}); C++ {r['rank_cpp_MiB']:.1f} MiB vs global "
-              f"{r['global_arrays_MiB']:.1f} MiB; {r['num_messages']} msgs {r['num_descs']} descs",
-              flush=True)
-    cols = ["model", "ranks", "src", "dst", "mode", "ranks_per_node", "worst_rank", "rank_plan_ms",
-            "rank_schedule_ms", "rank_total_ms", "rank_cpu_ms", "goal_ms", "rank_cpp_MiB",
-            "rank_python_peak_MiB", "global_arrays_MiB", "global_plan_ms", "num_messages", "num_descs", "rank_rounds",
-            "num_rounds"]
+        print(
+            f"{name:14} {world:5d} {src_s:>13} -> {dst_s:<14} {mode:9} rpn={rpn}: rank {rank} "
+            f"plan {r['rank_plan_ms']:6.1f} + sched {r['rank_schedule_ms']:6.1f} ms "
+            f"(goal {r['goal_ms']:.0f}); C++ {r['rank_cpp_MiB']:.1f} MiB vs global "
+            f"{r['global_arrays_MiB']:.1f} MiB; {r['num_messages']} msgs {r['num_descs']} descs",
+            flush=True,
+        )
+    cols = [
+        "model",
+        "ranks",
+        "src",
+        "dst",
+        "mode",
+        "ranks_per_node",
+        "worst_rank",
+        "rank_plan_ms",
+        "rank_schedule_ms",
+        "rank_total_ms",
+        "rank_cpu_ms",
+        "goal_ms",
+        "rank_cpp_MiB",
+        "rank_python_peak_MiB",
+        "global_arrays_MiB",
+        "global_plan_ms",
+        "num_messages",
+        "num_descs",
+        "rank_rounds",
+        "num_rounds",
+    ]
     paths = write_results(
-        "plan", hardware_tag("cpu"), rows, columns=cols,
+        "plan",
+        hardware_tag("cpu"),
+        rows,
+        columns=cols,
         title="Per-rank plan + schedule, 16 ... 1024 ranks (fp16 7B/70B, bf16 405B)",
         notes="Per rank: cold plan_realloc (every cache cleared) + rank_schedule (C++) for the "
-              "first, a middle and the last rank; the slowest of the three, median of "
-              f"{args.repeats} repeats. rank_cpp_MiB: the C++ side's peak data for that rank "
-              "(size summaries of every message + its own descriptors + output); "
-              "global_arrays_MiB: the whole plan's arrays, which every rank held before. "
-              "rank_cpu_ms: the process CPU time of the same rank's plan + schedule (median): "
-              "what the other jobs' time slices do not inflate, unlike the wall times. "
-              "Shared 2-core machine (4-5 agents): timings are noisy." +
-              (f" {args.note}" if args.note else ""))
+        "first, a middle and the last rank; the slowest of the three, median of "
+        f"{args.repeats} repeats. rank_cpp_MiB: the C++ side's peak data for that rank "
+        "(size summaries of every message + its own descriptors + output); "
+        "global_arrays_MiB: the whole plan's arrays, which every rank held before. "
+        "rank_cpu_ms: the process CPU time of the same rank's plan + schedule (median): "
+        "what the other jobs' time slices do not inflate, unlike the wall times. "
+        "Shared 2-core machine (4-5 agents): timings are noisy."
+        + (f" {args.note}" if args.note else ""),
+    )
     print("wrote", *paths)
 
 

@@ -36,22 +36,37 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from real_py import Layout, ModelConfig, model_spec, plan_realloc  # noqa: E402
-from real_py.benchmark import pattern, slowest_rank, timed_slowest  # noqa: E402
-from real_py.realloc.plan import _shard_data_numel  # noqa: E402
-from real_py.realloc.shard import ModelShard, tp_slice  # noqa: E402
+from real_py import Layout, ModelConfig, model_spec, plan_realloc
+from real_py.benchmark import pattern, slowest_rank, timed_slowest
+from real_py.realloc.plan import _shard_data_numel
+from real_py.realloc.shard import ModelShard, tp_slice
 
 WORLD = 4
 CONFIGS = {
     # 76.8M params: LLaMA-style, GQA (8 query / 4 kv heads), untied head.
-    "75m": ModelConfig(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=32000, num_hidden_layers=14),
+    "75m": ModelConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        num_hidden_layers=14,
+    ),
     # 301.5M params.
-    "300m": ModelConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                        num_key_value_heads=8, vocab_size=32000, num_hidden_layers=20),
+    "300m": ModelConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        num_hidden_layers=20,
+    ),
 }
-DEFAULT_PAIRS = ["75m:dp2,tp2,pp1:dp4,tp1,pp1", "75m:dp2,tp1,pp2:dp2,tp2,pp1",
-                 "300m:dp2,tp1,pp2:dp2,tp2,pp1"]
+DEFAULT_PAIRS = [
+    "75m:dp2,tp2,pp1:dp4,tp1,pp1",
+    "75m:dp2,tp1,pp2:dp2,tp2,pp1",
+    "300m:dp2,tp1,pp2:dp2,tp2,pp1",
+]
 METHODS = ("real_py", "megatron-core", "dtensor", "naive")
 STAGED = "real_py staged"
 """Reference row: real_py with direct_min_bytes=0 (only whole one-run messages skip staging),
@@ -79,8 +94,9 @@ def check_destination(shard, expected) -> list[str]:
     if shard is None or torch.equal(shard.flat, expected.flat):
         return []
     want = expected.params()
-    return [name for name, view in shard.params().items() if not torch.equal(view, want[name])] \
-        or ["(alignment padding)"]
+    return [name for name, view in shard.params().items() if not torch.equal(view, want[name])] or [
+        "(alignment padding)"
+    ]
 
 
 _T0 = time.perf_counter()
@@ -124,7 +140,10 @@ def measure_links(nbytes: int = 64 << 20, repeats: int = 3) -> dict:
                 r.wait()
 
     out = {}
-    for key, fn, moved in (("p2p", p2p, nbytes), ("aggregate", exchange, nbytes * (world - world % 2))):
+    for key, fn, moved in (
+        ("p2p", p2p, nbytes),
+        ("aggregate", exchange, nbytes * (world - world % 2)),
+    ):
         timed(fn)
         out[f"{key}_GBps"] = moved / statistics.median(timed(fn) for _ in range(repeats)) / 1e9
     out["bytes"] = nbytes
@@ -149,7 +168,8 @@ def build_methods(model, src, dst, src_shard, dst_shard, ctx) -> dict:
         import realloc_mcore
 
         out["megatron-core"] = realloc_mcore.MegatronResharder(
-            mc, ctx["groups"], ctx["mcore_service"], src_shard, dst_shard, src, dst)
+            mc, ctx["groups"], ctx["mcore_service"], src_shard, dst_shard, src, dst
+        )
     try:
         out["dtensor"] = DTensorMethod(model, src, dst, src_shard, dst_shard)
     except ValueError as e:
@@ -166,8 +186,10 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
     plan = plan_realloc(model, src, dst)
     summary = plan.summary()
     es = model.element_size
-    need = {r: _shard_data_numel(model, dst, r) * es - summary["per_rank"][r]["local"]
-            for r in dst.ranks}
+    need = {
+        r: _shard_data_numel(model, dst, r) * es - summary["per_rank"][r]["local"]
+        for r in dst.ranks
+    }
     lb_bytes = max(need.values())
     min_bytes = summary["min_network_bytes"]
     log(f"{model_key} {src} -> {dst}: source shards built")
@@ -213,8 +235,14 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
         for name, m in runnable.items():
             times[name].append(timed(m.run))
     rows = []
-    base = {"model": model_key, "params_M": round(model.numel / 1e6, 1), "src": str(src), "dst": str(dst),
-            "min_network_GB": min_bytes / 1e9, "lb_rank_GB": lb_bytes / 1e9}
+    base = {
+        "model": model_key,
+        "params_M": round(model.numel / 1e6, 1),
+        "src": str(src),
+        "dst": str(dst),
+        "min_network_GB": min_bytes / 1e9,
+        "lb_rank_GB": lb_bytes / 1e9,
+    }
     rp = statistics.median(times["real_py"]) if "real_py" in times else None
     for name in METHODS + (STAGED, "gloo floor", "gloo floor + local copies"):
         if name not in methods and name not in runnable:
@@ -225,14 +253,23 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
             continue
         t = statistics.median(times[name])
         lb_s = lb_bytes / (links["p2p_GBps"] * 1e9)
-        rows.append({
-            **base, "method": name, "seconds": t, "min_s": min(times[name]), "max_s": max(times[name]),
-            "verified": verified.get(name, "n/a"), "network_GB": sum_ranks(m.recv_bytes) / 1e9,
-            "GBps_per_rank": lb_bytes / t / 1e9, "GBps_aggregate": min_bytes / t / 1e9,
-            "lb_seconds": lb_s, "frac_of_lb": lb_s / t,
-            "frac_of_aggregate": min_bytes / (links["aggregate_GBps"] * 1e9) / t,
-            "realpy_speedup": (t / rp) if rp else "",
-        })
+        rows.append(
+            {
+                **base,
+                "method": name,
+                "seconds": t,
+                "min_s": min(times[name]),
+                "max_s": max(times[name]),
+                "verified": verified.get(name, "n/a"),
+                "network_GB": sum_ranks(m.recv_bytes) / 1e9,
+                "GBps_per_rank": lb_bytes / t / 1e9,
+                "GBps_aggregate": min_bytes / t / 1e9,
+                "lb_seconds": lb_s,
+                "frac_of_lb": lb_s / t,
+                "frac_of_aggregate": min_bytes / (links["aggregate_GBps"] * 1e9) / t,
+                "realpy_speedup": (t / rp) if rp else "",
+            }
+        )
         if name == "real_py":
             rows[-1]["realpy_profile"] = prof
     return rows
@@ -255,7 +292,9 @@ def worker(rank, world, args) -> dict | None:
     rows = []
     for spec in args.pairs:
         model_key, s, d = spec.split(":")
-        pair_rows = bench_pair(model_key, Layout.parse(s), Layout.parse(d), ctx, args.repeats, links)
+        pair_rows = bench_pair(
+            model_key, Layout.parse(s), Layout.parse(d), ctx, args.repeats, links
+        )
         rows += pair_rows
         if rank == 0:
             for r in pair_rows:
@@ -276,9 +315,11 @@ def _line(r: dict) -> str:
     head = f"{r['model']:>5} {r['src']:>10} -> {r['dst']:<10} {r['method']:<14}"
     if "seconds" not in r:
         return f"{head} {r.get('note', '')}"
-    return (f"{head} {r['seconds']:7.3f} s  {r['GBps_aggregate']:5.2f} GB/s agg  "
-            f"{r['GBps_per_rank']:5.2f} GB/s/rank  net {r['network_GB']:.3f}/{r['min_network_GB']:.3f} GB  "
-            f"{100 * r['frac_of_lb']:4.0f}% of LB  verified={r['verified']}")
+    return (
+        f"{head} {r['seconds']:7.3f} s  {r['GBps_aggregate']:5.2f} GB/s agg  "
+        f"{r['GBps_per_rank']:5.2f} GB/s/rank  net {r['network_GB']:.3f}/{r['min_network_GB']:.3f} GB  "
+        f"{100 * r['frac_of_lb']:4.0f}% of LB  verified={r['verified']}"
+    )
 
 
 def _versions() -> dict:
@@ -288,7 +329,7 @@ def _versions() -> dict:
     for pat in ("megatron_core-*.dist-info", "triton-*.dist-info"):
         for base in (realloc_mcore.MCORE_DIR, realloc_mcore.SITE_DIR):
             for d in base.glob(pat):
-                name, ver = d.name[:-len(".dist-info")].split("-", 1)
+                name, ver = d.name[: -len(".dist-info")].split("-", 1)
                 out[name] = ver
     return out
 
@@ -303,16 +344,22 @@ def _floor_summary(rows: list[dict]) -> str:
     parts = []
     for (m, s, d), t in by.items():
         if "real_py" in t and "gloo floor" in t and "gloo floor + local copies" in t:
-            parts.append(f"{m} {s}->{d}: {t['real_py'] / t['gloo floor']:.2f}x the floor, "
-                         f"{t['real_py'] / t['gloo floor + local copies']:.2f}x floor + local copies")
+            parts.append(
+                f"{m} {s}->{d}: {t['real_py'] / t['gloo floor']:.2f}x the floor, "
+                f"{t['real_py'] / t['gloo floor + local copies']:.2f}x floor + local copies"
+            )
     return ("real_py against the floors: " + "; ".join(parts) + ".") if parts else ""
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--pairs", nargs="+", default=DEFAULT_PAIRS,
-                    help=f"model:src:dst, model in {sorted(CONFIGS)}")
+    ap.add_argument(
+        "--pairs",
+        nargs="+",
+        default=DEFAULT_PAIRS,
+        help=f"model:src:dst, model in {sorted(CONFIGS)}",
+    )
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     for spec in args.pairs:
@@ -331,36 +378,66 @@ def main():
 
         out = run_distributed(worker, WORLD, args, timeout=args.timeout, pg_timeout=300)[0]
     links = out["links"]
-    notes = (f"{WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}). Seconds: "
-             f"median of {args.repeats} repeats on the slowest rank, methods interleaved, after an "
-             "untimed warmup that is also the verification run (destination compared bit for bit "
-             "with slicing the full tensors). GB/s use the useful bytes: per rank = the largest "
-             "bytes one rank must receive (lb_rank_GB) / seconds, aggregate = minimum network "
-             "bytes / seconds; network_GB is what the method actually receives in total. "
-             f"Lower bound (lb_seconds) = lb_rank_GB / p2p link {links['p2p_GBps']:.2f} GB/s, "
-             "measured in this run with a plain gloo send/recv between two of its ranks; "
-             f"frac_of_aggregate uses the aggregate {links['aggregate_GBps']:.2f} GB/s of all "
-             "ranks exchanging at once. realpy_speedup = method seconds / real_py seconds. The "
-             "'gloo floor' row is not a method: real_py's plan messages posted as one "
-             "batch_isend_irecv between preallocated buffers (no copies, no rounds), i.e. what "
-             "moving exactly the minimum bytes over gloo costs here; no exact method can beat it. "
-             "The 'gloo floor + local copies' row adds, while the batch is in flight, each rank's "
-             "elements that stay on it (the plan's local copies) as one contiguous copy between "
-             "preallocated buffers: the least an exact method that keeps its source intact does "
-             "on this machine, where gloo and memory copies share the same cores. "
-             + _floor_summary(out["rows"]) + " "
-             "The 'real_py staged' row is real_py with direct_min_bytes=0 (contiguous pieces "
-             "inside mixed messages packed into staging, as before they were sent directly), "
-             "timed interleaved in the same run.")
-    cols = ["model", "params_M", "src", "dst", "method", "seconds", "min_s", "max_s", "verified", "GBps_per_rank",
-            "GBps_aggregate", "network_GB", "min_network_GB", "lb_seconds", "frac_of_lb",
-            "frac_of_aggregate", "realpy_speedup", "note"]
+    notes = (
+        f"{WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}). Seconds: "
+        f"median of {args.repeats} repeats on the slowest rank, methods interleaved, after an "
+        "untimed warmup that is also the verification run (destination compared bit for bit "
+        "with slicing the full tensors). GB/s use the useful bytes: per rank = the largest "
+        "bytes one rank must receive (lb_rank_GB) / seconds, aggregate = minimum network "
+        "bytes / seconds; network_GB is what the method actually receives in total. "
+        f"Lower bound (lb_seconds) = lb_rank_GB / p2p link {links['p2p_GBps']:.2f} GB/s, "
+        "measured in this run with a plain gloo send/recv between two of its ranks; "
+        f"frac_of_aggregate uses the aggregate {links['aggregate_GBps']:.2f} GB/s of all "
+        "ranks exchanging at once. realpy_speedup = method seconds / real_py seconds. The "
+        "'gloo floor' row is not a method: real_py's plan messages posted as one "
+        "batch_isend_irecv between preallocated buffers (no copies, no rounds), i.e. what "
+        "moving exactly the minimum bytes over gloo costs here; no exact method can beat it. "
+        "The 'gloo floor + local copies' row adds, while the batch is in flight, each rank's "
+        "elements that stay on it (the plan's local copies) as one contiguous copy between "
+        "preallocated buffers: the least an exact method that keeps its source intact does "
+        "on this machine, where gloo and memory copies share the same cores. "
+        + _floor_summary(out["rows"])
+        + " "
+        "The 'real_py staged' row is real_py with direct_min_bytes=0 (contiguous pieces "
+        "inside mixed messages packed into staging, as before they were sent directly), "
+        "timed interleaved in the same run."
+    )
+    cols = [
+        "model",
+        "params_M",
+        "src",
+        "dst",
+        "method",
+        "seconds",
+        "min_s",
+        "max_s",
+        "verified",
+        "GBps_per_rank",
+        "GBps_aggregate",
+        "network_GB",
+        "min_network_GB",
+        "lb_seconds",
+        "frac_of_lb",
+        "frac_of_aggregate",
+        "realpy_speedup",
+        "note",
+    ]
     from timing import hardware_tag, write_results
 
-    write_results("realloc", hardware_tag("cpu"), out["rows"], columns=cols,
-                  title="Parameter redistribution: real_py vs Megatron-core, DTensor, naive all-gather",
-                  notes=notes, extra={"links": links, "versions": _versions(),
-                                      "load_average": load, "repeats": args.repeats})
+    write_results(
+        "realloc",
+        hardware_tag("cpu"),
+        out["rows"],
+        columns=cols,
+        title="Parameter redistribution: real_py vs Megatron-core, DTensor, naive all-gather",
+        notes=notes,
+        extra={
+            "links": links,
+            "versions": _versions(),
+            "load_average": load,
+            "repeats": args.repeats,
+        },
+    )
 
 
 if __name__ == "__main__":

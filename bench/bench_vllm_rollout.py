@@ -28,11 +28,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST, LAST = 5, 10
 
 
-def run(algo: str, engine: str, seed: int, steps: int, tmp: str, extra: list[str]) -> tuple[list[dict], float]:
+def run(
+    algo: str, engine: str, seed: int, steps: int, tmp: str, extra: list[str]
+) -> tuple[list[dict], float]:
     out = os.path.join(tmp, f"{algo}_{engine}_{seed}_{len(extra)}")
-    cmd = [sys.executable, "-m", "real_py", "train", "--config",
-           os.path.join("configs", "copy_task", f"{algo}_vllm.yaml"), "--out-dir", out, "--no-progress",
-           f"generation.engine={engine}", f"seed={seed}", f"steps={steps}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_py",
+        "train",
+        "--config",
+        os.path.join("configs", "copy_task", f"{algo}_vllm.yaml"),
+        "--out-dir",
+        out,
+        "--no-progress",
+        f"generation.engine={engine}",
+        f"seed={seed}",
+        f"steps={steps}",
+        *extra,
+    ]
     t0 = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -46,7 +60,9 @@ def main() -> None:
     args = ap.parse_args()
     rows, curves, t_all = [], {}, time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(a, e, s, []) for a in ("grpo", "ppo") for s in args.seeds for e in ("builtin", "vllm")]
+        jobs = [
+            (a, e, s, []) for a in ("grpo", "ppo") for s in args.seeds for e in ("builtin", "vllm")
+        ]
         jobs += [(a, "vllm", args.seeds[0], ["ppo.tis_cap=2.0"]) for a in ("grpo", "ppo")]
         for algo, engine, seed, extra in jobs:
             recs, wall = run(algo, engine, seed, args.steps, tmp, extra)
@@ -54,59 +70,102 @@ def main() -> None:
             gap = [x["metrics"].get("rollout_logp_diff") for x in recs]
             variant = engine + (" +tis_cap 2" if extra else "")
             curves.setdefault(f"{algo} {variant}", []).append(r)
-            rows.append({"algo": algo, "engine": variant, "seed": seed, "steps": len(r),
-                         f"reward 1-{FIRST}": statistics.fmean(r[:FIRST]),
-                         f"reward last {LAST}": statistics.fmean(r[-LAST:]),
-                         "s/step": statistics.median(x["seconds"] for x in recs), "run_s": wall,
-                         "rollout_logp_diff": statistics.fmean(g for g in gap if g is not None) if gap[0] is not None else "-",
-                         "rollout_kl": statistics.fmean(x["metrics"]["rollout_kl"] for x in recs)
-                         if "rollout_kl" in recs[0]["metrics"] else "-",
-                         "tis_capped_frac": statistics.fmean(x["metrics"]["tis_capped_frac"] for x in recs)
-                         if "tis_capped_frac" in recs[0]["metrics"] else "-"})
+            rows.append(
+                {
+                    "algo": algo,
+                    "engine": variant,
+                    "seed": seed,
+                    "steps": len(r),
+                    f"reward 1-{FIRST}": statistics.fmean(r[:FIRST]),
+                    f"reward last {LAST}": statistics.fmean(r[-LAST:]),
+                    "s/step": statistics.median(x["seconds"] for x in recs),
+                    "run_s": wall,
+                    "rollout_logp_diff": statistics.fmean(g for g in gap if g is not None)
+                    if gap[0] is not None
+                    else "-",
+                    "rollout_kl": statistics.fmean(x["metrics"]["rollout_kl"] for x in recs)
+                    if "rollout_kl" in recs[0]["metrics"]
+                    else "-",
+                    "tis_capped_frac": statistics.fmean(
+                        x["metrics"]["tis_capped_frac"] for x in recs
+                    )
+                    if "tis_capped_frac" in recs[0]["metrics"]
+                    else "-",
+                }
+            )
             print(rows[-1], flush=True)
     summary = []
     for algo in ("grpo", "ppo"):
         for engine in ("builtin", "vllm"):
-            last = [row[f"reward last {LAST}"] for row in rows if row["algo"] == algo and row["engine"] == engine]
+            last = [
+                row[f"reward last {LAST}"]
+                for row in rows
+                if row["algo"] == algo and row["engine"] == engine
+            ]
             sec = [row["s/step"] for row in rows if row["algo"] == algo and row["engine"] == engine]
-            summary.append({"algo": algo, "engine": engine, "seeds": len(last),
-                            f"reward last {LAST}, mean": statistics.fmean(last),
-                            "min": min(last), "max": max(last),
-                            "std": statistics.stdev(last) if len(last) > 1 else 0.0,
-                            "s/step, median of runs": statistics.median(sec)})
+            summary.append(
+                {
+                    "algo": algo,
+                    "engine": engine,
+                    "seeds": len(last),
+                    f"reward last {LAST}, mean": statistics.fmean(last),
+                    "min": min(last),
+                    "max": max(last),
+                    "std": statistics.stdev(last) if len(last) > 1 else 0.0,
+                    "s/step, median of runs": statistics.median(sec),
+                }
+            )
     verdicts = []
     for algo in ("grpo", "ppo"):
-        b, v = (next(x for x in summary if x["algo"] == algo and x["engine"] == e) for e in ("builtin", "vllm"))
+        b, v = (
+            next(x for x in summary if x["algo"] == algo and x["engine"] == e)
+            for e in ("builtin", "vllm")
+        )
         d = v[f"reward last {LAST}, mean"] - b[f"reward last {LAST}, mean"]
         se = ((b["std"] ** 2 + v["std"] ** 2) / max(b["seeds"], 1)) ** 0.5
-        verdicts.append(f"{algo}: vLLM - built-in = {d:+.3f} in the mean reward of the last {LAST} steps "
-                        f"(standard error of the difference {se:.3f} over {b['seeds']} seeds): "
-                        + ("within noise (|difference| <= 2 standard errors)" if abs(d) <= 2 * se + 1e-12
-                           else "OUTSIDE 2 standard errors"))
+        verdicts.append(
+            f"{algo}: vLLM - built-in = {d:+.3f} in the mean reward of the last {LAST} steps "
+            f"(standard error of the difference {se:.3f} over {b['seeds']} seeds): "
+            + (
+                "within noise (|difference| <= 2 standard errors)"
+                if abs(d) <= 2 * se + 1e-12
+                else "OUTSIDE 2 standard errors"
+            )
+        )
     cols = list(dict.fromkeys(k for row in rows for k in row))
     scols = list(dict.fromkeys(k for row in summary for k in row))
     from timing import markdown_table
 
-    notes = "\n\n".join([
-        "Summary over seeds (the +tis_cap rows are single runs, kept out of it):",
-        markdown_table(summary, scols),
-        "Verdict: " + "; ".join(verdicts) + ".",
-        (f"Task: configs/copy_task/{{grpo,ppo}}_vllm.yaml (the copy task's actor with 2 heads of 32 dims, "
-         f"which vLLM's CPU attention runs; {args.steps} steps, batch 64, 2 new tokens, sampling at "
-         "temperature 1). Both engines generate on dp4 x tp1 from the same actor train layout (GRPO dp2,tp2; "
-         "PPO tp2,pp2): with vLLM the weights move into vLLM's live format every step and old_logp is "
-         "recomputed by actor_logp on the train layout; with the built-in engine they move into its "
-         "dp4 layout and old_logp comes from the generation call. The two engines draw their samples "
-         "from different random streams (vLLM's per-request generator, the built-in inverse-CDF "
-         "uniforms), so a seed gives each engine other samples: the comparison is over seeds, not "
-         "paired. rollout_logp_diff: mean over steps of the token mean |old_logp - rollout_logp| "
-         "(fp32 on CPU: both compute the same function, so it is rounding only); rollout_kl: k3 of "
-         "KL(pi_vllm || pi_train). s/step: median wall seconds per step on 2 shared CPU cores (vLLM's "
-         f"start-up is in run_s only). Whole benchmark {time.time() - t_all:.0f} s."),
-    ])
-    jpath, mpath = write_results("vllm_learning", hardware_tag("cpu"), rows, columns=cols,
-                                 title="Copy task with vLLM generation against the built-in engine (4 gloo ranks, CPU)",
-                                 notes=notes, extra={"curves": curves, "summary": summary})
+    notes = "\n\n".join(
+        [
+            "Summary over seeds (the +tis_cap rows are single runs, kept out of it):",
+            markdown_table(summary, scols),
+            "Verdict: " + "; ".join(verdicts) + ".",
+            (
+                f"Task: configs/copy_task/{{grpo,ppo}}_vllm.yaml (the copy task's actor with 2 heads of 32 dims, "
+                f"which vLLM's CPU attention runs; {args.steps} steps, batch 64, 2 new tokens, sampling at "
+                "temperature 1). Both engines generate on dp4 x tp1 from the same actor train layout (GRPO dp2,tp2; "
+                "PPO tp2,pp2): with vLLM the weights move into vLLM's live format every step and old_logp is "
+                "recomputed by actor_logp on the train layout; with the built-in engine they move into its "
+                "dp4 layout and old_logp comes from the generation call. The two engines draw their samples "
+                "from different random streams (vLLM's per-request generator, the built-in inverse-CDF "
+                "uniforms), so a seed gives each engine other samples: the comparison is over seeds, not "
+                "paired. rollout_logp_diff: mean over steps of the token mean |old_logp - rollout_logp| "
+                "(fp32 on CPU: both compute the same function, so it is rounding only); rollout_kl: k3 of "
+                "KL(pi_vllm || pi_train). s/step: median wall seconds per step on 2 shared CPU cores (vLLM's "
+                f"start-up is in run_s only). Whole benchmark {time.time() - t_all:.0f} s."
+            ),
+        ]
+    )
+    jpath, mpath = write_results(
+        "vllm_learning",
+        hardware_tag("cpu"),
+        rows,
+        columns=cols,
+        title="Copy task with vLLM generation against the built-in engine (4 gloo ranks, CPU)",
+        notes=notes,
+        extra={"curves": curves, "summary": summary},
+    )
     try:
         import matplotlib
 
@@ -120,7 +179,11 @@ def main() -> None:
                     continue
                 n = min(len(x) for x in runs)
                 mean = [statistics.fmean(x[i] for x in runs) for i in range(n)]
-                ax.plot(range(1, n + 1), mean, label=f"{name.split(' ', 1)[1]} (mean of {len(runs)} seeds)")
+                ax.plot(
+                    range(1, n + 1),
+                    mean,
+                    label=f"{name.split(' ', 1)[1]} (mean of {len(runs)} seeds)",
+                )
             ax.set_title(f"copy task, {algo.upper()}")
             ax.set_xlabel("step")
             ax.set_ylabel("mean reward")

@@ -37,20 +37,39 @@ from timing import hardware_tag, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
-       "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 30,
-       "vocab_size": 4096, "max_position_embeddings": 128, "tie_word_embeddings": False}
+BIG = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_hidden_layers": 30,
+    "vocab_size": 4096,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
 TWO = {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}
-BIG_PLAN = {"world_size": 2, "calls": {
-    "actor_gen": TWO, "ref_inf": TWO, "rew_inf": {"ranks": [0, 1], "dp": 2, "tp": 1, "pp": 1},
-    "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 1, "pp": 2}}}
+BIG_PLAN = {
+    "world_size": 2,
+    "calls": {
+        "actor_gen": TWO,
+        "ref_inf": TWO,
+        "rew_inf": {"ranks": [0, 1], "dp": 2, "tp": 1, "pp": 1},
+        "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 1, "pp": 2},
+    },
+}
 
 
 def big_config(algo: str) -> dict:
     calls = dict(BIG_PLAN["calls"])
-    cfg = {"algo": algo, "save_every": 0, "actor": BIG, "offload_frozen": True,
-           "data": {"num_prompts": 64, "min_prompt_len": 32, "max_prompt_len": 32},
-           "reward": {"kind": "rule", "target_token": 7}}
+    cfg = {
+        "algo": algo,
+        "save_every": 0,
+        "actor": BIG,
+        "offload_frozen": True,
+        "data": {"num_prompts": 64, "min_prompt_len": 32, "max_prompt_len": 32},
+        "reward": {"kind": "rule", "target_token": 7},
+    }
     if algo == "ppo":
         cfg["critic"] = dict(BIG, num_hidden_layers=2)
         cfg["data"]["batch_size"] = 16
@@ -77,13 +96,25 @@ CASES = {
 def _write(tmp: str, name: str, cfg: dict) -> str:
     path = os.path.join(tmp, f"{name}_big.yaml")
     with open(path, "w") as f:
-        json.dump(cfg, f)            # JSON is YAML
+        json.dump(cfg, f)  # JSON is YAML
     return path
 
 
 def run(config: str, engine: str, steps: int, out: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "real_py", "train", "--config", config, "--out-dir", out,
-           "--no-progress", "--overwrite", f"generation.engine={engine}", f"steps={steps}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_py",
+        "train",
+        "--config",
+        config,
+        "--out-dir",
+        out,
+        "--no-progress",
+        "--overwrite",
+        f"generation.engine={engine}",
+        f"steps={steps}",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}")
@@ -93,14 +124,18 @@ def run(config: str, engine: str, steps: int, out: str) -> list[dict]:
 
 def summarize(recs: list[dict], rows: int) -> dict:
     steady = recs[1:] or recs
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = lambda xs: statistics.median(xs)
     gen = med([r["calls"]["actor_gen"] for r in steady])
     tokens = med([r["metrics"]["response_length"] * rows for r in steady])
-    return {"gen_s": gen, "new_tokens": tokens, "tokens_per_s": tokens / gen,
-            "step_s": med([r["seconds"] for r in steady]),
-            "actor_logp_s": med([r["calls"].get("actor_logp", 0.0) for r in steady]),
-            "actor_realloc_s": med([r["realloc_seconds"].get("actor", 0.0) for r in steady]),
-            "steps_timed": len(steady)}
+    return {
+        "gen_s": gen,
+        "new_tokens": tokens,
+        "tokens_per_s": tokens / gen,
+        "step_s": med([r["seconds"] for r in steady]),
+        "actor_logp_s": med([r["calls"].get("actor_logp", 0.0) for r in steady]),
+        "actor_realloc_s": med([r["realloc_seconds"].get("actor", 0.0) for r in steady]),
+        "steps_timed": len(steady),
+    }
 
 
 def rows_of(config: str) -> int:
@@ -125,7 +160,9 @@ def main() -> None:
             for rep in range(args.repeats):
                 order = ("builtin", "vllm") if rep % 2 == 0 else ("vllm", "builtin")
                 for engine in order:
-                    recs = run(config, engine, args.steps, os.path.join(tmp, f"{case}_{engine}_{rep}"))
+                    recs = run(
+                        config, engine, args.steps, os.path.join(tmp, f"{case}_{engine}_{rep}")
+                    )
                     per[engine].append(summarize(recs, rows))
                     print(case, engine, per[engine][-1], flush=True)
             row = {"case": case, "rows": rows}
@@ -137,22 +174,34 @@ def main() -> None:
             results.append(row)
             runs_all[case] = per
     elapsed = time.time() - t_all
-    note = (f"Each case: `python -m real_py train` with generation.engine builtin and vllm, {args.steps} "
-            f"steps, {args.repeats} run(s) per engine, engines alternating; medians over steps 2.. "
-            "(step 1 holds vLLM's start-up and the first compile). gen_s / tokens_per_s: the "
-            "actor_gen call (new tokens = response_length x rows); step_s: the whole step; "
-            "actor_logp_s: the recompute call vLLM generation adds (old_logp on the train "
-            "layout); actor_realloc_s: the actor's move into the generation layout (vLLM's live "
-            "format or the built-in engine's layout). 2 shared CPU cores, AVX2 (vLLM's CPU build "
-            "has no fast kernels for it). " + __doc__.split("\n\n")[2].replace("\n", " ")
-            + f" Whole benchmark {elapsed:.0f} s.")
-    cols = ["case", "rows"] + [f"{e} {k}" for e in ("builtin", "vllm")
-                               for k in ("gen_s", "tokens_per_s", "step_s", "actor_logp_s", "actor_realloc_s")]
+    note = (
+        f"Each case: `python -m real_py train` with generation.engine builtin and vllm, {args.steps} "
+        f"steps, {args.repeats} run(s) per engine, engines alternating; medians over steps 2.. "
+        "(step 1 holds vLLM's start-up and the first compile). gen_s / tokens_per_s: the "
+        "actor_gen call (new tokens = response_length x rows); step_s: the whole step; "
+        "actor_logp_s: the recompute call vLLM generation adds (old_logp on the train "
+        "layout); actor_realloc_s: the actor's move into the generation layout (vLLM's live "
+        "format or the built-in engine's layout). 2 shared CPU cores, AVX2 (vLLM's CPU build "
+        "has no fast kernels for it). "
+        + __doc__.split("\n\n")[2].replace("\n", " ")
+        + f" Whole benchmark {elapsed:.0f} s."
+    )
+    cols = ["case", "rows"] + [
+        f"{e} {k}"
+        for e in ("builtin", "vllm")
+        for k in ("gen_s", "tokens_per_s", "step_s", "actor_logp_s", "actor_realloc_s")
+    ]
     cols += ["tokens/s vllm / builtin", "step builtin / vllm"]
-    jpath, mpath = write_results("vllm_speed", hardware_tag("cpu"), results, columns=cols, notes=note,
-                                 title="Generation with vLLM against the built-in engine, inside the "
-                                       "runtime (gloo ranks, CPU)",
-                                 extra={"runs": runs_all})
+    jpath, mpath = write_results(
+        "vllm_speed",
+        hardware_tag("cpu"),
+        results,
+        columns=cols,
+        notes=note,
+        title="Generation with vLLM against the built-in engine, inside the "
+        "runtime (gloo ranks, CPU)",
+        extra={"runs": runs_all},
+    )
     print(jpath, mpath)
 
 

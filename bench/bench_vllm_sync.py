@@ -73,23 +73,44 @@ GOAL_SPEEDUP = 1.5
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="a tiny Qwen2 (development); report gets _small")
+    ap.add_argument(
+        "--small", action="store_true", help="a tiny Qwen2 (development); report gets _small"
+    )
     ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    ap.add_argument("--untied", action="store_true", help="an lm_head of its own (Qwen2.5-0.5B ties it)")
-    ap.add_argument("--layouts", default="tp2pp2,fsdp2", help=f"trainer layouts among {list(LAYOUTS)}")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per layout (each: both paths, one init each)")
-    ap.add_argument("--per-init", type=int, default=2, help="timed updates after each init's warm-up")
-    ap.add_argument("--bucket-mib", type=int, default=None, help="staging per trainer rank (default: real_py's)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.12,
-                    help="fraction of host memory each vLLM CPU worker reserves (weights + KV)")
+    ap.add_argument(
+        "--untied", action="store_true", help="an lm_head of its own (Qwen2.5-0.5B ties it)"
+    )
+    ap.add_argument(
+        "--layouts", default="tp2pp2,fsdp2", help=f"trainer layouts among {list(LAYOUTS)}"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=4, help="rounds per layout (each: both paths, one init each)"
+    )
+    ap.add_argument(
+        "--per-init", type=int, default=2, help="timed updates after each init's warm-up"
+    )
+    ap.add_argument(
+        "--bucket-mib", type=int, default=None, help="staging per trainer rank (default: real_py's)"
+    )
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.12,
+        help="fraction of host memory each vLLM CPU worker reserves (weights + KV)",
+    )
     ap.add_argument("--max-model-len", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt in the checks")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds any one transfer wait may take")
+    ap.add_argument(
+        "--max-tokens", type=int, default=8, help="greedy tokens per prompt in the checks"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds any one transfer wait may take"
+    )
     ap.add_argument("--out-dir", default=None, help="where the report goes (default bench/results)")
     return ap.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- the checkpoint
+
 
 def _write_checkpoint(path: str, shape: dict, max_pos: int) -> None:
     """Runs in a spawned process, so the HF model's memory is gone before vLLM starts."""
@@ -97,10 +118,16 @@ def _write_checkpoint(path: str, shape: dict, max_pos: int) -> None:
     import transformers
 
     cfg = transformers.Qwen2Config(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        num_hidden_layers=shape["layers"], max_position_embeddings=max_pos, tie_word_embeddings=shape["tied"],
-        torch_dtype="float32")
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        num_hidden_layers=shape["layers"],
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=shape["tied"],
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg)
     model.save_pretrained(path)
@@ -110,14 +137,16 @@ def _write_checkpoint(path: str, shape: dict, max_pos: int) -> None:
 def checkpoint(shape: dict, max_pos: int) -> Path:
     import multiprocessing
 
-    name = "qwen2_v{vocab}_h{hidden}_i{intermediate}_a{heads}_kv{kv_heads}_l{layers}".format(**shape) \
-        + ("_tied" if shape["tied"] else "_untied")
+    name = "qwen2_v{vocab}_h{hidden}_i{intermediate}_a{heads}_kv{kv_heads}_l{layers}".format(
+        **shape
+    ) + ("_tied" if shape["tied"] else "_untied")
     path = CACHE / name
     if not (path / "DONE").exists():
         path.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        proc = multiprocessing.get_context("spawn").Process(target=_write_checkpoint,
-                                                            args=(str(path), shape, max_pos))
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_write_checkpoint, args=(str(path), shape, max_pos)
+        )
         proc.start()
         proc.join()
         if proc.exitcode != 0:
@@ -127,6 +156,7 @@ def checkpoint(shape: dict, max_pos: int) -> Path:
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -286,10 +316,14 @@ def _apply_breakdown(worker) -> dict:
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:  # a method calling its base class's counts once
-                    kind = type(layer).__name__ + (" (lm_head)" if names.get(id(layer), "").endswith("lm_head")
-                                                   else "")
-                    out["process_s"][kind] = out["process_s"].get(kind, 0.0) + time.perf_counter() - t
+                    kind = type(layer).__name__ + (
+                        " (lm_head)" if names.get(id(layer), "").endswith("lm_head") else ""
+                    )
+                    out["process_s"][kind] = (
+                        out["process_s"].get(kind, 0.0) + time.perf_counter() - t
+                    )
                     out["process_n"][kind] = out["process_n"].get(kind, 0) + 1
+
         return wrapper
 
     patched = {}
@@ -316,8 +350,13 @@ def generate(llm, max_tokens: int) -> list[tuple[list[int], list[float]]]:
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+        )
+        for o in outs
+    ]
 
 
 def max_logprob_diff(a, b) -> float | None:
@@ -333,9 +372,11 @@ def med(xs):
 
 # ----------------------------------------------------------------------------- the run
 
+
 def main() -> None:
     args = parse_args()
     from timing import hardware_tag, write_results
+
     from real_py import Layout, ModelShard, model_spec
     from real_py.interop.hf import load_hf_shard
     from real_py.realloc.reallocator import DEFAULT_BUCKET_BYTES
@@ -362,19 +403,32 @@ def main() -> None:
     cfg = ModelConfig.from_hf(str(path))
     spec = model_spec(cfg)
     model_bytes = spec.numel * 4
-    print(f"[bench] model {spec.numel / 1e6:.1f}M params, {model_bytes / 2**20:.0f} MiB fp32; "
-          f"load average {load_before}", flush=True)
+    print(
+        f"[bench] model {spec.numel / 1e6:.1f}M params, {model_bytes / 2**20:.0f} MiB fp32; "
+        f"load average {load_before}",
+        flush=True,
+    )
 
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(path), tensor_parallel_size=2, gpu_memory_utilization=args.gpu_memory_utilization,
-              skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
-              enforce_eager=True, enable_prefix_caching=True, weight_transfer_config={"backend": "real_py"})
+    llm = LLM(
+        model=str(path),
+        tensor_parallel_size=2,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        weight_transfer_config={"backend": "real_py"},
+    )
     llm_start_s = time.perf_counter() - t0
     workers = llm.llm_engine.vllm_config.parallel_config.world_size
     ref = generate(llm, args.max_tokens)  # the engine fresh from the checkpoint (W0)
-    print(f"[bench] vLLM tp=2 up in {llm_start_s:.0f} s; W0 tokens {[t for t, _ in ref]}", flush=True)
+    print(
+        f"[bench] vLLM tp=2 up in {llm_start_s:.0f} s; W0 tokens {[t for t, _ in ref]}", flush=True
+    )
 
     rows, check_out, breakdown = [], {}, []
     for lname in layouts:
@@ -396,10 +450,20 @@ def main() -> None:
             port = free_port()
 
             def one(r):
-                info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port, config=cfg,
-                                             layout=layout, num_workers=workers, bucket_bytes=bucket,
-                                             timeout_s=args.timeout, full_tensors=full_tensors)
-                return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shards[r]))
+                info = RealPyTrainerInitInfo(
+                    rank=r,
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    config=cfg,
+                    layout=layout,
+                    num_workers=workers,
+                    bucket_bytes=bucket,
+                    timeout_s=args.timeout,
+                    full_tensors=full_tensors,
+                )
+                return RealPyTrainerEngine.trainer_init(
+                    info, client=llm, source=ShardSource(shards[r])
+                )
 
             return on_ranks(range(T), one)
 
@@ -415,11 +479,15 @@ def main() -> None:
 
             with RssPeak() as mem:
                 stats = on_ranks(range(T), one)
-            return {"update_s": walls[0], "rank_wall_s": [walls[r] for r in range(T)],
-                    "rank_move_s": [stats[r]["seconds"] for r in range(T)],
-                    "sent_bytes": [stats[r]["sent_bytes"] for r in range(T)],
-                    "staging_bytes": [stats[r]["staging_bytes"] for r in range(T)],
-                    "workers": stats[0]["workers"], "rss_growth_bytes": mem.growth}
+            return {
+                "update_s": walls[0],
+                "rank_wall_s": [walls[r] for r in range(T)],
+                "rank_move_s": [stats[r]["seconds"] for r in range(T)],
+                "sent_bytes": [stats[r]["sent_bytes"] for r in range(T)],
+                "staging_bytes": [stats[r]["staging_bytes"] for r in range(T)],
+                "workers": stats[0]["workers"],
+                "rss_growth_bytes": mem.growth,
+            }
 
         per = {p: {"timed": [], "warmup": [], "init_s": [], "plan": None} for p in PATHS}
         for rnd in range(args.rounds):
@@ -445,9 +513,12 @@ def main() -> None:
                     set_weights(shards, bases, k, spread=2e-3)  # outside timing
                     u = update()
                     rec["timed"].append(u)
-                    print(f"[bench] {lname} {pname} round {rnd}: {u['update_s']:.3f} s (workers receive "
-                          f"{[round(w['receive_s'], 3) for w in u['workers']]}, apply "
-                          f"{[round(w['apply_s'], 3) for w in u['workers']]})", flush=True)
+                    print(
+                        f"[bench] {lname} {pname} round {rnd}: {u['update_s']:.3f} s (workers receive "
+                        f"{[round(w['receive_s'], 3) for w in u['workers']]}, apply "
+                        f"{[round(w['apply_s'], 3) for w in u['workers']]})",
+                        flush=True,
+                    )
                 if rnd == args.rounds - 1:  # back to W0: must answer as the fresh engine
                     set_weights(shards, bases, None)
                     update()
@@ -472,27 +543,48 @@ def main() -> None:
             rss = max(u["rss_growth_bytes"] for u in rec["warmup"] + timed)
             other = "full_tensors" if pname == "real_py" else "real_py"
             d_other = max_logprob_diff(check_out[(lname, pname)], check_out[(lname, other)])
-            rows.append({
-                "layout": lname, "path": pname, "vllm_mode": "full" if rec["mode_full"] else "live",
-                "update_s": med(upd), "min_s": min(upd), "max_s": max(upd), "n": len(upd),
-                "worker_receive_s": med(recv), "worker_apply_s": med(apply),
-                "apply_share": med(apply) / med(upd),
-                "trainer_move_s": med([max(u["rank_move_s"]) for u in timed]),
-                "recv_MiB_per_worker": "/".join(f"{b / 2**20:.0f}" for b in per_worker),
-                "network_MiB": total / 2**20, "plan_network_MiB": plan["network_bytes"] / 2**20,
-                "min_live_MiB": live_min["min_network_bytes"] / 2**20,
-                "bytes_vs_min": total / live_min["min_network_bytes"],
-                "sent_eq_plan": sum(timed[-1]["sent_bytes"]) == plan["network_bytes"] == total,
-                "staging_MiB_max_rank": staging / 2**20, "bucket_MiB": bucket / 2**20,
-                "model_MiB": model_bytes / 2**20, "rss_growth_MiB": rss / 2**20,
-                "init_s": med(rec["init_s"]), "warmup_s": med([u["update_s"] for u in rec["warmup"]]),
-                "tokens_changed": [t for t, _ in check_out[(lname, pname)]] != [t for t, _ in ref],
-                "check_vs_other_path": "tokens differ" if d_other is None else f"max |dlogprob| {d_other:.3g}",
-                "back_to_w0_vs_fresh": "tokens differ" if rec["back_to_w0"] is None else
-                f"max |dlogprob| {rec['back_to_w0']:.3g}",
-                "raw": {"timed": timed, "warmup": rec["warmup"], "init_s": rec["init_s"], "plan": plan},
-            })
-        del shards, bases
+            rows.append(
+                {
+                    "layout": lname,
+                    "path": pname,
+                    "vllm_mode": "full" if rec["mode_full"] else "live",
+                    "update_s": med(upd),
+                    "min_s": min(upd),
+                    "max_s": max(upd),
+                    "n": len(upd),
+                    "worker_receive_s": med(recv),
+                    "worker_apply_s": med(apply),
+                    "apply_share": med(apply) / med(upd),
+                    "trainer_move_s": med([max(u["rank_move_s"]) for u in timed]),
+                    "recv_MiB_per_worker": "/".join(f"{b / 2**20:.0f}" for b in per_worker),
+                    "network_MiB": total / 2**20,
+                    "plan_network_MiB": plan["network_bytes"] / 2**20,
+                    "min_live_MiB": live_min["min_network_bytes"] / 2**20,
+                    "bytes_vs_min": total / live_min["min_network_bytes"],
+                    "sent_eq_plan": sum(timed[-1]["sent_bytes"]) == plan["network_bytes"] == total,
+                    "staging_MiB_max_rank": staging / 2**20,
+                    "bucket_MiB": bucket / 2**20,
+                    "model_MiB": model_bytes / 2**20,
+                    "rss_growth_MiB": rss / 2**20,
+                    "init_s": med(rec["init_s"]),
+                    "warmup_s": med([u["update_s"] for u in rec["warmup"]]),
+                    "tokens_changed": [t for t, _ in check_out[(lname, pname)]]
+                    != [t for t, _ in ref],
+                    "check_vs_other_path": "tokens differ"
+                    if d_other is None
+                    else f"max |dlogprob| {d_other:.3g}",
+                    "back_to_w0_vs_fresh": "tokens differ"
+                    if rec["back_to_w0"] is None
+                    else f"max |dlogprob| {rec['back_to_w0']:.3g}",
+                    "raw": {
+                        "timed": timed,
+                        "warmup": rec["warmup"],
+                        "init_s": rec["init_s"],
+                        "plan": plan,
+                    },
+                }
+            )
+        shards = bases = None  # this layout's shards go before the next one's are built
         gc.collect()
 
     # Speed-ups and goals, per layout.
@@ -501,13 +593,18 @@ def main() -> None:
         fu = next(r for r in rows if r["layout"] == row["layout"] and r["path"] == "full_tensors")
         row["speedup_vs_full"] = fu["update_s"] / row["update_s"]  # full_tensors: 1 by definition
         if row["path"] == "real_py":
-            row["goals_met"] = {"speedup>=1.5": fu["update_s"] / rp["update_s"] >= GOAL_SPEEDUP,
-                                "bytes=min": rp["network_MiB"] == rp["min_live_MiB"] and rp["sent_eq_plan"],
-                                "staging<=bucket": rp["staging_MiB_max_rank"] <= rp["bucket_MiB"]}
+            row["goals_met"] = {
+                "speedup>=1.5": fu["update_s"] / rp["update_s"] >= GOAL_SPEEDUP,
+                "bytes=min": rp["network_MiB"] == rp["min_live_MiB"] and rp["sent_eq_plan"],
+                "staging<=bucket": rp["staging_MiB_max_rank"] <= rp["bucket_MiB"],
+            }
     # W_check across every row: the same weights give the same answer.
     keys = list(check_out)
-    cross = {f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}": max_logprob_diff(check_out[a], check_out[b])
-             for i, a in enumerate(keys) for b in keys[i + 1:]}
+    cross = {
+        f"{a[0]}/{a[1]} vs {b[0]}/{b[1]}": max_logprob_diff(check_out[a], check_out[b])
+        for i, a in enumerate(keys)
+        for b in keys[i + 1 :]
+    }
     load_after = [round(x, 2) for x in os.getloadavg()]
     total_s = time.perf_counter() - t_start
     mem.stop()
@@ -517,79 +614,158 @@ def main() -> None:
 
     t0 = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        hf = pool.apply(_hf_reference, (str(path), {f"{a}/{b}": v for (a, b), v in check_out.items()}))
+        hf = pool.apply(
+            _hf_reference, (str(path), {f"{a}/{b}": v for (a, b), v in check_out.items()})
+        )
     hf_s = time.perf_counter() - t0
     for row in rows:
         h = hf[f"{row['layout']}/{row['path']}"]
         row["hf_dlogprob"] = h["max_abs_dlogprob"]
-        row["check_vs_hf"] = (f"max |dlogprob| {h['max_abs_dlogprob']:.3g}, tokens "
-                              + ("= HF argmax" if h["tokens_are_hf_argmax"] else "NOT HF argmax"))
+        row["check_vs_hf"] = f"max |dlogprob| {h['max_abs_dlogprob']:.3g}, tokens " + (
+            "= HF argmax" if h["tokens_are_hf_argmax"] else "NOT HF argmax"
+        )
 
     import transformers
     import vllm
 
-    columns = ["layout", "path", "update_s", "min_s", "max_s", "n", "speedup_vs_full", "worker_receive_s",
-               "worker_apply_s", "apply_share", "trainer_move_s", "recv_MiB_per_worker", "network_MiB",
-               "min_live_MiB", "bytes_vs_min", "staging_MiB_max_rank", "bucket_MiB", "model_MiB",
-               "rss_growth_MiB", "init_s", "warmup_s", "tokens_changed", "check_vs_hf", "check_vs_other_path",
-               "back_to_w0_vs_fresh"]
+    columns = [
+        "layout",
+        "path",
+        "update_s",
+        "min_s",
+        "max_s",
+        "n",
+        "speedup_vs_full",
+        "worker_receive_s",
+        "worker_apply_s",
+        "apply_share",
+        "trainer_move_s",
+        "recv_MiB_per_worker",
+        "network_MiB",
+        "min_live_MiB",
+        "bytes_vs_min",
+        "staging_MiB_max_rank",
+        "bucket_MiB",
+        "model_MiB",
+        "rss_growth_MiB",
+        "init_s",
+        "warmup_s",
+        "tokens_changed",
+        "check_vs_hf",
+        "check_vs_other_path",
+        "back_to_w0_vs_fresh",
+    ]
     table_rows = [{k: v for k, v in r.items() if k != "raw"} for r in rows]
     if git_commit() != commit_at_start:
-        notes_extra = (f"The checkout changed during the run: {commit_at_start} at its start (the code vLLM's "
-                       f"workers imported), {git_commit()} when the report was written.")
+        notes_extra = (
+            f"The checkout changed during the run: {commit_at_start} at its start (the code vLLM's "
+            f"workers imported), {git_commit()} when the report was written."
+        )
     else:
         notes_extra = ""
-    notes = notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after, llm_start_s, total_s,
-                       vllm.__version__, transformers.__version__, breakdown, mem_total, mem.min_available)
+    notes = notes_text(
+        args,
+        shape,
+        spec,
+        layouts,
+        rows,
+        cross,
+        load_before,
+        load_after,
+        llm_start_s,
+        total_s,
+        vllm.__version__,
+        transformers.__version__,
+        breakdown,
+        mem_total,
+        mem.min_available,
+    )
     notes = notes_extra + ("\n\n" if notes_extra else "") + notes
     theme_hw = hardware_tag("cpu", args.small) + ("_untied" if args.untied else "")
     jpath, mpath = write_results(
-        "vllm_sync", theme_hw, table_rows, columns=columns,
+        "vllm_sync",
+        theme_hw,
+        table_rows,
+        columns=columns,
         title="Weight sync into vLLM (CPU, tp=2): real_py backend vs full tensors + layerwise reload",
-        notes=notes, out_dir=args.out_dir,
-        extra={"versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
-               "load_avg_before": load_before, "load_avg_after": load_after, "llm_start_s": llm_start_s,
-               "total_s": total_s, "hf_reference_s": hf_s, "check_vs_hf": hf, "apply_breakdown": breakdown,
-               "git_commit_at_start": commit_at_start,
-               "host_mem_total_bytes": mem_total, "host_mem_min_available_bytes": mem.min_available,
-               "shape": shape, "params": spec.numel, "checkpoint": str(path),
-               "check_cross": cross, "ref_tokens": [t for t, _ in ref],
-               "check_tokens": {f"{a}/{b}": [t for t, _ in v] for (a, b), v in check_out.items()},
-               "raw": {f"{r['layout']}/{r['path']}": r["raw"] for r in rows},
-               "args": vars(args)})
+        notes=notes,
+        out_dir=args.out_dir,
+        extra={
+            "versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
+            "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            "llm_start_s": llm_start_s,
+            "total_s": total_s,
+            "hf_reference_s": hf_s,
+            "check_vs_hf": hf,
+            "apply_breakdown": breakdown,
+            "git_commit_at_start": commit_at_start,
+            "host_mem_total_bytes": mem_total,
+            "host_mem_min_available_bytes": mem.min_available,
+            "shape": shape,
+            "params": spec.numel,
+            "checkpoint": str(path),
+            "check_cross": cross,
+            "ref_tokens": [t for t, _ in ref],
+            "check_tokens": {f"{a}/{b}": [t for t, _ in v] for (a, b), v in check_out.items()},
+            "raw": {f"{r['layout']}/{r['path']}": r["raw"] for r in rows},
+            "args": vars(args),
+        },
+    )
     print(f"[bench] wrote {mpath} and {jpath.name} ({total_s:.0f} s)", flush=True)
-    del llm
 
 
-def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after, llm_start_s, total_s,
-               vllm_version, tf_version, breakdown, mem_total, mem_min_avail) -> str:
+def notes_text(
+    args,
+    shape,
+    spec,
+    layouts,
+    rows,
+    cross,
+    load_before,
+    load_after,
+    llm_start_s,
+    total_s,
+    vllm_version,
+    tf_version,
+    breakdown,
+    mem_total,
+    mem_min_avail,
+) -> str:
     import torch
 
     from real_py.benchmark import cpu_model
 
     lines = []
     add = lines.append
-    add(f"Versions: vLLM {vllm_version} (CPU build), transformers {tf_version}, torch {torch.__version__}. "
+    add(
+        f"Versions: vLLM {vllm_version} (CPU build), transformers {tf_version}, torch {torch.__version__}. "
         f"CPU: {cpu_model()}, {os.cpu_count()} cores (shared machine). Load average (1/5/15 min) "
         f"before the run {load_before}, after {load_after} (the run's own load: 2 vLLM workers, the "
         f"trainer threads). Host memory: least available during the run {mem_min_avail / 2**30:.1f} GiB of "
-        f"{mem_total / 2**30:.1f} GiB. vLLM start {llm_start_s:.0f} s; whole run {total_s:.0f} s.")
+        f"{mem_total / 2**30:.1f} GiB. vLLM start {llm_start_s:.0f} s; whole run {total_s:.0f} s."
+    )
     add("")
-    add(f"Model: random-weight Qwen2 (transformers `Qwen2ForCausalLM(config)`, seed 0), vocab {shape['vocab']}, "
+    add(
+        f"Model: random-weight Qwen2 (transformers `Qwen2ForCausalLM(config)`, seed 0), vocab {shape['vocab']}, "
         f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
         f"{shape['heads']} heads / {shape['kv_heads']} kv heads (head_dim {shape['hidden'] // shape['heads']}), "
         f"{'tied embeddings' if shape['tied'] else 'untied lm_head'}: {spec.numel / 1e6:.1f}M parameters, "
         f"{spec.numel * 4 / 2**20:.0f} MiB in fp32"
-        + (" (Qwen2.5-0.5B's shape)." if shape == dict(FULL, tied=True) else "."))
-    add(f"vLLM: one in-process `LLM`, tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), dtype float32, "
+        + (" (Qwen2.5-0.5B's shape)." if shape == dict(FULL, tied=True) else ".")
+    )
+    add(
+        f"vLLM: one in-process `LLM`, tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), dtype float32, "
         f"gpu_memory_utilization={args.gpu_memory_utilization}, max_model_len={args.max_model_len}, "
         "enforce_eager, skip_tokenizer_init, prefix caching on, weight_transfer_config backend real_py. "
         f"Trainer: 4 ranks as threads of the bench process ({', '.join(layouts)}: tp2pp2 = dp1,tp2,pp2; "
         "fsdp2 = Layout(dp=4, dp_shard='dim0')), each its own RealPyTrainerEngine; their pack work "
         "shares this process's GIL (the moves run in C++ and gloo), and everything shares the 2 cores "
-        "with vLLM's engine-core and 2 worker processes.")
+        "with vLLM's engine-core and 2 worker processes."
+    )
     add("")
-    add("Paths: `real_py` = the backend's default (each trainer rank sends its pieces straight to the "
+    add(
+        "Paths: `real_py` = the backend's default (each trainer rank sends its pieces straight to the "
         "workers that hold them, in vLLM's live per-rank format; the workers write them in place and "
         "re-run process_weights_after_loading on touched layers). `full_tensors` = "
         "RealPyTrainerInitInfo(full_tensors=True): every worker receives the full model and loads it "
@@ -597,17 +773,21 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
         "what TRL, verl and OpenRLHF do. The baseline here omits the trainer-side gather of full "
         "tensors those trainers add before sending (the full tensors go straight from the ranks' "
         "shards), so it is favoured: a real TRL-style sync is slower than this row and needs a "
-        "full-model buffer on the trainer.")
+        "full-model buffer on the trainer."
+    )
     if shape["tied"] and all(r["hf_dlogprob"] <= 1e-3 for r in rows if r["path"] == "full_tensors"):
-        add("With tied embeddings the full_tensors path includes the backend's re-pack of the tied lm_head "
+        add(
+            "With tied embeddings the full_tensors path includes the backend's re-pack of the tied lm_head "
             "after finalize_layerwise_reload (real_py/vllm/worker.py `_load_full`): vLLM's layerwise reload "
             "alone leaves the ParallelLMHead's packed CPU copy of the old embedding in place (each worker "
             "logs 'ParallelLMHead: Failed to load weights'), and an earlier run of this benchmark, before "
             "that re-pack, answered up to 0.37 off transformers in logprob on W_check. A trainer that "
             "reloads a tied model through vLLM's layerwise reload on a CPU, as TRL & co. do, serves that "
-            "stale lm_head.")
+            "stale lm_head."
+        )
     add("")
-    add(f"Method: per layout, {args.rounds} rounds; each round runs real_py then full_tensors on the same "
+    add(
+        f"Method: per layout, {args.rounds} rounds; each round runs real_py then full_tensors on the same "
         "vLLM engine (A B A B ...): init the trainer engines (new master_port, a new transfer group), one "
         f"untimed warm-up update, {args.per_init} timed update(s). Before every update (outside timing) "
         "each parameter is scaled by its own factor within 1 +- 1e-3 of the checkpoint's, a new set per "
@@ -620,9 +800,11 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
         "an update spent writing and re-processing layers (full_tensors: load_weights in the layerwise "
         "reload). trainer_move_s: the slowest trainer rank's Reallocator.run seconds. init_s: "
         "trainer_init on the 4 ranks (vLLM's init_weight_transfer_engine included), median over the "
-        "rounds; warmup_s: the first update after an init (untimed), median.")
+        "rounds; warmup_s: the first update after an init (untimed), median."
+    )
     add("")
-    add("Bytes: recv_MiB_per_worker / network_MiB are what the workers received (stats['workers']); "
+    add(
+        "Bytes: recv_MiB_per_worker / network_MiB are what the workers received (stats['workers']); "
         "min_live_MiB is the plan's minimum for vLLM's live per-rank format (engine.plan.summary()"
         "['min_network_bytes'] of the real_py plan; trainer and workers share no rank, so every byte "
         "crosses the group); bytes_vs_min their ratio. full_tensors receives the full model per "
@@ -631,9 +813,11 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
         "trainer rank (its extra memory, bounded by bucket_bytes), against model_MiB; rss_growth_MiB = "
         "the largest growth of this process's resident memory during an update (the 4 ranks together "
         "plus the LLM front end, sampled every 5 ms, warm-up updates included): a full-model gather "
-        "would add model_MiB.")
+        "would add model_MiB."
+    )
     add("")
-    add("Checks (outside timing; recorded, never asserted): the first round's warm-up of each row sends "
+    add(
+        "Checks (outside timing; recorded, never asserted): the first round's warm-up of each row sends "
         "W_check (every parameter scaled by its own factor in 0.5..1.5, the final norm negated), then "
         f"greedy tokens of 3 prompts ({args.max_tokens} tokens each, with logprobs): tokens_changed = they "
         "differ from the freshly started engine's (W0); check_vs_hf = against transformers' "
@@ -642,14 +826,20 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
         "argmax; check_vs_other_path = the other path's answer for the same W_check, same layout "
         "(`tokens differ` or the largest logprob difference); back_to_w0_vs_fresh = after the row's "
         "last update back to W0, against the freshly started engine. Every pair of rows on W_check: "
-        + "; ".join(f"{k}: {'tokens differ' if v is None else f'{v:.3g}'}" for k, v in cross.items()) + ".")
+        + "; ".join(
+            f"{k}: {'tokens differ' if v is None else f'{v:.3g}'}" for k, v in cross.items()
+        )
+        + "."
+    )
     add("")
     hf_full = [r for r in rows if r["path"] == "full_tensors" and r["hf_dlogprob"] > 1e-3]
     hf_ok = [r for r in rows if r["path"] == "real_py" and r["hf_dlogprob"] <= 1e-3]
     if hf_full and shape["tied"]:
-        add("The full_tensors rows do not answer as the reference (largest |dlogprob| against HF "
+        add(
+            "The full_tensors rows do not answer as the reference (largest |dlogprob| against HF "
             f"{max(r['hf_dlogprob'] for r in hf_full):.3g}; real_py rows "
-            + (f"{max(r['hf_dlogprob'] for r in hf_ok):.3g}" if hf_ok else "also off") + "). The cause, with tied "
+            + (f"{max(r['hf_dlogprob'] for r in hf_ok):.3g}" if hf_ok else "also off")
+            + "). The cause, with tied "
             "embeddings: vLLM's layerwise reload loads embed_tokens.weight, but no checkpoint tensor names "
             "lm_head.weight (tied), so finalize_layerwise_reload finds the ParallelLMHead with nothing loaded, "
             "logs 'ParallelLMHead: Failed to load weights' in every worker and puts the layer's old kernel "
@@ -660,15 +850,19 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
             "repack, which real_py does (breakdown below): it favours the baseline's time. It affects the "
             "backend's full-tensor fallback (real_py/vllm/worker.py `_load_full`) and anyone reloading a "
             "tied model through vLLM's layerwise reload on a CPU. With an untied lm_head "
-            "(`--small --untied`) both paths equal HF.")
+            "(`--small --untied`) both paths equal HF."
+        )
         add("")
-    add("Goal (real_py rows): at least 1.5x faster per update than full_tensors, bytes = the minimum, "
-        "trainer extra memory within the bucket:")
+    add(
+        "Goal (real_py rows): at least 1.5x faster per update than full_tensors, bytes = the minimum, "
+        "trainer extra memory within the bucket:"
+    )
     for r in rows:
         if r["path"] == "real_py":
             fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
             g = r["goals_met"]
-            add(f"- {r['layout']}: {r['update_s']:.3g} s against {fu['update_s']:.3g} s = "
+            add(
+                f"- {r['layout']}: {r['update_s']:.3g} s against {fu['update_s']:.3g} s = "
                 f"{fu['update_s'] / r['update_s']:.2f}x ({'met' if g['speedup>=1.5'] else 'NOT met'}); "
                 f"bytes {r['network_MiB']:.1f} MiB = {r['bytes_vs_min']:.3f}x the minimum "
                 f"({'met' if g['bytes=min'] else 'NOT met'}; full_tensors {fu['bytes_vs_min']:.2f}x); "
@@ -676,30 +870,39 @@ def notes_text(args, shape, spec, layouts, rows, cross, load_before, load_after,
                 f"({'met' if g['staging<=bucket'] else 'NOT met'}), "
                 f"{r['staging_MiB_max_rank'] / r['model_MiB']:.3f} of the model; process RSS grew at most "
                 f"{r['rss_growth_MiB']:.0f} MiB during an update against {r['model_MiB']:.0f} MiB of model"
-                + (": no full-model gather." if r["rss_growth_MiB"] < r["model_MiB"] else "."))
+                + (": no full-model gather." if r["rss_growth_MiB"] < r["model_MiB"] else ".")
+            )
     add("")
     for r in rows:
         if r["path"] == "real_py":
             fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
-            add(f"- {r['layout']}, where the time goes: receive {r['worker_receive_s']:.3g} s against "
+            add(
+                f"- {r['layout']}, where the time goes: receive {r['worker_receive_s']:.3g} s against "
                 f"{fu['worker_receive_s']:.3g} s (full_tensors / real_py "
                 f"{fu['worker_receive_s'] / r['worker_receive_s']:.2f}, for "
                 f"{r['bytes_vs_min'] / fu['bytes_vs_min']:.2f} of the bytes), write + re-process "
                 f"{r['worker_apply_s']:.3g} s against {fu['worker_apply_s']:.3g} s ({r['apply_share']:.0%} "
-                f"of real_py's update, {fu['apply_share']:.0%} of full_tensors').")
+                f"of real_py's update, {fu['apply_share']:.0%} of full_tensors')."
+            )
     if breakdown:
         add("")
         parts = []
         for i, b in enumerate(breakdown):
-            proc = ", ".join(f"{k} x{b['process_n'][k]} {v:.3f} s" for k, v in sorted(b["process_s"].items(),
-                                                                                   key=lambda kv: -kv[1]))
-            parts.append(f"worker {i}: {b['apply_s']:.3f} s = write {b['write_s']:.3f} s (copy_ "
-                         f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed to "
-                         f"prepacked layers) + re-processing {proc}")
-        add("Where a real_py apply goes (after the last real_py row: each worker's own apply step, "
+            proc = ", ".join(
+                f"{k} x{b['process_n'][k]} {v:.3f} s"
+                for k, v in sorted(b["process_s"].items(), key=lambda kv: -kv[1])
+            )
+            parts.append(
+                f"worker {i}: {b['apply_s']:.3f} s = write {b['write_s']:.3f} s (copy_ "
+                f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed to "
+                f"prepacked layers) + re-processing {proc}"
+            )
+        add(
+            "Where a real_py apply goes (after the last real_py row: each worker's own apply step, "
             "RealPyWeightTransferEngine._apply, run again on the shard it holds through collective_rpc, "
             "the second of two runs, with vLLM's process_weights_after_loading timed per module class; "
-            "write = the rest): " + "; ".join(parts) + ".")
+            "write = the rest): " + "; ".join(parts) + "."
+        )
     return "\n".join(lines)
 
 

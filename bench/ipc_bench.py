@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from onedevice import Shards, check, fill
 
 from real_py.benchmark import slowest_rank
@@ -65,15 +64,28 @@ def _worker(rank: int, world: int, model, src, dst, repeats: int) -> dict:
     return {"times": times, "ok": ok, "extra": extra, "own": own, "nbytes": d.nbytes()}
 
 
-def ipc_rows(name, model, src, dst, repeats: int, goal: float, ref: float, small: bool) -> list[dict]:
+def ipc_rows(
+    name, model, src, dst, repeats: int, goal: float, ref: float, small: bool
+) -> list[dict]:
     world = max(max(src.ranks), max(dst.ranks)) + 1
     out = run_distributed(_worker, world, model, src, dst, repeats, timeout=900, pg_timeout=600)
     med = statistics.median(out[0]["times"])
     nbytes = sum(o["nbytes"] for o in out)
     gbps = nbytes / med / 1e9
-    row = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30, "method": f"CUDA IPC, {world} processes",
-           "seconds": med, "GB/s": gbps, "ref GB/s": ref, "vs ref": gbps / ref, "goal": goal,
-           "met": "yes" if gbps / ref >= goal else "NO", "bit-exact": all(o["ok"] for o in out),
-           "extra MiB": sum(o["extra"] for o in out) / 2**20, "extra how": "measured (sum over ranks)"}
+    row = {
+        "pair": name,
+        "model": model.name,
+        "GiB moved": nbytes / 2**30,
+        "method": f"CUDA IPC, {world} processes",
+        "seconds": med,
+        "GB/s": gbps,
+        "ref GB/s": ref,
+        "vs ref": gbps / ref,
+        "goal": goal,
+        "met": "yes" if gbps / ref >= goal else "NO",
+        "bit-exact": all(o["ok"] for o in out),
+        "extra MiB": sum(o["extra"] for o in out) / 2**20,
+        "extra how": "measured (sum over ranks)",
+    }
     print(row, flush=True)
     return [row]

@@ -39,8 +39,11 @@ class Shards:
         self.model, self.layout = model, layout
         ranks = [r for r in layout.ranks if ranks is None or r in ranks]
         self.dense = {r: ModelShard.empty(model, layout, r, device) for r in ranks}
-        self.experts = ({r: ExpertShard.empty(model, layout, r, device) for r in ranks}
-                        if model.num_experts else {})
+        self.experts = (
+            {r: ExpertShard.empty(model, layout, r, device) for r in ranks}
+            if model.num_experts
+            else {}
+        )
         self.device = torch.device(device)
         self.index = {p.name: i for i, p in enumerate(model.params)}
         self.spec = {p.name: p for p in model.params}
@@ -49,9 +52,11 @@ class Shards:
             dp, k, _ = layout.coords(r)
             for name, v in s.params().items():
                 self._pieces.setdefault(name, []).append((layout.tp, k, dp, v))
-        for r, e in self.experts.items():
+        for e in self.experts.values():
             for ent in e.shard_layout.entries:
-                self._pieces.setdefault(ent.param.name, []).append((layout.etp, e.etp_rank, e.edp_rank, e.view(ent.param.name)))
+                self._pieces.setdefault(ent.param.name, []).append(
+                    (layout.etp, e.etp_rank, e.edp_rank, e.view(ent.param.name))
+                )
                 self.spec.setdefault(ent.param.name, ent.param)
         for name in self._pieces:
             self.index.setdefault(name, len(self.index))
@@ -68,7 +73,10 @@ class Shards:
         return self.dense[rank].flat, (e.flat if e is not None else None)
 
     def nbytes(self) -> int:
-        return sum(s.flat.numel() * s.flat.element_size() for s in (*self.dense.values(), *self.experts.values()))
+        return sum(
+            s.flat.numel() * s.flat.element_size()
+            for s in (*self.dense.values(), *self.experts.values())
+        )
 
 
 def fill(shards: Shards) -> None:
@@ -102,7 +110,9 @@ class GatherSlice:
             pieces = sorted((k, v) for tp, k, rep, v in src.pieces(name) if rep == 0)
             tp = next(t for t, _, _, _ in src.pieces(name))
             self.jobs.append((p, tp, [v for _, v in pieces], dst.pieces(name)))
-        self.extra_bytes = max(p.numel for p, *_ in self.jobs) * next(iter(src.dense.values())).flat.element_size()
+        self.extra_bytes = (
+            max(p.numel for p, *_ in self.jobs) * next(iter(src.dense.values())).flat.element_size()
+        )
 
     def run(self) -> None:
         for p, tp, pieces, outs in self.jobs:
@@ -126,9 +136,14 @@ def gather(p, pieces: list[torch.Tensor], tp: int) -> torch.Tensor:
     nb = len(p.blocks)
     if nb == 1 and groups == tp:
         return torch.cat(pieces, d, out=pieces[0].new_empty(p.shape))
-    parts = [x for t in pieces for x in t.split([b // groups for b in p.blocks] * (groups // tp), d)]
-    return torch.cat([parts[g * nb + j] for j in range(nb) for g in range(groups)], d,
-                     out=pieces[0].new_empty(p.shape))
+    parts = [
+        x for t in pieces for x in t.split([b // groups for b in p.blocks] * (groups // tp), d)
+    ]
+    return torch.cat(
+        [parts[g * nb + j] for j in range(nb) for g in range(groups)],
+        d,
+        out=pieces[0].new_empty(p.shape),
+    )
 
 
 def write_slice(p, full: torch.Tensor, tp: int, k: int, view: torch.Tensor) -> None:

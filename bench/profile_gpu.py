@@ -30,12 +30,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from bench_generate import BIG, SMALL, engine, one_rank_world  # noqa: E402
-from timing import hardware_tag, write_results  # noqa: E402
+from bench_generate import BIG, SMALL, engine, one_rank_world
+from timing import hardware_tag, write_results
 
-from real_py import ModelConfig  # noqa: E402
-from real_py.device import resolve_device  # noqa: E402
-from real_py.ops import pack  # noqa: E402
+from real_py import ModelConfig
+from real_py.device import resolve_device
+from real_py.ops import pack
 
 TOP = 12
 
@@ -52,7 +52,9 @@ def _device_us(e) -> float:
     return getattr(e, "self_cuda_time_total", 0.0)
 
 
-def profile_rows(scenario: str, fn, iters: int, dev: torch.device, per: str = "iteration") -> list[dict]:
+def profile_rows(
+    scenario: str, fn, iters: int, dev: torch.device, per: str = "iteration"
+) -> list[dict]:
     """Wall time of one iteration without the profiler, then the top kernels and host ops with it."""
     fn()
     _sync(dev)
@@ -67,23 +69,48 @@ def profile_rows(scenario: str, fn, iters: int, dev: torch.device, per: str = "i
             fn()
         _sync(dev)
     ev = list(prof.key_averages())
-    rows = [{"scenario": scenario, "kind": "wall", "name": f"one {per}, no profiler", "calls": 1.0, "us": wall * 1e6}]
+    rows = [
+        {
+            "scenario": scenario,
+            "kind": "wall",
+            "name": f"one {per}, no profiler",
+            "calls": 1.0,
+            "us": wall * 1e6,
+        }
+    ]
     if dev.type == "cuda":
         for e in sorted(ev, key=_device_us, reverse=True)[:TOP]:
             if _device_us(e) > 0:
-                rows.append({"scenario": scenario, "kind": "device", "name": e.key[:90],
-                             "calls": e.count / iters, "us": _device_us(e) / iters})
+                rows.append(
+                    {
+                        "scenario": scenario,
+                        "kind": "device",
+                        "name": e.key[:90],
+                        "calls": e.count / iters,
+                        "us": _device_us(e) / iters,
+                    }
+                )
     for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP]:
-        rows.append({"scenario": scenario, "kind": "host", "name": e.key[:90],
-                     "calls": e.count / iters, "us": e.self_cpu_time_total / iters})
+        rows.append(
+            {
+                "scenario": scenario,
+                "kind": "host",
+                "name": e.key[:90],
+                "calls": e.count / iters,
+                "us": e.self_cpu_time_total / iters,
+            }
+        )
     return rows
 
 
 def pack_scenarios(dev: torch.device, small: bool) -> list[tuple[str, object]]:
     n = (1 << 19) if small else (64 << 20)  # bf16 elements: 1 MiB / 128 MiB
     out = []
-    for name, runs, length, stride in (("one run", 1, n, 0), ("2048 B runs", n // 1024, 1024, 2048),
-                                       ("7168 B runs", n // 3584, 3584, 7168)):
+    for name, runs, length, stride in (
+        ("one run", 1, n, 0),
+        ("2048 B runs", n // 1024, 1024, 2048),
+        ("7168 B runs", n // 3584, 3584, 7168),
+    ):
         src = torch.randn(max(n, (runs - 1) * stride + length), device=dev).to(torch.bfloat16)
         dst = torch.empty(runs * length, device=dev, dtype=torch.bfloat16)
         descs = torch.tensor([[0, 0, length, runs, stride, length]])
@@ -93,13 +120,25 @@ def pack_scenarios(dev: torch.device, small: bool) -> list[tuple[str, object]]:
         out.append((f"copy_ {mib:.0f} MiB (reference)", lambda r=ref, o=dst: r.copy_(o)))
         if name == "7168 B runs":  # the same runs as 128 descriptors: past the 64 passed by value
             per = runs // 128
-            many = torch.tensor([[i * per * stride, i * per * length, length, per, stride, length] for i in range(128)])
-            out.append((f"pack {name} as 128 descriptors, {mib:.0f} MiB", lambda s=src, d=many, o=dst: pack(s, d, o)))
+            many = torch.tensor(
+                [
+                    [i * per * stride, i * per * length, length, per, stride, length]
+                    for i in range(128)
+                ]
+            )
+            out.append(
+                (
+                    f"pack {name} as 128 descriptors, {mib:.0f} MiB",
+                    lambda s=src, d=many, o=dst: pack(s, d, o),
+                )
+            )
     return out
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny sizes (dry run)")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
@@ -115,16 +154,26 @@ def main(argv=None):
         new = profile_rows(scenario, fn, iters, dev, per)
         rows.extend(new)
         print(f"--- {scenario} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        for r in ([r for r in new if r["kind"] == "wall"] + [r for r in new if r["kind"] == "device"][:6]
-                  + [r for r in new if r["kind"] == "host"][:4]):
-            print(f"  {r['kind']:6} {r['calls']:8.1f} calls {r['us']:10.1f} us  {r['name']}", flush=True)
-        write_results("profile", hardware_tag(args.device, args.small), rows,
-                      columns=["scenario", "kind", "name", "calls", "us"],
-                      title=f"profile of pack calls and generation ({args.device})",
-                      notes=f"us: microseconds per iteration (a pack / copy_ call, or one generate() of {N} "
-                            "new tokens); wall: without the profiler; device: self time of each kernel "
-                            f"(top {TOP}); host: self CPU time of each op (top {TOP}); calls per iteration.",
-                      out_dir=args.out_dir)
+        for r in (
+            [r for r in new if r["kind"] == "wall"]
+            + [r for r in new if r["kind"] == "device"][:6]
+            + [r for r in new if r["kind"] == "host"][:4]
+        ):
+            print(
+                f"  {r['kind']:6} {r['calls']:8.1f} calls {r['us']:10.1f} us  {r['name']}",
+                flush=True,
+            )
+        write_results(
+            "profile",
+            hardware_tag(args.device, args.small),
+            rows,
+            columns=["scenario", "kind", "name", "calls", "us"],
+            title=f"profile of pack calls and generation ({args.device})",
+            notes=f"us: microseconds per iteration (a pack / copy_ call, or one generate() of {N} "
+            "new tokens); wall: without the profiler; device: self time of each kernel "
+            f"(top {TOP}); host: self CPU time of each op (top {TOP}); calls per iteration.",
+            out_dir=args.out_dir,
+        )
 
     for scenario, fn in pack_scenarios(dev, args.small):
         record(scenario, fn, 20, "call")
@@ -136,8 +185,14 @@ def main(argv=None):
         lengths, seeds = torch.full((B,), P), torch.arange(B)
         # The graph mode first: the open question (a decode step ~14x its weight-read time).
         for mode in (["graph"] if dev.type == "cuda" else []) + ["dynamic", "static"]:
-            fn = lambda mode=mode: eng.generate(prompts, lengths, seeds, max_new_tokens=N,  # noqa: E731
-                                                greedy=False, decode=mode)
+            fn = lambda mode=mode: eng.generate(
+                prompts,
+                lengths,
+                seeds,
+                max_new_tokens=N,
+                greedy=False,
+                decode=mode,
+            )
             record(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 1, "generate()")
     print("done", flush=True)
 

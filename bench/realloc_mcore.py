@@ -45,7 +45,9 @@ def load():
     """Import megatron.core.resharding from the benchmark cache and patch it for CPU; or raise
     RuntimeError saying how to install it."""
     if not (MCORE_DIR / "megatron" / "core" / "resharding").is_dir():
-        raise RuntimeError(f"megatron-core is not unpacked under {MCORE_DIR}; run `make bench-realloc`")
+        raise RuntimeError(
+            f"megatron-core is not unpacked under {MCORE_DIR}; run `make bench-realloc`"
+        )
     for d in (str(SITE_DIR), str(MCORE_DIR)):
         if d not in sys.path:
             sys.path.insert(0, d)
@@ -127,7 +129,8 @@ class GroupCache:
                     out[layout.rank(d, t, p)] = types.SimpleNamespace(
                         tp=self.get(layout.rank(d, k, p) for k in range(layout.tp)),
                         dp=self.get(layout.rank(k, t, p) for k in range(layout.dp)),
-                        pp=self.get(layout.rank(d, t, k) for k in range(layout.pp)))
+                        pp=self.get(layout.rank(d, t, k) for k in range(layout.pp)),
+                    )
         return out
 
 
@@ -163,10 +166,15 @@ class MegatronResharder:
     """Plan once (metadata all-gather + deterministic replay), then `run()` executes the plan."""
 
     def __init__(self, resharding, groups: GroupCache, service, src_shard, dst_shard, src, dst):
-        if any(p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
-               for lay in (src, dst) for p in (src_shard or dst_shard).model.params):
-            raise ValueError("vocab_size must be a multiple of tp for Megatron (it pads the vocab "
-                             "itself, real_py pads per shard)")
+        if any(
+            p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
+            for lay in (src, dst)
+            for p in (src_shard or dst_shard).model.params
+        ):
+            raise ValueError(
+                "vocab_size must be a multiple of tp for Megatron (it pads the vocab "
+                "itself, real_py pads per shard)"
+            )
         self.resharding, self.service = resharding, service
         rank = dist.get_rank()
         src_pgs, dst_pgs = groups.for_layout(src), groups.for_layout(dst)
@@ -179,15 +187,23 @@ class MegatronResharder:
         """Bytes this rank receives from other ranks under Megatron's plan."""
         rank = dist.get_rank()
         dst_params = dict(self.dst_mod.named_parameters()) if self.dst_mod is not None else {}
-        return sum(dst_params[op.param_name][op.my_slice].numel() * dst_params[op.param_name].element_size()
-                   for op in self.plan.recv_ops if op.peer_rank != rank)
+        return sum(
+            dst_params[op.param_name][op.my_slice].numel()
+            * dst_params[op.param_name].element_size()
+            for op in self.plan.recv_ops
+            if op.peer_rank != rank
+        )
 
     def run(self) -> None:
         with torch.no_grad():
-            self.resharding.execute_reshard_plan(self.plan, self.src_mod, self.dst_mod, self.service)
+            self.resharding.execute_reshard_plan(
+                self.plan, self.src_mod, self.dst_mod, self.service
+            )
 
 
-def moe_pg_collections(groups: GroupCache, layout, dense_layout) -> dict[int, types.SimpleNamespace]:
+def moe_pg_collections(
+    groups: GroupCache, layout, dense_layout
+) -> dict[int, types.SimpleNamespace]:
     """rank -> pg_collection of an MoE model on `layout`: tp, dp, pp of `dense_layout` (the layout
     without expert axes) plus ep, expt_tp, expt_dp from real_py's expert coordinates (etp fastest,
     then ep, then expert-dp: Megatron's parallel folding). The ep group lists its ranks in ep
@@ -199,8 +215,12 @@ def moe_pg_collections(groups: GroupCache, layout, dense_layout) -> dict[int, ty
                 for t in range(layout.etp):
                     pg = out[layout.expert_rank(d, g, t, s)]
                     pg.ep = groups.get(layout.expert_rank(d, k, t, s) for k in range(layout.ep))
-                    pg.expt_tp = groups.get(layout.expert_rank(d, g, k, s) for k in range(layout.etp))
-                    pg.expt_dp = groups.get(layout.expert_rank(k, g, t, s) for k in range(layout.edp))
+                    pg.expt_tp = groups.get(
+                        layout.expert_rank(d, g, k, s) for k in range(layout.etp)
+                    )
+                    pg.expt_dp = groups.get(
+                        layout.expert_rank(k, g, t, s) for k in range(layout.edp)
+                    )
     return out
 
 
@@ -218,14 +238,18 @@ def add_grouped_experts(root: torch.nn.Module, experts) -> None:
         layer, rest = name.split(".mlp.experts.")
         j, proj, _ = rest.split(".")
         if proj not in _FC:
-            raise ValueError(f"{name}: no TEGroupedMLP counterpart for {proj!r} (known: {sorted(_FC)})")
+            raise ValueError(
+                f"{name}: no TEGroupedMLP counterpart for {proj!r} (known: {sorted(_FC)})"
+            )
         mod = root
         for part in f"{layer}.mlp.experts.{_FC[proj]}".split("."):
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
         param = torch.nn.Parameter(view, requires_grad=False)
-        param.allreduce = False  # expert parallel (Megatron's convention, utils.extract_param_metadata)
+        param.allreduce = (
+            False  # expert parallel (Megatron's convention, utils.extract_param_metadata)
+        )
         param.tensor_model_parallel = True
         param.partition_dim = p.tp.dim
         param.partition_stride = 1
@@ -242,8 +266,20 @@ class MegatronMoeResharder(MegatronResharder):
     rank constructs it. What Megatron refuses (building the modules, its metadata extraction,
     its planner) raises the same RuntimeError on every rank, naming the first refusing rank."""
 
-    def __init__(self, resharding, groups: GroupCache, service, model, dense, src, dst,
-                 src_dense, src_experts, dst_dense, dst_experts):
+    def __init__(
+        self,
+        resharding,
+        groups: GroupCache,
+        service,
+        model,
+        dense,
+        src,
+        dst,
+        src_dense,
+        src_experts,
+        dst_dense,
+        dst_experts,
+    ):
         self.resharding, self.service = resharding, service
         rank = dist.get_rank()
         src_pgs = moe_pg_collections(groups, src, dense.src)  # collective: before anything can fail
@@ -251,10 +287,15 @@ class MegatronMoeResharder(MegatronResharder):
         self.src_mod = self.dst_mod = None
         mine = None
         try:
-            if any(p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
-                   for lay in (src, dst) for p in dense.model.params):
-                raise ValueError("vocab_size must be a multiple of tp for Megatron (it pads the "
-                                 "vocab itself, real_py pads per shard)")
+            if any(
+                p.tp.kind == "vocab" and p.shape[p.tp.dim] % lay.tp
+                for lay in (src, dst)
+                for p in dense.model.params
+            ):
+                raise ValueError(
+                    "vocab_size must be a multiple of tp for Megatron (it pads the "
+                    "vocab itself, real_py pads per shard)"
+                )
             if src_dense is not None:
                 self.src_mod = megatron_module(src_dense, src_pgs[rank])
                 add_grouped_experts(self.src_mod, src_experts)
@@ -264,9 +305,11 @@ class MegatronMoeResharder(MegatronResharder):
             # build_local_reshard_plan's steps, so that a rank-local refusal (before its
             # all-gather) reaches every rank instead of leaving the others in a collective.
             cache: dict = {}
-            mine = tuple(resharding.planner._extract_module_metadata(m, rank, model.num_experts, 0, cache)
-                         for m in (self.src_mod, self.dst_mod))
-        except Exception as e:  # noqa: BLE001 - any refusal must reach every rank (no one-rank hang)
+            mine = tuple(
+                resharding.planner._extract_module_metadata(m, rank, model.num_experts, 0, cache)
+                for m in (self.src_mod, self.dst_mod)
+            )
+        except Exception as e:
             mine = f"rank {rank}: {type(e).__name__}: {e}"
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -274,9 +317,18 @@ class MegatronMoeResharder(MegatronResharder):
         if refused:
             raise RuntimeError(refused[0])
         # Deterministic replay of the same rosters on every rank: a refusal here is everyone's.
-        self.plan = resharding.build_plan_from_rosters(*resharding.index_metadata_rosters(gathered), rank)
+        self.plan = resharding.build_plan_from_rosters(
+            *resharding.index_metadata_rosters(gathered), rank
+        )
         self.recv_bytes = self._remote_bytes()
 
 
-__all__ = ["load", "GroupCache", "MegatronResharder", "MegatronMoeResharder", "megatron_module",
-           "moe_pg_collections", "add_grouped_experts"]
+__all__ = [
+    "load",
+    "GroupCache",
+    "MegatronResharder",
+    "MegatronMoeResharder",
+    "megatron_module",
+    "moe_pg_collections",
+    "add_grouped_experts",
+]

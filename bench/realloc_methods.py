@@ -58,8 +58,10 @@ class NaiveAllGather:
         # One scratch buffer for the largest parameter's pieces, reused: the baseline pays for
         # communication and slicing, not for page faults.
         biggest = max(math.prod(p.local_shape(src.tp)) for p in model.params)
-        self.scratch = torch.empty(biggest * src.tp, dtype=src_shard.flat.dtype if src_shard is not None
-                                   else dst_shard.flat.dtype)
+        self.scratch = torch.empty(
+            biggest * src.tp,
+            dtype=src_shard.flat.dtype if src_shard is not None else dst_shard.flat.dtype,
+        )
         self.steps = []
         self.recv_bytes = 0
         es = model.element_size
@@ -80,12 +82,14 @@ class NaiveAllGather:
                 if sender == self.rank:
                     buf = self.src_shard.view(p.name)
                 else:
-                    buf = self.scratch[k * n:(k + 1) * n].view(shape)
+                    buf = self.scratch[k * n : (k + 1) * n].view(shape)
                 dist.broadcast(buf, src=sender)
                 pieces.append(buf)
             if wanted:
                 full = assemble_full(p, pieces)
-                self.dst_shard.view(p.name).copy_(tp_slice(p, full, self.dst.tp, self.dst_shard.tp_rank))
+                self.dst_shard.view(p.name).copy_(
+                    tp_slice(p, full, self.dst.tp, self.dst_shard.tp_rank)
+                )
 
 
 def dtensor_why_not(src, dst) -> str | None:
@@ -93,8 +97,10 @@ def dtensor_why_not(src, dst) -> str | None:
     if src.ranks != dst.ranks:
         return "source and destination use different ranks (cross-mesh moves are not supported)"
     if src.pp != 1 or dst.pp != 1:
-        return (f"pipeline stages ({src} -> {dst}): a stage's parameters live on a sub-mesh and move "
-                "to another mesh; DTensor: 'Cross device mesh comm not supported yet'")
+        return (
+            f"pipeline stages ({src} -> {dst}): a stage's parameters live on a sub-mesh and move "
+            "to another mesh; DTensor: 'Cross device mesh comm not supported yet'"
+        )
     big, small = max(src.tp, dst.tp), min(src.tp, dst.tp)
     if small not in (1, big):
         return f"tp {src.tp} -> {dst.tp} needs two different 2-D meshes"
@@ -132,8 +138,11 @@ class DTensorMethod:
                     sharded = p.tp.kind != "replicated" and lay.tp > 1
                     places.append([Replicate(), Shard(d) if sharded else Replicate()])
                     view = shard.view(p.name)
-                    pieces.append(view.narrow(d, (off_s if lay is src else off_d), b // lay.tp)
-                                  if p.tp.kind != "replicated" else view)
+                    pieces.append(
+                        view.narrow(d, (off_s if lay is src else off_d), b // lay.tp)
+                        if p.tp.kind != "replicated"
+                        else view
+                    )
                 if p.tp.kind != "replicated":
                     off_s, off_d = off_s + b // src.tp, off_d + b // dst.tp
                     if src.tp > dst.tp:
@@ -211,5 +220,12 @@ class GlooFloorLocal(GlooFloor):
             w.wait()
 
 
-__all__ = ["NaiveAllGather", "DTensorMethod", "RealPy", "GlooFloor", "GlooFloorLocal", "dtensor_why_not",
-           "assemble_full"]
+__all__ = [
+    "NaiveAllGather",
+    "DTensorMethod",
+    "RealPy",
+    "GlooFloor",
+    "GlooFloorLocal",
+    "dtensor_why_not",
+    "assemble_full",
+]

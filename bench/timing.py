@@ -78,7 +78,9 @@ def time_interleaved(fns: dict, *, device: str = "cpu", warmup: int = 1, repeats
     for _ in range(repeats):
         for name, fn in fns.items():
             samples[name].append(time_fn(fn, device=device, warmup=0, repeats=1).median_s)
-    return {name: Timing(statistics.median(t), min(t), max(t), repeats) for name, t in samples.items()}
+    return {
+        name: Timing(statistics.median(t), min(t), max(t), repeats) for name, t in samples.items()
+    }
 
 
 def hardware_tag(device: str, small: bool = False) -> str:
@@ -95,16 +97,27 @@ def hardware_tag(device: str, small: bool = False) -> str:
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     """rows as a markdown table of `columns` (floats to 3 significant digits)."""
+
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows])
+    return "\n".join(
+        lines + ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    )
 
 
-def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[str], title: str,
-                  notes: str = "", extra: dict | None = None,
-                  out_dir: str | os.PathLike | None = None) -> tuple[Path, Path]:
+def write_results(
+    theme: str,
+    hardware: str,
+    rows: list[dict],
+    *,
+    columns: list[str],
+    title: str,
+    notes: str = "",
+    extra: dict | None = None,
+    out_dir: str | os.PathLike | None = None,
+) -> tuple[Path, Path]:
     """Write rows (dicts) to <theme>_<hardware>_<yyyymmdd>.json and .md; returns both paths.
     `extra` goes into the JSON only (raw figures a table would not show)."""
     out = Path(out_dir) if out_dir else RESULTS
@@ -113,9 +126,14 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
     command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)
     stem = f"{theme}_{hardware}_{env['date_utc'][:10].replace('-', '')}"
     jpath, mpath = out / f"{stem}.json", out / f"{stem}.md"
-    jpath.write_text(json.dumps({"title": title, "command": command, "environment": env,
-                                 "notes": notes, "rows": rows} | ({"extra": extra} if extra else {}),
-                                indent=1) + "\n")
+    jpath.write_text(
+        json.dumps(
+            {"title": title, "command": command, "environment": env, "notes": notes, "rows": rows}
+            | ({"extra": extra} if extra else {}),
+            indent=1,
+        )
+        + "\n"
+    )
 
     lines = [f"# {title}", "", f"Command: `{command}`", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
@@ -126,5 +144,13 @@ def write_results(theme: str, hardware: str, rows: list[dict], *, columns: list[
     return jpath, mpath
 
 
-__all__ = ["Timing", "time_fn", "time_interleaved", "environment", "hardware_tag", "markdown_table", "write_results",
-           "RESULTS"]
+__all__ = [
+    "Timing",
+    "time_fn",
+    "time_interleaved",
+    "environment",
+    "hardware_tag",
+    "markdown_table",
+    "write_results",
+    "RESULTS",
+]

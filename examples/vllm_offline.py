@@ -38,21 +38,45 @@ from types import SimpleNamespace
 # would be answered from KV computed with the old weights.
 BLOCK_SIZE = 32
 PROMPTS = [[(7 * i + 3) % 500 for i in range(40)], [11, 12, 13], [499, 250, 1, 64]]
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="training steps, each followed by an update")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="training steps, each followed by an update"
+    )
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor_parallel_size")
-    ap.add_argument("--layout", default="dp1,tp2,pp2", help="trainer layout (its world = torchrun's)")
-    ap.add_argument("--workdir", default=None, help="checkpoint and exports (default: a temporary folder, removed)")
+    ap.add_argument(
+        "--layout", default="dp1,tp2,pp2", help="trainer layout (its world = torchrun's)"
+    )
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="checkpoint and exports (default: a temporary folder, removed)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--tol", type=float, default=1e-4, help="largest |logprob difference| allowed")
-    ap.add_argument("--master-address", default="127.0.0.1",
-                    help="address of trainer rank 0 (it hosts the transfer group's store)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds any one transfer wait may take")
+    ap.add_argument(
+        "--master-address",
+        default="127.0.0.1",
+        help="address of trainer rank 0 (it hosts the transfer group's store)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds any one transfer wait may take"
+    )
     return ap.parse_args(argv)
 
 
@@ -62,10 +86,18 @@ def make_checkpoint(path: str, layers: int = 4) -> None:
     import torch
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=500, hidden_size=64, intermediate_size=128,
-                                   num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=layers,
-                                   max_position_embeddings=256, tie_word_embeddings=False,
-                                   initializer_range=0.2, dtype="float32")
+    cfg = transformers.Qwen2Config(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
 
@@ -101,7 +133,9 @@ def vllm_greedy(llm, prompts, max_tokens):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+    )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     res = []
     for o in outs:
@@ -140,17 +174,22 @@ def compare(got, ref, tol):
 
 def show_mismatch(got, ref) -> None:
     for g, r in zip(got, ref):
-        print(f"    vLLM {g[0]} {[round(x, 5) for x in g[1]]}\n"
-              f"    HF   {r[0]} {[round(x, 5) for x in r[1]]}", flush=True)
+        print(
+            f"    vLLM {g[0]} {[round(x, 5) for x in g[1]]}\n"
+            f"    HF   {r[0]} {[round(x, 5) for x in r[1]]}",
+            flush=True,
+        )
 
 
 def describe_plan(plan) -> str:
     s = plan.summary()
     met = "met" if s["network_bytes"] == s["min_network_bytes"] else "NOT met"
-    lines = [f"plan {s['src']} -> {s['dst']} ({s['dtype']}): network {s['network_bytes']} bytes "
-             f"(minimum {s['min_network_bytes']}, {met}), "
-             f"local {s['local_bytes']} bytes, {s['num_messages']} messages",
-             "  group rank   send bytes   recv bytes  (trainer ranks first, then vLLM workers)"]
+    lines = [
+        f"plan {s['src']} -> {s['dst']} ({s['dtype']}): network {s['network_bytes']} bytes "
+        f"(minimum {s['min_network_bytes']}, {met}), "
+        f"local {s['local_bytes']} bytes, {s['num_messages']} messages",
+        "  group rank   send bytes   recv bytes  (trainer ranks first, then vLLM workers)",
+    ]
     for r, v in sorted(s["per_rank"].items()):
         lines.append(f"  {r:10d} {v['send']:12d} {v['recv']:12d}")
     return "\n".join(lines)
@@ -159,8 +198,10 @@ def describe_plan(plan) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tp > 1:  # vLLM's CPU workers each bind to cores; on a small machine name them
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                              "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)),
+        )
     import torch
     import torch.distributed as dist
 
@@ -173,7 +214,9 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout.parse(args.layout)
     if layout.world != world:
-        raise SystemExit(f"--layout {args.layout} has {layout.world} ranks, torchrun started {world}")
+        raise SystemExit(
+            f"--layout {args.layout} has {layout.world} ranks, torchrun started {world}"
+        )
 
     # rank 0 writes the checkpoint and chooses the transfer group's port; everyone learns both
     tmp = None
@@ -197,23 +240,44 @@ def main(argv=None) -> int:
 
             t0 = time.perf_counter()
             with without_torchrun_env():
-                llm = LLM(model=ckpt, tensor_parallel_size=args.tp, weight_transfer_config={"backend": "real_py"},
-                          dtype="float32", gpu_memory_utilization=0.15, skip_tokenizer_init=True,
-                          enforce_eager=True, max_model_len=128, block_size=BLOCK_SIZE)
-            print(f"[rank 0] vLLM (tp={args.tp}) started in {time.perf_counter() - t0:.1f} s", flush=True)
+                llm = LLM(
+                    model=ckpt,
+                    tensor_parallel_size=args.tp,
+                    weight_transfer_config={"backend": "real_py"},
+                    dtype="float32",
+                    gpu_memory_utilization=0.15,
+                    skip_tokenizer_init=True,
+                    enforce_eager=True,
+                    max_model_len=128,
+                    block_size=BLOCK_SIZE,
+                )
+            print(
+                f"[rank 0] vLLM (tp={args.tp}) started in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
             before = vllm_greedy(llm, PROMPTS, args.max_tokens)
             ref = hf_greedy(ckpt, PROMPTS, args.max_tokens)
             ok, same, diff = compare(before, ref, args.tol)
             if not ok:
                 show_mismatch(before, ref)
-            print(f"[rank 0] step 0: {'PASS' if ok else 'FAIL'}: vLLM as loaded vs transformers on the checkpoint: "
-                  f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}", flush=True)
+            print(
+                f"[rank 0] step 0: {'PASS' if ok else 'FAIL'}: vLLM as loaded vs transformers on the checkpoint: "
+                f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}",
+                flush=True,
+            )
             ok_all &= ok
         box = [free_port() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
 
-        info = RealPyTrainerInitInfo(rank=rank, master_address=args.master_address, master_port=box[0],
-                                     config=cfg, layout=layout, num_workers=args.tp, timeout_s=args.timeout)
+        info = RealPyTrainerInitInfo(
+            rank=rank,
+            master_address=args.master_address,
+            master_port=box[0],
+            config=cfg,
+            layout=layout,
+            num_workers=args.tp,
+            timeout_s=args.timeout,
+        )
         engine = RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shard))
         if rank == 0:
             print(describe_plan(engine.plan), flush=True)
@@ -226,27 +290,38 @@ def main(argv=None) -> int:
             if rank == 0:
                 out = os.path.join(workdir, f"step{step}")
                 save_hf(out, cfg, full, source=ckpt)
-                got, ref = vllm_greedy(llm, PROMPTS, args.max_tokens), hf_greedy(out, PROMPTS, args.max_tokens)
+                got, ref = (
+                    vllm_greedy(llm, PROMPTS, args.max_tokens),
+                    hf_greedy(out, PROMPTS, args.max_tokens),
+                )
                 ok, same, diff = compare(got, ref, args.tol)
                 changed = got != before
                 before = got
                 w = stats["workers"]
-                print(f"[rank 0] step {step}: sent {stats['sent_bytes']} bytes from rank 0 in "
-                      f"{stats['seconds'] * 1e3:.1f} ms; workers received "
-                      f"{[x['received_bytes'] for x in w]} bytes, applied in "
-                      f"{max(x['apply_s'] for x in w) * 1e3:.1f} ms", flush=True)
-                print(f"[rank 0] step {step}: {'PASS' if ok else 'FAIL'}: vLLM tp={args.tp} vs transformers on "
-                      f"the gathered weights: tokens {'equal' if same else 'DIFFER'} ({len(PROMPTS)} prompts x "
-                      f"{args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); output "
-                      f"{'changed' if changed else 'UNCHANGED'} since the last weights", flush=True)
+                print(
+                    f"[rank 0] step {step}: sent {stats['sent_bytes']} bytes from rank 0 in "
+                    f"{stats['seconds'] * 1e3:.1f} ms; workers received "
+                    f"{[x['received_bytes'] for x in w]} bytes, applied in "
+                    f"{max(x['apply_s'] for x in w) * 1e3:.1f} ms",
+                    flush=True,
+                )
+                print(
+                    f"[rank 0] step {step}: {'PASS' if ok else 'FAIL'}: vLLM tp={args.tp} vs transformers on "
+                    f"the gathered weights: tokens {'equal' if same else 'DIFFER'} ({len(PROMPTS)} prompts x "
+                    f"{args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); output "
+                    f"{'changed' if changed else 'UNCHANGED'} since the last weights",
+                    flush=True,
+                )
                 if not ok:
                     show_mismatch(got, ref)
                 ok_all &= ok and changed
         engine.shutdown()
         if rank == 0:
             llm.shutdown_weight_transfer_engine()  # the workers leave the transfer group; vLLM serves on
-            print(f"[rank 0] {'PASS' if ok_all else 'FAIL'}: {args.steps} updates through the real_py backend",
-                  flush=True)
+            print(
+                f"[rank 0] {'PASS' if ok_all else 'FAIL'}: {args.steps} updates through the real_py backend",
+                flush=True,
+            )
     finally:
         if llm is not None:
             del llm

@@ -40,36 +40,83 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_offline import (BLOCK_SIZE, PROMPTS, compare, describe_plan, free_port, hf_greedy,  # noqa: E402
-                          make_checkpoint, show_mismatch, training_step)
+from vllm_offline import (
+    BLOCK_SIZE,
+    PROMPTS,
+    compare,
+    describe_plan,
+    free_port,
+    hf_greedy,
+    make_checkpoint,
+    show_mismatch,
+    training_step,
+)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2, help="the server's --tensor-parallel-size")
-    ap.add_argument("--layout", default="dp1,tp2,pp2", help="trainer layout (its ranks run as threads)")
-    ap.add_argument("--workdir", default=None, help="checkpoint, exports and server.log (default: a temporary folder)")
+    ap.add_argument(
+        "--layout", default="dp1,tp2,pp2", help="trainer layout (its ranks run as threads)"
+    )
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="checkpoint, exports and server.log (default: a temporary folder)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--tol", type=float, default=1e-4)
-    ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for /health")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds for any one request or transfer wait")
+    ap.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds to wait for /health"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds for any one request or transfer wait"
+    )
     return ap.parse_args(argv)
 
 
 def start_server(ckpt: str, tp: int, port: int, log_path: str) -> subprocess.Popen:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
-           "--weight-transfer-config", json.dumps({"backend": "real_py"}), "--dtype", "float32",
-           "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
-           "--gpu-memory-utilization", "0.15", "--max-model-len", "128", "--enforce-eager",
-           "--block-size", str(BLOCK_SIZE), "--skip-tokenizer-init"]
+        env.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        ckpt,
+        "--weight-transfer-config",
+        json.dumps({"backend": "real_py"}),
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--gpu-memory-utilization",
+        "0.15",
+        "--max-model-len",
+        "128",
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--skip-tokenizer-init",
+    ]
     log = open(log_path, "w")
     # a session of its own: the server and every process it spawns are stopped together
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -92,16 +139,20 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: str, timeout: floa
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was healthy; "
-                               f"last lines of {log_path}:\n{tail(log_path)}")
+            raise RuntimeError(
+                f"the vLLM server exited with {proc.returncode} before it was healthy; "
+                f"last lines of {log_path}:\n{tail(log_path)}"
+            )
         try:
             if requests.get(f"{base}/health", timeout=5).status_code == 200:
                 return time.monotonic() - t0
         except requests.RequestException:
             pass
         time.sleep(2)
-    raise TimeoutError(f"the vLLM server was not healthy within {timeout:g} s; last lines of {log_path}:\n"
-                       f"{tail(log_path)}")
+    raise TimeoutError(
+        f"the vLLM server was not healthy within {timeout:g} s; last lines of {log_path}:\n"
+        f"{tail(log_path)}"
+    )
 
 
 def tail(path: str, n: int = 30) -> str:
@@ -115,9 +166,20 @@ def completions(base: str, model: str, prompts, max_tokens: int, timeout: float)
 
     out = []
     for p in prompts:
-        r = requests.post(f"{base}/v1/completions", timeout=timeout, json={
-            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True})
+        r = requests.post(
+            f"{base}/v1/completions",
+            timeout=timeout,
+            json={
+                "model": model,
+                "prompt": p,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         if r.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.text[:500]}")
         c = r.json()["choices"][0]
@@ -132,10 +194,13 @@ def on_ranks(n: int, fn, timeout: float) -> dict:
     def one(r):
         try:
             res[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
+        except BaseException as e:
             errs[r] = e
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True, name=f"trainer-rank-{r}") for r in range(n)]
+    threads = [
+        threading.Thread(target=one, args=(r,), daemon=True, name=f"trainer-rank-{r}")
+        for r in range(n)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -153,11 +218,11 @@ def on_ranks(n: int, fn, timeout: float) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from real_py import Layout, ModelConfig, gather_full, model_spec
     from real_py.interop import load_hf_shard, save_hf
     from real_py.vllm import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below on a kill too
@@ -177,25 +242,39 @@ def main(argv=None) -> int:
     proc = start_server(ckpt, args.tp, port, log_path)
     ok_all = True
     try:
-        print(f"vLLM server (tp={args.tp}) healthy at {base} after "
-              f"{wait_healthy(base, proc, log_path, args.start_timeout):.1f} s; log: {log_path}", flush=True)
+        print(
+            f"vLLM server (tp={args.tp}) healthy at {base} after "
+            f"{wait_healthy(base, proc, log_path, args.start_timeout):.1f} s; log: {log_path}",
+            flush=True,
+        )
         before = completions(base, ckpt, PROMPTS, args.max_tokens, args.timeout)
         ref = hf_greedy(ckpt, PROMPTS, args.max_tokens)
         ok, same, diff = compare(before, ref, args.tol)
         if not ok:
             show_mismatch(before, ref)
-        print(f"step 0: {'PASS' if ok else 'FAIL'}: server as loaded vs transformers on the checkpoint: "
-              f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}", flush=True)
+        print(
+            f"step 0: {'PASS' if ok else 'FAIL'}: server as loaded vs transformers on the checkpoint: "
+            f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}",
+            flush=True,
+        )
         ok_all &= ok
 
         client = HTTPVLLMWeightSyncClient(base, timeout=args.timeout)
         group_port = free_port()
 
         def init(r):
-            info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=group_port, config=cfg,
-                                         layout=layout, num_workers=args.tp, timeout_s=args.timeout)
-            return RealPyTrainerEngine.trainer_init(info, client=client if r == 0 else None,
-                                                    source=ShardSource(shards[r]))
+            info = RealPyTrainerInitInfo(
+                rank=r,
+                master_address="127.0.0.1",
+                master_port=group_port,
+                config=cfg,
+                layout=layout,
+                num_workers=args.tp,
+                timeout_s=args.timeout,
+            )
+            return RealPyTrainerEngine.trainer_init(
+                info, client=client if r == 0 else None, source=ShardSource(shards[r])
+            )
 
         engines = on_ranks(layout.world, init, 2 * args.timeout)
         print(describe_plan(engines[0].plan), flush=True)
@@ -206,25 +285,33 @@ def main(argv=None) -> int:
             stats = on_ranks(layout.world, lambda r: engines[r].send_weights(), 2 * args.timeout)[0]
             got = completions(base, ckpt, PROMPTS, args.max_tokens, args.timeout)
             out = os.path.join(workdir, f"step{step}")
-            save_hf(out, cfg, gather_full(spec, shards), source=ckpt)   # the independent reference
+            save_hf(out, cfg, gather_full(spec, shards), source=ckpt)  # the independent reference
             ref = hf_greedy(out, PROMPTS, args.max_tokens)
             ok, same, diff = compare(got, ref, args.tol)
             changed = got != before
             before = got
-            print(f"step {step}: workers received {[w['received_bytes'] for w in stats['workers']]} bytes; "
-                  f"update {stats['seconds'] * 1e3:.1f} ms on rank 0", flush=True)
-            print(f"step {step}: {'PASS' if ok and changed else 'FAIL'}: /v1/completions (tp={args.tp}) vs "
-                  f"transformers on the gathered weights: tokens {'equal' if same else 'DIFFER'} "
-                  f"({len(PROMPTS)} prompts x {args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); "
-                  f"answer {'changed' if changed else 'UNCHANGED'} since the last weights", flush=True)
+            print(
+                f"step {step}: workers received {[w['received_bytes'] for w in stats['workers']]} bytes; "
+                f"update {stats['seconds'] * 1e3:.1f} ms on rank 0",
+                flush=True,
+            )
+            print(
+                f"step {step}: {'PASS' if ok and changed else 'FAIL'}: /v1/completions (tp={args.tp}) vs "
+                f"transformers on the gathered weights: tokens {'equal' if same else 'DIFFER'} "
+                f"({len(PROMPTS)} prompts x {args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); "
+                f"answer {'changed' if changed else 'UNCHANGED'} since the last weights",
+                flush=True,
+            )
             if not ok:
                 show_mismatch(got, ref)
             ok_all &= ok and changed
         for e in engines.values():
             e.shutdown()
         client.shutdown_weight_transfer_engine()
-        print(f"{'PASS' if ok_all else 'FAIL'}: {args.steps} updates of a vLLM server through the real_py backend",
-              flush=True)
+        print(
+            f"{'PASS' if ok_all else 'FAIL'}: {args.steps} updates of a vLLM server through the real_py backend",
+            flush=True,
+        )
     except BaseException:
         print(f"--- last lines of {log_path}:\n{tail(log_path)}", file=sys.stderr, flush=True)
         raise

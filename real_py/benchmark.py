@@ -34,9 +34,11 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str:
         return os.environ["REAL_PY_GIT_COMMIT"]
     where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
     try:
+
         def git(*args: str) -> str:
-            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=where, timeout=10
+            ).stdout.strip()
 
         head = git("rev-parse", "--short", "HEAD")
         if not head:
@@ -64,9 +66,12 @@ def environment() -> dict:
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-        "cuda": torch.version.cuda, "git_commit": git_commit(),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
         "machine": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB",
         "torch_threads": torch.get_num_threads(),
         "load_avg_1_5_15min": [round(x, 1) for x in os.getloadavg()],
@@ -144,7 +149,9 @@ class PlanMessages:
         for m in mine.recvs:
             buf = torch.empty(m.numel, dtype=dtype, device=device)
             self.ops.append(dist.P2POp(dist.irecv, buf, m.peers[0]))
-        self.recv_bytes = sum(m.numel for m in mine.recvs) * torch.empty(0, dtype=dtype).element_size()
+        self.recv_bytes = (
+            sum(m.numel for m in mine.recvs) * torch.empty(0, dtype=dtype).element_size()
+        )
 
     def start(self) -> list:
         """Post every message; the works to wait on."""
@@ -157,5 +164,12 @@ class PlanMessages:
             w.wait()
 
 
-__all__ = ["PlanMessages", "cpu_model", "environment", "git_commit", "pattern", "slowest_rank",
-           "timed_slowest"]
+__all__ = [
+    "PlanMessages",
+    "cpu_model",
+    "environment",
+    "git_commit",
+    "pattern",
+    "slowest_rank",
+    "timed_slowest",
+]

@@ -24,19 +24,22 @@ def local_rank() -> int:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"cpu", "cuda" (error without a GPU) or "auto"; CUDA devices are made current."""
+    """ "cpu", "cuda" (error without a GPU) or "auto"; CUDA devices are made current."""
     if name not in DEVICES:
         raise ValueError(f"device={name!r}; allowed: {list(DEVICES)}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no GPU (CPU-only torch, no driver or "
-                         "CUDA_VISIBLE_DEVICES empty); use device: cpu or auto")
+        raise ValueError(
+            "device='cuda' but torch sees no GPU (CPU-only torch, no driver or "
+            "CUDA_VISIBLE_DEVICES empty); use device: cpu or auto"
+        )
     n = torch.cuda.device_count()
     r = local_rank()
     if r >= n:
-        raise ValueError(f"local rank {r} has no GPU: this node has {n}; launch at most {n} "
-                         "processes per node")
+        raise ValueError(
+            f"local rank {r} has no GPU: this node has {n}; launch at most {n} processes per node"
+        )
     torch.cuda.set_device(r)
     return torch.device("cuda", r)
 
@@ -57,5 +60,11 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-__all__ = ["resolve_device", "backend_for", "local_rank", "peak_memory_mib", "reset_peak_memory",
-           "DEVICES"]
+__all__ = [
+    "resolve_device",
+    "backend_for",
+    "local_rank",
+    "peak_memory_mib",
+    "reset_peak_memory",
+    "DEVICES",
+]

@@ -108,8 +108,14 @@ def default_store():
 JOB_KEY = "real_py/job/rank/"
 """Root-store key prefix of a process's heartbeat-and-activity record (JOB_KEY + global rank)."""
 
-_doing: dict = {"base": None, "section": None, "user": None, "failed_in": None, "failed_user": None,
-                "version": 0}
+_doing: dict = {
+    "base": None,
+    "section": None,
+    "user": None,
+    "failed_in": None,
+    "failed_user": None,
+    "version": 0,
+}
 """What this process does: (label, since wall time) per level; the section and user code it was
 in when an exception left them (the first such, for its failure record)."""
 
@@ -144,8 +150,12 @@ def activity() -> dict:
     """This process's state: doing (section, else the driver's label), since, user, user_since."""
     base, sec, user = _doing["base"], _doing["section"], _doing["user"]
     cur = sec or base
-    return {"doing": cur[0] if cur else None, "since": cur[1] if cur else None,
-            "user": user[0] if user else None, "user_since": user[1] if user else None}
+    return {
+        "doing": cur[0] if cur else None,
+        "since": cur[1] if cur else None,
+        "user": user[0] if user else None,
+        "user_since": user[1] if user else None,
+    }
 
 
 def failed_in() -> tuple[str | None, str | None]:
@@ -224,13 +234,13 @@ def start_heartbeat(store=None, rank: int | None = None):
                     if _doing["version"] != seen:  # a new activity goes out within ACTIVITY_S
                         seen = _doing["version"]
                         publish(n)
-                except Exception:  # noqa: BLE001 - store gone (shutdown): stop beating
+                except Exception:
                     return
                 stop.wait(ACTIVITY_S)
             try:  # stopped on purpose (stop_threads): peers still waiting learn it finished
                 store.set(key, DONE.decode())
                 publish(n, done=True)
-            except Exception:  # noqa: BLE001 - store gone
+            except Exception:
                 pass
 
         _started[id(store)] = _spawn(beat, f"real_py-heartbeat-{rank}")[0]
@@ -274,7 +284,7 @@ class PeerWatch:
                 if not self.store.check([key]):
                     continue
                 value = self.store.get(key)
-            except Exception:  # noqa: BLE001 - an unreadable store judges nobody
+            except Exception:
                 continue
             old = self._seen.get(p)
             if old is None or old[0] != value:
@@ -288,8 +298,10 @@ class PeerWatch:
         run (stopped its heartbeat on purpose: the ranks' schedules differ), or it stopped."""
         seen = self._seen.get(peer)
         if seen is not None and seen[0] == DONE:
-            return (f"has finished its run (its heartbeat ended cleanly {secs:.1f} s ago) while this "
-                    "rank still waits on it")
+            return (
+                f"has finished its run (its heartbeat ended cleanly {secs:.1f} s ago) while this "
+                "rank still waits on it"
+            )
         return f"is silent: no heartbeat for {secs:.1f} s (process stopped or hung)"
 
 
@@ -307,7 +319,7 @@ class _Waiter:
             try:
                 wait()
                 result.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            except BaseException as e:
                 result.put(e)
             # Drop the finished job now: its closure holds the round's gloo / NCCL Work objects
             # (and their tensors). Kept in this daemon thread's frame until the next job, they
@@ -373,8 +385,10 @@ class Watchdog:
             if silent and self._section is cur:
                 p, secs = silent[0]
                 self._fired = True
-                self.on_silent(f"{cur[0]}: peer rank {p} {self.watch.describe(p, secs)}; a blocked "
-                               "collective cannot be given up, so this process exits")
+                self.on_silent(
+                    f"{cur[0]}: peer rank {p} {self.watch.describe(p, secs)}; a blocked "
+                    "collective cannot be given up, so this process exits"
+                )
 
     def _exit(self, message: str) -> None:
         import sys
@@ -383,12 +397,20 @@ class Watchdog:
         try:
             n = self.store.add("real_py/watchdog/n", 1)
             self.store.set(f"real_py/watchdog/{n}", message[:2000])
-        except Exception:  # noqa: BLE001 - best effort: exiting is what matters
+        except Exception:
             pass
         sec = self._section
-        record_failure({"rank": _logs["rank"], "pid": os.getpid(), "time": time.time(),
-                        "where": sec[0] if sec else None, "exception": "SilentPeer",
-                        "message": message[:2000], "consequent": True})
+        record_failure(
+            {
+                "rank": _logs["rank"],
+                "pid": os.getpid(),
+                "time": time.time(),
+                "where": sec[0] if sec else None,
+                "exception": "SilentPeer",
+                "message": message[:2000],
+                "consequent": True,
+            }
+        )
         os._exit(EXIT_SILENT_PEER)
 
 
@@ -413,6 +435,23 @@ def wait_watched(wait, check, poll: float = POLL_S) -> None:
         raise err
 
 
-__all__ = ["start_heartbeat", "stop_threads", "PeerWatch", "SilentPeer", "Watchdog", "wait_watched",
-           "default_store", "root_store", "set_activity", "user_code", "activity", "failed_in",
-           "set_job_logs", "record_failure", "HEARTBEAT_S", "SILENT_S", "EXIT_SILENT_PEER", "JOB_KEY"]
+__all__ = [
+    "start_heartbeat",
+    "stop_threads",
+    "PeerWatch",
+    "SilentPeer",
+    "Watchdog",
+    "wait_watched",
+    "default_store",
+    "root_store",
+    "set_activity",
+    "user_code",
+    "activity",
+    "failed_in",
+    "set_job_logs",
+    "record_failure",
+    "HEARTBEAT_S",
+    "SILENT_S",
+    "EXIT_SILENT_PEER",
+    "JOB_KEY",
+]

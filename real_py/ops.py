@@ -112,7 +112,9 @@ class CopyPlan:
             if nbytes == 0:
                 continue
             self.bytes += nbytes
-            self.groups.append((a, b, torch.from_numpy(items).to(self.device), torch.from_numpy(bounds)))
+            self.groups.append(
+                (a, b, torch.from_numpy(items).to(self.device), torch.from_numpy(bounds))
+            )
         self._empty: torch.Tensor | None = None
 
     @property
@@ -128,8 +130,8 @@ class CopyPlan:
         """Copy; srcs / dsts: sequences of flat buffers indexed by the descriptors' src_buf /
         dst_buf (None where the plan addresses none)."""
         for a, b, items, bounds in self.groups:
-            s = [self._buf(x) for x in srcs[a:a + 64]]
-            t = [self._buf(x) for x in dsts[b:b + 64]]
+            s = [self._buf(x) for x in srcs[a : a + 64]]
+            t = [self._buf(x) for x in dsts[b : b + 64]]
             torch.ops.real_py.copy_planned(s, t, items, bounds)
 
     def _buf(self, x):
@@ -171,9 +173,11 @@ def _copy_planned_fake(srcs, dsts, items, bounds):
 
 # The schemas live in C++ (csrc/ops/ops.cpp), which cannot carry docstrings; help() on the op
 # packets shows these instead.
-torch.ops.real_py.pack.__doc__ = ("real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n"
-                                  + pack.__doc__)
-torch.ops.real_py.unpack.__doc__ = ("real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()"
-                                    "\n\n" + unpack.__doc__)
+torch.ops.real_py.pack.__doc__ = (
+    "real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n" + pack.__doc__
+)
+torch.ops.real_py.unpack.__doc__ = (
+    "real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()\n\n" + unpack.__doc__
+)
 
 __all__ = ["CopyPlan", "pack", "unpack", "descs_tensor", "extension"]

@@ -38,15 +38,23 @@ from .layout import Layout, require_layout
 
 
 class ParallelGroups:
-    def __init__(self, layout: Layout, *, tied: bool = True, timeout_s: float | None = None,
-                 moe: bool = False):
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        tied: bool = True,
+        timeout_s: float | None = None,
+        moe: bool = False,
+    ):
         require_layout(layout)
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups needs an initialized torch.distributed world")
         world = dist.get_world_size()
         if max(layout.ranks) >= world:
-            raise ValueError(f"layout {layout} uses global rank {max(layout.ranks)} but the world has "
-                             f"{world} ranks; pick ranks in 0..{world - 1}")
+            raise ValueError(
+                f"layout {layout} uses global rank {max(layout.ranks)} but the world has "
+                f"{world} ranks; pick ranks in 0..{world - 1}"
+            )
         self.layout = layout
         self.rank = dist.get_rank()
         coords = layout.coords(self.rank)
@@ -135,5 +143,7 @@ class ParallelGroups:
     def __repr__(self) -> str:
         if not self.member:
             return f"ParallelGroups({self.layout}, rank={self.rank}, not a member)"
-        return (f"ParallelGroups({self.layout}, rank={self.rank}, dp={self.dp_rank}, tp={self.tp_rank}, "
-                f"stage={self.stage})")
+        return (
+            f"ParallelGroups({self.layout}, rank={self.rank}, dp={self.dp_rank}, tp={self.tp_rank}, "
+            f"stage={self.stage})"
+        )

@@ -19,12 +19,28 @@ from __future__ import annotations
 from .launch.spawn import spawn_ranks
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
-                    env: dict | None = None, allow_exit=(), backend: str = "gloo") -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    env: dict | None = None,
+    allow_exit=(),
+    backend: str = "gloo",
+) -> list:
     """fn(rank, world_size, *args) in `world_size` spawned ranks; their return values (see the
     module docstring)."""
-    return spawn_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, env=env,
-                       allow_exit=allow_exit, backend=backend)
+    return spawn_ranks(
+        fn,
+        world_size,
+        *args,
+        timeout=timeout,
+        pg_timeout=pg_timeout,
+        env=env,
+        allow_exit=allow_exit,
+        backend=backend,
+    )
 
 
 __all__ = ["run_distributed"]

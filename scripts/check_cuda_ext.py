@@ -16,7 +16,10 @@ import torch
 
 def main(path: str) -> int:
     if torch.version.cuda is None:
-        print(f"error: torch {torch.__version__} is a CPU build; run this with the CUDA torch", file=sys.stderr)
+        print(
+            f"error: torch {torch.__version__} is a CPU build; run this with the CUDA torch",
+            file=sys.stderr,
+        )
         return 2
     # The pybind module is named _C; load it under that name (PyInit__C) without the package.
     loader = importlib.machinery.ExtensionFileLoader("_C", path)
@@ -27,12 +30,21 @@ def main(path: str) -> int:
     if not ops:
         print(f"error: {path} registered no real_py:: ops", file=sys.stderr)
         return 1
-    missing = [(op, key) for op in ops for key in ("CPU", "CUDA")
-               if not torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+    missing = [
+        (op, key)
+        for op in ops
+        for key in ("CPU", "CUDA")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    ]
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); {path}")
-    print(f"ops: {', '.join(ops)}; pybind functions: {len([n for n in dir(module) if not n.startswith('_')])}")
+    print(
+        f"ops: {', '.join(ops)}; pybind functions: {len([n for n in dir(module) if not n.startswith('_')])}"
+    )
     if missing:
-        print("error: no kernel for " + ", ".join(f"{op} on {key}" for op, key in missing), file=sys.stderr)
+        print(
+            "error: no kernel for " + ", ".join(f"{op} on {key}" for op, key in missing),
+            file=sys.stderr,
+        )
         return 1
     print("every op has CPU and CUDA kernels")
     return 0

@@ -13,7 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 def test_ppo_estimator_uses_the_gpus_own_datasheet(monkeypatch):
     import bench_gpu_ppo as B
 
-    for tag, want in (("h100", "h100"), ("h200", "h200"), ("a100", "a100"), ("l40s", "h200"), ("cpu2", "h200")):
+    for tag, want in (
+        ("h100", "h100"),
+        ("h200", "h200"),
+        ("a100", "a100"),
+        ("l40s", "h200"),
+        ("cpu2", "h200"),
+    ):
         monkeypatch.setattr(B, "hardware_tag", lambda device, small=False, tag=tag: tag)
         assert B.datasheet_profile("cuda") == want, tag
 

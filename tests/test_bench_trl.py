@@ -2,7 +2,6 @@
 # A failure points to bench/bench_trl.py (setup, real_py_config, trl_args) or to the train CLI / GRPO config keys it writes (real_py/rlhf/config).
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,27 @@ def test_both_sides_configured_with_the_same_work(tmp_path, small):
     ours = B.work_of_real_py(B.real_py_config(s, "ckpt", str(tmp_path / "r"), "cuda"))
     theirs = B.work_of_trl(B.trl_args(s, str(tmp_path / "t"), "cuda"), s["prompts_file"])
     assert ours == theirs
-    want = {"prompts_file": s["prompts_file"], "prompts_per_step": s["prompts_per_step"], "group": s["group"],
-            "new_tokens": (s["new_tokens"], s["new_tokens"]), "lr": s["lr"], "steps": s["steps"], "kl": s["kl"],
-            "clip": s["clip"], "shuffle": False, "optimizer_steps_per_step": 1, "micro": s["micro"],
-            "max_grad_norm": s["max_grad_norm"]}
+    want = {
+        "prompts_file": s["prompts_file"],
+        "prompts_per_step": s["prompts_per_step"],
+        "group": s["group"],
+        "new_tokens": (s["new_tokens"], s["new_tokens"]),
+        "lr": s["lr"],
+        "steps": s["steps"],
+        "kl": s["kl"],
+        "clip": s["clip"],
+        "shuffle": False,
+        "optimizer_steps_per_step": 1,
+        "micro": s["micro"],
+        "max_grad_norm": s["max_grad_norm"],
+    }
     assert ours == want
     # the real_py config is a valid training config
     from real_py.rlhf import config as CF
 
-    d = B.real_py_config(s, s["tokenizer"], str(tmp_path / "r"), "cpu")  # a directory with a tokenizer
+    d = B.real_py_config(
+        s, s["tokenizer"], str(tmp_path / "r"), "cpu"
+    )  # a directory with a tokenizer
     d.pop("actor_path")
     cfg = CF.from_dict(d)
     assert cfg.algo == "grpo" and cfg.group_size() == s["group"]

@@ -21,12 +21,12 @@ from real_py.launch import lock as L
 from real_py.launch import rank as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REWARD = '''import os, time
+REWARD = """import os, time
 def score(prompts, responses, answer):
     if any(responses) and os.environ.get("RANK") == "2":
         {body}
     return [0.0] * len(responses)
-'''
+"""
 
 
 def _job_pids(marker: str) -> list[int]:
@@ -53,9 +53,15 @@ class Job:
     def __init__(self, tmp_path, args, env=None):
         self.marker, self.err_path = f"{tmp_path}-{time.monotonic_ns()}", tmp_path / "stderr.txt"
         self.err = open(self.err_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "real_py", "train", "--no-progress", *args], cwd=ROOT,
-                                  env=dict(os.environ, REAL_PY_TEST_JOB=self.marker, **(env or {})),
-                                  stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "real_py", "train", "--no-progress", *args],
+            cwd=ROOT,
+            env=dict(os.environ, REAL_PY_TEST_JOB=self.marker, **(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            start_new_session=True,
+        )
         self.out = []
 
     def until(self, prefix: str) -> str:
@@ -63,7 +69,9 @@ class Job:
             self.out.append(line)
             if line.startswith(prefix):
                 return line
-        raise AssertionError(f"no line {prefix!r}; stdout:\n{''.join(self.out)[-3000:]}\nstderr:\n{self.stderr()[-3000:]}")
+        raise AssertionError(
+            f"no line {prefix!r}; stdout:\n{''.join(self.out)[-3000:]}\nstderr:\n{self.stderr()[-3000:]}"
+        )
 
     def finish(self, timeout=240) -> int:
         self.out += self.p.stdout.readlines()
@@ -150,7 +158,9 @@ def test_locked_run_dir_and_ctrl_c(tmp_path, capsys, monkeypatch):
         assert job.finish(60) == 130
         err = job.stderr()
         lines = [x for x in err.splitlines() if x.strip()]
-        assert len(lines) == 1 and lines[0].startswith("interrupted (SIGINT): ended the job's 4 ranks"), err
+        assert len(lines) == 1 and lines[0].startswith(
+            "interrupted (SIGINT): ended the job's 4 ranks"
+        ), err
         assert "Traceback" not in err + "".join(job.out)
         assert not _job_pids(job.marker)
     finally:
@@ -172,21 +182,40 @@ def test_reward_error_is_one_line(tmp_path, launch):
     traceback); the other ranks' consequent errors stay in their logs."""
     cfg = _copy_task(tmp_path, 'raise ValueError("cannot score response")')
     out = str(tmp_path / "run")
-    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "3", "--timeout", "60",
-                         f"reward.path={tmp_path / 'reward.py'}:score"], env={"REAL_PY_LAUNCH": launch})
+    job = Job(
+        tmp_path,
+        [
+            "--config",
+            cfg,
+            "--out-dir",
+            out,
+            "--steps",
+            "3",
+            "--timeout",
+            "60",
+            f"reward.path={tmp_path / 'reward.py'}:score",
+        ],
+        env={"REAL_PY_LAUNCH": launch},
+    )
     try:
         assert job.finish() == 1
         err = job.stderr()
         log = os.path.join(out, "logs", "rank2.log")
         last = err.strip().splitlines()[-1]
-        assert last.startswith("train failed: rank 2, step 0, call rew_inf: ValueError: cannot score response"), err
+        assert last.startswith(
+            "train failed: rank 2, step 0, call rew_inf: ValueError: cannot score response"
+        ), err
         assert f"full trace: {log}" in last, last
         assert "Traceback" not in err and "Root Cause" not in err, err[-3000:]
         assert len((err + "".join(job.out)).splitlines()) < 40
         text = open(log).read()
         assert "Traceback" in text and "cannot score response" in text
         rec = json.load(open(os.path.join(out, "logs", "failed_rank2.json")))
-        assert rec["exception"] == "ValueError" and not rec["consequent"] and "reward function" in rec["user"]
+        assert (
+            rec["exception"] == "ValueError"
+            and not rec["consequent"]
+            and "reward function" in rec["user"]
+        )
     finally:
         job.kill()
 
@@ -200,8 +229,21 @@ def test_reward_hang_is_named(tmp_path):
     log holds its stack in the function."""
     cfg = _copy_task(tmp_path, "time.sleep(3600)")
     out = str(tmp_path / "run")
-    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "3", "--timeout", "20",
-                         f"reward.path={tmp_path / 'reward.py'}:score"], env={"REAL_PY_USER_WARN_S": "3"})
+    job = Job(
+        tmp_path,
+        [
+            "--config",
+            cfg,
+            "--out-dir",
+            out,
+            "--steps",
+            "3",
+            "--timeout",
+            "20",
+            f"reward.path={tmp_path / 'reward.py'}:score",
+        ],
+        env={"REAL_PY_USER_WARN_S": "3"},
+    )
     try:
         job.until("launching")
         t0 = time.monotonic()
@@ -221,7 +263,9 @@ def test_reward_hang_is_named(tmp_path):
         assert warn < err.index(last) and seen is not None and ended - seen > 8, (seen, ended, err)
         assert last.startswith("train failed: rank 2 has been inside the reward function"), err
         assert "step 0, call rew_inf" in last and "gave up waiting" in last, last
-        assert 'in score' in open(os.path.join(out, "logs", "rank2.log")).read()  # faulthandler stack
+        assert (
+            "in score" in open(os.path.join(out, "logs", "rank2.log")).read()
+        )  # faulthandler stack
     finally:
         job.kill()
 
@@ -239,11 +283,22 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         "def score(prompts, responses, answer):\n"
         "    if len(responses) <= 2 and not any(responses):  # config.validate's check call\n"
         f"        open({str(tmp_path / 'checks')!r}, 'a').write(str(os.getpid()) + '\\n')\n"
-        "    return [0.0] * len(responses)\n")
+        "    return [0.0] * len(responses)\n"
+    )
     cfg = os.path.join(ROOT, "configs", "copy_task", "ppo.yaml")
     out = str(tmp_path / "run")
-    job = Job(tmp_path, ["--config", cfg, "--out-dir", out, "--steps", "1",
-                         f"reward.path={tmp_path / 'reward.py'}:score"])
+    job = Job(
+        tmp_path,
+        [
+            "--config",
+            cfg,
+            "--out-dir",
+            out,
+            "--steps",
+            "1",
+            f"reward.path={tmp_path / 'reward.py'}:score",
+        ],
+    )
     try:
         job.until("summary ")
         t = time.monotonic()
@@ -252,7 +307,11 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         agent = open(os.path.join(out, "logs", "torchrun.log")).read()
         assert "hosts the job's TCPStore on 127.0.0.1:" in agent, agent[-2000:]
         info = json.load(open(os.path.join(out, "logs", "job.json")))
-        assert info["launcher"] == job.p.pid and info["start_method"] == "fork" and len(info["ranks"]) == 4
+        assert (
+            info["launcher"] == job.p.pid
+            and info["start_method"] == "fork"
+            and len(info["ranks"]) == 4
+        )
         checks = (tmp_path / "checks").read_text().split()
         assert checks == [str(job.p.pid)], f"the reward function's validation call ran in {checks}"
         # About 0.2 s idle (bench/results/startup_cpu2_20261206.md); the interpreter teardown this
@@ -275,18 +334,24 @@ def test_lock_holder_named_and_dead_holder_waited_for(tmp_path, monkeypatch):
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, f"{os.getpid()} python -m real_py train\n".encode())
     t = time.monotonic()
-    with pytest.raises(ValueError, match=f"in use by another job: pid {os.getpid()} \\(python -m real_py train\\)"):
+    with pytest.raises(
+        ValueError, match=f"in use by another job: pid {os.getpid()} \\(python -m real_py train\\)"
+    ):
         L.lock_out_dir(d, wait_s=30)
-    assert time.monotonic() - t < 10, "a live holder must be refused at once, not after the 30 s wait"
+    assert time.monotonic() - t < 10, (
+        "a live holder must be refused at once, not after the 30 s wait"
+    )
     os.ftruncate(fd, 0)
-    os.pwrite(fd, b"999999999 python -m real_py train\n", 0)   # no such pid: the launcher is gone
+    os.pwrite(fd, b"999999999 python -m real_py train\n", 0)  # no such pid: the launcher is gone
     with pytest.raises(ValueError) as e:
         L.lock_out_dir(d, wait_s=0.3)
-    assert "in use by another job" not in str(e.value) and "kill 999999999" not in str(e.value), e.value
-    assert f"is locked by pid {os.getpid()} (" in str(e.value), e.value               # what holds it
+    assert "in use by another job" not in str(e.value) and "kill 999999999" not in str(e.value), (
+        e.value
+    )
+    assert f"is locked by pid {os.getpid()} (" in str(e.value), e.value  # what holds it
     assert "the job that took it (pid 999999999: python -m real_py train) is gone" in str(e.value)
     assert f"kill {os.getpid()})" in str(e.value), e.value
-    threading.Timer(0.5, os.close, [fd]).start()               # its last rank exits
+    threading.Timer(0.5, os.close, [fd]).start()  # its last rank exits
     L.lock_out_dir(d, wait_s=10)
     try:
         assert open(path).read().startswith(f"{os.getpid()} ")
@@ -310,9 +375,20 @@ def test_failure_record_finds_the_cause():
             return e
 
     rec = R.failure_record(wrapped(ValueError("cannot score response")), 2)
-    assert (rec["exception"], rec["message"], rec["consequent"]) == ("ValueError", "cannot score response", False)
-    rec = R.failure_record(wrapped(TransferError("rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
-                                                 "for 6.1 s (process stopped or hung), while waiting")), 0)
+    assert (rec["exception"], rec["message"], rec["consequent"]) == (
+        "ValueError",
+        "cannot score response",
+        False,
+    )
+    rec = R.failure_record(
+        wrapped(
+            TransferError(
+                "rank 0: round 1/3: peer rank 2 is silent: no heartbeat "
+                "for 6.1 s (process stopped or hung), while waiting"
+            )
+        ),
+        0,
+    )
     assert rec["consequent"] and rec["silent_peer"] == 2 and rec["exception"] == "TransferError"
 
 
@@ -341,23 +417,38 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
     from real_py.launch.report import cause, report
 
     t = time.time()
-    jb = _ended_job(tmp_path, {0: -15, 1: 3, 2: -15, 3: -15}, {}, ended={0: t, 1: t + 0.5, 2: t, 3: t})
+    jb = _ended_job(
+        tmp_path, {0: -15, 1: 3, 2: -15, 3: -15}, {}, ended={0: t, 1: t + 0.5, 2: t, 3: t}
+    )
     assert cause(jb)[:2] == (1, "rank 1 exited with code 3 (last reported: start-up)")
-    jb = _ended_job(tmp_path, {0: -15, 1: None, 2: -15, 3: -15}, {}, ended={0: t, 1: None, 2: t, 3: t})
+    jb = _ended_job(
+        tmp_path, {0: -15, 1: None, 2: -15, 3: -15}, {}, ended={0: t, 1: None, 2: t, 3: t}
+    )
     jb.ranks[1].killed = False
-    jb._agent_failures({1: types.SimpleNamespace(local_rank=1, exitcode=3)})   # the agent reaped it first
+    jb._agent_failures(
+        {1: types.SimpleNamespace(local_rank=1, exitcode=3)}
+    )  # the agent reaped it first
     assert jb.ranks[1].ended_at is None and cause(jb)[0] == 1
-    dog = {"rank": 0, "time": t, "where": "rank 0, step 1, call actor_train", "exception": "SilentPeer",
-           "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
-                      "stopped or hung); a blocked collective cannot be given up, so this process exits",
-           "consequent": True}
+    dog = {
+        "rank": 0,
+        "time": t,
+        "where": "rank 0, step 1, call actor_train",
+        "exception": "SilentPeer",
+        "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
+        "stopped or hung); a blocked collective cannot be given up, so this process exits",
+        "consequent": True,
+    }
     jb = _ended_job(tmp_path, {0: 75, 1: -15, 2: None, 3: -15}, {0: dog})
     jb.ranks[2].state_at_kill = "T"
     assert report(jb) == 1
     line = capsys.readouterr().err.strip()
-    assert line.startswith("train failed: rank 2 was stopped (process state T: SIGSTOP or a debugger)"), line
+    assert line.startswith(
+        "train failed: rank 2 was stopped (process state T: SIGSTOP or a debugger)"
+    ), line
     assert "named silent by rank 0" in line, line
-    jb = _ended_job(tmp_path, {0: -15, 1: -15, 2: -15, 3: -15}, {})   # nothing else: the first one ended
+    jb = _ended_job(
+        tmp_path, {0: -15, 1: -15, 2: -15, 3: -15}, {}
+    )  # nothing else: the first one ended
     assert cause(jb)[:2] == (0, "rank 0 was killed by signal SIGTERM (last reported: start-up)")
 
 
@@ -374,7 +465,7 @@ def test_error_from_user_code_is_no_consequence(monkeypatch):
     monkeypatch.setitem(liveness._doing, "failed_user", None)
     peer = R.failure_record(TransferError("rank 0: round 1/3: recv from peer rank 2 timed out"), 0)
     assert peer["consequent"] is True
-    peer["time"] = rec["time"] - 1   # the peer's record even came first
+    peer["time"] = rec["time"] - 1  # the peer's record even came first
     jb = types.SimpleNamespace(failure_records={0: peer, 2: rec}, ranks=[], num_ranks=4)
     assert cause(jb)[0] == 2
 
@@ -414,7 +505,7 @@ def test_launcher_watch_without_a_pidfd_of_the_launcher():
     """A rank whose launcher is gone before it takes its pidfd exits at once (EXIT_ORPHANED):
     pidfd_open's ESRCH, or a launcher pid that names another live process by then (never watched
     instead); without pidfds the rank polls its parent and exits soon after the parent goes."""
-    gone = 2 ** 22 + 12345                                      # above pid_max: ESRCH
+    gone = 2**22 + 12345  # above pid_max: ESRCH
     assert _exit_code(_watching_child(gone)) == R.EXIT_ORPHANED
     # The launcher's pid is taken by another process (here the test runner's parent: alive, not
     # the rank's parent): watching it would keep the rank running.
@@ -424,7 +515,7 @@ def test_launcher_watch_without_a_pidfd_of_the_launcher():
         raise OSError(38, "Function not implemented")
 
     r, w = os.pipe()
-    middle = os.fork()                                          # the launcher: parent of the rank
+    middle = os.fork()  # the launcher: parent of the rank
     if middle == 0:
         try:
             os.close(r)
@@ -434,7 +525,7 @@ def test_launcher_watch_without_a_pidfd_of_the_launcher():
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        assert f.readline() == b"watching\n"                    # running under its live launcher
+        assert f.readline() == b"watching\n"  # running under its live launcher
         os.kill(middle, signal.SIGKILL)
         os.waitpid(middle, 0)
         t = time.monotonic()
@@ -460,7 +551,9 @@ def test_lock_of_a_gone_job_names_what_holds_it(tmp_path):
                 L.lock_out_dir(d, wait_s=0.3)
             msg = str(e.value)
             assert time.monotonic() - t >= 0.3, "refused at once, as if a live job held it"
-            assert "in use by another job" not in msg and f"is locked by pid {os.getpid()} (" in msg, msg
+            assert (
+                "in use by another job" not in msg and f"is locked by pid {os.getpid()} (" in msg
+            ), msg
         assert "its lock file names no job" in msg, msg
     finally:
         os.close(fd)
@@ -480,23 +573,38 @@ def _fd_table() -> dict:
                 flags = int(f.read().split("flags:")[1].split()[0], 8)
         except OSError:
             continue
-        got[int(name)] = (link, flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR), bool(flags & 0o2000000))
+        got[int(name)] = (
+            link,
+            flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR),
+            bool(flags & 0o2000000),
+        )
     return got
 
 
 def _report_fds(path: str, logs: str, lock_file: str) -> int:
     """A rank's target: what it holds of the launcher's (see test_ranks_hold_only_their_own_fds)."""
     table = _fd_table()
-    pid = os.fork()   # a process the rank starts (a data loader worker, a pool of the reward function)
+    pid = (
+        os.fork()
+    )  # a process the rank starts (a data loader worker, a pool of the reward function)
     if pid == 0:
         os._exit(10 + sum(link == lock_file for link, _, _ in _fd_table().values()))
     child_locks = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) - 10
-    out = {"logs": [link for link, _, _ in table.values() if link.startswith(logs + os.sep)],
-           "pidfds": [fd for fd, (link, _, _) in table.items() if link == "anon_inode:[pidfd]"
-                      and fd != R._state["pidfd"]],
-           "launcher_ends": [link for link, reads, _ in table.values() if reads and link in _LAUNCHER_ENDS.get("ends", ())],
-           "locks": [cloexec for link, _, cloexec in table.values() if link == lock_file],
-           "child_locks": child_locks}
+    out = {
+        "logs": [link for link, _, _ in table.values() if link.startswith(logs + os.sep)],
+        "pidfds": [
+            fd
+            for fd, (link, _, _) in table.items()
+            if link == "anon_inode:[pidfd]" and fd != R._state["pidfd"]
+        ],
+        "launcher_ends": [
+            link
+            for link, reads, _ in table.values()
+            if reads and link in _LAUNCHER_ENDS.get("ends", ())
+        ],
+        "locks": [cloexec for link, _, cloexec in table.values() if link == lock_file],
+        "child_locks": child_locks,
+    }
     with open(os.path.join(path, f"fds{os.environ['RANK']}.json"), "w") as f:
         json.dump(out, f)
     return 0
@@ -504,8 +612,11 @@ def _report_fds(path: str, logs: str, lock_file: str) -> int:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fork,lock_on_stdin", [(True, False), (False, False), (True, True)],
-                         ids=["fork", "spawn", "fork-lock-on-fd0"])
+@pytest.mark.parametrize(
+    "fork,lock_on_stdin",
+    [(True, False), (False, False), (True, True)],
+    ids=["fork", "spawn", "fork-lock-on-fd0"],
+)
 def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdin):
     """A rank holds nothing of the launcher's but its own pipe ends and the run directory's lock:
     no rank's log, no torchrun.log, none of the launcher's pipe ends or pidfds; the lock once,
@@ -521,8 +632,10 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
 
     def noting(self):
         plumbing = pipes(self)
-        _LAUNCHER_ENDS["ends"] = {f"pipe:[{os.fstat(fd).st_ino}]"
-                                  for fd in list(self.output_pipes) + list(self.hello_pipes)}
+        _LAUNCHER_ENDS["ends"] = {
+            f"pipe:[{os.fstat(fd).st_ino}]"
+            for fd in list(self.output_pipes) + list(self.hello_pipes)
+        }
         return plumbing
 
     monkeypatch.setattr(J._Job, "_pipes", noting)
@@ -532,7 +645,9 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
     try:
         assert L.lock_out_dir(out) == 0 or stdin is None
         logs = os.path.realpath(os.path.join(out, "logs"))
-        target = functools.partial(_report_fds, str(tmp_path), logs, os.path.realpath(os.path.join(out, L.LOCK_NAME)))
+        target = functools.partial(
+            _report_fds, str(tmp_path), logs, os.path.realpath(os.path.join(out, L.LOCK_NAME))
+        )
         assert J.launch(2, out, target, fork=fork) == 0
     finally:
         L.unlock()
@@ -542,11 +657,17 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
         _LAUNCHER_ENDS.clear()
     for r in range(2):
         got = json.load(open(tmp_path / f"fds{r}.json"))
-        assert got == {"logs": [], "pidfds": [], "launcher_ends": [], "locks": [True], "child_locks": 0}, (r, got)
+        assert got == {
+            "logs": [],
+            "pidfds": [],
+            "launcher_ends": [],
+            "locks": [True],
+            "child_locks": 0,
+        }, (r, got)
 
 
 def _tcp_listeners(pid: int) -> list[str]:
-    """"address:port" of every TCP socket process `pid` listens on (from /proc/net/tcp and tcp6)."""
+    """ "address:port" of every TCP socket process `pid` listens on (from /proc/net/tcp and tcp6)."""
     inodes = set()
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -559,10 +680,13 @@ def _tcp_listeners(pid: int) -> list[str]:
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in open(table).read().splitlines()[1:]:
             cols = row.split()
-            if cols[3] == "0A" and cols[9] in inodes:   # LISTEN
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
                 addr, port = cols[1].split(":")
-                ip = (".".join(str(b) for b in reversed(bytes.fromhex(addr))) if len(addr) == 8 else
-                      ":".join(addr[i:i + 4] for i in range(0, 32, 4)))
+                ip = (
+                    ".".join(str(b) for b in reversed(bytes.fromhex(addr)))
+                    if len(addr) == 8
+                    else ":".join(addr[i : i + 4] for i in range(0, 32, 4))
+                )
                 out.append(f"{ip}:{int(port, 16)}")
     return out
 
@@ -578,8 +702,14 @@ def _report_store(path: str) -> int:
     dist.all_reduce(t)
     dist.destroy_process_group()
     with open(os.path.join(path, f"store{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"sum": t.item(), "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])],
-                   "listeners": _tcp_listeners(os.getppid())}, f)
+        json.dump(
+            {
+                "sum": t.item(),
+                "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])],
+                "listeners": _tcp_listeners(os.getppid()),
+            },
+            f,
+        )
     return 0
 
 
@@ -616,9 +746,24 @@ def test_launcher_output_into_the_logs_folder(tmp_path):
     (out / "logs").mkdir(parents=True)
     for extra, steps in (["--overwrite"], "1"), (["--resume"], "2"):
         with open(out / "logs" / "console.log", "w+") as f:
-            p = subprocess.Popen([sys.executable, "-m", "real_py", "train", "--no-progress", "--out-dir", str(out),
-                                  "--steps", steps, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "real_py",
+                    "train",
+                    "--no-progress",
+                    "--out-dir",
+                    str(out),
+                    "--steps",
+                    steps,
+                    *extra,
+                ],
+                cwd=ROOT,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 code = p.wait(90)
             except subprocess.TimeoutExpired:
@@ -653,7 +798,12 @@ def _launch_noting_start(tmp_path, n: int) -> int:
     out = str(tmp_path / "run")
     L.lock_out_dir(out)
     try:
-        return J.launch(n, out, functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs")), fork=True)
+        return J.launch(
+            n,
+            out,
+            functools.partial(_note_start, str(tmp_path), os.path.join(out, "logs")),
+            fork=True,
+        )
     finally:
         L.unlock()
 
@@ -697,8 +847,10 @@ def test_ranks_not_all_started_is_one_line(tmp_path, monkeypatch, capsys):
     _slow_forks(monkeypatch, 8.0, after=1)
     assert _launch_noting_start(tmp_path, 2) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("train failed: rank 0, starting: waiting for the job's other ranks to start: "
-                              "RuntimeError: rank 0: the job's other ranks did not all start within 1 s"), err
+    assert err[-1].startswith(
+        "train failed: rank 0, starting: waiting for the job's other ranks to start: "
+        "RuntimeError: rank 0: the job's other ranks did not all start within 1 s"
+    ), err
     assert not os.path.exists(tmp_path / "start0.json")
 
 
@@ -719,12 +871,25 @@ def test_rank_closes_the_launchers_fds_by_identity(tmp_path):
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         assert reused == stale[0]
-        R._close_launchers(R.Plumbing(stdout=[], stderr=[], hello=[], lock=None, logs=str(logs),
-                                      launcher_pid=os.getppid(), private=[stale, R.fd_key(r)]),
-                           keep=(w, null), null=null)
+        R._close_launchers(
+            R.Plumbing(
+                stdout=[],
+                stderr=[],
+                hello=[],
+                lock=None,
+                logs=str(logs),
+                launcher_pid=os.getppid(),
+                private=[stale, R.fd_key(r)],
+            ),
+            keep=(w, null),
+            null=null,
+        )
         assert os.readlink(f"/proc/self/fd/{reused}") == str(tmp_path / "other")
         assert not os.path.exists(f"/proc/self/fd/{r}")
-        assert os.readlink(f"/proc/self/fd/{agent_log}") == os.devnull and os.write(agent_log, b"x") == 1
+        assert (
+            os.readlink(f"/proc/self/fd/{agent_log}") == os.devnull
+            and os.write(agent_log, b"x") == 1
+        )
         assert not os.get_inheritable(agent_log)
         assert not R.close_if_same(w, *stale[1:]) and R.close_if_same(*R.fd_key(w))
         assert not R.close_if_same(w, *stale[1:])  # closed already (EBADF)
@@ -744,7 +909,9 @@ def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):
 
     got = {}
     monkeypatch.setenv("REAL_PY_LAUNCH", "spawn")
-    monkeypatch.setattr(J, "launch", lambda world, out_dir, target, **kw: got.update(target=target, kw=kw) or 0)
+    monkeypatch.setattr(
+        J, "launch", lambda world, out_dir, target, **kw: got.update(target=target, kw=kw) or 0
+    )
     out = str(tmp_path / "run")
     assert main(["train", "--out-dir", out, "--steps", "2", "ppo.kl_coef=0.05"]) == 0
     assert got["kw"]["fork"] is False
@@ -756,8 +923,11 @@ def test_spawned_ranks_run_the_launchers_config(tmp_path, monkeypatch):
     ran = {}
     monkeypatch.setattr(config, "read_yaml", never)
     monkeypatch.setattr(cli_train, "_config", never)
-    monkeypatch.setattr(cli_train, "_spmd", lambda args, cfg, ckpt, validated=None: ran.update(
-        cfg=cfg, validated=validated) or 0)
-    assert pickle.loads(pickled)() == 0                        # as the spawned rank gets it and runs it
+    monkeypatch.setattr(
+        cli_train,
+        "_spmd",
+        lambda args, cfg, ckpt, validated=None: ran.update(cfg=cfg, validated=validated) or 0,
+    )
+    assert pickle.loads(pickled)() == 0  # as the spawned rank gets it and runs it
     assert ran["cfg"].steps == 2 and ran["cfg"].ppo.kl_coef == 0.05 and ran["cfg"].out_dir == out
     assert ran["validated"] is not None and ran["validated"][0].world_size == 4

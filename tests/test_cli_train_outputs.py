@@ -12,15 +12,15 @@ import sys
 
 import pytest
 import torch
+from support.oracle import oracle_flat
 
-from real_py.cli import train as cli_train
 from real_py.cli import main
+from real_py.cli import train as cli_train
 from real_py.dataflow.execplan import ExecutionPlan
+from real_py.dataflow.graph import ALGORITHMS, Graph
 from real_py.interop.hf import hf_names
 from real_py.rlhf import observe
-from real_py.dataflow.graph import ALGORITHMS, Graph
 from real_py.spec import ModelConfig, model_spec
-from support.oracle import oracle_flat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,11 +31,31 @@ def run(tmp_path_factory):
     cfg = tmp / "cfg.yaml"
     # steps: 5 in the file, steps=2 on the command line: only an override that reached the ranks
     # stops the run after two steps.
-    cfg.write_text("steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\nppo: {ppo_epochs: 1}\n")
+    cfg.write_text(
+        "steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\nppo: {ppo_epochs: 1}\n"
+    )
     out = str(tmp / "run")
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", str(cfg), "steps=2",
-                        "ppo.actor_lr=2e-3", "--out-dir", out, "--no-progress", "--timeout", "120"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "real_py",
+            "train",
+            "--config",
+            str(cfg),
+            "steps=2",
+            "ppo.actor_lr=2e-3",
+            "--out-dir",
+            out,
+            "--no-progress",
+            "--timeout",
+            "120",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return tmp, out, r.stdout
 
@@ -46,7 +66,9 @@ def _hf_full(model_cls, path, spec):
     full = {}
     for p in spec.params:
         names = hf_names(p)
-        full[p.name] = sd[names[0]] if len(names) == 1 else torch.cat([sd[n] for n in names], p.tp.dim)
+        full[p.name] = (
+            sd[names[0]] if len(names) == 1 else torch.cat([sd[n] for n in names], p.tp.dim)
+        )
     return full
 
 
@@ -57,13 +79,17 @@ def _check_export(export_dir, step_dir):
     meta = json.load(open(os.path.join(step_dir, "meta.json")))
     graph, plan = Graph(ALGORITHMS[meta["algo"]]), ExecutionPlan.from_json(meta["plan"])
     fulls = {}
-    for m, cls in (("actor", transformers.AutoModelForCausalLM),
-                   ("critic", transformers.AutoModelForSequenceClassification)):
+    for m, cls in (
+        ("actor", transformers.AutoModelForCausalLM),
+        ("critic", transformers.AutoModelForSequenceClassification),
+    ):
         spec = model_spec(ModelConfig(**meta["models"][m]), name=m)
         layout = plan.calls[graph.train_call(m)]
         full = fulls[m] = _hf_full(cls, os.path.join(export_dir, m), spec)
         for r in layout.ranks:
-            saved = torch.load(os.path.join(step_dir, f"rank{r}.pt"), weights_only=True)["models"][m]["flat"]
+            saved = torch.load(os.path.join(step_dir, f"rank{r}.pt"), weights_only=True)["models"][
+                m
+            ]["flat"]
             assert torch.equal(oracle_flat(spec, layout, r, full), saved), (m, r, export_dir)
     return fulls
 
@@ -76,12 +102,12 @@ def test_export_matches_checkpoint_shards(run, tmp_path):
     last = _check_export(os.path.join(out, "hf"), os.path.join(out, "step_2"))
     assert main(["export", "--run", out, "--step", "1", "--out", str(tmp_path / "e1")]) == 0
     first = _check_export(str(tmp_path / "e1"), os.path.join(out, "step_1"))
-    assert main(["export", "--run", out, "--out", str(tmp_path / "e2")]) == 0   # latest = step 2
+    assert main(["export", "--run", out, "--out", str(tmp_path / "e2")]) == 0  # latest = step 2
     _check_export(str(tmp_path / "e2"), os.path.join(out, "step_2"))
     # Step 2 trained on step 1: a stale export would pass the slicing check against a stale file.
     assert any(not torch.equal(first["actor"][k], last["actor"][k]) for k in last["actor"])
     with pytest.raises(SystemExit):
-        main(["export", "--run", out, "--out", str(tmp_path / "e1")])     # never over an export
+        main(["export", "--run", out, "--out", str(tmp_path / "e1")])  # never over an export
 
 
 @pytest.mark.dist
@@ -94,9 +120,12 @@ def test_tensorboard_summary_plot(run, tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     ea = EventAccumulator(out)
     ea.Reload()
-    for tag, get in (("train/reward", lambda r: r["metrics"]["reward"]), ("train/kl", lambda r: r["metrics"]["kl"]),
-                     ("time/step_seconds", lambda r: r["seconds"]),
-                     ("time/realloc/actor", lambda r: r["realloc_seconds"]["actor"])):
+    for tag, get in (
+        ("train/reward", lambda r: r["metrics"]["reward"]),
+        ("train/kl", lambda r: r["metrics"]["kl"]),
+        ("time/step_seconds", lambda r: r["seconds"]),
+        ("time/realloc/actor", lambda r: r["realloc_seconds"]["actor"]),
+    ):
         ev = ea.Scalars(tag)
         assert [e.step for e in ev] == [1, 2], tag
         for e, r in zip(ev, recs):
@@ -104,14 +133,20 @@ def test_tensorboard_summary_plot(run, tmp_path):
     s = json.load(open(os.path.join(out, "summary.json")))
     assert s == observe.summarize(recs)
     assert s["steps"] == [1, 2] and s["window"] == 1
-    assert s["reward_first"] == recs[0]["metrics"]["reward"] and s["reward_last"] == recs[1]["metrics"]["reward"]
+    assert (
+        s["reward_first"] == recs[0]["metrics"]["reward"]
+        and s["reward_last"] == recs[1]["metrics"]["reward"]
+    )
     share = [sum(r["realloc_seconds"].values()) / r["seconds"] for r in recs]
     assert s["realloc_share"] == pytest.approx(sum(share) / 2) and 0 < s["realloc_share"] < 1
     png = tmp_path / "c.png"
     assert main(["plot", out, "--out", str(png)]) == 0
     import matplotlib.image
 
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(str(png)).shape[1] >= 800
+    assert (
+        png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and matplotlib.image.imread(str(png)).shape[1] >= 800
+    )
 
 
 @pytest.mark.dist
@@ -134,7 +169,9 @@ def test_run_dir_protection(run, tmp_path, capsys, monkeypatch):
     assert main(["train", "--out-dir", str(copy), "steps=3", "--resume"]) == 0 and launched == [4]
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     launched.clear()
-    assert main(["train", "--out-dir", str(copy), "steps=2", "--overwrite"]) == 0 and launched == [4]
+    assert main(["train", "--out-dir", str(copy), "steps=2", "--overwrite"]) == 0 and launched == [
+        4
+    ]
     assert sorted(os.listdir(copy)) == ["notes.txt"]
 
 
@@ -164,15 +201,28 @@ def test_wandb_opt_in(tmp_path, monkeypatch):
             calls.append(("finish",))
 
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
-    rec = {"step": 1, "seconds": 2.0, "metrics": {"reward": 0.5, "kl": 0.1}, "calls": {"actor_gen": 1.0},
-           "realloc_seconds": {"actor": 0.5}, "realloc_bytes": 10, "data_bytes": 5}
+    rec = {
+        "step": 1,
+        "seconds": 2.0,
+        "metrics": {"reward": 0.5, "kl": 0.1},
+        "calls": {"actor_gen": 1.0},
+        "realloc_seconds": {"actor": 0.5},
+        "realloc_bytes": 10,
+        "data_bytes": 5,
+    }
     log = observe.RunLog(str(tmp_path / "a"), config={"steps": 1})
     log.log(rec)
     log.close()
     assert calls == []
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    log = observe.RunLog(str(tmp_path / "b"), wandb={"project": "p", "name": "n"}, config={"steps": 1})
+    log = observe.RunLog(
+        str(tmp_path / "b"), wandb={"project": "p", "name": "n"}, config={"steps": 1}
+    )
     log.log(rec)
     summary = log.close()
-    assert calls == [("init", {"config": {"steps": 1}, "project": "p", "name": "n"}), ("log", 1, 0.5), ("finish",)]
+    assert calls == [
+        ("init", {"config": {"steps": 1}, "project": "p", "name": "n"}),
+        ("log", 1, 0.5),
+        ("finish",),
+    ]
     assert Run.summary == summary and summary["realloc_share"] == 0.25

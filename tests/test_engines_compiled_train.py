@@ -19,8 +19,16 @@ from real_py.testing import run_distributed
 
 pytestmark = pytest.mark.dist
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=64, num_hidden_layers=4, max_position_embeddings=64, head="lm")
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    num_hidden_layers=4,
+    max_position_embeddings=64,
+    head="lm",
+)
 
 
 def _loss(o, mb):
@@ -46,16 +54,32 @@ def _worker(rank, world):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 3))
-            eng = Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-2, max_grad_norm=0.5),
-                         compile_train=compiled)
-            stats = [eng.train_step(_loss, batch, micro_batches=2 if layout.dp == 2 else 4, with_entropy=True)
-                     for _ in range(2)]
-            res[compiled] = {"stats": [(s["loss"], s["grad_norm"]) for s in stats],
-                             "grad": eng._trainer.grad.clone(), "flat": shard.flat.clone(),
-                             "graphs": dict(torch._dynamo.utils.counters["stats"]),
-                             "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                             "calls": (None if eng._trainer.calls is None
-                                       else (eng._trainer.calls.ok, eng._trainer.calls.failed))}
+            eng = Engine(
+                cfg,
+                layout,
+                groups,
+                shard,
+                optim=OptimConfig(lr=1e-2, max_grad_norm=0.5),
+                compile_train=compiled,
+            )
+            stats = [
+                eng.train_step(
+                    _loss, batch, micro_batches=2 if layout.dp == 2 else 4, with_entropy=True
+                )
+                for _ in range(2)
+            ]
+            res[compiled] = {
+                "stats": [(s["loss"], s["grad_norm"]) for s in stats],
+                "grad": eng._trainer.grad.clone(),
+                "flat": shard.flat.clone(),
+                "graphs": dict(torch._dynamo.utils.counters["stats"]),
+                "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+                "calls": (
+                    None
+                    if eng._trainer.calls is None
+                    else (eng._trainer.calls.ok, eng._trainer.calls.failed)
+                ),
+            }
         out[repr(layout)] = res
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -69,6 +93,11 @@ def test_compiled_train_step_equals_eager():
             eager, comp = res[False], res["aot_eager"]
             assert eager["calls"] is None and comp["calls"] == (True, None), (layout, comp["calls"])
             assert comp["stats"] == eager["stats"], layout
-            assert torch.equal(comp["grad"], eager["grad"]) and torch.equal(comp["flat"], eager["flat"]), layout
+            assert torch.equal(comp["grad"], eager["grad"]) and torch.equal(
+                comp["flat"], eager["flat"]
+            ), layout
             # one graph for every layer and micro-batch shape, one for the final norm (last stage)
-            assert comp["graphs"].get("unique_graphs") in (1, 2) and comp["breaks"] == 0, (layout, comp)
+            assert comp["graphs"].get("unique_graphs") in (1, 2) and comp["breaks"] == 0, (
+                layout,
+                comp,
+            )

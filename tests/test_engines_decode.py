@@ -19,15 +19,27 @@ from real_py.rlhf.models import init_weights
 from real_py.spec import ModelConfig, model_spec
 from real_py.testing import run_distributed
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=64, num_hidden_layers=3, max_position_embeddings=256, head="lm")
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    num_hidden_layers=3,
+    max_position_embeddings=256,
+    head="lm",
+)
 
 
 def _engine(rank, cfg=None):
     cfg = cfg or ModelConfig(**CFG)
     layout = Layout()
-    return Engine(cfg, layout, ParallelGroups(layout),
-                  ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 3)))
+    return Engine(
+        cfg,
+        layout,
+        ParallelGroups(layout),
+        ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 3)),
+    )
 
 
 def _prompts(seed, B, P):
@@ -45,7 +57,12 @@ def _worker(rank, world):
 
     out = {}
     seeds = torch.arange(5)
-    calls = [(_prompts(1, 5, 9), 70), (_prompts(2, 5, 4), 60), (_prompts(1, 5, 9), 70), (_prompts(3, 5, 9), 150)]
+    calls = [
+        (_prompts(1, 5, 9), 70),
+        (_prompts(2, 5, 4), 60),
+        (_prompts(1, 5, 9), 70),
+        (_prompts(3, 5, 9), 150),
+    ]
     # one engine generating four times (the state is reused while it fits, then replaced) against a
     # fresh engine per call and against the dynamic cache
     eng = _engine(rank)
@@ -65,8 +82,15 @@ def _worker(rank, world):
     for every in (1, 8, 5):
         G.STOP_CHECK_EVERY = every
         for n in (40, 13):
-            r = eng.generate(tok, ln, seeds, max_new_tokens=n, greedy=False, eos_token_id=list(range(2, 10)),
-                             decode="static")
+            r = eng.generate(
+                tok,
+                ln,
+                seeds,
+                max_new_tokens=n,
+                greedy=False,
+                eos_token_id=list(range(2, 10)),
+                decode="static",
+            )
             out[("stop", every, n)] = {k: r[k] for k in ("tokens", "lengths", "new_tokens")}
     G.STOP_CHECK_EVERY = 8
     # compiled decode step (aot_eager: dynamo + AOT autograd without a code generator)
@@ -76,11 +100,19 @@ def _worker(rank, world):
     tok, ln = calls[0][0]
     for greedy in (True, False):
         out[("compiled", greedy)] = (
-            eng.generate(tok, ln, seeds, max_new_tokens=120, greedy=greedy, decode="static")["tokens"],
-            _engine(rank).generate(tok, ln, seeds, max_new_tokens=120, greedy=greedy, decode="static")["tokens"])
+            eng.generate(tok, ln, seeds, max_new_tokens=120, greedy=greedy, decode="static")[
+                "tokens"
+            ],
+            _engine(rank).generate(
+                tok, ln, seeds, max_new_tokens=120, greedy=greedy, decode="static"
+            )["tokens"],
+        )
     out["graphs"] = dict(torch._dynamo.utils.counters["stats"])
-    out["compiled_states"] = [(s.backend, s.compiled_ok, s.backend_failed) for s in eng._decode_states.values()
-                              if s.backend]
+    out["compiled_states"] = [
+        (s.backend, s.compiled_ok, s.backend_failed)
+        for s in eng._decode_states.values()
+        if s.backend
+    ]
     eng.release_decode()
     out["released"] = len(getattr(eng, "_decode_states", {}))
     buf = io.BytesIO()
@@ -115,7 +147,9 @@ def test_stop_checked_every_few_steps_same_result(runs):
             got = runs[("stop", every, n)]
             for k in ref:
                 assert torch.equal(got[k], ref[k]), (every, n, k)
-    assert runs[("stop", 1, 40)]["new_tokens"].shape[1] < 40, "the batch must stop before max_new_tokens"
+    assert runs[("stop", 1, 40)]["new_tokens"].shape[1] < 40, (
+        "the batch must stop before max_new_tokens"
+    )
 
 
 @pytest.mark.dist
@@ -144,7 +178,7 @@ def test_unsorted_inverse_cdf_sampling():
     draws = pick_tokens(lg, torch.rand(20000, generator=g), 1.0, 1.0)
     freq = torch.bincount(draws, minlength=6).float() / 20000
     assert freq[1] == 0 and freq[5] == 0 and (freq - probs).abs().max() < 0.015
-    assert int(pick_tokens(lg[:1], torch.tensor([1 - 2 ** -24]), 1.0, 1.0)) == 4
+    assert int(pick_tokens(lg[:1], torch.tensor([1 - 2**-24]), 1.0, 1.0)) == 4
     assert torch.equal(pick_tokens(logits, None, 1.0, 1.0), logits.argmax(-1))
 
 
@@ -158,24 +192,26 @@ def test_chunked_logprobs_entropy_and_grads_match_log_softmax(temperature):
     logp = torch.log_softmax(ref_logits, -1)
     lp_ref = logp.gather(-1, tg.unsqueeze(-1)).squeeze(-1)
     ent_ref = -(logp.exp() * logp).sum(-1)
-    g_ref, = torch.autograd.grad((lp_ref * w1).sum() + (ent_ref * w2).sum(), full)
+    (g_ref,) = torch.autograd.grad((lp_ref * w1).sum() + (ent_ref * w2).sum(), full)
     for chunk in (1 << 25, 200, 20):  # whole, two rows per chunk, one token per chunk
-        lp, ent = vocab_parallel_logprobs(full[:, :-1], tg, None, 0, 11, True, temperature=temperature,
-                                          chunk_elems=chunk)
-        gr, = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), full)
+        lp, ent = vocab_parallel_logprobs(
+            full[:, :-1], tg, None, 0, 11, True, temperature=temperature, chunk_elems=chunk
+        )
+        (gr,) = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), full)
         torch.testing.assert_close(lp, lp_ref, atol=2e-6, rtol=0)
         torch.testing.assert_close(ent, ent_ref, atol=2e-6, rtol=0)
         torch.testing.assert_close(gr, g_ref, atol=2e-6, rtol=0)
         assert torch.isfinite(gr).all() and not gr[..., 11:].any() and not gr[:, -1].any()
-        lp_only, none = vocab_parallel_logprobs(full[:, :-1], tg, None, 0, 11, temperature=temperature,
-                                                chunk_elems=chunk)
+        lp_only, none = vocab_parallel_logprobs(
+            full[:, :-1], tg, None, 0, 11, temperature=temperature, chunk_elems=chunk
+        )
         assert none is None and torch.equal(lp_only, lp)
 
 
 def test_norm_spans_merge_counted_entries_across_gaps():
     from real_py.engines.train import _merge_spans
 
-    E = lambda off, n: SimpleNamespace(offset=off, numel=n)  # noqa: E731
+    E = lambda off, n: SimpleNamespace(offset=off, numel=n)
     entries = [E(0, 10), E(16, 4), E(32, 8), E(48, 8), E(64, 2)]
     counted = [(0, 10), (16, 4), (48, 8), (64, 2)]  # (32, 8) not counted (a replicated copy)
     assert _merge_spans(counted, entries) == [(0, 20), (48, 66)]

@@ -10,6 +10,7 @@ import io
 
 import pytest
 import torch
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig
 from real_py.engines import Engine, OptimConfig
@@ -17,13 +18,18 @@ from real_py.interop.hf import load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-
 pytestmark = pytest.mark.dist
 
 # ~3.4M parameters, most of them in the untied embedding and lm_head (vocab 4096 x hidden 256).
-SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=2, vocab_size=4096, max_position_embeddings=64)
+SIZES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=4096,
+    max_position_embeddings=64,
+)
 LAYOUTS = [Layout(), Layout(tp=2)]
 
 
@@ -36,10 +42,18 @@ def _worker(rank, world, path):
         groups = ParallelGroups(layout)
         if not groups.member:
             continue
-        eng = Engine(cfg, layout, groups, load_hf_shard(path, cfg, layout, rank),
-                     optim=OptimConfig(lr=0.0, max_grad_norm=0.0))
-        stats = eng.train_step(lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total),
-                               {"tokens": tokens, "lengths": lengths}, micro_batches=2)
+        eng = Engine(
+            cfg,
+            layout,
+            groups,
+            load_hf_shard(path, cfg, layout, rank),
+            optim=OptimConfig(lr=0.0, max_grad_norm=0.0),
+        )
+        stats = eng.train_step(
+            lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total),
+            {"tokens": tokens, "lengths": lengths},
+            micro_batches=2,
+        )
         out[repr(layout)] = (stats["loss"], stats["grad_norm"])
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -60,5 +74,14 @@ def test_grad_norm_and_loss_match_transformers_in_fp64_at_tp1_and_tp2(tmp_path):
     per_rank = [torch.load(io.BytesIO(b)) for b in run_distributed(_worker, 2, path, timeout=240)]
     for layout in LAYOUTS:
         got_loss, got_norm = per_rank[0][repr(layout)]
-        assert abs(got_loss - loss.item()) <= 1e-6 * abs(loss.item()), (layout, got_loss, loss.item())
-        assert abs(got_norm - norm) <= 2e-6 * norm, (layout, got_norm, norm, abs(got_norm - norm) / norm)
+        assert abs(got_loss - loss.item()) <= 1e-6 * abs(loss.item()), (
+            layout,
+            got_loss,
+            loss.item(),
+        )
+        assert abs(got_norm - norm) <= 2e-6 * norm, (
+            layout,
+            got_norm,
+            norm,
+            abs(got_norm - norm) / norm,
+        )

@@ -15,8 +15,16 @@ from real_py.testing import run_distributed
 
 pytestmark = pytest.mark.dist
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=64, num_hidden_layers=2, max_position_embeddings=32, head="lm")
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=32,
+    head="lm",
+)
 PROMPTS = torch.tensor([[5, 17, 3, 44, 8, 0], [9, 2, 61, 0, 0, 0], [1, 2, 3, 4, 5, 6]])
 PLENS = torch.tensor([5, 3, 6])
 SEEDS = torch.tensor([1, 2, 3])
@@ -41,15 +49,21 @@ def _worker(rank, world):
                     eng.shard.flat.copy_(w2.flat)
                     return True
                 return False
+
             mixed = eng.generate(PROMPTS, PLENS, SEEDS, swap=swap, **kw)
             # Reference: the new weights, prompted with prompt + the first AT old tokens.
             ref_p = torch.zeros(3, PROMPTS.shape[1] + AT, dtype=torch.int64)
             for b in range(3):
                 n = int(PLENS[b])
-                ref_p[b, :n + AT] = torch.cat([PROMPTS[b, :n], old["new_tokens"][b, :AT]])
+                ref_p[b, : n + AT] = torch.cat([PROMPTS[b, :n], old["new_tokens"][b, :AT]])
             cont = eng.generate(ref_p, PLENS + AT, SEEDS, max_new_tokens=N - AT, decode=mode)
-            out[(str(layout), mode)] = (old["new_tokens"], mixed["new_tokens"], cont["new_tokens"],
-                                        mixed["swaps"], old["swaps"])
+            out[(str(layout), mode)] = (
+                old["new_tokens"],
+                mixed["new_tokens"],
+                cont["new_tokens"],
+                mixed["swaps"],
+                old["swaps"],
+            )
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -63,4 +77,6 @@ def test_swap_between_decode_steps_recomputes_the_cache():
             assert swaps == [AT] and none == [], key
             assert torch.equal(mixed[:, :AT], old[:, :AT]), key
             assert torch.equal(mixed[:, AT:], cont), key
-            assert not torch.equal(mixed, old), f"{key}: the swap changed nothing (weights too alike?)"
+            assert not torch.equal(mixed, old), (
+                f"{key}: the swap changed nothing (weights too alike?)"
+            )

@@ -9,14 +9,13 @@ import os
 
 import pytest
 import torch
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig
 from real_py.engines import Engine
 from real_py.interop.hf import load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
-
-from support import models_oracle as O
 
 PROMPTS = torch.tensor([[5, 17, 3, 44, 8], [9, 2, 61, 0, 0], [70, 71, 0, 0, 0]])
 LENGTHS = torch.tensor([5, 3, 2])
@@ -30,9 +29,16 @@ def hf_generate(model, eos, min_new):
     ids, mask = torch.zeros(B, P, dtype=torch.int64), torch.zeros(B, P, dtype=torch.int64)
     for b in range(B):
         n = int(LENGTHS[b])
-        ids[b, P - n:], mask[b, P - n:] = PROMPTS[b, :n], 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, min_new_tokens=min_new,
-                         eos_token_id=eos, pad_token_id=0, do_sample=False)
+        ids[b, P - n :], mask[b, P - n :] = PROMPTS[b, :n], 1
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        min_new_tokens=min_new,
+        eos_token_id=eos,
+        pad_token_id=0,
+        do_sample=False,
+    )
     new = out[:, P:]
     return torch.nn.functional.pad(new, (0, MAX_NEW - new.shape[1]))
 
@@ -46,12 +52,26 @@ def _worker(rank, world, path, eos, layouts):
             continue
         eng = Engine(cfg, layout, groups, load_hf_shard(path, cfg, layout, rank))
         seeds = torch.arange(3)
-        r = {k: eng.generate(PROMPTS, LENGTHS, seeds, max_new_tokens=MAX_NEW, eos_token_id=eos,
-                             min_new_tokens=m) for k, m in (("plain", 0), ("min", MIN_NEW))}
+        r = {
+            k: eng.generate(
+                PROMPTS, LENGTHS, seeds, max_new_tokens=MAX_NEW, eos_token_id=eos, min_new_tokens=m
+            )
+            for k, m in (("plain", 0), ("min", MIN_NEW))
+        }
         # Sampling at a high temperature: the EOS is likely at every step, never before MIN_NEW.
-        r["sampled"] = eng.generate(PROMPTS, LENGTHS, seeds, max_new_tokens=MAX_NEW, eos_token_id=[eos, 7],
-                                    min_new_tokens=MIN_NEW, greedy=False, temperature=50.0)
-        out[name] = {k: (v["new_tokens"].tolist(), (v["lengths"] - LENGTHS).tolist()) for k, v in r.items()}
+        r["sampled"] = eng.generate(
+            PROMPTS,
+            LENGTHS,
+            seeds,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=[eos, 7],
+            min_new_tokens=MIN_NEW,
+            greedy=False,
+            temperature=50.0,
+        )
+        out[name] = {
+            k: (v["new_tokens"].tolist(), (v["lengths"] - LENGTHS).tolist()) for k, v in r.items()
+        }
     return out  # lists: shared-memory tensors die with the worker
 
 
@@ -95,8 +115,9 @@ def test_min_new_tokens_matches_transformers_on_one_rank(case):
 def test_min_new_tokens_matches_transformers_on_tp2_and_pp2(case):
     path, model, eos = case
     layouts = [("tp2", Layout(tp=2)), ("pp2", Layout(pp=2))]
-    per_rank = run_distributed(_worker, 2, path, eos, layouts,
-                               timeout=float(os.environ.get("MODELS_TEST_TIMEOUT", 240)))
+    per_rank = run_distributed(
+        _worker, 2, path, eos, layouts, timeout=float(os.environ.get("MODELS_TEST_TIMEOUT", 240))
+    )
     for name, _ in layouts:
         assert per_rank[0][name] == per_rank[1][name]
         _check(per_rank[0][name], model, eos)

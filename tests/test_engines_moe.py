@@ -14,6 +14,8 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from support import models_oracle as O
+from test_models_moe import CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, B, hf_grads
 
 from real_py import Layout, ModelConfig, model_spec
 from real_py.engines import Engine, OptimConfig
@@ -22,14 +24,21 @@ from real_py.parallel import ParallelGroups
 from real_py.realloc.shard import tp_slice
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-from test_models_moe import B, CASES, LENGTHS, MASK, MAX_NEW, PROMPT, TOKENS, hf_grads
-
 pytestmark = pytest.mark.dist
 
-LR, WD, EPS, MAX_NORM = 1e-3, 0.1, 1e-3, 0.5  # eps 1e-3: Adam does not blow up ulp-level noise of ~0 gradients
-LAYOUTS = [Layout(dp=2, ep=2), Layout(dp=2, pp=2, ep=2), Layout(dp=2), Layout(tp=2, pp=2, ep=2),
-           Layout(dp=2, tp=2, ep=2, etp=2)]
+LR, WD, EPS, MAX_NORM = (
+    1e-3,
+    0.1,
+    1e-3,
+    0.5,
+)  # eps 1e-3: Adam does not blow up ulp-level noise of ~0 gradients
+LAYOUTS = [
+    Layout(dp=2, ep=2),
+    Layout(dp=2, pp=2, ep=2),
+    Layout(dp=2),
+    Layout(tp=2, pp=2, ep=2),
+    Layout(dp=2, tp=2, ep=2, etp=2),
+]
 FAMILIES = ["qwen3_moe", "qwen2_moe"]
 
 
@@ -48,26 +57,47 @@ def _worker(rank, world, cases):
             g = ParallelGroups(layout, moe=True)
             if not g.member:
                 continue
-            eng = Engine(cfg, layout, g, load_hf_shard(path, cfg, layout, rank),
-                         experts=load_hf_experts(path, cfg, layout, rank),
-                         optim=OptimConfig(lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=MAX_NORM))
+            eng = Engine(
+                cfg,
+                layout,
+                g,
+                load_hf_shard(path, cfg, layout, rank),
+                experts=load_hf_experts(path, cfg, layout, rank),
+                optim=OptimConfig(lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=MAX_NORM),
+            )
             per = B // layout.dp
             rows = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
-            r = {"logits": eng.forward_logits(TOKENS[rows]),
-                 "greedy": eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
-                                        torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW)["new_tokens"]}
-            r["static"] = eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
-                                       torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW,
-                                       decode="static")["new_tokens"]
+            r = {
+                "logits": eng.forward_logits(TOKENS[rows]),
+                "greedy": eng.generate(
+                    PROMPT[rows],
+                    torch.full((per,), PROMPT.shape[1]),
+                    torch.zeros(per, dtype=torch.int64),
+                    max_new_tokens=MAX_NEW,
+                )["new_tokens"],
+            }
+            r["static"] = eng.generate(
+                PROMPT[rows],
+                torch.full((per,), PROMPT.shape[1]),
+                torch.zeros(per, dtype=torch.int64),
+                max_new_tokens=MAX_NEW,
+                decode="static",
+            )["new_tokens"]
             # stop tokens that end dp replica 0's rows at once: with ep > 1 the other replica's
             # all-to-alls still need replica 0 to step (generate stops every replica together)
-            eos = r["greedy"][:, 0].clone() if g.dp_rank == 0 else torch.zeros(per, dtype=torch.int64)
+            eos = (
+                r["greedy"][:, 0].clone() if g.dp_rank == 0 else torch.zeros(per, dtype=torch.int64)
+            )
             dist.broadcast(eos, layout.rank(0, 0, 0), group=g.layout_group)
             r["eos"] = eos
-            r["eos_new"] = eng.generate(PROMPT[rows], torch.full((per,), PROMPT.shape[1]),
-                                        torch.zeros(per, dtype=torch.int64), max_new_tokens=MAX_NEW,
-                                        eos_token_id=eos.tolist())["new_tokens"]
-            loss_fn = lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total)  # noqa: E731
+            r["eos_new"] = eng.generate(
+                PROMPT[rows],
+                torch.full((per,), PROMPT.shape[1]),
+                torch.zeros(per, dtype=torch.int64),
+                max_new_tokens=MAX_NEW,
+                eos_token_id=eos.tolist(),
+            )["new_tokens"]
+            loss_fn = lambda o, mb: O.nll_loss(o["logprobs"], mb["lengths"], total)
             r["stats"] = eng.train_step(loss_fn, {"tokens": TOKENS[rows], "lengths": LENGTHS[rows]})
             r["full"] = gather_state_dict(eng.shard, g)
             r["experts"] = {n: p.detach().clone() for n, p in eng.model.expert_params.items()}
@@ -89,6 +119,7 @@ def _oracle_step(path):
     with torch.no_grad():
         logits = ref(TOKENS).logits
     from test_models_moe import oracle_greedy
+
     greedy = oracle_greedy(ref)
     ref.train()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD, foreach=False)
@@ -129,26 +160,50 @@ def test_engine_logits_generation_train_step(ckpts, runs, mt):
         first = {dp: r for dp, s, r in res if s == 0}
         keep = MASK.bool()
         got = torch.cat([first[d]["logits"] for d in range(layout.dp)])
-        torch.testing.assert_close(got[keep], logits[keep], atol=1e-5, rtol=0, msg=lambda s: f"{key} logits {s}")
-        assert torch.equal(torch.cat([first[d]["greedy"] for d in range(layout.dp)]), greedy), (key, "greedy")
-        assert torch.equal(torch.cat([first[d]["static"] for d in range(layout.dp)]), greedy), (key, "static")
+        torch.testing.assert_close(
+            got[keep], logits[keep], atol=1e-5, rtol=0, msg=lambda s: f"{key} logits {s}"
+        )
+        assert torch.equal(torch.cat([first[d]["greedy"] for d in range(layout.dp)]), greedy), (
+            key,
+            "greedy",
+        )
+        assert torch.equal(torch.cat([first[d]["static"] for d in range(layout.dp)]), greedy), (
+            key,
+            "static",
+        )
         eos = set(first[0]["eos"].tolist())
         for d in range(layout.dp):
             got = first[d]["eos_new"]
-            for b, row in enumerate(greedy[d * got.shape[0]:(d + 1) * got.shape[0]].tolist()):
+            for b, row in enumerate(greedy[d * got.shape[0] : (d + 1) * got.shape[0]].tolist()):
                 n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-                assert got[b, :n].tolist() == row[:n] and not got[b, n:].any(), (key, d, b, got[b], row)
+                assert got[b, :n].tolist() == row[:n] and not got[b, n:].any(), (
+                    key,
+                    d,
+                    b,
+                    got[b],
+                    row,
+                )
         st = first[0]["stats"]
-        assert abs(st["loss"] - nll) < 1e-5 and abs(st["aux_loss"] - aux) < 1e-6, (key, st, nll, aux)
+        assert abs(st["loss"] - nll) < 1e-5 and abs(st["aux_loss"] - aux) < 1e-6, (
+            key,
+            st,
+            nll,
+            aux,
+        )
         assert abs(st["grad_norm"] - norm) < 1e-4, (key, st["grad_norm"], norm)
         moe_layers = [i for i in range(spec.num_layers) if spec.config.is_moe_layer(i)]
         counts = st["expert_counts"]
         assert counts.shape == (len(moe_layers), 8)
-        assert (counts.sum(1) == int(MASK.sum()) * spec.config.num_experts_per_tok).all(), (key, counts)
+        assert (counts.sum(1) == int(MASK.sum()) * spec.config.num_experts_per_tok).all(), (
+            key,
+            counts,
+        )
         fulls = [r["full"] for *_, r in res if r["full"] is not None]
         assert len(fulls) == 1, key
         for n, v in fulls[0].items():
-            torch.testing.assert_close(v, after[n], atol=1e-5, rtol=0, msg=lambda s: f"{key} {n}: {s}")
+            torch.testing.assert_close(
+                v, after[n], atol=1e-5, rtol=0, msg=lambda s: f"{key} {n}: {s}"
+            )
         held = {}
         for *_, r in res:
             for n, v in r["experts"].items():
@@ -159,5 +214,10 @@ def test_engine_logits_generation_train_step(ckpts, runs, mt):
         assert {n for n, _ in held} == {p.name for p in spec.params if p.expert >= 0}, key
         params = {p.name: p for p in spec.params}
         for (n, t), v in held.items():
-            torch.testing.assert_close(v, tp_slice(params[n], after[n], layout.etp, t), atol=1e-5, rtol=0,
-                                       msg=lambda s: f"{key} {n} etp {t}: {s}")
+            torch.testing.assert_close(
+                v,
+                tp_slice(params[n], after[n], layout.etp, t),
+                atol=1e-5,
+                rtol=0,
+                msg=lambda s: f"{key} {n} etp {t}: {s}",
+            )

@@ -13,9 +13,17 @@ from real_py.rlhf.models import init_weights
 from real_py.spec import ModelConfig, model_spec
 from real_py.testing import run_distributed
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=64, num_hidden_layers=2, max_position_embeddings=32, head="lm",
-           tie_word_embeddings=False)
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=32,
+    head="lm",
+    tie_word_embeddings=False,
+)
 TOKENS = torch.tensor([[5, 17, 3, 44, 8, 0], [9, 2, 61, 7, 1, 0]])
 LENGTHS = torch.tensor([5, 6])
 
@@ -54,7 +62,7 @@ def test_top_p_after_top_k_uses_the_renormalised_mass():
     warpers); without renormalising, token 1 was drawn for 40% of the uniforms."""
     from real_py.engines.generate import pick_tokens
 
-    logits = torch.tensor([[.3, .2, .15, .15, .1, .1]]).log().expand(1000, 6)
+    logits = torch.tensor([[0.3, 0.2, 0.15, 0.15, 0.1, 0.1]]).log().expand(1000, 6)
     u = torch.linspace(0, 0.999, 1000)
     assert pick_tokens(logits, u, 1.0, 0.5, top_k=2).unique().tolist() == [0]
     # Without top_k, top_p 0.5 keeps tokens 0 and 1 (0.3 < 0.5 before token 1): both drawn.

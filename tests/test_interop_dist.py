@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.testing import run_distributed
 
-from support.oracle import oracle_flat, random_full, tiny_spec
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from trainer_interop import tiny_llama, worker  # noqa: E402
+from trainer_interop import tiny_llama, worker
 
 pytestmark = pytest.mark.dist
 
@@ -42,13 +41,16 @@ def _worker(rank: int, world: int, models: dict) -> dict:
         src_model, dst_model = tiny_spec(bias=True, **a), tiny_spec(bias=True, **b)
         src, dst = Layout.parse(s), Layout.parse(d, ranks=ranks)
         full = random_full(src_model, i)
-        plan = plan_realloc(src_model, src, dst, dst_model=dst_model, mode=("p2p", "broadcast")[i % 2])
+        plan = plan_realloc(
+            src_model, src, dst, dst_model=dst_model, mode=("p2p", "broadcast")[i % 2]
+        )
         mine = ModelShard.from_full(src_model, src, rank, full) if rank in src.ranks else None
         got = ModelShard.empty(dst_model, dst, rank) if rank in dst.ranks else None
         Reallocator(plan, transport, bucket_bytes=2048).run(mine, got)
         if got is not None:
-            assert torch.equal(got.flat, oracle_flat(dst_model, dst, rank, full)), \
+            assert torch.equal(got.flat, oracle_flat(dst_model, dst, rank, full)), (
                 f"rank {rank}: {a}{s} -> {b}{d} differs from the oracle"
+            )
     out["format_pairs"] = len(FORMAT_PAIRS)
     return out
 

@@ -9,17 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from real_py import Layout, shard_layout
-from real_py.interop.embed import (layout_from_device_mesh, reallocate_flat, reallocate_params,
-                           shard_from_params)
-from real_py.realloc.plan import plan_realloc
-from real_py.realloc.reallocator import Reallocator
-from real_py.testing import run_distributed
-from real_py.realloc.transports.dist import DistTransport
-
 from support.dist_cases import BIAS, TIED, random_full
 from support.oracle import oracle_flat
+
+from real_py import Layout, shard_layout
+from real_py.interop.embed import (
+    layout_from_device_mesh,
+    reallocate_flat,
+    reallocate_params,
+    shard_from_params,
+)
+from real_py.realloc.plan import plan_realloc
+from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.transports.dist import DistTransport
+from real_py.testing import run_distributed
 
 
 def trainer_params(model, layout: Layout, rank: int, full: dict) -> dict:
@@ -27,8 +30,10 @@ def trainer_params(model, layout: Layout, rank: int, full: dict) -> dict:
     cut from the oracle's flat buffer (index math, not real_py.realloc.shard)."""
     _, _, stage = layout.coords(rank)
     flat = oracle_flat(model, layout, rank, full)
-    return {e.param.name: flat[e.offset:e.offset + e.numel].view(e.local_shape).clone()
-            for e in shard_layout(model, layout, stage).entries}
+    return {
+        e.param.name: flat[e.offset : e.offset + e.numel].view(e.local_shape).clone()
+        for e in shard_layout(model, layout, stage).entries
+    }
 
 
 def _embed(rank: int, world: int) -> dict:
@@ -40,8 +45,9 @@ def _embed(rank: int, world: int) -> dict:
     assert a == Layout.parse("dp2,tp2"), a
     assert a.coords(rank)[:2] == (mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
     # Transposed rank grid, pp varying fastest: the Layout must follow the mesh, not rank order.
-    mesh_b = DeviceMesh("cpu", torch.arange(4).view(2, 2).t().contiguous(),
-                        mesh_dim_names=("tp", "pp"))
+    mesh_b = DeviceMesh(
+        "cpu", torch.arange(4).view(2, 2).t().contiguous(), mesh_dim_names=("tp", "pp")
+    )
     b = layout_from_device_mesh(mesh_b)
     assert (b.dp, b.tp, b.pp) == (1, 2, 2) and b.order.index("pp") < b.order.index("tp"), b
     assert b.grid() == [[[0, 1]], [[2, 3]]], b.grid()  # grid[pp][dp][tp] = mesh[tp][pp]

@@ -4,6 +4,7 @@
 
 import pytest
 import torch
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec
 from real_py.engines import Engine, OptimConfig, split_micro_batches
@@ -11,14 +12,14 @@ from real_py.models.vocab import vocab_parallel_logprobs
 from real_py.parallel import ParallelGroups
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-
 CFG = ModelConfig(**O.TINY)
 TIED = ModelConfig(**O.TINY, tie_word_embeddings=True)
 
 
 def test_layouts_that_do_not_fit():
-    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4 .*pick tp in \{1, 2"):
+    with pytest.raises(
+        ValueError, match=r"tp=3 does not divide num_attention_heads=4 .*pick tp in \{1, 2"
+    ):
         ModelShard.empty(model_spec(CFG), Layout(tp=3), 0)
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
         ModelShard.empty(model_spec(CFG), Layout(tp=4), 0)
@@ -64,6 +65,7 @@ def _dist_cases(rank, world):
             fn()
         except ValueError as e:
             import re
+
             if not re.search(pattern, str(e)):
                 errors.append(f"{pattern!r} not in {e}")
             return
@@ -80,7 +82,10 @@ def _dist_cases(rank, world):
     eng = Engine(TIED, layout, tied, shard)
     p, n, s = torch.tensor([[1, 2]]), torch.tensor([2]), torch.tensor([0])
     expect("max_new_tokens=0 must be >= 1", lambda: eng.generate(p, n, s, max_new_tokens=0))
-    expect("temperature > 0", lambda: eng.generate(p, n, s, max_new_tokens=2, greedy=False, temperature=0.0))
+    expect(
+        "temperature > 0",
+        lambda: eng.generate(p, n, s, max_new_tokens=2, greedy=False, temperature=0.0),
+    )
     expect("exceeds max_position_embeddings=64", lambda: eng.generate(p, n, s, max_new_tokens=63))
     return errors
 

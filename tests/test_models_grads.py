@@ -16,30 +16,39 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from support import models_oracle as O
+from support.oracle import oracle_flat
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec, plan_realloc
 from real_py.engines import Engine, OptimConfig
 from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
 from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.transports.dist import DistTransport
 from real_py.rlhf import ppo as P
 from real_py.testing import run_distributed
-from real_py.realloc.transports.dist import DistTransport
-
-from support import models_oracle as O
-from support.oracle import oracle_flat
 
 pytestmark = pytest.mark.dist
 
 # 8 heads / 4 KV heads so tp=4 fits; 4 layers so pp=4 fits; vocab 97 pads to 100 on tp=4.
 SIZES = dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4)
 CLIP, VCLIP, RTOL, ATOL = 0.2, 0.2, 1e-4, 1e-7
-LM_LAYOUTS = [Layout(), Layout(tp=2), Layout(tp=4), Layout(pp=2), Layout(tp=2, pp=2),
-              Layout(dp=2, tp=2), Layout(dp=2, pp=2, ranks=(3, 1, 2, 0))]
+LM_LAYOUTS = [
+    Layout(),
+    Layout(tp=2),
+    Layout(tp=4),
+    Layout(pp=2),
+    Layout(tp=2, pp=2),
+    Layout(dp=2, tp=2),
+    Layout(dp=2, pp=2, ranks=(3, 1, 2, 0)),
+]
 TIED_EXTRA = [Layout(pp=3, ranks=(3, 1, 2)), Layout(pp=4), Layout(pp=4, ranks=(2, 0, 3, 1))]
 VALUE_LAYOUTS = [Layout(), Layout(tp=4), Layout(tp=2, pp=2), Layout(dp=2, pp=2)]
 TERMS = {"lm": ("logprob", "entropy"), "value": ("value",)}
-PROMPTS, MAX_NEW = (torch.tensor([[5, 17, 3, 44], [9, 2, 0, 0], [70, 71, 72, 0]]), torch.tensor([4, 2, 3])), 5
+PROMPTS, MAX_NEW = (
+    (torch.tensor([[5, 17, 3, 44], [9, 2, 0, 0], [70, 71, 72, 0]]), torch.tensor([4, 2, 3])),
+    5,
+)
 # pp=3 tied model, trained one step, then reallocated to these layouts (and back from tp2).
 REALLOC_SRC, REALLOC_DSTS = Layout(pp=3, ranks=(3, 1, 2)), [Layout(tp=2), Layout(dp=2, tp=2)]
 
@@ -49,10 +58,15 @@ def _data(B=6, T=10):
     g = torch.Generator().manual_seed(5)
     prompt = torch.tensor([3, 2, 4, 1, 5, 2])
     mask = P.response_mask(prompt, lengths, T)
-    return {"tokens": tokens, "lengths": lengths, "mask": mask,
-            "adv": torch.randn(B, T - 1, generator=g) * mask,
-            "noise": torch.randn(B, T - 1, generator=g) * 0.3,
-            "returns": torch.randn(B, T - 1, generator=g), "vnoise": torch.randn(B, T - 1, generator=g) * 0.3}
+    return {
+        "tokens": tokens,
+        "lengths": lengths,
+        "mask": mask,
+        "adv": torch.randn(B, T - 1, generator=g) * mask,
+        "noise": torch.randn(B, T - 1, generator=g) * 0.3,
+        "returns": torch.randn(B, T - 1, generator=g),
+        "vnoise": torch.randn(B, T - 1, generator=g) * 0.3,
+    }
 
 
 def _loss(term, out, d, n_tok):
@@ -61,7 +75,10 @@ def _loss(term, out, d, n_tok):
         return P.policy_loss(out["logprobs"], d["old_logp"], d["adv"], d["mask"], CLIP)[0] / n_tok
     if term == "entropy":
         return -(out["entropy"] * d["mask"]).sum() / n_tok
-    return P.value_loss(out["values"][:, :-1], d["old_values"], d["returns"], d["mask"], VCLIP)[0] / n_tok
+    return (
+        P.value_loss(out["values"][:, :-1], d["old_values"], d["returns"], d["mask"], VCLIP)[0]
+        / n_tok
+    )
 
 
 def _reference(path, head, d):
@@ -109,17 +126,25 @@ def _worker(rank, world, cases, d, realloc=True):
             eng = Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=0.0, max_grad_norm=0.0))
             per = data["tokens"].shape[0] // layout.dp
             rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
-            batch = {k: data[k][rows] for k in ("tokens", "lengths", "mask") +
-                     (("adv", "old_logp") if head == "lm" else ("returns", "old_values"))}
+            batch = {
+                k: data[k][rows]
+                for k in ("tokens", "lengths", "mask")
+                + (("adv", "old_logp") if head == "lm" else ("returns", "old_values"))
+            }
             r = {}
             if head == "lm":
                 r["logits"] = eng.forward_logits(batch["tokens"])
             if name == "qwen2_tied" and layout.dp == 1:
-                r["greedy"] = eng.generate(*PROMPTS, torch.zeros(3, dtype=torch.int64),
-                                           max_new_tokens=MAX_NEW)["new_tokens"]
+                r["greedy"] = eng.generate(
+                    *PROMPTS, torch.zeros(3, dtype=torch.int64), max_new_tokens=MAX_NEW
+                )["new_tokens"]
             for term in TERMS[head]:
-                eng.train_step(lambda o, mb, term=term: _loss(term, o, mb, n_tok), batch,
-                               micro_batches=2, with_entropy=head == "lm")
+                eng.train_step(
+                    lambda o, mb, term=term: _loss(term, o, mb, n_tok),
+                    batch,
+                    micro_batches=2,
+                    with_entropy=head == "lm",
+                )
                 g = ModelShard(spec, layout, rank, eng._trainer.grad.clone())
                 r[term] = gather_state_dict(g, groups)
             out[(name, str(layout), layout.ranks)] = (groups.dp_rank, r)
@@ -142,8 +167,11 @@ def _realloc_trained(rank, case, data, n_tok):
     if groups.member:
         shard = load_hf_shard(path, cfg, src, rank)
         eng = Engine(cfg, src, groups, shard, optim=OptimConfig(lr=1e-2))
-        eng.train_step(lambda o, mb: _loss("logprob", o, mb, n_tok),
-                       {k: data[k] for k in ("tokens", "lengths", "mask", "adv", "old_logp")}, micro_batches=3)
+        eng.train_step(
+            lambda o, mb: _loss("logprob", o, mb, n_tok),
+            {k: data[k] for k in ("tokens", "lengths", "mask", "adv", "old_logp")},
+            micro_batches=3,
+        )
     full = gather_state_dict(shard, groups) if shard is not None else None
     box = [full]
     dist.broadcast_object_list(box, src=src.ranks[0])
@@ -155,15 +183,21 @@ def _realloc_trained(rank, case, data, n_tok):
             if s is None and rank in a.ranks:
                 s = ModelShard.from_full(spec, a, rank, full)
             d_ = ModelShard.empty(spec, b, rank) if rank in b.ranks else None
-            Reallocator(plan_realloc(spec, a, b), t, bucket_bytes=1 << 14).run(s if rank in a.ranks else None, d_)
+            Reallocator(plan_realloc(spec, a, b), t, bucket_bytes=1 << 14).run(
+                s if rank in a.ranks else None, d_
+            )
             if d_ is not None:
-                assert torch.equal(d_.flat, oracle_flat(spec, b, rank, full)), f"{a}->{b} rank {rank}"
+                assert torch.equal(d_.flat, oracle_flat(spec, b, rank, full)), (
+                    f"{a}->{b} rank {rank}"
+                )
                 checked.append(f"{a}->{b}")
     # The trained tied copies on the first and last stage must agree (tied all-reduce).
     if shard is not None and shard.stage in (0, src.pp - 1):
         emb = shard.view("embed_tokens.weight").clone()
         ref = oracle_flat(spec, src, rank, full)
-        assert torch.equal(shard.flat, ref), f"rank {rank}: trained pp3 shard differs from its gathered copy"
+        assert torch.equal(shard.flat, ref), (
+            f"rank {rank}: trained pp3 shard differs from its gathered copy"
+        )
         checked.append(f"tied copy stage {shard.stage} {tuple(emb.shape)}")
     return checked
 
@@ -176,9 +210,11 @@ def runs(tmp_path_factory):
     tied = O.make_checkpoint(str(tmp / "qwen2_tied"), "qwen2", tied=True, seed=1, **SIZES)
     value = O.make_checkpoint(str(tmp / "value"), "llama", head="value", seed=2, **SIZES)
     refs, cases = {}, []
-    for name, path, head, layouts in (("llama", untied, "lm", LM_LAYOUTS),
-                                      ("qwen2_tied", tied, "lm", LM_LAYOUTS + TIED_EXTRA),
-                                      ("value", value, "value", VALUE_LAYOUTS)):
+    for name, path, head, layouts in (
+        ("llama", untied, "lm", LM_LAYOUTS),
+        ("qwen2_tied", tied, "lm", LM_LAYOUTS + TIED_EXTRA),
+        ("value", value, "value", VALUE_LAYOUTS),
+    ):
         extra, grads, logits = _reference(path, head, d)
         refs[name] = (grads, logits)
         cases.append((name, path, head, layouts, extra))
@@ -201,7 +237,9 @@ def _check_grads(got, want, tag):
         err = float((got[n] - ref).abs().max())
         bound = RTOL * float(ref.abs().max()) + ATOL
         if not err <= bound:
-            bad.append(f"{n}: max err {err:.3g} > {bound:.3g} ({err / max(float(ref.abs().max()), 1e-30):.2%})")
+            bad.append(
+                f"{n}: max err {err:.3g} > {bound:.3g} ({err / max(float(ref.abs().max()), 1e-30):.2%})"
+            )
     assert not bad, f"{tag}:\n" + "\n".join(bad)
 
 
@@ -213,7 +251,9 @@ def test_gradients_of_every_loss_term_match_autograd(runs):
         for layout in layouts:
             full, _ = _gathered(outs, (name, str(layout), layout.ranks), head)
             for term in TERMS[head]:
-                _check_grads(full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}")
+                _check_grads(
+                    full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}"
+                )
                 n += 1
     assert n == 2 * 7 + 2 * 10 + 4
 
@@ -228,8 +268,13 @@ def test_forward_logits_match_transformers_including_tied_pp3_pp4(runs):
             _, logits = _gathered(outs, (name, str(layout), layout.ranks))
             per = want.shape[0] // layout.dp
             for k, lg in enumerate(logits):
-                torch.testing.assert_close(lg, want[k * per:(k + 1) * per], atol=1e-5, rtol=0,
-                                           msg=lambda m: f"{name} {layout} dp {k}: {m}")
+                torch.testing.assert_close(
+                    lg,
+                    want[k * per : (k + 1) * per],
+                    atol=1e-5,
+                    rtol=0,
+                    msg=lambda m: f"{name} {layout} dp {k}: {m}",
+                )
 
 
 def test_tied_greedy_generation_on_pp3_pp4_matches_transformers(runs):
@@ -257,8 +302,12 @@ def test_tied_pp3_reallocates_bit_for_bit(runs):
 
 # -- the newer families: every loss term's gradients on TP x PP (fused Phi-3 storage, q/k
 # norms, biases, Gemma's (1 + w) norms / soft-capping / sandwich norms, longrope) ----------------
-LONGROPE = dict(original_max_position_embeddings=6, rope_scaling=dict(
-    rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))
+LONGROPE = dict(
+    original_max_position_embeddings=6,
+    rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]
+    ),
+)
 GEMMA = dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=12, final_logit_softcapping=3.0)
 # name -> (model_type, tied, head, config fields); every case runs tp2pp2 (permuted ranks), tp4 and
 # pp3. pad_token_id: transformers' embedding row of the pad token gets no gradient from lookups
@@ -270,23 +319,65 @@ FAMILIES = {
     "olmo2-tied": ("olmo2", True, "lm", {}),
     "olmo2-untied": ("olmo2", False, "lm", dict(attention_bias=True)),
     "qwen3-tied": ("qwen3", True, "lm", {}),
-    "phi3": ("phi3", False, "lm", dict(pad_token_id=0, original_max_position_embeddings=6, rope_scaling=dict(
-        type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]))),
+    "phi3": (
+        "phi3",
+        False,
+        "lm",
+        dict(
+            pad_token_id=0,
+            original_max_position_embeddings=6,
+            rope_scaling=dict(
+                type="longrope", short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[2.0, 3.0, 5.0, 7.0]
+            ),
+        ),
+    ),
     "phi3-value": ("phi3", False, "value", dict(pad_token_id=0)),
-    "llama-biases": ("llama", False, "lm", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
-                                               pad_token_id=96, **LONGROPE)),
+    "llama-biases": (
+        "llama",
+        False,
+        "lm",
+        dict(
+            attention_bias=True,
+            mlp_bias=True,
+            hidden_act="gelu_pytorch_tanh",
+            pad_token_id=96,
+            **LONGROPE,
+        ),
+    ),
     "llama-biases-value": ("llama", False, "value", dict(attention_bias=True, mlp_bias=True)),
     "gemma2-tied": ("gemma2", True, "lm", dict(GEMMA, attn_logit_softcapping=2.0)),
     "gemma2-value": ("gemma2", False, "value", dict(GEMMA, attn_logit_softcapping=2.0)),
-    "gemma3-tied": ("gemma3_text", True, "lm", dict(GEMMA, rope_local_base_freq=100.0, sliding_window_pattern=2,
-                                                    rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gemma3-tied": (
+        "gemma3_text",
+        True,
+        "lm",
+        dict(
+            GEMMA,
+            rope_local_base_freq=100.0,
+            sliding_window_pattern=2,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
     # Gemma3TextForSequenceClassification; its final_logit_softcapping does not reach the value head
-    "gemma3-value": ("gemma3_text", False, "value", dict(GEMMA, rope_local_base_freq=100.0, sliding_window_pattern=2,
-                                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gemma3-value": (
+        "gemma3_text",
+        False,
+        "value",
+        dict(
+            GEMMA,
+            rope_local_base_freq=100.0,
+            sliding_window_pattern=2,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
 }
 if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the case names
     FAMILIES = {k: v for k, v in FAMILIES.items() if os.environ["FAMILY_CASES"] in k}
-FAMILY_LAYOUTS = [Layout(tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"), Layout(tp=4), Layout(pp=3, ranks=(2, 0, 3))]
+FAMILY_LAYOUTS = [
+    Layout(tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"),
+    Layout(tp=4),
+    Layout(pp=3, ranks=(2, 0, 3)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -295,12 +386,21 @@ def family_runs(tmp_path_factory):
     d = _data()
     refs, cases = {}, []
     for i, (name, (mt, tied, head, over)) in enumerate(FAMILIES.items()):
-        path = O.make_checkpoint(str(tmp / name), mt, tied=tied, head=head, seed=20 + i,
-                                 **SIZES, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()})
+        path = O.make_checkpoint(
+            str(tmp / name),
+            mt,
+            tied=tied,
+            head=head,
+            seed=20 + i,
+            **SIZES,
+            **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()},
+        )
         extra, grads, logits = _reference(path, head, d)
         refs[name] = (grads, logits)
         cases.append((name, path, head, FAMILY_LAYOUTS, extra))
-    outs = [torch.load(io.BytesIO(b)) for b in run_distributed(_worker, 4, cases, d, False, timeout=600)]
+    outs = [
+        torch.load(io.BytesIO(b)) for b in run_distributed(_worker, 4, cases, d, False, timeout=600)
+    ]
     return cases, refs, outs
 
 
@@ -319,12 +419,19 @@ def _check_families(family_runs):
             full, logits = _gathered(outs, (name, str(layout), layout.ranks), head)
             for term in TERMS[head]:
                 try:  # every failing (case, layout, term), not just the first
-                    _check_grads(full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}")
+                    _check_grads(
+                        full[term], grads[term], f"{name} {layout} ranks {layout.ranks} {term}"
+                    )
                 except AssertionError as e:
                     failed.append(str(e))
                 n += 1
             if head == "lm":
-                torch.testing.assert_close(torch.cat(logits), want, atol=1e-5, rtol=0,
-                                           msg=lambda m: f"{name} {layout}: {m}")
+                torch.testing.assert_close(
+                    torch.cat(logits),
+                    want,
+                    atol=1e-5,
+                    rtol=0,
+                    msg=lambda m: f"{name} {layout}: {m}",
+                )
     assert not failed, "\n".join(failed)
     assert n == len(FAMILY_LAYOUTS) * sum(len(TERMS[c[2]]) for c in cases)

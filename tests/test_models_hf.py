@@ -13,25 +13,33 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec
 from real_py.interop.hf import HFCheckpoint, load_hf_shard, save_hf
 from real_py.models import StageModel
 
-from support import models_oracle as O
-
-CASES = [("llama", False, "lm"), ("llama", True, "lm"), ("qwen2", False, "lm"), ("qwen2", True, "lm"),
-         ("llama", False, "value")]
+CASES = [
+    ("llama", False, "lm"),
+    ("llama", True, "lm"),
+    ("qwen2", False, "lm"),
+    ("qwen2", True, "lm"),
+    ("llama", False, "value"),
+]
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
-    return {c: O.make_checkpoint(str(d / f"{c[0]}_{c[1]}_{c[2]}"), c[0], tied=c[1], head=c[2], seed=i)
-            for i, c in enumerate(CASES)}
+    return {
+        c: O.make_checkpoint(str(d / f"{c[0]}_{c[1]}_{c[2]}"), c[0], tied=c[1], head=c[2], seed=i)
+        for i, c in enumerate(CASES)
+    }
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-{c[2]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-{c[2]}"
+)
 def test_logits_match_transformers(ckpts, case):
     path, head = ckpts[case], case[2]
     cfg = ModelConfig.from_hf(path, head=head)
@@ -42,7 +50,11 @@ def test_logits_match_transformers(ckpts, case):
     pos = torch.arange(12).expand(3, 12)
     with torch.no_grad():
         ours = model.head(model(tokens, pos))
-        want = ref(tokens).logits if head == "lm" else ref.score(ref.model(tokens).last_hidden_state).squeeze(-1)
+        want = (
+            ref(tokens).logits
+            if head == "lm"
+            else ref.score(ref.model(tokens).last_hidden_state).squeeze(-1)
+        )
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
 
 
@@ -65,7 +77,10 @@ def test_save_round_trip_is_identical(ckpts, tmp_path):
         shards = [load_hf_shard(path, cfg, layout, r) for r in layout.ranks]
         out = str(tmp_path / "_".join(map(str, case)))
         save_hf(out, cfg, gather_full(model_spec(cfg), shards), model_type=case[0])
-        a, b = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+        a, b = (
+            load_file(os.path.join(path, "model.safetensors")),
+            load_file(os.path.join(out, "model.safetensors")),
+        )
         assert sorted(a) == sorted(b), case
         for k in a:
             assert torch.equal(a[k], b[k]), (case, k)
@@ -91,13 +106,18 @@ def test_bad_checkpoints_raise_naming_the_tensor(ckpts, tmp_path):
     cfg = ModelConfig.from_hf(path)
     name = "model.layers.1.self_attn.k_proj.weight"
     missing = _rewrite(path, str(tmp_path / "missing"), lambda t: t.pop(name))
-    with pytest.raises(ValueError, match=r"no tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"):
+    with pytest.raises(
+        ValueError, match=r"no tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"
+    ):
         load_hf_shard(missing, cfg, Layout(tp=2), 0)
 
     def shrink(t):
         t[name] = t[name][:-1].contiguous()
+
     bad_shape = _rewrite(path, str(tmp_path / "shape"), shrink)
-    with pytest.raises(ValueError, match=r"k_proj\.weight' has shape \[31, 64\], the config expects \[32, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"k_proj\.weight' has shape \[31, 64\], the config expects \[32, 64\]"
+    ):
         load_hf_shard(bad_shape, cfg, Layout(), 0)
     fewer = ModelConfig.from_hf(path, num_hidden_layers=2)
     with pytest.raises(ValueError, match=r"'model\.layers\.2\..*' is not part of the config"):
@@ -110,8 +130,12 @@ def test_bad_checkpoints_raise_naming_the_tensor(ckpts, tmp_path):
         load_hf_shard(str(tmp_path), cfg, Layout(), 0)
     # An lm config against a value-head checkpoint: score.weight is unexpected, lm_head missing.
     with pytest.raises(ValueError, match="lm_head.weight"):
-        load_hf_shard(ckpts[("llama", False, "value")], ModelConfig.from_hf(path, attention_bias=False),
-                      Layout(), 0)
+        load_hf_shard(
+            ckpts[("llama", False, "value")],
+            ModelConfig.from_hf(path, attention_bias=False),
+            Layout(),
+            0,
+        )
 
 
 def test_checkpoint_reads_slices_not_whole_tensors(ckpts):
@@ -120,7 +144,10 @@ def test_checkpoint_reads_slices_not_whole_tensors(ckpts):
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         full = f.get_tensor("model.layers.0.mlp.down_proj.weight")
     assert torch.equal(ck.read("model.layers.0.mlp.down_proj.weight", 1, 48, 96), full[:, 48:96])
-    assert torch.equal(ck.read("model.embed_tokens.weight", 0, 49, 97), O.load_oracle(path).model.embed_tokens.weight.detach()[49:])
+    assert torch.equal(
+        ck.read("model.embed_tokens.weight", 0, 49, 97),
+        O.load_oracle(path).model.embed_tokens.weight.detach()[49:],
+    )
 
 
 def test_model_reads_the_flat_buffer_without_copies(ckpts):
@@ -147,4 +174,6 @@ def test_multi_file_checkpoint_with_index(ckpts, tmp_path):
     cfg = ModelConfig.from_hf(out)
     layout = Layout(tp=2, pp=2)
     for rank in layout.ranks:
-        assert torch.equal(load_hf_shard(out, cfg, layout, rank).flat, load_hf_shard(path, cfg, layout, rank).flat)
+        assert torch.equal(
+            load_hf_shard(out, cfg, layout, rank).flat, load_hf_shard(path, cfg, layout, rank).flat
+        )

@@ -18,26 +18,48 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec
 from real_py.interop.hf import load_hf_experts, load_hf_shard
-from real_py.models import (StageModel, expert_token_counts, load_balancing_loss, router_records,
-                            router_z_loss, vocab_parallel_logprobs)
+from real_py.models import (
+    StageModel,
+    expert_token_counts,
+    load_balancing_loss,
+    router_records,
+    router_z_loss,
+    vocab_parallel_logprobs,
+)
 from real_py.models.tp import gather_from_tp
 from real_py.parallel import ParallelGroups
 from real_py.realloc.shard import ExpertShard, tp_slice
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-
 COEF = 0.5  # router_aux_loss_coef: large, so a wrong aux gradient shows
 CASES = {  # model_type -> checkpoint fields beyond models_oracle.TINY
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
-                      mlp_only_layers=[0], router_aux_loss_coef=COEF),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, decoder_sparse_step=1,
-                      shared_expert_intermediate_size=40, router_aux_loss_coef=COEF),
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
-                    router_aux_loss_coef=COEF),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        router_aux_loss_coef=COEF,
+    ),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=40,
+        router_aux_loss_coef=COEF,
+    ),
+    "mixtral": dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=4,
+        router_aux_loss_coef=COEF,
+    ),
 }
 B, T = 4, 10
 TOKENS = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(7))
@@ -46,21 +68,24 @@ MASK = (torch.arange(T) < LENGTHS.unsqueeze(1)).long()
 PROMPT = TOKENS[:, :5]
 MAX_NEW = 8
 LAYOUTS = [  # 4 gloo ranks at most
-    Layout(dp=2, ep=2),                                       # experts split, dp tokens exchanged
-    Layout(tp=2, ep=2),                                       # ep group = TP group: row blocks exchanged
+    Layout(dp=2, ep=2),  # experts split, dp tokens exchanged
+    Layout(tp=2, ep=2),  # ep group = TP group: row blocks exchanged
     # ep over dp x tp; permuted ranks: group rank -> ep index (3, 0, 2, 1) is not its own inverse
     Layout(dp=2, tp=2, ep=4, ranks=(1, 2, 3, 0), order="dp-tp-pp"),
-    Layout(dp=2, pp=2, ep=2),                                 # one ep group per pipeline stage
-    Layout(tp=2, pp=2, ep=2),                                 # tp row blocks and stages together
+    Layout(dp=2, pp=2, ep=2),  # one ep group per pipeline stage
+    Layout(tp=2, pp=2, ep=2),  # tp row blocks and stages together
     # etp: each expert's intermediate dim split; rows gathered over the etp group, partial outputs summed
-    Layout(tp=2, etp=2),                                      # etp group = TP group (vLLM's TP experts)
-    Layout(dp=2, etp=2),                                      # etp group across two dp replicas
-    Layout(dp=2, tp=2, ep=2, etp=2),                          # etp over tp, ep over dp
+    Layout(tp=2, etp=2),  # etp group = TP group (vLLM's TP experts)
+    Layout(dp=2, etp=2),  # etp group across two dp replicas
+    Layout(dp=2, tp=2, ep=2, etp=2),  # etp over tp, ep over dp
 ]
 # qwen3_moe on every layout; the other families on four (dispatch across dp, TP row blocks with
 # permuted ranks, pp, etp) to keep the spawn short
-FAMILY_LAYOUTS = {"qwen3_moe": LAYOUTS, "qwen2_moe": [LAYOUTS[i] for i in (0, 2, 3, 5)],
-                  "mixtral": [LAYOUTS[i] for i in (1, 2, 4, 7)]}
+FAMILY_LAYOUTS = {
+    "qwen3_moe": LAYOUTS,
+    "qwen2_moe": [LAYOUTS[i] for i in (0, 2, 3, 5)],
+    "mixtral": [LAYOUTS[i] for i in (1, 2, 4, 7)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +97,29 @@ def ckpts(tmp_path_factory):
 def _hf_named(name: str) -> str:
     """transformers parameter name -> real_py's unfused name (Mixtral's w1/w3/w2 as gate/up/down)."""
     name = name.removeprefix("model.").replace("block_sparse_moe", "mlp")
-    return re.sub(r"\.w([123])\.", lambda m: {"1": ".gate_proj.", "3": ".up_proj.", "2": ".down_proj."}[m[1]], name)
+    return re.sub(
+        r"\.w([123])\.",
+        lambda m: {"1": ".gate_proj.", "3": ".up_proj.", "2": ".down_proj."}[m[1]],
+        name,
+    )
 
 
 def hf_grads(ref) -> dict:
     """The oracle's gradients under real_py's fused names (q|k|v, gate|up concatenated on dim 0)."""
-    g = {_hf_named(k): (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-         for k, p in ref.named_parameters()}
+    g = {
+        _hf_named(k): (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+        for k, p in ref.named_parameters()
+    }
     out = {}
     for n, v in g.items():
         if ".q_proj." in n:
-            out[n.replace("q_proj", "qkv_proj")] = torch.cat([v, g[n.replace("q_proj", "k_proj")],
-                                                              g[n.replace("q_proj", "v_proj")]])
+            out[n.replace("q_proj", "qkv_proj")] = torch.cat(
+                [v, g[n.replace("q_proj", "k_proj")], g[n.replace("q_proj", "v_proj")]]
+            )
         elif ".gate_proj." in n:
-            out[n.replace("gate_proj", "gate_up_proj")] = torch.cat([v, g[n.replace("gate_proj", "up_proj")]])
+            out[n.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [v, g[n.replace("gate_proj", "up_proj")]]
+            )
         elif not any(s in n for s in (".k_proj.", ".v_proj.", ".up_proj.")):
             out[n] = v
     return out
@@ -107,15 +141,24 @@ def oracle(path):
     out = ref(TOKENS, attention_mask=MASK, output_router_logits=True)
     logp = torch.log_softmax(out.logits[:, :-1], -1)
     lp = logp.gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
-    loss = O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + entropy_term(logp, LENGTHS) + COEF * out.aux_loss
+    loss = (
+        O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum()))
+        + entropy_term(logp, LENGTHS)
+        + COEF * out.aux_loss
+    )
     loss.backward()
     return ref, out, hf_grads(ref)
 
 
 def _model(path, cfg, layout=Layout(), rank=0, groups=None):
-    return StageModel(cfg, load_hf_shard(path, cfg, layout, rank), groups.tp_group if groups else None,
-                      load_hf_experts(path, cfg, layout, rank), groups.ep_group if groups else None,
-                      groups.etp_group if groups else None)
+    return StageModel(
+        cfg,
+        load_hf_shard(path, cfg, layout, rank),
+        groups.tp_group if groups else None,
+        load_hf_experts(path, cfg, layout, rank),
+        groups.ep_group if groups else None,
+        groups.etp_group if groups else None,
+    )
 
 
 @pytest.mark.parametrize("mt", list(CASES))
@@ -134,19 +177,32 @@ def test_ep1_logits_aux_loss_gradients(ckpts, mt):
     torch.testing.assert_close(aux, out.aux_loss, atol=1e-6, rtol=0)
     logp = torch.log_softmax(logits[:, :-1], -1)
     lp = logp.gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
-    (O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum())) + entropy_term(logp, LENGTHS)
-     + cfg.router_aux_loss_coef * aux).backward()
+    (
+        O.nll_loss(lp, LENGTHS, float((LENGTHS - 1).sum()))
+        + entropy_term(logp, LENGTHS)
+        + cfg.router_aux_loss_coef * aux
+    ).backward()
     params = {**m.shard_params, **m.expert_params}
     assert sorted(params) == sorted(want)
     for n, p in params.items():
-        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=0, msg=lambda s: f"{mt} {n}: {s}")
-    assert any(want[n].abs().max() > 1e-4 for n in want if ".mlp.gate." in n), "router gradients vanish"
+        torch.testing.assert_close(
+            p.grad, want[n], atol=1e-5, rtol=0, msg=lambda s: f"{mt} {n}: {s}"
+        )
+    assert any(want[n].abs().max() > 1e-4 for n in want if ".mlp.gate." in n), (
+        "router gradients vanish"
+    )
     # z-loss and per-expert counts from transformers' router logits (independent formulas)
     keep = MASK.reshape(-1).bool()
     z = torch.stack([torch.logsumexp(r.float(), -1).pow(2)[keep] for r in out.router_logits]).mean()
     torch.testing.assert_close(router_z_loss(recs, MASK), z, atol=1e-6, rtol=1e-6)
-    want_counts = torch.stack([torch.bincount(r.topk(cfg.num_experts_per_tok, -1).indices[keep].reshape(-1),
-                                              minlength=8) for r in out.router_logits])
+    want_counts = torch.stack(
+        [
+            torch.bincount(
+                r.topk(cfg.num_experts_per_tok, -1).indices[keep].reshape(-1), minlength=8
+            )
+            for r in out.router_logits
+        ]
+    )
     assert torch.equal(expert_token_counts(recs, cfg.num_experts, MASK), want_counts)
 
 
@@ -163,14 +219,15 @@ def test_ep1_kv_cache_decode_steps(ckpts, mt):
         r = ref(TOKENS[:, :4], use_cache=True)
         want, pkv = [r.logits], r.past_key_values
         for t in range(4, T):
-            got.append(m.head(m(TOKENS[:, t:t + 1], torch.full((B, 1), t), None, caches)))
-            r = ref(TOKENS[:, t:t + 1], past_key_values=pkv, use_cache=True)
+            got.append(m.head(m(TOKENS[:, t : t + 1], torch.full((B, 1), t), None, caches)))
+            r = ref(TOKENS[:, t : t + 1], past_key_values=pkv, use_cache=True)
             want.append(r.logits)
             pkv = r.past_key_values
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)
 
 
 # -- expert-parallel layouts on 4 gloo ranks ----------------------------------------------------
+
 
 def _stage_forward(m, g, x, pos, caches=None):
     """One pipeline pass of this rank's stage: (input that needs a gradient or None, output)."""
@@ -195,7 +252,7 @@ def _generate(m, g, prompt):
             tok = torch.empty(b, 1, dtype=torch.int64)
             if g.is_last_stage:
                 logits = gather_from_tp(m.head(h[:, -1:]), g.tp_group, g.tp_ranks)
-                tok = logits[..., :m.config.vocab_size].argmax(-1)  # vocab padding rows dropped
+                tok = logits[..., : m.config.vocab_size].argmax(-1)  # vocab padding rows dropped
                 if not g.is_first_stage:
                     dist.send(tok, g.pp_ranks[0])
             else:
@@ -219,16 +276,29 @@ def _worker(rank, world, cases):
             rows = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
             tokens, mask = TOKENS[rows], MASK[rows]
             inp, h = _stage_forward(m, g, tokens, torch.arange(T).expand(per, T))
-            aux = load_balancing_loss(router_records(m), cfg.num_experts, cfg.num_experts_per_tok, mask, everyone)
+            aux = load_balancing_loss(
+                router_records(m), cfg.num_experts, cfg.num_experts_per_tok, mask, everyone
+            )
             r = {"aux": aux.item()}
             if g.is_last_stage:
                 logits = m.head(h)
-                r["logits"] = gather_from_tp(logits.detach(), g.tp_group, g.tp_ranks)[..., :cfg.vocab_size]
-                lp, ent = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], g.tp_group, g.tp_rank,
-                                                  cfg.vocab_size, with_entropy=True)
+                r["logits"] = gather_from_tp(logits.detach(), g.tp_group, g.tp_ranks)[
+                    ..., : cfg.vocab_size
+                ]
+                lp, ent = vocab_parallel_logprobs(
+                    logits[:, :-1],
+                    tokens[:, 1:],
+                    g.tp_group,
+                    g.tp_rank,
+                    cfg.vocab_size,
+                    with_entropy=True,
+                )
                 mask = torch.arange(T - 1) < (LENGTHS[rows] - 1).unsqueeze(1)
-                loss = (O.nll_loss(lp, LENGTHS[rows], float((LENGTHS - 1).sum()))
-                        - ENT * (ent * mask).sum() / float((LENGTHS - 1).sum()) + cfg.router_aux_loss_coef * aux)
+                loss = (
+                    O.nll_loss(lp, LENGTHS[rows], float((LENGTHS - 1).sum()))
+                    - ENT * (ent * mask).sum() / float((LENGTHS - 1).sum())
+                    + cfg.router_aux_loss_coef * aux
+                )
                 loss.backward()
             else:
                 grad = torch.empty_like(h)
@@ -236,12 +306,16 @@ def _worker(rank, world, cases):
                 torch.autograd.backward([h, cfg.router_aux_loss_coef * aux], [grad, torch.ones(())])
             if inp is not None:
                 dist.send(inp.grad, g.prev_rank)
-            r["grads"] = {n: p.grad.clone() for n, p in {**m.shard_params, **m.expert_params}.items()}
+            r["grads"] = {
+                n: p.grad.clone() for n, p in {**m.shard_params, **m.expert_params}.items()
+            }
             r["greedy"] = _generate(m, g, PROMPT[rows])
             with torch.no_grad():  # one token per rank: fewer rows than TP ranks (empty row blocks)
                 _, h1 = _stage_forward(m, g, tokens[:1, :1], torch.zeros(1, 1, dtype=torch.int64))
                 if g.is_last_stage:
-                    r["one"] = gather_from_tp(m.head(h1), g.tp_group, g.tp_ranks)[..., :cfg.vocab_size]
+                    r["one"] = gather_from_tp(m.head(h1), g.tp_group, g.tp_ranks)[
+                        ..., : cfg.vocab_size
+                    ]
             r["etp_rank"] = layout.expert_coords(rank)[2]
             out[(mt, repr(layout))] = (g.dp_rank, g.tp_rank, g.stage, r)
     buf = io.BytesIO()
@@ -284,30 +358,54 @@ def test_ep_layouts_logits_generation_gradients(ckpts, runs, mt):
         assert len(res) == layout.world, key
         last = {dp: r for dp, _, s, r in res if s == layout.pp - 1}
         keep = MASK.bool()
-        torch.testing.assert_close(torch.cat([last[d]["logits"] for d in range(layout.dp)])[keep], out.logits[keep],
-                                   atol=1e-5, rtol=0, msg=lambda s: f"{key} logits: {s}")
-        assert torch.equal(torch.cat([last[d]["greedy"] for d in range(layout.dp)]), greedy), (key, "greedy")
+        torch.testing.assert_close(
+            torch.cat([last[d]["logits"] for d in range(layout.dp)])[keep],
+            out.logits[keep],
+            atol=1e-5,
+            rtol=0,
+            msg=lambda s: f"{key} logits: {s}",
+        )
+        assert torch.equal(torch.cat([last[d]["greedy"] for d in range(layout.dp)]), greedy), (
+            key,
+            "greedy",
+        )
         per = B // layout.dp
-        torch.testing.assert_close(torch.cat([last[d]["one"] for d in range(layout.dp)]),
-                                   out.logits[::per, :1], atol=1e-5, rtol=0, msg=lambda s: f"{key} one token: {s}")
-        torch.testing.assert_close(torch.tensor(sum(r["aux"] for *_, r in res)), out.aux_loss.detach(),
-                                   atol=1e-6, rtol=0, msg=lambda s: f"{key} aux loss: {s}")
+        torch.testing.assert_close(
+            torch.cat([last[d]["one"] for d in range(layout.dp)]),
+            out.logits[::per, :1],
+            atol=1e-5,
+            rtol=0,
+            msg=lambda s: f"{key} one token: {s}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(sum(r["aux"] for *_, r in res)),
+            out.aux_loss.detach(),
+            atol=1e-6,
+            rtol=0,
+            msg=lambda s: f"{key} aux loss: {s}",
+        )
         summed: dict = {}
-        for _, tp, stage, r in res:
+        for _, tp, _stage, r in res:
             for n, gr in r["grads"].items():
                 k = (n, tp if spec[n].expert < 0 else r["etp_rank"])  # experts: their etp piece
                 summed[k] = summed.get(k, 0) + gr
         for (n, tp), gr in summed.items():
             exp = tp_slice(spec[n], want[n], layout.tp if spec[n].expert < 0 else layout.etp, tp)
-            torch.testing.assert_close(gr, exp, atol=1e-5, rtol=0, msg=lambda s: f"{key} {n} tp {tp}: {s}")
+            torch.testing.assert_close(
+                gr, exp, atol=1e-5, rtol=0, msg=lambda s: f"{key} {n} tp {tp}: {s}"
+            )
         assert {n for n, _ in summed} == set(want), key
 
 
 # -- refusals ---------------------------------------------------------------------------------
 
+
 def test_refusals(ckpts):
-    with pytest.raises(ValueError, match=r"architecture 'deepseek_v3' is not supported \(DeepSeek-V3: multi-head "
-                                         r"latent attention \(MLA\), grouped top-k routing"):
+    with pytest.raises(
+        ValueError,
+        match=r"architecture 'deepseek_v3' is not supported \(DeepSeek-V3: multi-head "
+        r"latent attention \(MLA\), grouped top-k routing",
+    ):
         ModelConfig.from_hf(dict(transformers.DeepseekV3Config(**O.TINY).to_dict()))
     mix = transformers.MixtralConfig(**O.TINY, router_jitter_noise=0.1).to_dict()
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
@@ -321,10 +419,14 @@ def test_refusals(ckpts):
         StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0))
     lay = Layout(dp=2, ep=2)
     with pytest.raises(ValueError, match=r"ep=2; pass ep_group"):
-        StageModel(cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0))
+        StageModel(
+            cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0)
+        )
     lay = Layout(dp=2, etp=2)
     with pytest.raises(ValueError, match=r"etp=2; pass etp_group"):
-        StageModel(cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0))
+        StageModel(
+            cfg, load_hf_shard(path, cfg, lay, 0), None, ExpertShard.empty(model_spec(cfg), lay, 0)
+        )
 
 
 def test_bad_expert_inputs(ckpts):
@@ -334,18 +436,31 @@ def test_bad_expert_inputs(ckpts):
     cfg = ModelConfig.from_hf(path)
     spec = model_spec(cfg)
     lay = Layout(dp=2, ep=2)
-    with pytest.raises(ValueError, match=r"expert flat buffer for .* rank 1 must be a contiguous 1-D torch.float32 tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert flat buffer for .* rank 1 must be a contiguous 1-D torch.float32 tensor",
+    ):
         ExpertShard(spec, lay, 1, torch.zeros(5))
     with pytest.raises(ValueError, match=r"rank 7 is not in layout"):
         ExpertShard.empty(spec, lay, 7)
     with pytest.raises(ValueError, match=r"is not of layout .* rank 0"):
-        StageModel(cfg, load_hf_shard(path, cfg, Layout(), 0), None, ExpertShard.empty(spec, Layout(dp=2), 1))
+        StageModel(
+            cfg,
+            load_hf_shard(path, cfg, Layout(), 0),
+            None,
+            ExpertShard.empty(spec, Layout(dp=2), 1),
+        )
     q2 = transformers.Qwen2MoeConfig(**O.TINY, shared_expert_intermediate_size=0).to_dict()
     with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=0 is not supported"):
         ModelConfig.from_hf(q2)
     dense = ModelConfig.from_hf(transformers.Qwen3Config(**O.TINY).to_dict())
     with pytest.raises(ValueError, match=r"experts given but ModelConfig.num_experts=0"):
-        StageModel(dense, ModelShard.empty(model_spec(dense), Layout(), 0), None, ExpertShard.empty(spec, Layout(), 0))
+        StageModel(
+            dense,
+            ModelShard.empty(model_spec(dense), Layout(), 0),
+            None,
+            ExpertShard.empty(spec, Layout(), 0),
+        )
 
 
 @pytest.mark.parametrize("mt", list(CASES))
@@ -365,6 +480,7 @@ def test_value_head_checkpoints(tmp_path, mt):
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)
     targets = torch.randn(B, T, generator=torch.Generator().manual_seed(2))
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
     hf_aux = load_balancing_loss_func(out.router_logits, 8, cfg.num_experts_per_tok, MASK)
     (O.value_loss(want, LENGTHS, targets, float(LENGTHS.sum())) + COEF * hf_aux).backward()
     aux = load_balancing_loss(router_records(m), cfg.num_experts, cfg.num_experts_per_tok, MASK)
@@ -372,4 +488,6 @@ def test_value_head_checkpoints(tmp_path, mt):
     grads = hf_grads(ref)
     grads["value_head.weight"] = grads.pop("score.weight")
     for n, p in {**m.shard_params, **m.expert_params}.items():
-        torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=0, msg=lambda s: f"{mt} {n}: {s}")
+        torch.testing.assert_close(
+            p.grad, grads[n], atol=1e-5, rtol=0, msg=lambda s: f"{mt} {n}: {s}"
+        )

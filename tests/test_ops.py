@@ -11,10 +11,11 @@ try:  # the GPU machine may lack hypothesis: only the property test needs it
 except ImportError:
     given = None
 
+from support.ops_cases import DTYPES, SAMPLES, assert_rejected, check_op, random_bytes, random_descs
+
 from real_py import Layout, ModelShard, model_spec, plan_realloc
 from real_py.ops import descs_tensor, pack, unpack
 from real_py.spec import ModelConfig
-from support.ops_cases import DTYPES, SAMPLES, assert_rejected, check_op, random_bytes, random_descs
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -29,11 +30,16 @@ SMALL_SAMPLES = [s for s in SAMPLES if s[2] <= 10_000]
 
 
 @pytest.mark.parametrize("op", ["pack", "unpack"])
-@pytest.mark.parametrize("name,descs,src_numel,dst_numel", SMALL_SAMPLES, ids=[s[0] for s in SMALL_SAMPLES])
+@pytest.mark.parametrize(
+    "name,descs,src_numel,dst_numel", SMALL_SAMPLES, ids=[s[0] for s in SMALL_SAMPLES]
+)
 def test_opcheck(name, descs, src_numel, dst_numel, op):
     gen = torch.Generator().manual_seed(1)
-    args = (random_bytes(src_numel, torch.float32, gen), descs_tensor(descs),
-            random_bytes(dst_numel, torch.float32, gen))
+    args = (
+        random_bytes(src_numel, torch.float32, gen),
+        descs_tensor(descs),
+        random_bytes(dst_numel, torch.float32, gen),
+    )
     torch.library.opcheck(getattr(torch.ops.real_py, op).default, args)
 
 
@@ -50,21 +56,32 @@ def test_seeded_random_descriptors_cpu(seed):
 
 
 if given is not None:  # property test on top of the seeded cases where hypothesis is installed
-    test_random_descriptors_cpu = settings(max_examples=60, deadline=None)(given(
-        seed=st.integers(0, 2**32 - 1), k=st.integers(0, 12), es=st.sampled_from([1, 2, 4, 8]))(
-        _random_descriptors_cpu))
+    test_random_descriptors_cpu = settings(max_examples=60, deadline=None)(
+        given(
+            seed=st.integers(0, 2**32 - 1), k=st.integers(0, 12), es=st.sampled_from([1, 2, 4, 8])
+        )(_random_descriptors_cpu)
+    )
 
 
 def test_plan_descriptors_reallocate_exactly():
     """Pack every message of a real plan on its sender, unpack on every receiver, run the local
     copies: each destination shard equals slicing the full tensors."""
-    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=50, num_hidden_layers=3, dtype="bfloat16")
+    cfg = ModelConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=50,
+        num_hidden_layers=3,
+        dtype="bfloat16",
+    )
     model = model_spec(cfg, name="tiny")
     gen = torch.Generator().manual_seed(0)
     full = {p.name: torch.randn(p.shape, generator=gen).to(torch.bfloat16) for p in model.params}
-    for src_l, dst_l in [(Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2)),
-                         (Layout(dp=2, tp=2, pp=1), Layout(dp=1, tp=4, pp=1))]:
+    for src_l, dst_l in [
+        (Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2)),
+        (Layout(dp=2, tp=2, pp=1), Layout(dp=1, tp=4, pp=1)),
+    ]:
         plan = plan_realloc(model, src_l, dst_l)
         srcs = {r: ModelShard.from_full(model, src_l, r, full).flat for r in src_l.ranks}
         dsts = {r: ModelShard.empty(model, dst_l, r).flat for r in dst_l.ranks}
@@ -86,10 +103,22 @@ def test_plan_descriptors_reallocate_exactly():
 def test_bad_input_raises_value_error(op):
     src, dst = torch.arange(100.0), torch.full((50,), -1.0)
     ok = [0, 0, 4, 2, 10, 4]
-    d = lambda *rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
+    d = lambda *rows: torch.tensor(rows, dtype=torch.int64)
     # Out of bounds: the first descriptor is fine, so nothing may be written before the check.
-    assert_rejected(op, src, d(ok, [95, 0, 4, 2, 10, 4]), dst, r"descriptor 1 \(src_off=95.*past the end of (src|packed) \(numel 100\)")
-    assert_rejected(op, src, d(ok, [0, 40, 4, 3, 0, 4]), dst, r"descriptor 1 .*past the end of (out|dst) \(numel 50\)")
+    assert_rejected(
+        op,
+        src,
+        d(ok, [95, 0, 4, 2, 10, 4]),
+        dst,
+        r"descriptor 1 \(src_off=95.*past the end of (src|packed) \(numel 100\)",
+    )
+    assert_rejected(
+        op,
+        src,
+        d(ok, [0, 40, 4, 3, 0, 4]),
+        dst,
+        r"descriptor 1 .*past the end of (out|dst) \(numel 50\)",
+    )
     assert_rejected(op, src, d(ok, [0, 0, 4, 2**62, 2**62, 4]), dst, "past the end")
     assert_rejected(op, src, d([0, 0, -1, 1, 0, 0]), dst, "descriptor 0 .*negative")
     assert_rejected(op, src, d([0, 0, 4, 3, 1, 2]), dst, "overlapping runs")

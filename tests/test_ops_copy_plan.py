@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import Layout, plan_realloc
 from real_py.ops import CopyPlan, extension
 from real_py.realloc.shard import ModelShard
-
-from support.oracle import oracle_flat, random_full, tiny_spec
 
 
 def random_descs(rng, bufs: int, dst_sizes: list[int] | None = None, max_len=3000):
@@ -36,7 +35,7 @@ def random_descs(rng, bufs: int, dst_sizes: list[int] | None = None, max_len=300
 def reference(srcs, dsts, descs):
     for so, do, ln, n, ss, ds, sb, db in descs.tolist():
         for i in range(n):
-            dsts[db][do + i * ds:do + i * ds + ln] = srcs[sb][so + i * ss:so + i * ss + ln]
+            dsts[db][do + i * ds : do + i * ds + ln] = srcs[sb][so + i * ss : so + i * ss + ln]
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
@@ -50,20 +49,28 @@ def test_copy_plan_matches_reference(dtype):
         want = [d.clone() for d in dsts]
         reference(srcs, want, descs)
         before = [s.clone() for s in srcs]
-        plan = CopyPlan(descs, srcs[0].element_size(), item_bytes=int(rng.choice([0, 16, 100, 4096])))
+        plan = CopyPlan(
+            descs, srcs[0].element_size(), item_bytes=int(rng.choice([0, 16, 100, 4096]))
+        )
         assert plan.bytes == int((descs[:, 2] * descs[:, 3]).sum()) * srcs[0].element_size()
         plan.run(srcs, dsts)
         for j in range(bufs):
             assert torch.equal(dsts[j].view(torch.uint8), want[j].view(torch.uint8)), (trial, j)
             assert torch.equal(srcs[j], before[j])
         plan.run(srcs, dsts)  # replayed: same result
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dsts, want))
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dsts, want)
+        )
 
 
 def _twin(descs, srcs, dsts, es, item_bytes=0, warps=7):
     items, _, _ = extension().copy_plan(descs, es, item_bytes)
-    extension().copy_twin([s.view(torch.uint8).numpy() for s in srcs],
-                          [d.view(torch.uint8).numpy() for d in dsts], items, warps)
+    extension().copy_twin(
+        [s.view(torch.uint8).numpy() for s in srcs],
+        [d.view(torch.uint8).numpy() for d in dsts],
+        items,
+        warps,
+    )
 
 
 def test_kernel_twin_on_random_descriptors_and_offsets():
@@ -78,16 +85,22 @@ def test_kernel_twin_on_random_descriptors_and_offsets():
         base_d = [torch.randint(0, 250, (n * es + 32,), dtype=torch.uint8) for n in dn]
         so = [int(rng.integers(0, 16)) // es * es for _ in range(bufs)]
         do = [int(rng.integers(0, 16)) // es * es for _ in range(bufs)]
-        srcs = [b[o:o + n * es] for b, o, n in zip(base_s, so, sn)]
-        dsts = [b[o:o + n * es] for b, o, n in zip(base_d, do, dn)]
+        srcs = [b[o : o + n * es] for b, o, n in zip(base_s, so, sn)]
+        dsts = [b[o : o + n * es] for b, o, n in zip(base_d, do, dn)]
         want = [b.clone() for b in base_d]
-        wviews = [w[o:o + n * es] for w, o, n in zip(want, do, dn)]
+        wviews = [w[o : o + n * es] for w, o, n in zip(want, do, dn)]
         byte_descs = descs.copy()
         byte_descs[:, :6] *= es
         byte_descs[:, 3] //= es
         reference(srcs, wviews, byte_descs)
-        _twin(descs, srcs, dsts, es, item_bytes=int(rng.choice([16, 64, 2048, 16384])),
-              warps=int(rng.integers(1, 50)))
+        _twin(
+            descs,
+            srcs,
+            dsts,
+            es,
+            item_bytes=int(rng.choice([16, 64, 2048, 16384])),
+            warps=int(rng.integers(1, 50)),
+        )
         assert all(torch.equal(a, b) for a, b in zip(base_d, want)), trial
 
 
@@ -108,8 +121,13 @@ def test_kernel_twin_on_planner_descriptors(dtype):
             for m in rp.recvs:
                 rows += [[*d, bufs.index(m.peers[0]), 0] for d in m.descs.tolist()]
             rows += [[*d, bufs.index(r), 0] for d in rp.local.tolist()]
-            _twin(np.array(rows, np.int64).reshape(-1, 8), [srcs[s].flat for s in bufs], [got.flat],
-                  model.element_size, warps=5)
+            _twin(
+                np.array(rows, np.int64).reshape(-1, 8),
+                [srcs[s].flat for s in bufs],
+                [got.flat],
+                model.element_size,
+                warps=5,
+            )
             assert torch.equal(got.flat, oracle_flat(model, dst, r, full)), (a, b, r)
 
 
@@ -122,7 +140,7 @@ def test_more_than_64_buffers_split_into_groups():
     assert len(plan.groups) > 1
     plan.run(srcs, dsts)
     for so, _, ln, _, _, _, s, d in rows:
-        assert torch.equal(dsts[d][:ln], srcs[s][so:so + ln])
+        assert torch.equal(dsts[d][:ln], srcs[s][so : so + ln])
 
 
 def test_bad_plans_and_buffers_rejected_before_writing():
@@ -132,7 +150,9 @@ def test_bad_plans_and_buffers_rejected_before_writing():
         CopyPlan(np.array([[0, 0, 4, 2, 4, 2, 0, 0]]), 4)
     plan = CopyPlan(np.array([[0, 0, 4, 3, 4, 5, 0, 1]]), 4)
     src, dst = torch.arange(12.0), [torch.zeros(14), torch.full((14,), 7.0)]
-    with pytest.raises(ValueError, match=r"destination buffer 1 holds 52 bytes, the plan reaches byte 56"):
+    with pytest.raises(
+        ValueError, match=r"destination buffer 1 holds 52 bytes, the plan reaches byte 56"
+    ):
         plan.run([src], [dst[0], dst[1][:13]])
     with pytest.raises(ValueError, match=r"addresses destination buffer 1 but only 1 were passed"):
         plan.run([src], [dst[0]])
@@ -162,11 +182,15 @@ def test_copy_plan_cuda_matches_cpu(dtype):
         off = [torch.cat([torch.zeros(1, dtype=dtype), s]).cuda()[1:] for s in srcs]
         plan.run(off, got)
         torch.cuda.synchronize()
-        assert all(torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+        assert all(
+            torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)
+        )
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
 def test_copy_plan_cuda_reads_a_source_on_another_gpu():
     """Destinations on cuda:0, a source on cuda:1 (as a CUDA IPC peer's buffer is): the kernel runs on
     the destinations' device and reads the peer over NVLink / PCIe, or refuses naming both devices."""

@@ -9,9 +9,17 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (marker cuda)", allow_module_level=True)
 
-from real_py.ops import descs_tensor, pack, unpack  # noqa: E402
-from support.ops_cases import (DTYPES, SAMPLES, assert_rejected, check_op, random_bytes,  # noqa: E402
-                               random_descs, reference_copy)
+from support.ops_cases import (
+    DTYPES,
+    SAMPLES,
+    assert_rejected,
+    check_op,
+    random_bytes,
+    random_descs,
+    reference_copy,
+)
+
+from real_py.ops import descs_tensor, pack, unpack
 
 pytestmark = pytest.mark.cuda
 
@@ -36,7 +44,9 @@ def test_cuda_current_stream_opcheck_and_errors():
         unpack(g_src, descs_tensor(descs), g_dst)
         got = g_dst.cpu()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    torch.library.opcheck(torch.ops.real_py.unpack.default, (g_src, descs_tensor(descs), g_dst.clone()))
+    torch.library.opcheck(
+        torch.ops.real_py.unpack.default, (g_src, descs_tensor(descs), g_dst.clone())
+    )
     assert_rejected(unpack, g_src, torch.tensor([[0, 0, s + 1, 1, 0, 0]]), g_dst, "past the end")
     assert_rejected(unpack, src, descs_tensor(descs), g_dst, "is on cpu")
     assert_rejected(unpack, g_src, descs_tensor(descs).cuda(), g_dst, "descs must be a CPU tensor")

@@ -12,8 +12,13 @@ import pytest
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parent.parent
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
-        "sys.exit(lint_imports_command())", "--no-cache"]
+LINT = [
+    sys.executable,
+    "-c",
+    "import sys; from importlinter.cli import lint_imports_command; "
+    "sys.exit(lint_imports_command())",
+    "--no-cache",
+]
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
@@ -22,7 +27,9 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 
 
 def _copy(tmp_path: Path) -> Path:
-    shutil.copytree(REPO / "real_py", tmp_path / "real_py", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(
+        REPO / "real_py", tmp_path / "real_py", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
     shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
     return tmp_path
 
@@ -46,12 +53,21 @@ def test_upward_import_is_refused_naming_both_modules(tmp_path):
     assert "real_py.realloc.shard -> real_py.rlhf.ppo" in r.stdout
 
 
-@pytest.mark.parametrize("importer,line,names", [
-    ("real_py/rlhf/observe.py", "from . import calls  # noqa: E402,F401",
-     ("No cycles are allowed in real_py.rlhf.", ".observe -> .calls")),
-    ("real_py/realloc/transports/base.py", "from ..reallocator import Reallocator  # noqa: E402,F401",
-     ("No cycles are allowed in real_py.realloc.", ".transports -> .reallocator")),
-])
+@pytest.mark.parametrize(
+    "importer,line,names",
+    [
+        (
+            "real_py/rlhf/observe.py",
+            "from . import calls  # noqa: E402,F401",
+            ("No cycles are allowed in real_py.rlhf.", ".observe -> .calls"),
+        ),
+        (
+            "real_py/realloc/transports/base.py",
+            "from ..reallocator import Reallocator  # noqa: E402,F401",
+            ("No cycles are allowed in real_py.realloc.", ".transports -> .reallocator"),
+        ),
+    ],
+)
 def test_import_circle_is_refused(tmp_path, importer, line, names):
     root = _copy(tmp_path)
     _append(root / importer, line)

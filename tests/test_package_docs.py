@@ -26,8 +26,13 @@ LEADING = "('\"[{<"
 def _top_level_dirs() -> frozenset[str]:
     """Top-level folders of the repository: the ones holding tracked or not-ignored files."""
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         dirs = {line.split("/", 1)[0] for line in out.splitlines() if "/" in line}
     except (OSError, subprocess.CalledProcessError):
         dirs = {p.name for p in ROOT.iterdir() if p.is_dir()}
@@ -40,7 +45,9 @@ TOP = _top_level_dirs()
 def _doc_files(extra_readmes: bool) -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     if extra_readmes:
-        files += sorted(Path(p) for p in glob.glob(str(ROOT / "real_py" / "**" / "README.md"), recursive=True))
+        files += sorted(
+            Path(p) for p in glob.glob(str(ROOT / "real_py" / "**" / "README.md"), recursive=True)
+        )
         files += [p for p in [ROOT / "bench" / "README.md"] if p.exists()]
     return files
 
@@ -60,8 +67,11 @@ def _expand(path: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", path)
     if not m:
         return [path]
-    return list(itertools.chain.from_iterable(
-        _expand(path[:m.start()] + alt + path[m.end():]) for alt in m.group(1).split(",")))
+    return list(
+        itertools.chain.from_iterable(
+            _expand(path[: m.start()] + alt + path[m.end() :]) for alt in m.group(1).split(",")
+        )
+    )
 
 
 def _exists(rel: str, base: Path) -> bool:
@@ -138,8 +148,15 @@ def _git_ignored(target: str, base: Path) -> bool:
     rel = target.split("#", 1)[0].rstrip("/")
     try:
         # as a file, and as a folder (a pattern such as `bench/.cache/` matches folders only)
-        return any(subprocess.run(["git", "check-ignore", "-q", "--no-index", str(base / rel) + tail],
-                                  cwd=ROOT, capture_output=True).returncode == 0 for tail in ("", "/"))
+        return any(
+            subprocess.run(
+                ["git", "check-ignore", "-q", "--no-index", str(base / rel) + tail],
+                cwd=ROOT,
+                capture_output=True,
+            ).returncode
+            == 0
+            for tail in ("", "/")
+        )
     except OSError:
         return False
 
@@ -161,14 +178,18 @@ def test_readme_and_docs_references_exist():
 
 
 def test_package_readmes_references_exist():
-    files = [f for f in _doc_files(extra_readmes=True) if f.parent != ROOT and f.parent.name != "docs"]
+    files = [
+        f for f in _doc_files(extra_readmes=True) if f.parent != ROOT and f.parent.name != "docs"
+    ]
     bad = broken(files)
     assert not bad, "broken references:\n" + "\n".join(bad)
 
 
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
-    assert n < README_MAX_LINES, f"README.md has {n} lines; keep it under {README_MAX_LINES} (details go to docs/)"
+    assert n < README_MAX_LINES, (
+        f"README.md has {n} lines; keep it under {README_MAX_LINES} (details go to docs/)"
+    )
 
 
 def test_docs_index_links_every_page():
@@ -181,7 +202,10 @@ def test_docs_index_links_every_page():
 
 HISTORY = [
     (re.compile(r"\bissues?\s+#?\d+", re.I), "an issue number"),
-    (re.compile(r"(?<![\w/.-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/.-])"), "a commit id"),
+    (
+        re.compile(r"(?<![\w/.-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/.-])"),
+        "a commit id",
+    ),
     (re.compile(r"(?<![\w/.-])20\d\d-\d\d-\d\d(?![\w/.-])"), "a date"),
 ]
 
@@ -198,11 +222,14 @@ def test_readme_and_docs_hold_no_history():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("text, want", [
-    ("see [x](docs/nope.md) and `bench/results/nope_cpu2_20990101.md`", 2),
-    ("`real_py/nope.py:fn` and ![img](nope.png)", 2),
-    ("[web](https://example.com) `runs/train/x` `<out>/a` `--out bench/results/new.md`", 0),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("see [x](docs/nope.md) and `bench/results/nope_cpu2_20990101.md`", 2),
+        ("`real_py/nope.py:fn` and ![img](nope.png)", 2),
+        ("[web](https://example.com) `runs/train/x` `<out>/a` `--out bench/results/new.md`", 0),
+    ],
+)
 def test_checker_can_fail(tmp_path, text, want):
     """The checker flags made-up references (and skips URLs, untracked folders and outputs)."""
     f = tmp_path / "page.md"

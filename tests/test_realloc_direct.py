@@ -14,20 +14,27 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-
-from real_py import ModelConfig, ModelShard, model_spec, plan_realloc
-from real_py.realloc.reallocator import DEFAULT_DIRECT_MIN_BYTES, Reallocator
-from real_py.testing import run_distributed
-from real_py.realloc.transports import InProcessHub
-from real_py.realloc.reallocator import run_in_process
-
-from support.dist_cases import L, SPECS, check_transfer, named_pairs, random_case
+from support.dist_cases import SPECS, L, check_transfer, named_pairs, random_case
 from support.oracle import oracle_flat, random_full
 from support.schedule_oracle import Schedule
 
+from real_py import ModelConfig, ModelShard, model_spec, plan_realloc
+from real_py.realloc.reallocator import DEFAULT_DIRECT_MIN_BYTES, Reallocator, run_in_process
+from real_py.realloc.transports import InProcessHub
+from real_py.testing import run_distributed
+
 # Pieces of 64K-256K fp32 elements (256 KiB - 1 MiB): the default threshold splits some of them.
-MID = model_spec(ModelConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, num_hidden_layers=2), "mid")
+MID = model_spec(
+    ModelConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        num_hidden_layers=2,
+    ),
+    "mid",
+)
 THRESHOLDS = (None, 0, 1, 64, 4096, DEFAULT_DIRECT_MIN_BYTES)
 
 
@@ -38,7 +45,7 @@ def expected_direct_elems(plan, min_elems: int) -> int:
     total = 0
     for m in range(plan.num_messages):
         rest = []
-        for so, do, ln, n, ss, ds in plan.message_descs(m).tolist():
+        for _so, _do, ln, n, ss, ds in plan.message_descs(m).tolist():
             one_run = n == 1 or (ss == ln and ds == ln)
             if one_run and min_elems > 0 and ln * n >= min_elems:
                 total += ln * n
@@ -91,9 +98,16 @@ def test_inprocess_bitwise_with_thresholds(threshold):
         model, full, src, dst, plan, srcs, dsts = random_case(rng, i)
         before = {r: s.flat.clone() for r, s in srcs.items()}
         bucket = rng.choice([256, 4096, 1 << 20])
-        stats = run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket,
-                                             pipeline=i % 3 == 0, verify=i % 5 == 0,
-                                             direct_min_bytes=threshold)
+        stats = run_in_process(
+            InProcessHub(timeout=20),
+            plan,
+            srcs,
+            dsts,
+            bucket_bytes=bucket,
+            pipeline=i % 3 == 0,
+            verify=i % 5 == 0,
+            direct_min_bytes=threshold,
+        )
         tag = f"pair {i} {src}->{dst} bucket {bucket} threshold {threshold}"
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full)), f"{tag}: rank {r}"
@@ -114,8 +128,15 @@ def test_default_threshold_on_mid_model():
     for t in (0, DEFAULT_DIRECT_MIN_BYTES):
         srcs = {r: ModelShard.from_full(MID, src, r, full) for r in src.ranks}
         dsts = {r: ModelShard.empty(MID, dst, r) for r in dst.ranks}
-        stats = run_in_process(InProcessHub(timeout=60), plan, srcs, dsts, bucket_bytes=4 << 20,
-                               direct_min_bytes=t, one_pass=False)
+        stats = run_in_process(
+            InProcessHub(timeout=60),
+            plan,
+            srcs,
+            dsts,
+            bucket_bytes=4 << 20,
+            direct_min_bytes=t,
+            one_pass=False,
+        )
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(MID, dst, r, full)), f"threshold {t} {r}"
         staged[t] = sum(s["staging_bytes"] for s in stats.values())
@@ -145,12 +166,25 @@ def _gloo(rank: int, world: int) -> dict:
         full = random_full(model, i)
         for j, threshold in enumerate((0, 1, 64)):
             mode, bucket = ("p2p", 4096) if j != 1 else ("broadcast", 1 << 20)
-            check_transfer(tr, rank, model, src, dst, full, mode=mode, bucket=bucket,
-                           verify=j == 2, direct_min_bytes=threshold, what=name)
+            check_transfer(
+                tr,
+                rank,
+                model,
+                src,
+                dst,
+                full,
+                mode=mode,
+                bucket=bucket,
+                verify=j == 2,
+                direct_min_bytes=threshold,
+                what=name,
+            )
             plan = plan_realloc(model, src, dst, mode=mode)
             es = plan.element_size
             s = Schedule(plan, bucket // es // 2, min_elems(threshold, es))
-            per_pair = Counter((k, c.sender, c.receivers) for k, r in enumerate(s.rounds) for c in r)
+            per_pair = Counter(
+                (k, c.sender, c.receivers) for k, r in enumerate(s.rounds) for c in r
+            )
             done[f"direct@{threshold}"] += sum(c.contiguous for r in s.rounds for c in r)
             done[f"multi@{threshold}"] += sum(v > 1 for v in per_pair.values())
     full = random_full(MID, 5)

@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-
-from real_py.testing import run_distributed
-from real_py.realloc.transports.dist import DistTransport
-
 from support.dist_cases import SPECS, check_transfer, named_pairs, random_full
 from support.oracle import random_layout
+
+from real_py.realloc.transports.dist import DistTransport
+from real_py.testing import run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -34,8 +33,18 @@ def _named_and_random(rank: int, world: int, num_random: int) -> dict:
             done["named"] += 1
         # Round trip A -> B -> A, bitwise, B's shards as the source of the way back.
         mid = check_transfer(t, rank, model, src, dst, full, mode="p2p", bucket=4096, what=name)
-        check_transfer(t, rank, model, dst, src, full, mode="broadcast", bucket=1 << 16,
-                       src_shard=mid, what=name + " (back)")
+        check_transfer(
+            t,
+            rank,
+            model,
+            dst,
+            src,
+            full,
+            mode="broadcast",
+            bucket=1 << 16,
+            src_shard=mid,
+            what=name + " (back)",
+        )
         done["round_trips"] += 1
     rng = random.Random(1000 + world)
     for i in range(num_random):
@@ -47,11 +56,22 @@ def _named_and_random(rank: int, world: int, num_random: int) -> dict:
         bucket = rng.choice(RANDOM_BUCKETS)
         verify = i % 7 == 3
         what = f"random pair {i}"
-        mid = check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket,
-                             verify=verify, what=what)
+        mid = check_transfer(
+            t, rank, model, src, dst, full, mode=mode, bucket=bucket, verify=verify, what=what
+        )
         if i % 4 == 0:
-            check_transfer(t, rank, model, dst, src, full, mode=mode, bucket=bucket,
-                           src_shard=mid, what=what + " (back)")
+            check_transfer(
+                t,
+                rank,
+                model,
+                dst,
+                src,
+                full,
+                mode=mode,
+                bucket=bucket,
+                src_shard=mid,
+                what=what + " (back)",
+            )
             done["round_trips"] += 1
         done["random"] += 1
     return done
@@ -72,8 +92,19 @@ def _nccl(rank: int, world: int) -> int:
     for i, (name, model, src, dst) in enumerate(named_pairs(world)):
         full = random_full(model, i)
         for mode, bucket in NAMED_RUNS:
-            check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket,
-                           verify=bucket > 4096, what=name, device="cuda")
+            check_transfer(
+                t,
+                rank,
+                model,
+                src,
+                dst,
+                full,
+                mode=mode,
+                bucket=bucket,
+                verify=bucket > 4096,
+                what=name,
+                device="cuda",
+            )
             n += 1
     return n
 
@@ -84,4 +115,6 @@ def test_nccl_named_pairs():
     """The same transport over an NCCL group (one batch_isend_irecv = one NCCL group call)."""
     world = min(torch.cuda.device_count(), 8)
     world = 4 if world >= 4 else 2
-    assert run_distributed(_nccl, world, timeout=300)[0] == len(NAMED_RUNS) * len(named_pairs(world))
+    assert run_distributed(_nccl, world, timeout=300)[0] == len(NAMED_RUNS) * len(
+        named_pairs(world)
+    )

@@ -9,20 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.dist_cases import check_transfer
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.interop.embed import layout_from_device_mesh, reallocate_params
 from real_py.realloc.reallocator import Reallocator
-from real_py.testing import run_distributed
 from real_py.realloc.transports.dist import DistTransport
-
-from support.dist_cases import check_transfer
-from support.oracle import oracle_flat, random_full, tiny_spec
+from real_py.testing import run_distributed
 
 pytestmark = pytest.mark.dist
 
-TIED, BIAS, BF16 = tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(tied=True, layers=3, vocab=97,
-                                                                         dtype="bfloat16")
+TIED, BIAS, BF16 = (
+    tiny_spec(tied=True),
+    tiny_spec(bias=True),
+    tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
+)
 
 
 def L(text, ranks=None):
@@ -47,8 +49,9 @@ def _worker(rank: int, world: int) -> dict:
     for i, (name, model, src, dst) in enumerate(PAIRS):
         full = random_full(model, i)
         for mode, bucket, verify in (("p2p", 4096, False), ("broadcast", 1 << 16, i % 2 == 0)):
-            check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket, verify=verify,
-                           what=name)
+            check_transfer(
+                t, rank, model, src, dst, full, mode=mode, bucket=bucket, verify=verify, what=name
+            )
             done["transfers"] += 1
     # An FSDP2-style mesh: dp_shard x tp. Our dim0 pieces must be what DTensor Shard(0) holds.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -63,8 +66,10 @@ def _worker(rank: int, world: int) -> dict:
         done["dtensor_params"] += 1
     mine = ModelShard.from_full(TIED, layout, rank, full).params()
     for name, v in fsdp_local.items():
-        assert torch.equal(mine[name], v), f"rank {rank} {name}: dim0 piece {tuple(mine[name].shape)} " \
-                                           f"!= DTensor Shard(0) local {tuple(v.shape)}"
+        assert torch.equal(mine[name], v), (
+            f"rank {rank} {name}: dim0 piece {tuple(mine[name].shape)} "
+            f"!= DTensor Shard(0) local {tuple(v.shape)}"
+        )
     # A trainer hands its FSDP2 local shards (DTensor.to_local()) straight to the reallocation.
     gen = L("tp2,pp2")
     r = Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14)
@@ -95,9 +100,13 @@ def _unsorted_meshes(rank, t):
     layout = layout_from_device_mesh(mesh)
     assert layout == Layout(dp=4, dp_shard="dim0"), layout
     gen = L("tp2,pp2")
-    got = reallocate_params(Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14), fsdp_local)
+    got = reallocate_params(
+        Reallocator(plan_realloc(TIED, layout, gen), t, bucket_bytes=1 << 14), fsdp_local
+    )
     want = ModelShard(TIED, gen, rank, oracle_flat(TIED, gen, rank, full)).params()
-    assert all(torch.equal(got[n], want[n]) for n in want), f"rank {rank}: FSDP2 on mesh [3, 1, 0, 2] differs"
+    assert all(torch.equal(got[n], want[n]) for n in want), (
+        f"rank {rank}: FSDP2 on mesh [3, 1, 0, 2] differs"
+    )
     # Rank 1 hands over a wrong-size tensor: it refuses before the transfer and tells its peers,
     # which fail at once naming it (timeout 60 s; a fresh group, its receives are abandoned).
     import time
@@ -108,7 +117,11 @@ def _unsorted_meshes(rank, t):
     if rank != 1:  # rank 1 reports before its peers have set up: they still read its report
         time.sleep(3)
     r = Reallocator(plan_realloc(TIED, layout, gen), t1, bucket_bytes=1 << 14)
-    bad_local = dict(fsdp_local, **{"norm.weight": fsdp_local["norm.weight"][:-1]}) if rank == 1 else fsdp_local
+    bad_local = (
+        dict(fsdp_local, **{"norm.weight": fsdp_local["norm.weight"][:-1]})
+        if rank == 1
+        else fsdp_local
+    )
     t0 = time.monotonic()
     try:
         reallocate_params(r, bad_local)
@@ -127,7 +140,10 @@ def _unsorted_meshes(rank, t):
     try:
         layout_from_device_mesh(bad)
     except ValueError as e:
-        assert "DeviceMesh [[0, 3], [2, 1]] (dims ['dp_shard', 'tp']): torch numbers the ranks" in str(e), e
+        assert (
+            "DeviceMesh [[0, 3], [2, 1]] (dims ['dp_shard', 'tp']): torch numbers the ranks"
+            in str(e)
+        ), e
     else:
         raise AssertionError("mesh [[0, 3], [2, 1]] was accepted")
 

@@ -14,15 +14,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.dist_cases import TIED, random_full
+from support.oracle import oracle_flat
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.reallocator import Reallocator
-from real_py.testing import run_distributed
 from real_py.realloc.transports.base import Handle, TransferError, Transport
 from real_py.realloc.transports.dist import DistTransport
-
-from support.dist_cases import TIED, random_full
-from support.oracle import oracle_flat
+from real_py.testing import run_distributed
 
 SRC, DST = Layout.parse("tp2,pp2"), Layout.parse("dp4")  # every rank needs data from every other
 
@@ -51,6 +50,7 @@ class Wrapped(Transport):
                 h.wait()
                 if after:
                     after(i, recvs)
+
         return _H()
 
 
@@ -124,7 +124,9 @@ def _faults(rank: int, world: int) -> dict:
 def test_corruption_free_source_and_stalled_peer():
     out = run_distributed(_faults, 4, timeout=200)
     assert "checksum mismatch" in out[1]["corrupt"]
-    assert any("peer rank 3" in out[r]["stalled"] for r in (0, 1, 2)), [out[r]["stalled"] for r in (0, 1, 2)]
+    assert any("peer rank 3" in out[r]["stalled"] for r in (0, 1, 2)), [
+        out[r]["stalled"] for r in (0, 1, 2)
+    ]
 
 
 def _killed(rank: int, world: int) -> str | None:
@@ -135,8 +137,9 @@ def _killed(rank: int, world: int) -> str | None:
         if i == 3:
             os._exit(17)  # killed mid-transfer: no cleanup, sockets reset by the kernel
 
-    r = Reallocator(plan_realloc(TIED, SRC, DST), Wrapped(t, hook=die if rank == 2 else None),
-                    bucket_bytes=1024)
+    r = Reallocator(
+        plan_realloc(TIED, SRC, DST), Wrapped(t, hook=die if rank == 2 else None), bucket_bytes=1024
+    )
     s, d = ModelShard.from_full(TIED, SRC, rank, full), ModelShard.empty(TIED, DST, rank)
     try:
         r.run(s, d)
@@ -240,7 +243,9 @@ def test_early_failure_and_stopped_rank_are_named_in_seconds():
     for r in (0, 1, 3):
         kind, msg, took = early[r]
         assert kind == "TransferError" and msg.startswith(f"rank {r}: "), msg
-        assert "rank 2 failed in input check: ValueError: rank 2 is in the source layout" in msg, msg
+        assert "rank 2 failed in input check: ValueError: rank 2 is in the source layout" in msg, (
+            msg
+        )
         assert took < 20, f"rank {r} learnt of rank 2's failure after {took:.1f} s (timeout 60 s)"
     for r in (0, 1, 2):
         msg, took = out[r]["stopped"]
@@ -248,12 +253,20 @@ def test_early_failure_and_stopped_rank_are_named_in_seconds():
         assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (timeout 60 s)"
     for r in (0, 1):
         msg, took = out[r]["push"]
-        assert msg.startswith(f"rank {r}, step 7: receiving ['scores'] of rew_inf from rank 2: peer rank 2 "
-                              "is silent"), msg
+        assert msg.startswith(
+            f"rank {r}, step 7: receiving ['scores'] of rew_inf from rank 2: peer rank 2 is silent"
+        ), msg
         assert took < 30, f"rank {r} named the stopped rank after {took:.1f} s (timeout 60 s)"
-    print("row pushes: detection seconds after SIGSTOP:", {r: round(out[r]["push"][1], 2) for r in (0, 1)})
-    print("detection seconds after SIGSTOP:", {r: round(out[r]["stopped"][1], 2) for r in (0, 1, 2)},
-          "; after the early failure:", {r: round(early[r][2], 2) for r in (0, 1, 3)})
+    print(
+        "row pushes: detection seconds after SIGSTOP:",
+        {r: round(out[r]["push"][1], 2) for r in (0, 1)},
+    )
+    print(
+        "detection seconds after SIGSTOP:",
+        {r: round(out[r]["stopped"][1], 2) for r in (0, 1, 2)},
+        "; after the early failure:",
+        {r: round(early[r][2], 2) for r in (0, 1, 3)},
+    )
 
 
 def _stopped_in_collective(rank: int, world: int, out_dir: str) -> None:
@@ -289,7 +302,9 @@ def _stopped_in_collective(rank: int, world: int, out_dir: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_watchdog_names_a_rank_stopped_in_a_collective(tmp_path):
-    out = run_distributed(_stopped_in_collective, 4, str(tmp_path), timeout=90, allow_exit=(0, 1, 2, 3))
+    out = run_distributed(
+        _stopped_in_collective, 4, str(tmp_path), timeout=90, allow_exit=(0, 1, 2, 3)
+    )
     assert out == [None] * 4, out
     for r in (0, 1, 2):
         msg, took = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -350,7 +365,7 @@ def test_stop_threads_ends_heartbeat_and_watchdog():
     store = Store()
     liveness.start_heartbeat(store, rank=7)
     dog = liveness.Watchdog(store)
-    names = lambda: {t.name for t in threading.enumerate()}  # noqa: E731
+    names = lambda: {t.name for t in threading.enumerate()}
     assert {"real_py-heartbeat-7", "real_py-watchdog"} <= names()
     liveness.stop_threads()
     assert not {"real_py-heartbeat-7", "real_py-watchdog"} & names()
@@ -358,15 +373,15 @@ def test_stop_threads_ends_heartbeat_and_watchdog():
     watch = liveness.PeerWatch(store, silent_s=0.0)
     assert watch.silent([7]) == [] and [p for p, _ in watch.silent([7])] == [7]
     assert watch.describe(7, 5.0).startswith("has finished its run")
-    store.set("real_py/heartbeat/8", "12")   # a counter that stopped moving: silent
+    store.set("real_py/heartbeat/8", "12")  # a counter that stopped moving: silent
     watch.silent([8])
     assert watch.describe(8, 5.0) == "is silent: no heartbeat for 5.0 s (process stopped or hung)"
     del store.kv["real_py/heartbeat/7"]
     time.sleep(2 * liveness.HEARTBEAT_S)
-    assert "real_py/heartbeat/7" not in store.kv          # stopped: no beat any more
+    assert "real_py/heartbeat/7" not in store.kv  # stopped: no beat any more
     liveness.start_heartbeat(store, rank=7)
     deadline = time.monotonic() + 30
-    while int(store.kv.get("real_py/heartbeat/7", b"0")) < 2:   # a fresh thread beats again
+    while int(store.kv.get("real_py/heartbeat/7", b"0")) < 2:  # a fresh thread beats again
         assert time.monotonic() < deadline, "no second beat within 30 s after the restart"
         time.sleep(0.05)
     liveness.stop_threads()

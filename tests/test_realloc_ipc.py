@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.reallocator import Reallocator, resolve_one_pass
 from real_py.realloc.transports import IpcTransport, TransferError
 from real_py.testing import run_distributed
-
-from support.oracle import oracle_flat, random_full, tiny_spec
 
 PAIRS = [("tp2", "dp2"), ("tp4", "tp2,pp2"), ("tp2,pp2", "dp4"), ("dp2,tp2", "tp4"), ("tp4", "tp1")]
 
@@ -28,7 +27,9 @@ def _ipc_moves(rank: int, world: int) -> int:
     t = IpcTransport(dist.group.WORLD, timeout=60)
     done = 0
     for i, (a, b) in enumerate(PAIRS):
-        model = tiny_spec(layers=4, vocab=101, dtype=("bfloat16", "float32")[i % 2], bias=i % 2 == 1)
+        model = tiny_spec(
+            layers=4, vocab=101, dtype=("bfloat16", "float32")[i % 2], bias=i % 2 == 1
+        )
         full = random_full(model, i)
         src, dst = Layout.parse(a), Layout.parse(b)
         if max(src.world, dst.world) > world:
@@ -36,7 +37,11 @@ def _ipc_moves(rank: int, world: int) -> int:
         plan = plan_realloc(model, src, dst)
         realloc = Reallocator(plan, t)
         assert realloc.one_pass
-        s = ModelShard.from_full(model, src, rank, full, device="cuda") if rank in src.ranks else None
+        s = (
+            ModelShard.from_full(model, src, rank, full, device="cuda")
+            if rank in src.ranks
+            else None
+        )
         before = s.flat.clone() if s is not None else None
         for call in range(3):
             if call == 2 and s is not None:  # new source buffers: published and mapped again
@@ -45,7 +50,12 @@ def _ipc_moves(rank: int, world: int) -> int:
             realloc.run(s, d)
             torch.cuda.synchronize()
             if d is not None:
-                assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), (a, b, rank, call)
+                assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), (
+                    a,
+                    b,
+                    rank,
+                    call,
+                )
             dist.barrier()
         if s is not None:
             assert torch.equal(s.flat, before), f"{a}->{b}: source of rank {rank} modified"
@@ -60,7 +70,11 @@ def _ipc_failure(rank: int, world: int) -> str:
     src, dst = Layout.parse("tp2"), Layout.parse("tp1", ranks=(2,))
     plan = plan_realloc(model, src, dst)
     t = IpcTransport(dist.group.WORLD, timeout=30)
-    s = ModelShard.from_full(model, src, 0 if rank == 1 else rank, full, device="cuda") if rank < 2 else None
+    s = (
+        ModelShard.from_full(model, src, 0 if rank == 1 else rank, full, device="cuda")
+        if rank < 2
+        else None
+    )
     d = ModelShard.empty(model, dst, rank, device="cuda") if rank == 2 else None
     try:
         Reallocator(plan, t).run(s, d)
@@ -73,8 +87,11 @@ def _ipc_failure(rank: int, world: int) -> str:
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_ipc_moves_on_one_gpu(world):
-    assert run_distributed(_ipc_moves, world, timeout=300) == [sum(max(Layout.parse(a).world, Layout.parse(b).world)
-                                                                   <= world for a, b in PAIRS)] * world
+    assert (
+        run_distributed(_ipc_moves, world, timeout=300)
+        == [sum(max(Layout.parse(a).world, Layout.parse(b).world) <= world for a, b in PAIRS)]
+        * world
+    )
 
 
 @pytest.mark.cuda

@@ -11,29 +11,33 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.oracle import (
+    expert_oracle,
+    min_network_elems_moe,
+    oracle_flat,
+    random_full,
+    random_moe_layout,
+)
 
 from real_py import Layout, ModelShard
+from real_py.layout import expert_shard_layout
 from real_py.realloc import ExpertShard, InProcessHub, plan_moe_realloc, plan_realloc
 from real_py.realloc.moe_exec import MoeReallocator, run_moe_in_process
 from real_py.realloc.moe_plan import expert_views
-from real_py.layout import expert_shard_layout
 from real_py.spec import ModelConfig, model_spec
 from real_py.testing import run_distributed
-
-from support.oracle import (expert_oracle, min_network_elems_moe, oracle_flat, random_full,
-                    random_moe_layout)
 
 MOE = model_spec("moe-tiny")
 L = Layout.parse
 
 PAIRS = [  # (src, dst): training -> generation and back, ep changes, replication, etp
-    ("dp4,ep4", "tp4,etp4"),             # ep4 tp1 -> experts split by tp
+    ("dp4,ep4", "tp4,etp4"),  # ep4 tp1 -> experts split by tp
     ("tp4,etp4", "dp4,ep4"),
-    ("dp2,tp2,ep2", "tp2,dp2,ep4"),      # ep = tp x dp on the destination
-    ("dp2,tp2,ep4", "dp2,tp2,ep2"),      # expert replication over expert-dp
+    ("dp2,tp2,ep2", "tp2,dp2,ep4"),  # ep = tp x dp on the destination
+    ("dp2,tp2,ep4", "dp2,tp2,ep2"),  # expert replication over expert-dp
     ("dp4,ep2,etp2", "dp2,tp2,ep2"),
     ("dp2,tp1,pp2,ep2", "tp2,pp2,ep2"),  # pipeline stages
-    ("dp4,ep4", "dp4,ep4"),              # nothing moves
+    ("dp4,ep4", "dp4,ep4"),  # nothing moves
 ]
 
 
@@ -66,8 +70,10 @@ def test_moe_random_pairs():
         src = random_moe_layout(rng, 8, MOE)
         dst = random_moe_layout(rng, 8, MOE)
         plan = plan_moe_realloc(MOE, src, dst)
-        assert plan.summary()["network_bytes"] == min_network_elems_moe(MOE, src, dst) * MOE.element_size, \
-            f"pair {i} {src} -> {dst}"
+        assert (
+            plan.summary()["network_bytes"]
+            == min_network_elems_moe(MOE, src, dst) * MOE.element_size
+        ), f"pair {i} {src} -> {dst}"
         if i % 3 == 0:
             _execute(MOE, src, dst, full)
 
@@ -82,7 +88,7 @@ def test_expert_storage_views():
         flat = torch.zeros(sl.numel)
         want = expert_oracle(MOE, lay, r, full)
         for e in sl.entries:
-            flat[e.offset:e.offset + e.numel] = want[e.param.name].reshape(-1)
+            flat[e.offset : e.offset + e.numel] = want[e.param.name].reshape(-1)
         per = expert_views(MOE, lay, r, flat, "per_expert")
         stacked = expert_views(MOE, lay, r, flat, "stacked")
         mixtral = expert_views(MOE, lay, r, flat, "mixtral")
@@ -91,17 +97,28 @@ def test_expert_storage_views():
         for j in range(ep_rank * 4, ep_rank * 4 + 4):
             name = f"layers.1.mlp.experts.{j}."
             g = full[name + "gate_up_proj.weight"]
-            assert torch.equal(per[name + "gate_proj.weight"], g[k * Im // 2:(k + 1) * Im // 2])
-            assert torch.equal(per[name + "up_proj.weight"], g[Im + k * Im // 2:Im + (k + 1) * Im // 2])
+            assert torch.equal(per[name + "gate_proj.weight"], g[k * Im // 2 : (k + 1) * Im // 2])
+            assert torch.equal(
+                per[name + "up_proj.weight"], g[Im + k * Im // 2 : Im + (k + 1) * Im // 2]
+            )
             mx = name.replace(".mlp.", ".block_sparse_moe.")
             assert torch.equal(mixtral[mx + "w3.weight"], per[name + "up_proj.weight"])
             assert torch.equal(mixtral[mx + "w2.weight"], per[name + "down_proj.weight"])
-            assert torch.equal(mixtral[mx + "w2.weight"],
-                               full[name + "down_proj.weight"][:, k * Im // 2:(k + 1) * Im // 2])
+            assert torch.equal(
+                mixtral[mx + "w2.weight"],
+                full[name + "down_proj.weight"][:, k * Im // 2 : (k + 1) * Im // 2],
+            )
         gu = stacked["layers.1.mlp.experts.gate_up_proj.weight"]
         assert gu.shape == (4, Im, H)
-        assert torch.equal(gu, torch.stack([want[f"layers.1.mlp.experts.{j}.gate_up_proj.weight"]
-                                            for j in range(ep_rank * 4, ep_rank * 4 + 4)]))
+        assert torch.equal(
+            gu,
+            torch.stack(
+                [
+                    want[f"layers.1.mlp.experts.{j}.gate_up_proj.weight"]
+                    for j in range(ep_rank * 4, ep_rank * 4 + 4)
+                ]
+            ),
+        )
         down = stacked["layers.2.mlp.experts.down_proj.weight"]
         assert down.shape == (4, H, Im // 2)
 
@@ -122,10 +139,20 @@ def test_moe_bad_layouts_and_configs():
     with pytest.raises(ValueError, match="Layout.etp=0"):
         Layout(dp=2, etp=0)
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
-        ModelConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2,
-                    vocab_size=11, num_hidden_layers=1, num_experts=8, moe_intermediate_size=4,
-                    num_experts_per_tok=9)
-    assert str(L("dp4,tp2,pp1,ep8")) == "dp4tp2pp1ep8" and L("dp4tp2pp1ep8") == L("dp4,tp2,ep8,etp1")
+        ModelConfig(
+            hidden_size=8,
+            intermediate_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=11,
+            num_hidden_layers=1,
+            num_experts=8,
+            moe_intermediate_size=4,
+            num_experts_per_tok=9,
+        )
+    assert str(L("dp4,tp2,pp1,ep8")) == "dp4tp2pp1ep8" and L("dp4tp2pp1ep8") == L(
+        "dp4,tp2,ep8,etp1"
+    )
 
 
 def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 << 12) -> int:
@@ -136,14 +163,22 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
     from real_py.realloc import ExpertShard
     from real_py.realloc.moe_exec import MoeReallocator
     from real_py.realloc.transports.dist import DistTransport
+
     t = DistTransport(dist.group.WORLD, timeout=60)
     full = random_full(MOE, 13)
     checked = 0
-    for src, dst in (("dp2,ep2", "tp2"), ("tp2", "dp2,ep2"), ("dp2,tp2,ep4", "dp2,pp2,ep2"),
-                     ("dp2,tp2,ep2", "tp2,dp2,etp2"), ("tp2,dp2,etp2", "dp2,tp2,ep2"), ("dp4,ep4", "tp4,etp4"),
-                     ("dp2,tp2,ep2", "dp4,ep4"), ("dp4,ep4", "tp2,dp2,etp2"),
-                     ("tp2,pp2,ep2", "dp4,ep4"),      # stacked experts
-                     ("tp2,pp2,etp2", "dp4,ep4")):    # one expert part per stage window
+    for src, dst in (
+        ("dp2,ep2", "tp2"),
+        ("tp2", "dp2,ep2"),
+        ("dp2,tp2,ep4", "dp2,pp2,ep2"),
+        ("dp2,tp2,ep2", "tp2,dp2,etp2"),
+        ("tp2,dp2,etp2", "dp2,tp2,ep2"),
+        ("dp4,ep4", "tp4,etp4"),
+        ("dp2,tp2,ep2", "dp4,ep4"),
+        ("dp4,ep4", "tp2,dp2,etp2"),
+        ("tp2,pp2,ep2", "dp4,ep4"),  # stacked experts
+        ("tp2,pp2,etp2", "dp4,ep4"),
+    ):  # one expert part per stage window
         src, dst = L(src), L(dst)
         s = ModelShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
         se = ExpertShard.from_full(MOE, src, rank, full) if rank in src.ranks else None
@@ -155,10 +190,14 @@ def _dist_executor(rank: int, world: int, verify: bool = False, bucket: int = 1 
         st = r.run(s, se, d, de, free_source=verify)
         assert st["staging_bytes"] <= bucket
         if verify and s is not None:  # free_source: released once every round completed
-            assert s.flat.untyped_storage().nbytes() == 0 and se.flat.untyped_storage().nbytes() == 0
+            assert (
+                s.flat.untyped_storage().nbytes() == 0 and se.flat.untyped_storage().nbytes() == 0
+            )
             s = se = None
         if before is not None and s is not None:
-            assert torch.equal(s.flat, before[0]) and torch.equal(se.flat, before[1]), f"rank {rank} source"
+            assert torch.equal(s.flat, before[0]) and torch.equal(se.flat, before[1]), (
+                f"rank {rank} source"
+            )
         if d is not None:
             checked += _check_destination(MOE, src, dst, rank, full, d, de)
     return checked
@@ -185,10 +224,15 @@ def test_moe_merged_gloo_verify_tiny_bucket():
 # The merged schedule: every part's rounds run together (executor.py, rounds.py).
 
 MERGED_PAIRS = [  # ep grows, shrinks, vanishes, appears; etp; stages
-    ("dp4,ep4", "tp4,etp4"), ("tp4,etp4", "dp4,ep4"), ("dp2,tp2,ep2", "tp2,dp2,ep4"),
-    ("dp2,tp2,ep4", "dp2,tp2,ep2"), ("dp4,ep2,etp2", "dp2,tp2,ep2"), ("dp2,tp1,pp2,ep2", "tp2,pp2,ep2"),
-    ("tp2,pp2,ep2", "dp4,ep4"), ("dp4,ep4", "dp1,tp2,pp2,ep2"),   # stacked experts (etp1)
-    ("tp2,pp2,ep2", "dp4,tp2,ep4,etp2"),                          # one expert part per window
+    ("dp4,ep4", "tp4,etp4"),
+    ("tp4,etp4", "dp4,ep4"),
+    ("dp2,tp2,ep2", "tp2,dp2,ep4"),
+    ("dp2,tp2,ep4", "dp2,tp2,ep2"),
+    ("dp4,ep2,etp2", "dp2,tp2,ep2"),
+    ("dp2,tp1,pp2,ep2", "tp2,pp2,ep2"),
+    ("tp2,pp2,ep2", "dp4,ep4"),
+    ("dp4,ep4", "dp1,tp2,pp2,ep2"),  # stacked experts (etp1)
+    ("tp2,pp2,ep2", "dp4,tp2,ep4,etp2"),  # one expert part per window
 ]
 
 
@@ -196,18 +240,25 @@ def test_moe_parts():
     """One expert part for all layers when every ep group of a pipelined side holds one expert
     range, or (etp1 on both sides) one of stacked experts; else one per window of layers cut by
     both sides' stages."""
-    parts = lambda s, d: [p.label for p in plan_moe_realloc(MOE, L(s), L(d)).parts]  # noqa: E731
+    parts = lambda s, d: [p.label for p in plan_moe_realloc(MOE, L(s), L(d)).parts]
     assert parts("dp4,ep4", "tp4,etp4") == ["dense", "experts of layers [0, 3)"]
     assert parts("dp2,tp1,pp2,ep2", "tp2,pp2,ep2") == ["dense", "experts of layers [0, 3)"]
     assert parts("tp2,pp2,ep2", "dp4,ep4") == ["dense", "experts stacked"]
-    assert parts("tp2,pp2,ep2", "dp4,tp2,ep4,etp2") == ["dense", "experts of layers [0, 2)",
-                                                        "experts of layers [2, 3)"]
+    assert parts("tp2,pp2,ep2", "dp4,tp2,ep4,etp2") == [
+        "dense",
+        "experts of layers [0, 2)",
+        "experts of layers [2, 3)",
+    ]
 
 
 def _moe_shards(model, src, dst, full):
-    srcs = {r: (ModelShard.from_full(model, src, r, full), ExpertShard.from_full(model, src, r, full))
-            for r in src.ranks}
-    dsts = {r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r)) for r in dst.ranks}
+    srcs = {
+        r: (ModelShard.from_full(model, src, r, full), ExpertShard.from_full(model, src, r, full))
+        for r in src.ranks
+    }
+    dsts = {
+        r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r)) for r in dst.ranks
+    }
     return srcs, dsts
 
 
@@ -215,8 +266,9 @@ def _check_destination(model, src, dst, rank, full, d, e) -> int:
     """`rank`'s destination ModelShard d and ExpertShard e against slicing the full tensors (the
     full model's ModelShard holds the dense tensors of its own stages); returns the expert
     tensors compared."""
-    assert torch.equal(d.flat, oracle_flat(model, replace(dst, ep=1, etp=1), rank, full)), \
+    assert torch.equal(d.flat, oracle_flat(model, replace(dst, ep=1, etp=1), rank, full)), (
         f"{src}->{dst}: dense buffer of rank {rank} differs from the oracle"
+    )
     want = expert_oracle(model, dst, rank, full)
     assert set(e.params()) == set(want)
     for name, v in want.items():
@@ -226,17 +278,23 @@ def _check_destination(model, src, dst, rank, full, d, e) -> int:
 
 def _check_against_oracle(model, src, dst, full, srcs, dsts, before):
     for r, (s, e) in srcs.items():
-        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), \
+        assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), (
             f"{src}->{dst}: source of rank {r} modified"
+        )
     for r, (d, e) in dsts.items():
         _check_destination(model, src, dst, r, full, d, e)
 
 
 @pytest.mark.parametrize("src,dst", MERGED_PAIRS)
-@pytest.mark.parametrize("kw", [dict(bucket_bytes=1 << 10, pipeline=True, verify=True),
-                                dict(bucket_bytes=1 << 12, direct_min_bytes=64, one_pass=False),
-                                dict(bucket_bytes=1 << 10, one_pass=False),
-                                dict()])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(bucket_bytes=1 << 10, pipeline=True, verify=True),
+        dict(bucket_bytes=1 << 12, direct_min_bytes=64, one_pass=False),
+        dict(bucket_bytes=1 << 10, one_pass=False),
+        dict(),
+    ],
+)
 def test_moe_merged_in_process(src, dst, kw):
     """All parts as one schedule on the in-process transport, bit for bit against the oracle:
     tiny buckets (hundreds of merged rounds), pipelined halves with checksums, direct pieces,
@@ -249,13 +307,19 @@ def test_moe_merged_in_process(src, dst, kw):
     stats = run_moe_in_process(InProcessHub(timeout=60), plan, srcs, dsts, **kw)
     _check_against_oracle(MOE, src, dst, full, srcs, dsts, before)
     for r, st in stats.items():
-        assert st["staging_bytes"] <= kw.get("bucket_bytes", 256 << 20), f"rank {r}: {st['staging_bytes']}"
+        assert st["staging_bytes"] <= kw.get("bucket_bytes", 256 << 20), (
+            f"rank {r}: {st['staging_bytes']}"
+        )
     if kw.get("bucket_bytes") == 1 << 10 and plan.summary()["network_bytes"] > 64 << 10:
-        assert max(st["rounds"] for st in stats.values()) > 20  # the merged-round logic is exercised
+        assert (
+            max(st["rounds"] for st in stats.values()) > 20
+        )  # the merged-round logic is exercised
 
 
-@pytest.mark.parametrize("src,dst", MERGED_PAIRS[:4] + MERGED_PAIRS[6:] + [("dp8,ep8", "dp2,tp4,etp2"),
-                                                                     ("dp2,tp4,ep4", "dp8,ep2")])
+@pytest.mark.parametrize(
+    "src,dst",
+    MERGED_PAIRS[:4] + MERGED_PAIRS[6:] + [("dp8,ep8", "dp2,tp4,etp2"), ("dp2,tp4,ep4", "dp8,ep2")],
+)
 @pytest.mark.parametrize("bucket,dmin", [(1 << 10, 0), (1 << 11, 64), (1 << 9, 0)])
 def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
     """MoePlan.transfers (what the cluster simulator replays) lists, per rank and merged round,
@@ -263,8 +327,12 @@ def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
     src, dst = L(src), L(dst)
     plan = plan_moe_realloc(MOE, src, dst)
     hub = InProcessHub()
-    ex = {r: MoeReallocator(plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin, one_pass=False)
-          for r in sorted(set(src.ranks) | set(dst.ranks))}
+    ex = {
+        r: MoeReallocator(
+            plan, hub.transport(r), bucket_bytes=bucket, direct_min_bytes=dmin, one_pass=False
+        )
+        for r in sorted(set(src.ranks) | set(dst.ranks))
+    }
     opts = ex[0].opts
     t = plan.transfers(opts.round_elems, opts.direct_min_elems)
     es = MOE.element_size
@@ -272,7 +340,7 @@ def test_moe_transfers_are_the_executed_schedule(src, dst, bucket, dmin):
     for i in range(len(t.round)):
         k, nb = int(t.round[i]), int(t.nbytes[i])
         want.setdefault((int(t.sender[i]), k, "send"), []).append(nb)
-        for r in t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]].tolist():
+        for r in t.receivers[t.recv_ptr[i] : t.recv_ptr[i + 1]].tolist():
             want.setdefault((r, k, "recv"), []).append(nb)
     got: dict = {}
     for r, x in ex.items():
@@ -316,9 +384,10 @@ def test_moe_merged_verify_names_rank_round_and_part():
     def work(r):
         t = Flip(hub, r) if r == 2 else hub.transport(r)
         try:
-            MoeReallocator(plan, t, bucket_bytes=1 << 10, verify=True).run(*srcs[r], *dsts[r],
-                                                                           free_source=True)
-        except Exception as e:  # noqa: BLE001 - every rank's outcome is checked below
+            MoeReallocator(plan, t, bucket_bytes=1 << 10, verify=True).run(
+                *srcs[r], *dsts[r], free_source=True
+            )
+        except Exception as e:
             errors[r] = e
             hub.fail(r, str(e))
 
@@ -328,9 +397,14 @@ def test_moe_merged_verify_names_rank_round_and_part():
     assert all(isinstance(e, TransferError) for e in errors.values()), errors
     assert len(errors) > 1, f"only {sorted(errors)} failed: the peers of rank 2 must fail too"
     errors = {r: str(e) for r, e in errors.items()}
-    assert re.match(r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
-                    r"plan message \d+, \d+ elements\) from peer rank \d:", errors[2]), errors[2]
-    assert all("peer rank 2 failed during merged round" in m for r, m in errors.items() if r != 2), errors
+    assert re.match(
+        r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
+        r"plan message \d+, \d+ elements\) from peer rank \d:",
+        errors[2],
+    ), errors[2]
+    assert all(
+        "peer rank 2 failed during merged round" in m for r, m in errors.items() if r != 2
+    ), errors
     for r in errors:  # free_source never frees on failure
         s, e = srcs[r]
         assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r
@@ -348,8 +422,11 @@ def test_moe_rank_in_layout_without_shards_is_named():
     # run_moe_in_process raises rank 0's error: it names rank 1 and rank 1's own ValueError
     from real_py.realloc import TransferError
 
-    with pytest.raises(TransferError, match=r"rank 0: peer rank 1 failed during one-pass copy \(ValueError: "
-                       r"rank 1 is in the source layout dp4tp1pp1ep4 but passed no source"):
+    with pytest.raises(
+        TransferError,
+        match=r"rank 0: peer rank 1 failed during one-pass copy \(ValueError: "
+        r"rank 1 is in the source layout dp4tp1pp1ep4 but passed no source",
+    ):
         run_moe_in_process(InProcessHub(timeout=30), plan, srcs_missing, dsts)
     for r, (s, e) in srcs_missing.items():
         assert torch.equal(s.flat, before[r][0]) and torch.equal(e.flat, before[r][1]), r
@@ -365,9 +442,12 @@ def test_moe_replaced_expert_flat_is_named(one_pass):
     experts = srcs[0][1]
     numel = experts.flat.numel()
     experts.flat = experts.flat.double()
-    with pytest.raises(ValueError, match=rf"source expert shard of rank 0 \({MOE.name}, {src}\): its flat buffer "
-                       rf"is \({numel},\) torch.float64; the plan needs a 1-D contiguous torch.float32 buffer "
-                       rf"of {numel} elements"):
+    with pytest.raises(
+        ValueError,
+        match=rf"source expert shard of rank 0 \({MOE.name}, {src}\): its flat buffer "
+        rf"is \({numel},\) torch.float64; the plan needs a 1-D contiguous torch.float32 buffer "
+        rf"of {numel} elements",
+    ):
         run_moe_in_process(InProcessHub(timeout=30), plan, srcs, dsts, one_pass=one_pass)
 
 
@@ -384,10 +464,17 @@ def test_moe_into_vllm_format(src, tp):
     src = L(src)
     full = random_full(MOE, 23)
     plan = plan_moe_realloc(MOE, src, dst, dst_model=dst_model)
-    srcs = {r: (ModelShard.from_full(MOE, src, r, full), ExpertShard.from_full(MOE, src, r, full))
-            for r in src.ranks}
-    dsts = {r: (ModelShard.empty(dst_model, dst, r), ExpertShard.empty(dst_model, dst, r)) for r in dst.ranks}
-    run_moe_in_process(InProcessHub(timeout=60), plan, srcs, dsts, bucket_bytes=1 << 12, one_pass=False)
+    srcs = {
+        r: (ModelShard.from_full(MOE, src, r, full), ExpertShard.from_full(MOE, src, r, full))
+        for r in src.ranks
+    }
+    dsts = {
+        r: (ModelShard.empty(dst_model, dst, r), ExpertShard.empty(dst_model, dst, r))
+        for r in dst.ranks
+    }
+    run_moe_in_process(
+        InProcessHub(timeout=60), plan, srcs, dsts, bucket_bytes=1 << 12, one_pass=False
+    )
     for r, (d, e) in dsts.items():
         _check_destination(dst_model, src, dst, r, full, d, e)
     s = plan.summary()

@@ -12,15 +12,14 @@ import socket
 
 import pytest
 import torch
+from support.dist_cases import BIAS, TIED, random_full
+from support.oracle import oracle_flat
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.reallocator import Reallocator
-from real_py.testing import run_distributed
 from real_py.realloc.transports.base import TransferError
 from real_py.realloc.transports.nccl import CupyNcclTransport
-
-from support.dist_cases import BIAS, TIED, random_full
-from support.oracle import oracle_flat
+from real_py.testing import run_distributed
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 needs_cupy = pytest.mark.skipif(not HAS_CUPY, reason="needs cupy")
@@ -32,7 +31,9 @@ def _store(world: int = 1):
     with socket.socket() as s:  # one process: no race between picking and binding the port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return TCPStore("127.0.0.1", port, world, is_master=True, timeout=datetime.timedelta(seconds=30))
+    return TCPStore(
+        "127.0.0.1", port, world, is_master=True, timeout=datetime.timedelta(seconds=30)
+    )
 
 
 @pytest.mark.skipif(HAS_CUPY, reason="cupy is installed")
@@ -47,8 +48,10 @@ def test_self_sends_in_one_group_call():
     """World size 1: sends to self and receives from self in one round, several dtypes."""
     t = CupyNcclTransport(0, 1, _store(), timeout=30)
     g = torch.Generator(device="cuda").manual_seed(0)
-    srcs = [torch.randn(n, device="cuda", generator=g).to(dt)
-            for n, dt in ((1, torch.float32), (1000, torch.bfloat16), (4099, torch.float64))]
+    srcs = [
+        torch.randn(n, device="cuda", generator=g).to(dt)
+        for n, dt in ((1, torch.float32), (1000, torch.bfloat16), (4099, torch.float64))
+    ]
     dsts = [torch.empty_like(x) for x in srcs]
     h = t.start([((0,), x) for x in srcs], [(0, y, (0,)) for y in dsts], "round 0/1")
     h.wait()
@@ -84,8 +87,9 @@ def _two_gpus(rank: int, world: int) -> str:
         for mode in ("p2p", "broadcast"):
             s = ModelShard.from_full(model, src, rank, full, device="cuda")
             d = ModelShard.empty(model, dst, rank, device="cuda")
-            Reallocator(plan_realloc(model, src, dst, mode=mode), t, bucket_bytes=4096,
-                        verify=True).run(s, d)
+            Reallocator(
+                plan_realloc(model, src, dst, mode=mode), t, bucket_bytes=4096, verify=True
+            ).run(s, d)
             assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), (a, b, mode)
     # Rank 1 never posts its side: rank 0 times out naming it and the round.
     t2 = CupyNcclTransport(rank, world, store, timeout=2, key="real_py/nccl_uid_2")
@@ -93,8 +97,11 @@ def _two_gpus(rank: int, world: int) -> str:
         dist.barrier()
         return ""
     x = torch.zeros(10, device="cuda")
-    with pytest.raises(TransferError, match=r"rank 0: round 0/1: timed out after 2 s waiting for "
-                                            r"peer ranks \[1\]"):
+    with pytest.raises(
+        TransferError,
+        match=r"rank 0: round 0/1: timed out after 2 s waiting for "
+        r"peer ranks \[1\]",
+    ):
         t2.start([], [(1, x, (0,))], "round 0/1").wait()
     dist.barrier()
     return "ok"

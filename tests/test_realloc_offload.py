@@ -23,7 +23,7 @@ def _filled(dtype, n=1000, device="cpu"):
     g = torch.Generator().manual_seed(n)
     if dtype.is_floating_point:
         return (torch.randn(n, generator=g) * 3).to(dtype).to(device)
-    return torch.randint(-2**40, 2**40, (n,), generator=g, dtype=dtype).to(device)
+    return torch.randint(-(2**40), 2**40, (n,), generator=g, dtype=dtype).to(device)
 
 
 @pytest.mark.timeout(60)
@@ -31,7 +31,7 @@ def _filled(dtype, n=1000, device="cpu"):
 def test_round_trip_keeps_views_and_reuses_host_buffer(dtype):
     flat = _filled(dtype)
     want = flat.clone()
-    view = flat[100:300].view(20, 10)            # taken before the offload, like a model's Parameter
+    view = flat[100:300].view(20, 10)  # taken before the offload, like a model's Parameter
     param = torch.nn.Parameter(flat[300:400], requires_grad=False)
     off = HostOffload(flat, name="t")
     host_ptr = None
@@ -52,7 +52,7 @@ def test_round_trip_keeps_views_and_reuses_host_buffer(dtype):
         assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
         assert torch.equal(view, want[100:300].view(20, 10))
         assert torch.equal(param, want[300:400])
-        flat.add_(1)                               # writes after a reload are kept by the next cycle
+        flat.add_(1)  # writes after a reload are kept by the next cycle
         want.add_(1)
 
 
@@ -65,7 +65,7 @@ def test_misuse_is_an_error():
     off.offload()
     with pytest.raises(RuntimeError, match=r"my buffer.*already offloaded"):
         off.offload()
-    assert flat.untyped_storage().nbytes() == 0    # the failed call changed nothing
+    assert flat.untyped_storage().nbytes() == 0  # the failed call changed nothing
     off.reload()
     with pytest.raises(ValueError, match="1-D contiguous"):
         HostOffload(torch.zeros(4, 4), name="x")
@@ -104,9 +104,14 @@ def test_config_key_and_step_line(tmp_path):
         CF.from_dict({"offload_frozn": True})
     with pytest.raises(ValueError, match="offload_frozen='yes': expected true or false"):
         CF.from_dict({"offload_frozen": "yes"})
-    out = {"metrics": {"reward": 0.5}, "calls": {"ref_inf": 0.1}, "realloc_seconds": {},
-           "realloc_bytes": 0, "offload_seconds": {"ref": 0.004, "reward": 0.00025},
-           "offload_bytes": 3 * 2**20}
+    out = {
+        "metrics": {"reward": 0.5},
+        "calls": {"ref_inf": 0.1},
+        "realloc_seconds": {},
+        "realloc_bytes": 0,
+        "offload_seconds": {"ref": 0.004, "reward": 0.00025},
+        "offload_bytes": 3 * 2**20,
+    }
     assert _line(1, out).endswith("| offload ref 4.00ms reward 0.25ms 3.00 MiB")
     assert "offload" not in _line(1, dict(out, offload_seconds={}, offload_bytes=0))
 
@@ -132,12 +137,20 @@ def _runtime_worker(rank, world):
     from real_py.rlhf import calls as C
     from real_py.rlhf.runtime import Runtime
 
-    seen = []            # (call, {frozen model: storage bytes of its shard on this rank}) during calls
+    seen = []  # (call, {frozen model: storage bytes of its shard on this rank}) during calls
     run_call = C.run_call
 
     def probe(rt, call, *a, **k):
-        seen.append((call.name, {m: e.shard.flat.untyped_storage().nbytes()
-                                 for m, e in rt.models.engines.items() if m in FROZEN_CALLS and e}))
+        seen.append(
+            (
+                call.name,
+                {
+                    m: e.shard.flat.untyped_storage().nbytes()
+                    for m, e in rt.models.engines.items()
+                    if m in FROZEN_CALLS and e
+                },
+            )
+        )
         return run_call(rt, call, *a, **k)
 
     C.run_call = probe
@@ -151,20 +164,31 @@ def _runtime_worker(rank, world):
         for step in range(STEPS):
             it = rt.iteration(step)
             iters.append({k: it[k] for k in ("metrics", "offload_seconds", "offload_bytes")})
-            iters[-1]["resident_after"] = {m: e.shard.flat.untyped_storage().nbytes()
-                                           for m, e in rt.models.engines.items()
-                                           if m in FROZEN_CALLS and e}
-        r = {"iters": iters, "seen": list(seen), "expect": _frozen_bytes(rt.models, rank),
-             "flat": {m: rt.models.engines[m].shard.flat.clone() for m in ("actor", "critic")
-                      if rt.models.engines[m] is not None}}
+            iters[-1]["resident_after"] = {
+                m: e.shard.flat.untyped_storage().nbytes()
+                for m, e in rt.models.engines.items()
+                if m in FROZEN_CALLS and e
+            }
+        r = {
+            "iters": iters,
+            "seen": list(seen),
+            "expect": _frozen_bytes(rt.models, rank),
+            "flat": {
+                m: rt.models.engines[m].shard.flat.clone()
+                for m in ("actor", "critic")
+                if rt.models.engines[m] is not None
+            },
+        }
         if on:
             r["engine_for_errors"] = []
             for m in r["expect"]:
-                with pytest.raises(RuntimeError, match=rf"{m} weights are offloaded to host on rank {rank}"):
+                with pytest.raises(
+                    RuntimeError, match=rf"{m} weights are offloaded to host on rank {rank}"
+                ):
                     rt.models.engine_for(FROZEN_CALLS[m])
                 r["engine_for_errors"].append(m)
         res[on] = r
-    buf = io.BytesIO()              # tensors through the result queue need their sender alive
+    buf = io.BytesIO()  # tensors through the result queue need their sender alive
     torch.save(res, buf)
     return buf.getvalue()
 
@@ -190,9 +214,11 @@ def test_runtime_same_results_with_offload(runtime_runs):
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_runtime_frozen_models_offloaded_outside_their_call(runtime_runs):
-    holders = {m: [r for r, res in enumerate(runtime_runs) if m in res[True]["expect"]]
-               for m in FROZEN_CALLS}
-    assert holders == {"ref": [0, 1], "reward": [2, 3]}      # the default plan
+    holders = {
+        m: [r for r, res in enumerate(runtime_runs) if m in res[True]["expect"]]
+        for m in FROZEN_CALLS
+    }
+    assert holders == {"ref": [0, 1], "reward": [2, 3]}  # the default plan
     for rank, res in enumerate(runtime_runs):
         on, off = res[True], res[False]
         expect = on["expect"]

@@ -14,16 +14,19 @@ import threading
 
 import pytest
 import torch
+from support.oracle import data_mask, oracle_flat, random_full, random_layout, tiny_spec
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.inprocess_move import InProcessMove
 from real_py.realloc.reallocator import Reallocator, run_in_process
 from real_py.realloc.transports import InProcessHub, TransferError, Transport
 
-from support.oracle import data_mask, oracle_flat, random_full, random_layout, tiny_spec
-
-SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(layers=3, vocab=97, dtype="bfloat16"),
-         tiny_spec(layers=2, vocab=53, dtype="float16")]
+SPECS = [
+    tiny_spec(tied=True),
+    tiny_spec(bias=True),
+    tiny_spec(layers=3, vocab=97, dtype="bfloat16"),
+    tiny_spec(layers=2, vocab=53, dtype="float16"),
+]
 
 
 def case(rng, i, device="cpu"):
@@ -59,7 +62,9 @@ def test_compiled_move_replays_bitwise(threads):
                 check(model, full, dst, dsts, f"pair {i} {src}->{dst} call {k}")
             plans = {r: dict(x.runner._plans) for r, x in move.reallocs.items()}
             move.run(srcs, dsts)
-            assert all(plans[r] == x.runner._plans for r, x in move.reallocs.items()), "copy rebuilt"
+            assert all(plans[r] == x.runner._plans for r, x in move.reallocs.items()), (
+                "copy rebuilt"
+            )
         for r, s in srcs.items():
             assert torch.equal(s.flat, before[r]), f"pair {i}: source of rank {r} modified"
         want = plan.per_rank_bytes()
@@ -76,7 +81,9 @@ def test_one_pass_free_source_waits_for_readers():
         dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
         kept = {r: s for r, s in srcs.items() if r in dst.ranks}  # a rank in both keeps its source
         with InProcessMove(InProcessHub(timeout=20), plan) as move:
-            move.run({r: s for r, s in srcs.items() if r not in kept} | kept, dsts, free_source=True)
+            move.run(
+                {r: s for r, s in srcs.items() if r not in kept} | kept, dsts, free_source=True
+            )
         check(model, full, dst, dsts, f"pair {i}")
         assert all(s.flat.untyped_storage().nbytes() == 0 for s in srcs.values())
 
@@ -92,7 +99,9 @@ def test_failing_rank_named_by_its_peers():
 
     def work(r, hub):
         try:
-            Reallocator(plan, hub.transport(r)).run(wrong.get(r), ModelShard.empty(model, dst, r) if r == 2 else None)
+            Reallocator(plan, hub.transport(r)).run(
+                wrong.get(r), ModelShard.empty(model, dst, r) if r == 2 else None
+            )
         except (TransferError, ValueError) as e:
             errors[r] = str(e)
 
@@ -101,14 +110,18 @@ def test_failing_rank_named_by_its_peers():
     [t.start() for t in ts]
     [t.join() for t in ts]
     assert "source shard belongs to rank 0, this is rank 1" in errors[1]
-    assert errors[2].startswith("rank 2: peer rank 1 failed during one-pass copy (input check: ValueError: "
-                                "source shard belongs to rank 0"), errors[2]
+    assert errors[2].startswith(
+        "rank 2: peer rank 1 failed during one-pass copy (input check: ValueError: "
+        "source shard belongs to rank 0"
+    ), errors[2]
 
 
 def test_one_pass_options_checked():
     model = SPECS[0]
     plan = plan_realloc(model, Layout.parse("tp2"), Layout.parse("dp2"))
-    with pytest.raises(ValueError, match=r"verify=True checksums chunks on the wire.*one_pass=False"):
+    with pytest.raises(
+        ValueError, match=r"verify=True checksums chunks on the wire.*one_pass=False"
+    ):
         Reallocator(plan, InProcessHub().transport(0), verify=True, one_pass=True)
 
     class Wire(Transport):
@@ -117,9 +130,14 @@ def test_one_pass_options_checked():
 
     t = Wire()
     t.rank = 0
-    with pytest.raises(ValueError, match=r"one_pass=True needs a transport that addresses its peers"):
+    with pytest.raises(
+        ValueError, match=r"one_pass=True needs a transport that addresses its peers"
+    ):
         Reallocator(plan, t, one_pass=True)
-    assert not Reallocator(plan, t).one_pass and Reallocator(plan, InProcessHub().transport(0)).one_pass
+    assert (
+        not Reallocator(plan, t).one_pass
+        and Reallocator(plan, InProcessHub().transport(0)).one_pass
+    )
     with pytest.raises(ValueError, match=r"threads=False\) runs one-pass moves only"):
         InProcessMove(InProcessHub(), plan, threads=False, verify=True)
 
@@ -132,7 +150,9 @@ def test_run_in_process_matches_staged():
         got = {}
         for one_pass in (True, False):
             dsts = {r: ModelShard.empty(model, dst, r) for r in dst.ranks}
-            run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, one_pass=one_pass, bucket_bytes=4096)
+            run_in_process(
+                InProcessHub(timeout=20), plan, srcs, dsts, one_pass=one_pass, bucket_bytes=4096
+            )
             got[one_pass] = dsts
         for r in dst.ranks:
             assert torch.equal(got[True][r].flat, got[False][r].flat), (i, r)
@@ -149,15 +169,31 @@ def test_compiled_moe_move(threads):
     for a, b in (("dp4,ep4", "tp4,etp4"), ("dp2,tp2,etp2", "dp4,ep2"), ("tp2,pp2", "dp4,ep4")):
         src, dst = Layout.parse(a), Layout.parse(b)
         plan = plan_moe_realloc(model, src, dst)
-        srcs = {r: (ModelShard.from_full(model, src, r, full), ExpertShard.from_full(model, src, r, full))
-                for r in src.ranks}
+        srcs = {
+            r: (
+                ModelShard.from_full(model, src, r, full),
+                ExpertShard.from_full(model, src, r, full),
+            )
+            for r in src.ranks
+        }
         with InProcessMove(InProcessHub(timeout=20), plan, threads=threads) as move:
             for _ in range(2):
-                dsts = {r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r)) for r in dst.ranks}
+                dsts = {
+                    r: (ModelShard.empty(model, dst, r), ExpertShard.empty(model, dst, r))
+                    for r in dst.ranks
+                }
                 stats = move.run(srcs, dsts)
                 for r, (d, e) in dsts.items():
-                    assert torch.equal(d.flat, ModelShard.from_full(model, dst, r, full).flat), (a, b, r)
-                    assert torch.equal(e.flat, ExpertShard.from_full(model, dst, r, full).flat), (a, b, r)
+                    assert torch.equal(d.flat, ModelShard.from_full(model, dst, r, full).flat), (
+                        a,
+                        b,
+                        r,
+                    )
+                    assert torch.equal(e.flat, ExpertShard.from_full(model, dst, r, full).flat), (
+                        a,
+                        b,
+                        r,
+                    )
         assert all(st["one_pass"] for st in stats.values())
 
 

@@ -15,17 +15,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.oracle import (
+    data_mask,
+    min_network_elems,
+    oracle_flat,
+    random_full,
+    random_layout,
+    tiny_spec,
+)
 
 from real_py import Layout, ModelShard, model_spec, plan_realloc
 from real_py.spec import ModelConfig
 
-from support.oracle import (data_mask, min_network_elems, oracle_flat, random_full, random_layout,
-                    tiny_spec)
-
 
 def run_plan(plan, src_flats: dict[int, torch.Tensor], dst_numel: dict[int, int]):
     """Follow only the plan's descriptors: returns (dst flats, per-rank write counts)."""
-    out = {r: torch.zeros(n, dtype=next(iter(src_flats.values())).dtype) for r, n in dst_numel.items()}
+    out = {
+        r: torch.zeros(n, dtype=next(iter(src_flats.values())).dtype) for r, n in dst_numel.items()
+    }
     hits = {r: np.zeros(n, np.int64) for r, n in dst_numel.items()}
 
     def apply(src, dst, hit, descs):
@@ -39,7 +46,12 @@ def run_plan(plan, src_flats: dict[int, torch.Tensor], dst_numel: dict[int, int]
         for r in plan.receivers(m):
             apply(src_flats[int(plan.msg_sender[m])], out[r], hits[r], plan.message_descs(m))
     for i, r in enumerate(plan.local_rank.tolist()):
-        apply(src_flats[r], out[r], hits[r], plan.descs[plan.local_desc_ptr[i]:plan.local_desc_ptr[i + 1]])
+        apply(
+            src_flats[r],
+            out[r],
+            hits[r],
+            plan.descs[plan.local_desc_ptr[i] : plan.local_desc_ptr[i + 1]],
+        )
     return out, hits
 
 
@@ -57,10 +69,14 @@ def check_pair(model, src: Layout, dst: Layout, mode: str = "p2p", seed: int = 0
         assert (hits[r][~mask] == 0).all(), f"rank {r}: padding written"
     s = plan.summary()
     es = model.element_size
-    assert s["network_bytes"] == min_network_elems(model, src, dst) * es, "network bytes above minimum"
+    assert s["network_bytes"] == min_network_elems(model, src, dst) * es, (
+        "network bytes above minimum"
+    )
     assert s["network_bytes"] == s["min_network_bytes"]
-    assert s["local_bytes"] + s["network_bytes"] == sum(int(data_mask(model, dst, r).sum())
-                                                        for r in dst.ranks) * es
+    assert (
+        s["local_bytes"] + s["network_bytes"]
+        == sum(int(data_mask(model, dst, r).sum()) for r in dst.ranks) * es
+    )
     for r in set(src.ranks) & set(dst.ranks):
         for m in plan.for_rank(r).sends:
             assert r not in m.peers, f"rank {r} sends to itself over the network"
@@ -81,7 +97,11 @@ NAMED = {
     "mixed dp2tp2pp1->dp1tp2pp2": (BIAS, L("dp2,tp2,pp1"), L("dp1,tp2,pp2")),
     "identical dp2tp2pp2": (TIED, L("dp2,tp2,pp2"), L("dp2,tp2,pp2")),
     "disjoint dp1tp2pp2->dp2tp2pp1@4..7": (UNTIED, L("dp1,tp2,pp2"), L("dp2,tp2,pp1", range(4, 8))),
-    "overlapping dp2tp3pp1->dp1tp2pp2@3..6": (BIAS, L("dp2,tp3,pp1"), L("dp1,tp2,pp2", range(3, 7))),
+    "overlapping dp2tp3pp1->dp1tp2pp2@3..6": (
+        BIAS,
+        L("dp2,tp3,pp1"),
+        L("dp1,tp2,pp2", range(3, 7)),
+    ),
     "non-dividing tp3->tp2": (UNTIED, L("dp1,tp3,pp1"), L("dp1,tp2,pp1")),
     "non-dividing tp6->tp4-like(tp2 pp2)": (BIAS, L("dp1,tp6,pp1"), L("dp2,tp2,pp1")),
     "fused-gqa-qkv tp1->tp6": (BIAS, L("dp1,tp1,pp1"), L("dp1,tp6,pp1")),
@@ -90,8 +110,11 @@ NAMED = {
     "padded-vocab tp2->tp3 (101 rows)": (UNTIED, L("dp1,tp2,pp1"), L("dp1,tp3,pp1")),
     "value-head dp2tp2pp2->dp1tp1pp1": (VALUE, L("dp2,tp2,pp2"), L("dp1,tp1,pp1", [7])),
     "reversed order": (UNTIED, L("dp2,tp2,pp1", order="pp-dp-tp"), L("dp1,tp2,pp2", [3, 2, 1, 0])),
-    "explicit pp partition": (UNTIED, L("dp1,tp1,pp2", layers_per_stage=(1, 3)),
-                              L("dp1,tp1,pp2", layers_per_stage=(3, 1))),
+    "explicit pp partition": (
+        UNTIED,
+        L("dp1,tp1,pp2", layers_per_stage=(1, 3)),
+        L("dp1,tp1,pp2", layers_per_stage=(3, 1)),
+    ),
 }
 
 
@@ -104,25 +127,49 @@ def test_named_pairs(name, mode):
 def test_random_pairs():
     """300+ seeded random pairs over random rank subsets of an 8-rank world, both modes."""
     rng = random.Random(1234)
-    specs = [TIED, UNTIED, BIAS, VALUE, tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
-             # Qwen3 q/k norms (replicated [hd]), LLaMA o_proj / mlp biases (replicated, split gate|up)
-             tiny_spec(bias=True, qk_norm=True, o_proj_bias=True, mlp_bias=True, name="tiny-norms-biases"),
-             # OLMo 2: whole-projection q/k norms split by heads, norms after the sublayers
-             tiny_spec(tied=True, qk_norm=True, qk_norm_whole=True, norm_after=True, name="tiny-olmo2"),
-             # Gemma 3: sandwich norms (pre/post feed-forward, replicated) and per-head q/k norms
-             tiny_spec(tied=True, qk_norm=True, sandwich_norm=True, norm_plus_one=True, name="tiny-gemma3")]
+    specs = [
+        TIED,
+        UNTIED,
+        BIAS,
+        VALUE,
+        tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
+        # Qwen3 q/k norms (replicated [hd]), LLaMA o_proj / mlp biases (replicated, split gate|up)
+        tiny_spec(
+            bias=True, qk_norm=True, o_proj_bias=True, mlp_bias=True, name="tiny-norms-biases"
+        ),
+        # OLMo 2: whole-projection q/k norms split by heads, norms after the sublayers
+        tiny_spec(tied=True, qk_norm=True, qk_norm_whole=True, norm_after=True, name="tiny-olmo2"),
+        # Gemma 3: sandwich norms (pre/post feed-forward, replicated) and per-head q/k norms
+        tiny_spec(
+            tied=True, qk_norm=True, sandwich_norm=True, norm_plus_one=True, name="tiny-gemma3"
+        ),
+    ]
     for i in range(512):
         model = specs[i % len(specs)]
         src = random_layout(rng, 8, model.num_layers)
         dst = random_layout(rng, 8, model.num_layers)
-        check_pair(model, src, dst, mode=("p2p", "broadcast")[i % 2], seed=i,
-                   min_split_bytes=rng.choice([64, 1 << 20]))
+        check_pair(
+            model,
+            src,
+            dst,
+            mode=("p2p", "broadcast")[i % 2],
+            seed=i,
+            min_split_bytes=rng.choice([64, 1 << 20]),
+        )
 
 
 def test_row_split_is_one_descriptor_per_piece():
     """Row-parallel weights (split on dim 1) cost O(1) descriptors, not one per row."""
-    model = model_spec(ModelConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                                   num_key_value_heads=8, vocab_size=64, num_hidden_layers=1))
+    model = model_spec(
+        ModelConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=64,
+            num_hidden_layers=1,
+        )
+    )
     plan = plan_realloc(model, L("dp1,tp2,pp1"), L("dp1,tp4,pp1", range(2, 6)))
     # o_proj [256, 256] and down_proj [256, 512], tp 2 -> 4: each of the 4 receivers gets each
     # weight as ONE descriptor of 256 runs (64 and 128 elements long).
@@ -144,8 +191,16 @@ def test_replicated_sent_once_per_receiver():
 
 def test_pp_change_spreads_over_replicas():
     """dp2 -> dp1 with a PP change: both source replicas send, halving the busiest link."""
-    model = model_spec(ModelConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                   num_key_value_heads=8, vocab_size=512, num_hidden_layers=4))
+    model = model_spec(
+        ModelConfig(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=512,
+            num_hidden_layers=4,
+        )
+    )
     plan = plan_realloc(model, L("dp2,tp1,pp2"), L("dp1,tp1,pp1", [4]))
     send = {r: v["send"] for r, v in plan.summary()["per_rank"].items() if r < 4}
     assert min(send.values()) > 0, f"a source replica sends nothing: {send}"
@@ -163,8 +218,8 @@ def test_sender_balance_across_replicas():
 def test_ranks_per_node_prefers_same_node():
     """With nodes of 4 ranks, a receiver on node 1 pulls from the replica on its own node."""
     model = tiny_spec(layers=2)
-    src = L("dp2,tp1,pp1", [0, 4])      # replica 0 on node 0, replica 1 on node 1
-    dst = L("dp1,tp1,pp1", [5])         # receiver on node 1
+    src = L("dp2,tp1,pp1", [0, 4])  # replica 0 on node 0, replica 1 on node 1
+    dst = L("dp1,tp1,pp1", [5])  # receiver on node 1
     plan = plan_realloc(model, src, dst, ranks_per_node=4)
     assert {m.peers for m in plan.for_rank(5).recvs} == {(4,)}
 
@@ -186,12 +241,22 @@ def _plan_digest(model_name: str, src: str, dst: str) -> str:
 @pytest.mark.dist
 def test_plan_identical_across_processes():
     args = ("llama2-13b", "dp2,tp4,pp2", "dp4,tp2,pp2")
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_realloc_plan import _plan_digest; "
-            f"print(_plan_digest(*{args!r}))")
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from test_realloc_plan import _plan_digest; "
+        f"print(_plan_digest(*{args!r}))"
+    )
     root = str(Path(__file__).resolve().parent.parent)
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           cwd=root, env={"PYTHONHASHSEED": str(seed)}).stdout.strip()
-            for seed in (1, 2)}
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+            env={"PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2)
+    }
     assert outs == {_plan_digest(*args)}
 
 
@@ -202,24 +267,48 @@ def test_plan_is_cached():
 
 # ---------------------------------------------------------------------------- bad input
 
+
 def test_tp_not_dividing_heads():
-    with pytest.raises(ValueError, match=r"src layout dp1tp5pp1: tp=5 does not divide "
-                                         r"num_attention_heads=12 of layers\.\*\.self_attn\.qkv_proj"
-                                         r"\.weight; pick tp in \{1, 2, 3, 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"src layout dp1tp5pp1: tp=5 does not divide "
+        r"num_attention_heads=12 of layers\.\*\.self_attn\.qkv_proj"
+        r"\.weight; pick tp in \{1, 2, 3, 6",
+    ):
         plan_realloc(UNTIED, L("dp1,tp5,pp1"), L("dp1,tp1,pp1"))
 
 
 def test_tp_not_dividing_kv_heads():
-    model = model_spec(ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=100, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"dst layout dp1tp4pp1: tp=4 does not divide num_key_value_heads=2"):
+    model = model_spec(
+        ModelConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=100,
+            num_hidden_layers=2,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"dst layout dp1tp4pp1: tp=4 does not divide num_key_value_heads=2"
+    ):
         plan_realloc(model, L("dp1,tp1,pp1"), L("dp1,tp4,pp1"))
 
 
 def test_tp_not_dividing_intermediate():
-    model = model_spec(ModelConfig(hidden_size=64, intermediate_size=100, num_attention_heads=8,
-                                   num_key_value_heads=8, vocab_size=100, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"tp=8 does not divide intermediate_size=100 .*gate_up_proj"):
+    model = model_spec(
+        ModelConfig(
+            hidden_size=64,
+            intermediate_size=100,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=100,
+            num_hidden_layers=2,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"tp=8 does not divide intermediate_size=100 .*gate_up_proj"
+    ):
         plan_realloc(model, L("dp1,tp8,pp1"), L("dp1,tp1,pp1"))
 
 
@@ -229,7 +318,9 @@ def test_pp_larger_than_layers():
 
 
 def test_bad_explicit_partition():
-    with pytest.raises(ValueError, match=r"layers_per_stage=\(1, 1\) sums to 2, but .* has 4 layers"):
+    with pytest.raises(
+        ValueError, match=r"layers_per_stage=\(1, 1\) sums to 2, but .* has 4 layers"
+    ):
         plan_realloc(UNTIED, L("dp1,tp1,pp2", layers_per_stage=(1, 1)), L("dp1,tp1,pp1"))
 
 
@@ -244,20 +335,36 @@ def test_wrong_rank_count():
 
 
 def test_spec_mismatch_shape():
-    other = model_spec(ModelConfig(hidden_size=24, intermediate_size=48, num_attention_heads=12,
-                                   num_key_value_heads=6, head_dim=2, vocab_size=101,
-                                   num_hidden_layers=4))
-    with pytest.raises(ValueError, match=r"disagree on layers\.0\.mlp\.gate_up_proj\.weight\.shape"):
+    other = model_spec(
+        ModelConfig(
+            hidden_size=24,
+            intermediate_size=48,
+            num_attention_heads=12,
+            num_key_value_heads=6,
+            head_dim=2,
+            vocab_size=101,
+            num_hidden_layers=4,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"disagree on layers\.0\.mlp\.gate_up_proj\.weight\.shape"
+    ):
         plan_realloc(UNTIED, L("dp1,tp1,pp1"), L("dp1,tp1,pp1"), dst_model=other)
 
 
 def test_spec_mismatch_dtype():
-    with pytest.raises(ValueError, match=r"disagree on embed_tokens\.weight\.dtype: src float32 vs dst bfloat16"):
-        plan_realloc(UNTIED, L("dp1,tp1,pp1"), L("dp1,tp1,pp1"), dst_model=tiny_spec(dtype="bfloat16"))
+    with pytest.raises(
+        ValueError, match=r"disagree on embed_tokens\.weight\.dtype: src float32 vs dst bfloat16"
+    ):
+        plan_realloc(
+            UNTIED, L("dp1,tp1,pp1"), L("dp1,tp1,pp1"), dst_model=tiny_spec(dtype="bfloat16")
+        )
 
 
 def test_spec_mismatch_names():
-    with pytest.raises(ValueError, match=r"disagree on parameter names: only in src \['lm_head\.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"disagree on parameter names: only in src \['lm_head\.weight'\]"
+    ):
         plan_realloc(UNTIED, L("dp1,tp1,pp1"), L("dp1,tp1,pp1"), dst_model=TIED)
 
 

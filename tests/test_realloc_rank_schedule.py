@@ -13,13 +13,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from support.dist_cases import SPECS, L, named_pairs
+from support.oracle import random_dp_layout, random_layout
+from support.schedule_oracle import Schedule
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc
 from real_py.realloc.rank_schedule import rank_schedule
-
-from support.dist_cases import L, SPECS, named_pairs
-from support.oracle import random_dp_layout, random_layout
-from support.schedule_oracle import Schedule
 
 # (round elements, direct-min elements): tiny rounds cut messages into many chunks and force
 # round overflows; direct-min 1 and 7 split mixed messages into direct pieces.
@@ -33,14 +32,24 @@ def assert_same_rounds(plan, rank: int, glob: Schedule, round_elems: int, dmin: 
     assert rs.num_rounds == len(glob.rounds)
     assert [r.index for r in rs.rounds] == [r.index for r in want], f"rank {rank}"
     for a, b in zip(rs.rounds, want):
-        assert len(a.sends) == len(b.sends) and len(a.recvs) == len(b.recvs), f"rank {rank} round {a.index}"
+        assert len(a.sends) == len(b.sends) and len(a.recvs) == len(b.recvs), (
+            f"rank {rank} round {a.index}"
+        )
         for x, y in zip(a.sends + a.recvs, b.sends + b.recvs):
-            assert (x.msg, x.sender, x.receivers, x.numel) == (y.msg, y.sender, y.receivers, y.numel)
+            assert (x.msg, x.sender, x.receivers, x.numel) == (
+                y.msg,
+                y.sender,
+                y.receivers,
+                y.numel,
+            )
             assert np.array_equal(x.descs, y.descs), f"rank {rank} round {a.index} msg {x.msg}"
         assert np.array_equal(a.pack_descs, b.pack_descs)
         assert np.array_equal(a.unpack_descs, b.unpack_descs)
-        assert (a.send_slots, a.recv_slots, a.staging_numel) == (b.send_slots, b.recv_slots,
-                                                                 b.staging_numel)
+        assert (a.send_slots, a.recv_slots, a.staging_numel) == (
+            b.send_slots,
+            b.recv_slots,
+            b.staging_numel,
+        )
     assert np.array_equal(rs.local, plan.for_rank(rank).local)
 
 
@@ -69,11 +78,14 @@ def test_random_pairs_agree():
     rng = random.Random(24)
     for i in range(1000):
         model = SPECS[i % len(SPECS)]
-        sharded = i % 3 == 2 and not any(p.tp.groups or p.tp.vocab_multiple != 1 for p in model.params)
+        sharded = i % 3 == 2 and not any(
+            p.tp.groups or p.tp.vocab_multiple != 1 for p in model.params
+        )
         make = random_dp_layout if sharded else random_layout
         src, dst = (make(rng, 8, model.num_layers) for _ in range(2))
-        plan = plan_realloc(model, src, dst, mode=("p2p", "broadcast")[i % 2],
-                            ranks_per_node=(0, 2, 4)[i % 3])
+        plan = plan_realloc(
+            model, src, dst, mode=("p2p", "broadcast")[i % 2], ranks_per_node=(0, 2, 4)[i % 3]
+        )
         check_plan(plan, [RANDOM_BUCKETS[i % len(RANDOM_BUCKETS)]])
 
 
@@ -90,12 +102,19 @@ def test_rank_schedule_rejects_bad_input():
 def test_one_rank_of_1024_without_the_others():
     """LLaMA-3.1-405B shapes, dp8,tp8,pp16 -> dp128,tp8,pp1 on 1024 ranks: rank 517's schedule
     alone; the global descriptor arrays are never built and memory stays far below them."""
-    cfg = ModelConfig(hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
-                      num_key_value_heads=8, vocab_size=128256, num_hidden_layers=126,
-                      dtype="bfloat16")
+    cfg = ModelConfig(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        num_hidden_layers=126,
+        dtype="bfloat16",
+    )
     model = model_spec(cfg, "llama3.1-405b")
-    plan = plan_realloc(model, Layout.parse("dp8,tp8,pp16"), Layout.parse("dp128,tp8,pp1"),
-                        ranks_per_node=8)
+    plan = plan_realloc(
+        model, Layout.parse("dp8,tp8,pp16"), Layout.parse("dp128,tp8,pp1"), ranks_per_node=8
+    )
     tracemalloc.start()
     rs = rank_schedule(plan, 517, (256 << 20) // 2 // 2, (256 << 10) // 2)
     _, peak = tracemalloc.get_traced_memory()

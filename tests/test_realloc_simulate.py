@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from real_py import Layout, plan_realloc
-from real_py.realloc.simulate import (CLUSTERS, Cluster, Transfers, broadcast_per_node,
-                                      schedule_transfers, simulate)
-
 from support.dist_cases import SPECS, named_pairs
 from support.schedule_oracle import Schedule
+
+from real_py import Layout, plan_realloc
+from real_py.realloc.simulate import (
+    CLUSTERS,
+    Cluster,
+    Transfers,
+    broadcast_per_node,
+    schedule_transfers,
+    simulate,
+)
 
 GB = 1e9
 
@@ -22,13 +27,19 @@ GB = 1e9
 def transfers(rows):
     """rows: (round, sender, receivers, bytes)."""
     ptr = np.cumsum([0] + [len(r[2]) for r in rows])
-    return Transfers(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), ptr,
-                     np.array([x for r in rows for x in r[2]]), np.array([r[3] for r in rows]))
+    return Transfers(
+        np.array([r[0] for r in rows]),
+        np.array([r[1] for r in rows]),
+        ptr,
+        np.array([x for r in rows for x in r[2]]),
+        np.array([r[3] for r in rows]),
+    )
 
 
 def test_two_nodes_one_message():
-    c = Cluster("t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=1, nic_GBps=10,
-                latency_s=1e-3)
+    c = Cluster(
+        "t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=1, nic_GBps=10, latency_s=1e-3
+    )
     res = simulate(transfers([(0, 0, [2], 5 * GB)]), c)
     assert res.seconds == pytest.approx(0.5 + 1e-3)
     assert res.lower_bound == pytest.approx(0.5) and res.nic_bound == pytest.approx(0.5)
@@ -37,20 +48,24 @@ def test_two_nodes_one_message():
 
 def test_one_nic_shared_by_two_messages():
     # GPUs 0 and 1 of node 0 share its one NIC; each sends 2 GB to a GPU of node 1.
-    c = Cluster("t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=1, nic_GBps=10,
-                latency_s=1e-3)
+    c = Cluster(
+        "t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=1, nic_GBps=10, latency_s=1e-3
+    )
     res = simulate(transfers([(0, 0, [2], 2 * GB), (0, 1, [3], 2 * GB)]), c)
     assert res.seconds == pytest.approx(0.4 + 1e-3)
     # Two NICs per node: each message has its own, half the time.
-    c2 = Cluster("t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=2, nic_GBps=10,
-                 latency_s=1e-3)
-    assert simulate(transfers([(0, 0, [2], 2 * GB), (0, 1, [3], 2 * GB)]), c2).seconds == \
-        pytest.approx(0.2 + 1e-3)
+    c2 = Cluster(
+        "t", nodes=2, gpus_per_node=2, nvlink_GBps=100, nics_per_node=2, nic_GBps=10, latency_s=1e-3
+    )
+    assert simulate(
+        transfers([(0, 0, [2], 2 * GB), (0, 1, [3], 2 * GB)]), c2
+    ).seconds == pytest.approx(0.2 + 1e-3)
 
 
 def test_rounds_in_sequence_and_nvlink():
-    c = Cluster("t", nodes=1, gpus_per_node=4, nvlink_GBps=100, nics_per_node=1, nic_GBps=10,
-                latency_s=0)
+    c = Cluster(
+        "t", nodes=1, gpus_per_node=4, nvlink_GBps=100, nics_per_node=1, nic_GBps=10, latency_s=0
+    )
     # Round 0: 0 -> 1 (1 GB at 100 GB/s: 10 ms). Round 1: 1 -> 2 and 3 -> 0 both wait for their
     # ranks' round 0 (ranks 1 and 0: done at 10 ms): 1 -> 2 ends at 20 ms, 3 -> 0 (3 GB) at 40 ms.
     res = simulate(transfers([(0, 0, [1], GB), (1, 1, [2], GB), (1, 3, [0], 3 * GB)]), c)
@@ -65,19 +80,29 @@ def test_rounds_in_sequence_and_nvlink():
 @pytest.mark.parametrize("case", named_pairs(8), ids=lambda c: c[0])
 def test_never_below_the_bound(case):
     _, model, src, dst = case
-    c = Cluster("t", nodes=4, gpus_per_node=2, nvlink_GBps=20, nics_per_node=1, nic_GBps=2,
-                latency_s=1e-6)
+    c = Cluster(
+        "t", nodes=4, gpus_per_node=2, nvlink_GBps=20, nics_per_node=1, nic_GBps=2, latency_s=1e-6
+    )
     for mode in ("p2p", "broadcast"):
         plan = plan_realloc(model, src, dst, mode=mode, ranks_per_node=2)
         for round_elems in (64, 1 << 20):
             t = schedule_transfers(plan, round_elems)
             # The chunk table is the global Schedule's, chunk for chunk (sizes, peers, rounds).
             glob = Schedule(plan, round_elems, 0)
-            want = [(k, ch.sender, ch.receivers, ch.numel * model.element_size)
-                    for k, chunks in enumerate(glob.rounds) for ch in chunks]
-            got = [(int(t.round[i]), int(t.sender[i]),
-                    tuple(t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]].tolist()), int(t.nbytes[i]))
-                   for i in range(len(t.round))]
+            want = [
+                (k, ch.sender, ch.receivers, ch.numel * model.element_size)
+                for k, chunks in enumerate(glob.rounds)
+                for ch in chunks
+            ]
+            got = [
+                (
+                    int(t.round[i]),
+                    int(t.sender[i]),
+                    tuple(t.receivers[t.recv_ptr[i] : t.recv_ptr[i + 1]].tolist()),
+                    int(t.nbytes[i]),
+                )
+                for i in range(len(t.round))
+            ]
             assert sorted(got) == sorted(want)
             res = simulate(t, c)
             assert res.seconds >= res.lower_bound - 1e-12
@@ -132,14 +157,17 @@ def test_round_replay_matches_numpy_reference(seed):
     rnd = np.sort(rng.integers(0, rounds, hops))
     u = rng.integers(0, w, hops)
     v = (u + rng.integers(1, w, hops)) % w
-    l1 = np.where(rng.random(hops) < 0.5, u, 2 * w + rng.integers(0, 2, hops))   # egress links
-    l2 = np.where(l1 < w, w + v, 2 * w + 2 + rng.integers(0, 2, hops))           # ingress links
+    l1 = np.where(rng.random(hops) < 0.5, u, 2 * w + rng.integers(0, 2, hops))  # egress links
+    l2 = np.where(l1 < w, w + v, 2 * w + 2 + rng.integers(0, 2, hops))  # ingress links
     nb = rng.integers(1, 1 << 30, hops).astype(np.float64)
     bw = rng.uniform(1e9, 5e11, nlinks)
     bounds = np.searchsorted(rnd, np.arange(rounds + 1))
     got = _C.replay_rounds(u, v, l1, l2, nb, bounds, bw, w, 1e-5)
     assert got == _replay_numpy(u, v, l1, l2, nb, bounds, bw, w, 1e-5) and got > 0
-    assert _C.replay_rounds(u[:0], v[:0], l1[:0], l2[:0], nb[:0], np.zeros(1, np.int64), bw, w, 1e-5) == 0.0
+    assert (
+        _C.replay_rounds(u[:0], v[:0], l1[:0], l2[:0], nb[:0], np.zeros(1, np.int64), bw, w, 1e-5)
+        == 0.0
+    )
 
 
 def test_round_replay_bad_input():
@@ -148,10 +176,12 @@ def test_round_replay_bad_input():
     one = np.zeros(1, np.int64)
     bw = np.ones(4)
     with pytest.raises(ValueError, match="one entry per hop"):
-        _C.replay_rounds(one, one, one, np.zeros(2, np.int64), np.ones(1), np.array([0, 1]), bw, 2, 0.0)
+        _C.replay_rounds(
+            one, one, one, np.zeros(2, np.int64), np.ones(1), np.array([0, 1]), bw, 2, 0.0
+        )
     with pytest.raises(ValueError, match="bounds"):
         _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 2]), bw, 2, 0.0)
-    with pytest.raises(ValueError, match="not decrease"):   # refused before reading hop 1..4
+    with pytest.raises(ValueError, match="not decrease"):  # refused before reading hop 1..4
         _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 5, 1]), bw, 2, 0.0)
     with pytest.raises(ValueError, match="num_ranks"):
         _C.replay_rounds(one, one + 1, one, one + 2, np.ones(1), np.array([0, 1]), bw, -1, 0.0)

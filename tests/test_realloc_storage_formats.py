@@ -10,15 +10,13 @@ import random
 
 import pytest
 import torch
+from support.oracle import held_indices, oracle_flat, random_full, random_layout, tiny_spec
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec, plan_realloc
 from real_py.interop.adapters import check_against_full, megatron_config
 from real_py.interop.embed import reallocate_params, shard_from_params
-from real_py.realloc.reallocator import Reallocator
+from real_py.realloc.reallocator import Reallocator, run_in_process
 from real_py.realloc.transports import InProcessHub
-from real_py.realloc.reallocator import run_in_process
-
-from support.oracle import held_indices, oracle_flat, random_full, random_layout, tiny_spec
 
 FORMATS = [
     {},
@@ -49,7 +47,11 @@ def test_shards_and_gather_match_oracle_for_every_format():
                 layout = Layout.parse(text)
                 shards = [ModelShard.from_full(model, layout, r, full) for r in layout.ranks]
                 for s in shards:
-                    assert torch.equal(s.flat, oracle_flat(model, layout, s.rank, full)), (fmt, text, s.rank)
+                    assert torch.equal(s.flat, oracle_flat(model, layout, s.rank, full)), (
+                        fmt,
+                        text,
+                        s.rank,
+                    )
                 for name, t in gather_full(model, shards).items():
                     assert torch.equal(t, full[name]), (fmt, text, name)
 
@@ -59,17 +61,24 @@ def test_random_pairs_across_formats_bitwise():
     rng = random.Random(13)
     for i in range(200):
         a, b = rng.choice(FORMATS), rng.choice(FORMATS)
-        kw = rng.choice([{"tied": True}, {"bias": True}, {"head": "value"}, {"tied": True, "layers": 3}])
+        kw = rng.choice(
+            [{"tied": True}, {"bias": True}, {"head": "value"}, {"tied": True, "layers": 3}]
+        )
         src_model, dst_model = spec(a, **kw), spec(b, **kw)
         full = random_full(src_model, i)
         src, dst = (random_layout(rng, 8, src_model.num_layers) for _ in range(2))
-        plan = plan_realloc(src_model, src, dst, dst_model=dst_model, mode=("p2p", "broadcast")[i % 2])
+        plan = plan_realloc(
+            src_model, src, dst, dst_model=dst_model, mode=("p2p", "broadcast")[i % 2]
+        )
         srcs = {r: ModelShard.from_full(src_model, src, r, full) for r in src.ranks}
         dsts = {r: ModelShard.empty(dst_model, dst, r) for r in dst.ranks}
-        run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=rng.choice([512, 1 << 16]))
+        run_in_process(
+            InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=rng.choice([512, 1 << 16])
+        )
         for r in dst.ranks:
-            assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), \
+            assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), (
                 f"pair {i} {a}->{b} {src}->{dst}: rank {r} differs from the oracle"
+            )
         s = plan.summary()
         assert s["network_bytes"] >= s["min_network_bytes"] >= 0, (i, s)
 
@@ -80,11 +89,13 @@ def _run_params(plan, params_by_rank, check=None):
 
     def work(r):
         try:
-            out[r] = reallocate_params(Reallocator(plan, hub.transport(r)), params_by_rank.get(r),
-                                       check=check)
-        except BaseException as e:  # noqa: BLE001 - reported below with the rank
+            out[r] = reallocate_params(
+                Reallocator(plan, hub.transport(r)), params_by_rank.get(r), check=check
+            )
+        except BaseException as e:
             errors[r] = e
             hub.fail(r, str(e))
+
     threads = [threading.Thread(target=work, args=(r,)) for r in plan.ranks()]
     for t in threads:
         t.start()
@@ -94,8 +105,15 @@ def _run_params(plan, params_by_rank, check=None):
 
 
 def test_megatron_order_declared_blocked_is_caught_by_the_check():
-    cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12, num_key_value_heads=6,
-                      head_dim=2, vocab_size=101, num_hidden_layers=2)
+    cfg = ModelConfig(
+        hidden_size=24,
+        intermediate_size=36,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=2,
+        vocab_size=101,
+        num_hidden_layers=2,
+    )
     blocked, grouped = model_spec(cfg, "m"), model_spec(megatron_config(cfg), "m")
     full = random_full(blocked, 1)
     src, dst = Layout(tp=2), Layout(dp=2, ranks=(2, 3))
@@ -114,13 +132,20 @@ def test_megatron_order_declared_blocked_is_caught_by_the_check():
     before = {r: s.flat.clone() for r, s in megatron_shards.items()}
     out, errors = _run_params(plan, {r: s.params() for r, s in megatron_shards.items()}, check=full)
     msg = str(errors[0])
-    assert isinstance(errors[0], ValueError) and "layers.0.self_attn.qkv_proj.weight" in msg \
-        and "megatron_grouped" in msg and "declares blocked" in msg, msg
-    assert all(torch.equal(s.flat, before[r]) for r, s in megatron_shards.items()), "source modified"
+    assert (
+        isinstance(errors[0], ValueError)
+        and "layers.0.self_attn.qkv_proj.weight" in msg
+        and "megatron_grouped" in msg
+        and "declares blocked" in msg
+    ), msg
+    assert all(torch.equal(s.flat, before[r]) for r, s in megatron_shards.items()), (
+        "source modified"
+    )
     # Without the check the same input goes through (silently wrong), which is why it exists.
     out, errors = _run_params(plan, {r: s.params() for r, s in megatron_shards.items()})
-    assert not errors and not torch.equal(out[2]["layers.0.self_attn.qkv_proj.weight"],
-                                          full["layers.0.self_attn.qkv_proj.weight"])
+    assert not errors and not torch.equal(
+        out[2]["layers.0.self_attn.qkv_proj.weight"], full["layers.0.self_attn.qkv_proj.weight"]
+    )
 
 
 def _fields(cfg):
@@ -135,14 +160,27 @@ def test_check_against_full_counts_and_wrong_weights():
     # 4 layers x (qkv weight, qkv bias, gate_up) + embedding + lm head
     assert check_against_full(model, layout, 1, params, full) == 4 * 3 + 2
     params["layers.2.mlp.gate_up_proj.weight"] = params["layers.2.mlp.gate_up_proj.weight"] + 1
-    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.gate_up_proj\.weight on rank 1 .*wrong weights"):
+    with pytest.raises(
+        ValueError, match=r"layers\.2\.mlp\.gate_up_proj\.weight on rank 1 .*wrong weights"
+    ):
         check_against_full(model, layout, 1, params, full)
 
 
 def test_bad_formats_refused():
-    base = _fields(ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12,
-                               num_key_value_heads=6, head_dim=2, vocab_size=101, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"qkv_layout='grouped'; allowed: \('blocked', 'megatron_grouped'\)"):
+    base = _fields(
+        ModelConfig(
+            hidden_size=24,
+            intermediate_size=36,
+            num_attention_heads=12,
+            num_key_value_heads=6,
+            head_dim=2,
+            vocab_size=101,
+            num_hidden_layers=2,
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"qkv_layout='grouped'; allowed: \('blocked', 'megatron_grouped'\)"
+    ):
         ModelConfig(**{**base, "qkv_layout": "grouped"})
     with pytest.raises(ValueError, match=r"gate_up_layout='megatron'; allowed"):
         ModelConfig(**{**base, "gate_up_layout": "megatron"})
@@ -150,11 +188,19 @@ def test_bad_formats_refused():
         ModelConfig(**{**base, "vocab_pad_multiple": 0})
     # tp=4 does not divide the 6 kv groups of the grouped q|k|v.
     with pytest.raises(ValueError, match=r"tp=4 does not divide"):
-        plan_realloc(model_spec(ModelConfig(**{**base, "qkv_layout": "megatron_grouped"})), Layout(tp=1), Layout(tp=4))
+        plan_realloc(
+            model_spec(ModelConfig(**{**base, "qkv_layout": "megatron_grouped"})),
+            Layout(tp=1),
+            Layout(tp=4),
+        )
     # Specs that disagree beyond storage format are still refused.
     with pytest.raises(ValueError, match=r"disagree"):
-        plan_realloc(model_spec(ModelConfig(**base)), Layout(tp=1), Layout(tp=2),
-                     dst_model=model_spec(ModelConfig(**{**base, "intermediate_size": 48})))
+        plan_realloc(
+            model_spec(ModelConfig(**base)),
+            Layout(tp=1),
+            Layout(tp=2),
+            dst_model=model_spec(ModelConfig(**{**base, "intermediate_size": 48})),
+        )
 
 
 def test_shard_from_params_names_expected_shape_for_padding():
@@ -162,14 +208,23 @@ def test_shard_from_params_names_expected_shape_for_padding():
     layout = Layout(tp=2)
     params = ModelShard.from_full(model, layout, 0, random_full(model, 0)).params()
     params["embed_tokens.weight"] = params["embed_tokens.weight"][:51]
-    with pytest.raises(ValueError, match=r"embed_tokens\.weight: local shape \(51, 24\) on rank 0, "
-                                         r"but dp1tp2pp1 tp rank 0 holds \(128, 24\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"embed_tokens\.weight: local shape \(51, 24\) on rank 0, "
+        r"but dp1tp2pp1 tp rank 0 holds \(128, 24\)",
+    ):
         shard_from_params(model, layout, 0, params)
 
 
 def test_from_hf_honours_torch_dtype(tmp_path):
-    cfg = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "vocab_size": 50,
-           "num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    cfg = {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "vocab_size": 50,
+        "num_hidden_layers": 2,
+        "torch_dtype": "bfloat16",
+    }
     assert ModelConfig.from_hf(cfg).dtype == "bfloat16"
     assert ModelConfig.from_hf({**cfg, "torch_dtype": None, "dtype": "float16"}).dtype == "float16"
     assert ModelConfig.from_hf(cfg, dtype="float32").dtype == "float32"
@@ -185,8 +240,16 @@ def test_hf_checkpoint_loads_into_megatron_storage(tmp_path):
     # spec's storage (grouped q|k|v, 128 x tp vocab padding), bit for bit against the oracle.
     from real_py.interop.hf import load_hf_shard, save_hf
 
-    cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12, num_key_value_heads=6,
-                      head_dim=2, vocab_size=101, num_hidden_layers=2, attention_bias=True)
+    cfg = ModelConfig(
+        hidden_size=24,
+        intermediate_size=36,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=2,
+        vocab_size=101,
+        num_hidden_layers=2,
+        attention_bias=True,
+    )
     full = random_full(model_spec(cfg), 5)
     save_hf(tmp_path, cfg, full, model_type="qwen2")
     for meg in (megatron_config(cfg), megatron_config(cfg, vocab_pad_multiple=8)):
@@ -200,8 +263,18 @@ def test_hf_checkpoint_loads_into_megatron_storage(tmp_path):
 def test_engines_refuse_non_blocked_storage():
     from real_py.engines.engine import Engine
 
-    cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12, num_key_value_heads=6,
-                      head_dim=2, vocab_size=101, num_hidden_layers=2)
-    for bad in (megatron_config(cfg), ModelConfig(**{**_fields(cfg), "gate_up_layout": "interleaved"})):
+    cfg = ModelConfig(
+        hidden_size=24,
+        intermediate_size=36,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=2,
+        vocab_size=101,
+        num_hidden_layers=2,
+    )
+    for bad in (
+        megatron_config(cfg),
+        ModelConfig(**{**_fields(cfg), "gate_up_layout": "interleaved"}),
+    ):
         with pytest.raises(ValueError, match=r"the engines compute on blocked fused tensors"):
             Engine(bad, Layout(), None, None)

@@ -17,15 +17,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.dist_cases import check_transfer, named_pairs, random_case
+from support.oracle import oracle_flat, random_full, tiny_spec
 
 from real_py import ModelShard, plan_realloc
-from real_py.realloc.reallocator import Reallocator, run_in_process
+from real_py.realloc.reallocator import Reallocator
 from real_py.realloc.transports import InProcessHub, InProcessTransport, TransferError
 from real_py.realloc.transports.dist import DistTransport
 from real_py.testing import run_distributed
-
-from support.dist_cases import check_transfer, named_pairs, random_case
-from support.oracle import oracle_flat, random_full, tiny_spec
 
 
 def _gloo_ordered(rank: int, world: int) -> int:
@@ -34,10 +33,29 @@ def _gloo_ordered(rank: int, world: int) -> int:
     n = 0
     for i, (name, model, src, dst) in enumerate(named_pairs(world)):
         full = random_full(model, i)
-        for j, (mode, bucket, inflight, merge) in enumerate((("p2p", 4096, 3, True), ("broadcast", 1 << 14, 2, True),
-                                                             ("p2p", 2048, 3, False), ("p2p", 1 << 20, 1, True))):
-            r = check_transfer(t, rank, model, src, dst, full, mode=mode, bucket=bucket, what=name,
-                               inflight=inflight, merge=merge, verify=j == 1, direct_min_bytes=(0, 64)[j % 2])
+        for j, (mode, bucket, inflight, merge) in enumerate(
+            (
+                ("p2p", 4096, 3, True),
+                ("broadcast", 1 << 14, 2, True),
+                ("p2p", 2048, 3, False),
+                ("p2p", 1 << 20, 1, True),
+            )
+        ):
+            r = check_transfer(
+                t,
+                rank,
+                model,
+                src,
+                dst,
+                full,
+                mode=mode,
+                bucket=bucket,
+                what=name,
+                inflight=inflight,
+                merge=merge,
+                verify=j == 1,
+                direct_min_bytes=(0, 64)[j % 2],
+            )
             n += 1
             del r
     rng = random.Random(50 + world)
@@ -45,8 +63,18 @@ def _gloo_ordered(rank: int, world: int) -> int:
         model, full, src, dst, plan, _, _ = random_case(rng, i)
         if max(plan.ranks()) >= world:
             continue
-        check_transfer(t, rank, model, src, dst, full, mode=("p2p", "broadcast")[i % 2], bucket=rng.choice([512, 4096]),
-                       inflight=rng.choice([2, 3]), merge=True)
+        check_transfer(
+            t,
+            rank,
+            model,
+            src,
+            dst,
+            full,
+            mode=("p2p", "broadcast")[i % 2],
+            bucket=rng.choice([512, 4096]),
+            inflight=rng.choice([2, 3]),
+            merge=True,
+        )
         n += 1
     return n
 
@@ -83,7 +111,9 @@ def test_gloo_stream_ordered_timeout_names_peer():
     out = run_distributed(_silent_peer, 2, timeout=60)[0]
     secs, msg = out.split("|", 1)
     assert float(secs) < 10, out
-    assert msg.startswith("rank 0: round 0/") and "peer rank 1" in msg and "timed out after 3 s" in msg, msg
+    assert (
+        msg.startswith("rank 0: round 0/") and "peer rank 1" in msg and "timed out after 3 s" in msg
+    ), msg
 
 
 class _Count(InProcessTransport):
@@ -104,8 +134,15 @@ def test_merged_messages_one_per_peer_and_round():
         import threading
 
         def go(r):
-            Reallocator(plan, _Count(hub, r, log), bucket_bytes=2048, one_pass=False, merge=True, inflight=3,
-                        pipeline=True).run(srcs.get(r), dsts.get(r))
+            Reallocator(
+                plan,
+                _Count(hub, r, log),
+                bucket_bytes=2048,
+                one_pass=False,
+                merge=True,
+                inflight=3,
+                pipeline=True,
+            ).run(srcs.get(r), dsts.get(r))
 
         ts = [threading.Thread(target=go, args=(r,)) for r in plan.ranks()]
         [t.start() for t in ts]
@@ -113,8 +150,13 @@ def test_merged_messages_one_per_peer_and_round():
         for r in dst.ranks:
             assert torch.equal(dsts[r].flat, oracle_flat(model, dst, r, full)), (i, r)
         for rank, step, to, frm in log:
-            assert len(to) == len(set(to)), (i, rank, step, to)      # one send per receiver set
-            assert len(frm) == len(set(frm)), (i, rank, step, frm)   # one receive per (sender, receivers)
+            assert len(to) == len(set(to)), (i, rank, step, to)  # one send per receiver set
+            assert len(frm) == len(set(frm)), (
+                i,
+                rank,
+                step,
+                frm,
+            )  # one receive per (sender, receivers)
 
 
 def test_staged_options_checked():
@@ -124,5 +166,12 @@ def test_staged_options_checked():
     plan = plan_realloc(model, Layout.parse("tp2"), Layout.parse("dp2"))
     with pytest.raises(ValueError, match=r"inflight=4: 1, 2 or 3"):
         Reallocator(plan, InProcessHub().transport(0), one_pass=False, inflight=4)
-    r = Reallocator(plan, InProcessHub().transport(0), one_pass=False, pipeline=True, inflight=3, bucket_bytes=3000)
+    r = Reallocator(
+        plan,
+        InProcessHub().transport(0),
+        one_pass=False,
+        pipeline=True,
+        inflight=3,
+        bucket_bytes=3000,
+    )
     assert r.opts.inflight == 3 and r.opts.round_elems == 3000 // 4 // 3

@@ -7,17 +7,31 @@ import random
 
 import pytest
 import torch
+from support.oracle import (
+    held_indices,
+    index_buffer,
+    oracle_flat,
+    random_dp_layout,
+    random_full,
+    tiny_spec,
+)
 
 from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec, plan_realloc
 from real_py.interop.adapters import megatron_config
 from real_py.realloc import InProcessHub, run_in_process
 from real_py.spec import TPRule, vllm_config
 
-from support.oracle import held_indices, index_buffer, oracle_flat, random_dp_layout, random_full, tiny_spec
-
 # Qwen2-style GQA (q|k|v bias): 8 q heads, 2 kv heads of 4; tp 4 and 8 replicate the kv heads.
-GQA2 = ModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=8, num_key_value_heads=2,
-                   vocab_size=500, num_hidden_layers=4, attention_bias=True, model_type="qwen2")
+GQA2 = ModelConfig(
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=500,
+    num_hidden_layers=4,
+    attention_bias=True,
+    model_type="qwen2",
+)
 # 4 kv heads (a tp4 trainer), untied and tied, vocab 1000.
 GQA4 = dataclasses.replace(GQA2, num_key_value_heads=4, vocab_size=1000)
 GQA4_TIED = dataclasses.replace(GQA4, tie_word_embeddings=True, attention_bias=False)
@@ -35,19 +49,30 @@ def _min_network_elems(src_model, src, dst_model, dst) -> int:
     return total
 
 
-def check_move(src_model, src: Layout, dst_model, dst: Layout, seed: int = 0, mode: str = "p2p",
-               bucket_bytes: int = 1 << 16):
+def check_move(
+    src_model,
+    src: Layout,
+    dst_model,
+    dst: Layout,
+    seed: int = 0,
+    mode: str = "p2p",
+    bucket_bytes: int = 1 << 16,
+):
     full = random_full(src_model, seed)
     plan = plan_realloc(src_model, src, dst, dst_model=dst_model, mode=mode)
     srcs = {r: ModelShard.from_full(src_model, src, r, full) for r in src.ranks}
     dsts = {r: ModelShard.empty(dst_model, dst, r) for r in dst.ranks}
     run_in_process(InProcessHub(timeout=20), plan, srcs, dsts, bucket_bytes=bucket_bytes)
     for r in dst.ranks:
-        assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), \
+        assert torch.equal(dsts[r].flat, oracle_flat(dst_model, dst, r, full)), (
             f"{src} -> {dst} ({mode}): rank {r} differs from the oracle"
+        )
     s = plan.summary()
     assert s["network_bytes"] == s["min_network_bytes"], s
-    assert s["network_bytes"] == _min_network_elems(src_model, src, dst_model, dst) * src_model.element_size
+    assert (
+        s["network_bytes"]
+        == _min_network_elems(src_model, src, dst_model, dst) * src_model.element_size
+    )
     for r in set(src.ranks) & set(dst.ranks):
         assert all(r not in m.peers for m in plan.for_rank(r).sends), f"rank {r} sends to itself"
     return plan, dsts, full
@@ -126,42 +151,75 @@ def test_trainer_to_vllm_bitwise(name, cfg, src_text, tp):
     for k, v in gather_full(gen, list(dsts.values())).items():
         assert torch.equal(v, full[k]), k
     # vLLM engines with dp replicas on other ranks, broadcast grouping and small buckets
-    check_move(train, src, gen, Layout(dp=2, tp=tp, ranks=tuple(range(3, 3 + 2 * tp))), seed=1,
-               mode="broadcast", bucket_bytes=512)
+    check_move(
+        train,
+        src,
+        gen,
+        Layout(dp=2, tp=tp, ranks=tuple(range(3, 3 + 2 * tp))),
+        seed=1,
+        mode="broadcast",
+        bucket_bytes=512,
+    )
 
 
-@pytest.mark.parametrize("src_tp,dst_text", [(8, "dp1,tp2,pp2"), (4, "dp4,dim0"), (8, "dp4,flat"),
-                                             (8, "vllm tp4"), (4, "vllm tp8"), (2, "dp2,tp1,pp2")])
+@pytest.mark.parametrize(
+    "src_tp,dst_text",
+    [
+        (8, "dp1,tp2,pp2"),
+        (4, "dp4,dim0"),
+        (8, "dp4,flat"),
+        (8, "vllm tp4"),
+        (4, "vllm tp8"),
+        (2, "dp2,tp1,pp2"),
+    ],
+)
 def test_vllm_format_as_source(src_tp, dst_text):
     # Replicated kv heads on the source: each row is sent by one of its holders, held rows are
     # local copies (back to a trainer, or vLLM to vLLM at another tp).
     gen = model_spec(vllm_config(GQA2, src_tp))
     dst = Layout.parse(dst_text.removeprefix("vllm "))
-    other = model_spec(vllm_config(GQA2, dst.tp)) if dst_text.startswith("vllm") else model_spec(GQA2)
+    other = (
+        model_spec(vllm_config(GQA2, dst.tp)) if dst_text.startswith("vllm") else model_spec(GQA2)
+    )
     check_move(gen, Layout(tp=src_tp), other, dst, seed=src_tp)
 
 
 def test_random_dp_sharded_pairs_across_formats():
     """Seeded random pairs, either side dp-sharded or not, between storage formats (grouped
     q|k|v, interleaved gate|up, vocab padding), against the oracle at the minimum bytes."""
-    formats = [{}, {"qkv_layout": "megatron_grouped", "vocab_pad_multiple": 8},
-               {"gate_up_layout": "interleaved", "vocab_pad_multiple": 4}, {"kv_head_replicas": True}]
+    formats = [
+        {},
+        {"qkv_layout": "megatron_grouped", "vocab_pad_multiple": 8},
+        {"gate_up_layout": "interleaved", "vocab_pad_multiple": 4},
+        {"kv_head_replicas": True},
+    ]
     rng = random.Random(29)
     for i in range(40):
         a, b = rng.choice(formats), rng.choice(formats)
         kw = rng.choice([{"tied": True}, {"bias": True}, {"head": "value", "layers": 3}])
         src_model, dst_model = tiny_spec(**kw, **a), tiny_spec(**kw, **b)
         src, dst = (random_dp_layout(rng, 8, src_model.num_layers) for _ in range(2))
-        check_move(src_model, src, dst_model, dst, seed=i, mode=("p2p", "broadcast")[i % 2],
-                   bucket_bytes=rng.choice([512, 1 << 16]))
+        check_move(
+            src_model,
+            src,
+            dst_model,
+            dst,
+            seed=i,
+            mode=("p2p", "broadcast")[i % 2],
+            bucket_bytes=rng.choice([512, 1 << 16]),
+        )
 
 
 def test_bad_inputs_name_the_cause():
     with pytest.raises(ValueError, match=r"tp=3 does not divide vLLM's vocab padding of 64"):
         vllm_config(GQA2, 3)
     with pytest.raises(ValueError, match=r"tp=4 is above num_key_value_heads=3 and not a multiple"):
-        vllm_config(dataclasses.replace(GQA2, hidden_size=48, num_attention_heads=12,
-                                        num_key_value_heads=3), 4)
+        vllm_config(
+            dataclasses.replace(
+                GQA2, hidden_size=48, num_attention_heads=12, num_key_value_heads=3
+            ),
+            4,
+        )
     with pytest.raises(ValueError, match=r"tp=16 does not divide num_attention_heads=8"):
         vllm_config(GQA2, 16)
     with pytest.raises(ValueError, match=r"tp=0 must be a positive int"):
@@ -171,13 +229,25 @@ def test_bad_inputs_name_the_cause():
     with pytest.raises(ValueError, match=r"replicate_units needs a split rule"):
         TPRule(kind="vocab", replicate_units=True)
     with pytest.raises(ValueError, match=r"replicate_units needs a split rule"):
-        TPRule(kind="split", blocks=(4, 2), units=(("h", 2), ("kv", 1)), groups=1, replicate_units=True)
+        TPRule(
+            kind="split", blocks=(4, 2), units=(("h", 2), ("kv", 1)), groups=1, replicate_units=True
+        )
     # A spec with replicated kv heads and tp not a multiple of nkv: the plan names the rule.
-    odd = model_spec(dataclasses.replace(GQA2, hidden_size=48, num_attention_heads=12,
-                                         num_key_value_heads=4, intermediate_size=48,
-                                         kv_head_replicas=True))
-    with pytest.raises(ValueError, match=r"tp=6 is above num_key_value_heads=4 and not a multiple of it "
-                                         r"\(replicate_units"):
+    odd = model_spec(
+        dataclasses.replace(
+            GQA2,
+            hidden_size=48,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=48,
+            kv_head_replicas=True,
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"tp=6 is above num_key_value_heads=4 and not a multiple of it "
+        r"\(replicate_units",
+    ):
         plan_realloc(odd, Layout(tp=2), Layout(tp=6))
     # Without the flag tp > nkv stays refused as before.
     with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2"):

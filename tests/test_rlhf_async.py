@@ -5,21 +5,24 @@ import os
 
 import pytest
 import torch
+from test_rlhf_learning import task_config
 
 from real_py.rlhf import checkpoint
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-from test_rlhf_learning import task_config
-
 pytestmark = pytest.mark.dist
 
-PLAN = {"world_size": 4, "calls": {
-    "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-    "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-    "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-    "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}}}
+PLAN = {
+    "world_size": 4,
+    "calls": {
+        "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+        "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+        "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+        "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1},
+    },
+}
 SHORT = 4
 LEARN_STEPS, WINDOW, MARGIN = 30, 5, 0.3
 
@@ -45,14 +48,36 @@ def _worker(rank, world, tmp):
     out["k0"] = _run(tmp, "k0", SHORT, **short, **{"async": {"max_staleness": 0}})
     ak = {"ppo": {**task_config("grpo")["ppo"], "decoupled": True}, **short}
     for k in (1, 2):
-        out[f"k{k}"] = _run(tmp, f"k{k}", SHORT, **ak, **{"async": {"max_staleness": k, "check_versions": True,
-                                                                 "overlap_realloc": True}})
-    out["k1_no_overlap"] = _run(tmp, "k1n", SHORT, **ak, **{"async": {"max_staleness": 1, "check_versions": True,
-                                                                     "overlap_realloc": False}})
+        out[f"k{k}"] = _run(
+            tmp,
+            f"k{k}",
+            SHORT,
+            **ak,
+            **{"async": {"max_staleness": k, "check_versions": True, "overlap_realloc": True}},
+        )
+    out["k1_no_overlap"] = _run(
+        tmp,
+        "k1n",
+        SHORT,
+        **ak,
+        **{"async": {"max_staleness": 1, "check_versions": True, "overlap_realloc": False}},
+    )
     # Interruptible generation: the rollout switches to version s+1 before its decode step 1.
-    out["interrupt"] = _run(tmp, "int", SHORT, **ak, **{"async": {
-        "max_staleness": 1, "check_versions": True, "interrupt": True, "interrupt_wait_step": 1,
-        "overlap_realloc": True}})
+    out["interrupt"] = _run(
+        tmp,
+        "int",
+        SHORT,
+        **ak,
+        **{
+            "async": {
+                "max_staleness": 1,
+                "check_versions": True,
+                "interrupt": True,
+                "interrupt_wait_step": 1,
+                "overlap_realloc": True,
+            }
+        },
+    )
     # Kill and resume in async mode (k=2: two batches queued at the save): stop after 2 steps,
     # save, build a fresh runtime, load, run the rest.
     a2 = {"async": {"max_staleness": 2, "check_versions": True, "overlap_realloc": True}}
@@ -64,8 +89,13 @@ def _worker(rank, world, tmp):
     assert [(b, v) for b, _, v in rt2.astate.queue] == queued and start == 2
     rest, flat, _ = _run(tmp, "resume", SHORT, start=start, rt=rt2)
     out["resume"] = (first + rest, flat, queued)
-    out["learn"] = _run(tmp, "learn", LEARN_STEPS, **{"async": {"max_staleness": 1}},
-                        ppo={**task_config("grpo")["ppo"], "decoupled": True})
+    out["learn"] = _run(
+        tmp,
+        "learn",
+        LEARN_STEPS,
+        **{"async": {"max_staleness": 1}},
+        ppo={**task_config("grpo")["ppo"], "decoupled": True},
+    )
     out = {k: v[:2] if k != "resume" else v for k, v in out.items()}
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -143,9 +173,11 @@ def test_interrupted_rollouts_record_per_token_versions(runs):
 def test_resume_in_async_mode_continues_the_same_queue_and_versions(runs):
     for r in runs:
         ms, flat, queued = r["resume"]
-        assert queued == [(2, 0), (3, 1)]             # batches 2, 3 generated with versions 0, 1
-        strip = lambda ms: [{a: b for a, b in m.items() if a != "prefetched_calls"} for m in ms]  # noqa: E731
-        assert strip(ms) == strip(r["k2"][0]), "resumed async run differs from the uninterrupted one"
+        assert queued == [(2, 0), (3, 1)]  # batches 2, 3 generated with versions 0, 1
+        strip = lambda ms: [{a: b for a, b in m.items() if a != "prefetched_calls"} for m in ms]
+        assert strip(ms) == strip(r["k2"][0]), (
+            "resumed async run differs from the uninterrupted one"
+        )
         if flat is not None:
             assert torch.equal(flat, r["k2"][1])
 

@@ -21,7 +21,9 @@ def test_decoupled_loss_matches_hand_computation(cap):
     logp = _r(0).requires_grad_(True)
     prox, behav, adv = _r(1), _r(2), torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
     eps_lo, eps_hi = 0.2, 0.28
-    loss, clipped = P.decoupled_policy_loss_tokens(logp, prox, behav, adv, MASK, eps_lo, eps_hi, imp_cap=cap)
+    loss, clipped = P.decoupled_policy_loss_tokens(
+        logp, prox, behav, adv, MASK, eps_lo, eps_hi, imp_cap=cap
+    )
     loss.sum().backward()
     loss = loss.detach()
     seen_zero_w = False
@@ -60,8 +62,16 @@ def test_async_config_parse_override_validate():
     with pytest.raises(ValueError, match="behav_imp_weight_cap"):
         CF.from_dict({"ppo": {"behav_imp_weight_cap": 0.5}})
     with pytest.raises(ValueError, match="dynamic_sampling"):
-        CF.validate(CF.from_dict({"algo": "grpo", "async": {"max_staleness": 1},
-                                  "ppo": {"dynamic_sampling": True, "group_size": 2}}), 4)
+        CF.validate(
+            CF.from_dict(
+                {
+                    "algo": "grpo",
+                    "async": {"max_staleness": 1},
+                    "ppo": {"dynamic_sampling": True, "group_size": 2},
+                }
+            ),
+            4,
+        )
     with pytest.raises(ValueError, match="check_versions needs"):
         CF.validate(CF.from_dict({"async": {"check_versions": True}}), 4)
 

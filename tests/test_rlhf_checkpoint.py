@@ -30,7 +30,9 @@ def _runtime(cfg, seed=0):
     g = torch.Generator().manual_seed(seed)
     flat, m, v = (torch.randn(1000, generator=g) for _ in range(3))
     tr = SimpleNamespace(exp_avg=m, exp_avg_sq=v.abs(), num_steps=3, master=None)
-    eng = SimpleNamespace(optim=object(), shard=SimpleNamespace(flat=flat), layout="dp1tp2pp2", _trainer=tr)
+    eng = SimpleNamespace(
+        optim=object(), shard=SimpleNamespace(flat=flat), layout="dp1tp2pp2", _trainer=tr
+    )
     return SimpleNamespace(cfg=cfg, models=SimpleNamespace(engines={"actor": eng, "ref": None}))
 
 
@@ -56,7 +58,10 @@ def test_round_trip_restores_shards_moments_rng(saved):
     rng = torch.get_rng_state()
     assert checkpoint.find("", out) == path and checkpoint.check(cfg, path) == 1
     assert checkpoint.find(out, "elsewhere") == path == checkpoint.find(path, "elsewhere")
-    for bad, phrase in ((os.path.join(out, "step_7"), "does not exist"), (os.path.dirname(out), "has no meta.json")):
+    for bad, phrase in (
+        (os.path.join(out, "step_7"), "does not exist"),
+        (os.path.dirname(out), "has no meta.json"),
+    ):
         with pytest.raises(ValueError, match=f"--resume {bad}: no checkpoint: {phrase}"):
             checkpoint.find(bad, out)  # out/latest is fine, but X was asked for
     meta = json.load(open(os.path.join(path, "meta.json")))
@@ -85,7 +90,7 @@ def _flip_tensor_byte(p):
 
 def _truncate(p):
     data = open(p, "rb").read()
-    open(p, "wb").write(data[:len(data) // 2])
+    open(p, "wb").write(data[: len(data) // 2])
 
 
 def _garbage_meta(p):
@@ -138,7 +143,9 @@ def test_pickled_callable_is_refused_and_never_runs(saved, tmp_path):
     assert checkpoint.check(cfg, path, verify_files=False) == 1
     # The launcher's check reads every rank file's content too, and each rank its own file.
     for refuse in (lambda: checkpoint.check(cfg, path), lambda: checkpoint.load(rt, path)):
-        with pytest.raises(ValueError, match=r"rank0.pt refused: it holds more than tensors.*weights_only"):
+        with pytest.raises(
+            ValueError, match=r"rank0.pt refused: it holds more than tensors.*weights_only"
+        ):
             refuse()
     assert not os.path.exists(marker)
     torch.load(rank_file, weights_only=False)  # the payload is real: an unsafe load runs it
@@ -147,7 +154,9 @@ def test_pickled_callable_is_refused_and_never_runs(saved, tmp_path):
 
 def test_planted_symlinks_are_not_written_through(saved, tmp_path):
     cfg, out, path, rt = saved
-    victims = {n: tmp_path / f"victim_{n}" for n in ("latest.tmp", "latest", "rank0.pt", "meta.json")}
+    victims = {
+        n: tmp_path / f"victim_{n}" for n in ("latest.tmp", "latest", "rank0.pt", "meta.json")
+    }
     for v in victims.values():
         v.write_text("precious")
     os.symlink(victims["latest.tmp"], os.path.join(out, "latest.tmp"))
@@ -165,7 +174,9 @@ def test_planted_symlinks_are_not_written_through(saved, tmp_path):
         assert not os.path.islink(os.path.join(out, p)), p
     assert open(os.path.join(out, "latest")).read() == "step_2\n"
     assert checkpoint.check(cfg, checkpoint.find("", out)) == 2
-    assert not [f for f in os.listdir(out) + os.listdir(step2) if f.endswith(".tmp") and f != "latest.tmp"]
+    assert not [
+        f for f in os.listdir(out) + os.listdir(step2) if f.endswith(".tmp") and f != "latest.tmp"
+    ]
 
 
 def test_bad_latest_is_named(saved):
@@ -186,8 +197,13 @@ def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
     cfg, out, path, rt = saved
     _flip_tensor_byte(os.path.join(path, "rank0.pt"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", path, "--out-dir", out],
-                       cwd=root, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "real_py", "train", "--resume", path, "--out-dir", out],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "rank0.pt fails its sha256 check" in r.stderr, r.stderr[-2000:]
     assert "launching" not in r.stdout
 
@@ -197,13 +213,17 @@ def test_meta_listing_other_paths_is_refused(saved):
     meta = json.load(open(os.path.join(path, "meta.json")))
     meta["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "bytes": 1}
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
-    with pytest.raises(ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"):
+    with pytest.raises(
+        ValueError, match=r"meta.json lists files \['../../etc/passwd'\]; expected only rank<N>.pt"
+    ):
         checkpoint.check(cfg, path)
 
 
 def _verified_step(cfg, out):
     path = checkpoint.find("", out)
-    return checkpoint.check(cfg, path), torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+    return checkpoint.check(cfg, path), torch.load(
+        os.path.join(path, "rank0.pt"), weights_only=True
+    )
 
 
 def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
@@ -228,7 +248,9 @@ def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
             checkpoint.save(rt, out, step)
         monkeypatch.setattr(checkpoint, "_write_atomic", real_write)
         step_k, got = _verified_step(cfg, out)
-        assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+        assert step_k == 2 and torch.equal(
+            got["models"]["actor"]["flat"], want["models"]["actor"]["flat"]
+        )
         assert not os.path.exists(os.path.join(out, "step_3"))
     # Killed between moving the old step_2 away and moving the new one in.
     calls = []
@@ -251,10 +273,14 @@ def test_killed_save_leaves_previous_step_whole(saved, monkeypatch):
     open(keep, "w").write("not ours")
     done = checkpoint.sweep(out)
     assert any(d.startswith("restored step_2 from .step_2.") for d in done), done
-    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"], os.listdir(out)
+    assert sorted(os.listdir(out)) == [".my_notes.tmp", "latest", "step_1", "step_2"], os.listdir(
+        out
+    )
     assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt"]
     step_k, got = _verified_step(cfg, out)
-    assert step_k == 2 and torch.equal(got["models"]["actor"]["flat"], want["models"]["actor"]["flat"])
+    assert step_k == 2 and torch.equal(
+        got["models"]["actor"]["flat"], want["models"]["actor"]["flat"]
+    )
     assert checkpoint.sweep(out) == []
     # And a save after all that works and replaces step_2.
     checkpoint.save(rt, out, 2)
@@ -279,25 +305,58 @@ def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
     (victim_dir / "rank0.pt").write_text("precious")
     os.symlink(victim_dir, os.path.join(out, "step_2"))
     assert checkpoint.save(rt, out, 2) == os.path.join(out, "step_2")
-    assert not os.path.islink(os.path.join(out, "step_2")) and checkpoint.check(cfg, os.path.join(out, "step_2")) == 2
-    assert os.listdir(victim_dir) == ["rank0.pt"] and (victim_dir / "rank0.pt").read_text() == "precious"
-    victims = {n: tmp_path / f"victim_{n}" for n in ("metrics.jsonl", "samples.jsonl", "summary.json")}
+    assert (
+        not os.path.islink(os.path.join(out, "step_2"))
+        and checkpoint.check(cfg, os.path.join(out, "step_2")) == 2
+    )
+    assert (
+        os.listdir(victim_dir) == ["rank0.pt"]
+        and (victim_dir / "rank0.pt").read_text() == "precious"
+    )
+    victims = {
+        n: tmp_path / f"victim_{n}" for n in ("metrics.jsonl", "samples.jsonl", "summary.json")
+    }
     for n, v in victims.items():
         v.write_text("precious")
         os.symlink(v, os.path.join(out, n))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", "--out-dir", out],
-                       cwd=root, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and f"{out}/metrics.jsonl is a symbolic link" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(
+        [sys.executable, "-m", "real_py", "train", "--resume", "--out-dir", out],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and f"{out}/metrics.jsonl is a symbolic link" in r.stderr, r.stderr[
+        -2000:
+    ]
     assert "launching" not in r.stdout
     log = RunLog(out)
     with pytest.raises(ValueError, match="metrics.jsonl is a symbolic link"):
-        log.log({"step": 3, "seconds": 1.0, "metrics": {}, "calls": {}, "realloc_seconds": {},
-                 "realloc_bytes": 0, "data_bytes": 0})
+        log.log(
+            {
+                "step": 3,
+                "seconds": 1.0,
+                "metrics": {},
+                "calls": {},
+                "realloc_seconds": {},
+                "realloc_bytes": 0,
+                "data_bytes": 0,
+            }
+        )
     os.remove(os.path.join(out, "metrics.jsonl"))
     with pytest.raises(ValueError, match="summary.json is a symbolic link"):
-        log.log({"step": 3, "seconds": 1.0, "metrics": {"reward": 1.0}, "calls": {}, "realloc_seconds": {},
-                 "realloc_bytes": 0, "data_bytes": 0})
+        log.log(
+            {
+                "step": 3,
+                "seconds": 1.0,
+                "metrics": {"reward": 1.0},
+                "calls": {},
+                "realloc_seconds": {},
+                "realloc_bytes": 0,
+                "data_bytes": 0,
+            }
+        )
         log.close()
     with pytest.raises(ValueError, match="samples.jsonl is a symbolic link"):
         write_samples(os.path.join(out, "samples.jsonl"), 0, ["p"], ["r"], torch.zeros(1), [0])
@@ -308,9 +367,16 @@ def test_run_files_and_step_dirs_never_followed(saved, tmp_path):
 def test_other_config_names_the_fields_that_differ(saved):
     """--resume with another config names the differing fields, not two whole dicts."""
     cfg, out, path, rt = saved
-    other = CF.from_dict({"actor": {"vocab_size": 128}, "critic": {"vocab_size": 128},
-                          "plan": dict(CF.default_plan("ppo"))})
-    other.plan["calls"] = dict(other.plan["calls"], ref_inf={"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1})
+    other = CF.from_dict(
+        {
+            "actor": {"vocab_size": 128},
+            "critic": {"vocab_size": 128},
+            "plan": dict(CF.default_plan("ppo")),
+        }
+    )
+    other.plan["calls"] = dict(
+        other.plan["calls"], ref_inf={"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1}
+    )
     with pytest.raises(ValueError) as e:
         checkpoint.check(other, path)
     msg = str(e.value)
@@ -323,8 +389,11 @@ def test_other_config_names_the_fields_that_differ(saved):
     assert checkpoint.check(async_cfg, path) == 1
     rt.cfg = async_cfg
     step2 = checkpoint.save(rt, out, 2)
-    with pytest.raises(ValueError, match=r"async.max_staleness is 1 in the checkpoint, 0 in this config; "
-                                         r"async.batch_size is 8 in the checkpoint, absent in this config"):
+    with pytest.raises(
+        ValueError,
+        match=r"async.max_staleness is 1 in the checkpoint, 0 in this config; "
+        r"async.batch_size is 8 in the checkpoint, absent in this config",
+    ):
         checkpoint.check(cfg, step2)
 
 
@@ -342,12 +411,36 @@ def test_refused_rank_file_leaves_the_run_directory_unchanged(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     lay = {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(json.dumps({"steps": 2, "save_every": 1, "reward": {"kind": "rule"},
-                               "generation": {"max_new_tokens": 4},
-                               "plan": {"world_size": 2, "calls": {n: lay for n in CF.default_plan("ppo")["calls"]}}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "steps": 2,
+                "save_every": 1,
+                "reward": {"kind": "rule"},
+                "generation": {"max_new_tokens": 4},
+                "plan": {
+                    "world_size": 2,
+                    "calls": {n: lay for n in CF.default_plan("ppo")["calls"]},
+                },
+            }
+        )
+    )
     out = tmp_path / "run"
-    train = ["-m", "real_py", "train", "--config", str(cfg), "--out-dir", str(out), "--no-progress", "--timeout", "60"]
-    r = subprocess.run([sys.executable] + train, cwd=root, capture_output=True, text=True, timeout=300)
+    train = [
+        "-m",
+        "real_py",
+        "train",
+        "--config",
+        str(cfg),
+        "--out-dir",
+        str(out),
+        "--no-progress",
+        "--timeout",
+        "60",
+    ]
+    r = subprocess.run(
+        [sys.executable] + train, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     step1 = out / "step_1"
     rank_file = step1 / "rank1.pt"
@@ -360,12 +453,22 @@ def test_refused_rank_file_leaves_the_run_directory_unchanged(tmp_path):
     logs = {n: (out / n).read_bytes() for n in ("metrics.jsonl", "samples.jsonl")}
     assert len(logs["metrics.jsonl"].splitlines()) == 2
     resume = train + ["--resume", str(step1)]
-    r = subprocess.run([sys.executable] + resume, cwd=root, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "rank1.pt refused: it holds more than tensors" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(
+        [sys.executable] + resume, cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and "rank1.pt refused: it holds more than tensors" in r.stderr, (
+        r.stderr[-2000:]
+    )
     assert "launching" not in r.stdout
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-                       + resume, cwd=root, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + resume,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
+    )
     text = r.stdout + r.stderr
     assert r.returncode != 0, text[-3000:]
     assert "rank 1 could not load its checkpoint" in text and "nothing in" in text, text[-3000:]

@@ -16,20 +16,19 @@ import io
 import math
 
 import pytest
+import test_engines_bf16_decode as B16
 import torch
+from support import models_oracle as O
 
 from real_py import Layout, ModelConfig
 from real_py.engines import Engine, OptimConfig
 from real_py.interop.hf import gather_state_dict, load_hf_shard
 from real_py.parallel import ParallelGroups
+from real_py.realloc.shard import ModelShard
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
-from real_py.realloc.shard import ModelShard
 from real_py.spec import model_spec
 from real_py.testing import run_distributed
-
-from support import models_oracle as O
-import test_engines_bf16_decode as B16
 
 pytestmark = [pytest.mark.dist, pytest.mark.cuda, pytest.mark.timeout(450)]
 
@@ -45,10 +44,12 @@ def _save(obj) -> bytes:
 
 def _nll(total):
     """Sum of -log p over real next-token positions / total, on the device of the log-probs."""
+
     def loss_fn(o, mb):
         lp = o["logprobs"]
         mask = torch.arange(lp.shape[1], device=lp.device) < (mb["lengths"] - 1).unsqueeze(1)
         return -(lp * mask).sum() / total
+
     return loss_fn
 
 
@@ -61,11 +62,16 @@ def _one_gpu(rank, world, path, device_type="cuda"):
     tokens, lengths = O.batch()
     out = {}
     cfg = ModelConfig.from_hf(path, head="lm")
-    eng = Engine(cfg, layout, groups, load_hf_shard(path, cfg, layout, rank, dev),
-                 optim=OptimConfig(lr=LR, eps=1e-6, max_grad_norm=0.5))
+    eng = Engine(
+        cfg,
+        layout,
+        groups,
+        load_hf_shard(path, cfg, layout, rank, dev),
+        optim=OptimConfig(lr=LR, eps=1e-6, max_grad_norm=0.5),
+    )
     assert eng.device == dev and eng.model.shard_params["norm.weight"].device == dev
-    out["logits"] = eng.forward_logits(tokens)                       # CPU in, CPU out
-    out["inf"] = eng.inference(tokens.to(dev), lengths.to(dev))      # CUDA in, CUDA out
+    out["logits"] = eng.forward_logits(tokens)  # CPU in, CPU out
+    out["inf"] = eng.inference(tokens.to(dev), lengths.to(dev))  # CUDA in, CUDA out
     assert out["inf"]["logprobs"].device == dev
     out["inf"] = {k: v.cpu() for k, v in out["inf"].items()}
     for dtype in ("float32", "bfloat16"):
@@ -77,17 +83,30 @@ def _one_gpu(rank, world, path, device_type="cuda"):
                 # twice: the second call replays the graphs (and the cache) the first one made
                 for call in range(2):
                     out[(dtype, greedy, mode, call)] = e.generate(
-                        PROMPTS[0], PROMPTS[1], SEEDS, max_new_tokens=70, greedy=greedy, top_p=0.9,
-                        decode=mode.replace("-eager", ""))["tokens"]
+                        PROMPTS[0],
+                        PROMPTS[1],
+                        SEEDS,
+                        max_new_tokens=70,
+                        greedy=greedy,
+                        top_p=0.9,
+                        decode=mode.replace("-eager", ""),
+                    )["tokens"]
                 # a shorter prompt set and stop tokens through the same state
                 out[(dtype, greedy, mode, "stop")] = e.generate(
-                    PROMPTS[0][:, :3], PROMPTS[1].clamp(max=3), SEEDS, max_new_tokens=40, greedy=greedy,
-                    eos_token_id=list(range(10, 40)), decode=mode.replace("-eager", ""))["tokens"]
+                    PROMPTS[0][:, :3],
+                    PROMPTS[1].clamp(max=3),
+                    SEEDS,
+                    max_new_tokens=40,
+                    greedy=greedy,
+                    eos_token_id=list(range(10, 40)),
+                    decode=mode.replace("-eager", ""),
+                )["tokens"]
             e.compile_decode = None
         if device_type == "cuda":
             states = getattr(e, "_decode_states", {}).values()
-            out[(dtype, "states")] = [(s.backend, s.compiled_ok, s.backend_failed, sorted(s.graphs))
-                                      for s in states]
+            out[(dtype, "states")] = [
+                (s.backend, s.compiled_ok, s.backend_failed, sorted(s.graphs)) for s in states
+            ]
             # bf16: a compiled step may flip a near-tied argmax against the eager one; record the
             # eager logits' margin between the two tokens at each row's first difference
             a, b = out[(dtype, True, "static", 0)], out[(dtype, True, "graph", 0)]
@@ -96,8 +115,10 @@ def _one_gpu(rank, world, path, device_type="cuda"):
                 diff = (a[row] != b[row]).nonzero()
                 if len(diff):
                     j = int(diff[0])
-                    lg = e.forward_logits(a[row:row + 1, :j].to(dev))[0, -1].float()
-                    margins.append((float((lg[a[row, j]] - lg[b[row, j]]).abs()), float(lg.abs().max())))
+                    lg = e.forward_logits(a[row : row + 1, :j].to(dev))[0, -1].float()
+                    margins.append(
+                        (float((lg[a[row, j]] - lg[b[row, j]]).abs()), float(lg.abs().max()))
+                    )
             out[(dtype, "margins")] = margins
     loss_fn = _nll(float((lengths - 1).sum()))
     eng.train_step(loss_fn, {"tokens": tokens, "lengths": lengths}, micro_batches=2)
@@ -105,37 +126,63 @@ def _one_gpu(rank, world, path, device_type="cuda"):
     # bf16 train steps with the fp32 master, on the GPU.
     c16 = ModelConfig.from_hf(path, head="lm", dtype="bfloat16")
     shard = load_hf_shard(path, c16, layout, rank, dev)
-    e16 = Engine(c16, layout, groups, shard, optim=OptimConfig(lr=B16.LR, eps=B16.EPS, weight_decay=B16.WD,
-                                                               max_grad_norm=B16.MAX_NORM))
-    stats = [e16.train_step(loss_fn, {"tokens": tokens, "lengths": lengths}, micro_batches=2)
-             for _ in range(B16.STEPS)]
+    e16 = Engine(
+        c16,
+        layout,
+        groups,
+        shard,
+        optim=OptimConfig(lr=B16.LR, eps=B16.EPS, weight_decay=B16.WD, max_grad_norm=B16.MAX_NORM),
+    )
+    stats = [
+        e16.train_step(loss_fn, {"tokens": tokens, "lengths": lengths}, micro_batches=2)
+        for _ in range(B16.STEPS)
+    ]
     tr = e16._trainer
-    compiled = {n: (t.calls.backend, t.calls.ok, t.calls.failed) if t.calls is not None else None
-                for n, t in (("fp32", eng._trainer), ("bf16", tr))}
+    compiled = {
+        n: (t.calls.backend, t.calls.ok, t.calls.failed) if t.calls is not None else None
+        for n, t in (("fp32", eng._trainer), ("bf16", tr))
+    }
     master = ModelShard(model_spec(cfg), layout, rank, tr.master)
-    out["bf16"] = {"stats": stats, "master": {k: v.cpu() for k, v in gather_state_dict(master, groups).items()},
-                   "rounded": torch.equal(shard.flat, tr.master.to(torch.bfloat16)),
-                   "dtypes": (shard.flat.dtype, tr.master.dtype, tr.exp_avg.dtype, tr.red.dtype),
-                   "compiled": compiled}
+    out["bf16"] = {
+        "stats": stats,
+        "master": {k: v.cpu() for k, v in gather_state_dict(master, groups).items()},
+        "rounded": torch.equal(shard.flat, tr.master.to(torch.bfloat16)),
+        "dtypes": (shard.flat.dtype, tr.master.dtype, tr.exp_avg.dtype, tr.red.dtype),
+        "compiled": compiled,
+    }
     # One PPO iteration with NCCL, bf16, frozen models offloaded to pinned host memory.
-    d = {"precision": "bf16", "device": device_type, "offload_frozen": True,
-         "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2}, "generation": {"max_new_tokens": 6}}
+    d = {
+        "precision": "bf16",
+        "device": device_type,
+        "offload_frozen": True,
+        "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2},
+        "generation": {"max_new_tokens": 6},
+    }
     tc = CF.from_dict(d)
     tc.plan = CF.single_process_plan(tc.graph())
     plan, graph, models = CF.validate(tc, world)
     rt = Runtime(tc, plan, graph, models, timeout_s=120)
     it = rt.iteration(0)
     it.pop("store")
-    out["ppo"] = {"it": it, "devices": {m: str(e.shard.flat.device) for m, e in rt.models.engines.items()
-                                        if e is not None}}
+    out["ppo"] = {
+        "it": it,
+        "devices": {
+            m: str(e.shard.flat.device) for m, e in rt.models.engines.items() if e is not None
+        },
+    }
     return _save(out)
 
 
 @pytest.fixture(scope="module")
 def one_gpu(tmp_path_factory):
     # 256 positions: generations long enough for two 64-slot decode buckets
-    path = O.make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tied"), "llama", tied=True, seed=1,
-                             max_position_embeddings=256)
+    path = O.make_checkpoint(
+        str(tmp_path_factory.mktemp("ckpt") / "tied"),
+        "llama",
+        tied=True,
+        seed=1,
+        max_position_embeddings=256,
+    )
     res = run_distributed(_one_gpu, 1, path, timeout=400, backend="nccl")[0]
     return path, torch.load(io.BytesIO(res), weights_only=False)
 
@@ -164,17 +211,34 @@ def test_cuda_graph_decode_equals_eager(one_gpu):
         for greedy in (True, False):
             for call in (0, 1, "stop"):
                 static = r[(dtype, greedy, "static", call)]
-                assert torch.equal(r[(dtype, greedy, "graph-eager", call)], static), (dtype, greedy, call)
+                assert torch.equal(r[(dtype, greedy, "graph-eager", call)], static), (
+                    dtype,
+                    greedy,
+                    call,
+                )
                 if dtype == "float32":
-                    assert torch.equal(r[(dtype, greedy, "graph", call)], static), (dtype, greedy, call)
-                    assert torch.equal(static, r[(dtype, greedy, "dynamic", call)]), (dtype, greedy, call)
-            assert torch.equal(r[(dtype, greedy, "graph", 0)], r[(dtype, greedy, "graph", 1)]), (dtype, greedy)
+                    assert torch.equal(r[(dtype, greedy, "graph", call)], static), (
+                        dtype,
+                        greedy,
+                        call,
+                    )
+                    assert torch.equal(static, r[(dtype, greedy, "dynamic", call)]), (
+                        dtype,
+                        greedy,
+                        call,
+                    )
+            assert torch.equal(r[(dtype, greedy, "graph", 0)], r[(dtype, greedy, "graph", 1)]), (
+                dtype,
+                greedy,
+            )
         states = r[(dtype, "states")]
         compiled = [s for s in states if s[0] == "inductor"]
         assert len(compiled) == 1 and compiled[0][1:3] == (True, None), states
-        assert compiled[0][3] == [64, 128], states  # one graph per 64-slot bucket, reused across calls
+        assert compiled[0][3] == [64, 128], (
+            states
+        )  # one graph per 64-slot bucket, reused across calls
     for gap, scale in r[("bfloat16", "margins")]:
-        assert gap <= 2 ** -6 * scale + 1e-3, (gap, scale)
+        assert gap <= 2**-6 * scale + 1e-3, (gap, scale)
 
 
 def test_bf16_train_step_on_cuda(one_gpu):
@@ -182,14 +246,18 @@ def test_bf16_train_step_on_cuda(one_gpu):
     want, init, losses, norms = B16._oracle_bf16_steps(path)
     b = r["bf16"]
     # the train steps (fp32 and bf16) ran the compiled layers (the CUDA default), no fallback
-    assert b["compiled"] == {"fp32": ("inductor", True, None), "bf16": ("inductor", True, None)}, b["compiled"]
+    assert b["compiled"] == {"fp32": ("inductor", True, None), "bf16": ("inductor", True, None)}, b[
+        "compiled"
+    ]
     assert b["dtypes"] == (torch.bfloat16, torch.float32, torch.float32, torch.float32)
     assert b["rounded"], "the bf16 shard must be the master rounded to bf16"
     assert sorted(b["master"]) == sorted(want)
     every = torch.cat([(b["master"][k] - v).abs().flatten() for k, v in want.items()])
     assert float(every.mean()) < 0.1 * B16.LR and float(every.max()) <= 4.5 * B16.LR
     for s, loss, norm in zip(b["stats"], losses, norms):
-        assert math.isclose(s["loss"], loss, rel_tol=2e-2) and math.isclose(s["grad_norm"], norm, rel_tol=2e-2)
+        assert math.isclose(s["loss"], loss, rel_tol=2e-2) and math.isclose(
+            s["grad_norm"], norm, rel_tol=2e-2
+        )
 
 
 def test_nccl_ppo_iteration_one_gpu(one_gpu):
@@ -197,13 +265,19 @@ def test_nccl_ppo_iteration_one_gpu(one_gpu):
     it = r["ppo"]["it"]
     assert set(r["ppo"]["devices"].values()) == {"cuda:0"}
     assert all(math.isfinite(v) for v in it["metrics"].values()), it["metrics"]
-    assert set(it["peak_mem_mib"]) == set(it["calls"]) and all(v > 0 for v in it["peak_mem_mib"].values())
+    assert set(it["peak_mem_mib"]) == set(it["calls"]) and all(
+        v > 0 for v in it["peak_mem_mib"].values()
+    )
     assert it["offload_bytes"] > 0
 
 
 def _four_gpus(rank, world):
-    d = {"precision": "bf16", "device": "cuda", "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2},
-         "generation": {"max_new_tokens": 6}}
+    d = {
+        "precision": "bf16",
+        "device": "cuda",
+        "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 2},
+        "generation": {"max_new_tokens": 6},
+    }
     cfg = CF.from_dict(d)
     plan, graph, models = CF.validate(cfg, world)
     rt = Runtime(cfg, plan, graph, models, timeout_s=120)
@@ -213,10 +287,14 @@ def _four_gpus(rank, world):
     return _save(its)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="the default plan needs 4 GPUs (one per rank)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 4, reason="the default plan needs 4 GPUs (one per rank)"
+)
 def test_nccl_ppo_iteration_four_gpus():
-    its = torch.load(io.BytesIO(run_distributed(_four_gpus, 4, timeout=300, backend="nccl")[0]),
-                     weights_only=False)
+    its = torch.load(
+        io.BytesIO(run_distributed(_four_gpus, 4, timeout=300, backend="nccl")[0]),
+        weights_only=False,
+    )
     for it in its:
         assert all(math.isfinite(v) for v in it["metrics"].values()), it["metrics"]
         assert it["realloc_bytes"] > 0 and it["data_bytes"] > 0 and it["peak_mem_mib"]

@@ -14,31 +14,48 @@ import os
 import pytest
 import torch
 import transformers
+from support import models_oracle as O
+from support.oracle import data_mask, oracle_flat
 
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-from support.oracle import data_mask, oracle_flat
-
 pytestmark = pytest.mark.dist
 
-HF = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-          num_hidden_layers=4, vocab_size=64, max_position_embeddings=64)
-BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "adam_eps": 1e-6}, "generation": {"max_new_tokens": 6},
-        "save_every": 0}
-GRPO_PLAN = CF.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                 "configs", "grpo_cpu4.yaml")).plan
+HF = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=4,
+    vocab_size=64,
+    max_position_embeddings=64,
+)
+BASE = {
+    "ppo": {"ppo_epochs": 1, "mini_batches": 2, "adam_eps": 1e-6},
+    "generation": {"max_new_tokens": 6},
+    "save_every": 0,
+}
+GRPO_PLAN = CF.load(
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_cpu4.yaml"
+    )
+).plan
 # Calls whose weights are checked against the checkpoint: the actor and critic after reallocation
 # out of their train layouts, the frozen models as loaded.
-CHECKED = {"ppo": ("actor_gen", "critic_inf", "ref_inf", "rew_inf"), "grpo": ("actor_gen", "ref_inf", "rew_inf")}
+CHECKED = {
+    "ppo": ("actor_gen", "critic_inf", "ref_inf", "rew_inf"),
+    "grpo": ("actor_gen", "ref_inf", "rew_inf"),
+}
 
 
 def _save(tmp):
-    for name, cls, seed in (("actor", transformers.LlamaForCausalLM, 0),
-                            ("critic", transformers.LlamaForSequenceClassification, 1),
-                            ("reward", transformers.LlamaForSequenceClassification, 2)):
+    for name, cls, seed in (
+        ("actor", transformers.LlamaForCausalLM, 0),
+        ("critic", transformers.LlamaForSequenceClassification, 1),
+        ("reward", transformers.LlamaForSequenceClassification, 2),
+    ):
         torch.manual_seed(seed)
         kw = dict(HF, num_labels=1) if name != "actor" else HF
         model = cls(transformers.LlamaConfig(**kw))
@@ -50,8 +67,12 @@ def _save(tmp):
 
 def _cases(tmp, single: bool):
     paths = {m + "_path": os.path.join(tmp, m) for m in ("actor", "critic", "reward")}
-    ppo, grpo = dict(BASE, **paths), dict(BASE, algo="grpo", **paths, data={"batch_size": 16},
-                                          ppo=dict(BASE["ppo"], group_size=4))
+    ppo, grpo = (
+        dict(BASE, **paths),
+        dict(
+            BASE, algo="grpo", **paths, data={"batch_size": 16}, ppo=dict(BASE["ppo"], group_size=4)
+        ),
+    )
     if single:
         ppo["plan"] = CF.single_process_plan(CF.from_dict(ppo).graph())
         grpo["plan"] = CF.single_process_plan(CF.from_dict(grpo).graph())
@@ -61,8 +82,10 @@ def _cases(tmp, single: bool):
 
 
 def _worker(rank, world, tmp, single):
-    full = {m: O.fused_state(O.load_oracle(os.path.join(tmp, m), "lm" if m == "actor" else "value"))
-            for m in ("actor", "critic", "reward")}
+    full = {
+        m: O.fused_state(O.load_oracle(os.path.join(tmp, m), "lm" if m == "actor" else "value"))
+        for m in ("actor", "critic", "reward")
+    }
     full["ref"] = full["actor"]
     out = {}
     for algo, d in _cases(tmp, single).items():
@@ -72,20 +95,27 @@ def _worker(rank, world, tmp, single):
         rt.samples_path = os.path.join(tmp, f"samples_{algo}_{world}.jsonl")
         checked = []
         for call in CHECKED[algo]:
-            engine, stats = rt.models.engine_for(call)   # collective: every rank, same order
+            engine, stats = rt.models.engine_for(call)  # collective: every rank, same order
             if engine is None:
                 continue
             m, layout = graph.calls[call].model, plan.calls[call]
             want = oracle_flat(engine.shard.model, layout, rank, full[m])
             keep = data_mask(engine.shard.model, layout, rank)
             assert engine.shard.model.name == m, (call, engine.shard.model.name)
-            assert torch.equal(engine.shard.flat[keep], want[keep]), f"rank {rank} {call}: weights differ from the checkpoint"
+            assert torch.equal(engine.shard.flat[keep], want[keep]), (
+                f"rank {rank} {call}: weights differ from the checkpoint"
+            )
             checked.append((call, stats is not None))
         it = rt.iteration(0)
         store = it.pop("store")
-        out[algo] = {"checked": checked, "metrics": it["metrics"], "realloc_bytes": it["realloc_bytes"],
-                     "realloc_seconds": it["realloc_seconds"], "tokens": store.data["tokens"],
-                     "lengths": store.data["lengths"]}
+        out[algo] = {
+            "checked": checked,
+            "metrics": it["metrics"],
+            "realloc_bytes": it["realloc_bytes"],
+            "realloc_seconds": it["realloc_seconds"],
+            "tokens": store.data["tokens"],
+            "lengths": store.data["lengths"],
+        }
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()

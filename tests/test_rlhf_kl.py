@@ -48,22 +48,29 @@ def test_group_advantages_zero_variance_is_exactly_zero():
     torch.testing.assert_close(adv, torch.tensor([s, -s, s, -s, 0, 0, 0, 0]), atol=1e-5, rtol=0)
     # Equal float32 scores whose mean is not exactly representable: still exactly 0, not ulp / eps.
     x = torch.full((7,), 0.1, dtype=torch.float32) * 7
-    assert float(x.mean()) != float(x[0])       # (mean - x) / (std + eps) would be ~0.06 here
+    assert float(x.mean()) != float(x[0])  # (mean - x) / (std + eps) would be ~0.06 here
     assert torch.equal(P.group_advantages(x, 7), torch.zeros(7))
-    assert P.zero_variance_groups(torch.tensor([2.0, 2.0, 1.0, 3.0]), 2).tolist() == [True, True, False, False]
+    assert P.zero_variance_groups(torch.tensor([2.0, 2.0, 1.0, 3.0]), 2).tolist() == [
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_zero_variance_group_gives_zero_policy_gradient():
     """Rows of a group whose scores are all equal get advantage 0 in both kl_in modes, so the
     policy-gradient term has zero gradient there; with kl_in=loss the only gradient on those rows
     is kl_coef * (1 - exp(ref - logp)) from the k3 term, which pulls logp toward the reference."""
-    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])   # group 0 saturated, group 1 not
+    scores = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    )  # group 0 saturated, group 1 not
     B, N = 8, 5
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(B, N, generator=g) * 3
-    ref = old - 1.0 - torch.rand(B, N, generator=g)           # pi_old far above ref: large k1 KL
+    ref = old - 1.0 - torch.rand(B, N, generator=g)  # pi_old far above ref: large k1 KL
     mask = torch.ones(B, N)
-    mask[:, :2] = 0                                           # prompt predictions
+    mask[:, :2] = 0  # prompt predictions
     kl = (old - ref) * mask
     beta = 0.05
     for kl_in in ("loss", "reward"):
@@ -85,7 +92,7 @@ def test_zero_variance_group_gives_zero_policy_gradient():
     logp = old.clone().requires_grad_(True)
     (beta * k3_kl(logp, ref, mask)).sum().backward()
     torch.testing.assert_close(logp.grad[:4], beta * (1 - torch.exp(ref - old))[:4] * mask[:4])
-    assert bool((logp.grad[:4][mask[:4] > 0] > 0).all())   # descent lowers logp toward ref
+    assert bool((logp.grad[:4][mask[:4] > 0] > 0).all())  # descent lowers logp toward ref
     with pytest.raises(ValueError, match="kl_in"):
         P.grpo_advantages(scores, kl, mask, 4, beta, "both")
 
@@ -94,6 +101,7 @@ def test_kl_in_config():
     def kl_in(d):
         cfg = CF.from_dict(d)
         return C.kl_in(cfg.ppo, cfg.algo)
+
     assert kl_in({"algo": "grpo"}) == "loss"
     assert kl_in({"algo": "ppo"}) == "reward"
     assert kl_in({"algo": "grpo", "ppo": {"kl_in": "reward"}}) == "reward"

@@ -68,8 +68,10 @@ def test_mean_reward_rises(runs, algo):
     r = res[0][algo]["rewards"]
     assert all(x[algo]["rewards"] == r for x in res[1:]), "metrics differ between ranks"
     first, last = sum(r[:WINDOW]) / WINDOW, sum(r[-WINDOW:]) / WINDOW
-    assert last - first >= MARGIN, f"{algo}: mean reward {first:.3f} -> {last:.3f} over {len(r)} steps: {r}"
-    assert res[0][algo]["realloc_bytes"] > 0          # the actor really moved between layouts
+    assert last - first >= MARGIN, (
+        f"{algo}: mean reward {first:.3f} -> {last:.3f} over {len(r)} steps: {r}"
+    )
+    assert res[0][algo]["realloc_bytes"] > 0  # the actor really moved between layouts
     # Samples: a few per step, from the data set, with the reward the function gives them.
     with open(os.path.join(tmp, algo, "samples.jsonl")) as f:
         samples = [json.loads(line) for line in f]

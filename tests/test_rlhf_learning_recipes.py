@@ -40,8 +40,14 @@ def _worker(rank, world, tmp):
         plan, graph, models = CF.validate(cfg, world)
         rt = Runtime(cfg, plan, graph, models, timeout_s=120)
         rt.samples_path = os.path.join(tmp, name, "samples.jsonl")
-        rec = out[name] = {"rewards": [], "realloc": {}, "calls": set(), "rounds": [], "dropped": [],
-                           "leftover_zero_groups": []}
+        rec = out[name] = {
+            "rewards": [],
+            "realloc": {},
+            "calls": set(),
+            "rounds": [],
+            "dropped": [],
+            "leftover_zero_groups": [],
+        }
         for step in range(steps):
             it = rt.iteration(step)
             m = it["metrics"]
@@ -54,8 +60,15 @@ def _worker(rank, world, tmp):
                 rec["dropped"].append(m["dropped_groups"])
                 g = rt.groups["actor_train"]
                 if g.member:
-                    rows = dp_rows(plan.calls["actor_train"], g.dp_rank, cfg.data.batch_size, cfg.ppo.mini_batches)
-                    zero = P.zero_variance_groups(it["store"].rows("scores", rows), cfg.ppo.group_size)
+                    rows = dp_rows(
+                        plan.calls["actor_train"],
+                        g.dp_rank,
+                        cfg.data.batch_size,
+                        cfg.ppo.mini_batches,
+                    )
+                    zero = P.zero_variance_groups(
+                        it["store"].rows("scores", rows), cfg.ppo.group_size
+                    )
                     rec["leftover_zero_groups"].append(int(zero.sum()) // cfg.ppo.group_size)
     out["tmp"] = tmp
     buf = io.BytesIO()

@@ -11,25 +11,36 @@ import io
 
 import pytest
 import torch
+from support import models_oracle as O
+from test_models_moe import CASES
 
 from real_py.rlhf import config as CF
 from real_py.rlhf.runtime import Runtime
 from real_py.testing import run_distributed
 
-from support import models_oracle as O
-from test_models_moe import CASES
-
 pytestmark = pytest.mark.dist
 
-PLAN = {"world_size": 4, "calls": {
-    "actor_gen": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "etp": 2},   # experts split by TP, as vLLM
-    "ref_inf": {"ranks": [0, 1], "dp": 2, "ep": 2},
-    "rew_inf": {"ranks": [2, 3], "dp": 1, "tp": 2},
-    "critic_inf": {"ranks": [2, 3], "dp": 1, "pp": 2},
-    "actor_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "ep": 4},
-    "critic_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "ep": 2}}}
-BASE = {"ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 1, "adam_eps": 1e-6},
-        "generation": {"max_new_tokens": 6}, "critic": {"vocab_size": 97}}
+PLAN = {
+    "world_size": 4,
+    "calls": {
+        "actor_gen": {
+            "ranks": [0, 1, 2, 3],
+            "dp": 2,
+            "tp": 2,
+            "etp": 2,
+        },  # experts split by TP, as vLLM
+        "ref_inf": {"ranks": [0, 1], "dp": 2, "ep": 2},
+        "rew_inf": {"ranks": [2, 3], "dp": 1, "tp": 2},
+        "critic_inf": {"ranks": [2, 3], "dp": 1, "pp": 2},
+        "actor_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "ep": 4},
+        "critic_train": {"ranks": [0, 1, 2, 3], "dp": 2, "tp": 2, "ep": 2},
+    },
+}
+BASE = {
+    "ppo": {"ppo_epochs": 1, "mini_batches": 2, "micro_batches": 1, "adam_eps": 1e-6},
+    "generation": {"max_new_tokens": 6},
+    "critic": {"vocab_size": 97},
+}
 
 
 def _worker(rank, world, runs, out_dir):
@@ -46,11 +57,15 @@ def _worker(rank, world, runs, out_dir):
         for role in ("actor", "critic"):
             eng = rt.models.engines.get(role)
             if eng is not None:
-                out[name][role] = {n: p.detach().clone()
-                                   for n, p in {**eng.model.shard_params, **eng.model.expert_params}.items()}
+                out[name][role] = {
+                    n: p.detach().clone()
+                    for n, p in {**eng.model.shard_params, **eng.model.expert_params}.items()
+                }
                 out[name][role + "_tp"] = eng.shard.tp_rank
         eng = rt.models.engines["actor"]
-        if name == "qwen3_moe":  # HF export (actor and critic) of the live run and of a saved step; resume restores experts
+        if (
+            name == "qwen3_moe"
+        ):  # HF export (actor and critic) of the live run and of a saved step; resume restores experts
             export_live(rt, f"{out_dir}/{name}-live")
             step = checkpoint.save(rt, f"{out_dir}/{name}-run", 1)
             if rank == 0:
@@ -71,12 +86,30 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
     for mt in ("qwen3_moe", "qwen2_moe", "mixtral"):
         a = O.make_checkpoint(str(tmp_path / mt), mt, seed=5, **CASES[mt])
         if mt == "qwen3_moe":
-            runs.append((mt, dict(BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, plan=PLAN)))
-        grpo = {"world_size": 4, "calls": {k: v for k, v in PLAN["calls"].items() if not k.startswith("critic")}}
-        runs.append((mt + "-grpo", dict(BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"},
-                                        plan=grpo)))
-    per_rank = [torch.load(io.BytesIO(b), weights_only=False)
-                for b in run_distributed(_worker, 4, runs, str(tmp_path), timeout=850)]
+            runs.append(
+                (
+                    mt,
+                    dict(
+                        BASE, actor_path=a, critic_path=a, critic_init="zero", ref_path=a, plan=PLAN
+                    ),
+                )
+            )
+        grpo = {
+            "world_size": 4,
+            "calls": {k: v for k, v in PLAN["calls"].items() if not k.startswith("critic")},
+        }
+        runs.append(
+            (
+                mt + "-grpo",
+                dict(
+                    BASE, algo="grpo", actor_path=a, ref_path=a, reward={"kind": "rule"}, plan=grpo
+                ),
+            )
+        )
+    per_rank = [
+        torch.load(io.BytesIO(b), weights_only=False)
+        for b in run_distributed(_worker, 4, runs, str(tmp_path), timeout=850)
+    ]
     for name, d in runs:
         m = per_rank[0][name]["metrics"]
         assert "moe_aux_loss" in m and m["moe_aux_loss"] > 0, (name, m)
@@ -88,13 +121,15 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
         experts = [n for n in per_rank[0][name]["actor"] if ".experts." in n]
         assert experts, name
         # the experts were trained: some differ from the checkpoint's (gate|up fused in real_py)
-        hf = {k.removeprefix("model.").replace("block_sparse_moe", "mlp"): v for k, v in want.items()}
+        hf = {
+            k.removeprefix("model.").replace("block_sparse_moe", "mlp"): v for k, v in want.items()
+        }
         changed = 0
         for n in experts:
             v = per_rank[0][name]["actor"][n]
             stem = n.removesuffix("gate_up_proj.weight")
             if n.endswith("gate_up_proj.weight"):
-                g, u = (("w1", "w3") if name.startswith("mixtral") else ("gate_proj", "up_proj"))
+                g, u = ("w1", "w3") if name.startswith("mixtral") else ("gate_proj", "up_proj")
                 orig = torch.cat([hf[stem + g + ".weight"], hf[stem + u + ".weight"]])
             else:
                 orig = hf[n.replace("down_proj", "w2")] if name.startswith("mixtral") else hf[n]
@@ -102,13 +137,17 @@ def test_ppo_and_grpo_from_moe_checkpoints(tmp_path):
         assert changed > 0, (name, "no expert moved")
 
     # export: transformers reloads the written actor; its tensors equal every rank's pieces
+    from test_models_moe import hf_grads
+
     from real_py import ModelConfig, model_spec
     from real_py.realloc.shard import tp_slice
-    from test_models_moe import hf_grads
 
     spec = {p.name: p for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"])).params}
     assert all(r["qwen3_moe"]["resumed"] for r in per_rank)
-    critic_spec = {p.name: p for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"], head="value")).params}
+    critic_spec = {
+        p.name: p
+        for p in model_spec(ModelConfig.from_hf(runs[0][1]["actor_path"], head="value")).params
+    }
     for kind in ("live", "ckpt"):
         for role, head, sp in (("actor", "lm", spec), ("critic", "value", critic_spec)):
             ref = O.load_oracle(str(tmp_path / f"qwen3_moe-{kind}" / role), head)
@@ -132,6 +171,7 @@ def _learn(rank, world, tmp, steps):
 
     d = task_config("grpo", steps=steps, out_dir=os.path.join(tmp, "moe"))
     import yaml
+
     with open(os.path.join(TASK, "grpo_moe.yaml")) as f:
         moe = yaml.safe_load(f)
     d.update(actor=moe["actor"], plan=moe["plan"])

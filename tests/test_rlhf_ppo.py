@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from real_py.dataflow import GRPO_CALLS, PPO_CALLS, Call, Graph
-from real_py.rlhf import checkpoint, config as CF
+from real_py.rlhf import checkpoint
+from real_py.rlhf import config as CF
 from real_py.rlhf import ppo as P
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,16 +55,25 @@ def test_clipped_losses():
     loss, nclip = P.policy_loss(logp, old, adv, torch.tensor([[0.0, 1, 1]]), clip=0.2)
     assert math.isclose(loss.item(), -1.4, rel_tol=1e-6) and nclip.item() == 1
     # V 1.0, V_old 0.5, R 2: clipped V 0.7 -> 0.5 * max(1, 1.69) = 0.845; V 0, R 0.3: 0.045.
-    v, nclip = P.value_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]),
-                            torch.tensor([[2.0, 0.3]]), torch.ones(1, 2), clip=0.2)
+    v, nclip = P.value_loss(
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([[0.5, 0.0]]),
+        torch.tensor([[2.0, 0.3]]),
+        torch.ones(1, 2),
+        clip=0.2,
+    )
     assert math.isclose(v.item(), 0.89, rel_tol=1e-6) and nclip.item() == 1
 
 
 def test_whiten_group_rule():
     x, m = torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1.0, 1, 1, 0])
-    torch.testing.assert_close(P.whiten(x, m, P.masked_moments(x, m)), torch.tensor([-1.0, 0, 1, 0]))
+    torch.testing.assert_close(
+        P.whiten(x, m, P.masked_moments(x, m)), torch.tensor([-1.0, 0, 1, 0])
+    )
     ga = P.group_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), 2)
-    torch.testing.assert_close(ga, torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        ga, torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0]), atol=1e-5, rtol=0
+    )
     tok = torch.tensor([[4, 7, 7, 1, 0], [7, 7, 3, 7, 7]])
     r = P.rule_reward(tok, torch.tensor([1, 2]), torch.tensor([4, 5]), target_token=7)
     torch.testing.assert_close(r, torch.tensor([2 / 3, 2 / 3]))
@@ -73,9 +83,19 @@ def test_whiten_group_rule():
 
 def test_graph_from_keys():
     g = Graph(PPO_CALLS)
-    assert g.order == ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
+    assert g.order == (
+        "actor_gen",
+        "ref_inf",
+        "rew_inf",
+        "critic_inf",
+        "actor_train",
+        "critic_train",
+    )
     assert g.deps["actor_train"] == ("actor_gen", "ref_inf", "rew_inf", "critic_inf")
-    assert g.consumers("values") == ("actor_train", "critic_train") and g.producer("scores") == "rew_inf"
+    assert (
+        g.consumers("values") == ("actor_train", "critic_train")
+        and g.producer("scores") == "rew_inf"
+    )
     assert g.inputs == ("prompt_lengths", "prompts", "seeds")
     # Declared in a scrambled order, the derived order still respects every dependency.
     g2 = Graph(tuple(reversed(PPO_CALLS)))
@@ -85,11 +105,19 @@ def test_graph_from_keys():
     assert grpo.order == ("actor_gen", "ref_inf", "rew_inf", "actor_train")
     assert "critic" not in grpo.models()
     with pytest.raises(ValueError, match="cycle"):
-        Graph([Call(name="a", model="actor", kind="logprobs", reads=("y",), writes=("x",)),
-               Call(name="b", model="ref", kind="logprobs", reads=("x",), writes=("y",))])
+        Graph(
+            [
+                Call(name="a", model="actor", kind="logprobs", reads=("y",), writes=("x",)),
+                Call(name="b", model="ref", kind="logprobs", reads=("x",), writes=("y",)),
+            ]
+        )
     with pytest.raises(ValueError, match="one producer"):
-        Graph([Call(name="a", model="actor", kind="logprobs", reads=(), writes=("x",)),
-               Call(name="b", model="ref", kind="logprobs", reads=(), writes=("x",))])
+        Graph(
+            [
+                Call(name="a", model="actor", kind="logprobs", reads=(), writes=("x",)),
+                Call(name="b", model="ref", kind="logprobs", reads=(), writes=("x",)),
+            ]
+        )
     with pytest.raises(ValueError, match="kind="):
         Call(name="a", model="actor", kind="dance", reads=())
 
@@ -104,23 +132,45 @@ def _plan(**changes):
     return {"world_size": 4, "calls": calls}
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"bogus": 1}, r"top level: unknown keys \['bogus'\]"),
-    ({"ppo": {"clip_range": 0.1}}, r"ppo: unknown keys \['clip_range'\]"),
-    ({"actor": {"hidden": 3}}, "config actor"),
-    ({"algo": "dpo"}, "algo='dpo'"),
-    ({"plan": _plan(critic_inf=None)}, r"missing calls \['critic_inf'\]"),
-    ({"plan": _plan(rew_inf={"ranks": [2, 4], "dp": 2})}, r"call rew_inf: ranks \[4\] are outside"),
-    ({"plan": _plan(actor_gen={"ranks": [0, 1], "dp": 2}, actor_train={"ranks": [0, 1], "tp": 2},
-                    critic_train={"ranks": [0, 1], "dp": 2}, rew_inf={"ranks": [0, 1], "dp": 2},
-                    critic_inf={"ranks": [0, 1], "pp": 2})}, r"leaves ranks \[2, 3\] .*allow_idle_ranks"),
-    ({"plan": _plan(actor_train={"ranks": [0, 1, 2], "tp": 3}, actor_gen={"ranks": [3]})},
-     r"call actor_train \(actor on dp1tp3pp1\): tp=3 does not divide num_attention_heads=4"),
-    ({"plan": _plan(ref_inf={"ranks": [0, 1], "pp": 2}), "actor": dict(CF.TINY, num_hidden_layers=1)},
-     r"call ref_inf .*pp=2 exceeds num_layers=1"),
-    ({"data": {"batch_size": 6}}, r"call actor_gen: dp=4 does not divide data.batch_size=6"),
-    ({"algo": "grpo", "plan": _plan(critic_inf=None, critic_train=None)}, None),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"bogus": 1}, r"top level: unknown keys \['bogus'\]"),
+        ({"ppo": {"clip_range": 0.1}}, r"ppo: unknown keys \['clip_range'\]"),
+        ({"actor": {"hidden": 3}}, "config actor"),
+        ({"algo": "dpo"}, "algo='dpo'"),
+        ({"plan": _plan(critic_inf=None)}, r"missing calls \['critic_inf'\]"),
+        (
+            {"plan": _plan(rew_inf={"ranks": [2, 4], "dp": 2})},
+            r"call rew_inf: ranks \[4\] are outside",
+        ),
+        (
+            {
+                "plan": _plan(
+                    actor_gen={"ranks": [0, 1], "dp": 2},
+                    actor_train={"ranks": [0, 1], "tp": 2},
+                    critic_train={"ranks": [0, 1], "dp": 2},
+                    rew_inf={"ranks": [0, 1], "dp": 2},
+                    critic_inf={"ranks": [0, 1], "pp": 2},
+                )
+            },
+            r"leaves ranks \[2, 3\] .*allow_idle_ranks",
+        ),
+        (
+            {"plan": _plan(actor_train={"ranks": [0, 1, 2], "tp": 3}, actor_gen={"ranks": [3]})},
+            r"call actor_train \(actor on dp1tp3pp1\): tp=3 does not divide num_attention_heads=4",
+        ),
+        (
+            {
+                "plan": _plan(ref_inf={"ranks": [0, 1], "pp": 2}),
+                "actor": dict(CF.TINY, num_hidden_layers=1),
+            },
+            r"call ref_inf .*pp=2 exceeds num_layers=1",
+        ),
+        ({"data": {"batch_size": 6}}, r"call actor_gen: dp=4 does not divide data.batch_size=6"),
+        ({"algo": "grpo", "plan": _plan(critic_inf=None, critic_train=None)}, None),
+    ],
+)
 def test_bad_config(cfg, match):
     if match is None:
         CF.validate(CF.from_dict(cfg), 4)
@@ -142,7 +192,9 @@ def test_checkpoint_from_another_model(tmp_path):
     (d / "meta.json").write_text(json.dumps(meta))
     assert checkpoint.check(cfg, str(d)) == 3
     other = CF.from_dict({"actor": dict(CF.TINY, hidden_size=32)})
-    with pytest.raises(ValueError, match="models.actor.hidden_size is 64 in the checkpoint, 32 in this config"):
+    with pytest.raises(
+        ValueError, match="models.actor.hidden_size is 64 in the checkpoint, 32 in this config"
+    ):
         checkpoint.check(other, str(d))
 
 
@@ -151,12 +203,31 @@ def test_checkpoint_from_another_model(tmp_path):
 def test_cli_rejects_before_launch(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: 2\nppo: {epochs: 3}\n")
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", str(bad)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "real_py", "train", "--config", str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "ppo: unknown keys ['epochs']" in r.stderr
     assert "launching" not in r.stdout
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--resume", str(tmp_path / "nope"),
-                        "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "real_py",
+            "train",
+            "--resume",
+            str(tmp_path / "nope"),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "no checkpoint" in r.stderr
 
 
@@ -169,8 +240,12 @@ def test_push_plan_delivers_exactly_the_needed_rows(algo):
 
     d = {"algo": algo, "ppo": {"mini_batches": 2}}
     if algo == "grpo":
-        d["plan"] = {"world_size": 4, "calls": {k: v for k, v in CF.DEFAULT_PLAN["calls"].items()
-                                                 if not k.startswith("critic")}}
+        d["plan"] = {
+            "world_size": 4,
+            "calls": {
+                k: v for k, v in CF.DEFAULT_PLAN["calls"].items() if not k.startswith("critic")
+            },
+        }
     cfg = CF.from_dict(d)
     plan, graph, _ = CF.validate(cfg, 4)
     B = cfg.data.batch_size
@@ -186,7 +261,11 @@ def test_push_plan_delivers_exactly_the_needed_rows(algo):
                     lay = plan.calls[c]
                     if r in lay.ranks:
                         need |= set(dp_rows(lay, lay.coords(r)[0], B, mbs.get(c, 1)))
-                held = (set(dp_rows(src, src.coords(r)[0], B, mbs.get(prod, 1))) if r in src.ranks else set())
+                held = (
+                    set(dp_rows(src, src.coords(r)[0], B, mbs.get(prod, 1)))
+                    if r in src.ranks
+                    else set()
+                )
                 got = []
                 for (s, rr), parts in msgs.items():
                     for kk, rows in parts:
@@ -205,8 +284,9 @@ def test_shipped_configs():
     ppo = CF.load(os.path.join(ROOT, "configs", "ppo_cpu4.yaml"))
     CF.validate(ppo, 4)
     default = CF.from_dict({})
-    assert CF.to_dict(ppo) | {"actor": None, "critic": None, "plan": None} == \
-        CF.to_dict(default) | {"plan": None}
+    assert CF.to_dict(ppo) | {"actor": None, "critic": None, "plan": None} == CF.to_dict(
+        default
+    ) | {"plan": None}
     assert ppo.execution_plan() == default.execution_plan()
     assert ppo.model_configs() == CF.from_dict({}).model_configs()
     CF.validate(CF.load(os.path.join(ROOT, "configs", "grpo_cpu4.yaml")), 4)

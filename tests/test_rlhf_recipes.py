@@ -11,11 +11,16 @@ from real_py.rlhf import ppo as P
 from real_py.rlhf.runtime import adaptive_kl
 
 # 5 rows, 6 predictions: ragged responses, row 3 empty.
-MASK = torch.tensor([[0, 1, 1, 1, 0, 0],
-                     [0, 0, 1, 0, 0, 0],
-                     [1, 1, 1, 1, 1, 1],
-                     [0, 0, 0, 0, 0, 0],
-                     [0, 1, 1, 0, 0, 0]], dtype=torch.float32)
+MASK = torch.tensor(
+    [
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+    ],
+    dtype=torch.float32,
+)
 
 
 def _rand(seed, *shape, scale=1.0):
@@ -40,7 +45,11 @@ def test_kl_estimators_values_and_gradients(est, clamp):
             if not MASK[i, t]:
                 assert float(kl[i, t]) == 0.0 and float(logp.grad[i, t]) == 0.0
                 continue
-            v, g = {"k1": (d, 1.0), "k2": (0.5 * d * d, d), "k3": (math.exp(-d) + d - 1, 1 - math.exp(-d))}[est]
+            v, g = {
+                "k1": (d, 1.0),
+                "k2": (0.5 * d * d, d),
+                "k3": (math.exp(-d) + d - 1, 1 - math.exp(-d)),
+            }[est]
             if clamp is not None and abs(v) > clamp:
                 v, g = math.copysign(clamp, v), 0.0
             assert math.isclose(float(kl[i, t]), v, rel_tol=1e-5, abs_tol=1e-6), (i, t)
@@ -52,8 +61,8 @@ def test_kl_estimators_values_and_gradients(est, clamp):
 def _groups_ref(scores, G, mode):
     out = []
     for lo in range(0, len(scores), G):
-        g = scores[lo:lo + G]
-        if max(g) == min(g):                       # zero-variance groups and groups of one: 0
+        g = scores[lo : lo + G]
+        if max(g) == min(g):  # zero-variance groups and groups of one: 0
             out += [0.0] * G
             continue
         mean = sum(g) / G
@@ -62,7 +71,7 @@ def _groups_ref(scores, G, mode):
             out += [(x - mean) / (std + 1e-6) for x in g]
         elif mode == "drgrpo":
             out += [x - mean for x in g]
-        else:                                      # rloo: mean of the others
+        else:  # rloo: mean of the others
             out += [x - (sum(g) - x) / (G - 1) for x in g]
     return out
 
@@ -73,7 +82,9 @@ def test_outcome_advantages(mode, G):
     scores = [1.0, 0.0, 0.5, 0.5, 0.5, 0.5][: 6 // G * G]
     s = torch.tensor(scores)
     adv = P.group_advantages(s, G, norm_by_std=mode != "drgrpo", leave_one_out=mode == "rloo")
-    torch.testing.assert_close(adv, torch.tensor(_groups_ref(scores, G, mode)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        adv, torch.tensor(_groups_ref(scores, G, mode)), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_grpo_advantages_kl_in_reward_is_verl_form_on_ragged_mask():
@@ -87,7 +98,7 @@ def test_grpo_advantages_kl_in_reward_is_verl_form_on_ragged_mask():
         ref = _groups_ref(s2, 2, mode)
         for i in range(6):
             if scores[2 * (i // 2)] == scores[2 * (i // 2) + 1]:
-                ref[i] = 0.0                       # zero task-score variance: no advantage at all
+                ref[i] = 0.0  # zero task-score variance: no advantage at all
         torch.testing.assert_close(adv, torch.tensor(ref).unsqueeze(1) * mask, atol=1e-5, rtol=1e-5)
 
 
@@ -100,12 +111,16 @@ def test_reinforce_returns_and_remax_baseline():
         for i in range(5):
             idx = [t for t in range(6) if MASK[i, t]]
             b = 0.0 if base is None else float(base[i])
-            r = {t: -beta * float(kl[i, t]) + (float(scores[i]) - b if t == idx[-1] else 0.0) for t in idx}
+            r = {
+                t: -beta * float(kl[i, t]) + (float(scores[i]) - b if t == idx[-1] else 0.0)
+                for t in idx
+            }
             for t in range(6):
                 want = sum(gamma ** (k - t) * r[k] for k in idx if k >= t) if MASK[i, t] else 0.0
                 assert math.isclose(float(ret[i, t]), want, rel_tol=1e-5, abs_tol=1e-6), (i, t)
-    torch.testing.assert_close(P.group_mean(torch.tensor([1.0, 3.0, 0.0, 4.0]), 2),
-                               torch.tensor([2.0, 2.0, 2.0, 2.0]))
+    torch.testing.assert_close(
+        P.group_mean(torch.tensor([1.0, 3.0, 0.0, 4.0]), 2), torch.tensor([2.0, 2.0, 2.0, 2.0])
+    )
 
 
 def _loss_ref(logp, old, adv, lo, hi, dual, seq):
@@ -124,11 +139,18 @@ def _loss_ref(logp, old, adv, lo, hi, dual, seq):
     return out
 
 
-@pytest.mark.parametrize("lo,hi,dual,ratio", [(0.2, None, None, "token"), (0.2, 0.28, None, "token"),
-                                              (0.2, 0.2, 3.0, "token"), (0.05, 0.1, None, "sequence")])
+@pytest.mark.parametrize(
+    "lo,hi,dual,ratio",
+    [
+        (0.2, None, None, "token"),
+        (0.2, 0.28, None, "token"),
+        (0.2, 0.2, 3.0, "token"),
+        (0.05, 0.1, None, "sequence"),
+    ],
+)
 def test_policy_loss_options(lo, hi, dual, ratio):
     old = -1 + _rand(4, 5, 6, scale=0.5)
-    logp = old + _rand(5, 5, 6, scale=1.5)          # large ratios: every branch is taken somewhere
+    logp = old + _rand(5, 5, 6, scale=1.5)  # large ratios: every branch is taken somewhere
     adv = _rand(6, 5, 6) * MASK
     lt, clipped = P.policy_loss_tokens(logp, old, adv, MASK, lo, hi, dual, ratio)
     ref = _loss_ref(logp, old, adv, lo, lo if hi is None else hi, dual, ratio == "sequence")
@@ -174,7 +196,12 @@ def test_aggregation_value_gradient_and_split_invariance(mode):
     whole = P.aggregate(x * MASK, MASK, mode, n_tok, n_seq, 6)
     assert math.isclose(float(whole), _agg_ref(x.detach(), mode, 6), rel_tol=1e-6)
     (g_whole,) = torch.autograd.grad(whole, x)
-    for parts in ([[0, 1, 2, 3, 4]], [[0, 1], [2, 3, 4]], [[0], [1], [2], [3], [4]], [[4, 0], [3, 1, 2]]):
+    for parts in (
+        [[0, 1, 2, 3, 4]],
+        [[0, 1], [2, 3, 4]],
+        [[0], [1], [2], [3], [4]],
+        [[4, 0], [3, 1, 2]],
+    ):
         total = sum(P.aggregate(x[p] * MASK[p], MASK[p], mode, n_tok, n_seq, 6) for p in parts)
         (g,) = torch.autograd.grad(total, x)
         torch.testing.assert_close(total, whole)
@@ -184,13 +211,17 @@ def test_aggregation_value_gradient_and_split_invariance(mode):
 
 
 def test_adaptive_kl_controller():
-    cfg = CF.from_dict({"ppo": {"kl_coef": 0.1, "kl_target": 0.5, "kl_horizon": 80}, "data": {"batch_size": 8}})
+    cfg = CF.from_dict(
+        {"ppo": {"kl_coef": 0.1, "kl_target": 0.5, "kl_horizon": 80}, "data": {"batch_size": 8}}
+    )
     pc, n = cfg.ppo, cfg.data.batch_size
-    assert math.isclose(adaptive_kl(0.1, 0.6, pc, n), 0.1 * (1 + 0.2 * 8 / 80))       # e = 0.2
-    assert math.isclose(adaptive_kl(0.1, 5.0, pc, n), 0.1 * (1 + 0.2 * 8 / 80))       # clipped
-    assert math.isclose(adaptive_kl(0.1, 0.25, pc, n), 0.1 * (1 - 0.5 * 0.2 * 8 / 80 * 2))  # e = -0.5 -> -0.2
+    assert math.isclose(adaptive_kl(0.1, 0.6, pc, n), 0.1 * (1 + 0.2 * 8 / 80))  # e = 0.2
+    assert math.isclose(adaptive_kl(0.1, 5.0, pc, n), 0.1 * (1 + 0.2 * 8 / 80))  # clipped
+    assert math.isclose(
+        adaptive_kl(0.1, 0.25, pc, n), 0.1 * (1 - 0.5 * 0.2 * 8 / 80 * 2)
+    )  # e = -0.5 -> -0.2
     assert adaptive_kl(0.1, float("nan"), pc, n) == 0.1
-    assert adaptive_kl(0.1, 0.6, CF.from_dict({}).ppo, n) == 0.1                        # no target: fixed
+    assert adaptive_kl(0.1, 0.6, CF.from_dict({}).ppo, n) == 0.1  # no target: fixed
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
@@ -207,14 +238,30 @@ def test_every_algorithm_runs_on_its_default_plan(algo):
     # A plan naming a call the graph lacks is still refused before ranks start.
     if algo != "ppo":
         with pytest.raises(ValueError, match="unknown calls"):
-            CF.validate(CF.load(None, [f"algo={algo}", "plan.calls.critic_inf.dp=1",
-                                       "plan.calls.critic_inf.ranks=[2]", "plan.calls.critic_inf.tp=1",
-                                       "plan.calls.critic_inf.pp=1"]), 4)
+            CF.validate(
+                CF.load(
+                    None,
+                    [
+                        f"algo={algo}",
+                        "plan.calls.critic_inf.dp=1",
+                        "plan.calls.critic_inf.ranks=[2]",
+                        "plan.calls.critic_inf.tp=1",
+                        "plan.calls.critic_inf.pp=1",
+                    ],
+                ),
+                4,
+            )
 
 
 def test_length_check_only_against_models_the_graph_uses():
-    over = ["critic.max_position_embeddings=8", "data.max_prompt_len=8", "generation.max_new_tokens=4"]
-    CF.validate(CF.load(None, ["algo=grpo", "reward.kind=rule"] + over), 4)   # no critic, no reward model
+    over = [
+        "critic.max_position_embeddings=8",
+        "data.max_prompt_len=8",
+        "generation.max_new_tokens=4",
+    ]
+    CF.validate(
+        CF.load(None, ["algo=grpo", "reward.kind=rule"] + over), 4
+    )  # no critic, no reward model
     with pytest.raises(ValueError, match="critic max_position_embeddings"):
         CF.validate(CF.load(None, ["algo=ppo"] + over), 4)
     with pytest.raises(ValueError, match="reward max_position_embeddings"):
@@ -222,7 +269,12 @@ def test_length_check_only_against_models_the_graph_uses():
 
 
 def test_option_ranges():
-    for key, bad in (("ppo.dual_clip", 1.0), ("ppo.clip_high", 0.0), ("ppo.kl_target", 0.0), ("ppo.kl_clamp", -1)):
+    for key, bad in (
+        ("ppo.dual_clip", 1.0),
+        ("ppo.clip_high", 0.0),
+        ("ppo.kl_target", 0.0),
+        ("ppo.kl_clamp", -1),
+    ):
         with pytest.raises(ValueError, match=key):
             CF.from_dict({key.split(".")[0]: {key.split(".")[1]: bad}})
     for key, bad in (("loss_agg", "mean"), ("kl_estimator", "k4"), ("ratio", "seq")):
@@ -232,20 +284,34 @@ def test_option_ranges():
 
 def test_reward_shaping_against_reference():
     # rows: a stop-ended response of 2 tokens, a truncated one of 4 (max), an empty one, one of 3.
-    tokens = torch.tensor([[1, 2, 5, 9, 0, 0, 0], [1, 2, 5, 5, 5, 5, 0], [1, 2, 0, 0, 0, 0, 0],
-                           [1, 2, 6, 6, 8, 0, 0]])
+    tokens = torch.tensor(
+        [[1, 2, 5, 9, 0, 0, 0], [1, 2, 5, 5, 5, 5, 0], [1, 2, 0, 0, 0, 0, 0], [1, 2, 6, 6, 8, 0, 0]]
+    )
     pl, ln = torch.tensor([2, 2, 2, 2]), torch.tensor([4, 6, 2, 5])
     trunc = P.truncated(tokens, ln, pl, [9, 8])
     assert trunc.tolist() == [False, True, True, False]
     assert P.truncated(tokens, ln, pl, []).tolist() == [True] * 4
     resp = ln - pl
     # DAPO eq. 13 with L_max 4, L_cache 2: len 2 -> 0, 3 -> -0.5 * f, 4 -> -1 * f.
-    torch.testing.assert_close(P.overlong_penalty(resp, 4, 2, 0.5), torch.tensor([0.0, -0.5, 0.0, -0.25]))
+    torch.testing.assert_close(
+        P.overlong_penalty(resp, 4, 2, 0.5), torch.tensor([0.0, -0.5, 0.0, -0.25])
+    )
     scores = torch.tensor([1.0, 3.0, -2.0, 0.0])
-    m = torch.tensor([10.0, 30.0, 4.0], dtype=torch.float64)           # 4 earlier scores: mean 2.5, var 1/3*(30-25)
+    m = torch.tensor(
+        [10.0, 30.0, 4.0], dtype=torch.float64
+    )  # 4 earlier scores: mean 2.5, var 1/3*(30-25)
     mean, std = 2.5, math.sqrt((30 - 4 * 6.25) / 3)
-    got = P.shape_scores(scores, resp, trunc, max_len=4, moments=m, overlong_buffer=2, overlong_factor=0.5,
-                         missing_eos_penalty=0.3, clip=1.5)
+    got = P.shape_scores(
+        scores,
+        resp,
+        trunc,
+        max_len=4,
+        moments=m,
+        overlong_buffer=2,
+        overlong_factor=0.5,
+        missing_eos_penalty=0.3,
+        clip=1.5,
+    )
     want = []
     for s, r, t in zip(scores.tolist(), resp.tolist(), trunc.tolist()):
         x = (s - mean) / (std + 1e-6) + {2: 0.0, 3: -0.25, 4: -0.5, 0: 0.0}[r] - (0.3 if t else 0.0)
@@ -278,11 +344,17 @@ def test_lr_schedule_against_reference():
             want = dict(want, linear=want["constant"], cosine=want["constant"])
         else:
             p = (k - warm) / (total - warm)
-            want = {"constant": base, "linear": base * (m + (1 - m) * (1 - p)),
-                    "cosine": base * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p)))}
+            want = {
+                "constant": base,
+                "linear": base * (m + (1 - m) * (1 - p)),
+                "cosine": base * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p))),
+            }
         for decay, w in want.items():
-            assert math.isclose(P.lr_at(k, base, total, warm, decay, m), w, rel_tol=1e-12), (k, decay)
-    assert P.lr_at(0, base, total) == base                           # no warmup, constant
+            assert math.isclose(P.lr_at(k, base, total, warm, decay, m), w, rel_tol=1e-12), (
+                k,
+                decay,
+            )
+    assert P.lr_at(0, base, total) == base  # no warmup, constant
     assert math.isclose(P.lr_at(total, base, total, 0, "cosine", 0.0), 0.0, abs_tol=1e-18)
     with pytest.raises(ValueError, match="ppo.min_lr_ratio"):
         CF.from_dict({"ppo": {"min_lr_ratio": 2}})
@@ -299,19 +371,43 @@ def test_adaptive_kl_and_reward_moments_survive_resume(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    over = ["algo=grpo", "reward.kind=rule", "ppo.kl_target=0.05", "ppo.kl_horizon=20", "reward.normalize=true",
-            "save_every=2", "data.batch_size=8", "ppo.group_size=2"]
+    over = [
+        "algo=grpo",
+        "reward.kind=rule",
+        "ppo.kl_target=0.05",
+        "ppo.kl_horizon=20",
+        "reward.normalize=true",
+        "save_every=2",
+        "data.batch_size=8",
+        "ppo.group_size=2",
+    ]
 
     def train(out, steps, *extra):
-        subprocess.run([sys.executable, "-m", "real_py", "train", *over, f"steps={steps}", "--out-dir", str(out),
-                        "--no-progress", *extra], cwd=root, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "real_py",
+                "train",
+                *over,
+                f"steps={steps}",
+                "--out-dir",
+                str(out),
+                "--no-progress",
+                *extra,
+            ],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         with open(os.path.join(out, "metrics.jsonl")) as f:
             return [json.loads(line)["metrics"] for line in f]
 
     full = train(tmp_path / "a", 4)
     train(tmp_path / "b", 2)
     resumed = train(tmp_path / "b", 4, "--resume")
-    assert full[1]["kl_coef"] != full[0]["kl_coef"]              # the controller moved it
+    assert full[1]["kl_coef"] != full[0]["kl_coef"]  # the controller moved it
     assert [m["kl_coef"] for m in resumed[-2:]] == [m["kl_coef"] for m in full[2:]]
     assert [m["policy_loss"] for m in resumed[-2:]] == [m["policy_loss"] for m in full[2:]]
 
@@ -324,7 +420,9 @@ def _stop_case(rank, world):
     cfg = ModelConfig(**CF.TINY, head="lm")
     layout = Layout()
     shard = ModelShard.empty(model_spec(cfg), layout, rank)
-    shard.flat.copy_(torch.randn(shard.flat.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    shard.flat.copy_(
+        torch.randn(shard.flat.shape, generator=torch.Generator().manual_seed(0)) * 0.5
+    )
     eng = Engine(cfg, layout, ParallelGroups(layout), shard)
     p = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]])
     n, s = torch.tensor([3, 2, 1]), torch.tensor([0, 1, 2])

@@ -30,9 +30,20 @@ pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 2
-BASE = {"ppo": {"ppo_epochs": 2, "mini_batches": 2, "micro_batches": 2, "adam_eps": 1e-6, "entropy_coef": 0.05}, "generation": {"max_new_tokens": 8}}
-GRPO_PLAN = {"world_size": 4, "calls": {k: v for k, v in CF.DEFAULT_PLAN["calls"].items()
-                                         if not k.startswith("critic")}}
+BASE = {
+    "ppo": {
+        "ppo_epochs": 2,
+        "mini_batches": 2,
+        "micro_batches": 2,
+        "adam_eps": 1e-6,
+        "entropy_coef": 0.05,
+    },
+    "generation": {"max_new_tokens": 8},
+}
+GRPO_PLAN = {
+    "world_size": 4,
+    "calls": {k: v for k, v in CF.DEFAULT_PLAN["calls"].items() if not k.startswith("critic")},
+}
 
 
 def _dp2(algo):
@@ -49,12 +60,31 @@ def _cases(single: bool):
     # score 0 and the advantages vanish, so the update would be Adam acting on noise.
     grpo = dict(BASE, algo="grpo")
     # Recipe options whose statistics span DP ranks and micro-batches.
-    opts = dict(BASE, algo="rloo", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-mean", clip_high=0.28,
-                                            dual_clip=3.0, ratio="sequence", kl_estimator="k2"))
+    opts = dict(
+        BASE,
+        algo="rloo",
+        ppo=dict(
+            BASE["ppo"],
+            loss_agg="seq-mean-token-mean",
+            clip_high=0.28,
+            dual_clip=3.0,
+            ratio="sequence",
+            kl_estimator="k2",
+        ),
+    )
     remax = dict(BASE, algo="remax", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum-norm"))
-    rpp = dict(BASE, algo="reinforce_pp_baseline", ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum",
-                                                          kl_estimator="k3"))
-    cases = {"ppo": ppo, "grpo": grpo, "rloo_opts": opts, "remax": remax, "reinforce_pp_baseline": rpp}
+    rpp = dict(
+        BASE,
+        algo="reinforce_pp_baseline",
+        ppo=dict(BASE["ppo"], loss_agg="seq-mean-token-sum", kl_estimator="k3"),
+    )
+    cases = {
+        "ppo": ppo,
+        "grpo": grpo,
+        "rloo_opts": opts,
+        "remax": remax,
+        "reinforce_pp_baseline": rpp,
+    }
     for name, d in cases.items():
         if single:
             d["plan"] = CF.single_process_plan(CF.from_dict(d).graph())
@@ -109,15 +139,26 @@ def test_matches_single_process(runs, algo):
     ref, got = one[algo], four[0][algo]
     for i in range(ITERS):
         # Every row from some rank that holds it (prompt tokens are >= 1: a held row is nonzero).
-        tok, ln = torch.zeros_like(ref["iters"][i]["tokens"]), torch.zeros_like(ref["iters"][i]["lengths"])
+        tok, ln = (
+            torch.zeros_like(ref["iters"][i]["tokens"]),
+            torch.zeros_like(ref["iters"][i]["lengths"]),
+        )
         for r in four:
             held = r[algo]["iters"][i]["lengths"] > 0
-            tok[held], ln[held] = r[algo]["iters"][i]["tokens"][held], r[algo]["iters"][i]["lengths"][held]
+            tok[held], ln[held] = (
+                r[algo]["iters"][i]["tokens"][held],
+                r[algo]["iters"][i]["lengths"][held],
+            )
         assert bool((ln > 0).all()), f"iteration {i}: rows held by no rank"
         assert torch.equal(tok, ref["iters"][i]["tokens"]), f"iteration {i} tokens"
         assert torch.equal(ln, ref["iters"][i]["lengths"])
         for k, v in ref["iters"][i]["metrics"].items():
-            assert abs(got["iters"][i]["metrics"][k] - v) < 1e-4, (i, k, got["iters"][i]["metrics"][k], v)
+            assert abs(got["iters"][i]["metrics"][k] - v) < 1e-4, (
+                i,
+                k,
+                got["iters"][i]["metrics"][k],
+                v,
+            )
     models = ("actor", "critic") if algo == "ppo" else ("actor",)
     for m in models:
         assert ref[m].keys() == got[m].keys()
@@ -154,8 +195,19 @@ def test_disjoint_meshes_overlap(runs):
 
 
 def _train(args, out_dir, cfg_path):
-    cmd = [sys.executable, "-m", "real_py", "train", "--config", cfg_path, "--out-dir", out_dir,
-           "--no-progress", "--timeout", "120"] + args
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_py",
+        "train",
+        "--config",
+        cfg_path,
+        "--out-dir",
+        out_dir,
+        "--no-progress",
+        "--timeout",
+        "120",
+    ] + args
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -165,10 +217,24 @@ def _train(args, out_dir, cfg_path):
 def _run_killed_after_step_1(out_dir, cfg_path):
     """Start a 3-step job and SIGKILL its whole process group once step 1's checkpoint is
     complete (out_dir/latest names it), i.e. while step 2 or 3 is running."""
-    cmd = [sys.executable, "-m", "real_py", "train", "--config", cfg_path, "--out-dir", out_dir,
-           "--no-progress", "--timeout", "120", "--steps", "3"]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_py",
+        "train",
+        "--config",
+        cfg_path,
+        "--out-dir",
+        out_dir,
+        "--no-progress",
+        "--timeout",
+        "120",
+        "--steps",
+        "3",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     latest = os.path.join(out_dir, "latest")
     try:
         deadline = time.monotonic() + 240
@@ -187,8 +253,10 @@ def test_kill_and_resume(tmp_path):
     run C, a new job, resumes from it. C's step 2 must equal A's step 2 exactly: metrics, and
     every rank's saved shards and optimizer moments."""
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("steps: 2\nsave_every: 1\nverify_realloc: true\nreward: {kind: rule, target_token: 7}\n"
-                   "generation: {max_new_tokens: 6}\n")
+    cfg.write_text(
+        "steps: 2\nsave_every: 1\nverify_realloc: true\nreward: {kind: rule, target_token: 7}\n"
+        "generation: {max_new_tokens: 6}\n"
+    )
     a, b, c = (str(tmp_path / x) for x in "abc")
     out_a, ma = _train([], a, str(cfg))
     assert "launching 4 local gloo processes" in out_a and "step 2 |" in out_a
@@ -197,13 +265,19 @@ def test_kill_and_resume(tmp_path):
     # from step 1 must leave each step's records once.
     for name, n in (("metrics.jsonl", 1), ("samples.jsonl", 4)):
         with open(os.path.join(b, name), "a") as f:
-            f.write("".join(json.dumps({"step": s, "old": True}) + "\n" for s in (2, 3) for _ in range(n)))
+            f.write(
+                "".join(
+                    json.dumps({"step": s, "old": True}) + "\n" for s in (2, 3) for _ in range(n)
+                )
+            )
             f.write('{"step": 3, "trunc')
     out_c, mc = _train(["--resume", os.path.join(b, "step_1")], b, str(cfg))
     assert re.search(r"dropped [34] later records of metrics.jsonl", out_c), out_c[-2000:]
     assert [m["step"] for m in ma] == [1, 2] and [m["step"] for m in mc] == [1, 2]
     assert mc[1]["metrics"] == ma[1]["metrics"]
-    samples = {x: [json.loads(line) for line in open(os.path.join(x, "samples.jsonl"))] for x in (a, b)}
+    samples = {
+        x: [json.loads(line) for line in open(os.path.join(x, "samples.jsonl"))] for x in (a, b)
+    }
     assert samples[b] == samples[a] and {s["step"] for s in samples[a]} == {1, 2}
     # A resume into a new directory still works.
     _, mc = _train(["--resume", os.path.join(b, "step_1")], c, str(cfg))
@@ -224,14 +298,23 @@ def _hf_worker(rank, world, tmp):
     # A value model is exported with a pad id (transformers' sequence classifier pools by it;
     # real_py writes 0 when the config has none) and the embedding's pad row then gets no
     # gradient, as in transformers: give the random-init critic that pad id too.
-    base = dict(BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()), critic={"pad_token_id": 0})
+    base = dict(
+        BASE, plan=CF.single_process_plan(CF.from_dict({}).graph()), critic={"pad_token_id": 0}
+    )
     cfg = CF.from_dict(base)
     confs = cfg.model_configs()
     for m, seed in (("actor", cfg.seed + 1), ("critic", cfg.seed + 2), ("reward", cfg.seed + 3)):
         save_hf(os.path.join(tmp, m), confs[m], init_weights(confs[m], seed))
     out = []
-    for d in (base, dict(base, actor_path=os.path.join(tmp, "actor"), critic_path=os.path.join(tmp, "critic"),
-                         reward_path=os.path.join(tmp, "reward"))):
+    for d in (
+        base,
+        dict(
+            base,
+            actor_path=os.path.join(tmp, "actor"),
+            critic_path=os.path.join(tmp, "critic"),
+            reward_path=os.path.join(tmp, "reward"),
+        ),
+    ):
         cfg = CF.from_dict(d)
         plan, graph, models = CF.validate(cfg, world)
         it = Runtime(cfg, plan, graph, models, timeout_s=60).iteration(0)
@@ -287,10 +370,28 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
     from real_py.liveness import SILENT_S
 
     out_dir = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "real_py", "train", "--out-dir", out_dir, "--no-progress",
-           "--timeout", "120", "--steps", "4", "save_every=0"]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "real_py",
+        "train",
+        "--out-dir",
+        out_dir,
+        "--no-progress",
+        "--timeout",
+        "120",
+        "--steps",
+        "4",
+        "save_every=0",
+    ]
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     out, victim, stopped = [], None, None
     try:
         for line in p.stdout:
@@ -311,12 +412,21 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
     # push by the wait itself, in a collective inside a call (a pipeline recv, a TP all-reduce)
     # or at the end of the step by the runtime's watchdog. Their messages are in their logs.
     logs = "".join(open(os.path.join(out_dir, "logs", f"rank{r}.log")).read() for r in (0, 1, 3))
-    silent = re.search(r"rank [013], step \d+, (call \w+|end of iteration).*peer rank 2 is silent", logs)
+    silent = re.search(
+        r"rank [013], step \d+, (call \w+|end of iteration).*peer rank 2 is silent", logs
+    )
     assert silent, logs[-3000:]
-    assert re.search(r"^train failed: rank 2 was stopped .*named silent by rank", text, re.M), text[-3000:]
-    assert took < SILENT_S + 10, f"job ended {took:.1f} s after the stop (detection after {SILENT_S} s)"
+    assert re.search(r"^train failed: rank 2 was stopped .*named silent by rank", text, re.M), text[
+        -3000:
+    ]
+    assert took < SILENT_S + 10, (
+        f"job ended {took:.1f} s after the stop (detection after {SILENT_S} s)"
+    )
     print(f"job ended {took:.1f} s after the stop:", silent.group(0)[:200])
-    assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"
+    assert (
+        not os.path.exists(f"/proc/{victim}")
+        or open(f"/proc/{victim}/stat").read().split()[2] == "Z"
+    )
 
 
 @pytest.mark.timeout(600)
@@ -328,18 +438,28 @@ def test_kill_and_resume_in_async_mode(tmp_path):
     Adam moments must equal A's."""
     import yaml
 
-    d = CF.read_yaml(os.path.join(ROOT, "configs", "copy_task", "grpo.yaml"))  # its paths made absolute
+    d = CF.read_yaml(
+        os.path.join(ROOT, "configs", "copy_task", "grpo.yaml")
+    )  # its paths made absolute
     # 20-token responses (min_new_tokens) make a step last long enough that the kill lands
     # after the step-1 checkpoint and before the job ends, even on a loaded machine.
-    d.update(steps=3, save_every=1, verify_realloc=True,
-             data=dict(d["data"], batch_size=16),
-             generation=dict(d["generation"], max_new_tokens=20, min_new_tokens=20),
-             ppo=dict(d["ppo"], decoupled=True),
-             plan={"world_size": 4, "calls": {
-                 "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-                 "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-                 "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
-                 "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1}}})
+    d.update(
+        steps=3,
+        save_every=1,
+        verify_realloc=True,
+        data=dict(d["data"], batch_size=16),
+        generation=dict(d["generation"], max_new_tokens=20, min_new_tokens=20),
+        ppo=dict(d["ppo"], decoupled=True),
+        plan={
+            "world_size": 4,
+            "calls": {
+                "actor_gen": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                "ref_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                "rew_inf": {"ranks": [2, 3], "dp": 2, "tp": 1, "pp": 1},
+                "actor_train": {"ranks": [0, 1], "dp": 1, "tp": 2, "pp": 1},
+            },
+        },
+    )
     d["async"] = {"max_staleness": 2, "check_versions": True, "overlap_realloc": True}
     cfg = tmp_path / "async.yaml"
     cfg.write_text(yaml.safe_dump(d))
@@ -348,7 +468,7 @@ def test_kill_and_resume_in_async_mode(tmp_path):
     _run_killed_after_step_1(b, str(cfg))
     _, mb = _train(["--resume", os.path.join(b, "step_1")], b, str(cfg))
     assert [m["step"] for m in ma] == [1, 2, 3] and [m["step"] for m in mb] == [1, 2, 3]
-    strip = lambda m: {k: v for k, v in m.items() if k != "prefetched_calls"}  # noqa: E731
+    strip = lambda m: {k: v for k, v in m.items() if k != "prefetched_calls"}
     assert [strip(m["metrics"]) for m in mb[1:]] == [strip(m["metrics"]) for m in ma[1:]]
     assert "staleness" in ma[2]["metrics"]
     for r in range(4):

@@ -24,7 +24,9 @@ def summary(per_rank, layouts=None, asynchronous=False):
     """per_rank: list of (events, reallocs); the rest of each rank's record empty. Every call on
     tp=2 (its ranks wait for each other) unless `layouts` says otherwise. As the runtime does,
     no call is sync-free in async mode."""
-    graph = SimpleNamespace(order=ORDER, calls={n: SimpleNamespace(trains=n.endswith("train")) for n in ORDER})
+    graph = SimpleNamespace(
+        order=ORDER, calls={n: SimpleNamespace(trains=n.endswith("train")) for n in ORDER}
+    )
     plan = SimpleNamespace(calls={n: (layouts or {}).get(n, TP2) for n in ORDER})
     free = set() if asynchronous else sync_free_calls(graph, plan)
     return step_summary([StepRecord(events=ev, reallocs=rl) for ev, rl in per_rank], ORDER, free)
@@ -45,17 +47,33 @@ def test_a_call_without_waits_counts_its_longest_rank():
     r0 = [(0, "actor_gen", 0.0, 7.0), (0, "ref_inf", 7.0, 8.0), (0, "actor_train", 8.0, 12.0)]
     r1 = [(1, "actor_gen", 5.0, 7.0), (1, "ref_inf", 7.0, 7.5), (1, "actor_train", 10.0, 12.0)]
     calls = summary([(r0, []), (r1, [])], lay)["calls"]
-    assert calls == {"actor_gen": pytest.approx(7.0), "ref_inf": pytest.approx(1.0),  # (ref_inf: both 1 s)
-                     "actor_train": pytest.approx(2.0)}
+    assert calls == {
+        "actor_gen": pytest.approx(7.0),
+        "ref_inf": pytest.approx(1.0),  # (ref_inf: both 1 s)
+        "actor_train": pytest.approx(2.0),
+    }
     # runs are summed per run, each its longest rank's
-    two = [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.2)], [(1, "ref_inf", 0.5, 1.0), (1, "ref_inf", 10.0, 10.5)]
-    assert summary([(two[0], []), (two[1], [])], lay)["calls"]["ref_inf"] == pytest.approx(1.0 + 0.5)
+    two = (
+        [(0, "ref_inf", 0.0, 1.0), (0, "ref_inf", 10.0, 10.2)],
+        [(1, "ref_inf", 0.5, 1.0), (1, "ref_inf", 10.0, 10.5)],
+    )
+    assert summary([(two[0], []), (two[1], [])], lay)["calls"]["ref_inf"] == pytest.approx(
+        1.0 + 0.5
+    )
     # async mode (a generation may wait inside the call for the next weights' receive thread): spans
-    assert summary([(r0, []), (r1, [])], lay, asynchronous=True)["calls"]["actor_gen"] == pytest.approx(2.0)
+    assert summary([(r0, []), (r1, [])], lay, asynchronous=True)["calls"][
+        "actor_gen"
+    ] == pytest.approx(2.0)
     # a pp or tp layout, or an expert group across the replicas (ep, etp), has waits inside the call
-    for other in (Layout(dp=1, pp=2, ranks=(0, 1)), TP2, Layout(dp=2, ep=2, ranks=(0, 1)),
-                  Layout(dp=2, etp=2, ranks=(0, 1))):
-        assert summary([(r0, []), (r1, [])], {"actor_gen": other})["calls"]["actor_gen"] == pytest.approx(2.0)
+    for other in (
+        Layout(dp=1, pp=2, ranks=(0, 1)),
+        TP2,
+        Layout(dp=2, ep=2, ranks=(0, 1)),
+        Layout(dp=2, etp=2, ranks=(0, 1)),
+    ):
+        assert summary([(r0, []), (r1, [])], {"actor_gen": other})["calls"][
+            "actor_gen"
+        ] == pytest.approx(2.0)
 
 
 def test_runs_are_summed_and_matched_by_order():
@@ -80,10 +98,17 @@ def test_reallocations_are_spans_summed_per_model():
     r0 = [("actor", "actor_gen", 0.0, 1.0, 100), ("actor", "ref_inf", 5.0, 5.5, 10)]
     r1 = [("actor", "actor_gen", 0.4, 0.9, 50), ("critic", "critic_inf", 2.0, 3.0, 7)]
     out = summary([([], r0), ([], r1)])
-    assert out["realloc_seconds"] == {"actor": pytest.approx(0.6 + 0.5), "critic": pytest.approx(1.0)}
+    assert out["realloc_seconds"] == {
+        "actor": pytest.approx(0.6 + 0.5),
+        "critic": pytest.approx(1.0),
+    }
     assert out["realloc_bytes"] == 167
 
 
 def test_async_events_other_than_calls_are_not_calls():
-    ev = [(0, "realloc:actor_gen", 0.0, 1.0), (0, "recv_thread:actor_gen", 0.0, 3.0), (0, "actor_gen", 1.0, 2.0)]
+    ev = [
+        (0, "realloc:actor_gen", 0.0, 1.0),
+        (0, "recv_thread:actor_gen", 0.0, 3.0),
+        (0, "actor_gen", 1.0, 2.0),
+    ]
     assert summary([(ev, [])])["calls"] == {"actor_gen": pytest.approx(1.0)}

@@ -13,17 +13,27 @@ from real_py import _C
 from real_py.cli import main
 from real_py.dataflow.execplan import ExecutionPlan
 from real_py.search import Mesh, Problem, Workload, estimate, plan_search, ppo_models, simulate
-from real_py.search.hardware import HardwareProfile
-from real_py.search.hardware import get_profile
 from real_py.search.graph import PPO_GRAPH
+from real_py.search.hardware import HardwareProfile, get_profile
 from real_py.search.problem import Option
 from real_py.spec import ModelConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-FAST = HardwareProfile(name="fast", peak_flops=1e12, flops_eff=1, hbm_bw=1e12, hbm_eff=1, intra_bw=1e30,
-                       inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_bytes=100, mem_usable=1.0,
-                       ranks_per_node=4)
+FAST = HardwareProfile(
+    name="fast",
+    peak_flops=1e12,
+    flops_eff=1,
+    hbm_bw=1e12,
+    hbm_eff=1,
+    intra_bw=1e30,
+    inter_bw=1e30,
+    intra_lat=0.0,
+    inter_lat=0.0,
+    mem_bytes=100,
+    mem_usable=1.0,
+    ranks_per_node=4,
+)
 
 
 def hand_problem(mem=100.0, iters=1, cores=0):
@@ -33,12 +43,33 @@ def hand_problem(mem=100.0, iters=1, cores=0):
     def opt(start, size, dp, t, persist=0.0, transient=0.0, weights=0.0):
         return Option(Mesh(start, size), dp, 1, 1, t, persist, transient, weights, {}, size, size)
 
-    options = [[opt(0, 2, 2, 1.0, transient=5, weights=3)], [opt(2, 2, 2, 2.0)], [opt(0, 2, 2, 0.5)],
-               [opt(0, 2, 2, 1.0)], [opt(0, 4, 4, 3.0, persist=10)], [opt(0, 2, 2, 2.0)]]
+    options = [
+        [opt(0, 2, 2, 1.0, transient=5, weights=3)],
+        [opt(2, 2, 2, 2.0)],
+        [opt(0, 2, 2, 0.5)],
+        [opt(0, 2, 2, 1.0)],
+        [opt(0, 4, 4, 3.0, persist=10)],
+        [opt(0, 2, 2, 2.0)],
+    ]
     calls = []
-    prob = SimpleNamespace(calls=PPO_GRAPH, names=[c.name for c in PPO_GRAPH], options=options, num_gpus=4, rpn=4, hw=SimpleNamespace(
-        intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_limit=mem, shared_cores=cores), wl=Workload(),
-        iters=iters, realloc_time=lambda c, s, d: calls.append(c) or 0.25)
+    prob = SimpleNamespace(
+        calls=PPO_GRAPH,
+        names=[c.name for c in PPO_GRAPH],
+        options=options,
+        num_gpus=4,
+        rpn=4,
+        hw=SimpleNamespace(
+            intra_bw=1e30,
+            inter_bw=1e30,
+            intra_lat=0.0,
+            inter_lat=0.0,
+            mem_limit=mem,
+            shared_cores=cores,
+        ),
+        wl=Workload(),
+        iters=iters,
+        realloc_time=lambda c, s, d: calls.append(c) or 0.25,
+    )
     return prob, calls
 
 
@@ -49,9 +80,9 @@ def test_hand_built_timeline():
     assert got == [
         ("realloc actor", 0.0, 0.25, ((0, 2), (0, 4))),
         ("actor_gen", 0.25, 1.25, ((0, 2),)),
-        ("ref_inf", 1.25, 3.25, ((2, 4),)),      # concurrent with rew_inf: disjoint meshes
+        ("ref_inf", 1.25, 3.25, ((2, 4),)),  # concurrent with rew_inf: disjoint meshes
         ("rew_inf", 1.25, 1.75, ((0, 2),)),
-        ("critic_inf", 1.75, 2.75, ((0, 2),)),   # same layout as critic_train: no reallocation
+        ("critic_inf", 1.75, 2.75, ((0, 2),)),  # same layout as critic_train: no reallocation
         ("actor_train", 3.25, 6.25, ((0, 4),)),
         ("critic_train", 6.25, 8.25, ((0, 2),)),  # shares devices 0-1 with actor_train
     ]
@@ -71,10 +102,10 @@ def test_hand_built_timeline_on_shared_cores():
     assert got == [
         ("realloc actor", 0.0, 0.25),
         ("actor_gen", 0.25, 1.25),
-        ("ref_inf", 1.25, 3.25),       # placed beside nothing running
-        ("rew_inf", 1.25, 2.25),       # beside ref_inf's 2 ranks: 4 busy on 2 cores, 0.5 s -> 1 s
-        ("critic_inf", 2.25, 4.25),    # its whole second beside ref_inf: 1 s -> 2 s
-        ("actor_train", 4.25, 7.25),   # alone: 4 busy, already in its 3 s
+        ("ref_inf", 1.25, 3.25),  # placed beside nothing running
+        ("rew_inf", 1.25, 2.25),  # beside ref_inf's 2 ranks: 4 busy on 2 cores, 0.5 s -> 1 s
+        ("critic_inf", 2.25, 4.25),  # its whole second beside ref_inf: 1 s -> 2 s
+        ("actor_train", 4.25, 7.25),  # alone: 4 busy, already in its 3 s
         ("critic_train", 7.25, 9.25),
     ]
     assert r.iter_time == 9.25
@@ -139,8 +170,14 @@ def _brute_force(prob):
     return best, arg
 
 
-SMALL = ModelConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
-                    vocab_size=32000, num_hidden_layers=24)  # ~1.3B
+SMALL = ModelConfig(
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+    num_hidden_layers=24,
+)  # ~1.3B
 
 
 @pytest.mark.parametrize("gpus,min_mesh,actor", [(4, 1, SMALL), (8, 2, "llama2-7b")])
@@ -148,8 +185,14 @@ def test_search_finds_exhaustive_optimum(gpus, min_mesh, actor):
     # Small space: the fastest strategy per mesh (per_mesh=1); on 8 devices meshes of >= 2
     # devices only: 7 options per call, 7**6 = 117649 plans enumerated.
     models = ppo_models(actor, SMALL)
-    prob = Problem(models, get_profile("h100"), gpus, Workload(batch_size=128, gen_len=128), per_mesh=1,
-                   min_mesh_size=min_mesh)
+    prob = Problem(
+        models,
+        get_profile("h100"),
+        gpus,
+        Workload(batch_size=128, gen_len=128),
+        per_mesh=1,
+        min_mesh_size=min_mesh,
+    )
     assert math.prod(len(o) for o in prob.options) <= 120000
     best, arg = _brute_force(prob)
     assert math.isfinite(best)
@@ -161,8 +204,16 @@ def test_search_finds_exhaustive_optimum(gpus, min_mesh, actor):
 
 
 def test_plan_search_beats_or_matches_baselines_and_estimate_agrees():
-    res = plan_search("llama2-7b", "llama2-7b", num_gpus=16, hardware="h100", workload=Workload(gen_len=128),
-                      time_budget=3, chains=2, seed=0)
+    res = plan_search(
+        "llama2-7b",
+        "llama2-7b",
+        num_gpus=16,
+        hardware="h100",
+        workload=Workload(gen_len=128),
+        time_budget=3,
+        chains=2,
+        seed=0,
+    )
     sym, heu = res.baselines["symmetric"], res.baselines["heuristic"]
     assert res.iter_time <= heu.iter_time <= sym.iter_time < math.inf
     plan = ExecutionPlan.from_json(json.loads(json.dumps(res.plan.to_json())))
@@ -173,17 +224,29 @@ def test_plan_search_beats_or_matches_baselines_and_estimate_agrees():
 
 
 def test_cluster_too_small_names_memory_need():
-    with pytest.raises(ValueError, match=r"no layout of call .* smallest per-device need is [0-9.]+ GiB"):
+    with pytest.raises(
+        ValueError, match=r"no layout of call .* smallest per-device need is [0-9.]+ GiB"
+    ):
         Problem(ppo_models("llama2-70b", "llama2-70b"), get_profile("h100"), 2, Workload())
     # Each call fits alone on 8 H100, but not all four 70B models with their training state.
-    with pytest.raises(ValueError, match=r"no feasible plan .* smallest per-device memory need .* [0-9.]+ GiB"):
-        plan_search("llama2-70b", "llama2-70b", num_gpus=8, hardware="h100", time_budget=2, chains=1)
+    with pytest.raises(
+        ValueError, match=r"no feasible plan .* smallest per-device memory need .* [0-9.]+ GiB"
+    ):
+        plan_search(
+            "llama2-70b", "llama2-70b", num_gpus=8, hardware="h100", time_budget=2, chains=1
+        )
 
 
 def test_model_no_layout_fits():
     # 3 heads and one layer: only tp=1, pp=1, and 26 GB of weights + 4x optimizer do not fit.
-    big = ModelConfig(hidden_size=96000, intermediate_size=96000, num_attention_heads=3, num_key_value_heads=3,
-                      vocab_size=1000, num_hidden_layers=1)
+    big = ModelConfig(
+        hidden_size=96000,
+        intermediate_size=96000,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        vocab_size=1000,
+        num_hidden_layers=1,
+    )
     with pytest.raises(ValueError, match="no layout of call actor_gen|no layout of call ref_inf"):
         Problem(ppo_models(big, big), get_profile("h100"), 8, Workload())
 
@@ -195,8 +258,29 @@ def test_unknown_hardware():
 
 def test_cli_writes_plan_and_png(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    rc = main(["search", "--model", "llama2-7b", "--critic", "llama2-7b", "--gpus", "16", "--hardware", "h100",
-               "--gen-len", "384", "--time-budget", "1", "--chains", "2", "--out", str(out), "--plot", str(png)])
+    rc = main(
+        [
+            "search",
+            "--model",
+            "llama2-7b",
+            "--critic",
+            "llama2-7b",
+            "--gpus",
+            "16",
+            "--hardware",
+            "h100",
+            "--gen-len",
+            "384",
+            "--time-budget",
+            "1",
+            "--chains",
+            "2",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     assert ExecutionPlan.from_json(str(out)).world_size == 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -208,13 +292,21 @@ def test_annealing_is_independent_of_the_time_unit(prob16):
     # ReaL's search mixed ms and us; here acceptance depends on relative change only. Times
     # scaled by 1024 (exact in binary floating point) must give the same walk, move for move.
     g = prob16.graph_dict()
-    scaled = dict(g, options=[o.copy() for o in g["options"]], intra_bw=g["intra_bw"] / 1024,
-                  inter_bw=g["inter_bw"] / 1024, intra_lat=g["intra_lat"] * 1024, inter_lat=g["inter_lat"] * 1024)
+    scaled = dict(
+        g,
+        options=[o.copy() for o in g["options"]],
+        intra_bw=g["intra_bw"] / 1024,
+        inter_bw=g["inter_bw"] / 1024,
+        intra_lat=g["intra_lat"] * 1024,
+        inter_lat=g["inter_lat"] * 1024,
+    )
     for o in scaled["options"]:
         o[:, 5] *= 1024
     runs = []
     for graph, unit in ((g, 1.0), (scaled, 1024.0)):
-        ev = _C.SearchEvaluator(graph, lambda c, s, d, unit=unit: prob16.realloc_time(c, s, d) * unit)
+        ev = _C.SearchEvaluator(
+            graph, lambda c, s, d, unit=unit: prob16.realloc_time(c, s, d) * unit
+        )
         runs.append(ev.anneal(chains=2, time_budget=60, max_steps=4000, seed=3))
     a, b = runs
     assert a["best"] == b["best"]
@@ -227,8 +319,8 @@ def test_search_places_the_runtimes_graph(algo, tmp_path):
     """The search's calls are the runtime's (real_py.dataflow.graph): a critic-free algorithm has no
     critic calls, ReMax's greedy generation is placed (and reallocated like actor_gen), and the
     plan it writes passes the train job's validation for that algorithm."""
-    from real_py.rlhf import config as CF
     from real_py.dataflow.graph import ALGORITHMS, Graph
+    from real_py.rlhf import config as CF
     from real_py.search.graph import search_graph
 
     assert search_graph("ppo") == PPO_GRAPH

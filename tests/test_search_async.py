@@ -4,12 +4,11 @@
 # refused; the C++ simulator agrees with the Python one in async mode; plan_search chooses the
 # async mode (and the disjoint placement it rewards) when allowed and faster.
 # A failure points to real_py/search/simulate.py, csrc/search/simulate.cpp or search.py.
+import math
+import random
 from types import SimpleNamespace
 
 import pytest
-
-import math
-import random
 
 from real_py import _C
 from real_py.search import Mesh, Problem, Workload, plan_search, ppo_models, simulate
@@ -22,7 +21,8 @@ from real_py.spec import ModelConfig
 def simulate_async(prob, choice, k):
     return simulate(prob, choice, staleness=k)
 
-GRPO = search_graph("grpo")        # actor_gen, ref_inf, rew_inf, actor_train
+
+GRPO = search_graph("grpo")  # actor_gen, ref_inf, rew_inf, actor_train
 
 
 def hand(iters=4):
@@ -32,10 +32,19 @@ def hand(iters=4):
         return Option(Mesh(start, 2), 2, 1, 1, t, 0.0, 0.0, weights)
 
     options = [[opt(0, 2.0, weights=1)], [opt(0, 0.5)], [opt(0, 0.5)], [opt(2, 2.0)]]
-    return SimpleNamespace(calls=GRPO, names=[c.name for c in GRPO], options=options, num_gpus=4, rpn=4,
-                           hw=SimpleNamespace(intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0,
-                                              mem_limit=100.0),
-                           wl=Workload(), iters=iters, realloc_time=lambda c, s, d: 0.25)
+    return SimpleNamespace(
+        calls=GRPO,
+        names=[c.name for c in GRPO],
+        options=options,
+        num_gpus=4,
+        rpn=4,
+        hw=SimpleNamespace(
+            intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0, mem_limit=100.0
+        ),
+        wl=Workload(),
+        iters=iters,
+        realloc_time=lambda c, s, d: 0.25,
+    )
 
 
 def test_async_step_is_the_slower_side_plus_transfer():
@@ -69,17 +78,31 @@ def test_cpp_agrees_in_async_mode():
     prob = hand(iters=3)
     for k in (0, 1, 2):
         py = simulate(prob, [0] * 4, staleness=k)
-        ev = _C.SearchEvaluator(Problem.graph_dict(SimpleNamespace(**vars(prob), staleness=k)), prob.realloc_time)
+        ev = _C.SearchEvaluator(
+            Problem.graph_dict(SimpleNamespace(**vars(prob), staleness=k)), prob.realloc_time
+        )
         cc = ev.simulate([0] * 4, True)
         assert cc["iter_time"] == pytest.approx(py.iter_time, rel=1e-12), k
-        assert [(t[1], t[3], t[4]) for t in cc["tasks"]] == [(e.iter, e.start, e.end) for e in py.events], k
+        assert [(t[1], t[3], t[4]) for t in cc["tasks"]] == [
+            (e.iter, e.start, e.end) for e in py.events
+        ], k
 
 
 @pytest.fixture(scope="module")
 def grpo16():
     models = ppo_models("llama2-7b", "llama2-7b")
-    return [Problem(models, get_profile("h100"), 16, Workload(gen_len=512), per_mesh=2, graph=search_graph("grpo"),
-                    staleness=k) for k in (0, 1, 2)]
+    return [
+        Problem(
+            models,
+            get_profile("h100"),
+            16,
+            Workload(gen_len=512),
+            per_mesh=2,
+            graph=search_graph("grpo"),
+            staleness=k,
+        )
+        for k in (0, 1, 2)
+    ]
 
 
 def test_cpp_and_python_agree_on_random_async_plans(grpo16):
@@ -104,7 +127,16 @@ def test_search_chooses_async_and_reports_the_mode():
     # Few long responses (decoding bound by weight reads: more devices barely speed it up) and
     # 4 epochs of training: running both sides at once on their own devices pays.
     wl = Workload(batch_size=32, gen_len=1024, ppo_epochs=4, ppo_minibatches=2)
-    kw = dict(num_gpus=16, hardware="h100", workload=wl, time_budget=60, max_steps=2000, chains=2, seed=0, algo="grpo")
+    kw = dict(
+        num_gpus=16,
+        hardware="h100",
+        workload=wl,
+        time_budget=60,
+        max_steps=2000,
+        chains=2,
+        seed=0,
+        algo="grpo",
+    )
     sync = plan_search("llama2-7b", **kw)
     asy = plan_search("llama2-7b", **kw, max_staleness=1)
     assert sync.staleness == 0
@@ -120,8 +152,23 @@ def test_search_chooses_async_and_reports_the_mode():
 
 def test_search_keeps_sync_when_async_gains_nothing():
     # One device: everything shares it, overlap is impossible, so the mode chosen is 0.
-    small = ModelConfig(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
-                        vocab_size=32000, num_hidden_layers=24)  # ~1.3B
-    res = plan_search(small, num_gpus=1, hardware="h100", workload=Workload(batch_size=16, gen_len=64),
-                      time_budget=1, chains=1, seed=0, algo="grpo", max_staleness=2)
+    small = ModelConfig(
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        num_hidden_layers=24,
+    )  # ~1.3B
+    res = plan_search(
+        small,
+        num_gpus=1,
+        hardware="h100",
+        workload=Workload(batch_size=16, gen_len=64),
+        time_budget=1,
+        chains=1,
+        seed=0,
+        algo="grpo",
+        max_staleness=2,
+    )
     assert res.staleness == 0 and res.iter_time == pytest.approx(res.stats["sync_iter_time"])

@@ -15,10 +15,28 @@ from real_py.spec import ModelConfig, model_spec, preset
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                   vocab_size=100, num_hidden_layers=2, dtype="bfloat16")
-HW = HardwareProfile(name="t", peak_flops=1e12, flops_eff=0.5, hbm_bw=1e11, hbm_eff=0.5, intra_bw=1e10,
-                     inter_bw=1e9, intra_lat=1e-5, inter_lat=2e-5, mem_bytes=1e10, ranks_per_node=4)
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=100,
+    num_hidden_layers=2,
+    dtype="bfloat16",
+)
+HW = HardwareProfile(
+    name="t",
+    peak_flops=1e12,
+    flops_eff=0.5,
+    hbm_bw=1e11,
+    hbm_eff=0.5,
+    intra_bw=1e10,
+    inter_bw=1e9,
+    intra_lat=1e-5,
+    inter_lat=2e-5,
+    mem_bytes=1e10,
+    ranks_per_node=4,
+)
 
 
 def tiny():
@@ -67,12 +85,17 @@ def test_decode_is_memory_bound_by_hand():
 
 
 def test_train_terms_by_hand():
-    m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16)
+    m, wl = (
+        tiny(),
+        Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16),
+    )
     t = call_time("train", m, Mesh(0, 4), 2, 1, 2, HW, wl)
     tok = 8 / 2 * 16 / 2  # per replica per optimizer step
     mb = 2  # micro-batches of 16 tokens
     bubble = (mb + 1) / mb
-    assert t["compute"] == pytest.approx(2 * 3 * tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11 * bubble)
+    assert t["compute"] == pytest.approx(
+        2 * 3 * tok * (2 * 88640 + 4 * 2 * 8 * 64) / 2 / 5e11 * bubble
+    )
     local = m.numel / 2
     # per step: gradient all-reduce + loss and token-count all-reduces (dp) + grad-norm and loss
     # broadcast over the pipeline group
@@ -84,18 +107,43 @@ def test_train_terms_by_hand():
 
 def test_ppo_epochs_repeat_the_train_steps():
     m = tiny()
-    one = call_time("train", m, Mesh(0, 2), 1, 2, 1, HW, Workload(batch_size=8, prompt_len=8, gen_len=8))
-    two = call_time("train", m, Mesh(0, 2), 1, 2, 1, HW, Workload(batch_size=8, prompt_len=8, gen_len=8,
-                                                                   ppo_epochs=2))
+    one = call_time(
+        "train", m, Mesh(0, 2), 1, 2, 1, HW, Workload(batch_size=8, prompt_len=8, gen_len=8)
+    )
+    two = call_time(
+        "train",
+        m,
+        Mesh(0, 2),
+        1,
+        2,
+        1,
+        HW,
+        Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_epochs=2),
+    )
     for k in set(one) - {"busy", "working"}:  # seconds terms; those two count ranks
         assert two[k] == pytest.approx(2 * one[k])
     assert (two["busy"], two["working"]) == (one["busy"], one["working"])
 
 
 # Only host overheads: compute, bandwidth and latency are free.
-FREE = dict(name="o", peak_flops=1e30, flops_eff=1.0, hbm_bw=1e30, hbm_eff=1.0, intra_bw=1e30, inter_bw=1e30,
-            intra_lat=0.0, inter_lat=0.0, mem_bytes=1e12, layer_lat=1.0, head_lat=10.0, decode_layer_lat=100.0,
-            decode_lat=1000.0, train_layer_lat=1e4, train_lat=1e5)
+FREE = dict(
+    name="o",
+    peak_flops=1e30,
+    flops_eff=1.0,
+    hbm_bw=1e30,
+    hbm_eff=1.0,
+    intra_bw=1e30,
+    inter_bw=1e30,
+    intra_lat=0.0,
+    inter_lat=0.0,
+    mem_bytes=1e12,
+    layer_lat=1.0,
+    head_lat=10.0,
+    decode_layer_lat=100.0,
+    decode_lat=1000.0,
+    train_layer_lat=1e4,
+    train_lat=1e5,
+)
 
 
 def test_host_overheads_by_hand():
@@ -118,7 +166,14 @@ def test_runtime_micro_batch_counts():
     """Workload.runtime_micro_batches: the runtime's counts (micro_batches per train mini-batch,
     forward-only passes whole) instead of the cheapest count from micro_tokens."""
     m, hw = tiny(), HardwareProfile(**FREE)
-    wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=32, micro_batches=2, runtime_micro_batches=True)
+    wl = Workload(
+        batch_size=8,
+        prompt_len=8,
+        gen_len=4,
+        micro_tokens=32,
+        micro_batches=2,
+        runtime_micro_batches=True,
+    )
     # inference on pp=2: 96 tokens in one pass, bubble (1 + 1) / 1, 1 layer per stage plus the head
     # (test_host_overheads_by_hand: 3 micro-batches from micro_tokens)
     t = call_time("inference", m, Mesh(0, 2), 1, 1, 2, hw, wl)
@@ -133,14 +188,21 @@ def test_runtime_micro_batch_counts():
     assert tp2["overhead"] == pytest.approx(4 * 2 * (3 / 2 * 1 * 1e4 + 1e5))
     # memory: the inference pass holds all 96 tokens (32 from micro_tokens), a train micro-batch 12
     free = replace(wl, runtime_micro_batches=False)
-    assert (call_memory("inference", m, 1, 1, 1, wl)["transient"]
-            == pytest.approx(3 * call_memory("inference", m, 1, 1, 1, free)["transient"]))
-    assert (call_memory("train", m, 1, 1, 1, wl)["transient"]
-            == pytest.approx(call_memory("train", m, 1, 1, 1, free)["transient"] / 2))
+    assert call_memory("inference", m, 1, 1, 1, wl)["transient"] == pytest.approx(
+        3 * call_memory("inference", m, 1, 1, 1, free)["transient"]
+    )
+    assert call_memory("train", m, 1, 1, 1, wl)["transient"] == pytest.approx(
+        call_memory("train", m, 1, 1, 1, free)["transient"] / 2
+    )
     # generate: the larger of decoding (KV cache 49152 B + one step's logits 3200 B) and its
     # scoring pass (the inference pass's 136704 B)
-    assert call_memory("generate", m, 1, 1, 1, wl)["transient"] == call_memory("inference", m, 1, 1, 1, wl)["transient"]
-    assert call_memory("generate", m, 1, 1, 1, free)["transient"] == pytest.approx(8 * 12 * 2 * 2 * 4 * 16 * 2 + 8 * 100 * 4)
+    assert (
+        call_memory("generate", m, 1, 1, 1, wl)["transient"]
+        == call_memory("inference", m, 1, 1, 1, wl)["transient"]
+    )
+    assert call_memory("generate", m, 1, 1, 1, free)["transient"] == pytest.approx(
+        8 * 12 * 2 * 2 * 4 * 16 * 2 + 8 * 100 * 4
+    )
 
 
 def test_value_head_pass_costs_by_hand():
@@ -148,11 +210,19 @@ def test_value_head_pass_costs_by_hand():
     v = model_spec(replace(TINY, head="value"), "tiny-value")
     wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
     hw = HardwareProfile(**FREE | dict(value_head_lat=3.0, value_train_lat=7.0))
-    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(2 * 1.0 + 3.0)
-    assert call_time("train", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(4 * (2 * 1e4 + 7.0))
-    assert call_time("inference", tiny(), Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(2 + 10.0)
+    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(
+        2 * 1.0 + 3.0
+    )
+    assert call_time("train", v, Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(
+        4 * (2 * 1e4 + 7.0)
+    )
+    assert call_time("inference", tiny(), Mesh(0, 1), 1, 1, 1, hw, wl)["overhead"] == pytest.approx(
+        2 + 10.0
+    )
     same = HardwareProfile(**FREE)
-    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, same, wl)["overhead"] == pytest.approx(2 + 10.0)
+    assert call_time("inference", v, Mesh(0, 1), 1, 1, 1, same, wl)["overhead"] == pytest.approx(
+        2 + 10.0
+    )
     with pytest.raises(ValueError, match="value_head_lat"):
         replace(same, value_head_lat=-1.0)
 
@@ -179,12 +249,16 @@ def test_contention_by_hand():
     wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
     base = replace(HW, layer_lat=1e-3, head_lat=2e-3)
     shared = replace(base, shared_cores=2, lat_contention=0.5)
-    assert shared.contention(1) == 1.0 and shared.contention(6) == 3.0 and base.contention(64) == 1.0
+    assert (
+        shared.contention(1) == 1.0 and shared.contention(6) == 3.0 and base.contention(64) == 1.0
+    )
     assert shared.lat_slowdown(4) == pytest.approx(1.5)
     # 4 busy ranks on 2 cores: processor terms x2, message waits x(1 + 0.5 * (2 - 1)).
     a = call_time("inference", m, Mesh(0, 4), 2, 2, 1, base, wl)
     b = call_time("inference", m, Mesh(0, 4), 2, 2, 1, shared, wl)
-    assert b["compute"] == pytest.approx(2 * a["compute"]) and b["overhead"] == pytest.approx(2 * a["overhead"])
+    assert b["compute"] == pytest.approx(2 * a["compute"]) and b["overhead"] == pytest.approx(
+        2 * a["overhead"]
+    )
     assert b["tp"] == pytest.approx(1.5 * a["tp"])
     # pp=2 with one micro-batch: one stage busy at a time, so 2 busy ranks: no slow-down.
     c = call_time("inference", m, Mesh(0, 4), 1, 2, 2, shared, wl)
@@ -192,8 +266,12 @@ def test_contention_by_hand():
     # ... but after the pipeline flush all 4 ranks reduce gradients and step at once.
     tb = call_time("train", m, Mesh(0, 4), 2, 1, 2, base, wl)
     ts = call_time("train", m, Mesh(0, 4), 2, 1, 2, shared, wl)
-    assert ts["compute"] == pytest.approx(tb["compute"]) and ts["overhead"] == pytest.approx(tb["overhead"])
-    assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(1.5 * tb["dp"])
+    assert ts["compute"] == pytest.approx(tb["compute"]) and ts["overhead"] == pytest.approx(
+        tb["overhead"]
+    )
+    assert ts["optimizer"] == pytest.approx(2 * tb["optimizer"]) and ts["dp"] == pytest.approx(
+        1.5 * tb["dp"]
+    )
     # Replicas of a pipeline (dp > 1, pp > 1) hand over out of step: every message between
     # stages waits pipe_wait_lat more; the stages' work is not stretched. One replica (dp = 1),
     # or no pipeline, does not wait.
@@ -213,9 +291,14 @@ def test_contention_by_hand():
     assert g1["total"] - g0["total"] == pytest.approx((4 * 2 + 2) * w)  # + prefill and scoring hops
     for dp, tp, pp in ((1, 2, 2), (2, 2, 1), (4, 1, 1)):
         for kind in ("generate", "inference", "train"):
-            assert call_time(kind, m, Mesh(0, 4), dp, tp, pp, piped, wl) == call_time(kind, m, Mesh(0, 4), dp, tp, pp, shared, wl)
+            assert call_time(kind, m, Mesh(0, 4), dp, tp, pp, piped, wl) == call_time(
+                kind, m, Mesh(0, 4), dp, tp, pp, shared, wl
+            )
     # Only where the call's ranks outnumber the cores: a core per rank (4 cores) does not wait.
-    a, b = (call_time("generate", m, Mesh(0, 4), 2, 1, 2, replace(h, shared_cores=4), wl) for h in (shared, piped))
+    a, b = (
+        call_time("generate", m, Mesh(0, 4), 2, 1, 2, replace(h, shared_cores=4), wl)
+        for h in (shared, piped)
+    )
     assert a == b
     # With more working ranks than cores (dp4 x pp2 on 2 cores: messages x lat_slowdown(4)) the
     # wait is added, not stretched: it was measured with as many working stages as cores.
@@ -231,8 +314,9 @@ def test_sync_free_inference_counts_one_busy_rank():
     wl = Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
     base = replace(HW, layer_lat=1e-3, head_lat=2e-3)
     shared = replace(base, shared_cores=2, lat_contention=0.5)
-    assert call_time("inference", m, Mesh(0, 4), 4, 1, 1, shared, wl) == \
-        call_time("inference", m, Mesh(0, 4), 4, 1, 1, base, wl)
+    assert call_time("inference", m, Mesh(0, 4), 4, 1, 1, shared, wl) == call_time(
+        "inference", m, Mesh(0, 4), 4, 1, 1, base, wl
+    )
     a = call_time("inference", m, Mesh(0, 4), 2, 2, 1, base, wl)
     b = call_time("inference", m, Mesh(0, 4), 2, 2, 1, shared, wl)
     assert b["overhead"] == pytest.approx(2 * a["overhead"])
@@ -265,9 +349,20 @@ def test_collective_latency_grows_with_ranks_by_hand():
 
 def test_tensor_parallel_host_extras_by_hand():
     m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=4, micro_tokens=1 << 20)
-    hw = HardwareProfile(**FREE | dict(layer_lat=0.0, head_lat=0.0, decode_layer_lat=0.0, decode_lat=0.0,
-                                       train_layer_lat=0.0, train_lat=0.0, tp_head_lat=1.0, tp_train_lat=10.0,
-                                       tp_decode_lat=100.0))
+    hw = HardwareProfile(
+        **FREE
+        | dict(
+            layer_lat=0.0,
+            head_lat=0.0,
+            decode_layer_lat=0.0,
+            decode_lat=0.0,
+            train_layer_lat=0.0,
+            train_lat=0.0,
+            tp_head_lat=1.0,
+            tp_train_lat=10.0,
+            tp_decode_lat=100.0,
+        )
+    )
     assert call_time("inference", m, Mesh(0, 2), 1, 2, 1, hw, wl)["tp"] == pytest.approx(1.0)
     assert call_time("train", m, Mesh(0, 2), 1, 2, 1, hw, wl)["tp"] == pytest.approx(4 * 10.0)
     g = call_time("generate", m, Mesh(0, 2), 1, 2, 1, hw, wl)
@@ -286,22 +381,36 @@ def test_value_head_tensor_parallel_pass_by_hand():
     lat = HardwareProfile(**FREE | dict(intra_lat=1.0, intra_bw=1e30, inter_bw=1e30))
     # inference: 2 layers x 2 all-reduces (latency 1 each) + the head's collectives
     assert call_time("inference", v, Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(2 * 2 + 1)
-    assert call_time("inference", tiny(), Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(2 * 2 + HEAD_COLLS)
+    assert call_time("inference", tiny(), Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(
+        2 * 2 + HEAD_COLLS
+    )
     # train: 4 optimizer steps, forward + backward: 2 x (4 + 1) per step for the value head
-    assert call_time("train", v, Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(4 * 2 * (2 * 2 + 1))
+    assert call_time("train", v, Mesh(0, 2), 1, 2, 1, lat, wl)["tp"] == pytest.approx(
+        4 * 2 * (2 * 2 + 1)
+    )
     host = HardwareProfile(**FREE | dict(tp_head_lat=1.0, tp_train_lat=10.0))
     assert call_time("inference", v, Mesh(0, 2), 1, 2, 1, host, wl)["tp"] == pytest.approx(0.0)
     assert call_time("train", v, Mesh(0, 2), 1, 2, 1, host, wl)["tp"] == pytest.approx(0.0)
 
 
 def test_profile_rejects_negative_overheads():
-    for f in ("layer_lat", "realloc_lat", "p2p_lat_ratio", "lat_contention", "pipe_wait_lat", "shared_cores"):
+    for f in (
+        "layer_lat",
+        "realloc_lat",
+        "p2p_lat_ratio",
+        "lat_contention",
+        "pipe_wait_lat",
+        "shared_cores",
+    ):
         with pytest.raises(ValueError, match=f):
             replace(HW, **{f: -1})
 
 
 def test_memory_by_hand():
-    m, wl = tiny(), Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16)
+    m, wl = (
+        tiny(),
+        Workload(batch_size=8, prompt_len=8, gen_len=8, ppo_minibatches=2, micro_tokens=16),
+    )
     mem = call_memory("train", m, 2, 1, 2, wl)
     assert mem["persist"] == pytest.approx(m.numel / 2 * (4 + 6))
     assert mem["weights"] == pytest.approx(m.numel / 2 * 2)
@@ -312,7 +421,9 @@ def test_memory_by_hand():
 def test_seconds_for_a_known_workload():
     # 7B training, 512 x 512 tokens on 8 H100 at 50% MFU: 6 * 6.7e9 * 262144 / (8 * 494.5e12) ~ 2.7 s.
     m = model_spec(replace(preset("llama2-7b"), dtype="bfloat16"), "7b")
-    t = call_time("train", m, Mesh(0, 8), 8, 1, 1, get_profile("h100"), Workload(prompt_len=256, gen_len=256))
+    t = call_time(
+        "train", m, Mesh(0, 8), 8, 1, 1, get_profile("h100"), Workload(prompt_len=256, gen_len=256)
+    )
     assert 2.0 < t["compute"] < 3.5
     assert 2.0 < t["total"] < 5.0
 
@@ -347,18 +458,27 @@ def test_transfer_time_by_hand():
     # A fixed cost per reallocation, and both scaled when the ranks share cores.
     slow = replace(HW, realloc_lat=1e-3, shared_cores=1, p2p_lat_ratio=0.5)
     plan = plan_realloc(m, Layout(ranks=(0,)), Layout(ranks=(1,)), ranks_per_node=4)
-    assert transfer_time(plan, slow) == pytest.approx(2 * (nbytes / 1e10 + plan.num_messages * 0.5e-5 + 1e-3))
+    assert transfer_time(plan, slow) == pytest.approx(
+        2 * (nbytes / 1e10 + plan.num_messages * 0.5e-5 + 1e-3)
+    )
 
 
-@pytest.mark.parametrize("a,b", [((8, 4), (20, 2)), ((0, 8), (24, 8)), ((4, 4), (6, 2)), ((16, 8), (4, 4))])
+@pytest.mark.parametrize(
+    "a,b", [((8, 4), (20, 2)), ((0, 8), (24, 8)), ((4, 4), (6, 2)), ((16, 8), (4, 4))]
+)
 def test_canonical_placement_keeps_the_cost(a, b):
     m = tiny()
     a, b = Mesh(*a), Mesh(*b)
     ca, cb = canonical_meshes(a, b, 4)
     assert ca.size == a.size and cb.size == b.size and min(ca.start, cb.start) < 4
-    direct = transfer_time(plan_realloc(m, Layout(dp=a.size, ranks=a.ranks), Layout(tp=2, dp=b.size // 2, ranks=b.ranks),
-                                        ranks_per_node=4), HW)
+    direct = transfer_time(
+        plan_realloc(
+            m,
+            Layout(dp=a.size, ranks=a.ranks),
+            Layout(tp=2, dp=b.size // 2, ranks=b.ranks),
+            ranks_per_node=4,
+        ),
+        HW,
+    )
     rc = ReallocCost(HW)
     assert rc.time(m, (a, a.size, 1, 1), (b, b.size // 2, 2, 1)) == pytest.approx(direct)
-
-

@@ -13,12 +13,28 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from support.vllm_cases import (assert_matches_transformers, export, free_port, generate, load_full, on_ranks,
-                        perturbed, send, shards_of, start_llm, trainer_engines, write_checkpoint)
+from support.vllm_cases import (
+    assert_matches_transformers,
+    export,
+    free_port,
+    generate,
+    load_full,
+    on_ranks,
+    perturbed,
+    send,
+    shards_of,
+    start_llm,
+    trainer_engines,
+    write_checkpoint,
+)
 
 from real_py import Layout, ModelShard, model_spec
-from real_py.interop import from_megatron_state_dict, megatron_config, megatron_layout, shard_from_params
+from real_py.interop import (
+    from_megatron_state_dict,
+    megatron_config,
+    megatron_layout,
+    shard_from_params,
+)
 from real_py.interop.adapters import to_megatron_state_dict
 
 pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -47,14 +63,18 @@ def _layouts(cfg):
         for r in layout.ranks:
             local = ModelShard.from_full(spec, layout, r, full).params()
             sd = to_megatron_state_dict(local, spec, layout, r)
-            out[r] = shard_from_params(spec, layout, r, from_megatron_state_dict(sd, spec, layout, r))
+            out[r] = shard_from_params(
+                spec, layout, r, from_megatron_state_dict(sd, spec, layout, r)
+            )
         return out
 
     fsdp = Layout(dp=4, dp_shard="dim0")
     tp2pp2 = Layout.parse("dp1,tp2,pp2")
-    return {"tp2pp2": (cfg, tp2pp2, lambda full: shards_of(cfg, tp2pp2, full)),
-            "fsdp2_dim0_dp4": (cfg, fsdp, lambda full: shards_of(cfg, fsdp, full)),
-            "megatron_grouped_tp2pp2": (mcfg, megatron_layout(tp=2, pp=2), megatron)}
+    return {
+        "tp2pp2": (cfg, tp2pp2, lambda full: shards_of(cfg, tp2pp2, full)),
+        "fsdp2_dim0_dp4": (cfg, fsdp, lambda full: shards_of(cfg, fsdp, full)),
+        "megatron_grouped_tp2pp2": (mcfg, megatron_layout(tp=2, pp=2), megatron),
+    }
 
 
 @pytest.mark.parametrize("name", ["tp2pp2", "fsdp2_dim0_dp4", "megatron_grouped_tp2pp2"])
@@ -66,7 +86,9 @@ def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
     engines = trainer_engines(llm, cfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != ref, "other weights sent, but vLLM still answers as the reference"
-    assert_matches_transformers(generate(llm), world["root"], name, world["cfg"], other, world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm), world["root"], name, world["cfg"], other, world["root"] / "init"
+    )
     # Every byte a worker holds arrived once; the trainers sent exactly the plan's minimum.
     plan = engines[0].plan.summary()
     assert plan["network_bytes"] == plan["min_network_bytes"]
@@ -91,8 +113,14 @@ def test_full_tensor_fallback_loads_through_vllm(world):
     assert generate(llm) == world["ref"]  # init alone changes nothing
     stats = send(engines)
     assert generate(llm) != world["ref"]
-    assert_matches_transformers(generate(llm), world["root"], "full3", cfg, perturbed(world["ref_full"], seed=3),
-                                world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm),
+        world["root"],
+        "full3",
+        cfg,
+        perturbed(world["ref_full"], seed=3),
+        world["root"] / "init",
+    )
     workers = stats[0]["workers"]
     assert all(w["full"] for w in workers)
     full_bytes = model_spec(cfg).numel * 4
@@ -127,9 +155,11 @@ def test_update_resets_the_prefix_cache(world):
 def test_wrong_model_or_dtype_refused_at_init_on_both_sides(world):
     llm, cfg = world["llm"], world["cfg"]
     layout = Layout(dp=2)
-    for bad, words in ((replace(cfg, num_hidden_layers=3), "does not match vLLM"),
-                       (replace(cfg, vocab_size=512), "does not match vLLM"),
-                       (replace(cfg, dtype="bfloat16"), "vLLM runs torch.float32")):
+    for bad, words in (
+        (replace(cfg, num_hidden_layers=3), "does not match vLLM"),
+        (replace(cfg, vocab_size=512), "does not match vLLM"),
+        (replace(cfg, dtype="bfloat16"), "vLLM runs torch.float32"),
+    ):
         spec = model_spec(bad)
         shards = {r: ModelShard.empty(spec, layout, r) for r in layout.ranks}
         with pytest.raises(RuntimeError, match=words) as e:
@@ -170,8 +200,15 @@ def _doomed_rank(cfg_dict, port, workers, ready, layout_dict):
 
     cfg, layout = config_from_dict(cfg_dict), Layout(**layout_dict)
     shard = ModelShard.from_full(model_spec(cfg), layout, DOOMED, perturbed_full(cfg))
-    info = RealPyTrainerInitInfo(rank=DOOMED, master_address="127.0.0.1", master_port=port, config=cfg,
-                                 layout=layout, num_workers=workers, timeout_s=30)
+    info = RealPyTrainerInitInfo(
+        rank=DOOMED,
+        master_address="127.0.0.1",
+        master_port=port,
+        config=cfg,
+        layout=layout,
+        num_workers=workers,
+        timeout_s=30,
+    )
     RealPyTrainerEngine.trainer_init(info, client=None, source=ShardSource(shard))
     ready.set()
     signal.pause()
@@ -195,19 +232,35 @@ def test_trainer_rank_killed_before_an_update_keeps_previous_weights(world):
     port, workers = free_port(), llm.llm_engine.vllm_config.parallel_config.world_size
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_doomed_rank, args=(config_dict(cfg), port, workers, ready, asdict(layout)))
+    proc = ctx.Process(
+        target=_doomed_rank, args=(config_dict(cfg), port, workers, ready, asdict(layout))
+    )
     proc.start()
     try:
+
         def init(r):
-            info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port,
-                                         config=cfg, layout=layout, num_workers=workers, timeout_s=30)
+            info = RealPyTrainerInitInfo(
+                rank=r,
+                master_address="127.0.0.1",
+                master_port=port,
+                config=cfg,
+                layout=layout,
+                num_workers=workers,
+                timeout_s=30,
+            )
             return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shards[r]))
 
         engines = on_ranks([r for r in range(4) if r != DOOMED], init)
         plan = engines[0].plan
-        takers = {w for m in range(plan.num_messages) if int(plan.msg_sender[m]) == DOOMED
-                  for w in plan.receivers(m)}
-        assert takers and takers != set(plan.dst.ranks), "the test needs a worker that does not wait on the dead rank"
+        takers = {
+            w
+            for m in range(plan.num_messages)
+            if int(plan.msg_sender[m]) == DOOMED
+            for w in plan.receivers(m)
+        }
+        assert takers and takers != set(plan.dst.ranks), (
+            "the test needs a worker that does not wait on the dead rank"
+        )
         assert ready.wait(60)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)

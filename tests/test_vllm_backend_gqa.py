@@ -7,9 +7,18 @@ lm_head's re-processing in real_py/vllm/worker.py."""
 from __future__ import annotations
 
 import pytest
-
-from support.vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
-                        start_llm, trainer_engines, write_checkpoint)
+from support.vllm_cases import (
+    assert_matches_transformers,
+    export,
+    generate,
+    load_full,
+    perturbed,
+    send,
+    shards_of,
+    start_llm,
+    trainer_engines,
+    write_checkpoint,
+)
 
 from real_py import Layout
 
@@ -19,7 +28,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_gqa")
-    cfg = write_checkpoint(root / "init", model_type="llama", vocab=1000, heads=4, kv_heads=1, tie=True)
+    cfg = write_checkpoint(
+        root / "init", model_type="llama", vocab=1000, heads=4, kv_heads=1, tie=True
+    )
     ref_full = perturbed(load_full(root / "init", cfg), seed=1)
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
@@ -36,8 +47,9 @@ def test_update_with_replicated_kv_heads(world, text):
     engines = trainer_engines(llm, cfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != world["ref"]
-    assert_matches_transformers(generate(llm), world["root"], text.replace(",", "_"), cfg, other,
-                                world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm), world["root"], text.replace(",", "_"), cfg, other, world["root"] / "init"
+    )
     plan = engines[0].plan.summary()
     # Both workers hold the one kv head: each receives its copy once, nothing more.
     assert plan["network_bytes"] == plan["min_network_bytes"]

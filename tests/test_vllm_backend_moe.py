@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from support.vllm_cases import (assert_matches_transformers, export, free_port, generate, on_ranks, perturbed, send,
-                        start_llm)
+from support.vllm_cases import (
+    assert_matches_transformers,
+    export,
+    free_port,
+    generate,
+    on_ranks,
+    perturbed,
+    send,
+    start_llm,
+)
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec
 from real_py.interop.hf import load_hf_experts, load_hf_shard
@@ -23,11 +30,22 @@ pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
 def _write_moe(path) -> ModelConfig:
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=500, hidden_size=128, intermediate_size=256,
-                                      moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      num_hidden_layers=2, max_position_embeddings=256,
-                                      torch_dtype="float32", decoder_sparse_step=1, mlp_only_layers=[])
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=500,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        torch_dtype="float32",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
     return ModelConfig.from_hf(str(path))
@@ -37,7 +55,9 @@ def _full(path, cfg):
     layout = Layout()
     dense = load_hf_shard(str(path), cfg, layout, 0)
     full = {k: v.clone() for k, v in dense.params().items()}
-    full.update({k: v.clone() for k, v in load_hf_experts(str(path), cfg, layout, 0).params().items()})
+    full.update(
+        {k: v.clone() for k, v in load_hf_experts(str(path), cfg, layout, 0).params().items()}
+    )
     return full
 
 
@@ -54,8 +74,13 @@ def world(tmp_path_factory):
 
 def _sources(cfg, layout, full):
     spec = model_spec(cfg)
-    return {r: (ModelShard.from_full(spec, layout, r, full), ExpertShard.from_full(spec, layout, r, full))
-            for r in layout.ranks}
+    return {
+        r: (
+            ModelShard.from_full(spec, layout, r, full),
+            ExpertShard.from_full(spec, layout, r, full),
+        )
+        for r in layout.ranks
+    }
 
 
 @pytest.mark.parametrize("text", ["dp2,tp2,ep2", "dp2,pp2,ep2"])
@@ -67,15 +92,23 @@ def test_moe_update_equals_fresh_engine(world, text):
     port, workers = free_port(), llm.llm_engine.vllm_config.parallel_config.world_size
 
     def init(r):
-        info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port, config=cfg,
-                                     layout=layout, num_workers=workers, timeout_s=60)
+        info = RealPyTrainerInitInfo(
+            rank=r,
+            master_address="127.0.0.1",
+            master_port=port,
+            config=cfg,
+            layout=layout,
+            num_workers=workers,
+            timeout_s=60,
+        )
         return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(*src[r]))
 
     engines = on_ranks(layout.ranks, init)
     stats = send(engines)
     assert generate(llm) != world["ref"]
-    assert_matches_transformers(generate(llm), world["root"], text.replace(",", "_"), cfg, other,
-                                world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm), world["root"], text.replace(",", "_"), cfg, other, world["root"] / "init"
+    )
     plan = engines[0].plan.summary()
     assert plan["network_bytes"] == plan["min_network_bytes"]
     assert sum(w["received_bytes"] for w in stats[0]["workers"]) == plan["network_bytes"]
@@ -96,8 +129,16 @@ def test_moe_full_tensors_refused_on_both_sides(world):
     port, workers = free_port(), llm.llm_engine.vllm_config.parallel_config.world_size
 
     def init(r):
-        info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port, config=cfg,
-                                     layout=layout, num_workers=workers, timeout_s=30, full_tensors=True)
+        info = RealPyTrainerInitInfo(
+            rank=r,
+            master_address="127.0.0.1",
+            master_port=port,
+            config=cfg,
+            layout=layout,
+            num_workers=workers,
+            timeout_s=30,
+            full_tensors=True,
+        )
         return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(*src[r]))
 
     with pytest.raises(RuntimeError, match="re-pack experts"):

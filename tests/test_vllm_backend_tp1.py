@@ -5,9 +5,18 @@ A failure points to real_py/vllm/ or the vLLM storage format at tp=1 (spec/forma
 from __future__ import annotations
 
 import pytest
-
-from support.vllm_cases import (assert_matches_transformers, export, generate, load_full, perturbed, send, shards_of,
-                        start_llm, trainer_engines, write_checkpoint)
+from support.vllm_cases import (
+    assert_matches_transformers,
+    export,
+    generate,
+    load_full,
+    perturbed,
+    send,
+    shards_of,
+    start_llm,
+    trainer_engines,
+    write_checkpoint,
+)
 
 from real_py import Layout, ModelShard, model_spec
 from real_py.interop import megatron_config, megatron_layout
@@ -29,17 +38,26 @@ def world(tmp_path_factory):
 @pytest.mark.parametrize("name", ["tp2pp2", "fsdp2_dim0_dp4", "megatron_grouped_tp2"])
 def test_update_equals_fresh_engine_on_exported_checkpoint(world, name):
     llm, cfg = world["llm"], world["cfg"]
-    layout = {"tp2pp2": Layout.parse("dp1,tp2,pp2"), "fsdp2_dim0_dp4": Layout(dp=4, dp_shard="dim0"),
-              "megatron_grouped_tp2": megatron_layout(dp=2, tp=2)}[name]
+    layout = {
+        "tp2pp2": Layout.parse("dp1,tp2,pp2"),
+        "fsdp2_dim0_dp4": Layout(dp=4, dp_shard="dim0"),
+        "megatron_grouped_tp2": megatron_layout(dp=2, tp=2),
+    }[name]
     tcfg = megatron_config(cfg) if name.startswith("megatron") else cfg
     other = perturbed(world["ref_full"], seed=4)
     shards = {r: ModelShard.from_full(model_spec(tcfg), layout, r, other) for r in layout.ranks}
     engines = trainer_engines(llm, tcfg, layout, shards)
     stats = send(engines)
     assert generate(llm) != world["ref"]
-    assert_matches_transformers(generate(llm), world["root"], name, cfg, other, world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm), world["root"], name, cfg, other, world["root"] / "init"
+    )
     plan = engines[0].plan.summary()
-    assert plan["network_bytes"] == plan["min_network_bytes"] == stats[0]["workers"][0]["received_bytes"]
+    assert (
+        plan["network_bytes"]
+        == plan["min_network_bytes"]
+        == stats[0]["workers"][0]["received_bytes"]
+    )
     for r, sh in shards_of(tcfg, layout, world["ref_full"]).items():
         shards[r].flat.copy_(sh.flat)
     send(engines)
@@ -57,7 +75,9 @@ def test_full_tensor_fallback_repacks_a_tied_lm_head(world):
     engines = trainer_engines(llm, cfg, layout, shards, full_tensors=True)
     stats = send(engines)
     assert all(w["full"] for w in stats[0]["workers"])
-    assert_matches_transformers(generate(llm), world["root"], "full_tied", cfg, other, world["root"] / "init")
+    assert_matches_transformers(
+        generate(llm), world["root"], "full_tied", cfg, other, world["root"] / "init"
+    )
     for r, sh in shards_of(cfg, layout, world["ref_full"]).items():
         shards[r].flat.copy_(sh.flat)
     send(engines)
@@ -98,11 +118,11 @@ def test_holds_storage_sees_parameters_attributes_and_closures():
     m = torch.nn.Linear(4, 4)
     assert not _holds_storage(m, buf.untyped_storage().data_ptr())
     view = buf[8:24].view(4, 4)
-    m.cpu_linear = lambda x, w, b: x @ view  # noqa: E731 - captured, as vLLM's dispatch does
+    m.cpu_linear = lambda x, w, b: x @ view
     assert _holds_storage(m, buf.untyped_storage().data_ptr())
-    m.cpu_linear = lambda x, w, b, _w=view.t(): x @ _w  # noqa: E731
+    m.cpu_linear = lambda x, w, b, _w=view.t(): x @ _w
     assert _holds_storage(m, buf.untyped_storage().data_ptr())
-    m.cpu_linear = lambda x, w, b, _w=other: x @ _w  # noqa: E731
+    m.cpu_linear = lambda x, w, b, _w=other: x @ _w
     assert not _holds_storage(m, buf.untyped_storage().data_ptr())
     m.weight.data = buf[:16].view(4, 4)
     assert _holds_storage(m, buf.untyped_storage().data_ptr())

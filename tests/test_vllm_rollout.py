@@ -9,12 +9,9 @@ real_py/rlhf/calls.py (_generate_vllm, the gap metrics)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-from support import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
+from support import vllm_cases
 
 from real_py.rlhf import config as CF
 from real_py.rlhf.ppo import response_mask
@@ -33,18 +30,43 @@ def _plan(gen: str, train: str) -> dict:
         lay = Layout.parse(text)
         return {"ranks": list(lay.ranks), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
 
-    return {"world_size": 4, "calls": {"actor_gen": one(gen), "ref_inf": one("dp4"), "rew_inf": one("dp4"),
-                                       "actor_train": one(train)}}
+    return {
+        "world_size": 4,
+        "calls": {
+            "actor_gen": one(gen),
+            "ref_inf": one("dp4"),
+            "rew_inf": one("dp4"),
+            "actor_train": one(train),
+        },
+    }
 
 
 def _config(ckpt, out, engine, gen="dp2,tp2", train="dp1,tp2,pp2", **kw) -> dict:
-    return {"algo": "grpo", "steps": 2, "seed": 3, "actor_path": str(ckpt), "out_dir": str(out),
-            "save_every": 0, "reward": {"kind": "rule", "target_token": 7},
-            "data": {"batch_size": 8, "max_prompt_len": 8, "min_prompt_len": 4},
-            "ppo": {"group_size": 2, "ppo_epochs": 1, "mini_batches": 1, "actor_lr": 1e-2, **kw.pop("ppo", {})},
-            "generation": {"engine": engine, "max_new_tokens": 6, "vllm_kv_cache_gib": 1,
-                           **kw.pop("generation", {})},
-            "plan": _plan(gen, train), **kw}
+    return {
+        "algo": "grpo",
+        "steps": 2,
+        "seed": 3,
+        "actor_path": str(ckpt),
+        "out_dir": str(out),
+        "save_every": 0,
+        "reward": {"kind": "rule", "target_token": 7},
+        "data": {"batch_size": 8, "max_prompt_len": 8, "min_prompt_len": 4},
+        "ppo": {
+            "group_size": 2,
+            "ppo_epochs": 1,
+            "mini_batches": 1,
+            "actor_lr": 1e-2,
+            **kw.pop("ppo", {}),
+        },
+        "generation": {
+            "engine": engine,
+            "max_new_tokens": 6,
+            "vllm_kv_cache_gib": 1,
+            **kw.pop("generation", {}),
+        },
+        "plan": _plan(gen, train),
+        **kw,
+    }
 
 
 def _job(rank, world, d):
@@ -56,9 +78,15 @@ def _job(rank, world, d):
         res = rt.iteration(step)
         st = res["store"]
         # rank 0 holds every row of the rollout keys (dp4 reference call reads them all)
-        out.append({k: st.data[k].tolist() for k in ("tokens", "lengths", "prompt_lengths", "old_logp", "rollout_logp")
-                    if k in st.data} | {"metrics": res["metrics"]})
-    with open("/proc/self/maps") as f:   # vLLM's CPU tp-group segments this rank maps
+        out.append(
+            {
+                k: st.data[k].tolist()
+                for k in ("tokens", "lengths", "prompt_lengths", "old_logp", "rollout_logp")
+                if k in st.data
+            }
+            | {"metrics": res["metrics"]}
+        )
+    with open("/proc/self/maps") as f:  # vLLM's CPU tp-group segments this rank maps
         shm = sorted({line.split(None, 5)[5].strip() for line in f if "cpushm" in line})
     return (out, shm) if rank == 0 else None
 
@@ -82,8 +110,10 @@ def test_vllm_generation_equals_the_builtin_engine_over_steps(ckpt):
     # under the external launcher: their names are gone once vLLM started (the next job with
     # tp > 1 on this machine would fail to create them), the mappings stay.
     assert shm and all(p.endswith("(deleted)") for p in shm), shm
-    runs = {k: [{n: torch.tensor(x) if n != "metrics" else x for n, x in s.items()} for s in r]
-            for k, r in runs.items()}
+    runs = {
+        k: [{n: torch.tensor(x) if n != "metrics" else x for n, x in s.items()} for s in r]
+        for k, r in runs.items()
+    }
     for step in range(2):
         b, v = runs["builtin"][step], runs["vllm"][step]
         assert torch.equal(b["lengths"], v["lengths"]), step
@@ -92,12 +122,16 @@ def test_vllm_generation_equals_the_builtin_engine_over_steps(ckpt):
         assert mask.sum() > 0
         gap = ((v["old_logp"] - v["rollout_logp"]).abs() * mask).max().item()
         assert gap < 1e-4, (step, gap)
-        assert ((v["rollout_logp"] != 0).float() * (1 - mask)).sum() == 0   # nothing off the response
+        assert (
+            (v["rollout_logp"] != 0).float() * (1 - mask)
+        ).sum() == 0  # nothing off the response
         assert 0 <= v["metrics"]["rollout_logp_diff"] < 1e-4
         assert abs(v["metrics"]["rollout_kl"]) < 1e-6
         # the trainer's recompute equals the built-in engine's log-probs of the same tokens
         assert ((v["old_logp"] - b["old_logp"]).abs() * mask).max().item() < 1e-4
-    assert not torch.equal(runs["vllm"][0]["tokens"], runs["vllm"][1]["tokens"])  # the weights moved
+    assert not torch.equal(
+        runs["vllm"][0]["tokens"], runs["vllm"][1]["tokens"]
+    )  # the weights moved
 
 
 def test_vllm_sampling_is_seeded_per_row_and_tis_weights_apply(ckpt):
@@ -105,8 +139,14 @@ def test_vllm_sampling_is_seeded_per_row_and_tis_weights_apply(ckpt):
     same seeds give the same tokens; tis_cap reports the capped share."""
     outs = []
     for i in range(2):
-        d = _config(ckpt / "actor", ckpt / f"out_s{i}", "vllm", gen="dp4", train="dp2,tp2",
-                    ppo={"tis_cap": 2.0})
+        d = _config(
+            ckpt / "actor",
+            ckpt / f"out_s{i}",
+            "vllm",
+            gen="dp4",
+            train="dp2,tp2",
+            ppo={"tis_cap": 2.0},
+        )
         outs.append(run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0][0])
     assert outs[0][0]["tokens"] == outs[1][0]["tokens"]
     m = outs[0][1]["metrics"]

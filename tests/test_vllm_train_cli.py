@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support import vllm_cases  # noqa: F401 - skips without vLLM (fails under make test-vllm)
 
 pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -24,9 +23,28 @@ CONFIG = os.path.join(ROOT, "configs", "copy_task", "grpo_vllm.yaml")
 
 
 def _train(out, *args) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "real_py", "train", "--config", CONFIG, "--out-dir", str(out),
-                        "--no-progress", "--timeout", "120", "data.batch_size=32", "ppo.group_size=4", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "real_py",
+            "train",
+            "--config",
+            CONFIG,
+            "--out-dir",
+            str(out),
+            "--no-progress",
+            "--timeout",
+            "120",
+            "data.batch_size=32",
+            "ppo.group_size=4",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -51,8 +69,12 @@ def test_resume_and_export_with_vllm_generation(tmp_path):
     # The exports of both runs are the same trained actor, bit for bit, and transformers loads it.
     def tensors(run):
         d = run / "hf" / "actor"
-        return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
-                for k, v in load_file(str(d / f)).items()}
+        return {
+            k: v
+            for f in sorted(os.listdir(d))
+            if f.endswith(".safetensors")
+            for k, v in load_file(str(d / f)).items()
+        }
 
     ta, tb = tensors(a), tensors(b)
     assert ta.keys() == tb.keys() and ta
@@ -99,10 +121,28 @@ def test_killing_the_launcher_ends_every_vllm_process(tmp_path):
     import time
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "real_py", "train", "--config", CONFIG, "--out-dir", str(out),
-                             "--no-progress", "--timeout", "120", "steps=1000", "data.batch_size=32",
-                             "ppo.group_size=4"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "real_py",
+            "train",
+            "--config",
+            CONFIG,
+            "--out-dir",
+            str(out),
+            "--no-progress",
+            "--timeout",
+            "120",
+            "steps=1000",
+            "data.batch_size=32",
+            "ppo.group_size=4",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -125,8 +165,10 @@ def test_killing_the_launcher_ends_every_vllm_process(tmp_path):
         deadline = time.monotonic() + 60
         while any(_alive(p) for p in job) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not [p for p in job if _alive(p)], ("outlived the killed launcher",
-                                                   {p: cmdlines[p] for p in job if _alive(p)})
+        assert not [p for p in job if _alive(p)], (
+            "outlived the killed launcher",
+            {p: cmdlines[p] for p in job if _alive(p)},
+        )
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: one session

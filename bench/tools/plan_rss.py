@@ -30,8 +30,11 @@ CASES = {
 
 def _status() -> dict:
     with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmRSS", "VmHWM")}
+        return {
+            k: int(v.split()[0]) * 1024
+            for k, v in (line.split(":", 1) for line in f)
+            if k in ("VmRSS", "VmHWM")
+        }
 
 
 def _one(case: str) -> dict:
@@ -39,6 +42,7 @@ def _one(case: str) -> dict:
 
     sys.path.insert(0, os.path.dirname(HERE))
     import bench_plan as B
+
     from real_py import Layout
 
     name, src_s, dst_s, mode, rpn, rank = CASES[case]
@@ -46,7 +50,7 @@ def _one(case: str) -> dict:
     B.clear_caches()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                              # VmHWM := VmRSS
+        f.write("5")  # VmHWM := VmRSS
     before = _status()
     plan, rs, *_ = B.one_rank(model, src, dst, mode, rpn, rank)
     after = _status()
@@ -65,14 +69,21 @@ def _one(case: str) -> dict:
     gc.collect()
     libc.malloc_trim(0)
     none = _status()
-    MiB = 2 ** 20
-    return {"case": case, "model": name, "src": src_s, "dst": dst_s, "rank": rank,
-            "peak_growth_MiB": (after["VmHWM"] - before["VmRSS"]) / MiB,
-            "kept_with_plan_MiB": (after["VmRSS"] - before["VmRSS"]) / MiB,
-            "kept_schedule_only_MiB": (only_schedule["VmRSS"] - before["VmRSS"]) / MiB,
-            "live_schedule_MiB": (trimmed["VmRSS"] - before["VmRSS"]) / MiB,
-            "after_all_freed_MiB": (none["VmRSS"] - before["VmRSS"]) / MiB,
-            "cpp_held_MiB": held / MiB, "baseline_rss_MiB": before["VmRSS"] / MiB}
+    MiB = 2**20
+    return {
+        "case": case,
+        "model": name,
+        "src": src_s,
+        "dst": dst_s,
+        "rank": rank,
+        "peak_growth_MiB": (after["VmHWM"] - before["VmRSS"]) / MiB,
+        "kept_with_plan_MiB": (after["VmRSS"] - before["VmRSS"]) / MiB,
+        "kept_schedule_only_MiB": (only_schedule["VmRSS"] - before["VmRSS"]) / MiB,
+        "live_schedule_MiB": (trimmed["VmRSS"] - before["VmRSS"]) / MiB,
+        "after_all_freed_MiB": (none["VmRSS"] - before["VmRSS"]) / MiB,
+        "cpp_held_MiB": held / MiB,
+        "baseline_rss_MiB": before["VmRSS"] / MiB,
+    }
 
 
 def main() -> None:
@@ -87,33 +98,57 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         for _ in range(args.repeats):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", case],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--one", case],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
     sys.path.insert(0, os.path.dirname(HERE))
     from timing import hardware_tag, write_results
 
-    cols = ["case", "model", "src", "dst", "rank", "peak_growth_MiB", "kept_with_plan_MiB", "kept_schedule_only_MiB",
-            "live_schedule_MiB", "after_all_freed_MiB", "cpp_held_MiB", "baseline_rss_MiB"]
+    cols = [
+        "case",
+        "model",
+        "src",
+        "dst",
+        "rank",
+        "peak_growth_MiB",
+        "kept_with_plan_MiB",
+        "kept_schedule_only_MiB",
+        "live_schedule_MiB",
+        "after_all_freed_MiB",
+        "cpp_held_MiB",
+        "baseline_rss_MiB",
+    ]
     paths = write_results(
-        "plan_rss", hardware_tag("cpu"), rows, columns=cols,
+        "plan_rss",
+        hardware_tag("cpu"),
+        rows,
+        columns=cols,
         title="Resident memory of one rank's cold plan + own schedule (fresh process per row)",
         notes="peak_growth_MiB: VmHWM after the build minus VmRSS before it (peak reset with "
-              "/proc/self/clear_refs); kept_with_plan_MiB / kept_schedule_only_MiB: VmRSS growth with the plan "
-              "and schedule alive / with the schedule only (glibc keeps freed blocks resident); "
-              "live_schedule_MiB: the same after malloc_trim(0), i.e. what the rank really keeps; "
-              "after_all_freed_MiB: nothing kept, after malloc_trim (import-time caches). cpp_held_MiB: "
-              "RankSchedule.held_bytes, the C++ side's own peak accounting that bench_plan.py reports "
-              "(rank_cpp_MiB). Each case in a new interpreter, as bench_plan.one_rank builds it.")
+        "/proc/self/clear_refs); kept_with_plan_MiB / kept_schedule_only_MiB: VmRSS growth with the plan "
+        "and schedule alive / with the schedule only (glibc keeps freed blocks resident); "
+        "live_schedule_MiB: the same after malloc_trim(0), i.e. what the rank really keeps; "
+        "after_all_freed_MiB: nothing kept, after malloc_trim (import-time caches). cpp_held_MiB: "
+        "RankSchedule.held_bytes, the C++ side's own peak accounting that bench_plan.py reports "
+        "(rank_cpp_MiB). Each case in a new interpreter, as bench_plan.one_rank builds it.",
+    )
     print("wrote", *paths)
-    print("| case | rank | peak RSS growth MiB | resident after (plan + schedule) MiB | resident, schedule only "
-          "MiB | schedule only, after malloc_trim MiB | all freed + trim MiB | C++ held MiB |")
+    print(
+        "| case | rank | peak RSS growth MiB | resident after (plan + schedule) MiB | resident, schedule only "
+        "MiB | schedule only, after malloc_trim MiB | all freed + trim MiB | C++ held MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['rank']} | {r['peak_growth_MiB']:.1f} | {r['kept_with_plan_MiB']:.1f} | "
-              f"{r['kept_schedule_only_MiB']:.1f} | {r['live_schedule_MiB']:.1f} | {r['after_all_freed_MiB']:.1f} | "
-              f"{r['cpp_held_MiB']:.2f} |")
+        print(
+            f"| {r['case']} | {r['rank']} | {r['peak_growth_MiB']:.1f} | {r['kept_with_plan_MiB']:.1f} | "
+            f"{r['kept_schedule_only_MiB']:.1f} | {r['live_schedule_MiB']:.1f} | {r['after_all_freed_MiB']:.1f} | "
+            f"{r['cpp_held_MiB']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

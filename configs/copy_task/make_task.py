@@ -24,8 +24,9 @@ def make_tokenizer(path: str) -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tok.save_pretrained(path)
     return tok
 

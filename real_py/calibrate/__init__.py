@@ -7,5 +7,12 @@ from .measure import calibrate_cpu, calibrate_gpu
 from .profiles import cpu_profile, resolve_profile
 from .setup import DEFAULT, Setup
 
-__all__ = ["resolve_profile", "cpu_profile", "calibrate_cpu", "calibrate_gpu", "profile_from_raw", "Setup",
-           "DEFAULT"]
+__all__ = [
+    "resolve_profile",
+    "cpu_profile",
+    "calibrate_cpu",
+    "calibrate_gpu",
+    "profile_from_raw",
+    "Setup",
+    "DEFAULT",
+]

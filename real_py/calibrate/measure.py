@@ -54,7 +54,7 @@ from ..rlhf.models import init_weights
 from ..search.hardware import PROFILES
 from ..spec import model_spec
 from .fit import fit_single, profile_from_raw
-from .setup import DEFAULT, G, LAYERS, PP_LAYERS, Setup, realloc_plan
+from .setup import DEFAULT, LAYERS, PP_LAYERS, G, Setup, realloc_plan
 
 __all__ = ["calibrate_cpu", "calibrate_gpu", "profile_from_raw", "Setup", "DEFAULT"]
 
@@ -80,12 +80,22 @@ def _timed(fns: dict, reps: int, group=None, sync=None) -> dict[str, float]:
 
 
 def _inputs(cal: Setup, rank: int, rows: int, device="cpu"):
-    tok = torch.randint(1, cal.vocab_size, (rows, cal.seq), generator=torch.Generator().manual_seed(rank))
+    tok = torch.randint(
+        1, cal.vocab_size, (rows, cal.seq), generator=torch.Generator().manual_seed(rank)
+    )
     return tok.to(device), torch.full((rows,), cal.seq, device=device)
 
 
-def _engine(cal: Setup, layout, groups, rank: int, layers: int, head: str = "lm", train: bool = False,
-            device="cpu"):
+def _engine(
+    cal: Setup,
+    layout,
+    groups,
+    rank: int,
+    layers: int,
+    head: str = "lm",
+    train: bool = False,
+    device="cpu",
+):
     cfg = cal.config(layers, head)
     shard = ModelShard.from_full(model_spec(cfg), layout, rank, init_weights(cfg, 0), device)
     return Engine(cfg, layout, groups, shard, optim=OptimConfig(lr=1e-5) if train else None)
@@ -94,8 +104,13 @@ def _engine(cal: Setup, layout, groups, rank: int, layers: int, head: str = "lm"
 def _generate(cal: Setup, eng, tok, n: int):
     """tok on the CPU, as the runtime's data store hands prompts to generate()."""
     b = tok.shape[0]
-    return eng.generate(tok[:, :cal.prompt], torch.full((b,), cal.prompt), torch.arange(b), max_new_tokens=n,
-                        greedy=False)
+    return eng.generate(
+        tok[:, : cal.prompt],
+        torch.full((b,), cal.prompt),
+        torch.arange(b),
+        max_new_tokens=n,
+        greedy=False,
+    )
 
 
 def _ppo_loss(cal: Setup, head: str, tok):
@@ -103,7 +118,9 @@ def _ppo_loss(cal: Setup, head: str, tok):
     clip-fraction read-outs (lm head) or clipped value loss (value head), over random targets."""
     g, d, (b, t) = torch.Generator().manual_seed(7), tok.device, tok.shape
     n = t - 1  # log-probs of tokens 1..t-1; values of positions 0..t-2
-    mask = ppo.response_mask(torch.full((b,), cal.prompt, device=d), torch.full((b,), t, device=d), t)
+    mask = ppo.response_mask(
+        torch.full((b,), cal.prompt, device=d), torch.full((b,), t, device=d), t
+    )
     old, adv = (torch.randn(b, n, generator=g) - 3.0).to(d), torch.randn(b, n, generator=g).to(d)
 
     def loss_fn(out, data):
@@ -130,14 +147,22 @@ def _single_rank_costs(cal: Setup, rank: int, g, busy, reps: int, device="cpu") 
             eng = _engine(cal, g.layout, g, rank, L, head, train=True, device=device)
             fns[f"{head}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
             fns[f"{head}_train_{L}"] = lambda eng=eng, loss=loss, head=head: eng.train_step(
-                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=head == "lm")
+                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=head == "lm"
+            )
             if head == "lm":
                 for n in G:
                     fns[f"gen{n}_{L}"] = lambda eng=eng, n=n: _generate(cal, eng, prompts, n)
-    return _timed(fns, reps, busy, sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
+    return _timed(
+        fns,
+        reps,
+        busy,
+        sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None,
+    )
 
 
-def _pair_costs(cal: Setup, rank: int, pg, busy, reps: int, prefix: str, layers, train: bool) -> dict:
+def _pair_costs(
+    cal: Setup, rank: int, pg, busy, reps: int, prefix: str, layers, train: bool
+) -> dict:
     """The lm engine on this rank's pair (tp=2 or pp=2 groups `pg`): inference, generation and
     optionally a train step, for each layer count."""
     tok, lengths = _inputs(cal, rank, cal.rows)
@@ -147,8 +172,9 @@ def _pair_costs(cal: Setup, rank: int, pg, busy, reps: int, prefix: str, layers,
         eng = _engine(cal, pg.layout, pg, rank, L, train=train)
         fns[f"{prefix}_inf_{L}"] = lambda eng=eng: eng.inference(tok, lengths)
         if train:
-            fns[f"{prefix}_train_{L}"] = lambda eng=eng, loss=_ppo_loss(cal, "lm", ttok): eng.train_step(
-                loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=True)
+            fns[f"{prefix}_train_{L}"] = lambda eng=eng, loss=_ppo_loss(cal, "lm", ttok): (
+                eng.train_step(loss, {"tokens": ttok, "lengths": tlengths}, with_entropy=True)
+            )
         for n in G:
             fns[f"{prefix}_gen{n}_{L}"] = lambda eng=eng, n=n: _generate(cal, eng, tok, n)
     return _timed(fns, reps, busy)
@@ -180,7 +206,9 @@ def _coll_growth(rank: int, pair, reps: int) -> dict:
         for _ in range(n):
             dist.all_reduce(x, group=pair)
 
-    return {f"allreduce_{k}_s": v / n for k, v in _timed({"world": world, "pair": pairs}, reps).items()}
+    return {
+        f"allreduce_{k}_s": v / n for k, v in _timed({"world": world, "pair": pairs}, reps).items()
+    }
 
 
 def _realloc_cost(cal: Setup, rank: int, transport, n: int, busy, reps: int) -> dict:
@@ -200,7 +228,7 @@ def _roofline(busy) -> dict:
     while time.perf_counter() - t0 < 0.5:
         a @ b
         reps += 1
-    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
     src = np.ones(32 << 20, np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -209,7 +237,10 @@ def _roofline(busy) -> dict:
     for _ in range(4):
         np.copyto(dst, src)
     # Bytes read + written, like the GPU HBM figures.
-    return {"matmul_flops": flops, "memcpy_bytes_per_s": 2 * 4 * src.nbytes / (time.perf_counter() - t0)}
+    return {
+        "matmul_flops": flops,
+        "memcpy_bytes_per_s": 2 * 4 * src.nbytes / (time.perf_counter() - t0),
+    }
 
 
 def _worker(rank: int, world: int, n: int, reps: int, cal: Setup = DEFAULT) -> dict:
@@ -256,8 +287,10 @@ def _calibrate_once(reps: int, cal: Setup = DEFAULT) -> dict:
     n = min(max(2, cores // 2 * 2), 4)  # phase A ranks: pairs, one per core, at most 4
     res = spawn_ranks(_worker, 2 * n, n, reps, cal, timeout=600)
     # Slowest rank for times, slowest rank's rate for rates: what a synchronous runtime sees.
-    raw = {k: (min if k.endswith("per_s") or k == "matmul_flops" else max)(r[k] for r in res if k in r)
-           for k in res[0]}
+    raw = {
+        k: (min if k.endswith("per_s") or k == "matmul_flops" else max)(r[k] for r in res if k in r)
+        for k in res[0]
+    }
     raw |= {"ranks": 2 * n, "cpus": cores, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         raw["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -266,7 +299,9 @@ def _calibrate_once(reps: int, cal: Setup = DEFAULT) -> dict:
     return raw
 
 
-def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=None, setup: Setup = DEFAULT):
+def calibrate_gpu(
+    base: str = "h200", reps: int = 25, repeats: int = 3, device=None, setup: Setup = DEFAULT
+):
     """The datasheet profile `base` (real_py.search.hardware.PROFILES) with this GPU's fixed
     seconds per layer and per pass (kernel launches and host dispatch, which the datasheet
     profiles leave at zero): the calibration model's engines of phase A, one rank on one GPU,
@@ -280,12 +315,16 @@ def calibrate_gpu(base: str = "h200", reps: int = 25, repeats: int = 3, device=N
         raise ValueError(f"repeats={repeats} must be >= 1")
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ValueError(f"calibrate_gpu times one rank; the initialized world has {dist.get_world_size()}")
+            raise ValueError(
+                f"calibrate_gpu times one rank; the initialized world has {dist.get_world_size()}"
+            )
         raws = [_gpu_costs(0, 1, reps, device, setup) for _ in range(repeats)]
     else:
         backend = "gloo" if device is not None and torch.device(device).type == "cpu" else "nccl"
-        raws = [spawn_ranks(_gpu_costs, 1, reps, device, setup, timeout=600, backend=backend)[0]
-                for _ in range(repeats)]
+        raws = [
+            spawn_ranks(_gpu_costs, 1, reps, device, setup, timeout=600, backend=backend)[0]
+            for _ in range(repeats)
+        ]
     prof = PROFILES[base]
     fits = [fit_single(raw, prof.flops, setup) for raw in raws]
     kw = {k: statistics.median(f[k] for f in fits) for k in fits[0]}
@@ -300,6 +339,10 @@ def _gpu_costs(rank: int, world: int, reps: int, device=None, cal: Setup = DEFAU
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    out = _single_rank_costs(cal, rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev)
-    return out | {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = _single_rank_costs(
+        cal, rank, ParallelGroups(Layout(ranks=(rank,))), None, reps, device=dev
+    )
+    return out | {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

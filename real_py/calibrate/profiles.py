@@ -16,7 +16,9 @@ from .setup import DEFAULT, Setup
 
 
 def _cache_path() -> str:
-    base = os.environ.get("REAL_PY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "real_py")
+    base = os.environ.get("REAL_PY_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "real_py"
+    )
     return os.path.join(base, "cpu_profile.json")
 
 
@@ -29,14 +31,18 @@ def resolve_profile(name: str) -> HardwareProfile:
     try:
         return get_profile(name)
     except ValueError:
-        raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}") from None
+        raise ValueError(
+            f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}"
+        ) from None
 
 
 CACHE_VERSION = 12
 """Bumped when calibrate_cpu measures something new: older cache files are recalibrated."""
 
 
-def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT) -> HardwareProfile:
+def cpu_profile(
+    refresh: bool = False, reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT
+) -> HardwareProfile:
     """The calibrated `cpu` profile of this machine (real_py.calibrate.measure), cached in
     $REAL_PY_CACHE or ~/.cache/real_py; `refresh` measures again (`reps` runs per figure, each
     field the median of `repeats` calibrations). `setup`: the calibration engines (default: the
@@ -46,12 +52,24 @@ def cpu_profile(refresh: bool = False, reps: int = 25, repeats: int = 3, setup: 
     if not refresh and os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-        if (data.get("machine") == platform.node() and data.get("version") == CACHE_VERSION
-                and data.get("setup") == asdict(setup)):
+        if (
+            data.get("machine") == platform.node()
+            and data.get("version") == CACHE_VERSION
+            and data.get("setup") == asdict(setup)
+        ):
             return HardwareProfile(**data["profile"])
     prof, raw = calibrate_cpu(reps, repeats, setup)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"machine": platform.node(), "version": CACHE_VERSION, "setup": asdict(setup), "measured": raw,
-                   "profile": asdict(prof)}, f, indent=1)
+        json.dump(
+            {
+                "machine": platform.node(),
+                "version": CACHE_VERSION,
+                "setup": asdict(setup),
+                "measured": raw,
+                "profile": asdict(prof),
+            },
+            f,
+            indent=1,
+        )
     return prof

@@ -53,28 +53,53 @@ class Setup:
         if not 1 <= self.prompt < self.seq:
             raise ValueError(f"Setup: need 1 <= prompt ({self.prompt}) < seq ({self.seq})")
         if min(self.rows, self.train_rows) < 1:
-            raise ValueError(f"Setup: rows={self.rows} and train_rows={self.train_rows} must be >= 1")
+            raise ValueError(
+                f"Setup: rows={self.rows} and train_rows={self.train_rows} must be >= 1"
+            )
 
     def config(self, layers: int, head: str = "lm") -> ModelConfig:
-        shape = {k: v for k, v in asdict(self).items() if k not in ("rows", "train_rows", "seq", "prompt")}
-        return ModelConfig(**shape, max_position_embeddings=max(64, self.seq, self.prompt + G[1]),
-                           num_hidden_layers=layers, head=head)
+        shape = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("rows", "train_rows", "seq", "prompt")
+        }
+        return ModelConfig(
+            **shape,
+            max_position_embeddings=max(64, self.seq, self.prompt + G[1]),
+            num_hidden_layers=layers,
+            head=head,
+        )
 
     @classmethod
-    def for_job(cls, model: ModelConfig, batch_rows: int, train_rows: int, seq: int, prompt: int) -> "Setup":
+    def for_job(
+        cls, model: ModelConfig, batch_rows: int, train_rows: int, seq: int, prompt: int
+    ) -> Setup:
         """The job's model shape (attention and MLP sizes, vocabulary) and dtype, with its per-rank
         rows of an inference / generation pass and of a train step, its sequence and prompt lengths."""
-        return cls(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
-                   num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_key_value_heads,
-                   vocab_size=model.vocab_size, dtype=model.dtype, rows=batch_rows, train_rows=train_rows, seq=seq, prompt=prompt)
+        return cls(
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            vocab_size=model.vocab_size,
+            dtype=model.dtype,
+            rows=batch_rows,
+            train_rows=train_rows,
+            seq=seq,
+            prompt=prompt,
+        )
 
     @classmethod
-    def for_workload(cls, model: ModelConfig, wl: Workload) -> "Setup":
+    def for_workload(cls, model: ModelConfig, wl: Workload) -> Setup:
         """for_job with one replica's passes of `wl` as the runtime runs them: the whole batch per
         inference / generation pass, one micro-batch of a mini-batch per train pass."""
-        return cls.for_job(model, batch_rows=wl.batch_size,
-                           train_rows=max(1, wl.batch_size // (wl.ppo_minibatches * wl.micro_batches)),
-                           seq=wl.seq_len, prompt=wl.prompt_len)
+        return cls.for_job(
+            model,
+            batch_rows=wl.batch_size,
+            train_rows=max(1, wl.batch_size // (wl.ppo_minibatches * wl.micro_batches)),
+            seq=wl.seq_len,
+            prompt=wl.prompt_len,
+        )
 
 
 DEFAULT = Setup()
@@ -85,5 +110,9 @@ def realloc_plan(world: int, cal: Setup = DEFAULT):
     layout) to dp=world (a generation layout) on every rank, busy at once as in the runtime."""
     spec = model_spec(cal.config(4))
     ranks = tuple(range(world))
-    return plan_realloc(spec, Layout(tp=2, pp=world // 2, ranks=ranks), Layout(dp=world, ranks=ranks),
-                        ranks_per_node=world)
+    return plan_realloc(
+        spec,
+        Layout(tp=2, pp=world // 2, ranks=ranks),
+        Layout(dp=world, ranks=ranks),
+        ranks_per_node=world,
+    )

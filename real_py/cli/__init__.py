@@ -21,8 +21,9 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m real_py",
-                                     description="Parameter reallocation for RLHF (ReaL-style).")
+    parser = argparse.ArgumentParser(
+        prog="python -m real_py", description="Parameter reallocation for RLHF (ReaL-style)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, mod in COMMANDS.items():

@@ -73,12 +73,18 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
     from ..spec import ModelConfig, model_spec
 
     meta = read_meta(step_dir)
-    if meta.get("algo") not in ALGORITHMS or not isinstance(meta.get("models"), dict) or "plan" not in meta:
-        raise ValueError(f"checkpoint {step_dir}/meta.json lacks algo, models or plan; it was not "
-                         "written by this version of real_py")
+    if (
+        meta.get("algo") not in ALGORITHMS
+        or not isinstance(meta.get("models"), dict)
+        or "plan" not in meta
+    ):
+        raise ValueError(
+            f"checkpoint {step_dir}/meta.json lacks algo, models or plan; it was not "
+            "written by this version of real_py"
+        )
     _check_out(out)
     graph, plan = Graph(ALGORITHMS[meta["algo"]]), ExecutionPlan.from_json(meta["plan"])
-    states: dict[int, dict] = {}   # rank -> its file, each read and verified once
+    states: dict[int, dict] = {}  # rank -> its file, each read and verified once
     written = []
     for m in TRAINED:
         call = graph.train_call(m)
@@ -109,7 +115,9 @@ def export_checkpoint(step_dir: str, out: str) -> list[str]:
                         states[r] = read_rank_file(step_dir, r)
                     st = states[r]["models"].get(m)
                     if st is None or "experts" not in st:
-                        raise ValueError(f"checkpoint {step_dir} rank {r}: no {m} expert shard of {layout}")
+                        raise ValueError(
+                            f"checkpoint {step_dir} rank {r}: no {m} expert shard of {layout}"
+                        )
                     ex.append(ExpertShard(spec, layout, r, st["experts"]["flat"]))
             full.update(experts_full(ex))
         path = os.path.join(out, m)
@@ -124,7 +132,11 @@ def step_dir(run: str, step: int | None) -> str:
 
     path = os.path.join(run, f"step_{step}") if step is not None else latest(run)
     if not os.path.isfile(os.path.join(path, "meta.json")):
-        have = sorted(n for n in os.listdir(run) if n.startswith("step_")) if os.path.isdir(run) else []
+        have = (
+            sorted(n for n in os.listdir(run) if n.startswith("step_"))
+            if os.path.isdir(run)
+            else []
+        )
         raise ValueError(f"no checkpoint at {path}; saved steps in {run}: {have or 'none'}")
     return path
 

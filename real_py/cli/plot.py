@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 
-PANELS = (("reward", "reward"), ("kl", "KL to reference"), ("entropy", "entropy"),
-          ("seconds", "seconds per step"))
+PANELS = (
+    ("reward", "reward"),
+    ("kl", "KL to reference"),
+    ("entropy", "entropy"),
+    ("seconds", "seconds per step"),
+)
 
 
 def add_parser(sub) -> None:
@@ -27,14 +31,18 @@ def plot_run(run: str, out: str) -> None:
     steps = [r["step"] for r in recs]
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
     for ax, (key, title) in zip(axes, PANELS):
-        ys = [r["seconds"] if key == "seconds" else r["metrics"].get(key, float("nan")) for r in recs]
+        ys = [
+            r["seconds"] if key == "seconds" else r["metrics"].get(key, float("nan")) for r in recs
+        ]
         ax.plot(steps, ys, marker="." if len(steps) < 50 else None)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     s = summarize(recs)
-    fig.suptitle(f"{run}: reward {s['reward_first']:.3g} -> {s['reward_last']:.3g} "
-                 f"(first / last {s['window']} steps), {s['seconds_per_step']:.2f} s/step")
+    fig.suptitle(
+        f"{run}: reward {s['reward_first']:.3g} -> {s['reward_last']:.3g} "
+        f"(first / last {s['window']} steps), {s['seconds_per_step']:.2f} s/step"
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -27,16 +27,32 @@ import time
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="run PPO / GRPO with per-call layouts and weight reallocation")
     p.add_argument("--config", help="YAML config (default: the embedded CPU demo)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. ppo.actor_lr=1e-5 plan.path=plan.json steps=3")
-    p.add_argument("--resume", nargs="?", const="", default=None,
-                   help="resume from a checkpoint directory (default: <out_dir>/latest)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete what a previous run left in out_dir (metrics, checkpoints, events) first")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted config overrides, e.g. ppo.actor_lr=1e-5 plan.path=plan.json steps=3",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        help="resume from a checkpoint directory (default: <out_dir>/latest)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete what a previous run left in out_dir (metrics, checkpoints, events) first",
+    )
     p.add_argument("--steps", type=int, help="override the config's steps")
     p.add_argument("--out-dir", help="override the config's out_dir")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any collective or transfer may wait before failing (default 300)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any collective or transfer may wait before failing (default 300)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -70,7 +86,9 @@ def _config(args):
             for line in checkpoint.sweep(cfg.out_dir):
                 print(f"--resume: {line}", flush=True)
         ckpt = checkpoint.find(args.resume, cfg.out_dir)
-        checkpoint.check(cfg, ckpt, verify_files="RANK" not in os.environ)  # ranks verify their own file
+        checkpoint.check(
+            cfg, ckpt, verify_files="RANK" not in os.environ
+        )  # ranks verify their own file
     if "RANK" not in os.environ:  # the launcher: what it can tell before any rank starts
         _before_launch(cfg)
     return cfg, ckpt
@@ -87,10 +105,12 @@ def _before_launch(cfg) -> None:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         n = torch.cuda.device_count()
         if world > n:
-            raise ValueError(f"the execution plan has {world} ranks but this node has {n} GPU"
-                             f"{'s' if n != 1 else ''}: a local launch runs one rank per GPU; use a plan of at "
-                             f"most {n} ranks (python -m real_py search --gpus {n}), device: cpu, or several "
-                             "nodes under torchrun (docs/running.md)")
+            raise ValueError(
+                f"the execution plan has {world} ranks but this node has {n} GPU"
+                f"{'s' if n != 1 else ''}: a local launch runs one rank per GPU; use a plan of at "
+                f"most {n} ranks (python -m real_py search --gpus {n}), device: cpu, or several "
+                "nodes under torchrun (docs/running.md)"
+            )
     for line in config.notes(cfg, world):
         print(f"warning: {line}", flush=True)
     print(f"step lines: {config.KL_LEGEND}", flush=True)
@@ -109,10 +129,17 @@ def _launch(args, world: int) -> int:
     if job.can_fork(cfg.device):
         _preimport()
         return job.launch(world, cfg.out_dir, lambda: _spmd(args, cfg, ckpt, validated))
-    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("prepared", "func")})
+    plain = argparse.Namespace(
+        **{k: v for k, v in vars(args).items() if k not in ("prepared", "func")}
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return job.launch(world, cfg.out_dir, functools.partial(_spmd, plain, cfg, ckpt, validated), fork=False,
-                      what={"cuda": "NCCL processes", "cpu": "gloo processes"}.get(cfg.device, "processes"))
+    return job.launch(
+        world,
+        cfg.out_dir,
+        functools.partial(_spmd, plain, cfg, ckpt, validated),
+        fork=False,
+        what={"cuda": "NCCL processes", "cpu": "gloo processes"}.get(cfg.device, "processes"),
+    )
 
 
 def _preimport() -> None:
@@ -125,10 +152,10 @@ def _preimport() -> None:
 
 
 def run(args) -> int:
-    from ..rlhf import config
-    from ..rlhf.observe import check_no_links
     from ..launch.lock import unlock
     from ..launch.rank import run_rank
+    from ..rlhf import config
+    from ..rlhf.observe import check_no_links
 
     if "RANK" in os.environ:  # a rank under an outside torchrun
         return run_rank(lambda: _rank(args), int(os.environ["RANK"]))
@@ -142,7 +169,10 @@ def run(args) -> int:
         code = _launch(args, plan.world_size)
     finally:
         unlock()
-    if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) == "real_py.__main__":
+    if (
+        getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+        == "real_py.__main__"
+    ):
         # `python -m real_py train`: the job is over and its files are closed; skip the
         # interpreter's teardown of torch (about a second).
         sys.stdout.flush()
@@ -172,8 +202,10 @@ def _protect_run_dir(out_dir: str, args) -> None:
         return
     if not args.overwrite:
         shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
-        raise ValueError(f"out_dir {out_dir} already holds a run ({shown}); pass --resume to continue "
-                         "it, --overwrite to replace it, or --out-dir / out_dir=... for a new run")
+        raise ValueError(
+            f"out_dir {out_dir} already holds a run ({shown}); pass --resume to continue "
+            "it, --overwrite to replace it, or --out-dir / out_dir=... for a new run"
+        )
     for n in old:
         path = os.path.join(out_dir, n)
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
@@ -182,22 +214,39 @@ def _protect_run_dir(out_dir: str, args) -> None:
 
 def _line(step: int, out: dict) -> str:
     m = out["metrics"]
-    keys = ("reward", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_length",
-            "kl_coef", "dropped_groups", "gen_rounds", "rollout_logp_diff", "rollout_kl", "tis_capped_frac")
+    keys = (
+        "reward",
+        "kl",
+        "policy_loss",
+        "value_loss",
+        "clip_frac",
+        "entropy",
+        "response_length",
+        "kl_coef",
+        "dropped_groups",
+        "gen_rounds",
+        "rollout_logp_diff",
+        "rollout_kl",
+        "tis_capped_frac",
+    )
     parts = [f"{k} {m[k]:.4g}" for k in keys if k in m]
     calls = " ".join(f"{n} {s:.2f}s" for n, s in out["calls"].items())
     re = " ".join(f"{k} {v:.3f}s" for k, v in out["realloc_seconds"].items())
-    line = (f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
-            f"{out['realloc_bytes'] / 2**20:.2f} MiB")
+    line = (
+        f"step {step} | {' '.join(parts)} | {calls} | realloc {re or '-'} "
+        f"{out['realloc_bytes'] / 2**20:.2f} MiB"
+    )
     if out.get("offload_seconds"):
         # Milliseconds: a frozen model's copy out and back is well under a realloc's time.
         off = " ".join(f"{k} {v * 1e3:.2f}ms" for k, v in out["offload_seconds"].items())
         line += f" | offload {off} {out['offload_bytes'] / 2**20:.2f} MiB"
     if "async" in out:  # async mode: staleness, queue, overlap of generation with training
         a = out["async"]
-        line += (f" | async staleness {m.get('staleness', 0):.2g} batch_v {m['batch_version']:.0f} "
-                 f"queued {m['rows_queued']:.0f} dropped {m['rows_dropped']:.0f} "
-                 f"gen||train {a['overlap_seconds']:.2f}s realloc hidden {a['realloc_hidden_seconds']:.2f}s")
+        line += (
+            f" | async staleness {m.get('staleness', 0):.2g} batch_v {m['batch_version']:.0f} "
+            f"queued {m['rows_queued']:.0f} dropped {m['rows_dropped']:.0f} "
+            f"gen||train {a['overlap_seconds']:.2f}s realloc hidden {a['realloc_hidden_seconds']:.2f}s"
+        )
     if out.get("peak_mem_mib"):  # CUDA only: peak GPU memory of each call, max over ranks
         line += " | peak " + " ".join(f"{k} {v:.0f}MiB" for k, v in out["peak_mem_mib"].items())
     return line
@@ -211,20 +260,21 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from .export import export_live
     from .. import liveness
+    from ..launch.rank import managed
     from ..rlhf import checkpoint, config
     from ..rlhf.observe import RunLog, format_summary
     from ..rlhf.runtime import Runtime
-    from ..launch.rank import managed
+    from .export import export_live
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..device import backend_for, resolve_device
 
     liveness.set_activity("starting: process group")
     # cuda:{LOCAL_RANK} and NCCL when cfg.device resolves to CUDA, else gloo.
-    dist.init_process_group(backend_for(resolve_device(cfg.device)),
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        backend_for(resolve_device(cfg.device)), timeout=datetime.timedelta(seconds=args.timeout)
+    )
     ok = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -239,22 +289,39 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
         log = None
         if rank == 0:
             log = RunLog(cfg.out_dir, wandb=cfg.wandb, config=config.to_dict(cfg))
-            print(f"world {world}; calls in order:\n{graph.describe()}\nplan: "
-                  + ", ".join(f"{n} {plan.calls[n]} ranks {list(plan.calls[n].ranks)}" for n in graph.order),
-                  flush=True)
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train",
-                   disable=rank != 0 or args.no_progress, file=sys.stdout if managed() else None)
+            print(
+                f"world {world}; calls in order:\n{graph.describe()}\nplan: "
+                + ", ".join(
+                    f"{n} {plan.calls[n]} ranks {list(plan.calls[n].ranks)}" for n in graph.order
+                ),
+                flush=True,
+            )
+        bar = tqdm(
+            range(start, cfg.steps),
+            initial=start,
+            total=cfg.steps,
+            desc="train",
+            disable=rank != 0 or args.no_progress,
+            file=sys.stdout if managed() else None,
+        )
         t_all = time.perf_counter()
         for step in bar:
             liveness.set_activity(f"step {step}")
             t0 = time.perf_counter()
             out = rt.iteration(step)
             if rank == 0:
-                rec = {"step": step + 1, "seconds": time.perf_counter() - t0, "metrics": out["metrics"],
-                       "calls": out["calls"], "realloc_seconds": out["realloc_seconds"],
-                       "realloc_bytes": out["realloc_bytes"], "offload_seconds": out["offload_seconds"],
-                       "offload_bytes": out["offload_bytes"], "data_bytes": out["data_bytes"],
-                       "peak_mem_mib": out.get("peak_mem_mib", {})}
+                rec = {
+                    "step": step + 1,
+                    "seconds": time.perf_counter() - t0,
+                    "metrics": out["metrics"],
+                    "calls": out["calls"],
+                    "realloc_seconds": out["realloc_seconds"],
+                    "realloc_bytes": out["realloc_bytes"],
+                    "offload_seconds": out["offload_seconds"],
+                    "offload_bytes": out["offload_bytes"],
+                    "data_bytes": out["data_bytes"],
+                    "peak_mem_mib": out.get("peak_mem_mib", {}),
+                }
                 if "async" in out:
                     rec["async"] = out["async"]
                 log.log(rec)
@@ -270,10 +337,16 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
             if rank == 0:
                 print(f"exported {', '.join(written)}", flush=True)
         if rank == 0:
-            print(f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; metrics in "
-                  f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}", flush=True)
+            print(
+                f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; metrics in "
+                f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}",
+                flush=True,
+            )
             summary = log.close()
-            print(format_summary(summary) + f"; {os.path.join(cfg.out_dir, 'summary.json')}", flush=True)
+            print(
+                format_summary(summary) + f"; {os.path.join(cfg.out_dir, 'summary.json')}",
+                flush=True,
+            )
         ok = True
     finally:
         # A rank of a launched job that failed keeps beating until it exits (os._exit in

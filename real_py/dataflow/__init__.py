@@ -7,6 +7,14 @@ from .graph import ALGORITHMS, GROUPED, GRPO_CALLS, KINDS, PPO_CALLS, REMAX_CALL
 from .rules import call_rule_errors
 
 __all__ = [
-    "Call", "Graph", "KINDS", "PPO_CALLS", "GRPO_CALLS", "REMAX_CALLS", "ALGORITHMS", "GROUPED",
-    "ExecutionPlan", "call_rule_errors",
+    "Call",
+    "Graph",
+    "KINDS",
+    "PPO_CALLS",
+    "GRPO_CALLS",
+    "REMAX_CALLS",
+    "ALGORITHMS",
+    "GROUPED",
+    "ExecutionPlan",
+    "call_rule_errors",
 ]

@@ -68,14 +68,17 @@ class ExecutionPlan:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
         for name, layout in self.calls.items():
             if layout.dp_shard != "none":
-                raise ValueError(f"call {name}: layout {layout} is dp-sharded (dp_shard="
-                                 f"{layout.dp_shard!r}); the engines and the PPO runtime run on "
-                                 "whole (stage, tp rank) shards. dp-sharded layouts are for trainers "
-                                 "embedding the reallocation (real_py.interop.embed); use dp_shard='none'")
+                raise ValueError(
+                    f"call {name}: layout {layout} is dp-sharded (dp_shard="
+                    f"{layout.dp_shard!r}); the engines and the PPO runtime run on "
+                    "whole (stage, tp rank) shards. dp-sharded layouts are for trainers "
+                    "embedding the reallocation (real_py.interop.embed); use dp_shard='none'"
+                )
             bad = [r for r in layout.ranks if r >= self.world_size]
             if bad:
-                raise ValueError(f"call {name}: ranks {bad} are outside the world of size "
-                                 f"{self.world_size}")
+                raise ValueError(
+                    f"call {name}: ranks {bad} are outside the world of size {self.world_size}"
+                )
         bad = [r for r in self.idle_ranks if not 0 <= r < self.world_size]
         if bad:
             raise ValueError(f"idle_ranks {bad} are outside the world of size {self.world_size}")
@@ -87,18 +90,29 @@ class ExecutionPlan:
         return [r for r in range(self.world_size) if r not in used]
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
-                "calls": {name: {"ranks": list(l.ranks), "dp": l.dp, "tp": l.tp, "pp": l.pp}
-                          | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
-                          | ({"partition": l.partition} if l.partition != "params" else {})
-                          | ({"ep": l.ep} if l.ep > 1 else {}) | ({"etp": l.etp} if l.etp > 1 else {})
-                          for name, l in self.calls.items()}} \
-            | ({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {}) \
-            | ({"searched_for": {f: getattr(self.searched_for, f) for f in BATCH_FIELDS}}
-               if self.searched_for else {})
+        return (
+            {
+                "world_size": self.world_size,
+                "ranks_per_node": self.ranks_per_node,
+                "calls": {
+                    name: {"ranks": list(l.ranks), "dp": l.dp, "tp": l.tp, "pp": l.pp}
+                    | ({"layers_per_stage": list(l.layers_per_stage)} if l.layers_per_stage else {})
+                    | ({"partition": l.partition} if l.partition != "params" else {})
+                    | ({"ep": l.ep} if l.ep > 1 else {})
+                    | ({"etp": l.etp} if l.etp > 1 else {})
+                    for name, l in self.calls.items()
+                },
+            }
+            | ({"idle_ranks": list(self.idle_ranks)} if self.idle_ranks else {})
+            | (
+                {"searched_for": {f: getattr(self.searched_for, f) for f in BATCH_FIELDS}}
+                if self.searched_for
+                else {}
+            )
+        )
 
     @classmethod
-    def from_json(cls, data: dict | str) -> "ExecutionPlan":
+    def from_json(cls, data: dict | str) -> ExecutionPlan:
         where = "execution plan"
         if isinstance(data, str):
             where = f"execution plan {data}"
@@ -110,50 +124,89 @@ class ExecutionPlan:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where} is not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected a JSON object with world_size and calls, got "
-                             f"{type(data).__name__}")
-        unknown = set(data) - {"world_size", "ranks_per_node", "calls", "idle_ranks", "searched_for"}
+            raise ValueError(
+                f"{where}: expected a JSON object with world_size and calls, got "
+                f"{type(data).__name__}"
+            )
+        unknown = set(data) - {
+            "world_size",
+            "ranks_per_node",
+            "calls",
+            "idle_ranks",
+            "searched_for",
+        }
         if unknown:
-            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: "
-                             "world_size, ranks_per_node, calls, idle_ranks, searched_for")
+            raise ValueError(
+                f"{where} has unknown keys {sorted(unknown)}; allowed: "
+                "world_size, ranks_per_node, calls, idle_ranks, searched_for"
+            )
         idle = data.get("idle_ranks", [])
         if not isinstance(idle, list) or not all(type(r) is int for r in idle):
             raise ValueError(f"{where}: idle_ranks={idle!r} must be a list of rank numbers")
         missing = [k for k in ("world_size", "calls") if k not in data]
         if missing:
-            raise ValueError(f"{where} lacks {missing}; expected {{\"world_size\": N, \"calls\": "
-                             "{call: {\"ranks\": [...], \"dp\": .., \"tp\": .., \"pp\": ..}}}")
+            raise ValueError(
+                f'{where} lacks {missing}; expected {{"world_size": N, "calls": '
+                '{call: {"ranks": [...], "dp": .., "tp": .., "pp": ..}}}'
+            )
         for k in ("world_size", "ranks_per_node"):
             if k in data and (type(data[k]) is not int):
                 raise ValueError(f"{where}: {k}={data[k]!r} must be an integer")
         if not isinstance(data["calls"], dict):
-            raise ValueError(f"{where}: calls must map call names to layouts, got "
-                             f"{type(data['calls']).__name__}")
+            raise ValueError(
+                f"{where}: calls must map call names to layouts, got {type(data['calls']).__name__}"
+            )
         calls = {}
         for name, c in data["calls"].items():
             if not isinstance(c, dict) or not isinstance(c.get("ranks"), list):
-                raise ValueError(f"{where}: call {name} must be a mapping with a list of ranks, got {c!r}")
-            extra = set(c) - {"ranks", "dp", "tp", "pp", "ep", "etp", "layers_per_stage", "partition"}
+                raise ValueError(
+                    f"{where}: call {name} must be a mapping with a list of ranks, got {c!r}"
+                )
+            extra = set(c) - {
+                "ranks",
+                "dp",
+                "tp",
+                "pp",
+                "ep",
+                "etp",
+                "layers_per_stage",
+                "partition",
+            }
             if extra:
-                raise ValueError(f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
-                                 "pp, ep, etp, layers_per_stage, partition")
+                raise ValueError(
+                    f"call {name}: unknown keys {sorted(extra)}; allowed: ranks, dp, tp, "
+                    "pp, ep, etp, layers_per_stage, partition"
+                )
             try:
                 lps = c.get("layers_per_stage")
-                calls[name] = Layout(dp=c.get("dp", 1), tp=c.get("tp", 1), pp=c.get("pp", 1),
-                                     ranks=tuple(c["ranks"]),
-                                     layers_per_stage=tuple(lps) if lps else None,
-                                     partition=c.get("partition", "params"),
-                                     ep=c.get("ep", 1), etp=c.get("etp", 1))
+                calls[name] = Layout(
+                    dp=c.get("dp", 1),
+                    tp=c.get("tp", 1),
+                    pp=c.get("pp", 1),
+                    ranks=tuple(c["ranks"]),
+                    layers_per_stage=tuple(lps) if lps else None,
+                    partition=c.get("partition", "params"),
+                    ep=c.get("ep", 1),
+                    etp=c.get("etp", 1),
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"call {name}: {e}") from None
         searched = data.get("searched_for")
-        if searched is not None and (not isinstance(searched, dict) or set(searched) != set(BATCH_FIELDS)):
-            raise ValueError(f"{where}: searched_for={searched!r} must map exactly "
-                             f"{', '.join(BATCH_FIELDS)} to the values the search used")
+        if searched is not None and (
+            not isinstance(searched, dict) or set(searched) != set(BATCH_FIELDS)
+        ):
+            raise ValueError(
+                f"{where}: searched_for={searched!r} must map exactly "
+                f"{', '.join(BATCH_FIELDS)} to the values the search used"
+            )
         try:
-            return cls(world_size=data["world_size"], calls=calls, ranks_per_node=data.get("ranks_per_node", 0),
-                       idle_ranks=tuple(idle),
-                       searched_for=BatchSettings(**searched) if searched is not None else None)
+            return cls(
+                world_size=data["world_size"],
+                calls=calls,
+                ranks_per_node=data.get("ranks_per_node", 0),
+                idle_ranks=tuple(idle),
+                searched_for=BatchSettings(**searched) if searched is not None else None,
+            )
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 

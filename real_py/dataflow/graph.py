@@ -14,8 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-KINDS = ("generate", "generate_greedy", "logprobs", "values", "reward", "train_ppo_actor", "train_grpo_actor",
-         "train_critic")
+KINDS = (
+    "generate",
+    "generate_greedy",
+    "logprobs",
+    "values",
+    "reward",
+    "train_ppo_actor",
+    "train_grpo_actor",
+    "train_critic",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,24 +50,58 @@ ROLLOUT = ("tokens", "lengths")
 INPUTS = ("prompts", "prompt_lengths", "seeds")
 
 PPO_CALLS = (
-    Call(name="actor_gen", model="actor", kind="generate", reads=INPUTS,
-         writes=ROLLOUT + ("old_logp",)),
-    Call(name="ref_inf", model="ref", kind="logprobs", reads=ROLLOUT + ("prompt_lengths",),
-         writes=("ref_logp",)),
-    Call(name="rew_inf", model="reward", kind="reward", reads=ROLLOUT + ("prompt_lengths",),
-         writes=("scores",)),
-    Call(name="critic_inf", model="critic", kind="values", reads=ROLLOUT + ("prompt_lengths",),
-         writes=("values",)),
-    Call(name="actor_train", model="actor", kind="train_ppo_actor",
-         reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores", "values")),
-    Call(name="critic_train", model="critic", kind="train_critic",
-         reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores", "values")),
+    Call(
+        name="actor_gen",
+        model="actor",
+        kind="generate",
+        reads=INPUTS,
+        writes=ROLLOUT + ("old_logp",),
+    ),
+    Call(
+        name="ref_inf",
+        model="ref",
+        kind="logprobs",
+        reads=ROLLOUT + ("prompt_lengths",),
+        writes=("ref_logp",),
+    ),
+    Call(
+        name="rew_inf",
+        model="reward",
+        kind="reward",
+        reads=ROLLOUT + ("prompt_lengths",),
+        writes=("scores",),
+    ),
+    Call(
+        name="critic_inf",
+        model="critic",
+        kind="values",
+        reads=ROLLOUT + ("prompt_lengths",),
+        writes=("values",),
+    ),
+    Call(
+        name="actor_train",
+        model="actor",
+        kind="train_ppo_actor",
+        reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores", "values"),
+    ),
+    Call(
+        name="critic_train",
+        model="critic",
+        kind="train_critic",
+        reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores", "values"),
+    ),
 )
 
 GRPO_CALLS = (
-    PPO_CALLS[0], PPO_CALLS[1], PPO_CALLS[2],
-    Call(name="actor_train", model="actor", kind="train_grpo_actor",
-         reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores")),
+    PPO_CALLS[0],
+    PPO_CALLS[1],
+    PPO_CALLS[2],
+    Call(
+        name="actor_train",
+        model="actor",
+        kind="train_grpo_actor",
+        reads=ROLLOUT + ("prompt_lengths", "old_logp", "ref_logp", "scores"),
+    ),
 )
 
 BASELINE = ("base_tokens", "base_lengths")
@@ -71,14 +113,29 @@ REMAX_CALLS = (
     PPO_CALLS[0],
     Call(name="actor_greedy", model="actor", kind="generate_greedy", reads=INPUTS, writes=BASELINE),
     PPO_CALLS[1],
-    Call(name="rew_inf", model="reward", kind="reward", reads=PPO_CALLS[2].reads + BASELINE,
-         writes=("scores", "base_scores")),
-    Call(name="actor_train", model="actor", kind="train_grpo_actor",
-         reads=GRPO_CALLS[3].reads + BASELINE + ("base_scores",)),
+    Call(
+        name="rew_inf",
+        model="reward",
+        kind="reward",
+        reads=PPO_CALLS[2].reads + BASELINE,
+        writes=("scores", "base_scores"),
+    ),
+    Call(
+        name="actor_train",
+        model="actor",
+        kind="train_grpo_actor",
+        reads=GRPO_CALLS[3].reads + BASELINE + ("base_scores",),
+    ),
 )
 
-ALGORITHMS = {"ppo": PPO_CALLS, "grpo": GRPO_CALLS, "rloo": GRPO_CALLS, "reinforce_pp": GRPO_CALLS,
-              "reinforce_pp_baseline": GRPO_CALLS, "remax": REMAX_CALLS}
+ALGORITHMS = {
+    "ppo": PPO_CALLS,
+    "grpo": GRPO_CALLS,
+    "rloo": GRPO_CALLS,
+    "reinforce_pp": GRPO_CALLS,
+    "reinforce_pp_baseline": GRPO_CALLS,
+    "remax": REMAX_CALLS,
+}
 """algo -> its calls. ppo: GAE with a critic; the others are critic-free and differ in the
 advantage estimator (calls.py `_advantages`): grpo (and Dr.GRPO with ppo.norm_adv_by_std: false),
 rloo, reinforce_pp, reinforce_pp_baseline, remax."""
@@ -94,9 +151,18 @@ def with_engine_logprobs(calls) -> tuple[Call, ...]:
     out = []
     for c in calls:
         if c.kind == "generate" and c.model == "actor":
-            out.append(replace(c, writes=tuple("rollout_logp" if k == "old_logp" else k for k in c.writes)))
-            out.append(Call(name=ROLLOUT_LOGP_CALL, model="actor", kind="logprobs",
-                            reads=ROLLOUT + ("prompt_lengths",), writes=("old_logp",)))
+            out.append(
+                replace(c, writes=tuple("rollout_logp" if k == "old_logp" else k for k in c.writes))
+            )
+            out.append(
+                Call(
+                    name=ROLLOUT_LOGP_CALL,
+                    model="actor",
+                    kind="logprobs",
+                    reads=ROLLOUT + ("prompt_lengths",),
+                    writes=("old_logp",),
+                )
+            )
         elif c.trains and c.model == "actor":
             out.append(replace(c, reads=c.reads + ("rollout_logp",)))
         else:
@@ -106,7 +172,6 @@ def with_engine_logprobs(calls) -> tuple[Call, ...]:
 
 GROUPED = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 """Algorithms that sample each prompt ppo.group_size times (contiguous rows)."""
-
 
 
 class Graph:
@@ -120,12 +185,16 @@ class Graph:
         for c in calls:
             for k in c.writes:
                 if k in self._producer:
-                    raise ValueError(f"key {k!r} is written by both {self._producer[k]} and {c.name}; "
-                                     "a key has one producer")
+                    raise ValueError(
+                        f"key {k!r} is written by both {self._producer[k]} and {c.name}; "
+                        "a key has one producer"
+                    )
                 self._producer[k] = c.name
         self.inputs = tuple(sorted({k for c in calls for k in c.reads if k not in self._producer}))
-        self.deps = {c.name: tuple(dict.fromkeys(self._producer[k] for k in c.reads
-                                                 if k in self._producer)) for c in calls}
+        self.deps = {
+            c.name: tuple(dict.fromkeys(self._producer[k] for k in c.reads if k in self._producer))
+            for c in calls
+        }
         for n, d in self.deps.items():
             if n in d:
                 raise ValueError(f"call {n} reads a key it writes")
@@ -156,15 +225,31 @@ class Graph:
         return {m: tuple(v) for m, v in out.items()}
 
     def train_call(self, model: str) -> str | None:
-        return next((n for n in self.order if self.calls[n].model == model and self.calls[n].trains), None)
+        return next(
+            (n for n in self.order if self.calls[n].model == model and self.calls[n].trains), None
+        )
 
     def describe(self) -> str:
         lines = []
         for n in self.order:
             c = self.calls[n]
-            lines.append(f"{n:13s} {c.model:7s} reads {','.join(c.reads)} -> writes "
-                         f"{','.join(c.writes) or '(weights)'}; after {','.join(self.deps[n]) or '-'}")
+            lines.append(
+                f"{n:13s} {c.model:7s} reads {','.join(c.reads)} -> writes "
+                f"{','.join(c.writes) or '(weights)'}; after {','.join(self.deps[n]) or '-'}"
+            )
         return "\n".join(lines)
 
 
-__all__ = ["Call", "Graph", "PPO_CALLS", "GRPO_CALLS", "REMAX_CALLS", "ALGORITHMS", "GROUPED", "BASELINE", "ROLLOUT", "INPUTS", "KINDS"]
+__all__ = [
+    "Call",
+    "Graph",
+    "PPO_CALLS",
+    "GRPO_CALLS",
+    "REMAX_CALLS",
+    "ALGORITHMS",
+    "GROUPED",
+    "BASELINE",
+    "ROLLOUT",
+    "INPUTS",
+    "KINDS",
+]

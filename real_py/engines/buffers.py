@@ -31,8 +31,11 @@ def sum_of_squares(buf: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Ten
     sequentially in fp32) is off by 1e-5 relative at a million elements and 1e-3 at fifty
     million. With dtype float64 torch's CPU path takes each piece's norm over an fp64 copy of
     it (hence the pieces); on CUDA it stays one multi-tensor launch (not yet run on a GPU)."""
-    pieces = [buf[lo:min(hi, lo + SQUARES_PIECE)] for start, hi in spans
-              for lo in range(start, hi, SQUARES_PIECE)]
+    pieces = [
+        buf[lo : min(hi, lo + SQUARES_PIECE)]
+        for start, hi in spans
+        for lo in range(start, hi, SQUARES_PIECE)
+    ]
     if not pieces:
         return torch.zeros(1, dtype=torch.float64, device=buf.device)
     return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).pow(2).sum().reshape(1)

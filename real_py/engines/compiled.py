@@ -25,7 +25,11 @@ def backend_of(opt, env: str, default: bool) -> str | None:
     if opt is None:
         val = os.environ.get(env)
         if val is not None:
-            opt = False if val.lower() in ("0", "false", "no", "") else (True if val.lower() in ("1", "true") else val)
+            opt = (
+                False
+                if val.lower() in ("0", "false", "no", "")
+                else (True if val.lower() in ("1", "true") else val)
+            )
     if opt is None:
         opt = default
     if opt is False:
@@ -62,8 +66,10 @@ def compiled_calls(backend: str) -> tuple:
             if hasattr(ind, "emulate_precision_casts"):
                 opts["emulate_precision_casts"] = True  # round bf16 intermediates as eager does
         kw = {"options": opts} if opts else {}
-        _COMPILED[backend] = (torch.compile(_layer_call, backend=backend, **kw),
-                              torch.compile(_norm_call, backend=backend, **kw))
+        _COMPILED[backend] = (
+            torch.compile(_layer_call, backend=backend, **kw),
+            torch.compile(_norm_call, backend=backend, **kw),
+        )
     return _COMPILED[backend]
 
 
@@ -90,9 +96,13 @@ class TrainCalls:
             return fn(*args)
         try:
             out = fn(*args)
-        except Exception as e:  # noqa: BLE001 - a compiler failure must not fail training
-            warnings.warn(f"compiled train forward failed ({type(e).__name__}: {str(e)[:300]}); training "
-                          "with the eager modules", RuntimeWarning, stacklevel=3)
+        except Exception as e:
+            warnings.warn(
+                f"compiled train forward failed ({type(e).__name__}: {str(e)[:300]}); training "
+                "with the eager modules",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self.failed = f"{type(e).__name__}: {e}"
             return eager(*args)
         self.ok = True

@@ -65,8 +65,16 @@ class StaticKVCache(KVCache):
     views `k_span` / `v_span` (the first `span` slots) and returns them.
     """
 
-    def __init__(self, batch: int, num_kv: int, max_len: int, head_dim: int, dtype, device,
-                 index: torch.Tensor):
+    def __init__(
+        self,
+        batch: int,
+        num_kv: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        index: torch.Tensor,
+    ):
         super().__init__(batch, num_kv, max_len, head_dim, dtype, device)
         self.index, self.decoding = index, False
         self.k_span, self.v_span = self.k, self.v
@@ -89,7 +97,7 @@ MODES = ("dynamic", "static", "graph")
 
 
 def pick_mode(engine, mode: str) -> str:
-    """"auto": a CUDA graph where one can be captured (CUDA, tp == 1), else the dynamic cache (a
+    """ "auto": a CUDA graph where one can be captured (CUDA, tp == 1), else the dynamic cache (a
     static cache without a graph only adds attention over the bucket's padding)."""
     allowed = MODES + ("auto",)
     if mode not in allowed:
@@ -97,19 +105,25 @@ def pick_mode(engine, mode: str) -> str:
     c = engine.config
     # The window mask and dynamic RoPE follow the cache's current length, which the static cache
     # (and a captured graph) does not track.
-    length_bound = (any(c.uses_window(i) for i in range(c.num_hidden_layers))
-                    or dict(c.rope_scaling or ()).get("rope_type") == "dynamic")
+    length_bound = (
+        any(c.uses_window(i) for i in range(c.num_hidden_layers))
+        or dict(c.rope_scaling or ()).get("rope_type") == "dynamic"
+    )
     # MoE: the routing reads expert counts on the host (and ep > 1 runs gloo/NCCL all-to-alls),
     # which a CUDA graph cannot capture
     cuda_ok = engine.device.type == "cuda" and engine.groups.tp_size == 1 and not c.num_experts
     if mode == "auto":
         return "graph" if cuda_ok and not length_bound else "dynamic"
     if mode != "dynamic" and length_bound:
-        raise ValueError(f"decode={mode!r} needs a model without sliding-window attention and "
-                         "dynamic RoPE scaling; use decode='dynamic' (or 'auto')")
+        raise ValueError(
+            f"decode={mode!r} needs a model without sliding-window attention and "
+            "dynamic RoPE scaling; use decode='dynamic' (or 'auto')"
+        )
     if mode == "graph" and not cuda_ok:
-        raise ValueError(f"decode='graph' needs a CUDA engine with tp == 1 and no experts; this one is "
-                         f"on {engine.device} with tp={engine.groups.tp_size}, num_experts={c.num_experts}")
+        raise ValueError(
+            f"decode='graph' needs a CUDA engine with tp == 1 and no experts; this one is "
+            f"on {engine.device} with tp={engine.groups.tp_size}, num_experts={c.num_experts}"
+        )
     return mode
 
 
@@ -120,8 +134,11 @@ def compile_backend(engine, mode: str) -> str | None:
     setting)."""
     if mode == "dynamic":
         return None
-    return backend_of(getattr(engine, "compile_decode", None), "REAL_PY_COMPILE_DECODE",
-                      mode == "graph" and engine.config.num_experts == 0)
+    return backend_of(
+        getattr(engine, "compile_decode", None),
+        "REAL_PY_COMPILE_DECODE",
+        mode == "graph" and engine.config.num_experts == 0,
+    )
 
 
 def _storage_ptr(t: torch.Tensor | None) -> int:
@@ -141,9 +158,18 @@ class DecodeState:
         # covers every span (a contiguous last bucket would specialise a second one)
         self.valid = torch.zeros(batch, capacity + 1, dtype=torch.bool, device=dev)
         # likewise one slot more than capacity: every span's key / value view is strided alike
-        self.caches = [StaticKVCache(batch, c.num_key_value_heads // engine.groups.tp_size, capacity + 1,
-                                     c.head_dim, engine.dtype, dev, self.index)
-                       for _ in range(model.hi - model.lo)]
+        self.caches = [
+            StaticKVCache(
+                batch,
+                c.num_key_value_heads // engine.groups.tp_size,
+                capacity + 1,
+                c.head_dim,
+                engine.dtype,
+                dev,
+                self.index,
+            )
+            for _ in range(model.hi - model.lo)
+        ]
         self.run = compiled_calls(backend) if backend else None
         self.compiled_ok = False
         self.backend_failed = None  # the backend whose first compiled run failed (then eager)
@@ -154,8 +180,12 @@ class DecodeState:
         self.weights = _weights_key(engine)
 
     def fits(self, engine, batch: int, max_len: int, backend) -> bool:
-        return (batch == self.batch and max_len <= self.capacity and backend == self.backend
-                and _weights_key(engine) == self.weights)
+        return (
+            batch == self.batch
+            and max_len <= self.capacity
+            and backend == self.backend
+            and _weights_key(engine) == self.weights
+        )
 
     def set_span(self, span: int) -> None:
         if span == self.span:
@@ -177,8 +207,12 @@ class DecodeState:
 
 def _weights_key(engine) -> tuple:
     ex = getattr(engine, "experts", None)
-    return (engine.dtype, str(engine.device), _storage_ptr(engine.shard.flat),
-            _storage_ptr(ex.flat if ex is not None else None))
+    return (
+        engine.dtype,
+        str(engine.device),
+        _storage_ptr(engine.shard.flat),
+        _storage_ptr(ex.flat if ex is not None else None),
+    )
 
 
 def decode_state(engine, batch: int, max_len: int, backend) -> DecodeState:
@@ -201,7 +235,7 @@ def decode_state(engine, batch: int, max_len: int, backend) -> DecodeState:
 
 class Decoder:
     def __init__(self, engine, batch: int, max_len: int, valid: torch.Tensor, mode: str):
-        c, model = engine.config, engine.model
+        model = engine.model
         self.model, self.groups, self.mode = model, engine.groups, mode
         self.max_len = max_len
         if mode == "dynamic":
@@ -234,7 +268,7 @@ class Decoder:
     def step(self, inp, pos, slot: int):
         """inp: tokens [B, 1] or hidden [B, 1, H]; pos [B, 1]; writes cache slot `slot`."""
         if self.mode == "dynamic":
-            return self._run(inp, pos, self.valid[:, None, None, :slot + 1])
+            return self._run(inp, pos, self.valid[:, None, None, : slot + 1])
         st = self.state
         span = self.span(slot)
         st.index.fill_(slot)
@@ -259,9 +293,13 @@ class Decoder:
             return self._run(inp, pos, st.mask(span), st.run)
         try:
             out = self._run(inp, pos, st.mask(span), st.run)
-        except Exception as e:  # noqa: BLE001 - a compiler failure must not fail generation
-            warnings.warn(f"compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); "
-                          "decoding with the eager modules", RuntimeWarning, stacklevel=2)
+        except Exception as e:
+            warnings.warn(
+                f"compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); "
+                "decoding with the eager modules",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             st.run = None
             st.backend_failed = st.backend
             return self._run(inp, pos, st.mask(span))  # rewrites the same slot with the same values
@@ -288,11 +326,15 @@ class Decoder:
         torch.cuda.current_stream(dev).wait_stream(side)
         try:
             st.graphs[span] = self._capture_once(span)
-        except Exception as e:  # noqa: BLE001 - the compiled code could not be captured: eager
+        except Exception as e:
             if st.run is None:
                 raise
-            warnings.warn(f"capturing the compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); "
-                          "capturing the eager modules", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"capturing the compiled decode step failed ({type(e).__name__}: {str(e)[:300]}); "
+                "capturing the eager modules",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             torch.cuda.synchronize(dev)
             st.run, st.backend_failed, st.graphs = None, st.backend, {}
             st.graphs[span] = self._capture_once(span)
@@ -313,5 +355,13 @@ def release(engine) -> None:
     engine.__dict__.pop("_decode_states", None)
 
 
-__all__ = ["Decoder", "DecodeState", "StaticKVCache", "pick_mode", "compile_backend", "release",
-           "MODES", "BUCKET"]
+__all__ = [
+    "Decoder",
+    "DecodeState",
+    "StaticKVCache",
+    "pick_mode",
+    "compile_backend",
+    "release",
+    "MODES",
+    "BUCKET",
+]

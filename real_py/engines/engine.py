@@ -32,41 +32,72 @@ from .pipeline import P2P, split_micro_batches
 
 
 class Engine:
-    def __init__(self, config: ModelConfig, layout: Layout, groups, shard: ModelShard, *,
-                 optim=None, experts: ExpertShard | None = None, compile_decode: bool | str | None = None,
-                 compile_train: bool | str | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: Layout,
+        groups,
+        shard: ModelShard,
+        *,
+        optim=None,
+        experts: ExpertShard | None = None,
+        compile_decode: bool | str | None = None,
+        compile_train: bool | str | None = None,
+    ):
         if layout.dp_shard != "none":
-            raise ValueError(f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
-                             "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
-                             "with dp_shard='none' first (dp-sharded layouts are for trainers "
-                             "embedding the reallocation, real_py.interop.embed)")
+            raise ValueError(
+                f"Engine: layout {layout} is dp-sharded (dp_shard={layout.dp_shard!r}); "
+                "engines run on whole (stage, tp rank) shards. Reallocate to a layout "
+                "with dp_shard='none' first (dp-sharded layouts are for trainers "
+                "embedding the reallocation, real_py.interop.embed)"
+            )
         if config.qkv_layout != "blocked" or config.gate_up_layout != "blocked":
-            raise ValueError(f"the engines compute on blocked fused tensors, config has qkv_layout="
-                             f"{config.qkv_layout!r}, gate_up_layout={config.gate_up_layout!r}; "
-                             "reallocate into a blocked spec first (plan_realloc(..., dst_model=...))")
+            raise ValueError(
+                f"the engines compute on blocked fused tensors, config has qkv_layout="
+                f"{config.qkv_layout!r}, gate_up_layout={config.gate_up_layout!r}; "
+                "reallocate into a blocked spec first (plan_realloc(..., dst_model=...))"
+            )
         spec = model_spec(config)
         spec.check_compatible(shard.model)
         if shard.layout != layout or groups.layout != layout:
-            raise ValueError(f"layout mismatch: engine {layout}, shard {shard.layout}, groups {groups.layout}")
+            raise ValueError(
+                f"layout mismatch: engine {layout}, shard {shard.layout}, groups {groups.layout}"
+            )
         if not groups.member or groups.rank != shard.rank:
-            raise ValueError(f"rank {groups.rank} is not this shard's rank {shard.rank} in layout {layout}")
+            raise ValueError(
+                f"rank {groups.rank} is not this shard's rank {shard.rank} in layout {layout}"
+            )
         tied = any(p.tied_to_head for p in spec.params)
         # Only the first and last stage hold a copy of a tied embedding; middle stages need no group.
-        if tied and layout.pp > 1 and (groups.is_first_stage or groups.is_last_stage) \
-                and groups.tied_group is None:
-            raise ValueError(f"tied embeddings with pp > 1: groups for {layout} have no tied group on "
-                             f"stage {groups.stage}; build them with real_py.parallel.ParallelGroups")
+        if (
+            tied
+            and layout.pp > 1
+            and (groups.is_first_stage or groups.is_last_stage)
+            and groups.tied_group is None
+        ):
+            raise ValueError(
+                f"tied embeddings with pp > 1: groups for {layout} have no tied group on "
+                f"stage {groups.stage}; build them with real_py.parallel.ParallelGroups"
+            )
         self.config, self.layout, self.groups, self.shard = config, layout, groups, shard
         self.logit_temperature = 1.0
         """Log-probs and entropy (inference and training) are those of logits / logit_temperature:
         the RL runtime sets it to generation.temperature, so the PPO ratio, the KL and the entropy
         describe the distribution the sampler drew from (as verl and OpenRLHF do)."""
         if config.num_experts and groups.layout_group is None and layout.world > 1:
-            raise ValueError(f"Engine: {config.model_type} has experts; build its groups with "
-                             "ParallelGroups(layout, moe=True) (expert-dp and layout groups)")
+            raise ValueError(
+                f"Engine: {config.model_type} has experts; build its groups with "
+                "ParallelGroups(layout, moe=True) (expert-dp and layout groups)"
+            )
         self.experts = experts
-        self.model = StageModel(config, shard, groups.tp_group, experts, groups.ep_group,
-                                getattr(groups, "etp_group", None))
+        self.model = StageModel(
+            config,
+            shard,
+            groups.tp_group,
+            experts,
+            groups.ep_group,
+            getattr(groups, "etp_group", None),
+        )
         self.dtype = torch_dtype(config.dtype)
         self.device = shard.flat.device
         self.optim = optim
@@ -88,8 +119,10 @@ class Engine:
         try:
             yield
         except RuntimeError as e:
-            raise RuntimeError(f"rank {g.rank} ({self.layout} dp_rank={g.dp_rank} tp_rank={g.tp_rank} "
-                               f"stage={g.stage}) failed in {op} call {self._calls[op]}: {e}") from e
+            raise RuntimeError(
+                f"rank {g.rank} ({self.layout} dp_rank={g.dp_rank} tp_rank={g.tp_rank} "
+                f"stage={g.stage}) failed in {op} call {self._calls[op]}: {e}"
+            ) from e
 
     # -- forward-only pipeline ---------------------------------------------------------------
     def _forward_pipeline(self, mbs, last_fn):
@@ -115,13 +148,20 @@ class Engine:
         return t
 
     @torch.no_grad()
-    def inference(self, tokens: torch.Tensor, lengths: torch.Tensor, *, micro_batches: int = 1,
-                  with_entropy: bool = False) -> dict:
+    def inference(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        micro_batches: int = 1,
+        with_entropy: bool = False,
+    ) -> dict:
         """LM head: {"logprobs": [B, T-1]} (log p of tokens[:, 1:]; "entropy" [B, T-1] on request);
         value head: {"values": [B, T]}. Positions past each sequence are 0."""
         with self._context("inference"):
-            out = self._inference(tokens.to(self.device), lengths.to(self.device), micro_batches,
-                                  with_entropy)
+            out = self._inference(
+                tokens.to(self.device), lengths.to(self.device), micro_batches, with_entropy
+            )
             return {k: v.to(tokens.device) for k, v in out.items()}
 
     def _inference(self, tokens, lengths, micro_batches, with_entropy):
@@ -136,7 +176,7 @@ class Engine:
             out = self.head_outputs(h, mb.data["tokens"], with_entropy)
             for k in keys:
                 v = out[k].float()
-                result[k][mb.index, :v.shape[1]] = v
+                result[k][mb.index, : v.shape[1]] = v
             return None
 
         self._forward_pipeline(mbs, last_fn)
@@ -152,9 +192,15 @@ class Engine:
         if self.config.head == "value":
             return {"values": out}
         # chunked over tokens, in fp32 per chunk (models/vocab.py): no [tokens, V] fp32 tensor
-        lp, ent = vocab_parallel_logprobs(out[:, :-1], tokens[:, 1:], self.groups.tp_group,
-                                          self.groups.tp_rank, self.config.vocab_size, with_entropy,
-                                          temperature=self.logit_temperature)
+        lp, ent = vocab_parallel_logprobs(
+            out[:, :-1],
+            tokens[:, 1:],
+            self.groups.tp_group,
+            self.groups.tp_rank,
+            self.config.vocab_size,
+            with_entropy,
+            temperature=self.logit_temperature,
+        )
         return {"logprobs": lp, "entropy": ent} if with_entropy else {"logprobs": lp}
 
     @torch.no_grad()
@@ -169,9 +215,11 @@ class Engine:
 
         def last_fn(h, mb):
             logits = gather_from_tp(self.model.head(h), self.groups.tp_group, self.groups.tp_ranks)
-            full[mb.index] = logits[..., :self.config.vocab_size]
+            full[mb.index] = logits[..., : self.config.vocab_size]
 
-        self._forward_pipeline(split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn)
+        self._forward_pipeline(
+            split_micro_batches({"tokens": tokens, "lengths": lengths}, 1), last_fn
+        )
         return self._bcast_from_last(full).to(where)
 
     # -- generation and training live in their own modules -----------------------------------

@@ -21,8 +21,13 @@ from .decode import Decoder, pick_mode
 from .pipeline import P2P
 
 
-def pick_tokens(logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float,
-                top_p: float, top_k: int = 0) -> torch.Tensor:
+def pick_tokens(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
+) -> torch.Tensor:
     """logits [B, V] float; uniforms [B] in [0, 1) or None for greedy. Returns [B] int64.
 
     Inverse-CDF sampling, one uniform per token. Without truncation (top_k 0 or >= V, top_p 1)
@@ -70,10 +75,23 @@ pad tokens computed and dropped."""
 
 
 @torch.no_grad()
-def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor, *,
-             max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-             eos_token_id=None, pad_token_id: int = 0, decode: str = "auto", top_k: int = 0,
-             swap=None, min_new_tokens: int = 0) -> dict:
+def generate(
+    engine,
+    prompt_tokens: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_token_id=None,
+    pad_token_id: int = 0,
+    decode: str = "auto",
+    top_k: int = 0,
+    swap=None,
+    min_new_tokens: int = 0,
+) -> dict:
     """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B] int64.
     eos_token_id: a token id or a list of them (any ends a response, and is kept in it) or None.
     decode: "auto" (CUDA graph on CUDA with tp == 1, else static cache), "dynamic", "static" or
@@ -100,7 +118,9 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if not 0 <= min_new_tokens <= max_new_tokens:
-        raise ValueError(f"min_new_tokens={min_new_tokens} must be in [0, max_new_tokens={max_new_tokens}]")
+        raise ValueError(
+            f"min_new_tokens={min_new_tokens} must be in [0, max_new_tokens={max_new_tokens}]"
+        )
     c, g, dev = engine.config, engine.groups, engine.device
     mode = pick_mode(engine, decode)
     if eos_token_id is not None and not isinstance(eos_token_id, (list, tuple)):
@@ -112,21 +132,25 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     prompt_tokens, prompt_lengths = prompt_tokens.cpu(), prompt_lengths.cpu()
     B = prompt_tokens.shape[0]
     if not greedy and (temperature <= 0 or not 0 < top_p <= 1):
-        raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1]; got {temperature}, {top_p}")
+        raise ValueError(
+            f"sampling needs temperature > 0 and top_p in (0, 1]; got {temperature}, {top_p}"
+        )
     if prompt_lengths.shape != (B,) or seeds.shape != (B,) or int(prompt_lengths.min()) < 1:
         raise ValueError(f"prompt_lengths and seeds must be [B={B}] with lengths >= 1")
     P = int(prompt_lengths.max())
     total = P + max_new_tokens
     if total > c.position_limit:
-        raise ValueError(f"prompt {P} + max_new_tokens {max_new_tokens} exceeds max_position_embeddings="
-                         f"{c.max_position_embeddings} (position limit {c.position_limit})")
+        raise ValueError(
+            f"prompt {P} + max_new_tokens {max_new_tokens} exceeds max_position_embeddings="
+            f"{c.max_position_embeddings} (position limit {c.position_limit})"
+        )
     pad = P - prompt_lengths
     left = torch.full((B, P), pad_token_id, dtype=torch.int64)
     valid = torch.zeros(B, total, dtype=torch.bool)
     for b in range(B):
         n = int(prompt_lengths[b])
-        left[b, P - n:] = prompt_tokens[b, :n]
-        valid[b, P - n:P] = True
+        left[b, P - n :] = prompt_tokens[b, :n]
+        valid[b, P - n : P] = True
     pos = (torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
     # A left-padding query would see no key at all (NaN rows); let it see itself.
     mask = torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, None, :P]
@@ -139,9 +163,13 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     draws = None
     if g.is_last_stage and not greedy:
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        draws = torch.stack([torch.rand(max_new_tokens, generator=gen) for gen in gens], 1).to(dev)  # [steps, B]
+        draws = torch.stack([torch.rand(max_new_tokens, generator=gen) for gen in gens], 1).to(
+            dev
+        )  # [steps, B]
     dec = Decoder(engine, B, total, valid, mode)
-    valid = dec.valid  # the decoder's live key mask ([B, >= total]; a persistent buffer for static / graph)
+    valid = (
+        dec.valid
+    )  # the decoder's live key mask ([B, >= total]; a persistent buffer for static / graph)
     p2p = P2P(g, dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     new = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.int64, device=dev)
@@ -151,7 +179,9 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     # every step it would be asked today: both check every step
     sync_dp = (lay.ep > 1 or lay.etp > lay.tp) and g.dp_size > 1
     every = 1 if (sync_dp or swap is not None) else STOP_CHECK_EVERY
-    all_done = (torch.zeros(max_new_tokens, dtype=torch.bool, device=dev) if stops is not None else None)
+    all_done = (
+        torch.zeros(max_new_tokens, dtype=torch.bool, device=dev) if stops is not None else None
+    )
     stops_dev = stops.to(dev) if stops is not None else None
     x, steps, swaps = left, 0, []
     for step in range(max_new_tokens):
@@ -176,7 +206,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
             out = dec.step(inp, pos, P + step - 1)
         nxt = torch.empty(B, dtype=torch.int64, device=dev)
         if g.is_last_stage:
-            logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, :c.vocab_size]
+            logits = gather_from_tp(out, g.tp_group, g.tp_ranks)[:, : c.vocab_size]
             if step < min_new_tokens and banned is not None:
                 logits = logits.index_fill(-1, banned, float("-inf"))
             u = None if draws is None else draws[step]
@@ -198,7 +228,7 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
                     break
             elif (step + 1) % every == 0 and bool(all_done[step].item()):
                 # done only grows: the first step at which every sequence had stopped
-                steps = int(all_done[:step + 1].to(torch.int8).argmax()) + 1
+                steps = int(all_done[: step + 1].to(torch.int8).argmax()) + 1
                 break
         valid[:, P + step] = True
         x = nxt.unsqueeze(1)
@@ -218,9 +248,13 @@ def generate(engine, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, 
     for b in range(B):
         n, m = int(prompt_lengths[b]), int(gen_len[b])
         out[b, :n] = prompt_tokens[b, :n]
-        out[b, n:n + m] = new[b, :m]
-    res = {"tokens": out, "lengths": prompt_lengths + gen_len, "prompt_lengths": prompt_lengths.clone(),
-           "new_tokens": new}
+        out[b, n : n + m] = new[b, :m]
+    res = {
+        "tokens": out,
+        "lengths": prompt_lengths + gen_len,
+        "prompt_lengths": prompt_lengths.clone(),
+        "new_tokens": new,
+    }
     res = {k: v.to(where) for k, v in res.items()}
     res["swaps"] = swaps
     return res

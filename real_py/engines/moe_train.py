@@ -35,14 +35,17 @@ class ExpertBuffers:
         self.engine, self.flat = engine, flat
         init_optim_buffers(self, flat)
         for e in ex.shard_layout.entries:
-            engine.model.expert_params[e.param.name].grad = self.grad[e.offset:e.offset + e.numel].view(e.local_shape)
+            engine.model.expert_params[e.param.name].grad = self.grad[
+                e.offset : e.offset + e.numel
+            ].view(e.local_shape)
         self.counted = ex.edp_rank == 0
 
     def check_in_place(self):
         for e in self.engine.experts.shard_layout.entries:
             grad = self.engine.model.expert_params[e.param.name].grad
-            assert grad is not None and grad.data_ptr() == self.grad[e.offset:].data_ptr(), \
+            assert grad is not None and grad.data_ptr() == self.grad[e.offset :].data_ptr(), (
                 f"{e.param.name}: autograd replaced the expert gradient view"
+            )
 
     def reduce(self):
         if self.red is not self.grad:
@@ -97,12 +100,19 @@ class RouterLosses:
         c = self.engine.config
         layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
         counts = torch.zeros(len(layers), c.num_experts, dtype=torch.int64, device=dev)
-        mine = [layers.index(i) for i in range(self.engine.model.lo, self.engine.model.hi) if i in layers]
+        mine = [
+            layers.index(i)
+            for i in range(self.engine.model.lo, self.engine.model.hi)
+            if i in layers
+        ]
         if self.counts is not None and len(mine):
             counts[mine] = self.counts.to(dev)
         if g.layout_group is not None:
             dist.all_reduce(vals, group=g.layout_group)
             dist.all_reduce(counts, group=g.layout_group)
         # counts: every TP row block and dp replica once; the z-loss terms sum to the mean
-        return {"aux_loss": vals[0].item(), "z_loss": vals[1].item() if self.z_coef else 0.0,
-                "expert_counts": counts.cpu()}
+        return {
+            "aux_loss": vals[0].item(),
+            "z_loss": vals[1].item() if self.z_coef else 0.0,
+            "expert_counts": counts.cpu(),
+        }

@@ -37,8 +37,10 @@ def split_micro_batches(batch: dict, num: int) -> list[MicroBatch]:
         raise ValueError("batch needs 'tokens' [B, T] int64 (right-padded) and 'lengths' [B]")
     B, T = tokens.shape
     if lengths.shape != (B,) or int(lengths.min()) < 1 or int(lengths.max()) > T:
-        raise ValueError(f"lengths must be [B={B}] in [1, T={T}], got shape {tuple(lengths.shape)} "
-                         f"range [{int(lengths.min())}, {int(lengths.max())}]")
+        raise ValueError(
+            f"lengths must be [B={B}] in [1, T={T}], got shape {tuple(lengths.shape)} "
+            f"range [{int(lengths.min())}, {int(lengths.max())}]"
+        )
     if not 1 <= num <= B:
         raise ValueError(f"micro_batches={num} must be in [1, batch size {B}]")
     for k, v in batch.items():
@@ -54,7 +56,7 @@ def split_micro_batches(batch: dict, num: int) -> list[MicroBatch]:
             if v.dim() >= 2 and v.shape[1] == T:
                 v = v[:, :n]
             elif v.dim() >= 2 and v.shape[1] == T - 1:
-                v = v[:, :n - 1]
+                v = v[:, : n - 1]
             data[k] = v.contiguous()
         out.append(MicroBatch(idx, n, data))
     return out

@@ -60,8 +60,10 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.lr < 0 or self.eps <= 0 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"OptimConfig: need lr >= 0, eps > 0, betas in [0, 1); got lr={self.lr}, "
-                             f"eps={self.eps}, betas={self.betas}")
+            raise ValueError(
+                f"OptimConfig: need lr >= 0, eps > 0, betas in [0, 1); got lr={self.lr}, "
+                f"eps={self.eps}, betas={self.betas}"
+            )
         if self.bucket_numel < 1:
             raise ValueError(f"OptimConfig.bucket_numel={self.bucket_numel} must be >= 1")
 
@@ -77,20 +79,27 @@ class Trainer:
         self.counted = []  # (offset, numel) of gradients counted once in the global norm
         for e in shard.shard_layout.entries:
             param = engine.model.shard_params[e.param.name]
-            param.grad = self.grad[e.offset:e.offset + e.numel].view(e.local_shape)
+            param.grad = self.grad[e.offset : e.offset + e.numel].view(e.local_shape)
             replicated = e.param.tp.kind == "replicated"
             head_copy = e.param.owner == "embed" and shard.stage != 0
             if not (replicated and g.tp_rank > 0) and not head_copy:
                 self.counted.append((e.offset, e.numel))
         self.spans = _merge_spans(self.counted, shard.shard_layout.entries)
-        self.embed_entry = next((e for e in shard.shard_layout.entries if e.param.owner == "embed"), None)
+        self.embed_entry = next(
+            (e for e in shard.shard_layout.entries if e.param.owner == "embed"), None
+        )
         self._setup_buckets()
-        self.experts = ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
+        self.experts = (
+            ExpertBuffers(engine) if getattr(engine, "experts", None) is not None else None
+        )
         # the layers' forward and backward through torch.compile (fused RMSNorm, RoPE, SwiGLU and
         # residual adds): by default on CUDA with tp == 1 (no TP collective inside a layer) and
         # without experts (the routing reads counts on the host)
-        backend = backend_of(getattr(engine, "compile_train", None), "REAL_PY_COMPILE_TRAIN",
-                             engine.device.type == "cuda" and g.tp_size == 1 and not engine.config.num_experts)
+        backend = backend_of(
+            getattr(engine, "compile_train", None),
+            "REAL_PY_COMPILE_TRAIN",
+            engine.device.type == "cuda" and g.tp_size == 1 and not engine.config.num_experts,
+        )
         self.calls = TrainCalls(backend) if backend else None
 
     def _setup_buckets(self):
@@ -111,7 +120,8 @@ class Trainer:
             for n in ns:
                 self.bucket_of[n] = i
                 self.engine.model.shard_params[n].register_post_accumulate_grad_hook(
-                    lambda p, n=n: self._grad_ready(n))
+                    lambda p, n=n: self._grad_ready(n)
+                )
         self._overlap, self._works, self.buckets_in_backward = False, [], 0
 
     def _grad_ready(self, name: str):
@@ -135,8 +145,16 @@ class Trainer:
             self.red[lo:hi].copy_(self.grad[lo:hi])
         return self.red[lo:hi]
 
-    def step(self, loss_fn, batch: dict, micro_batches: int, with_entropy: bool = False,
-             lr: float | None = None, moe_aux_coef: float | None = None, moe_z_coef: float = 0.0) -> dict:
+    def step(
+        self,
+        loss_fn,
+        batch: dict,
+        micro_batches: int,
+        with_entropy: bool = False,
+        lr: float | None = None,
+        moe_aux_coef: float | None = None,
+        moe_z_coef: float = 0.0,
+    ) -> dict:
         """lr: the learning rate of this and later steps (a schedule's value); None: unchanged.
         MoE models: moe_aux_coef (None: the config's router_aux_loss_coef) and moe_z_coef weigh the
         router losses added to every micro-batch's backward (moe_train.py)."""
@@ -164,14 +182,23 @@ class Trainer:
         self._adamw(clip)
         # the micro-batch losses stayed on the device (no wait per micro-batch): summed here
         total = torch.stack(losses).double().sum().reshape(1) if losses else None
-        loss = (total.to(dev) if g.is_last_stage and total is not None
-                else torch.zeros(1, dtype=torch.float64, device=dev))
+        loss = (
+            total.to(dev)
+            if g.is_last_stage and total is not None
+            else torch.zeros(1, dtype=torch.float64, device=dev)
+        )
         if g.dp_size > 1:
             dist.all_reduce(loss, group=g.dp_group)
         eng._bcast_from_last(loss)
-        out = {"loss": loss.item(), "grad_norm": norm, "lr": cfg.lr, "step": self.num_steps,
-               "micro_batches": len(mbs), "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
-               "dp_buckets_in_backward": self.buckets_in_backward}
+        out = {
+            "loss": loss.item(),
+            "grad_norm": norm,
+            "lr": cfg.lr,
+            "step": self.num_steps,
+            "micro_batches": len(mbs),
+            "dp_buckets": len(self.buckets) if g.dp_size > 1 else 0,
+            "dp_buckets_in_backward": self.buckets_in_backward,
+        }
         if self._router is not None:  # "loss" is loss_fn's sum; the router losses come on their own
             out.update(self._router.stats())
         return out
@@ -190,8 +217,11 @@ class Trainer:
                 x = tok
             else:
                 x = p2p.recv((b, n, H), eng.dtype, g.prev_rank).requires_grad_()
-            h = model(x, torch.arange(n, device=eng.device).expand(b, n),
-                      run=self.calls.run if self.calls is not None else None)
+            h = model(
+                x,
+                torch.arange(n, device=eng.device).expand(b, n),
+                run=self.calls.run if self.calls is not None else None,
+            )
             extra = None
             if g.is_last_stage:
                 out = loss_fn(eng.head_outputs(h, tok, with_entropy), mb.data)
@@ -244,8 +274,9 @@ class Trainer:
     def _check_grads_in_place(self):
         for e in self.engine.shard.shard_layout.entries:
             grad = self.engine.model.shard_params[e.param.name].grad
-            assert grad is not None and grad.data_ptr() == self.grad[e.offset:].data_ptr(), \
+            assert grad is not None and grad.data_ptr() == self.grad[e.offset :].data_ptr(), (
                 f"{e.param.name}: autograd replaced the flat-buffer gradient view"
+            )
         if self.experts is not None:
             self.experts.check_in_place()
 
@@ -304,8 +335,8 @@ class Trainer:
         p.mul_(1 - cfg.lr * cfg.weight_decay)
         exp_avg.lerp_(grad, 1 - b1)
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        step_size = cfg.lr / (1 - b1 ** self.num_steps)
-        denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - b2 ** self.num_steps)).add_(cfg.eps)
+        step_size = cfg.lr / (1 - b1**self.num_steps)
+        denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - b2**self.num_steps)).add_(cfg.eps)
         p.addcdiv_(exp_avg, denom, value=-step_size)
 
     def _adamw_fused(self, p, b, clip: float):
@@ -317,11 +348,25 @@ class Trainer:
         cuts = [(lo, min(n, lo + FUSED_PIECE)) for lo in range(0, n, FUSED_PIECE)]
         pieces = [[t[lo:hi] for lo, hi in cuts] for t in (p, b.red, b.exp_avg, b.exp_avg_sq)]
         step = torch.full((), float(self.num_steps), dtype=torch.float32, device=p.device)
-        scale = (None if clip == 1.0 else
-                 torch.full((), 1.0 / clip, dtype=torch.float32, device=p.device))
-        torch._fused_adamw_(*pieces, [], [step] * len(cuts), lr=cfg.lr, beta1=cfg.betas[0],
-                            beta2=cfg.betas[1], weight_decay=cfg.weight_decay, eps=cfg.eps,
-                            amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+        scale = (
+            None
+            if clip == 1.0
+            else torch.full((), 1.0 / clip, dtype=torch.float32, device=p.device)
+        )
+        torch._fused_adamw_(
+            *pieces,
+            [],
+            [step] * len(cuts),
+            lr=cfg.lr,
+            beta1=cfg.betas[0],
+            beta2=cfg.betas[1],
+            weight_decay=cfg.weight_decay,
+            eps=cfg.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=scale,
+            found_inf=None,
+        )
 
 
 FUSED_PIECE = 1 << 28

@@ -33,10 +33,10 @@ from dataclasses import replace
 
 import torch
 
-from .hf import _IGNORED_SUFFIXES, hf_names
 from ..layout import Layout, shard_layout, stage_layer_ranges
 from ..realloc.shard import tp_slice
 from ..spec import ModelConfig, ModelSpec, ParamSpec
+from .hf import _IGNORED_SUFFIXES, hf_names
 
 # Megatron-core GPTModel names (TE layer spec; the local spec's norm names are accepted too).
 _MEGATRON_LAYER = {
@@ -48,10 +48,15 @@ _MEGATRON_LAYER = {
     "mlp.gate_up_proj.weight": "mlp.linear_fc1.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
-_MEGATRON_LOCAL_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
-                         "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
-_MEGATRON_OTHER = {"embed_tokens.weight": "embedding.word_embeddings.weight",
-                   "norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}
+_MEGATRON_LOCAL_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+}
+_MEGATRON_OTHER = {
+    "embed_tokens.weight": "embedding.word_embeddings.weight",
+    "norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _MEGATRON_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -59,8 +64,12 @@ _MEGATRON_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 def megatron_config(config: ModelConfig, *, vocab_pad_multiple: int = 128) -> ModelConfig:
     """`config` with Megatron-core's storage conventions: grouped q|k|v, [gate; up] per TP rank,
     vocab padded to vocab_pad_multiple x tp (Megatron's --make-vocab-size-divisible-by)."""
-    return replace(config, qkv_layout="megatron_grouped", gate_up_layout="blocked",
-                   vocab_pad_multiple=vocab_pad_multiple)
+    return replace(
+        config,
+        qkv_layout="megatron_grouped",
+        gate_up_layout="blocked",
+        vocab_pad_multiple=vocab_pad_multiple,
+    )
 
 
 def megatron_layout(dp: int = 1, tp: int = 1, pp: int = 1, ranks=None) -> Layout:
@@ -76,8 +85,10 @@ def _position(model: ModelSpec, layout: Layout | None, rank: int | None):
         # FSDP2 shards each HF / Megatron tensor separately; its pieces of q/k/v or gate/up cannot
         # be fused into this project's tensors. Pass dp-sharded pieces straight to
         # reallocate_params / shard_from_params with project names instead.
-        raise ValueError(f"layout {layout} is dp-sharded: the adapters map whole TP-local tensors; "
-                         "hand FSDP2 to_local() pieces under project names to reallocate_params")
+        raise ValueError(
+            f"layout {layout} is dp-sharded: the adapters map whole TP-local tensors; "
+            "hand FSDP2 to_local() pieces under project names to reallocate_params"
+        )
     coords = layout.coords(rank) if rank is not None else None
     if coords is None:
         raise ValueError(f"rank {rank} is not in layout {layout}")
@@ -129,15 +140,20 @@ def _renumber(sd: Mapping[str, torch.Tensor], shift: int, prefix: str) -> dict[s
     out = {}
     for key, t in sd.items():
         if key.startswith(prefix):
-            i, rest = key[len(prefix):].split(".", 1)
+            i, rest = key[len(prefix) :].split(".", 1)
             key = f"{prefix}{int(i) + shift}.{rest}"
         out[key] = t
     return out
 
 
-def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout | None = None,
-                       rank: int | None = None, *, stage_local_layers: bool = False
-                       ) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    model: ModelSpec,
+    layout: Layout | None = None,
+    rank: int | None = None,
+    *,
+    stage_local_layers: bool = False,
+) -> dict[str, torch.Tensor]:
     """One rank's HF-named tensors (q/k/v and gate/up apart, each its TP slice) -> project
     names, fused in the spec's storage order. Nothing in `sd` is modified. stage_local_layers:
     the dict numbers its stage's layers from 0 (else global layer numbers, as a model sliced
@@ -161,12 +177,16 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         if key not in owner:
-            raise ValueError(f"{key}: not a parameter of {model.name} (HF names such as "
-                             "model.layers.0.self_attn.q_proj.weight)")
+            raise ValueError(
+                f"{key}: not a parameter of {model.name} (HF names such as "
+                "model.layers.0.self_attn.q_proj.weight)"
+            )
         name, j = owner[key]
         if name not in entries:
-            raise ValueError(f"{key}: {name} is not on stage {stage} of {layout} (pipeline split "
-                             f"{_split_desc(layout)}); pass layout=... matching the trainer's split")
+            raise ValueError(
+                f"{key}: {name} is not on stage {stage} of {layout} (pipeline split "
+                f"{_split_desc(layout)}); pass layout=... matching the trainer's split"
+            )
         if key == "lm_head.weight" and tied and "model.embed_tokens.weight" in sd:
             continue  # a tied lm_head.weight aliases the embedding of a single-stage dict
         parts.setdefault(name, {})[j] = t
@@ -185,16 +205,29 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout:
                 _check_shape(n, got[j], want, f"tp rank {k} of {layout}")
             out[name] = _fuse(p, [got[j] for j in range(len(p.blocks))], layout.tp)
         else:
-            _check_shape(names[0], got[0], e.local_shape, f"tp rank {k} of {layout}"
-                         + (f", vocab padded to a multiple of {p.tp.vocab_multiple} x tp"
-                            if p.tp.kind == "vocab" else ""))
+            _check_shape(
+                names[0],
+                got[0],
+                e.local_shape,
+                f"tp rank {k} of {layout}"
+                + (
+                    f", vocab padded to a multiple of {p.tp.vocab_multiple} x tp"
+                    if p.tp.kind == "vocab"
+                    else ""
+                ),
+            )
             out[name] = got[0]
     return out
 
 
-def to_hf_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout | None = None,
-                     rank: int | None = None, *, stage_local_layers: bool = False
-                     ) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(
+    params: Mapping[str, torch.Tensor],
+    model: ModelSpec,
+    layout: Layout | None = None,
+    rank: int | None = None,
+    *,
+    stage_local_layers: bool = False,
+) -> dict[str, torch.Tensor]:
     """Inverse of from_hf_state_dict: project names -> HF names (q/k/v, gate/up split back
     out; views where the storage allows). A tied embedding is also given as lm_head.weight on
     the last stage (and only there when pp > 1)."""
@@ -203,8 +236,9 @@ def to_hf_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layou
     out = {}
     for name, t in params.items():
         if name not in entries:
-            raise ValueError(f"{name}: not on stage {stage} of {layout} (pipeline split "
-                             f"{_split_desc(layout)})")
+            raise ValueError(
+                f"{name}: not on stage {stage} of {layout} (pipeline split {_split_desc(layout)})"
+            )
         p = entries[name].param
         names = hf_names(p)
         if p.tp.kind == "split" and len(p.blocks) > 1:
@@ -219,7 +253,9 @@ def to_hf_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layou
     return _renumber(out, -lo, "model.layers.") if stage_local_layers else out
 
 
-def _megatron_names(model: ModelSpec, layout: Layout, stage: int, lo: int, fused_norms: bool) -> dict:
+def _megatron_names(
+    model: ModelSpec, layout: Layout, stage: int, lo: int, fused_norms: bool
+) -> dict:
     """project name -> Megatron-core local key for the parameters of one stage."""
     names = {}
     for p in model.params:
@@ -244,13 +280,16 @@ def _check_megatron_spec(model: ModelSpec) -> None:
         raise ValueError("Megatron-core GPTModel names cover lm heads; value_head.weight has none")
     cfg = model.config
     if cfg is not None and cfg.qkv_layout != "megatron_grouped":
-        raise ValueError(f"{model.name}: qkv_layout={cfg.qkv_layout!r}, but Megatron-core's "
-                         "linear_qkv is grouped per kv group; build the spec from "
-                         "megatron_config(config)")
+        raise ValueError(
+            f"{model.name}: qkv_layout={cfg.qkv_layout!r}, but Megatron-core's "
+            "linear_qkv is grouped per kv group; build the spec from "
+            "megatron_config(config)"
+        )
 
 
-def from_megatron_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout,
-                             rank: int) -> dict[str, torch.Tensor]:
+def from_megatron_state_dict(
+    sd: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout, rank: int
+) -> dict[str, torch.Tensor]:
     """One rank's Megatron-core GPTModel local state dict (stage-local layer numbers, TP slices,
     fused linear_qkv grouped per kv group) -> project names (global layer numbers).
 
@@ -273,34 +312,50 @@ def from_megatron_state_dict(sd: Mapping[str, torch.Tensor], model: ModelSpec, l
         if name is None:
             m = _MEGATRON_LAYER_RE.match(key)
             if m and int(m.group(1)) >= hi - lo:
-                raise ValueError(f"{key}: stage {stage} of {layout} holds {hi - lo} layers (global "
-                                 f"{lo}..{hi - 1}) under the pipeline split {_split_desc(layout)}; "
-                                 "Megatron-core splits by layer count (megatron_layout)")
+                raise ValueError(
+                    f"{key}: stage {stage} of {layout} holds {hi - lo} layers (global "
+                    f"{lo}..{hi - 1}) under the pipeline split {_split_desc(layout)}; "
+                    "Megatron-core splits by layer count (megatron_layout)"
+                )
             raise ValueError(f"{key}: not a Megatron-core GPTModel parameter of {model.name}")
         if name not in entries:
-            raise ValueError(f"{key}: {name} is not on stage {stage} of {layout} (pipeline split "
-                             f"{_split_desc(layout)})")
+            raise ValueError(
+                f"{key}: {name} is not on stage {stage} of {layout} (pipeline split "
+                f"{_split_desc(layout)})"
+            )
         e = entries[name]
         why = f"tp rank {k} of {layout}"
         if e.param.tp.kind == "vocab":
-            why += (f", vocab {e.param.shape[0]} padded to a multiple of "
-                    f"{e.param.tp.vocab_multiple} x tp={layout.tp}")
+            why += (
+                f", vocab {e.param.shape[0]} padded to a multiple of "
+                f"{e.param.tp.vocab_multiple} x tp={layout.tp}"
+            )
         elif e.param.tp.groups:
-            why += f", rows grouped per kv group: [q heads, k, v] x {e.param.tp.groups // layout.tp}"
+            why += (
+                f", rows grouped per kv group: [q heads, k, v] x {e.param.tp.groups // layout.tp}"
+            )
         _check_shape(key, t, e.local_shape, why)
         if name in out:
             raise ValueError(f"{key}: {name} given twice (TE and local norm names)")
         out[name] = t
     missing = sorted(names[n] for n in entries if n not in out)
     if missing:
-        raise ValueError(f"rank {rank} ({layout}, stage {stage}, layers {lo}..{hi - 1} under the "
-                         f"pipeline split {_split_desc(layout)}): Megatron state dict lacks "
-                         f"{missing[:5]}")
+        raise ValueError(
+            f"rank {rank} ({layout}, stage {stage}, layers {lo}..{hi - 1} under the "
+            f"pipeline split {_split_desc(layout)}): Megatron state dict lacks "
+            f"{missing[:5]}"
+        )
     return out
 
 
-def to_megatron_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec, layout: Layout,
-                           rank: int, *, fused_norms: bool = True) -> dict[str, torch.Tensor]:
+def to_megatron_state_dict(
+    params: Mapping[str, torch.Tensor],
+    model: ModelSpec,
+    layout: Layout,
+    rank: int,
+    *,
+    fused_norms: bool = True,
+) -> dict[str, torch.Tensor]:
     """Inverse of from_megatron_state_dict (values are the same tensors). fused_norms: name the
     norms as the Transformer Engine layer spec does (linear_qkv.layer_norm_weight), else as the
     local spec (input_layernorm.weight, pre_mlp_layernorm.weight)."""
@@ -310,14 +365,20 @@ def to_megatron_state_dict(params: Mapping[str, torch.Tensor], model: ModelSpec,
     out = {}
     for name, t in params.items():
         if name not in entries:
-            raise ValueError(f"{name}: not on stage {stage} of {layout} (pipeline split "
-                             f"{_split_desc(layout)})")
+            raise ValueError(
+                f"{name}: not on stage {stage} of {layout} (pipeline split {_split_desc(layout)})"
+            )
         out[names[name]] = t
     return out
 
 
-def check_against_full(model: ModelSpec, layout: Layout, rank: int,
-                       params: Mapping[str, torch.Tensor], full: Mapping[str, torch.Tensor]) -> int:
+def check_against_full(
+    model: ModelSpec,
+    layout: Layout,
+    rank: int,
+    params: Mapping[str, torch.Tensor],
+    full: Mapping[str, torch.Tensor],
+) -> int:
     """Opt-in check that a rank's local tensors are stored as `model` declares.
 
     Compares every fused tensor (several blocks: q|k|v, gate|up) and vocab-split tensor in
@@ -340,22 +401,32 @@ def check_against_full(model: ModelSpec, layout: Layout, rank: int,
         checked += 1
         if torch.equal(tp_slice(p, ref, layout.tp, k).to(t.device), t):
             continue
-        declared = (_storage_name(model, p, p.tp.groups) if p.tp.kind == "split"
-                    else f"vocab_multiple={p.tp.vocab_multiple}")
+        declared = (
+            _storage_name(model, p, p.tp.groups)
+            if p.tp.kind == "split"
+            else f"vocab_multiple={p.tp.vocab_multiple}"
+        )
         if p.tp.kind == "split":
             # The storage orders in use: blocked, Megatron's per-kv-group q|k|v, row-interleaved.
-            alts = [g for g in (0, _kv_groups(model), p.blocks[0]) if g != p.tp.groups
-                    and (g == 0 or (g % layout.tp == 0 and all(b % g == 0 for b in p.blocks)))]
+            alts = [
+                g
+                for g in (0, _kv_groups(model), p.blocks[0])
+                if g != p.tp.groups
+                and (g == 0 or (g % layout.tp == 0 and all(b % g == 0 for b in p.blocks)))
+            ]
             for g in alts:
                 alt = replace(p, tp=replace(p.tp, groups=g))
                 if torch.equal(tp_slice(alt, ref, layout.tp, k).to(t.device), t):
                     raise ValueError(
                         f"{name} on rank {rank} ({layout}, tp rank {k}): rows are stored as "
                         f"{_storage_name(model, p, g)}, the spec declares {declared}; "
-                        "set ModelConfig.qkv_layout / gate_up_layout to match the trainer")
-        raise ValueError(f"{name} on rank {rank} ({layout}, tp rank {k}): local tensor differs from "
-                         f"the reference full tensor's slice for the declared storage ({declared}) "
-                         "and from every other storage order: wrong weights or wrong reference")
+                        "set ModelConfig.qkv_layout / gate_up_layout to match the trainer"
+                    )
+        raise ValueError(
+            f"{name} on rank {rank} ({layout}, tp rank {k}): local tensor differs from "
+            f"the reference full tensor's slice for the declared storage ({declared}) "
+            "and from every other storage order: wrong weights or wrong reference"
+        )
     return checked
 
 
@@ -373,5 +444,12 @@ def _storage_name(model: ModelSpec, p: ParamSpec, groups: int) -> str:
     return f"{groups} interleaved groups"
 
 
-__all__ = ["from_hf_state_dict", "to_hf_state_dict", "from_megatron_state_dict",
-           "to_megatron_state_dict", "megatron_config", "megatron_layout", "check_against_full"]
+__all__ = [
+    "from_hf_state_dict",
+    "to_hf_state_dict",
+    "from_megatron_state_dict",
+    "to_megatron_state_dict",
+    "megatron_config",
+    "megatron_layout",
+    "check_against_full",
+]

@@ -23,7 +23,14 @@ from collections.abc import Mapping
 
 import torch
 
-from ..layout import Layout, dp_shard_layout, require_layout, require_spec, shard_layout, stage_layer_ranges
+from ..layout import (
+    Layout,
+    dp_shard_layout,
+    require_layout,
+    require_spec,
+    shard_layout,
+    stage_layer_ranges,
+)
 from ..realloc.reallocator import Reallocator, new_destination
 from ..realloc.shard import ModelShard
 from ..spec import torch_dtype
@@ -32,8 +39,9 @@ _ROLES = ("dp", "tp", "pp")
 _MESH_ROLES = _ROLES + ("dp_shard",)
 
 
-def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, torch.Tensor],
-                      device=None) -> ModelShard:
+def shard_from_params(
+    model, layout: Layout, rank: int, params: Mapping[str, torch.Tensor], device=None
+) -> ModelShard:
     """Copy a rank's local tensors (name -> tensor) into a new flat shard buffer.
 
     Raises ValueError naming the parameter on a missing/extra name, a wrong local shape or dtype.
@@ -41,42 +49,65 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     require_spec(model)
     require_layout(layout)
     if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping name -> local tensor (e.g. dict(model.named_parameters())), "
-                        f"got {type(params).__name__}")
+        raise TypeError(
+            f"params must be a mapping name -> local tensor (e.g. dict(model.named_parameters())), "
+            f"got {type(params).__name__}"
+        )
     coords = layout.coords(rank)
     if coords is None:
         raise ValueError(f"rank {rank} is not in layout {layout}")
     entries = shard_layout(model, layout, coords[2]).entries
     # Local shapes: the TP-local tensor, or this dp replica's piece in a dp-sharded layout
     # (FSDP2: the DTensor's to_local(); ZeRO-3 / flat: a 1-D range, maybe empty).
-    shapes = ({e.param.name: e.local_shape for e in entries} if layout.dp_shard == "none" else
-              {x.param.name: x.shape for x in dp_shard_layout(model, layout, coords[2], coords[0]).pieces})
+    shapes = (
+        {e.param.name: e.local_shape for e in entries}
+        if layout.dp_shard == "none"
+        else {
+            x.param.name: x.shape
+            for x in dp_shard_layout(model, layout, coords[2], coords[0]).pieces
+        }
+    )
     want = {e.param.name for e in entries}
     missing, extra = sorted(want - params.keys()), sorted(params.keys() - want)
     if missing or extra:
-        lo, hi = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)[coords[2]]
-        split = (f"layers_per_stage={layout.layers_per_stage}" if layout.layers_per_stage
-                 else f"partition={layout.partition!r}")
-        raise ValueError(f"rank {rank} ({layout}, stage {coords[2]}): parameter dict does not match "
-                         f"the stage's parameters: missing {missing[:5]}, unexpected {extra[:5]}; "
-                         f"the stage holds layers {lo}..{hi - 1} under the pipeline split {split} "
-                         "(Megatron-core splits by layer count: Layout(partition='layers'))")
+        lo, hi = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)[
+            coords[2]
+        ]
+        split = (
+            f"layers_per_stage={layout.layers_per_stage}"
+            if layout.layers_per_stage
+            else f"partition={layout.partition!r}"
+        )
+        raise ValueError(
+            f"rank {rank} ({layout}, stage {coords[2]}): parameter dict does not match "
+            f"the stage's parameters: missing {missing[:5]}, unexpected {extra[:5]}; "
+            f"the stage holds layers {lo}..{hi - 1} under the pipeline split {split} "
+            "(Megatron-core splits by layer count: Layout(partition='layers'))"
+        )
     dtype = torch_dtype(model.dtype)
     for e in entries:
         t = params[e.param.name]
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"params[{e.param.name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(
+                f"params[{e.param.name!r}] must be a torch.Tensor, got {type(t).__name__}"
+            )
         if t.is_meta:
-            raise ValueError(f"params[{e.param.name!r}] is a meta tensor (no data); materialize the "
-                             "model (e.g. to_empty + load) before reallocating it")
+            raise ValueError(
+                f"params[{e.param.name!r}] is a meta tensor (no data); materialize the "
+                "model (e.g. to_empty + load) before reallocating it"
+            )
         if tuple(t.shape) != shapes[e.param.name]:
-            raise ValueError(f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
-                             f"{layout} tp rank {coords[1]}"
-                             + (f" dp rank {coords[0]} (its dp piece)" if layout.dp_shard != "none" else "")
-                             + f" holds {shapes[e.param.name]}")
+            raise ValueError(
+                f"{e.param.name}: local shape {tuple(t.shape)} on rank {rank}, but "
+                f"{layout} tp rank {coords[1]}"
+                + (f" dp rank {coords[0]} (its dp piece)" if layout.dp_shard != "none" else "")
+                + f" holds {shapes[e.param.name]}"
+            )
         if t.dtype != dtype:
-            raise ValueError(f"{e.param.name}: dtype {t.dtype}, the model spec says {dtype}; cast "
-                             "the model first (reallocation moves raw bytes)")
+            raise ValueError(
+                f"{e.param.name}: dtype {t.dtype}, the model spec says {dtype}; cast "
+                "the model first (reallocation moves raw bytes)"
+            )
     if device is None:
         device = params[entries[0].param.name].device
     shard = ModelShard.empty(model, layout, rank, device=device)
@@ -87,9 +118,13 @@ def shard_from_params(model, layout: Layout, rank: int, params: Mapping[str, tor
     return shard
 
 
-def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] | None, *,
-                      device=None, check: Mapping[str, torch.Tensor] | None = None
-                      ) -> dict[str, torch.Tensor] | None:
+def reallocate_params(
+    realloc: Reallocator,
+    params: Mapping[str, torch.Tensor] | None,
+    *,
+    device=None,
+    check: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor] | None:
     """Move local tensors from the plan's source layout to its destination layout.
 
     params: this rank's source tensors, None if the rank holds no source shard. Returns this
@@ -103,14 +138,18 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     """
     _require_realloc(realloc)
     if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping name -> local tensor or None, got "
-                        f"{type(params).__name__}; pass dict(zip(names, tensors))")
+        raise TypeError(
+            f"params must be a mapping name -> local tensor or None, got "
+            f"{type(params).__name__}; pass dict(zip(names, tensors))"
+        )
     plan, rank = realloc.plan, realloc.rank
     src = None
     with _tell_peers(realloc):
         if params is not None:
             if rank not in plan.src.ranks:
-                raise ValueError(f"rank {rank} is not in the source layout {plan.src} but passed params")
+                raise ValueError(
+                    f"rank {rank} is not in the source layout {plan.src} but passed params"
+                )
             if check is not None:
                 from .adapters import check_against_full
 
@@ -122,8 +161,9 @@ def reallocate_params(realloc: Reallocator, params: Mapping[str, torch.Tensor] |
     return None if dst is None else dst.params()
 
 
-def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
-                    dst_flat: torch.Tensor | None = None) -> torch.Tensor | None:
+def reallocate_flat(
+    realloc: Reallocator, src_flat: torch.Tensor | None, dst_flat: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Move one flat shard buffer (the ModelShard.flat layout) to the destination layout.
 
     dst_flat: a zeroed buffer to fill (reused across calls), or None to allocate one.
@@ -137,11 +177,14 @@ def reallocate_flat(realloc: Reallocator, src_flat: torch.Tensor | None,
             raise type(e)(f"src_flat: {e}") from None
         if rank not in plan.dst.ranks:
             if dst_flat is not None:
-                raise ValueError(f"rank {rank} is not in the destination layout {plan.dst} but passed "
-                                 "dst_flat")
+                raise ValueError(
+                    f"rank {rank} is not in the destination layout {plan.dst} but passed dst_flat"
+                )
             dst = None
         elif dst_flat is None:
-            dst = new_destination(plan, rank, device=src_flat.device if src_flat is not None else "cpu")
+            dst = new_destination(
+                plan, rank, device=src_flat.device if src_flat is not None else "cpu"
+            )
         else:
             dst = ModelShard(plan.dst_model, plan.dst, rank, dst_flat)
     realloc.run(src, dst)
@@ -161,13 +204,19 @@ def _tell_peers(realloc: Reallocator):
 
 def _require_realloc(realloc) -> None:
     if not isinstance(realloc, Reallocator):
-        raise TypeError(f"realloc must be a Reallocator(plan_realloc(model, src, dst), transport), got "
-                        f"{type(realloc).__name__}")
+        raise TypeError(
+            f"realloc must be a Reallocator(plan_realloc(model, src, dst), transport), got "
+            f"{type(realloc).__name__}"
+        )
 
 
-def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
-                            layers_per_stage: tuple[int, ...] | None = None,
-                            dp_shard: str | None = None) -> Layout:
+def layout_from_device_mesh(
+    mesh,
+    axes: Mapping[str, str] | None = None,
+    *,
+    layers_per_stage: tuple[int, ...] | None = None,
+    dp_shard: str | None = None,
+) -> Layout:
     """The Layout a torch DeviceMesh describes (global ranks, axis order from the mesh).
 
     axes: mesh dim name -> "dp" | "tp" | "pp" | "dp_shard"; default: the mesh dims named dp, tp,
@@ -185,8 +234,10 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     names = mesh.mesh_dim_names
     shape = tuple(mesh.mesh.shape)
     if names is None:
-        raise ValueError(f"DeviceMesh of shape {shape} has no mesh_dim_names; name its dims "
-                         "(e.g. ('pp', 'dp', 'tp')) so each maps to dp, tp or pp")
+        raise ValueError(
+            f"DeviceMesh of shape {shape} has no mesh_dim_names; name its dims "
+            "(e.g. ('pp', 'dp', 'tp')) so each maps to dp, tp or pp"
+        )
     axes = dict(axes) if axes is not None else {n: n for n in names if n in _MESH_ROLES}
     for dim, role in axes.items():
         if dim not in names:
@@ -199,9 +250,11 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
     roles = ["dp" if r == "dp_shard" else r for r in axes.values()]
     dup = sorted({r for r in roles if roles.count(r) > 1})
     if dup:
-        raise ValueError(f"roles {dup} are given to several mesh dims ({axes}); a Layout has one "
-                         "dim per role (flatten the mesh dims first; HSDP, dp replicate x dp shard, "
-                         "is not a Layout)")
+        raise ValueError(
+            f"roles {dup} are given to several mesh dims ({axes}); a Layout has one "
+            "dim per role (flatten the mesh dims first; HSDP, dp replicate x dp shard, "
+            "is not a Layout)"
+        )
     if dp_shard is None:
         dp_shard = "dim0" if "dp_shard" in axes.values() else "none"
     axes = {d: "dp" if r == "dp_shard" else r for d, r in axes.items()}
@@ -211,18 +264,30 @@ def layout_from_device_mesh(mesh, axes: Mapping[str, str] | None = None, *,
         role = axes.get(name)
         if role is None:
             if size != 1:
-                raise ValueError(f"mesh dim {name!r} of size {size} is not mapped to dp, tp or pp; "
-                                 f"a reallocation layout has only those axes (pass axes=...)")
+                raise ValueError(
+                    f"mesh dim {name!r} of size {size} is not mapped to dp, tp or pp; "
+                    f"a reallocation layout has only those axes (pass axes=...)"
+                )
             continue
         sizes[role] = size
         if size > 1:
             fastest_first.append(role)
     # Only axes longer than 1 fix the order; prefer the default order among those consistent.
-    order = next("-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))
-                 if [a for a in p if a in fastest_first] == fastest_first)
+    order = next(
+        "-".join(p)
+        for p in itertools.permutations(("tp", "dp", "pp"))
+        if [a for a in p if a in fastest_first] == fastest_first
+    )
     ranks = _torch_rank_order(mesh.mesh, names)
-    return Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ranks=ranks, order=order,
-                  layers_per_stage=layers_per_stage, dp_shard=dp_shard)
+    return Layout(
+        dp=sizes["dp"],
+        tp=sizes["tp"],
+        pp=sizes["pp"],
+        ranks=ranks,
+        order=order,
+        layers_per_stage=layers_per_stage,
+        dp_shard=dp_shard,
+    )
 
 
 def _torch_rank_order(arr: torch.Tensor, names) -> tuple[int, ...]:
@@ -242,7 +307,8 @@ def _torch_rank_order(arr: torch.Tensor, names) -> tuple[int, ...]:
                 "mesh dim by process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard "
                 f"by that number; on this mesh it puts ranks {at[tuple(p)]} and {r} both at position "
                 f"{tuple(p)}, so the mesh describes no consistent layout. Build the mesh with each "
-                "dim's ranks in ascending order (e.g. init_device_mesh)")
+                "dim's ranks in ascending order (e.g. init_device_mesh)"
+            )
         at[tuple(p)] = r
     return tuple(at[p] for p in itertools.product(*(range(n) for n in shape)))
 

@@ -24,16 +24,25 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ..spec.hf_config import ARCHITECTURES, check_architecture, export_config
 from ..layout import Layout, require_layout
 from ..realloc.shard import ExpertShard, ModelShard, gather_full
 from ..spec import ModelConfig, ModelSpec, ParamSpec, model_spec, torch_dtype
+from ..spec.hf_config import ARCHITECTURES, check_architecture, export_config
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # copied from the source checkpoint directory on export when present
-STANDALONE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                    "chat_template.json")
+STANDALONE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 # model_types whose checkpoints store q|k|v and gate|up fused, in real_py's block order (Phi-3)
@@ -45,7 +54,9 @@ def _fused(model: ModelSpec) -> bool:
 
 
 def _names(model: ModelSpec, p: ParamSpec) -> list[str]:
-    return hf_names(p, _fused(model), model.config is not None and model.config.model_type == "mixtral")
+    return hf_names(
+        p, _fused(model), model.config is not None and model.config.model_type == "mixtral"
+    )
 
 
 def hf_names(p: ParamSpec, fused: bool = False, mixtral: bool = False) -> list[str]:
@@ -95,24 +106,32 @@ class HFCheckpoint:
         elif os.path.exists(os.path.join(self.path, "model.safetensors")):
             files = ["model.safetensors"]
         else:
-            raise ValueError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
-                             "(only safetensors checkpoints are supported)")
+            raise ValueError(
+                f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                "(only safetensors checkpoints are supported)"
+            )
         missing = [fn for fn in files if not os.path.isfile(os.path.join(self.path, fn))]
         if missing:
-            raise ValueError(f"{self.path}: model.safetensors.index.json names {len(missing)} shard file(s) "
-                             f"that are missing, first {missing[0]!r}; copy the whole checkpoint directory")
+            raise ValueError(
+                f"{self.path}: model.safetensors.index.json names {len(missing)} shard file(s) "
+                f"that are missing, first {missing[0]!r}; copy the whole checkpoint directory"
+            )
         self._handles, self.shapes = {}, {}
         for fn in files:
             try:
                 h = safe_open(os.path.join(self.path, fn), framework="pt")
             except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
-                raise ValueError(f"{os.path.join(self.path, fn)} is not a readable safetensors file "
-                                 f"(truncated or corrupt: {e}); re-download or re-save it") from None
+                raise ValueError(
+                    f"{os.path.join(self.path, fn)} is not a readable safetensors file "
+                    f"(truncated or corrupt: {e}); re-download or re-save it"
+                ) from None
             for name in h.keys():
                 self._handles[name] = h
                 self.shapes[name] = tuple(h.get_slice(name).get_shape())
 
-    def read(self, name: str, dim: int = 0, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int = 0, lo: int | None = None, hi: int | None = None
+    ) -> torch.Tensor:
         """The tensor, or rows/cols [lo, hi) along dim 0 or 1 read from disk as a slice."""
         sl = self._handles[name].get_slice(name)
         if lo is None:
@@ -131,31 +150,53 @@ class HFCheckpoint:
                 wanted[name] = _block_shape(p, j, _fused(model))
         for name, shape in wanted.items():
             if name not in self.shapes:
-                hint = ("; a causal-LM checkpoint as a value model needs a fresh value head "
-                        "(critic_init: zero | normal)" if name == "score.weight" else
-                        "; it holds a value head 'score.weight' (a *ForSequenceClassification "
-                        "checkpoint): load it with head='value'" if name == "lm_head.weight" and
-                        "score.weight" in self.shapes else "")
-                raise ValueError(f"checkpoint {self.path} has no tensor {name!r} required by the "
-                                 f"config ({len(self.shapes)} tensors present){hint}")
+                hint = (
+                    "; a causal-LM checkpoint as a value model needs a fresh value head "
+                    "(critic_init: zero | normal)"
+                    if name == "score.weight"
+                    else "; it holds a value head 'score.weight' (a *ForSequenceClassification "
+                    "checkpoint): load it with head='value'"
+                    if name == "lm_head.weight" and "score.weight" in self.shapes
+                    else ""
+                )
+                raise ValueError(
+                    f"checkpoint {self.path} has no tensor {name!r} required by the "
+                    f"config ({len(self.shapes)} tensors present){hint}"
+                )
             if self.shapes[name] != shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {list(self.shapes[name])}, the "
-                                 f"config expects {list(shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {list(self.shapes[name])}, the "
+                    f"config expects {list(shape)}"
+                )
         for name in self.shapes:
-            if name in wanted or name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            if (
+                name in wanted
+                or name.endswith(_IGNORED_SUFFIXES)
+                or (tied and name == "lm_head.weight")
+            ):
                 continue
             if fresh_head and name in ("lm_head.weight", "score.weight"):
                 continue
-            raise ValueError(f"checkpoint tensor {name!r} is not part of the config's model "
-                             "(check num_hidden_layers, attention_bias, tie_word_embeddings, head)")
+            raise ValueError(
+                f"checkpoint tensor {name!r} is not part of the config's model "
+                "(check num_hidden_layers, attention_bias, tie_word_embeddings, head)"
+            )
 
 
 VALUE_HEAD_INITS = ("zero", "normal")
 
 
-def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
-                  name: str | None = None, value_head_init: str | None = None,
-                  seed: int = 0) -> ModelShard:
+def load_hf_shard(
+    path,
+    config: ModelConfig,
+    layout: Layout,
+    rank: int,
+    device="cpu",
+    *,
+    name: str | None = None,
+    value_head_init: str | None = None,
+    seed: int = 0,
+) -> ModelShard:
     """This rank's shard of `layout`, reading only the slices it holds.
 
     name: the ModelSpec name of the shard (the runtime plans reallocations with the model's
@@ -165,12 +206,18 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     """
     require_layout(layout)
     if layout.dp_shard != "none":
-        raise ValueError(f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
-                         "without dp sharding and reallocate to it (plan_realloc)")
+        raise ValueError(
+            f"load_hf_shard: layout {layout} is dp-sharded; load into the layout "
+            "without dp sharding and reallocate to it (plan_realloc)"
+        )
     _check_checkpoint_config(path)
-    if value_head_init is not None and (value_head_init not in VALUE_HEAD_INITS or config.head != "value"):
-        raise ValueError(f"value_head_init={value_head_init!r} needs a value config (head='value') and "
-                         f"one of {list(VALUE_HEAD_INITS)}")
+    if value_head_init is not None and (
+        value_head_init not in VALUE_HEAD_INITS or config.head != "value"
+    ):
+        raise ValueError(
+            f"value_head_init={value_head_init!r} needs a value config (head='value') and "
+            f"one of {list(VALUE_HEAD_INITS)}"
+        )
     model = model_spec(config, name=name)
     ckpt = HFCheckpoint(path)
     ckpt.check(model, fresh_head=value_head_init is not None)
@@ -179,8 +226,16 @@ def load_hf_shard(path, config: ModelConfig, layout: Layout, rank: int, device="
     return shard
 
 
-def load_hf_experts(path, config: ModelConfig, layout: Layout, rank: int, device="cpu", *,
-                    name: str | None = None, fresh_head: bool = False) -> ExpertShard:
+def load_hf_experts(
+    path,
+    config: ModelConfig,
+    layout: Layout,
+    rank: int,
+    device="cpu",
+    *,
+    name: str | None = None,
+    fresh_head: bool = False,
+) -> ExpertShard:
     """This rank's expert shard of an MoE `layout` (experts of its ep rank, their etp pieces),
     reading only those tensors (or their etp slices) from the checkpoint. fresh_head: a value
     model on a causal-LM checkpoint (load_hf_shard's value_head_init), whose head is not read."""
@@ -203,8 +258,11 @@ def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) ->
         p, dst = e.param, shard.view(e.param.name)
         names = _names(model, p)
         if value_head_init is not None and p.owner == "head":
-            fresh = torch.zeros(p.shape) if value_head_init == "zero" else \
-                torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+            fresh = (
+                torch.zeros(p.shape)
+                if value_head_init == "zero"
+                else torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+            )
             dst.copy_(fresh.to(dtype))
         elif p.tp.kind == "replicated":
             dst.copy_(ckpt.read(names[0]).to(dtype))
@@ -212,11 +270,15 @@ def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) ->
             size, local = p.shape[p.tp.dim], e.local_shape[p.tp.dim]
             lo, hi = min(size, k * local), min(size, (k + 1) * local)
             if hi > lo:
-                dst.narrow(p.tp.dim, 0, hi - lo).copy_(ckpt.read(names[0], p.tp.dim, lo, hi).to(dtype))
+                dst.narrow(p.tp.dim, 0, hi - lo).copy_(
+                    ckpt.read(names[0], p.tp.dim, lo, hi).to(dtype)
+                )
         elif p.tp.replicate_units and any(n < tp for _, n in p.tp.units):
-            raise ValueError(f"{p.name}: reading a checkpoint into replicated units (kv_head_replicas "
-                             f"with tp={tp} above {p.tp.units[-1][0]}) is not supported; load at a tp "
-                             "that splits every head and reallocate")
+            raise ValueError(
+                f"{p.name}: reading a checkpoint into replicated units (kv_head_replicas "
+                f"with tp={tp} above {p.tp.units[-1][0]}) is not supported; load at a tp "
+                "that splits every head and reallocate"
+            )
         else:
             off = 0
             groups = p.tp.groups or tp  # blocked storage: one group per TP rank
@@ -226,11 +288,16 @@ def _read_entries(ckpt, model, shard, tp: int, k: int, value_head_init, seed) ->
                     name, base = (names[b], 0) if len(names) > 1 else (names[0], sum(p.blocks[:b]))
                     piece = block // groups
                     dst.narrow(p.tp.dim, off, piece).copy_(
-                        ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(dtype))
+                        ckpt.read(name, p.tp.dim, base + j * piece, base + (j + 1) * piece).to(
+                            dtype
+                        )
+                    )
                     off += piece
 
 
-def full_to_hf_state_dict(model: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def full_to_hf_state_dict(
+    model: ModelSpec, full: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors by project name, q/k/v and gate/up fused -> HF names, split back
     out. The public interop.to_hf_state_dict takes one rank's shard of a layout instead."""
     out = {}
@@ -258,7 +325,9 @@ def _check_checkpoint_config(path) -> None:
             check_architecture(d, cfg_path)
 
 
-def hf_config_dict(config: ModelConfig, model_type: str | None = None, source: dict | None = None) -> dict:
+def hf_config_dict(
+    config: ModelConfig, model_type: str | None = None, source: dict | None = None
+) -> dict:
     """A complete transformers config for `config` (real_py.spec.hf_config.export_config); model_type
     (llama, mistral, qwen2) defaults to config.model_type; `source` is the original config.json."""
     if model_type is not None:
@@ -268,8 +337,15 @@ def hf_config_dict(config: ModelConfig, model_type: str | None = None, source: d
     return export_config(config, source)
 
 
-def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_type: str | None = None,
-            hf_config: dict | None = None, source=None) -> None:
+def save_hf(
+    path,
+    config: ModelConfig,
+    full: dict[str, torch.Tensor],
+    *,
+    model_type: str | None = None,
+    hf_config: dict | None = None,
+    source=None,
+) -> None:
     """Write model.safetensors + config.json: hf_config verbatim when given, else a complete config
     from `config` (see hf_config_dict), keeping the non-computation fields of `source` (a
     checkpoint directory, a config.json path or a dict) when given. A source directory's tokenizer
@@ -290,21 +366,35 @@ def save_hf(path, config: ModelConfig, full: dict[str, torch.Tensor], *, model_t
     if config.num_experts and hf_config is None:
         # no MoE config writer (export_config refuses): the source's own config.json, after
         # checking that it describes this very model (training does not change the architecture)
-        if source is not None and config.head == "value":  # a critic / reward model on the source's body
-            cls = next(a for a in ARCHITECTURES[config.model_type] if a.endswith("ForSequenceClassification"))
+        if (
+            source is not None and config.head == "value"
+        ):  # a critic / reward model on the source's body
+            cls = next(
+                a
+                for a in ARCHITECTURES[config.model_type]
+                if a.endswith("ForSequenceClassification")
+            )
             source = {k: v for k, v in source.items() if k not in ("id2label", "label2id")}
-            source.update(architectures=[cls], num_labels=1,
-                          pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0)
+            source.update(
+                architectures=[cls],
+                num_labels=1,
+                pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
+            )
             config = dataclasses.replace(config, pad_token_id=source["pad_token_id"])
         if source is None or ModelConfig.from_hf(source, dtype=config.dtype) != config:
-            raise ValueError(f"save_hf: a mixture-of-experts model ({config.model_type}, head={config.head}) is "
-                             "written with the config.json of the checkpoint it was loaded from, which must "
-                             "describe the same model; pass source= (that checkpoint) or hf_config=")
+            raise ValueError(
+                f"save_hf: a mixture-of-experts model ({config.model_type}, head={config.head}) is "
+                "written with the config.json of the checkpoint it was loaded from, which must "
+                "describe the same model; pass source= (that checkpoint) or hf_config="
+            )
         hf_config = dict(source, torch_dtype=config.dtype)
         hf_config.pop("dtype", None)
     os.makedirs(path, exist_ok=True)
-    save_file(full_to_hf_state_dict(model, full), os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        full_to_hf_state_dict(model, full),
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config or hf_config_dict(config, model_type, source), f, indent=2, default=str)
     if src_dir:
@@ -350,10 +440,16 @@ def experts_full(shards: list[ExpertShard]) -> dict[str, torch.Tensor]:
     out = {}
     for s in shards:
         if s.layout.etp != 1:
-            raise ValueError(f"experts_full: layout {s.layout} splits experts by etp={s.layout.etp}; "
-                             "reallocate to an etp1 layout first")
+            raise ValueError(
+                f"experts_full: layout {s.layout} splits experts by etp={s.layout.etp}; "
+                "reallocate to an etp1 layout first"
+            )
         out.update({name: v.clone() for name, v in s.params().items()})
-    missing = [p.name for p in shards[0].model.params if p.expert >= 0 and p.name not in out] if shards else []
+    missing = (
+        [p.name for p in shards[0].model.params if p.expert >= 0 and p.name not in out]
+        if shards
+        else []
+    )
     if missing:
         raise ValueError(f"experts_full: no shard holds {missing[:3]}")
     return out
@@ -366,7 +462,9 @@ def gather_experts(experts: ExpertShard, groups) -> dict[str, torch.Tensor] | No
     layout, model = experts.layout, experts.model
     dst = layout.rank(0, 0, 0)
     if layout.etp != 1:
-        raise ValueError(f"gather_experts: layout {layout} has etp={layout.etp}; only etp1 is gathered")
+        raise ValueError(
+            f"gather_experts: layout {layout} has etp={layout.etp}; only etp1 is gathered"
+        )
     if groups.rank != dst:
         if experts.edp_rank == 0:
             dist.send(experts.flat, dst)
@@ -387,6 +485,9 @@ def gather_experts(experts: ExpertShard, groups) -> dict[str, torch.Tensor] | No
 def gather_full_stage(model: ModelSpec, shards: list[ModelShard]) -> dict[str, torch.Tensor]:
     """gather_full restricted to the parameters present in one stage's shards."""
     names = {e.param.name for e in shards[0].shard_layout.entries}
-    sub = ModelSpec(name=model.name, params=tuple(p for p in model.params if p.name in names),
-                    num_layers=model.num_layers)
+    sub = ModelSpec(
+        name=model.name,
+        params=tuple(p for p in model.params if p.name in names),
+        num_layers=model.num_layers,
+    )
     return gather_full(sub, shards)

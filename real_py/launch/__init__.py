@@ -11,5 +11,14 @@ from .rank import failure_record, managed, run_rank
 from .spawn import spawn_ranks
 from .torchrun import launch_torchrun
 
-__all__ = ["launch", "can_fork", "lock_out_dir", "unlock", "run_rank", "managed", "failure_record",
-           "launch_torchrun", "spawn_ranks"]
+__all__ = [
+    "launch",
+    "can_fork",
+    "lock_out_dir",
+    "unlock",
+    "run_rank",
+    "managed",
+    "failure_record",
+    "launch_torchrun",
+    "spawn_ranks",
+]

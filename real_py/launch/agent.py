@@ -24,7 +24,12 @@ def agent_log(logs: str):
     h = logging.FileHandler(os.path.join(logs, "torchrun.log"))
     h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = []
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", __name__):
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.launcher",
+        "torch.multiprocessing",
+        __name__,
+    ):
         lg = logging.getLogger(name)
         saved.append((lg, lg.propagate, lg.level))
         lg.addHandler(h)
@@ -42,7 +47,11 @@ def agent_log(logs: str):
 
 def _loopback_rendezvous(params):
     """torch's rendezvous handler registry calls this for LOOPBACK_RDZV."""
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
 
     class LoopbackRendezvous(RendezvousHandler):
         """The rendezvous of a one-node job: this node is node 0 of 1, and the TCPStore it hosts
@@ -74,12 +83,25 @@ def _loopback_rendezvous(params):
                 sock.listen(128)
                 self.port = sock.getsockname()[1]
                 # The store owns the socket from here (detach: Python never closes it).
-                self.store = TCPStore("127.0.0.1", self.port, None, True,
-                                      datetime.timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=sock.detach())
-                logging.getLogger(__name__).info("process %d hosts the job's TCPStore on 127.0.0.1:%d only",
-                                                 os.getpid(), self.port)
-            return RendezvousInfo(PrefixStore(self.run_id, self.store), 0, 1,
-                                  RendezvousStoreInfo("127.0.0.1", self.port))
+                self.store = TCPStore(
+                    "127.0.0.1",
+                    self.port,
+                    None,
+                    True,
+                    datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                    master_listen_fd=sock.detach(),
+                )
+                logging.getLogger(__name__).info(
+                    "process %d hosts the job's TCPStore on 127.0.0.1:%d only",
+                    os.getpid(),
+                    self.port,
+                )
+            return RendezvousInfo(
+                PrefixStore(self.run_id, self.store),
+                0,
+                1,
+                RendezvousStoreInfo("127.0.0.1", self.port),
+            )
 
         def is_closed(self) -> bool:
             return False
@@ -117,19 +139,34 @@ def launch_config(n: int, logs: str, fork: bool):
 
         def reify(self, envs):
             n = len(envs)
-            return LogsDest({r: "" for r in range(n)}, {r: "" for r in range(n)}, {}, {},
-                            {r: os.path.join(logs, f"error_rank{r}.json") for r in range(n)})
+            return LogsDest(
+                {r: "" for r in range(n)},
+                {r: "" for r in range(n)},
+                {},
+                {},
+                {r: os.path.join(logs, f"error_rank{r}.json") for r in range(n)},
+            )
 
         @property
         def root_log_dir(self) -> str:
             return logs
 
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, logs_specs=_Logs(),
-                        run_id=f"real_py-{os.getpid()}", rdzv_backend=LOOPBACK_RDZV, rdzv_endpoint="",
-                        max_restarts=0, monitor_interval=MONITOR_S,
-                        start_method="fork" if fork else "spawn", local_addr="127.0.0.1",
-                        # SIGINT / SIGTERM / SIGHUP stay the launcher's own (one line, SIGKILL at once)
-                        signals_to_handle="SIGQUIT", shutdown_timeout=2)
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        logs_specs=_Logs(),
+        run_id=f"real_py-{os.getpid()}",
+        rdzv_backend=LOOPBACK_RDZV,
+        rdzv_endpoint="",
+        max_restarts=0,
+        monitor_interval=MONITOR_S,
+        start_method="fork" if fork else "spawn",
+        local_addr="127.0.0.1",
+        # SIGINT / SIGTERM / SIGHUP stay the launcher's own (one line, SIGKILL at once)
+        signals_to_handle="SIGQUIT",
+        shutdown_timeout=2,
+    )
 
 
 def start_tracker(logs: str) -> None:

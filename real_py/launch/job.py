@@ -68,17 +68,23 @@ def can_fork(device: str) -> bool:
         return False
     if torch.cuda.is_initialized():
         return False
-    return device == "cpu" or (device == "auto" and torch.version.cuda is None and torch.version.hip is None)
+    return device == "cpu" or (
+        device == "auto" and torch.version.cuda is None and torch.version.hip is None
+    )
 
 
-def launch(nproc: int, out_dir: str, target, *, fork: bool = True, what: str = "gloo processes") -> int:
+def launch(
+    nproc: int, out_dir: str, target, *, fork: bool = True, what: str = "gloo processes"
+) -> int:
     """Run the job's `nproc` local ranks, each calling `target()` (picklable unless `fork`),
     under torchrun's elastic agent in this process, and return the job's exit code (0, 1 failed,
     128+signal interrupted). Call with out_dir's lock held (lock_out_dir)."""
     job = _Job(nproc, out_dir, target, fork)
     mode = "forked from this process" if fork else "each a new python"
-    print(f"launching {nproc} local {what} under torchrun's elastic agent ({mode}); logs in {job.logs}",
-          flush=True)
+    print(
+        f"launching {nproc} local {what} under torchrun's elastic agent ({mode}); logs in {job.logs}",
+        flush=True,
+    )
     return job.run()
 
 
@@ -160,16 +166,24 @@ class _Job:
     def _fresh_logs(self) -> None:
         """The logs folder holds this job's logs: the previous job's go (a link is refused)."""
         if os.path.islink(self.logs):
-            raise ValueError(f"{self.logs} is a symbolic link; a run writes its logs itself: remove it")
+            raise ValueError(
+                f"{self.logs} is a symbolic link; a run writes its logs itself: remove it"
+            )
         os.makedirs(self.logs, exist_ok=True)
         for name in os.listdir(self.logs):
-            if re.fullmatch(r"(rank\d+\.log|failed_rank\d+\.json(\..*\.tmp)?|job\.json|torchrun\.log|"
-                            r"error_rank\d+\.json)", name):
+            if re.fullmatch(
+                r"(rank\d+\.log|failed_rank\d+\.json(\..*\.tmp)?|job\.json|torchrun\.log|"
+                r"error_rank\d+\.json)",
+                name,
+            ):
                 os.unlink(os.path.join(self.logs, name))
 
     def _open_log(self, r: int) -> int:
-        return os.open(os.path.join(self.logs, f"rank{r}.log"),
-                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        return os.open(
+            os.path.join(self.logs, f"rank{r}.log"),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+        )
 
     def _pipes(self) -> Plumbing:
         out, err, hello = [], [], []
@@ -186,15 +200,35 @@ class _Job:
         lock = _lock.held_fd()
         lock = Fd(lock) if lock is not None else None
         if not self.fork:
-            return Plumbing(stdout=out, stderr=err, hello=hello, lock=lock, logs=self.logs, launcher_pid=os.getpid())
+            return Plumbing(
+                stdout=out,
+                stderr=err,
+                hello=hello,
+                lock=lock,
+                logs=self.logs,
+                launcher_pid=os.getpid(),
+            )
         # The go pipe of forked ranks: its end (the launcher closes the write end once every rank
         # said hello) starts the job in every rank (rank._after_start).
         self.go_fd, go_w = os.pipe()
         self.rank_pipe_ends.append(go_w)
-        own = [fd_key(fd) for fd in list(self.output_pipes) + list(self.hello_pipes) + [rk.log_fd for rk in self.ranks]
-               + [go_w]]
-        return Plumbing(stdout=out, stderr=err, hello=hello, lock=lock, logs=self.logs, launcher_pid=os.getpid(),
-                        private=own, go=Fd(self.go_fd))
+        own = [
+            fd_key(fd)
+            for fd in list(self.output_pipes)
+            + list(self.hello_pipes)
+            + [rk.log_fd for rk in self.ranks]
+            + [go_w]
+        ]
+        return Plumbing(
+            stdout=out,
+            stderr=err,
+            hello=hello,
+            lock=lock,
+            logs=self.logs,
+            launcher_pid=os.getpid(),
+            private=own,
+            go=Fd(self.go_fd),
+        )
 
     def run(self) -> int:
         from torch.distributed.elastic.multiprocessing import SignalException
@@ -233,8 +267,11 @@ class _Job:
             if watcher is not None:
                 watcher.join(WATCH_JOIN_S)
                 if watcher.is_alive():
-                    print(f"real_py: the job's watcher did not stop within {WATCH_JOIN_S:.0f} s", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"real_py: the job's watcher did not stop within {WATCH_JOIN_S:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             self._kill_all()
             self._wait_ranks_gone(RANKS_GONE_S)
             self._drain(1.0)
@@ -283,8 +320,12 @@ class _Job:
             if not ready:
                 self.alive_after_end.append(rk.pid)
         if self.alive_after_end:
-            print(f"real_py: ranks with pids {self.alive_after_end} are still alive {timeout:.0f} s after being "
-                  f"killed; the lock on the run directory stays until they are gone", file=sys.stderr, flush=True)
+            print(
+                f"real_py: ranks with pids {self.alive_after_end} are still alive {timeout:.0f} s after being "
+                f"killed; the lock on the run directory stays until they are gone",
+                file=sys.stderr,
+                flush=True,
+            )
             _lock.keep_file()
 
     def _on_signal(self, signum, frame) -> None:
@@ -299,9 +340,12 @@ class _Job:
         instead of leaving the ranks' pipes undrained (a rank would block in print)."""
         try:
             self._watch_loop()
-        except BaseException as e:  # noqa: BLE001 - reported, then the job ends
-            print(f"real_py: the job's watcher failed ({type(e).__name__}: {e}); ending the job", file=sys.stderr,
-                  flush=True)
+        except BaseException as e:
+            print(
+                f"real_py: the job's watcher failed ({type(e).__name__}: {e}); ending the job",
+                file=sys.stderr,
+                flush=True,
+            )
             self.ended_by_signal = self.ended_by_signal or signal.SIGTERM
             self._kill_all(stacks=False)
             self._drain(2.0)
@@ -340,7 +384,8 @@ class _Job:
             # An exit whose status the agent reaped first (code unknown) is no failure by itself:
             # ranks that return 0 are reaped at once, and a failed one the agent reports.
             if self.first_failure_at is None and (
-                    self.failure_records or any(rk.exit_code not in (None, 0) for rk in self.ranks)):
+                self.failure_records or any(rk.exit_code not in (None, 0) for rk in self.ranks)
+            ):
                 self.first_failure_at = now
             if self.first_failure_at is not None and now - self.first_failure_at >= FAIL_GRACE_S:
                 self._poll()
@@ -366,8 +411,15 @@ class _Job:
             return
         try:
             with open(os.path.join(self.logs, "job.json"), "w") as f:
-                json.dump({"launcher": os.getpid(), "ranks": [x.pid for x in self.ranks],
-                           "start_method": "fork" if self.fork else "spawn", "store_port": self.store_port}, f)
+                json.dump(
+                    {
+                        "launcher": os.getpid(),
+                        "ranks": [x.pid for x in self.ranks],
+                        "start_method": "fork" if self.fork else "spawn",
+                        "store_port": self.store_port,
+                    },
+                    f,
+                )
         except OSError:  # a full disk: the job runs without it
             pass
         for w in self.rank_pipe_ends:
@@ -380,9 +432,13 @@ class _Job:
 
             import torch.distributed as dist
 
-            self.store = dist.TCPStore("127.0.0.1", self.store_port, is_master=False,
-                                       timeout=datetime.timedelta(seconds=10))
-        except Exception:  # noqa: BLE001 - without the store no heartbeats are read, nothing else
+            self.store = dist.TCPStore(
+                "127.0.0.1",
+                self.store_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=10),
+            )
+        except Exception:
             self.store = None
 
     def _started(self, rk: _Rank, pid: int, sel) -> None:
@@ -415,7 +471,11 @@ class _Job:
         except (ChildProcessError, OSError):
             info = None
         if info is not None and info.si_pid == rk.pid:
-            rk.exit_code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+            rk.exit_code = (
+                -info.si_status
+                if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                else info.si_status
+            )
         elif rk.exit_code is None:
             rk.exit_code = -1 if rk.killed else None
 
@@ -438,7 +498,7 @@ class _Job:
             try:
                 sys.stdout.buffer.write(data)
                 sys.stdout.flush()
-            except Exception:  # noqa: BLE001 - a closed or unusual stdout: the log has it
+            except Exception:
                 pass
         return True
 
@@ -457,7 +517,11 @@ class _Job:
         """SIGKILL every rank still running (first, after a failure, their Python stacks into
         their logs: where a rank stuck in user code hangs)."""
         with self.lock:
-            live = [rk for rk in self.ranks if rk.pid is not None and not rk.killed and rk.exit_code is None]
+            live = [
+                rk
+                for rk in self.ranks
+                if rk.pid is not None and not rk.killed and rk.exit_code is None
+            ]
             if not live:
                 return
             if stacks and self.first_failure_at is not None and self.ended_by_signal is None:
@@ -509,23 +573,35 @@ class _Job:
                 if not self.store.check([key]):
                     continue
                 st = json.loads(self.store.get(key))
-            except Exception:  # noqa: BLE001 - an unreadable record judges nobody
+            except Exception:
                 continue
             if st.get("n") != rk.beat_count:
                 rk.beat_count, rk.beat_changed_at, rk.silent_for = st.get("n"), now, None
             rk.heartbeat = st
-            if now - rk.beat_changed_at >= SILENT_S and rk.silent_for is None and not st.get("done"):
+            if (
+                now - rk.beat_changed_at >= SILENT_S
+                and rk.silent_for is None
+                and not st.get("done")
+            ):
                 rk.silent_for = now - rk.beat_changed_at
                 ps = proc_state(rk.pid)
-                print(f"real_py: rank {rk.rank} is silent: no heartbeat for {rk.silent_for:.0f} s"
-                      f"{' (process stopped)' if ps == 'T' else ''}; {doing(st)}", file=sys.stderr, flush=True)
+                print(
+                    f"real_py: rank {rk.rank} is silent: no heartbeat for {rk.silent_for:.0f} s"
+                    f"{' (process stopped)' if ps == 'T' else ''}; {doing(st)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if st.get("user"):
                 secs = time.time() - st["user_since"]
                 nxt = rk.user_warn_at.get(st["user_since"], USER_WARN_S)
                 if secs >= nxt:
                     rk.user_warn_at[st["user_since"]] = nxt * 2
-                    print(f"real_py: rank {rk.rank} has been inside {st['user']} for {secs:.0f} s "
-                          f"({doing(st, user=False)})", file=sys.stderr, flush=True)
+                    print(
+                        f"real_py: rank {rk.rank} has been inside {st['user']} for {secs:.0f} s "
+                        f"({doing(st, user=False)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
 
 def _parent(pid: int) -> int | None:

@@ -79,7 +79,7 @@ def _holds(pid: int | None, key: tuple[int, int]) -> bool:
 
 
 def _process(pid: int) -> str:
-    """"pid 4711 (real_py-rank2: python -m real_py train ...)"."""
+    """ "pid 4711 (real_py-rank2: python -m real_py train ...)"."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             comm = f.read().strip()
@@ -92,16 +92,23 @@ def _process(pid: int) -> str:
 
 def _orphan_lock(out_dir: str, path: str, pid: int | None, what: str, key: tuple[int, int]) -> str:
     """The refusal for a lock whose job is gone: the processes that hold it instead."""
-    job = (f"the job that took it (pid {pid}{f': {what}' if what else ''}) is gone" if pid
-           else "its lock file names no job")
+    job = (
+        f"the job that took it (pid {pid}{f': {what}' if what else ''}) is gone"
+        if pid
+        else "its lock file names no job"
+    )
     openers = [p for p in (int(d) for d in os.listdir("/proc") if d.isdigit()) if _opens(p, key)]
     if not openers:
-        return (f"out_dir {out_dir} is locked, but by no running job: {job}, and no process visible here "
-                f"holds {path} (another user's, or on another machine); find it with `fuser -v {path}`, or "
-                "choose another --out-dir")
+        return (
+            f"out_dir {out_dir} is locked, but by no running job: {job}, and no process visible here "
+            f"holds {path} (another user's, or on another machine); find it with `fuser -v {path}`, or "
+            "choose another --out-dir"
+        )
     them = "them" if len(openers) > 1 else "it"
-    return (f"out_dir {out_dir} is locked by {', '.join(map(_process, openers))}, not by a running job: "
-            f"{job}; stop {them} (kill {' '.join(map(str, openers))}), or choose another --out-dir")
+    return (
+        f"out_dir {out_dir} is locked by {', '.join(map(_process, openers))}, not by a running job: "
+        f"{job}; stop {them} (kill {' '.join(map(str, openers))}), or choose another --out-dir"
+    )
 
 
 def lock_out_dir(out_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
@@ -133,14 +140,20 @@ def lock_out_dir(out_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
             key = (st.st_dev, st.st_ino)
             pid, what = _holder(path)
             if _holds(pid, key):
-                raise ValueError(f"out_dir {out_dir} is in use by another job: pid {pid}"
-                                 f"{f' ({what})' if what else ''}; wait for it to end or stop it "
-                                 f"(kill {pid}), or choose another --out-dir") from None
+                raise ValueError(
+                    f"out_dir {out_dir} is in use by another job: pid {pid}"
+                    f"{f' ({what})' if what else ''}; wait for it to end or stop it "
+                    f"(kill {pid}), or choose another --out-dir"
+                ) from None
             if time.monotonic() > deadline:
                 raise ValueError(_orphan_lock(out_dir, path, pid, what, key)) from None
             if not told:
-                print(f"out_dir {out_dir}: waiting for the processes that still hold the lock of a gone job"
-                      f"{f' (pid {pid})' if pid else ''} to exit", file=sys.stderr, flush=True)
+                print(
+                    f"out_dir {out_dir}: waiting for the processes that still hold the lock of a gone job"
+                    f"{f' (pid {pid})' if pid else ''} to exit",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 told = True
             time.sleep(0.1)
             continue

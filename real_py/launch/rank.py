@@ -182,10 +182,14 @@ def _after_start(go: int, target):
     if orphaned():  # the pipe's end was the launcher's death (its SIGKILL of this rank follows)
         os._exit(EXIT_ORPHANED)
     if not ready:
-        raise RuntimeError(f"rank {os.environ.get('RANK')}: the job's other ranks did not all start within "
-                           f"{START_WAIT_S:.0f} s (see logs/torchrun.log)")
+        raise RuntimeError(
+            f"rank {os.environ.get('RANK')}: the job's other ranks did not all start within "
+            f"{START_WAIT_S:.0f} s (see logs/torchrun.log)"
+        )
     if ready[0][1] & select.POLLNVAL:
-        raise RuntimeError(f"rank {os.environ.get('RANK')}: the launcher's go pipe (fd {go}) is no open file")
+        raise RuntimeError(
+            f"rank {os.environ.get('RANK')}: the launcher's go pipe (fd {go}) is no open file"
+        )
     liveness.set_activity(None)
     return target()
 
@@ -326,7 +330,7 @@ def run_rank(target, rank: int, logs: str | None = None) -> int:
     code = 1
     try:
         code = target()
-    except BaseException as e:  # noqa: BLE001 - every failure is recorded and reported the same way
+    except BaseException as e:
         if orphaned():
             os._exit(EXIT_ORPHANED)
         import traceback
@@ -354,7 +358,6 @@ def run_rank(target, rank: int, logs: str | None = None) -> int:
     return code
 
 
-
 def record_line(rec: dict) -> str:
     where = re.sub(r"^rank \d+, ", "", rec.get("where") or "") or "starting"
     msg = f"rank {rec.get('rank')}, {where}: {rec.get('exception')}: {rec.get('message')}"
@@ -363,9 +366,19 @@ def record_line(rec: dict) -> str:
     return msg
 
 
-_CONSEQUENT = re.compile(r"peer rank \d+|connection (closed|reset)|broken pipe|timed out|"
-                         r"stopped waiting|failures reported by other ranks", re.IGNORECASE)
-_COMM = ("TransferError", "SilentPeer", "DistError", "DistNetworkError", "DistStoreError", "DistBackendError")
+_CONSEQUENT = re.compile(
+    r"peer rank \d+|connection (closed|reset)|broken pipe|timed out|"
+    r"stopped waiting|failures reported by other ranks",
+    re.IGNORECASE,
+)
+_COMM = (
+    "TransferError",
+    "SilentPeer",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistBackendError",
+)
 _SILENT = re.compile(r"peer rank (\d+)(?: \(global rank (\d+)\))? (is silent|has finished)")
 _WRAPPER = re.compile(r"^rank \d+, (step \d+|dynamic sampling)")
 """The runtime's RuntimeError around a call's error ("rank 2, step 0, call rew_inf: ValueError: ...")."""
@@ -386,15 +399,28 @@ def failure_record(e: BaseException, rank: int) -> dict:
     section, user = liveness.failed_in()
     where = section or liveness.activity()["doing"]
     text = str(shown).strip()
-    msg = re.split(r"; failures reported by other ranks", text.splitlines()[0] if text else "")[0][:500]
+    msg = re.split(r"; failures reported by other ranks", text.splitlines()[0] if text else "")[0][
+        :500
+    ]
     full = "\n".join(str(x) for x in chain)
     # A communication error is a peer's failure seen here; words like "timed out" are one only
     # outside user code (a reward function's own "Read timed out" is this rank's error).
-    consequent = (any(type(x).__name__ in _COMM for x in chain) or isinstance(e, KeyboardInterrupt)
-                  or (user is None and bool(_CONSEQUENT.search(full))))
-    return {"rank": rank, "pid": os.getpid(), "time": time.time(), "where": where,
-            "exception": type(shown).__name__, "message": msg, "user": user, "consequent": consequent,
-            "silent_peer": silent_peer(full)}
+    consequent = (
+        any(type(x).__name__ in _COMM for x in chain)
+        or isinstance(e, KeyboardInterrupt)
+        or (user is None and bool(_CONSEQUENT.search(full)))
+    )
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "where": where,
+        "exception": type(shown).__name__,
+        "message": msg,
+        "user": user,
+        "consequent": consequent,
+        "silent_peer": silent_peer(full),
+    }
 
 
 def silent_peer(text: str) -> int | None:
@@ -404,5 +430,17 @@ def silent_peer(text: str) -> int | None:
     return int(m.group(2) or m.group(1)) if m else None
 
 
-__all__ = ["rank_entry", "Fd", "Plumbing", "fd_key", "close_if_same", "run_rank", "managed", "orphaned",
-           "failure_record", "record_line", "silent_peer", "EXIT_ORPHANED"]
+__all__ = [
+    "rank_entry",
+    "Fd",
+    "Plumbing",
+    "fd_key",
+    "close_if_same",
+    "run_rank",
+    "managed",
+    "orphaned",
+    "failure_record",
+    "record_line",
+    "silent_peer",
+    "EXIT_ORPHANED",
+]

@@ -42,9 +42,13 @@ def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env, bac
         if backend == "nccl":  # one GPU per rank, made current before NCCL picks one
             os.environ["LOCAL_RANK"] = str(rank)
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -57,18 +61,30 @@ def _worker(fn, rank, world_size, init_file, pg_timeout, results, args, env, bac
         results.put((rank, False, traceback.format_exc()))
 
 
-def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
-                env: dict | None = None, allow_exit=(), backend: str = "gloo") -> list:
+def spawn_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    env: dict | None = None,
+    allow_exit=(),
+    backend: str = "gloo",
+) -> list:
     """fn(rank, world_size, *args) in `world_size` spawned ranks; their return values (see the
     module docstring)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(fn, r, world_size, init_file, pg_timeout, results, args, env or {},
-                                   backend))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(fn, r, world_size, init_file, pg_timeout, results, args, env or {}, backend),
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         out, errors = {}, {}
@@ -78,8 +94,11 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: 
             try:
                 rank, ok, val = results.get(timeout=max(0.1, min(left, 1.0)))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and r not in out and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in out and r not in errors
+                ]
                 # A process that died without reporting (killed, segfault) is an error too.
                 for r in dead:
                     time.sleep(0.2)
@@ -87,7 +106,9 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: 
                         if r in allow_exit:
                             out[r] = None
                         else:
-                            errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                            errors[r] = (
+                                f"rank {r} exited with code {procs[r].exitcode} without a result"
+                            )
                 if time.monotonic() > deadline:
                     break
                 continue
@@ -101,8 +122,10 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: 
             parts = [f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
             if missing:
                 parts.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (killed)")
-            raise RuntimeError(f"spawn_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
-                               "failed:\n" + "\n".join(parts))
+            raise RuntimeError(
+                f"spawn_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}) "
+                "failed:\n" + "\n".join(parts)
+            )
         return [out[r] for r in range(world_size)]
 
 

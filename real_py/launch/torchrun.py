@@ -28,8 +28,15 @@ def launch_torchrun(nproc: int, argv: list[str], env: dict, what: str) -> int:
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="real_py_job_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "real_py"] + argv
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "real_py",
+    ] + argv
     print(f"launching {nproc} local {what}: {' '.join(cmd[1:])}", flush=True)
     try:
         return subprocess.call(cmd, env=dict(env, TMPDIR=tmp))

@@ -20,6 +20,22 @@ from .grid import DP_SHARD, MAX_RANKS, PARTITIONS, Layout
 from .shards import ShardEntry, ShardLayout, expert_shard_layout, shard_layout
 from .stages import param_stages, stage_layer_ranges
 
-__all__ = ["Layout", "DP_SHARD", "MAX_RANKS", "PARTITIONS", "require_spec", "require_layout", "check_fits",
-           "check_experts", "stage_layer_ranges", "param_stages", "ShardEntry", "ShardLayout", "shard_layout",
-           "expert_shard_layout", "DpPiece", "DpShardLayout", "dp_shard_layout"]
+__all__ = [
+    "Layout",
+    "DP_SHARD",
+    "MAX_RANKS",
+    "PARTITIONS",
+    "require_spec",
+    "require_layout",
+    "check_fits",
+    "check_experts",
+    "stage_layer_ranges",
+    "param_stages",
+    "ShardEntry",
+    "ShardLayout",
+    "shard_layout",
+    "expert_shard_layout",
+    "DpPiece",
+    "DpShardLayout",
+    "dp_shard_layout",
+]

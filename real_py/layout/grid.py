@@ -27,14 +27,20 @@ def _short(x) -> str:
 def _check_ranks(ranks) -> None:
     """ValueError naming the first entry of Layout.ranks that is not a rank in [0, MAX_RANKS)."""
     if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"Layout.ranks must be a sequence of global ranks (ints), got "
-                        f"{type(ranks).__name__} {_short(ranks)}")
+        raise TypeError(
+            f"Layout.ranks must be a sequence of global ranks (ints), got "
+            f"{type(ranks).__name__} {_short(ranks)}"
+        )
     for i, r in enumerate(ranks):
         if isinstance(r, bool) or not isinstance(r, numbers.Integral):
-            raise ValueError(f"Layout.ranks[{i}]={r!r} ({type(r).__name__}); every rank must be an int")
+            raise ValueError(
+                f"Layout.ranks[{i}]={r!r} ({type(r).__name__}); every rank must be an int"
+            )
         if not 0 <= r < MAX_RANKS:
-            raise ValueError(f"Layout.ranks[{i}]={r} is outside [0, {MAX_RANKS}); global ranks are "
-                             "non-negative and below 2**20")
+            raise ValueError(
+                f"Layout.ranks[{i}]={r} is outside [0, {MAX_RANKS}); global ranks are "
+                "non-negative and below 2**20"
+            )
 
 
 PARTITIONS = ("params", "layers")
@@ -76,43 +82,57 @@ class Layout:
         if self.ranks is not None:
             _check_ranks(self.ranks)
         if not isinstance(self.order, str) or sorted(self.order.split("-")) != sorted(_AXES):
-            raise ValueError(f"Layout.order={self.order!r}; allowed: a permutation of tp-dp-pp "
-                             "such as 'tp-dp-pp' or 'tp-pp-dp'")
+            raise ValueError(
+                f"Layout.order={self.order!r}; allowed: a permutation of tp-dp-pp "
+                "such as 'tp-dp-pp' or 'tp-pp-dp'"
+            )
         n = self.dp * self.tp * self.pp
         if n > MAX_RANKS:  # checked before any per-rank tuple is built
-            raise ValueError(f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, more than "
-                             f"the {MAX_RANKS} global ranks real_py plans for")
+            raise ValueError(
+                f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, more than "
+                f"the {MAX_RANKS} global ranks real_py plans for"
+            )
         ranks = tuple(range(n)) if self.ranks is None else tuple(int(r) for r in self.ranks)
         if len(ranks) != n:
-            raise ValueError(f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, got "
-                             f"{len(ranks)}: {list(ranks)[:16]}")
+            raise ValueError(
+                f"Layout dp{self.dp}tp{self.tp}pp{self.pp} needs {n} ranks, got "
+                f"{len(ranks)}: {list(ranks)[:16]}"
+            )
         if len(set(ranks)) != n:
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise ValueError(f"Layout ranks contain duplicates {dup}: each global rank may appear once")
+            raise ValueError(
+                f"Layout ranks contain duplicates {dup}: each global rank may appear once"
+            )
         object.__setattr__(self, "ranks", ranks)
         if self.partition not in PARTITIONS:
             raise ValueError(f"Layout.partition={self.partition!r}; allowed: {PARTITIONS}")
         if self.layers_per_stage is not None:
             lps = tuple(int(x) for x in self.layers_per_stage)
             if len(lps) != self.pp or min(lps) < 1:
-                raise ValueError(f"layers_per_stage={lps} must have pp={self.pp} entries, each >= 1")
+                raise ValueError(
+                    f"layers_per_stage={lps} must have pp={self.pp} entries, each >= 1"
+                )
             object.__setattr__(self, "layers_per_stage", lps)
         if self.dp_shard not in DP_SHARD:
             raise ValueError(f"Layout.dp_shard={self.dp_shard!r}; allowed: {DP_SHARD}")
         if self.dp == 1:
             object.__setattr__(self, "dp_shard", "none")
         if (self.dp * self.tp) % (self.ep * self.etp):
-            raise ValueError(f"Layout ep{self.ep} x etp{self.etp} = {self.ep * self.etp} expert ranks "
-                             f"must divide the {self.dp * self.tp} (dp x tp) ranks of each pipeline "
-                             f"stage of {self}")
+            raise ValueError(
+                f"Layout ep{self.ep} x etp{self.etp} = {self.ep * self.etp} expert ranks "
+                f"must divide the {self.dp * self.tp} (dp x tp) ranks of each pipeline "
+                f"stage of {self}"
+            )
         if (self.ep > 1 or self.etp > 1) and self.dp_shard != "none":
-            raise ValueError(f"Layout {self}: expert layouts (ep, etp) with dp_shard="
-                             f"{self.dp_shard!r} are not supported; use dp_shard='none'")
+            raise ValueError(
+                f"Layout {self}: expert layouts (ep, etp) with dp_shard="
+                f"{self.dp_shard!r} are not supported; use dp_shard='none'"
+            )
         if self.layers_per_stage is not None:  # an explicit split leaves no rule to choose
             object.__setattr__(self, "partition", "params")
 
     @classmethod
-    def parse(cls, text: str, **kwargs) -> "Layout":
+    def parse(cls, text: str, **kwargs) -> Layout:
         """'dp2,tp4,pp1' (any order, separators optional, missing axes default to 1); a token
         'dim0' or 'flat' (e.g. 'dp4,tp2,dim0', the form str() writes: 'dp4tp2pp1-dim0') sets
         dp_shard."""
@@ -122,13 +142,17 @@ class Layout:
         found = dict(pairs)
         repeated = sorted({k for k, _ in pairs if sum(a == k for a, _ in pairs) > 1})
         if repeated:
-            raise ValueError(f"cannot parse layout {text!r}: axis {', '.join(repeated)} given more "
-                             "than once; give each of dp, tp, pp, ep, etp at most once, e.g. 'dp2,tp4'")
+            raise ValueError(
+                f"cannot parse layout {text!r}: axis {', '.join(repeated)} given more "
+                "than once; give each of dp, tp, pp, ep, etp at most once, e.g. 'dp2,tp4'"
+            )
         rest = re.sub(r"(etp|ep|dp|tp|pp)\s*=?\s*\d+|[\s,x_-]", "", axes)
         if not found or rest or len(shard) > 1:
-            raise ValueError(f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1', "
-                             "'dp4,tp2,dim0' (dp sharding: dim0 or flat) or 'dp4,tp2,ep8,etp1' "
-                             "(experts)")
+            raise ValueError(
+                f"cannot parse layout {text!r}; expected e.g. 'dp2,tp4,pp1', "
+                "'dp4,tp2,dim0' (dp sharding: dim0 or flat) or 'dp4,tp2,ep8,etp1' "
+                "(experts)"
+            )
         if shard:
             kwargs.setdefault("dp_shard", shard[0])
         return cls(**{k: int(v) for k, v in found.items()}, **kwargs)
@@ -139,7 +163,9 @@ class Layout:
 
     def __str__(self) -> str:
         shard = "" if self.dp_shard == "none" else f"-{self.dp_shard}"
-        experts = (f"ep{self.ep}" if self.ep > 1 else "") + (f"etp{self.etp}" if self.etp > 1 else "")
+        experts = (f"ep{self.ep}" if self.ep > 1 else "") + (
+            f"etp{self.etp}" if self.etp > 1 else ""
+        )
         return f"dp{self.dp}tp{self.tp}pp{self.pp}{experts}{shard}"
 
     @property
@@ -176,11 +202,17 @@ class Layout:
 
     def grid(self) -> list[list[list[int]]]:
         """grid[pp][dp][tp] -> global rank."""
-        return [[[self.rank(d, t, p) for t in range(self.tp)] for d in range(self.dp)]
-                for p in range(self.pp)]
+        return [
+            [[self.rank(d, t, p) for t in range(self.tp)] for d in range(self.dp)]
+            for p in range(self.pp)
+        ]
 
 
 @functools.lru_cache(maxsize=256)
 def _coords_table(layout: Layout) -> dict[int, tuple[int, int, int]]:
-    return {layout.rank(d, t, p): (d, t, p)
-            for p in range(layout.pp) for d in range(layout.dp) for t in range(layout.tp)}
+    return {
+        layout.rank(d, t, p): (d, t, p)
+        for p in range(layout.pp)
+        for d in range(layout.dp)
+        for t in range(layout.tp)
+    }

@@ -53,8 +53,16 @@ def shard_layout(model: ModelSpec, layout: Layout, stage: int) -> ShardLayout:
         raise ValueError(f"stage={stage} outside [0, {layout.pp}) for layout {layout}")
     # Cached on what the shard depends on (not dp or ranks): planning many placements of the
     # same strategy (the plan search) otherwise rebuilt it each time (~200 ms for 70B).
-    return _shard_layout(model, Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage,
-                                       partition=layout.partition), stage)
+    return _shard_layout(
+        model,
+        Layout(
+            tp=layout.tp,
+            pp=layout.pp,
+            layers_per_stage=layout.layers_per_stage,
+            partition=layout.partition,
+        ),
+        stage,
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,11 +114,24 @@ def expert_shard_layout(model: ModelSpec, layout: Layout, stage: int, ep_rank: i
     require_spec(model)
     require_layout(layout)
     if not 0 <= stage < layout.pp or not 0 <= ep_rank < layout.ep:
-        raise ValueError(f"stage={stage}, ep_rank={ep_rank} outside pp={layout.pp}, ep={layout.ep} "
-                         f"of layout {layout}")
-    return _expert_shard_layout(model, Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep,
-                                              etp=layout.etp, layers_per_stage=layout.layers_per_stage,
-                                              partition=layout.partition), stage, ep_rank)
+        raise ValueError(
+            f"stage={stage}, ep_rank={ep_rank} outside pp={layout.pp}, ep={layout.ep} "
+            f"of layout {layout}"
+        )
+    return _expert_shard_layout(
+        model,
+        Layout(
+            tp=layout.tp,
+            dp=layout.dp,
+            pp=layout.pp,
+            ep=layout.ep,
+            etp=layout.etp,
+            layers_per_stage=layout.layers_per_stage,
+            partition=layout.partition,
+        ),
+        stage,
+        ep_rank,
+    )
 
 
 @functools.lru_cache(maxsize=1024)

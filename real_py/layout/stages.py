@@ -11,8 +11,12 @@ from .grid import Layout
 
 
 @functools.lru_cache(maxsize=256)
-def stage_layer_ranges(model: ModelSpec, pp: int, layers_per_stage: tuple[int, ...] | None = None,
-                       partition: str = "params") -> tuple[tuple[int, int], ...]:
+def stage_layer_ranges(
+    model: ModelSpec,
+    pp: int,
+    layers_per_stage: tuple[int, ...] | None = None,
+    partition: str = "params",
+) -> tuple[tuple[int, int], ...]:
     """[lo, hi) layer range per pipeline stage.
 
     Default (partition "params"): contiguous ranges minimizing the largest stage's parameter
@@ -22,8 +26,10 @@ def stage_layer_ranges(model: ModelSpec, pp: int, layers_per_stage: tuple[int, .
     L = model.num_layers
     if layers_per_stage is None and partition == "layers":
         if L % pp:
-            raise ValueError(f"partition='layers' needs pp={pp} to divide num_layers={L} of "
-                             f"{model.name}; give layers_per_stage=... instead")
+            raise ValueError(
+                f"partition='layers' needs pp={pp} to divide num_layers={L} of "
+                f"{model.name}; give layers_per_stage=... instead"
+            )
         layers_per_stage = (L // pp,) * pp
     if layers_per_stage is None:
         layers_per_stage = _balanced_partition(model, pp)

@@ -28,7 +28,7 @@ def _sizes(n: int, group, device) -> list[int]:
 def _gather(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     m = max(sizes)
     pad = x.new_zeros((m,) + tuple(x.shape[1:]))
-    pad[:x.shape[0]] = x
+    pad[: x.shape[0]] = x
     parts = [torch.empty_like(pad) for _ in sizes]
     dist.all_gather(parts, pad.contiguous(), group=group)
     return torch.cat([p[:s] for p, s in zip(parts, sizes)])
@@ -37,7 +37,7 @@ def _gather(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
 def _own(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     r = dist.get_rank(group)
     lo = sum(sizes[:r])
-    return x[lo:lo + sizes[r]]
+    return x[lo : lo + sizes[r]]
 
 
 def _sum_own(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:

@@ -41,8 +41,8 @@ from torch import nn
 from torch.nn import functional
 
 from ..spec import ModelConfig
-from .mlp import ACTS, MLP
 from .etp import gather_etp_plain, gather_etp_rows, reduce_scatter_etp_rows
+from .mlp import ACTS, MLP
 from .tp import copy_to_tp, gather_rows_from_tp, scatter_rows_to_tp
 
 
@@ -78,8 +78,9 @@ def _exchange(x: torch.Tensor, out_splits: list, in_splits: list, group, what: s
     try:
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     except RuntimeError as e:  # the group's timeout (ParallelGroups timeout_s) ends a lost peer
-        raise RuntimeError(f"rank {dist.get_rank()}: MoE all-to-all ({what}) over the ep group failed: "
-                           f"{e}") from e
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: MoE all-to-all ({what}) over the ep group failed: {e}"
+        ) from e
     return out
 
 
@@ -92,7 +93,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.what + " backward"), None, None, None, None
+        return (
+            _exchange(grad, in_splits, out_splits, ctx.group, ctx.what + " backward"),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class MoEBlock(nn.Module):
@@ -101,22 +108,29 @@ class MoEBlock(nn.Module):
         self.E, self.k, self.norm_topk = c.num_experts, c.num_experts_per_tok, c.norm_topk_prob
         self.tp_group, self.ep, self.layer = tp_group, ep, pre
         self.gate = p[pre + "gate.weight"]
-        self.shared_expert = MLP(p, pre + "shared_expert.", tp_group, c.hidden_act) \
-            if c.shared_expert_intermediate_size else None
+        self.shared_expert = (
+            MLP(p, pre + "shared_expert.", tp_group, c.hidden_act)
+            if c.shared_expert_intermediate_size
+            else None
+        )
         self.shared_expert_gate = p.get(pre + "shared_expert_gate.weight")
         self.per = self.E // ep.ep
         lo = ep.ep_rank * self.per
         names = [f"{pre}experts.{j}." for j in range(lo, lo + self.per)]
         missing = [n for n in names if n + "gate_up_proj.weight" not in experts]
         if missing:
-            raise ValueError(f"{pre}: the expert shard has no {missing[0]}gate_up_proj.weight (ep rank "
-                             f"{ep.ep_rank} of {ep.ep} holds experts [{lo}, {lo + self.per}))")
+            raise ValueError(
+                f"{pre}: the expert shard has no {missing[0]}gate_up_proj.weight (ep rank "
+                f"{ep.ep_rank} of {ep.ep} holds experts [{lo}, {lo + self.per}))"
+            )
         self.gate_up = nn.ParameterList([experts[n + "gate_up_proj.weight"] for n in names])
         self.down = nn.ParameterList([experts[n + "down_proj.weight"] for n in names])
         self.act = ACTS[c.hidden_act]
         self.router: RouterRecord | None = None
         # ep index -> the group rank (in ep.group) of the rank holding those experts
-        self._dest = torch.tensor([ep.group_ep.index(g) for g in range(ep.ep)]) if ep.ep > 1 else None
+        self._dest = (
+            torch.tensor([ep.group_ep.index(g) for g in range(ep.ep)]) if ep.ep > 1 else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
@@ -133,8 +147,11 @@ class MoEBlock(nn.Module):
             routed = self._routed(xs, chosen, w)
         else:  # etp > 1: this rank's expert pieces on the rows of its whole etp group (etp.py)
             xg, sizes = gather_etp_rows(xs, self.ep.etp_group)
-            part = self._routed(xg, gather_etp_plain(chosen, sizes, self.ep.etp_group),
-                                gather_etp_rows(w, self.ep.etp_group)[0])
+            part = self._routed(
+                xg,
+                gather_etp_plain(chosen, sizes, self.ep.etp_group),
+                gather_etp_rows(w, self.ep.etp_group)[0],
+            )
             routed = reduce_scatter_etp_rows(part, sizes, self.ep.etp_group)
         y = gather_rows_from_tp(routed, flat.shape[0], self.tp_group)
         if self.shared_expert is not None:
@@ -169,15 +186,21 @@ class MoEBlock(nn.Module):
         """All-to-all over the ep group: rows to their experts' owners and the outputs back.
         Returns (outputs of the (token, expert) pairs in `order`, order)."""
         ep, per, grp = self.ep.ep, self.per, self.ep.group
-        dest = self._dest.to(e.device)[e // per]                  # group rank owning each pair
-        order = torch.argsort(dest * self.E + e, stable=True)     # by owner, then expert
+        dest = self._dest.to(e.device)[e // per]  # group rank owning each pair
+        order = torch.argsort(dest * self.E + e, stable=True)  # by owner, then expert
         counts = torch.bincount(e, minlength=self.E).view(ep, per)  # [ep index, local expert]
-        send = counts[list(self.ep.group_ep)].contiguous()        # rows in group-rank order
-        recv = _exchange(send.view(-1), [per] * ep, [per] * ep, grp, f"{self.layer} counts").view(ep, per)
+        send = counts[list(self.ep.group_ep)].contiguous()  # rows in group-rank order
+        recv = _exchange(send.view(-1), [per] * ep, [per] * ep, grp, f"{self.layer} counts").view(
+            ep, per
+        )
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         got = _AllToAll.apply(xs[tok[order]], out_splits, in_splits, grp, f"{self.layer} tokens")
         # received: per source group rank, per local expert; regroup by local expert
-        local = torch.arange(per, device=xs.device).repeat(ep).repeat_interleave(recv.view(-1).to(xs.device))
+        local = (
+            torch.arange(per, device=xs.device)
+            .repeat(ep)
+            .repeat_interleave(recv.view(-1).to(xs.device))
+        )
         perm = torch.argsort(local, stable=True)
         ys = self._experts(got[perm], recv.sum(0).tolist())
         back = torch.empty_like(perm)
@@ -194,11 +217,16 @@ def _token_weights(rec: RouterRecord, token_mask: torch.Tensor | None) -> torch.
     n = rec.hi - rec.lo
     if token_mask is None:
         return torch.ones(n, device=rec.probs.device)
-    return token_mask.reshape(-1)[rec.lo:rec.hi].to(rec.probs.device, torch.float32)
+    return token_mask.reshape(-1)[rec.lo : rec.hi].to(rec.probs.device, torch.float32)
 
 
-def load_balancing_loss(records: list[RouterRecord], num_experts: int, top_k: int,
-                        token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
+def load_balancing_loss(
+    records: list[RouterRecord],
+    num_experts: int,
+    top_k: int,
+    token_mask: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
     """transformers' load_balancing_loss_func over the tokens and MoE layers in `records`:
     E * sum_e f_e P_e, f_e = share of (token, layer) routings choosing e (summed over the k
     slots), P_e = mean router probability of e, both over the unmasked tokens of every layer.
@@ -213,7 +241,9 @@ def load_balancing_loss(records: list[RouterRecord], num_experts: int, top_k: in
     psum = torch.zeros(num_experts, device=dev)
     for rec in records:
         m = _token_weights(rec, token_mask)
-        counts[:num_experts] += (functional.one_hot(rec.experts, num_experts).float() * m[:, None, None]).sum((0, 1))
+        counts[:num_experts] += (
+            functional.one_hot(rec.experts, num_experts).float() * m[:, None, None]
+        ).sum((0, 1))
         counts[num_experts] += m.sum()
         psum = psum + (rec.probs * m[:, None]).sum(0)
     if group is not None:
@@ -222,8 +252,9 @@ def load_balancing_loss(records: list[RouterRecord], num_experts: int, top_k: in
     return num_experts * ((counts[:num_experts] / n) * (psum / n)).sum()
 
 
-def router_z_loss(records: list[RouterRecord], token_mask: torch.Tensor | None = None,
-                  group=None) -> torch.Tensor:
+def router_z_loss(
+    records: list[RouterRecord], token_mask: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """ST-MoE router z-loss: mean over (token, layer) of logsumexp(router logits)^2 (fp32); with
     `group` this rank's share of the mean over the group's tokens (sums to it over the group)."""
     dev = records[0].probs.device if records else "cpu"
@@ -238,8 +269,9 @@ def router_z_loss(records: list[RouterRecord], token_mask: torch.Tensor | None =
     return total / n.clamp(min=1.0)[0]
 
 
-def expert_token_counts(records: list[RouterRecord], num_experts: int,
-                        token_mask: torch.Tensor | None = None) -> torch.Tensor:
+def expert_token_counts(
+    records: list[RouterRecord], num_experts: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """[moe layers, E] int64: (token, slot) routings to each expert in this rank's rows (for logging;
     sum over the ranks of a batch for its totals)."""
     rows = []

@@ -31,7 +31,10 @@ from ..spec import ModelConfig
 
 
 def _default_inv_freq(base, dim: int, device) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    return 1.0 / (
+        base
+        ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+    )
 
 
 def rope_parameters(c: ModelConfig, seq_len: torch.Tensor | None = None, device=None) -> tuple:
@@ -76,8 +79,11 @@ def _yarn(c: ModelConfig, rs: dict, dim: int, base: float, factor: float, device
     attention = rs.get("attention_factor")
     mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
     if attention is None:
-        attention = (float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all))
-                     if mscale and mscale_all else mscale_of(factor))
+        attention = (
+            float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all))
+            if mscale and mscale_all
+            else mscale_of(factor)
+        )
     beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
     orig = rs.get("original_max_position_embeddings") or c.max_position_embeddings
 
@@ -93,7 +99,9 @@ def _yarn(c: ModelConfig, rs: dict, dim: int, base: float, factor: float, device
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
     extrapolation = 1 - ramp.to(device=device, dtype=torch.float)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, attention
 
 
@@ -109,9 +117,11 @@ def _longrope(c: ModelConfig, rs: dict, dim: int, base: float, seq_len, device) 
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     long = seq_len is not None and int(seq_len) > orig
-    ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+    ext = torch.tensor(
+        rs["long_factor" if long else "short_factor"], dtype=torch.float32, device=device
+    )
     shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    return 1.0 / (ext * base ** shape), attention
+    return 1.0 / (ext * base**shape), attention
 
 
 @functools.lru_cache(maxsize=64)

@@ -76,7 +76,9 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group, tp_ranks: tuple[int, ...], dim: int = -1) -> torch.Tensor:
+def gather_from_tp(
+    x: torch.Tensor, group, tp_ranks: tuple[int, ...], dim: int = -1
+) -> torch.Tensor:
     """Concatenate the TP pieces along `dim` in TP order (no autograd; generation and tests).
 
     tp_ranks: global ranks in TP order. new_group numbers a group's ranks in sorted global order,
@@ -100,7 +102,9 @@ class ColumnParallelLinear(nn.Module):
         self.single = _size(group) == 1  # read once: no collective query per forward (or per trace)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.linear(x if self.single else _CopyToTP.apply(x, self.group), self.weight, self.bias)
+        return functional.linear(
+            x if self.single else _CopyToTP.apply(x, self.group), self.weight, self.bias
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -156,7 +160,7 @@ def _all_gather_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     c = -(-n // size)
     pad = x.new_zeros((c,) + tuple(x.shape[1:]))
-    pad[:x.shape[0]] = x
+    pad[: x.shape[0]] = x
     parts = [torch.empty_like(pad) for _ in range(size)]
     dist.all_gather(parts, pad, group=group)
     sizes = [hi - lo for lo, hi in (_rows_of(n, size, r) for r in range(size))]
@@ -189,7 +193,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.lo:ctx.hi].contiguous(), None, None
+        return grad[ctx.lo : ctx.hi].contiguous(), None, None
 
 
 def scatter_rows_to_tp(x: torch.Tensor, group) -> tuple[torch.Tensor, int, int]:

@@ -28,10 +28,16 @@ from torch.nn import functional
 from ..layout import stage_layer_ranges
 from ..realloc.shard import ExpertShard, ModelShard
 from ..spec import ModelConfig
-from .rope import rope_cos_sin_scaled, window_mask
 from .mlp import MLP
 from .moe import EPInfo, MoEBlock
-from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, sum_over_tp
+from .rope import rope_cos_sin_scaled, window_mask
+from .tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    sum_over_tp,
+)
 from .tp import _size as tp_size
 
 
@@ -101,29 +107,45 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, p: dict, pre: str, tp: int, group):
         super().__init__()
-        if c.num_key_value_heads < tp:  # only a kv_head_replicas spec gets here (TPRule.replicate_units)
-            raise ValueError(f"tp={tp} exceeds num_key_value_heads={c.num_key_value_heads}: replicated kv "
-                             "heads (kv_head_replicas, vLLM's storage) are a reallocation format; "
-                             "real_py's models need tp <= num_key_value_heads")
-        self.qkv_proj = ColumnParallelLinear(p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group)
+        if (
+            c.num_key_value_heads < tp
+        ):  # only a kv_head_replicas spec gets here (TPRule.replicate_units)
+            raise ValueError(
+                f"tp={tp} exceeds num_key_value_heads={c.num_key_value_heads}: replicated kv "
+                "heads (kv_head_replicas, vLLM's storage) are a reallocation format; "
+                "real_py's models need tp <= num_key_value_heads"
+            )
+        self.qkv_proj = ColumnParallelLinear(
+            p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"), group
+        )
         self.o_proj = RowParallelLinear(p[pre + "o_proj.weight"], group, p.get(pre + "o_proj.bias"))
-        self.nh, self.nkv, self.hd = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
+        self.nh, self.nkv, self.hd = (
+            c.num_attention_heads // tp,
+            c.num_key_value_heads // tp,
+            c.head_dim,
+        )
         self.q_norm = self.k_norm = self.whole_q_norm = self.whole_k_norm = None
         if c.qk_norm and c.qk_norm_whole:
-            self.whole_q_norm = WholeRMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps,
-                                             c.num_attention_heads * c.head_dim, group)
-            self.whole_k_norm = WholeRMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps,
-                                             c.num_key_value_heads * c.head_dim, group)
+            self.whole_q_norm = WholeRMSNorm(
+                p[pre + "q_norm.weight"], c.rms_norm_eps, c.num_attention_heads * c.head_dim, group
+            )
+            self.whole_k_norm = WholeRMSNorm(
+                p[pre + "k_norm.weight"], c.rms_norm_eps, c.num_key_value_heads * c.head_dim, group
+            )
         elif c.qk_norm:
             self.q_norm = RMSNorm(p[pre + "q_norm.weight"], c.rms_norm_eps, group, c.norm_plus_one)
             self.k_norm = RMSNorm(p[pre + "k_norm.weight"], c.rms_norm_eps, group, c.norm_plus_one)
-        self.scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
+        self.scale = c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else None
         self.softcap = c.attn_logit_softcapping
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        if self.whole_q_norm is not None:  # OLMo 2: over the whole projection, before the head split
+        q, k, v = self.qkv_proj(x).split(
+            [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1
+        )
+        if (
+            self.whole_q_norm is not None
+        ):  # OLMo 2: over the whole projection, before the head split
             q, k = self.whole_q_norm(q), self.whole_k_norm(k)
         q, k = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
         if self.q_norm is not None:  # Qwen3: per head, before RoPE
@@ -139,8 +161,9 @@ class Attention(nn.Module):
             # whole cache g times. On the H200 the copies cost ~1.2 ms of a 1.1B model's ~7 ms
             # decode step at batch 32 (bench/results/profile_h200_20261204.md).
             g = self.nh // self.nkv
-            out = functional.scaled_dot_product_attention(q.reshape(B, self.nkv, g, self.hd), k, v, attn_mask=mask,
-                                                          scale=self.scale)
+            out = functional.scaled_dot_product_attention(
+                q.reshape(B, self.nkv, g, self.hd), k, v, attn_mask=mask, scale=self.scale
+            )
             return self.o_proj(out.reshape(B, T, self.nh * self.hd))
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -151,7 +174,9 @@ class Attention(nn.Module):
             causal = False
             if mask is None and T > 1:  # a branch: under torch.compile T may be symbolic
                 causal = True
-            out = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+            out = functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -160,7 +185,9 @@ def _softcapped_attention(q, k, v, mask, scale, cap):
     cap * tanh(scores / cap), masked, softmax in fp32, back to q's dtype. q [B, n, T, hd],
     k/v [B, n, T_kv, hd]; mask None (causal, queries at the last T slots) or bool (True = attend)."""
     T, Tk = q.shape[2], k.shape[2]
-    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (
+        scale if scale is not None else q.shape[-1] ** -0.5
+    )
     scores = torch.tanh(scores / cap) * cap
     if mask is None:
         mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
@@ -170,8 +197,16 @@ def _softcapped_attention(q, k, v, mask, scale, cap):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, p: dict, i: int, tp: int, group, experts: dict | None = None,
-                 ep: EPInfo | None = None):
+    def __init__(
+        self,
+        c: ModelConfig,
+        p: dict,
+        i: int,
+        tp: int,
+        group,
+        experts: dict | None = None,
+        ep: EPInfo | None = None,
+    ):
         super().__init__()
         pre = f"layers.{i}."
         self.norm_after, self.sandwich = c.norm_after, c.sandwich_norm
@@ -180,8 +215,11 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = norm("input_layernorm")
         self.self_attn = Attention(c, p, pre + "self_attn.", tp, group)
         self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.mlp = (MoEBlock(c, p, experts, pre + "mlp.", group, ep) if c.is_moe_layer(i)
-                    else MLP(p, pre + "mlp.", group, c.hidden_act))
+        self.mlp = (
+            MoEBlock(c, p, experts, pre + "mlp.", group, ep)
+            if c.is_moe_layer(i)
+            else MLP(p, pre + "mlp.", group, c.hidden_act)
+        )
         if c.sandwich_norm:
             self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
         if c.norm_after or c.sandwich_norm:
@@ -189,7 +227,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, mask, cache):
         if self.sandwich:  # Gemma 2/3: norms on both sides of each sublayer
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache))
+            h = h + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
+            )
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.norm_after:  # OLMo 2: norm the sublayer outputs, not their inputs
             h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache))
@@ -201,48 +241,85 @@ class DecoderLayer(nn.Module):
 class StageModel(nn.Module):
     """Layers [lo, hi) of one pipeline stage, plus the embedding (first) and norm + head (last)."""
 
-    def __init__(self, config: ModelConfig, shard: ModelShard, tp_group=None,
-                 experts: ExpertShard | None = None, ep_group=None, etp_group=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        shard: ModelShard,
+        tp_group=None,
+        experts: ExpertShard | None = None,
+        ep_group=None,
+        etp_group=None,
+    ):
         super().__init__()
         layout = shard.layout
         ep = _ep_info(config, shard, experts, ep_group, etp_group)
-        self.config, self.tp_group, self.tp_rank, self.tp = config, tp_group, shard.tp_rank, layout.tp
+        self.config, self.tp_group, self.tp_rank, self.tp = (
+            config,
+            tp_group,
+            shard.tp_rank,
+            layout.tp,
+        )
         self.is_first, self.is_last = shard.stage == 0, shard.stage == layout.pp - 1
-        self.lo, self.hi = stage_layer_ranges(shard.model, layout.pp, layout.layers_per_stage,
-                                              layout.partition)[shard.stage]
+        self.lo, self.hi = stage_layer_ranges(
+            shard.model, layout.pp, layout.layers_per_stage, layout.partition
+        )[shard.stage]
         p = {name: nn.Parameter(view) for name, view in shard.params().items()}
         self.shard_params = p
         # MoE: Parameters on views of the expert shard (their own buffer, not shard.flat)
-        self.expert_params = ({name: nn.Parameter(view) for name, view in experts.params().items()}
-                              if experts is not None else {})
+        self.expert_params = (
+            {name: nn.Parameter(view) for name, view in experts.params().items()}
+            if experts is not None
+            else {}
+        )
         # Gemma 3: sliding layers rotate with plain RoPE of base rope_local_base_freq
-        self.local_rope = (replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
-                           if config.rope_local_base_freq else None)
+        self.local_rope = (
+            replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
+            if config.rope_local_base_freq
+            else None
+        )
         if self.is_first:
-            self.embed_tokens = VocabParallelEmbedding(p["embed_tokens.weight"], tp_group, shard.tp_rank,
-                                                       config.padding_row)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, p, i, layout.tp, tp_group,
-                                                          self.expert_params, ep)
-                                     for i in range(self.lo, self.hi)})
+            self.embed_tokens = VocabParallelEmbedding(
+                p["embed_tokens.weight"], tp_group, shard.tp_rank, config.padding_row
+            )
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(config, p, i, layout.tp, tp_group, self.expert_params, ep)
+                for i in range(self.lo, self.hi)
+            }
+        )
         if self.is_last:
-            self.norm = RMSNorm(p["norm.weight"], config.rms_norm_eps, plus_one=config.norm_plus_one)
+            self.norm = RMSNorm(
+                p["norm.weight"], config.rms_norm_eps, plus_one=config.norm_plus_one
+            )
             if config.head == "value":
                 self.head_weight = p["value_head.weight"]
             else:
                 self.head_weight = p.get("lm_head.weight", p.get("embed_tokens.weight"))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
-                caches: list | None = None, run=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        caches: list | None = None,
+        run=None,
+    ) -> torch.Tensor:
         """x: tokens [B, T] int64 (first stage) or hidden [B, T, H]; positions [B, T];
         mask: None (causal) or bool [B, 1, T, T_kv] (True = attend). Returns hidden [B, T, H].
         run: None, or (layer_fn, norm_fn) called as layer_fn(layer, h, cos, sin, mask, cache) and
         norm_fn(norm, h) in place of the modules' own calls (the decode step's compiled versions,
         engines/decode.py); the same maths."""
         h = self.embed_tokens(x) if self.is_first else x
-        if self.is_first and self.config.norm_plus_one:  # Gemma: sqrt(H) rounded to the embedding dtype
-            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        if (
+            self.is_first and self.config.norm_plus_one
+        ):  # Gemma: sqrt(H) rounded to the embedding dtype
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         cos, sin = rope_cos_sin_scaled(self.config, positions, h.dtype)
-        local = rope_cos_sin_scaled(self.local_rope, positions, h.dtype) if self.local_rope else (cos, sin)
+        local = (
+            rope_cos_sin_scaled(self.local_rope, positions, h.dtype)
+            if self.local_rope
+            else (cos, sin)
+        )
         windowed = self._window_mask(mask, h.shape[1], caches)
         for j, (i, layer) in enumerate(self.layers.items()):
             slides = self.config.uses_window(int(i))
@@ -262,8 +339,11 @@ class StageModel(nn.Module):
             return None
         start = caches[0].length if caches else 0  # slots already in the cache
         dev = mask.device if mask is not None else next(iter(self.shard_params.values())).device
-        keep = window_mask(torch.arange(start, start + T, device=dev), torch.arange(start + T, device=dev),
-                           c.sliding_window)
+        keep = window_mask(
+            torch.arange(start, start + T, device=dev),
+            torch.arange(start + T, device=dev),
+            c.sliding_window,
+        )
         return keep if mask is None else mask & keep
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -272,45 +352,67 @@ class StageModel(nn.Module):
             return functional.linear(h, self.head_weight).squeeze(-1)
         logits = functional.linear(copy_to_tp(h, self.tp_group), self.head_weight)
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits  # elementwise: fine on a vocab slice
+        return (
+            torch.tanh(logits / cap) * cap if cap else logits
+        )  # elementwise: fine on a vocab slice
 
     def new_caches(self, batch: int, max_len: int) -> list:
         """One KVCache per local layer."""
         c, w = self.config, next(iter(self.shard_params.values()))
-        return [KVCache(batch, c.num_key_value_heads // self.tp, max_len, c.head_dim, w.dtype, w.device)
-                for _ in range(self.hi - self.lo)]
+        return [
+            KVCache(batch, c.num_key_value_heads // self.tp, max_len, c.head_dim, w.dtype, w.device)
+            for _ in range(self.hi - self.lo)
+        ]
 
 
-def _ep_info(c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_group,
-             etp_group=None) -> EPInfo | None:
+def _ep_info(
+    c: ModelConfig, shard: ModelShard, experts: ExpertShard | None, ep_group, etp_group=None
+) -> EPInfo | None:
     """Checks the expert shard and ep group of an MoE model; None for a dense one."""
     layout = shard.layout
     if not c.num_experts:
         if experts is not None:
-            raise ValueError(f"StageModel: experts given but ModelConfig.num_experts=0 ({shard.model.name})")
+            raise ValueError(
+                f"StageModel: experts given but ModelConfig.num_experts=0 ({shard.model.name})"
+            )
         return None
     if experts is None:
-        raise ValueError(f"StageModel: {shard.model.name} has {c.num_experts} experts per MoE layer; pass "
-                         "experts=ExpertShard(...) of the same layout and rank (load_hf_experts)")
+        raise ValueError(
+            f"StageModel: {shard.model.name} has {c.num_experts} experts per MoE layer; pass "
+            "experts=ExpertShard(...) of the same layout and rank (load_hf_experts)"
+        )
     if experts.layout != layout or experts.rank != shard.rank:
-        raise ValueError(f"StageModel: expert shard {experts} is not of layout {layout} rank {shard.rank}")
+        raise ValueError(
+            f"StageModel: expert shard {experts} is not of layout {layout} rank {shard.rank}"
+        )
     if layout.etp > 1:
         if etp_group is None:
-            raise ValueError(f"StageModel: layout {layout} has etp={layout.etp}; pass etp_group "
-                             "(ParallelGroups(layout).etp_group)")
+            raise ValueError(
+                f"StageModel: layout {layout} has etp={layout.etp}; pass etp_group "
+                "(ParallelGroups(layout).etp_group)"
+            )
         members = dist.get_process_group_ranks(etp_group)
-        want = {layout.expert_rank(experts.edp_rank, experts.ep_rank, t, shard.stage) for t in range(layout.etp)}
+        want = {
+            layout.expert_rank(experts.edp_rank, experts.ep_rank, t, shard.stage)
+            for t in range(layout.etp)
+        }
         if set(members) != want:
-            raise ValueError(f"StageModel: etp_group ranks {members} are not the etp group {sorted(want)} of "
-                             f"rank {shard.rank} in {layout}")
+            raise ValueError(
+                f"StageModel: etp_group ranks {members} are not the etp group {sorted(want)} of "
+                f"rank {shard.rank} in {layout}"
+            )
     if layout.ep == 1:
         return EPInfo(etp_group=etp_group)
     if ep_group is None:
-        raise ValueError(f"StageModel: layout {layout} has ep={layout.ep}; pass ep_group "
-                         "(ParallelGroups(layout).ep_group)")
+        raise ValueError(
+            f"StageModel: layout {layout} has ep={layout.ep}; pass ep_group "
+            "(ParallelGroups(layout).ep_group)"
+        )
     members = dist.get_process_group_ranks(ep_group)
     group_ep = tuple(layout.expert_coords(r)[1] for r in members)
     if sorted(group_ep) != list(range(layout.ep)) or shard.rank not in members:
-        raise ValueError(f"StageModel: ep_group ranks {members} are not an ep group of {layout} holding rank "
-                         f"{shard.rank}")
+        raise ValueError(
+            f"StageModel: ep_group ranks {members} are not an ep group of {layout} holding rank "
+            f"{shard.rank}"
+        )
     return EPInfo(layout.ep, experts.ep_rank, ep_group, group_ep, etp_group)

@@ -49,13 +49,19 @@ def _blocks(rows: int, tokens: int, v: int, chunk_elems: int):
         step = max(1, chunk_elems // max(tokens * v, 1))
         return [(slice(r, min(rows, r + step)), slice(0, tokens)) for r in range(0, rows, step)]
     step = max(1, chunk_elems // max(v, 1))
-    return [(slice(r, r + 1), slice(t, min(tokens, t + step))) for r in range(rows) for t in range(0, tokens, step)]
+    return [
+        (slice(r, r + 1), slice(t, min(tokens, t + step)))
+        for r in range(rows)
+        for t in range(0, tokens, step)
+    ]
 
 
 def _z(block: torch.Tensor, valid: int, temperature: float) -> torch.Tensor:
     """fp32 copy [n, V] of a [rows, tokens, V] block / temperature, padding columns at fp32's
     lowest value."""
-    z = block.to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(-1, block.shape[-1])
+    z = block.to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(
+        -1, block.shape[-1]
+    )
     if temperature != 1.0:
         z.div_(temperature)
     if valid < z.shape[-1]:
@@ -65,7 +71,9 @@ def _z(block: torch.Tensor, valid: int, temperature: float) -> torch.Tensor:
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, tp_rank, vocab_size, with_entropy, temperature, chunk_elems):
+    def forward(
+        ctx, logits, targets, group, tp_rank, vocab_size, with_entropy, temperature, chunk_elems
+    ):
         v_local = logits.shape[-1]
         x = _as3d(logits)
         rows, tokens = x.shape[0], x.shape[1]
@@ -94,7 +102,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             M = m.clone()
             dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
             scale = torch.exp(m - M)
-            if with_entropy:  # sum e^(z - M)(z - M) = e^(m - M) (B + (m - M) A); 0 on an all-padding slice
+            if (
+                with_entropy
+            ):  # sum e^(z - M)(z - M) = e^(m - M) (B + (m - M) A); 0 on an all-padding slice
                 sums[2] = torch.where(scale > 0, scale * (sums[2] + (m - M) * sums[0]), 0.0)
             sums[0] *= scale
             dist.all_reduce(sums, group=group)
@@ -121,8 +131,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         inside = (local >= 0) & (local < v_local)
         local = local.clamp(0, v_local - 1)
         dev = logits.device
-        g_lp = (torch.zeros(rows, tokens, dtype=torch.float32, device=dev) if g_lp is None
-                else g_lp.reshape(rows, tokens).float())
+        g_lp = (
+            torch.zeros(rows, tokens, dtype=torch.float32, device=dev)
+            if g_lp is None
+            else g_lp.reshape(rows, tokens).float()
+        )
         use_ent = with_entropy and g_ent is not None
         g_h = g_ent.reshape(rows, tokens).float() if use_ent else None
         lse = lse.reshape(rows, tokens)
@@ -132,22 +145,32 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             z = _z(x[r, t], valid, temperature)
             lse_c, glp_c = lse[r, t].reshape(-1, 1), g_lp[r, t].reshape(-1, 1)
             if use_ent:
-                tt = z - (lse_c - entropy[r, t].reshape(-1, 1))        # z - lse + H
-                p = z.sub_(lse_c).exp_()                               # p (z no longer needed)
+                tt = z - (lse_c - entropy[r, t].reshape(-1, 1))  # z - lse + H
+                p = z.sub_(lse_c).exp_()  # p (z no longer needed)
                 # -(g_lp p + g_H p (z - lse + H)); p * (...) first: 0 for padding whatever g_H
                 g = tt.mul_(p).mul_(g_h[r, t].reshape(-1, 1)).add_(p * glp_c).neg_()
             else:
                 g = z.sub_(lse_c).exp_().mul_(-glp_c)
-            g.scatter_add_(-1, local[r, t].reshape(-1, 1), (g_lp[r, t] * inside[r, t]).reshape(-1, 1))
+            g.scatter_add_(
+                -1, local[r, t].reshape(-1, 1), (g_lp[r, t] * inside[r, t]).reshape(-1, 1)
+            )
             if temperature != 1.0:
                 g.div_(temperature)
             grad[r, t] = g.view(grad[r, t].shape)
         return grad.view(logits.shape), None, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group, tp_rank: int,
-                            vocab_size: int, with_entropy: bool = False, *, temperature: float = 1.0,
-                            chunk_elems: int = CHUNK_ELEMS):
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    group,
+    tp_rank: int,
+    vocab_size: int,
+    with_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
+    chunk_elems: int = CHUNK_ELEMS,
+):
     """log p(targets) and optionally the entropy of each distribution, of logits / temperature.
 
     logits: [..., V_local] (any float dtype; computed in fp32 chunk by chunk), targets: [...]
@@ -156,5 +179,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group, 
     """
     if temperature <= 0:
         raise ValueError(f"vocab_parallel_logprobs: temperature={temperature} must be > 0")
-    return _VocabParallelLogprobs.apply(logits, targets, group, tp_rank, vocab_size, bool(with_entropy),
-                                        float(temperature), int(chunk_elems))
+    return _VocabParallelLogprobs.apply(
+        logits,
+        targets,
+        group,
+        tp_rank,
+        vocab_size,
+        bool(with_entropy),
+        float(temperature),
+        int(chunk_elems),
+    )

@@ -20,19 +20,42 @@ unpack rows per round), on shard buffers.
   transports/     in-process, CUDA IPC, torch.distributed (gloo / NCCL), cupy-NCCL
 """
 
+from .executor import Executor, run_in_process
+from .inprocess_move import InProcessMove
+from .moe_exec import MoeReallocator
 from .moe_plan import MoePlan, plan_moe_realloc
 from .offload import HostOffload
-from .plan import MODES, ReallocPlan, plan_realloc
-from .executor import Executor, run_in_process
-from .moe_exec import MoeReallocator
 from .options import MoveOptions
-from .reallocator import Reallocator, checksum, new_destination
+from .plan import MODES, ReallocPlan, plan_realloc
 from .rank_schedule import RankSchedule, rank_schedule
+from .reallocator import Reallocator, checksum, new_destination
 from .shard import ExpertShard, ModelShard, gather_full, tp_slice
-from .inprocess_move import InProcessMove
 from .transports import DistTransport, InProcessHub, IpcTransport, TransferError, Transport
 
-__all__ = ["MODES", "DistTransport", "Executor", "ExpertShard", "HostOffload", "InProcessHub", "InProcessMove",
-           "IpcTransport", "ModelShard", "MoePlan", "MoeReallocator", "MoveOptions", "ReallocPlan", "Reallocator",
-           "RankSchedule", "TransferError", "Transport", "checksum", "gather_full", "new_destination",
-           "plan_moe_realloc", "plan_realloc", "rank_schedule", "run_in_process", "tp_slice"]
+__all__ = [
+    "MODES",
+    "DistTransport",
+    "Executor",
+    "ExpertShard",
+    "HostOffload",
+    "InProcessHub",
+    "InProcessMove",
+    "IpcTransport",
+    "ModelShard",
+    "MoePlan",
+    "MoeReallocator",
+    "MoveOptions",
+    "ReallocPlan",
+    "Reallocator",
+    "RankSchedule",
+    "TransferError",
+    "Transport",
+    "checksum",
+    "gather_full",
+    "new_destination",
+    "plan_moe_realloc",
+    "plan_realloc",
+    "rank_schedule",
+    "run_in_process",
+    "tp_slice",
+]

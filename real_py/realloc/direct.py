@@ -70,12 +70,21 @@ def plan_tag(plan) -> str:
 
 
 class DirectRunner:
-    def __init__(self, transport: Transport, tag: str, entries: list[Entry], readers, element_size: int,
-                 buf_ids=None):
+    def __init__(
+        self,
+        transport: Transport,
+        tag: str,
+        entries: list[Entry],
+        readers,
+        element_size: int,
+        buf_ids=None,
+    ):
         """buf_ids: the buffer id of each position of run()'s `bufs` list (default 0, 1, ...)."""
         if not transport.addressable:
-            raise ValueError(f"{type(transport).__name__} cannot address its peers' buffers; one-pass "
-                             "moves need an addressable transport (in-process, CUDA IPC)")
+            raise ValueError(
+                f"{type(transport).__name__} cannot address its peers' buffers; one-pass "
+                "moves need an addressable transport (in-process, CUDA IPC)"
+            )
         self.transport, self.rank, self.tag = transport, transport.rank, tag
         self.element_size = element_size
         entries = [e for e in entries if len(e.descs)]
@@ -84,8 +93,12 @@ class DirectRunner:
         self.dst_bufs = sorted({e.dst_buf for e in entries})
         col = {k: i for i, k in enumerate(self.src_keys)}
         dcol = {b: i for i, b in enumerate(self.dst_bufs)}
-        rows = [np.hstack([e.descs, np.tile([col[(e.sender, e.src_buf)], dcol[e.dst_buf]], (len(e.descs), 1))])
-                for e in entries]
+        rows = [
+            np.hstack(
+                [e.descs, np.tile([col[(e.sender, e.src_buf)], dcol[e.dst_buf]], (len(e.descs), 1))]
+            )
+            for e in entries
+        ]
         self.rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 8), np.int64)
         self.peers = sorted({e.sender for e in entries} - {self.rank})
         self.readers = sorted(set(readers) - {self.rank})
@@ -116,11 +129,21 @@ class DirectRunner:
     def begin(self, bufs, check=None) -> None:
         """Check the input, publish this rank's source buffers."""
         clock = time.perf_counter
-        self._state = st = {"t0": clock(), "share": 0.0, "copy": 0.0, "release": 0.0, "step": "input check"}
+        self._state = st = {
+            "t0": clock(),
+            "share": 0.0,
+            "copy": 0.0,
+            "release": 0.0,
+            "step": "input check",
+        }
         try:
             if check is not None:
                 check()
-            bufs = dict(bufs) if isinstance(bufs, dict) else dict(zip(self.buf_ids or range(len(bufs)), bufs))
+            bufs = (
+                dict(bufs)
+                if isinstance(bufs, dict)
+                else dict(zip(self.buf_ids or range(len(bufs)), bufs))
+            )
             st["bufs"] = bufs
             st["step"] = STEP
             t = clock()
@@ -173,10 +196,22 @@ class DirectRunner:
             self._report(e)
             raise
         self._state = None
-        phases = {"local": 0.0, "pack": 0.0, "post": st["share"], "wait": st["release"], "unpack": st["copy"]}
-        return {"rounds": 1, "staging_bytes": 0, "one_pass": True, "copy_table_bytes": self.table_bytes,
-                "phases": phases, "per_round": [[0, 0.0, st["share"], st["release"], st["copy"]]],
-                "elapsed": clock() - st["t0"]}
+        phases = {
+            "local": 0.0,
+            "pack": 0.0,
+            "post": st["share"],
+            "wait": st["release"],
+            "unpack": st["copy"],
+        }
+        return {
+            "rounds": 1,
+            "staging_bytes": 0,
+            "one_pass": True,
+            "copy_table_bytes": self.table_bytes,
+            "phases": phases,
+            "per_round": [[0, 0.0, st["share"], st["release"], st["copy"]]],
+            "elapsed": clock() - st["t0"],
+        }
 
     def _report(self, e: BaseException) -> None:
         step = self._state["step"] if self._state else STEP

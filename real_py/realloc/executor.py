@@ -52,25 +52,39 @@ from .transports.inprocess import InProcessHub
 
 
 class Executor:
-    def __init__(self, plan: ReallocPlan | MoePlan, transport: Transport, *,
-                 options: MoveOptions | None = None, **knobs):
+    def __init__(
+        self,
+        plan: ReallocPlan | MoePlan,
+        transport: Transport,
+        *,
+        options: MoveOptions | None = None,
+        **knobs,
+    ):
         """options: a MoveOptions; knobs: its fields as keywords (bucket_bytes=..., verify=...),
         on top of `options` where both are given."""
         if not isinstance(plan, (ReallocPlan, MoePlan)):
-            raise TypeError(f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst) or a "
-                            f"MoePlan from plan_moe_realloc, got {type(plan).__name__}")
+            raise TypeError(
+                f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst) or a "
+                f"MoePlan from plan_moe_realloc, got {type(plan).__name__}"
+            )
         if not isinstance(transport, Transport):
-            raise TypeError(f"transport must be a real_py Transport (DistTransport, InProcessHub."
-                            f"transport(rank), ...), got {type(transport).__name__}")
+            raise TypeError(
+                f"transport must be a real_py Transport (DistTransport, InProcessHub."
+                f"transport(rank), ...), got {type(transport).__name__}"
+            )
         self.options = MoveOptions(**knobs) if options is None else replace(options, **knobs)
         self.plan, self.transport, self.rank = plan, transport, transport.rank
         self.moe = isinstance(plan, MoePlan)
-        self.opts: ResolvedOptions = self.options.resolve(transport, plan.model.element_size,
-                                                          plan.model.dtype)
+        self.opts: ResolvedOptions = self.options.resolve(
+            transport, plan.model.element_size, plan.model.dtype
+        )
         self.one_pass = self.opts.one_pass
-        self.parts: tuple[MoePart, ...] = (plan.parts if self.moe
-                                           else (MoePart(label="", plan=plan, experts=None),))
-        sizes = plan.part_round_elems(self.opts.round_elems) if self.moe else [self.opts.round_elems]
+        self.parts: tuple[MoePart, ...] = (
+            plan.parts if self.moe else (MoePart(label="", plan=plan, experts=None),)
+        )
+        sizes = (
+            plan.part_round_elems(self.opts.round_elems) if self.moe else [self.opts.round_elems]
+        )
         for part in self.parts:
             transport.setup(part.plan)  # collective: every rank, every part, in part order
         lanes, entries, readers = [], [], set()
@@ -86,19 +100,33 @@ class Executor:
                     entries += self._entries(p, rs)
                     readers |= schedule_readers(rs)
                 if part.experts is not None:
-                    rs = readdress(rs, *(self._segments(part, side, self.rank) if self.rank in lay.ranks
-                                         else None for side, lay in ((0, part.plan.src), (1, part.plan.dst))))
+                    rs = readdress(
+                        rs,
+                        *(
+                            self._segments(part, side, self.rank)
+                            if self.rank in lay.ranks
+                            else None
+                            for side, lay in ((0, part.plan.src), (1, part.plan.dst))
+                        ),
+                    )
                 shift = plan.round_shift(p, rs.num_rounds) if self.moe else 0
                 lanes.append(Lane(rs, shift, part.label, direct_first=part.experts is None))
                 self.lane_parts.append(p)
         except Exception as e:
-            transport.fail(f"building the rank schedule of rank {self.rank}",
-                           f"{type(e).__name__}: {e}"[:1000])
+            transport.fail(
+                f"building the rank schedule of rank {self.rank}", f"{type(e).__name__}: {e}"[:1000]
+            )
             raise
         self.schedules: list[RankSchedule] = [lane.schedule for lane in lanes]
         if self.one_pass:
-            self.runner = DirectRunner(transport, plan_tag(plan), entries, readers, plan.model.element_size,
-                                       buf_ids=self.lane_parts)
+            self.runner = DirectRunner(
+                transport,
+                plan_tag(plan),
+                entries,
+                readers,
+                plan.model.element_size,
+                buf_ids=self.lane_parts,
+            )
         else:
             # A dense plan's round count is known on every rank: steps read "round i/total".
             total = None if self.moe else self.schedules[0].num_rounds
@@ -122,7 +150,9 @@ class Executor:
             theirs = {s: self._segments(part, 0, s) for s in {s for s, _ in chunks}}
             chunks = [(s, move_column(move_column(d, 0, theirs[s]), 1, mine)) for s, d in chunks]
             if len(local):
-                local = move_column(move_column(local, 0, self._segments(part, 0, self.rank)), 1, mine)
+                local = move_column(
+                    move_column(local, 0, self._segments(part, 0, self.rank)), 1, mine
+                )
         out = [Entry(self.rank, p, p, local)] if len(local) else []
         return out + [Entry(s, p, p, d) for s, d in chunks]
 
@@ -151,18 +181,26 @@ class Executor:
         def check():
             for side, (shard, experts) in (("source", src), ("destination", dst)):
                 if self.moe and (shard is None) != (experts is None):
-                    raise ValueError(f"rank {self.rank}: the {side} needs both its ModelShard and "
-                                     f"its ExpertShard (or neither), got {shard!r} and {experts!r}")
+                    raise ValueError(
+                        f"rank {self.rank}: the {side} needs both its ModelShard and "
+                        f"its ExpertShard (or neither), got {shard!r} and {experts!r}"
+                    )
                 check_shard(self.plan, self.rank, shard, side)
                 if self.moe:
                     check_shard(self.plan, self.rank, experts, side, kind=ExpertShard)
             devices = sorted({str(x.flat.device) for x in (*src, *dst) if x is not None})
             if len(devices) > 1:
-                raise ValueError(f"rank {self.rank}: buffers on {devices}: move them so the source and the "
-                                 "destination share a device")
-            for p in self.lane_parts:  # dense parts address the ModelShards, expert parts the ExpertShards
+                raise ValueError(
+                    f"rank {self.rank}: buffers on {devices}: move them so the source and the "
+                    "destination share a device"
+                )
+            for p in (
+                self.lane_parts
+            ):  # dense parts address the ModelShards, expert parts the ExpertShards
                 held = int(self.parts[p].experts is not None)
-                bufs.append(tuple(None if pair[held] is None else pair[held].flat for pair in (src, dst)))
+                bufs.append(
+                    tuple(None if pair[held] is None else pair[held].flat for pair in (src, dst))
+                )
 
         return bufs, check
 
@@ -175,8 +213,14 @@ class Executor:
                     shard.flat.untyped_storage().resize_(0)
         if self._bytes is None:  # counted once: a replayed move does no work per chunk
             self._bytes = schedule_bytes(self.schedules, self.plan.model.element_size)
-        return {"rank": self.rank, **self._bytes, **stats, "parts": len(self.parts),
-                "lanes": len(self.schedules), "seconds": time.perf_counter() - t0}
+        return {
+            "rank": self.rank,
+            **self._bytes,
+            **stats,
+            "parts": len(self.parts),
+            "lanes": len(self.schedules),
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 def shards_of(plan, srcs: dict, dsts: dict, rank: int) -> tuple[tuple, tuple]:
@@ -194,15 +238,21 @@ def plan_ranks(plan) -> list[int]:
     return plan.ranks()
 
 
-def run_in_process(hub: InProcessHub, plan: ReallocPlan | MoePlan, srcs: dict, dsts: dict,
-                   **knobs) -> dict[int, dict]:
+def run_in_process(
+    hub: InProcessHub, plan: ReallocPlan | MoePlan, srcs: dict, dsts: dict, **knobs
+) -> dict[int, dict]:
     """Run `plan` on every rank of `hub` in its own thread; srcs / dsts map rank -> ModelShard
     (a ReallocPlan) or rank -> (ModelShard, ExpertShard) (a MoePlan); knobs: MoveOptions fields.
 
     Returns rank -> the executor's stats. Raises the first rank's error (by rank order) after
     every thread has finished. Builds everything per call; `InProcessMove` keeps it."""
-    return run_ranks(hub, plan_ranks(plan), lambda rank: Executor(plan, hub.transport(rank), **knobs)
-                     .move(*shards_of(plan, srcs, dsts, rank)))
+    return run_ranks(
+        hub,
+        plan_ranks(plan),
+        lambda rank: Executor(plan, hub.transport(rank), **knobs).move(
+            *shards_of(plan, srcs, dsts, rank)
+        ),
+    )
 
 
 def run_ranks(hub: InProcessHub | None, ranks, work) -> dict:
@@ -214,7 +264,7 @@ def run_ranks(hub: InProcessHub | None, ranks, work) -> dict:
     def one(rank):
         try:
             results[rank] = work(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised below with the rank
+        except BaseException as e:
             errors[rank] = e
             if hub is not None:
                 hub.fail(rank, f"{type(e).__name__}: {e}")
@@ -231,10 +281,13 @@ def run_ranks(hub: InProcessHub | None, ranks, work) -> dict:
 
 def schedule_bytes(schedules: list[RankSchedule], element_size: int) -> dict:
     """Bytes this rank sends, receives over the network and copies locally in `schedules`."""
-    return {"sent_bytes": sum(c.numel for s in schedules for rr in s.rounds for c in rr.sends) * element_size,
-            "received_bytes": sum(c.numel for s in schedules for rr in s.rounds
-                                  for c in rr.recvs) * element_size,
-            "local_bytes": sum(s.local_numel for s in schedules) * element_size}
+    return {
+        "sent_bytes": sum(c.numel for s in schedules for rr in s.rounds for c in rr.sends)
+        * element_size,
+        "received_bytes": sum(c.numel for s in schedules for rr in s.rounds for c in rr.recvs)
+        * element_size,
+        "local_bytes": sum(s.local_numel for s in schedules) * element_size,
+    }
 
 
 def check_shard(plan: ReallocPlan | MoePlan, rank: int, shard, side: str, kind=ModelShard) -> None:
@@ -245,54 +298,85 @@ def check_shard(plan: ReallocPlan | MoePlan, rank: int, shard, side: str, kind=M
     what = "shard" if kind is ModelShard else "expert shard"
     holds = rank in layout.ranks
     if shard is not None and not isinstance(shard, kind):
-        raise TypeError(f"{side} {what} must be a {kind.__name__} or None, got {type(shard).__name__}")
+        raise TypeError(
+            f"{side} {what} must be a {kind.__name__} or None, got {type(shard).__name__}"
+        )
     if shard is None:
         if holds:
-            raise ValueError(f"rank {rank} is in the {side} layout {layout} but passed no "
-                             f"{side} {what}")
+            raise ValueError(
+                f"rank {rank} is in the {side} layout {layout} but passed no {side} {what}"
+            )
         return
     if not holds:
-        raise ValueError(f"rank {rank} is not in the {side} layout {layout} but passed a "
-                         f"{side} {what}")
+        raise ValueError(
+            f"rank {rank} is not in the {side} layout {layout} but passed a {side} {what}"
+        )
     want = plan.model if side == "source" else plan.dst_model
     if shard.model != want and shard.model.name == want.name:
         try:  # same name, different model: say which parameter differs
             want.check_compatible(shard.model)
         except ValueError as e:
-            raise ValueError(f"{side} {what}'s model {shard.model.name} is not the plan's {side} "
-                             f"model of the same name: {e}") from None
-        raise ValueError(f"{side} {what}'s model {shard.model.name} differs from the plan's {side} "
-                         f"model of the same name (num_layers {shard.model.num_layers} vs "
-                         f"{want.num_layers}, parameter order, or storage format such as qkv_layout)")
+            raise ValueError(
+                f"{side} {what}'s model {shard.model.name} is not the plan's {side} "
+                f"model of the same name: {e}"
+            ) from None
+        raise ValueError(
+            f"{side} {what}'s model {shard.model.name} differs from the plan's {side} "
+            f"model of the same name (num_layers {shard.model.num_layers} vs "
+            f"{want.num_layers}, parameter order, or storage format such as qkv_layout)"
+        )
     if shard.model != want:
-        raise ValueError(f"{side} {what} was built for model {shard.model.name}, the plan is "
-                         f"for {want.name} on the {side} side")
+        raise ValueError(
+            f"{side} {what} was built for model {shard.model.name}, the plan is "
+            f"for {want.name} on the {side} side"
+        )
     if shard.layout != layout:
-        raise ValueError(f"{side} {what} was built for layout {shard.layout}, the plan's "
-                         f"{side} layout is {layout}")
+        raise ValueError(
+            f"{side} {what} was built for layout {shard.layout}, the plan's "
+            f"{side} layout is {layout}"
+        )
     if shard.rank != rank:
         raise ValueError(f"{side} {what} belongs to rank {shard.rank}, this is rank {rank}")
     # The compiled copies address bytes at element offsets of the plan's dtype: a buffer
     # assigned to `flat` after construction in another dtype or size would be read as the wrong
     # values, or fail deep in the copy without naming the shard.
     flat, dtype, numel = shard.flat, torch_dtype(want.dtype), shard.flat_numel
-    if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.dtype == dtype
-            and flat.numel() == numel and flat.is_contiguous()):
-        got = (f"{tuple(flat.shape)} {flat.dtype}{'' if flat.is_contiguous() else ' non-contiguous'}"
-               if isinstance(flat, torch.Tensor) else type(flat).__name__)
-        raise ValueError(f"{side} {what} of rank {rank} ({want.name}, {layout}): its flat buffer is "
-                         f"{got}; the plan needs a 1-D contiguous {dtype} buffer of {numel} elements "
-                         f"({numel * want.element_size} bytes): was `flat` replaced after the shard was "
-                         f"built? Build a new {kind.__name__} around the buffer instead")
+    if not (
+        isinstance(flat, torch.Tensor)
+        and flat.dim() == 1
+        and flat.dtype == dtype
+        and flat.numel() == numel
+        and flat.is_contiguous()
+    ):
+        got = (
+            f"{tuple(flat.shape)} {flat.dtype}{'' if flat.is_contiguous() else ' non-contiguous'}"
+            if isinstance(flat, torch.Tensor)
+            else type(flat).__name__
+        )
+        raise ValueError(
+            f"{side} {what} of rank {rank} ({want.name}, {layout}): its flat buffer is "
+            f"{got}; the plan needs a 1-D contiguous {dtype} buffer of {numel} elements "
+            f"({numel * want.element_size} bytes): was `flat` replaced after the shard was "
+            f"built? Build a new {kind.__name__} around the buffer instead"
+        )
     # The kernels read raw pointers: a buffer whose storage was released (free_source=True, an
     # offloaded shard) or shrunk under its view would be read or written out of bounds.
     need = (flat.storage_offset() + flat.numel()) * flat.element_size()
     if flat.untyped_storage().nbytes() < need:
-        raise ValueError(f"{side} {what} of rank {rank} ({shard.model.name}, {layout}) has "
-                         f"{flat.untyped_storage().nbytes()} bytes of storage behind a {need}-byte "
-                         "buffer: it was freed (free_source=True) or offloaded (HostOffload); "
-                         "reload it before reallocating")
+        raise ValueError(
+            f"{side} {what} of rank {rank} ({shard.model.name}, {layout}) has "
+            f"{flat.untyped_storage().nbytes()} bytes of storage behind a {need}-byte "
+            "buffer: it was freed (free_source=True) or offloaded (HostOffload); "
+            "reload it before reallocating"
+        )
 
 
-__all__ = ["Executor", "check_shard", "plan_ranks", "run_in_process", "run_ranks", "schedule_bytes",
-           "shards_of"]
+__all__ = [
+    "Executor",
+    "check_shard",
+    "plan_ranks",
+    "run_in_process",
+    "run_ranks",
+    "schedule_bytes",
+    "shards_of",
+]

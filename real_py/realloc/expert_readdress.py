@@ -23,21 +23,24 @@ from .moe_plan import MoePart
 from .rank_schedule import RankSchedule
 
 
-def expert_segments(part: MoePart, part_layout: Layout, model: ModelSpec, layout: Layout,
-              rank: int) -> np.ndarray:
+def expert_segments(
+    part: MoePart, part_layout: Layout, model: ModelSpec, layout: Layout, rank: int
+) -> np.ndarray:
     """[k, 3] (start, end, shift): elements [start, end) of `rank`'s flat buffer of an expert
     part sit at + shift in its ExpertShard buffer (consecutive tensors with one shift merged).
     A stacked tensor's local piece is the rank's ep group's experts, one after the other."""
     _, tp_rank, stage = part_layout.coords(rank)
     _, ep_rank, _, estage = layout.expert_coords(rank)
-    where = {e.param.name: e.offset for e in expert_shard_layout(model, layout, estage, ep_rank).entries}
+    where = {
+        e.param.name: e.offset for e in expert_shard_layout(model, layout, estage, ep_rank).entries
+    }
     segs: list[list[int]] = []
     for e in shard_layout(part.plan.model, part_layout, stage).entries:
         names = (e.param.name,)
         if part.pieces is not None:
             every = part.pieces[e.param.name]
             k = len(every) // part_layout.tp
-            names = every[tp_rank * k:(tp_rank + 1) * k]
+            names = every[tp_rank * k : (tp_rank + 1) * k]
         n = e.numel // len(names)
         for i, name in enumerate(names):
             start, shift = e.offset + i * n, where[name] - e.offset - i * n
@@ -108,11 +111,16 @@ def readdress(rs: RankSchedule, src_segs, dst_segs) -> RankSchedule:
     grows by at most its size, within the round's budget, so the staging bound holds."""
     rounds = []
     for rr in rs.rounds:
-        pack, unpack = [move_column(rr.pack_descs, 0, src_segs)], [move_column(rr.unpack_descs, 1, dst_segs)]
+        pack, unpack = (
+            [move_column(rr.pack_descs, 0, src_segs)],
+            [move_column(rr.unpack_descs, 1, dst_segs)],
+        )
         off, sends, recvs = rr.staging_numel, [], []
         send_slots, recv_slots = list(rr.send_slots), list(rr.recv_slots)
-        for chunks, slots, col, segs, acc, keep in ((rr.sends, send_slots, 0, src_segs, pack, sends),
-                                                    (rr.recvs, recv_slots, 1, dst_segs, unpack, recvs)):
+        for chunks, slots, col, segs, acc, keep in (
+            (rr.sends, send_slots, 0, src_segs, pack, sends),
+            (rr.recvs, recv_slots, 1, dst_segs, unpack, recvs),
+        ):
             for j, c in enumerate(chunks):
                 if slots[j] >= 0:
                     keep.append(c)
@@ -129,9 +137,18 @@ def readdress(rs: RankSchedule, src_segs, dst_segs) -> RankSchedule:
                 acc.append(rows)
                 slots[j], off = off, off + c.numel
                 keep.append(c)
-        rounds.append(replace(rr, pack_descs=np.concatenate(pack), unpack_descs=np.concatenate(unpack),
-                              sends=tuple(sends), recvs=tuple(recvs), send_slots=tuple(send_slots),
-                              recv_slots=tuple(recv_slots), staging_numel=off))
+        rounds.append(
+            replace(
+                rr,
+                pack_descs=np.concatenate(pack),
+                unpack_descs=np.concatenate(unpack),
+                sends=tuple(sends),
+                recvs=tuple(recvs),
+                send_slots=tuple(send_slots),
+                recv_slots=tuple(recv_slots),
+                staging_numel=off,
+            )
+        )
     local = move_column(move_column(rs.local, 0, src_segs), 1, dst_segs)
     return replace(rs, rounds=tuple(rounds), local=local)
 

@@ -38,7 +38,9 @@ class InProcessMove:
         self.ranks = plan_ranks(plan)
         self.reallocs = {r: Executor(plan, hub.transport(r), **knobs) for r in self.ranks}
         if not threads and not all(x.one_pass for x in self.reallocs.values()):
-            raise ValueError("InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)")
+            raise ValueError(
+                "InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)"
+            )
         self._jobs: dict[int, queue.SimpleQueue] = {}
         self._workers: list[threading.Thread] = []
         if threads:
@@ -56,7 +58,7 @@ class InProcessMove:
     def _one(self, rank: int, fn, out: queue.SimpleQueue) -> None:
         try:
             value = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+        except BaseException as e:
             # Marked failed at once, so its peers stop waiting for it.
             self.hub.fail(rank, f"{type(e).__name__}: {e}")
             out.put((rank, False, e))
@@ -95,8 +97,12 @@ class InProcessMove:
             for r in self.ranks:
                 self.hub.fail(r, f"{type(e).__name__} in this thread's move: {e}")
             raise
-        return {r: self.reallocs[r].done(shards_of(self.plan, srcs, dsts, r)[0], free_source, stats[r], t0)
-                for r in self.ranks}
+        return {
+            r: self.reallocs[r].done(
+                shards_of(self.plan, srcs, dsts, r)[0], free_source, stats[r], t0
+            )
+            for r in self.ranks
+        }
 
     def close(self) -> None:
         for q in self._jobs.values():

@@ -46,16 +46,24 @@ from .transports.base import Transport
 
 
 class MoeReallocator(Executor):
-    def __init__(self, plan: MoePlan, transport: Transport, *, options: MoveOptions | None = None, **knobs):
+    def __init__(
+        self, plan: MoePlan, transport: Transport, *, options: MoveOptions | None = None, **knobs
+    ):
         """knobs: MoveOptions fields, as Reallocator's; the bucket bounds the staging of all parts
         together."""
         if not isinstance(plan, MoePlan):
             raise TypeError(f"plan must be a MoePlan (plan_moe_realloc), got {type(plan).__name__}")
         super().__init__(plan, transport, options=options, **knobs)
 
-    def run(self, src: ModelShard | None, src_experts: ExpertShard | None,
-            dst: ModelShard | None, dst_experts: ExpertShard | None, *,
-            free_source: bool = False) -> dict:
+    def run(
+        self,
+        src: ModelShard | None,
+        src_experts: ExpertShard | None,
+        dst: ModelShard | None,
+        dst_experts: ExpertShard | None,
+        *,
+        free_source: bool = False,
+    ) -> dict:
         """Move this rank's share of every part; stats as Reallocator.run's, over all parts.
         free_source=True releases the storage of both source buffers once every round of this
         rank completed (never on failure)."""

@@ -42,8 +42,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..layout import (Layout, check_fits, expert_shard_layout, require_layout, require_spec,
-                      stage_layer_ranges)
+from ..layout import (
+    Layout,
+    check_fits,
+    expert_shard_layout,
+    require_layout,
+    require_spec,
+    stage_layer_ranges,
+)
 from ..spec import ALIGN_BYTES, ModelSpec, ParamSpec, TPRule
 from .plan import ReallocPlan, plan_realloc
 from .simulate import Transfers, schedule_transfers
@@ -63,32 +69,48 @@ class MoePart:
 
 def dense_spec(model: ModelSpec) -> ModelSpec:
     """The model without its expert tensors (router, shared expert and attention included)."""
-    return ModelSpec(name=f"{model.name}.dense", params=tuple(p for p in model.params if p.expert < 0),
-                     num_layers=model.num_layers, config=model.config)
+    return ModelSpec(
+        name=f"{model.name}.dense",
+        params=tuple(p for p in model.params if p.expert < 0),
+        num_layers=model.num_layers,
+        config=model.config,
+    )
 
 
 def _expert_ranges(model: ModelSpec, src: Layout, dst: Layout) -> list[tuple[int, int]]:
     """The expert ranges cut by both sides' ep groups, in expert order."""
     E = model.num_experts
-    cuts = sorted({k * E // src.ep for k in range(src.ep + 1)} | {k * E // dst.ep for k in range(dst.ep + 1)})
+    cuts = sorted(
+        {k * E // src.ep for k in range(src.ep + 1)} | {k * E // dst.ep for k in range(dst.ep + 1)}
+    )
     return list(zip(cuts, cuts[1:]))
 
 
-def expert_spec(model: ModelSpec, ranges: list[tuple[int, int]], window: tuple[int, int]) -> ModelSpec:
+def expert_spec(
+    model: ModelSpec, ranges: list[tuple[int, int]], window: tuple[int, int]
+) -> ModelSpec:
     """The expert tensors of layers [wl, wh) as an ordinary spec (etp is its tp) whose "layers"
     are (expert range j, layer l) in that order: layer j (wh - wl) + l - wl holds layer l's
     experts of ranges[j]. An ep group's experts of one pipeline stage are then a contiguous
     range of layers, i.e. a pipeline stage of `expert_layout`."""
     wl, wh = window
-    params = tuple(replace(p, expert=-1, layer=j * (wh - wl) + p.layer - wl)
-                   for j, (lo, hi) in enumerate(ranges)
-                   for p in model.params if lo <= p.expert < hi and wl <= p.layer < wh)
-    return ModelSpec(name=f"{model.name}.experts[layers {wl}:{wh}]", params=params,
-                     num_layers=len(ranges) * (wh - wl), config=model.config)
+    params = tuple(
+        replace(p, expert=-1, layer=j * (wh - wl) + p.layer - wl)
+        for j, (lo, hi) in enumerate(ranges)
+        for p in model.params
+        if lo <= p.expert < hi and wl <= p.layer < wh
+    )
+    return ModelSpec(
+        name=f"{model.name}.experts[layers {wl}:{wh}]",
+        params=params,
+        num_layers=len(ranges) * (wh - wl),
+        config=model.config,
+    )
 
 
-def expert_layout(model: ModelSpec, layout: Layout, ranges: list[tuple[int, int]],
-                  window: tuple[int, int]) -> Layout:
+def expert_layout(
+    model: ModelSpec, layout: Layout, ranges: list[tuple[int, int]], window: tuple[int, int]
+) -> Layout:
     """`layout`'s expert ranks as a layout of expert_spec(model, ranges, window): one stage per
     (ep group g, pipeline stage s meeting the window), in that order, over the ranks of (g, s)
     walked (expert-dp, etp): dp=edp, tp=etp. Needs each such stage to be one contiguous range of
@@ -98,18 +120,28 @@ def expert_layout(model: ModelSpec, layout: Layout, ranges: list[tuple[int, int]
     ranks, layers = [], []
     for g in range(layout.ep):
         js = [j for j, (lo, hi) in enumerate(ranges) if g * per <= lo and hi <= (g + 1) * per]
-        for s, (lo, hi) in enumerate(stage_layer_ranges(model, layout.pp, layout.layers_per_stage,
-                                                        layout.partition)):
+        for s, (lo, hi) in enumerate(
+            stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
+        ):
             n = min(hi, wh) - max(lo, wl)
             if n <= 0:
                 continue
             if len(js) > 1 and n != wh - wl:
-                raise ValueError(f"{layout}: ep group {g} stage {s} is not one range of layers of "
-                                 f"the expert spec of layers [{wl}, {wh})")
+                raise ValueError(
+                    f"{layout}: ep group {g} stage {s} is not one range of layers of "
+                    f"the expert spec of layers [{wl}, {wh})"
+                )
             layers.append(len(js) * n)
-            ranks += [layout.expert_rank(d, g, t, s) for d in range(layout.edp) for t in range(layout.etp)]
-    return Layout(dp=layout.edp, tp=layout.etp, pp=len(layers), ranks=tuple(ranks),
-                  layers_per_stage=tuple(layers))
+            ranks += [
+                layout.expert_rank(d, g, t, s) for d in range(layout.edp) for t in range(layout.etp)
+            ]
+    return Layout(
+        dp=layout.edp,
+        tp=layout.etp,
+        pp=len(layers),
+        ranks=tuple(ranks),
+        layers_per_stage=tuple(layers),
+    )
 
 
 def stacked_expert_spec(model: ModelSpec) -> tuple[ModelSpec, dict[str, tuple[str, ...]]]:
@@ -126,21 +158,42 @@ def stacked_expert_spec(model: ModelSpec) -> tuple[ModelSpec, dict[str, tuple[st
         ps.sort(key=lambda p: p.expert)
         name = f"layers.{layer}.mlp.experts.{kind}.stacked"
         shape = (len(ps) * ps[0].shape[0],) + tuple(ps[0].shape[1:])
-        params.append(ParamSpec(name=name, shape=shape, dtype=ps[0].dtype, owner="layer", layer=layer,
-                                tp=TPRule(kind="split", dim=0)))
+        params.append(
+            ParamSpec(
+                name=name,
+                shape=shape,
+                dtype=ps[0].dtype,
+                owner="layer",
+                layer=layer,
+                tp=TPRule(kind="split", dim=0),
+            )
+        )
         pieces[name] = tuple(p.name for p in ps)
-    return ModelSpec(name=f"{model.name}.experts.stacked", params=tuple(params),
-                     num_layers=model.num_layers, config=model.config), pieces
+    return ModelSpec(
+        name=f"{model.name}.experts.stacked",
+        params=tuple(params),
+        num_layers=model.num_layers,
+        config=model.config,
+    ), pieces
 
 
 def stacked_layout(model: ModelSpec, layout: Layout) -> Layout:
     """`layout`'s expert ranks (etp = 1) as a layout of stacked_expert_spec: tp = ep (rank of ep
     group g is tp rank g), dp = edp, the model's own stage split."""
     ranges = stage_layer_ranges(model, layout.pp, layout.layers_per_stage, layout.partition)
-    ranks = [layout.expert_rank(d, g, 0, s) for s in range(layout.pp)
-             for d in range(layout.edp) for g in range(layout.ep)]
-    return Layout(dp=layout.edp, tp=layout.ep, pp=layout.pp, ranks=tuple(ranks),
-                  layers_per_stage=tuple(hi - lo for lo, hi in ranges))
+    ranks = [
+        layout.expert_rank(d, g, 0, s)
+        for s in range(layout.pp)
+        for d in range(layout.edp)
+        for g in range(layout.ep)
+    ]
+    return Layout(
+        dp=layout.edp,
+        tp=layout.ep,
+        pp=layout.pp,
+        ranks=tuple(ranks),
+        layers_per_stage=tuple(hi - lo for lo, hi in ranges),
+    )
 
 
 def _windows(model: ModelSpec, src: Layout, dst: Layout, ranges) -> list[tuple[int, int]]:
@@ -168,8 +221,14 @@ class MoePlan:
     """The parts of an MoE reallocation (dense part first), their byte totals and the merged
     schedule's rule (part_round_elems, round_shift, transfers)."""
 
-    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, parts: list[MoePart],
-                 dst_model: ModelSpec | None = None):
+    def __init__(
+        self,
+        model: ModelSpec,
+        src: Layout,
+        dst: Layout,
+        parts: list[MoePart],
+        dst_model: ModelSpec | None = None,
+    ):
         self.model, self.src, self.dst, self.parts = model, src, dst, tuple(parts)
         self.dst_model: ModelSpec = dst_model or model
         """The destination side's spec: `model` up to the dense tensors' storage format."""
@@ -186,10 +245,15 @@ class MoePlan:
             for r, v in s["per_rank"].items():
                 ingress[r] = ingress.get(r, 0) + v["recv"]
                 egress[r] = egress.get(r, 0) + v["send"]
-        return {"model": self.model.name, "src": str(self.src), "dst": str(self.dst),
-                "parts": len(self.parts), **sums,
-                "max_ingress_bytes": max(ingress.values(), default=0),
-                "max_egress_bytes": max(egress.values(), default=0)}
+        return {
+            "model": self.model.name,
+            "src": str(self.src),
+            "dst": str(self.dst),
+            "parts": len(self.parts),
+            **sums,
+            "max_ingress_bytes": max(ingress.values(), default=0),
+            "max_egress_bytes": max(egress.values(), default=0),
+        }
 
     def part_round_elems(self, round_elems: int) -> list[int]:
         """Round size (elements) of each part when the parts run as one schedule.
@@ -213,12 +277,16 @@ class MoePlan:
                 recvs[r] = recvs.get(r, 0) + wp
         out = []
         for part, wp in zip(self.parts, w):
-            m = max([sends[r] for r in part.plan.src.ranks] + [recvs[r] for r in part.plan.dst.ranks])
+            m = max(
+                [sends[r] for r in part.plan.src.ranks] + [recvs[r] for r in part.plan.dst.ranks]
+            )
             n = round_elems * wp // m
             if n < 2:
-                raise ValueError(f"{self!r}: rounds of {round_elems} elements leave part {part.label} "
-                                 f"({wp} of {m} parameters on its busiest rank) under 2 elements; "
-                                 "use a larger bucket_bytes")
+                raise ValueError(
+                    f"{self!r}: rounds of {round_elems} elements leave part {part.label} "
+                    f"({wp} of {m} parameters on its busiest rank) under 2 elements; "
+                    "use a larger bucket_bytes"
+                )
             out.append(n)
         return out
 
@@ -241,19 +309,31 @@ class MoePlan:
         as there: off)."""
         if round_elems is None:
             round_elems = (256 << 20) // self.model.element_size // 2
-        ts = [schedule_transfers(part.plan, n, direct_min_elems)
-              for part, n in zip(self.parts, self.part_round_elems(round_elems))]
-        rounds = np.concatenate([(t.round + self.round_shift(p, t.num_rounds)) % max(t.num_rounds, 1)
-                                 for p, t in enumerate(ts)] + [np.zeros(0, np.int64)])
+        ts = [
+            schedule_transfers(part.plan, n, direct_min_elems)
+            for part, n in zip(self.parts, self.part_round_elems(round_elems))
+        ]
+        rounds = np.concatenate(
+            [
+                (t.round + self.round_shift(p, t.num_rounds)) % max(t.num_rounds, 1)
+                for p, t in enumerate(ts)
+            ]
+            + [np.zeros(0, np.int64)]
+        )
         return _union(ts, rounds, "real_py MoE schedule (parts merged by round)")
 
-    def sequential_transfers(self, round_elems: int | None = None, direct_min_elems: int = 0) -> Transfers:
+    def sequential_transfers(
+        self, round_elems: int | None = None, direct_min_elems: int = 0
+    ) -> Transfers:
         """The parts one after the other, each with a whole round's budget (how MoeReallocator
         ran them before the merged schedule; kept as the comparison column of the bench)."""
         ts = [schedule_transfers(p.plan, round_elems, direct_min_elems) for p in self.parts]
         offs = np.cumsum([0] + [t.num_rounds for t in ts[:-1]])
-        return _union(ts, np.concatenate([t.round + o for t, o in zip(ts, offs)] + [np.zeros(0, np.int64)]),
-                      "real_py MoE parts in sequence")
+        return _union(
+            ts,
+            np.concatenate([t.round + o for t, o in zip(ts, offs)] + [np.zeros(0, np.int64)]),
+            "real_py MoE parts in sequence",
+        )
 
     def __repr__(self) -> str:
         return f"MoePlan({self.model.name}, {self.src} -> {self.dst}, {len(self.parts)} parts)"
@@ -268,15 +348,25 @@ def _union(ts: list[Transfers], rounds: np.ndarray, label: str) -> Transfers:
     receivers = np.concatenate([t.receivers for t in ts] + [np.zeros(0, np.int64)]).astype(np.int64)
     new_ptr = np.concatenate(([0], np.cumsum(counts[order]))).astype(np.int64)
     idx = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts[order]) + np.arange(new_ptr[-1])
-    return Transfers(rounds[order].astype(np.int64),
-                     np.concatenate([t.sender for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
-                     new_ptr, receivers[idx.astype(np.int64)],
-                     np.concatenate([t.nbytes for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
-                     label=label)
+    return Transfers(
+        rounds[order].astype(np.int64),
+        np.concatenate([t.sender for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
+        new_ptr,
+        receivers[idx.astype(np.int64)],
+        np.concatenate([t.nbytes for t in ts] + [np.zeros(0, np.int64)])[order].astype(np.int64),
+        label=label,
+    )
 
 
-def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",
-                     ranks_per_node: int = 0, dst_model: ModelSpec | None = None) -> MoePlan:
+def plan_moe_realloc(
+    model: ModelSpec,
+    src: Layout,
+    dst: Layout,
+    *,
+    mode: str = "p2p",
+    ranks_per_node: int = 0,
+    dst_model: ModelSpec | None = None,
+) -> MoePlan:
     """Exact, byte-minimal plan moving an MoE `model` from `src` to `dst` (module docstring).
     dst_model: the destination's spec, `model` up to the storage format of its dense tensors
     (vocab padding, fused q|k|v order, replicated kv heads: vLLM's live format); the experts'
@@ -291,9 +381,13 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
     else:
         require_spec(dst_model, "dst_model")
         model.check_compatible(dst_model, storage=True)
-        if [p for p in model.params if p.expert >= 0] != [p for p in dst_model.params if p.expert >= 0]:
-            raise ValueError(f"{model.name} -> {dst_model.name}: the expert tensors differ in storage; "
-                             "only dense tensors may change format in an MoE plan")
+        if [p for p in model.params if p.expert >= 0] != [
+            p for p in dst_model.params if p.expert >= 0
+        ]:
+            raise ValueError(
+                f"{model.name} -> {dst_model.name}: the expert tensors differ in storage; "
+                "only dense tensors may change format in an MoE plan"
+            )
     for side, spec, layout in (("src", model, src), ("dst", dst_model, dst)):
         if layout.dp_shard != "none":
             raise ValueError(f"{side} layout {layout}: dp-sharded MoE layouts are not supported")
@@ -302,9 +396,19 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
     kw = dict(mode=mode, ranks_per_node=ranks_per_node)
-    parts = [MoePart("dense", plan_realloc(dense_spec(model), _dense_layout(model, src),
-                                           _dense_layout(dst_model, dst), dst_model=dense_spec(dst_model),
-                                           **kw), None)]
+    parts = [
+        MoePart(
+            "dense",
+            plan_realloc(
+                dense_spec(model),
+                _dense_layout(model, src),
+                _dense_layout(dst_model, dst),
+                dst_model=dense_spec(dst_model),
+                **kw,
+            ),
+            None,
+        )
+    ]
     ranges = _expert_ranges(model, src, dst)
     windows = _windows(model, src, dst, ranges)
     if len(windows) > 1 and src.etp == dst.etp == 1:
@@ -318,13 +422,19 @@ def plan_moe_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = 
         spec = expert_spec(model, ranges, (wl, wh))
         if not spec.params:  # layers without experts (mlp_only_layers)
             continue
-        plan = plan_realloc(spec, expert_layout(model, src, ranges, (wl, wh)),
-                            expert_layout(model, dst, ranges, (wl, wh)), **kw)
+        plan = plan_realloc(
+            spec,
+            expert_layout(model, src, ranges, (wl, wh)),
+            expert_layout(model, dst, ranges, (wl, wh)),
+            **kw,
+        )
         parts.append(MoePart(f"experts of layers [{wl}, {wh})", plan, (0, model.num_experts)))
     return MoePlan(model, src, dst, parts, dst_model=dst_model)
 
 
-def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = "per_expert") -> dict:
+def expert_views(
+    model: ModelSpec, layout: Layout, rank: int, flat, form: str = "per_expert"
+) -> dict:
     """Named views of `rank`'s expert shard `flat` (layout.expert_shard_layout) in a storage form.
 
     per_expert: HF names layers.i.mlp.experts.j.{gate_proj, up_proj, down_proj}.weight (etp pieces).
@@ -338,9 +448,11 @@ def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = 
     sl = expert_shard_layout(model, layout, stage, ep_rank)
     out = {}
     if form != "stacked":
-        gate, up, down = (("w1", "w3", "w2") if form == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (
+            ("w1", "w3", "w2") if form == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        )
         for e in sl.entries:
-            v = flat[e.offset:e.offset + e.numel].view(e.local_shape)
+            v = flat[e.offset : e.offset + e.numel].view(e.local_shape)
             base = e.param.name.removesuffix(".weight")
             if form == "mixtral":
                 base = base.replace(".mlp.experts.", ".block_sparse_moe.experts.", 1)
@@ -358,13 +470,23 @@ def expert_views(model: ModelSpec, layout: Layout, rank: int, flat, form: str = 
     for name, es in groups.items():
         first = es[0]
         if len(es) > 1 and (first.numel * model.element_size) % ALIGN_BYTES:
-            raise ValueError(f"{name}: one expert's piece {first.local_shape} is "
-                             f"{first.numel * model.element_size} bytes, not a multiple of "
-                             f"{ALIGN_BYTES}: padding separates the experts, no stacked view")
-        out[name] = flat[first.offset:first.offset + first.numel * len(es)].view(
-            (len(es),) + first.local_shape)
+            raise ValueError(
+                f"{name}: one expert's piece {first.local_shape} is "
+                f"{first.numel * model.element_size} bytes, not a multiple of "
+                f"{ALIGN_BYTES}: padding separates the experts, no stacked view"
+            )
+        out[name] = flat[first.offset : first.offset + first.numel * len(es)].view(
+            (len(es),) + first.local_shape
+        )
     return out
 
 
-__all__ = ["plan_moe_realloc", "MoePlan", "MoePart", "dense_spec", "expert_spec",
-           "expert_layout", "expert_views"]
+__all__ = [
+    "plan_moe_realloc",
+    "MoePlan",
+    "MoePart",
+    "dense_spec",
+    "expert_spec",
+    "expert_layout",
+    "expert_views",
+]

@@ -37,17 +37,23 @@ class HostOffload:
     def __init__(self, flat: torch.Tensor, name: str = "tensor"):
         storage = flat.untyped_storage()
         if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError(f"HostOffload({name}): need a 1-D contiguous tensor, got shape "
-                             f"{tuple(flat.shape)} strides {flat.stride()}")
+            raise ValueError(
+                f"HostOffload({name}): need a 1-D contiguous tensor, got shape "
+                f"{tuple(flat.shape)} strides {flat.stride()}"
+            )
         # Freeing the storage frees every tensor on it: it must hold exactly this buffer.
         if flat.storage_offset() != 0 or storage.nbytes() != flat.numel() * flat.element_size():
-            raise ValueError(f"HostOffload({name}): the tensor must own its whole storage (offset "
-                             f"{flat.storage_offset()}, storage {storage.nbytes()} bytes, tensor "
-                             f"{flat.numel() * flat.element_size()} bytes); pass the shard's flat "
-                             "buffer, not a view of a larger one")
+            raise ValueError(
+                f"HostOffload({name}): the tensor must own its whole storage (offset "
+                f"{flat.storage_offset()}, storage {storage.nbytes()} bytes, tensor "
+                f"{flat.numel() * flat.element_size()} bytes); pass the shard's flat "
+                "buffer, not a view of a larger one"
+            )
         if not storage.resizable():
-            raise ValueError(f"HostOffload({name}): its storage is not resizable (memory from "
-                             "numpy, a file or DLPack); copy it into a torch-allocated tensor first")
+            raise ValueError(
+                f"HostOffload({name}): its storage is not resizable (memory from "
+                "numpy, a file or DLPack); copy it into a torch-allocated tensor first"
+            )
         self.flat, self.name = flat, name
         self.nbytes = storage.nbytes()
         self.host: torch.Tensor | None = None
@@ -63,8 +69,9 @@ class HostOffload:
             raise RuntimeError(f"HostOffload({self.name}): already offloaded; reload() it first")
         t0 = time.perf_counter()
         if self.host is None:
-            self.host = torch.empty(self.flat.shape, dtype=self.flat.dtype,
-                                    pin_memory=self.flat.is_cuda)
+            self.host = torch.empty(
+                self.flat.shape, dtype=self.flat.dtype, pin_memory=self.flat.is_cuda
+            )
         self.host.copy_(self.flat, non_blocking=self.flat.is_cuda)
         self._sync()
         self.flat.untyped_storage().resize_(0)
@@ -74,8 +81,10 @@ class HostOffload:
     def reload(self) -> tuple[int, float]:
         """Give the storage its size back and copy the weights in; (bytes, seconds)."""
         if not self.offloaded:
-            raise RuntimeError(f"HostOffload({self.name}): not offloaded (resident, "
-                               f"{self.flat.untyped_storage().nbytes()} bytes); nothing to reload")
+            raise RuntimeError(
+                f"HostOffload({self.name}): not offloaded (resident, "
+                f"{self.flat.untyped_storage().nbytes()} bytes); nothing to reload"
+            )
         t0 = time.perf_counter()
         self.flat.untyped_storage().resize_(self.nbytes)
         self.flat.copy_(self.host, non_blocking=self.flat.is_cuda)

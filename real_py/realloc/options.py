@@ -56,8 +56,10 @@ class MoveOptions:
 
     def __post_init__(self):
         if self.direct_min_bytes is not None and self.direct_min_bytes < 0:
-            raise ValueError(f"direct_min_bytes={self.direct_min_bytes} must be >= 0 (0 or None: send "
-                             "every piece of a mixed message through staging)")
+            raise ValueError(
+                f"direct_min_bytes={self.direct_min_bytes} must be >= 0 (0 or None: send "
+                "every piece of a mixed message through staging)"
+            )
         if self.inflight is not None and self.inflight not in (1, 2, 3):
             raise ValueError(f"inflight={self.inflight}: 1, 2 or 3 rounds in flight")
 
@@ -65,22 +67,30 @@ class MoveOptions:
         """The options for `transport` and elements of `element_size` bytes: every default and
         interaction decided here; ValueError for a combination that cannot run."""
         if self.bucket_bytes < 2 * element_size:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} is smaller than two elements of {dtype}")
+            raise ValueError(
+                f"bucket_bytes={self.bucket_bytes} is smaller than two elements of {dtype}"
+            )
         bucket_elems = self.bucket_bytes // element_size
         pipeline = transport.asynchronous if self.pipeline is None else self.pipeline
         slots = (self.inflight or 2) if pipeline else 1
         # Slots of at least two elements each, else a single buffer without overlap.
         while slots > 1 and bucket_elems // slots < 2:
             slots -= 1
-        merge = getattr(transport, "stream_ordered", False) if self.merge is None else bool(self.merge)
+        merge = (
+            getattr(transport, "stream_ordered", False) if self.merge is None else bool(self.merge)
+        )
         return ResolvedOptions(
             one_pass=resolve_one_pass(transport, self.one_pass, self.verify),
-            round_elems=bucket_elems // slots, inflight=slots, merge=merge, verify=self.verify,
+            round_elems=bucket_elems // slots,
+            inflight=slots,
+            merge=merge,
+            verify=self.verify,
             # An asynchronous transport posts every direct piece at the start (they use no
             # staging); with verify=True (or merged messages) they stay in their rounds.
             direct_first=transport.asynchronous and not self.verify and not merge,
             # Rounded up to whole elements, so a tiny positive threshold never turns it off.
-            direct_min_elems=-(-(self.direct_min_bytes or 0) // element_size))
+            direct_min_elems=-(-(self.direct_min_bytes or 0) // element_size),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -112,21 +122,33 @@ def resolve_one_pass(transport: Transport, one_pass: bool | None, verify: bool) 
     """one_pass None: on for addressable transports without verify; True where it cannot run:
     ValueError naming why."""
     if getattr(transport, "one_pass_only", False) and (verify or one_pass is False):
-        raise ValueError(f"{type(transport).__name__} moves in one pass only; verify=True and one_pass=False "
-                         "need a transport with a wire (DistTransport)")
+        raise ValueError(
+            f"{type(transport).__name__} moves in one pass only; verify=True and one_pass=False "
+            "need a transport with a wire (DistTransport)"
+        )
     if one_pass is None:
         return transport.addressable and not verify
     if one_pass and not transport.addressable:
-        raise ValueError(f"one_pass=True needs a transport that addresses its peers' buffers "
-                         f"(in-process, CUDA IPC); {type(transport).__name__} does not")
+        raise ValueError(
+            f"one_pass=True needs a transport that addresses its peers' buffers "
+            f"(in-process, CUDA IPC); {type(transport).__name__} does not"
+        )
     if one_pass and verify:
-        raise ValueError("verify=True checksums chunks on the wire, and one_pass=True has none; "
-                         "pass one_pass=False to verify")
+        raise ValueError(
+            "verify=True checksums chunks on the wire, and one_pass=True has none; "
+            "pass one_pass=False to verify"
+        )
     return bool(one_pass)
 
 
 RoundOptions = ResolvedOptions
 """The name the round loop (rounds.py) used for the resolved options."""
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "MoveOptions", "ResolvedOptions",
-           "RoundOptions", "resolve_one_pass"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_MIN_BYTES",
+    "MoveOptions",
+    "ResolvedOptions",
+    "RoundOptions",
+    "resolve_one_pass",
+]

@@ -76,8 +76,16 @@ class ReallocPlan:
     messages as sizes only, and the message table (senders, receivers, sizes; no descriptors)
     comes from that call. `built` says whether the global arrays exist."""
 
-    def __init__(self, model: ModelSpec, src: Layout, dst: Layout, mode: str, arrays: dict | None,
-                 dst_model: ModelSpec | None = None, inputs: tuple | None = None):
+    def __init__(
+        self,
+        model: ModelSpec,
+        src: Layout,
+        dst: Layout,
+        mode: str,
+        arrays: dict | None,
+        dst_model: ModelSpec | None = None,
+        inputs: tuple | None = None,
+    ):
         self.model, self.src, self.dst, self.mode = model, src, dst, mode
         self.dst_model: ModelSpec = dst_model or model
         """The destination side's spec: `model` up to storage format (qkv_layout, ...)."""
@@ -137,8 +145,10 @@ class ReallocPlan:
             from ..ops import extension
 
             if self._inputs is None:
-                raise ValueError("this ReallocPlan was built from arrays; per-rank schedules need "
-                                 "a plan from plan_realloc")
+                raise ValueError(
+                    "this ReallocPlan was built from arrays; per-rank schedules need "
+                    "a plan from plan_realloc"
+                )
             hit = extension().plan_rank(*self._inputs, rank, round_elems, direct_min_elems)
             for a in hit.values():
                 if isinstance(a, np.ndarray):
@@ -157,10 +167,12 @@ class ReallocPlan:
         return self.model.element_size
 
     def receivers(self, m: int) -> tuple[int, ...]:
-        return tuple(int(r) for r in self.msg_receivers[self.msg_recv_ptr[m]:self.msg_recv_ptr[m + 1]])
+        return tuple(
+            int(r) for r in self.msg_receivers[self.msg_recv_ptr[m] : self.msg_recv_ptr[m + 1]]
+        )
 
     def message_descs(self, m: int) -> np.ndarray:
-        return self.descs[self.msg_desc_ptr[m]:self.msg_desc_ptr[m + 1]]
+        return self.descs[self.msg_desc_ptr[m] : self.msg_desc_ptr[m + 1]]
 
     def ranks(self) -> list[int]:
         """Every global rank that takes part (either layout)."""
@@ -178,8 +190,11 @@ class ReallocPlan:
                 if rank in receivers:
                     recvs.append(Message((sender,), int(self.msg_numel[m]), self.message_descs(m)))
             hit = np.nonzero(self.local_rank == rank)[0]
-            local = (self.descs[self.local_desc_ptr[hit[0]]:self.local_desc_ptr[hit[0] + 1]]
-                     if len(hit) else np.zeros((0, 6), np.int64))
+            local = (
+                self.descs[self.local_desc_ptr[hit[0]] : self.local_desc_ptr[hit[0] + 1]]
+                if len(hit)
+                else np.zeros((0, 6), np.int64)
+            )
             self._rank_plans[rank] = RankPlan(rank, tuple(sends), tuple(recvs), local)
         return self._rank_plans[rank]
 
@@ -203,10 +218,12 @@ class ReallocPlan:
         recv_counts = np.diff(self.msg_recv_ptr)
         network = int((self.msg_numel * recv_counts).sum()) * es
         local = int(self.local_numel.sum()) * es
-        dst_data = sum(_shard_data_numel(self.dst_model, self.dst, r)
-                       for r in self.dst.ranks) * es
+        dst_data = sum(_shard_data_numel(self.dst_model, self.dst, r) for r in self.dst.ranks) * es
         return {
-            "model": self.model.name, "src": str(self.src), "dst": str(self.dst), "mode": self.mode,
+            "model": self.model.name,
+            "src": str(self.src),
+            "dst": str(self.dst),
+            "mode": self.mode,
             "dtype": self.model.dtype,
             "total_bytes": network + local,
             "network_bytes": network,
@@ -238,7 +255,9 @@ class ReallocPlan:
             if i == max_ranks:
                 lines.append(f"  ... {len(s['per_rank']) - max_ranks} more ranks")
                 break
-            lines.append(f"  {r:4d}  {v['send'] / gib:10.3f} {v['recv'] / gib:10.3f} {v['local'] / gib:10.3f}")
+            lines.append(
+                f"  {r:4d}  {v['send'] / gib:10.3f} {v['recv'] / gib:10.3f} {v['local'] / gib:10.3f}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -251,8 +270,11 @@ def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:
     total = 0
     entries = shard_layout(model, layout, stage).entries
     # Local flat range held of each entry: all of it, or this dp replica's piece (same order).
-    held_ranges = ([(0, e.numel) for e in entries] if layout.dp_shard == "none" else
-                   [(x.lo, x.hi) for x in dp_shard_layout(model, layout, stage, d).pieces])
+    held_ranges = (
+        [(0, e.numel) for e in entries]
+        if layout.dp_shard == "none"
+        else [(x.lo, x.hi) for x in dp_shard_layout(model, layout, stage, d).pieces]
+    )
     for e, (lo, hi) in zip(entries, held_ranges):
         p = e.param
         if p.tp.kind == "vocab":
@@ -265,9 +287,16 @@ def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:
     return total
 
 
-def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p",
-                 dst_model: ModelSpec | None = None, ranks_per_node: int = 0,
-                 min_split_bytes: int = 1 << 20) -> ReallocPlan:
+def plan_realloc(
+    model: ModelSpec,
+    src: Layout,
+    dst: Layout,
+    *,
+    mode: str = "p2p",
+    dst_model: ModelSpec | None = None,
+    ranks_per_node: int = 0,
+    min_split_bytes: int = 1 << 20,
+) -> ReallocPlan:
     """The exact plan moving `model` from layout `src` to layout `dst` (cached on its inputs).
 
     mode: "p2p" (one sender per receiver and piece) or "broadcast" (one sender per piece and set
@@ -285,8 +314,10 @@ def plan_realloc(model: ModelSpec, src: Layout, dst: Layout, *, mode: str = "p2p
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {MODES}")
     if model.num_experts:
-        raise ValueError(f"{model.name} has {model.num_experts} experts per MoE layer: plan it with "
-                         "real_py.realloc.moe_plan.plan_moe_realloc (dense and expert parts)")
+        raise ValueError(
+            f"{model.name} has {model.num_experts} experts per MoE layer: plan it with "
+            "real_py.realloc.moe_plan.plan_moe_realloc (dense and expert parts)"
+        )
     if ranks_per_node < 0:
         raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 0")
     if dst_model is not None and dst_model != model:
@@ -303,17 +334,31 @@ def _plan_cached(model, dst_model, src, dst, mode, ranks_per_node, min_split_byt
             check_fits(spec, layout)
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
-    geom = np.array([p.geometry() + (_KIND[p.tp.kind],) for p in model.params], np.int64).reshape(-1, 4)
+    geom = np.array([p.geometry() + (_KIND[p.tp.kind],) for p in model.params], np.int64).reshape(
+        -1, 4
+    )
     blocks = [p.blocks if p.tp.kind == "split" else () for p in model.params]
     block_ptr = np.concatenate(([0], np.cumsum([len(b) for b in blocks]))).astype(np.int64)
     # [num_blocks, 2]: (size, unit count; 0 when the rule names no units), the counts for
     # replicate_units formats (units are logical: equal on both sides, check_compatible).
-    flat_blocks = np.array([(b, p.tp.units[i][1] if p.tp.units else 0)
-                            for p, bs in zip(model.params, blocks) for i, b in enumerate(bs)],
-                           np.int64).reshape(-1, 2)
-    inputs = (geom, block_ptr, flat_blocks, _layout_arrays(model, src),
-              _layout_arrays(dst_model, dst, order=model), MODES.index(mode), ranks_per_node,
-              max(1, min_split_bytes // model.element_size))
+    flat_blocks = np.array(
+        [
+            (b, p.tp.units[i][1] if p.tp.units else 0)
+            for p, bs in zip(model.params, blocks)
+            for i, b in enumerate(bs)
+        ],
+        np.int64,
+    ).reshape(-1, 2)
+    inputs = (
+        geom,
+        block_ptr,
+        flat_blocks,
+        _layout_arrays(model, src),
+        _layout_arrays(dst_model, dst, order=model),
+        MODES.index(mode),
+        ranks_per_node,
+        max(1, min_split_bytes // model.element_size),
+    )
     # Nothing is planned yet: the global arrays on first use, or one rank's part (rank_arrays).
     return ReallocPlan(model, src, dst, mode, None, dst_model, inputs=inputs)
 
@@ -325,7 +370,7 @@ def _layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | None = N
     Not dp-sharded layouts, whose (lo, hi, offset) per entry and replica reach megabytes (~17 MB
     for a 700-parameter model at dp=1024): cached, they could hold gigabytes."""
     if order == model:
-        order = None   # one cache entry whichever side the layout is on
+        order = None  # one cache entry whichever side the layout is on
     if layout.dp_shard != "none":
         return _build_layout_arrays(model, layout, order)
     return _cached_layout_arrays(model, layout, order)
@@ -345,13 +390,18 @@ def _build_layout_arrays(model: ModelSpec, layout: Layout, order: ModelSpec | No
             ep.append(index[e.param.name])
             es.append(s)
             eo.append(e.offset)
-    out = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-           "grid": np.array(layout.grid(), np.int64).reshape(-1),
-           "entry_param": np.array(ep, np.int64), "entry_stage": np.array(es, np.int64),
-           "entry_offset": np.array(eo, np.int64),
-           "param_groups": np.array([p.tp.groups for p in by_index], np.int64),
-           "param_vocab_multiple": np.array([p.tp.vocab_multiple for p in by_index], np.int64),
-           "param_replicate_units": np.array([int(p.tp.replicate_units) for p in by_index], np.int64)}
+    out = {
+        "dp": layout.dp,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "grid": np.array(layout.grid(), np.int64).reshape(-1),
+        "entry_param": np.array(ep, np.int64),
+        "entry_stage": np.array(es, np.int64),
+        "entry_offset": np.array(eo, np.int64),
+        "param_groups": np.array([p.tp.groups for p in by_index], np.int64),
+        "param_vocab_multiple": np.array([p.tp.vocab_multiple for p in by_index], np.int64),
+        "param_replicate_units": np.array([int(p.tp.replicate_units) for p in by_index], np.int64),
+    }
     if layout.dp_shard != "none":
         # [num_entries, dp, 3]: (lo, hi, offset) of each dp replica's piece of each entry.
         ranges = []

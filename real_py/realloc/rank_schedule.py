@@ -84,8 +84,9 @@ class RankSchedule:
         return int((self.local[:, 2] * self.local[:, 3]).sum())
 
 
-def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
-                  direct_min_elems: int | None = None) -> RankSchedule:
+def rank_schedule(
+    plan: ReallocPlan, rank: int, round_elems: int, direct_min_elems: int | None = None
+) -> RankSchedule:
     """`rank`'s rounds of the bucket schedule of `plan` (round_elems per rank and round, half each
     way; direct_min_elems: the smallest one-run descriptor sent unstaged, 0 or None: off), built
     for it alone."""
@@ -100,13 +101,22 @@ def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
     # chunk was most of this function's time.
     rp, recv, sender = a["msg_recv_ptr"], a["msg_receivers"], a["msg_sender"]
     cmsg, cnumel = a["chunk_msg"].tolist(), a["chunk_numel"].tolist()
-    cside, cslot, cptr = a["chunk_side"].tolist(), a["chunk_slot"].tolist(), a["chunk_desc_ptr"].tolist()
+    cside, cslot, cptr = (
+        a["chunk_side"].tolist(),
+        a["chunk_slot"].tolist(),
+        a["chunk_desc_ptr"].tolist(),
+    )
     cdescs = a["chunk_descs"]
-    ends = {m: (int(sender[m]), tuple(recv[rp[m]:rp[m + 1]].tolist())) for m in set(cmsg)}
-    chunks = [Chunk(m, *ends[m], n, cdescs[lo:hi])
-              for m, n, lo, hi in zip(cmsg, cnumel, cptr, cptr[1:])]
+    ends = {m: (int(sender[m]), tuple(recv[rp[m] : rp[m + 1]].tolist())) for m in set(cmsg)}
+    chunks = [
+        Chunk(m, *ends[m], n, cdescs[lo:hi]) for m, n, lo, hi in zip(cmsg, cnumel, cptr, cptr[1:])
+    ]
     rounds = []
-    ch, pk, up = a["round_chunk_ptr"].tolist(), a["round_pack_ptr"].tolist(), a["round_unpack_ptr"].tolist()
+    ch, pk, up = (
+        a["round_chunk_ptr"].tolist(),
+        a["round_pack_ptr"].tolist(),
+        a["round_unpack_ptr"].tolist(),
+    )
     pack, unpack, staging = a["pack_descs"], a["unpack_descs"], a["round_staging"].tolist()
     for j, k in enumerate(a["round_index"].tolist()):
         # A round's chunks are its sends, then its receives (C++ order).
@@ -114,12 +124,26 @@ def rank_schedule(plan: ReallocPlan, rank: int, round_elems: int,
         mid = lo
         while mid < hi and cside[mid] == 0:
             mid += 1
-        rounds.append(RankRound(
-            k, tuple(chunks[lo:mid]), tuple(chunks[mid:hi]),
-            pack[pk[j]:pk[j + 1]], unpack[up[j]:up[j + 1]],
-            tuple(cslot[lo:mid]), tuple(cslot[mid:hi]), staging[j]))
-    return RankSchedule(rank, int(a["num_rounds"]), tuple(rounds), a["local"],
-                        int(a["summary_count"]), int(a["held_bytes"]))
+        rounds.append(
+            RankRound(
+                k,
+                tuple(chunks[lo:mid]),
+                tuple(chunks[mid:hi]),
+                pack[pk[j] : pk[j + 1]],
+                unpack[up[j] : up[j + 1]],
+                tuple(cslot[lo:mid]),
+                tuple(cslot[mid:hi]),
+                staging[j],
+            )
+        )
+    return RankSchedule(
+        rank,
+        int(a["num_rounds"]),
+        tuple(rounds),
+        a["local"],
+        int(a["summary_count"]),
+        int(a["held_bytes"]),
+    )
 
 
 __all__ = ["Chunk", "RankRound", "RankSchedule", "rank_schedule"]

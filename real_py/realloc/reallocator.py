@@ -32,13 +32,21 @@ from .transports.base import Transport
 
 
 class Reallocator(Executor):
-    def __init__(self, plan: ReallocPlan, transport: Transport, *, options: MoveOptions | None = None,
-                 **knobs):
+    def __init__(
+        self,
+        plan: ReallocPlan,
+        transport: Transport,
+        *,
+        options: MoveOptions | None = None,
+        **knobs,
+    ):
         """knobs: MoveOptions fields (bucket_bytes, pipeline, inflight, merge, direct_min_bytes,
         verify, one_pass), on top of `options` where both are given."""
         if not isinstance(plan, ReallocPlan):
-            raise TypeError(f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst), "
-                            f"got {type(plan).__name__}")
+            raise TypeError(
+                f"plan must be a ReallocPlan from real_py.plan_realloc(model, src, dst), "
+                f"got {type(plan).__name__}"
+            )
         super().__init__(plan, transport, options=options, **knobs)
         self.schedule: RankSchedule = self.schedules[0]
         """This rank's rounds only (C++; tests/support/schedule_oracle.py derives every rank's at once)."""
@@ -60,7 +68,9 @@ class Reallocator(Executor):
     def round_elems(self) -> int:
         return self.opts.round_elems
 
-    def run(self, src: ModelShard | None, dst: ModelShard | None, *, free_source: bool = False) -> dict:
+    def run(
+        self, src: ModelShard | None, dst: ModelShard | None, *, free_source: bool = False
+    ) -> dict:
         """Move this rank's part of the plan; returns stats (Executor.move)."""
         return self.move((src, None), (dst, None), free_source=free_source)
 
@@ -72,5 +82,16 @@ def new_destination(plan: ReallocPlan, rank: int, device="cpu") -> ModelShard | 
     return ModelShard.empty(plan.dst_model, plan.dst, rank, device=device)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "MoveOptions", "Reallocator", "check_shard",
-           "checksum", "new_destination", "resolve_one_pass", "run_in_process", "run_ranks", "schedule_bytes"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_MIN_BYTES",
+    "MoveOptions",
+    "Reallocator",
+    "check_shard",
+    "checksum",
+    "new_destination",
+    "resolve_one_pass",
+    "run_in_process",
+    "run_ranks",
+    "schedule_bytes",
+]

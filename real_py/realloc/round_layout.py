@@ -86,12 +86,32 @@ def layout_round(items, *, merge: bool, direct_apart=frozenset()) -> RoundLayout
                 if slot < 0 and li in direct_apart:
                     continue
                 d = slot < 0
-                sends.append(Msg(li, c.receivers, c.receivers, int(c.descs[0, 0]) if d else base + slot, c.numel, d, (c,)))
+                sends.append(
+                    Msg(
+                        li,
+                        c.receivers,
+                        c.receivers,
+                        int(c.descs[0, 0]) if d else base + slot,
+                        c.numel,
+                        d,
+                        (c,),
+                    )
+                )
             for c, slot in zip(rr.recvs, rr.recv_slots):
                 if slot < 0 and li in direct_apart:
                     continue
                 d = slot < 0
-                recvs.append(Msg(li, (c.sender,), c.receivers, int(c.descs[0, 1]) if d else base + slot, c.numel, d, (c,)))
+                recvs.append(
+                    Msg(
+                        li,
+                        (c.sender,),
+                        c.receivers,
+                        int(c.descs[0, 1]) if d else base + slot,
+                        c.numel,
+                        d,
+                        (c,),
+                    )
+                )
             base += rr.staging_numel
             continue
         off = base
@@ -113,15 +133,22 @@ def layout_round(items, *, merge: bool, direct_apart=frozenset()) -> RoundLayout
                         direct_rows.append(row)
                     off += c.numel
                 sender, receivers = peers
-                msg = Msg(li, receivers if side == 0 else (sender,), receivers, start, off - start, False,
-                          tuple(c for c, _ in members))
+                msg = Msg(
+                    li,
+                    receivers if side == 0 else (sender,),
+                    receivers,
+                    start,
+                    off - start,
+                    False,
+                    tuple(c for c, _ in members),
+                )
                 (sends if side == 0 else recvs).append(msg)
             src = rr.pack_descs if side == 0 else rr.unpack_descs
             moved = _remap(src, 1 - side, old, new)
             rows = np.concatenate([moved, np.array(direct_rows, np.int64).reshape(-1, 6)])
             (pack if side == 0 else unpack).append(_rows(rows, side, li, 1 - side, 0))
         base = off
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, 8), np.int64)  # noqa: E731
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, 8), np.int64)
     return RoundLayout(cat(pack), cat(unpack), sends, recvs, base)
 
 
@@ -133,10 +160,16 @@ def direct_messages(merged, lanes) -> tuple[list[Msg], list[Msg]]:
         for li, rr in items:
             if not lanes[li].direct_first:
                 continue
-            sends += [Msg(li, c.receivers, c.receivers, int(c.descs[0, 0]), c.numel, True, (c,))
-                      for c, s in zip(rr.sends, rr.send_slots) if s < 0]
-            recvs += [Msg(li, (c.sender,), c.receivers, int(c.descs[0, 1]), c.numel, True, (c,))
-                      for c, s in zip(rr.recvs, rr.recv_slots) if s < 0]
+            sends += [
+                Msg(li, c.receivers, c.receivers, int(c.descs[0, 0]), c.numel, True, (c,))
+                for c, s in zip(rr.sends, rr.send_slots)
+                if s < 0
+            ]
+            recvs += [
+                Msg(li, (c.sender,), c.receivers, int(c.descs[0, 1]), c.numel, True, (c,))
+                for c, s in zip(rr.recvs, rr.recv_slots)
+                if s < 0
+            ]
     return sends, recvs
 
 

@@ -125,8 +125,13 @@ class Call:
 
 
 class RoundRunner:
-    def __init__(self, transport: Transport, lanes: list[Lane], opts: ResolvedOptions,
-                 total: int | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        lanes: list[Lane],
+        opts: ResolvedOptions,
+        total: int | None = None,
+    ):
         """total: the number of merged rounds, when every rank knows it (named in steps as
         "round i/total"; it must be the same on both ends of a message)."""
         self.transport, self.rank, self.lanes, self.opts = transport, transport.rank, lanes, opts
@@ -138,12 +143,24 @@ class RoundRunner:
                 merged.setdefault((rr.index + lane.shift) % n, []).append((li, rr))
         self.merged = sorted(merged.items())
         """[(merged round, [(lane index, RankRound), ...] in lane order)] of this rank."""
-        apart = frozenset(li for li, lane in enumerate(lanes) if lane.direct_first) if opts.direct_first else frozenset()
-        self.layouts = [(k, layout_round(items, merge=opts.merge, direct_apart=apart)) for k, items in self.merged]
+        apart = (
+            frozenset(li for li, lane in enumerate(lanes) if lane.direct_first)
+            if opts.direct_first
+            else frozenset()
+        )
+        self.layouts = [
+            (k, layout_round(items, merge=opts.merge, direct_apart=apart))
+            for k, items in self.merged
+        ]
         self.direct = direct_messages(self.merged, lanes) if apart else ([], [])
         self.half = max((lay.staged for _, lay in self.layouts), default=0)
-        self.local = np.concatenate([np.hstack([lane.schedule.local, np.full((len(lane.schedule.local), 2), li)])
-                                     for li, lane in enumerate(lanes)] or [np.zeros((0, 8), np.int64)])
+        self.local = np.concatenate(
+            [
+                np.hstack([lane.schedule.local, np.full((len(lane.schedule.local), 2), li)])
+                for li, lane in enumerate(lanes)
+            ]
+            or [np.zeros((0, 8), np.int64)]
+        )
         self.staging: torch.Tensor | None = None
         self._plans: dict[tuple, CopyPlan] = {}
 
@@ -160,9 +177,14 @@ class RoundRunner:
         return f"round {k}/{self.total}" if self.total is not None else f"merged round {k}"
 
     def _staging(self, like: torch.Tensor) -> torch.Tensor:
-        if (self.staging is None or self.staging.device != like.device
-                or self.staging.dtype != like.dtype):
-            self.staging = torch.empty(self.opts.inflight * self.half, dtype=like.dtype, device=like.device)
+        if (
+            self.staging is None
+            or self.staging.device != like.device
+            or self.staging.dtype != like.dtype
+        ):
+            self.staging = torch.empty(
+                self.opts.inflight * self.half, dtype=like.dtype, device=like.device
+            )
         return self.staging
 
     def run(self, bufs: list[tuple], check=None) -> dict:
@@ -204,11 +226,18 @@ class RoundRunner:
             raise
         es = call.like.element_size() if call.like is not None else 0
         times = sorted(call.times.values(), key=lambda x: x.round)
-        return {"rounds": len(self.merged),
-                "staging_bytes": 0 if self.staging is None else self.staging.numel() * es,
-                "phases": {"local": call.local_s, **{phase: sum(getattr(x, phase) for x in times)
-                                                     for phase in ("pack", "post", "wait", "unpack")}},
-                "per_round": [[x.round, x.pack, x.post, x.wait, x.unpack] for x in times]}
+        return {
+            "rounds": len(self.merged),
+            "staging_bytes": 0 if self.staging is None else self.staging.numel() * es,
+            "phases": {
+                "local": call.local_s,
+                **{
+                    phase: sum(getattr(x, phase) for x in times)
+                    for phase in ("pack", "post", "wait", "unpack")
+                },
+            },
+            "per_round": [[x.round, x.pack, x.post, x.wait, x.unpack] for x in times],
+        }
 
     def _local_copies(self, call: Call) -> None:
         call.step = "local copies"
@@ -236,7 +265,7 @@ class RoundRunner:
         staging = None
         if lay.staged:
             slot = call.posted % self.opts.inflight
-            staging = self._staging(call.like)[slot * self.half:(slot + 1) * self.half]
+            staging = self._staging(call.like)[slot * self.half : (slot + 1) * self.half]
             if len(lay.pack):
                 self._plan(("pack", k), lay.pack, call.like).run(call.srcs, [staging])
         sends, recvs = self._tensors(lay.sends, lay.recvs, call.srcs, call.dsts, staging)
@@ -245,7 +274,9 @@ class RoundRunner:
         t = clock()
         handle = self.transport.start(sends, recvs, call.step)
         row.post += clock() - t
-        return Posted(handle=handle, round=k, step=call.step, layout=lay, staging=staging, recvs=recvs)
+        return Posted(
+            handle=handle, round=k, step=call.step, layout=lay, staging=staging, recvs=recvs
+        )
 
     def _complete(self, call: Call, posted: Posted) -> None:
         """Complete a posted round (stream-ordered: order the current stream after it and watch
@@ -269,12 +300,23 @@ class RoundRunner:
         """The transport's (receivers, tensor) / (sender, tensor, receivers) lists of messages:
         slices of the staging half or, for direct pieces, of the lane buffers; checksums
         (verify) after the data, in the same order."""
-        out_s = [(m.receivers, (srcs[m.lane] if m.direct else staging)[m.off:m.off + m.numel]) for m in sends]
-        out_r = [(m.peers[0], (dsts[m.lane] if m.direct else staging)[m.off:m.off + m.numel], m.receivers)
-                 for m in recvs]
+        out_s = [
+            (m.receivers, (srcs[m.lane] if m.direct else staging)[m.off : m.off + m.numel])
+            for m in sends
+        ]
+        out_r = [
+            (
+                m.peers[0],
+                (dsts[m.lane] if m.direct else staging)[m.off : m.off + m.numel],
+                m.receivers,
+            )
+            for m in recvs
+        ]
         if self.opts.verify and (out_s or out_r):
             out_s += [(r, checksum(t)) for r, t in out_s]
-            out_r += [(s, torch.empty(1, dtype=torch.int64, device=t.device), r) for s, t, r in out_r]
+            out_r += [
+                (s, torch.empty(1, dtype=torch.int64, device=t.device), r) for s, t, r in out_r
+            ]
         return out_s, out_r
 
     def _finish(self, posted: Posted, dsts, like) -> None:
@@ -287,13 +329,17 @@ class RoundRunner:
                 if not torch.equal(got, want):
                     m = lay.recvs[j]
                     name = self.lanes[m.lane].name
-                    what = (f"plan message {m.chunks[0].msg}" if len(m.chunks) == 1
-                            else f"plan messages {sorted({c.msg for c in m.chunks})}")
+                    what = (
+                        f"plan message {m.chunks[0].msg}"
+                        if len(m.chunks) == 1
+                        else f"plan messages {sorted({c.msg for c in m.chunks})}"
+                    )
                     raise TransferError(
                         f"rank {self.rank}: {step}: checksum mismatch on chunk {j} of the round "
                         f"({name + ', ' if name else ''}{what}, {m.numel} elements) "
                         f"from peer rank {sender}: sender computed {int(want.item())}, received "
-                        f"data gives {int(got.item())}")
+                        f"data gives {int(got.item())}"
+                    )
         if len(lay.unpack):
             self._plan(("unpack", k), lay.unpack, like).run([posted.staging], dsts)
 

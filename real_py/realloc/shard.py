@@ -10,8 +10,17 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ..layout import (DpShardLayout, Layout, ShardLayout, check_fits, dp_shard_layout, expert_shard_layout,
-                     require_layout, require_spec, shard_layout)
+from ..layout import (
+    DpShardLayout,
+    Layout,
+    ShardLayout,
+    check_fits,
+    dp_shard_layout,
+    expert_shard_layout,
+    require_layout,
+    require_spec,
+    shard_layout,
+)
 from ..spec import ModelSpec, ParamSpec, torch_dtype
 
 
@@ -30,8 +39,13 @@ def tp_slice(p: ParamSpec, full: torch.Tensor, tp: int, tp_rank: int) -> torch.T
         out.narrow(d, 0, hi - lo).copy_(full.narrow(d, lo, hi - lo))
         return out
     if p.tp.replicate_units:
-        return torch.cat([blk.chunk(n, d)[tp_rank // (tp // n)] if n < tp else blk.chunk(tp, d)[tp_rank]
-                          for blk, n in zip(full.split(list(p.blocks), d), _unit_counts(p))], d)
+        return torch.cat(
+            [
+                blk.chunk(n, d)[tp_rank // (tp // n)] if n < tp else blk.chunk(tp, d)[tp_rank]
+                for blk, n in zip(full.split(list(p.blocks), d), _unit_counts(p))
+            ],
+            d,
+        )
     # Blocked storage is the grouped one with one group per TP rank.
     groups = p.tp.groups or tp
     per_rank = groups // tp
@@ -44,7 +58,9 @@ def _unit_counts(p: ParamSpec) -> list[int]:
     return [n for _, n in p.tp.units]
 
 
-def _full_tensor(state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: Layout, rank: int) -> torch.Tensor:
+def _full_tensor(
+    state_dict: Mapping[str, torch.Tensor], p: ParamSpec, layout: Layout, rank: int
+) -> torch.Tensor:
     """state_dict[p.name], checked against the spec's shape (from_full of either shard kind)."""
     if p.name not in state_dict:
         raise ValueError(f"state dict has no {p.name} (needed by {layout} rank {rank})")
@@ -66,25 +82,36 @@ class ModelShard:
         require_spec(model)
         require_layout(layout)
         if not isinstance(flat, torch.Tensor):
-            raise TypeError(f"flat must be a 1-D torch.Tensor (the shard's flat buffer), got "
-                            f"{type(flat).__name__}")
+            raise TypeError(
+                f"flat must be a 1-D torch.Tensor (the shard's flat buffer), got "
+                f"{type(flat).__name__}"
+            )
         coords = layout.coords(rank)
         if coords is None:
-            raise ValueError(f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})")
+            raise ValueError(
+                f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})"
+            )
         self.model, self.layout, self.rank = model, layout, rank
         self.dp_rank, self.tp_rank, self.stage = coords
         self.shard_layout: ShardLayout = shard_layout(model, layout, self.stage)
         self.dp_layout: DpShardLayout | None = (
-            None if layout.dp_shard == "none" else dp_shard_layout(model, layout, self.stage, self.dp_rank))
+            None
+            if layout.dp_shard == "none"
+            else dp_shard_layout(model, layout, self.stage, self.dp_rank)
+        )
         numel = self.flat_numel
         want = torch_dtype(model.dtype)
         if flat.dim() != 1 or flat.numel() != numel or flat.dtype != want:
-            raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be 1-D "
-                             f"{want} of {numel} elements, got "
-                             f"{tuple(flat.shape)} {flat.dtype}")
+            raise ValueError(
+                f"flat buffer for {model.name} {layout} rank {rank} must be 1-D "
+                f"{want} of {numel} elements, got "
+                f"{tuple(flat.shape)} {flat.dtype}"
+            )
         if not flat.is_contiguous():
-            raise ValueError(f"flat buffer for {model.name} {layout} rank {rank} must be contiguous, got "
-                             f"stride {flat.stride()}; pass flat.contiguous() (views alias the buffer)")
+            raise ValueError(
+                f"flat buffer for {model.name} {layout} rank {rank} must be contiguous, got "
+                f"stride {flat.stride()}; pass flat.contiguous() (views alias the buffer)"
+            )
         self.flat = flat
 
     @property
@@ -93,19 +120,30 @@ class ModelShard:
         return (self.dp_layout or self.shard_layout).numel
 
     @classmethod
-    def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ModelShard":
+    def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> ModelShard:
         """A zeroed shard ready to receive (padding must be zero, so zeros, not empty)."""
         check_fits(model, layout)
         coords = layout.coords(rank)
         if coords is None:
             raise ValueError(f"rank {rank} is not in layout {layout}")
-        n = (shard_layout(model, layout, coords[2]) if layout.dp_shard == "none"
-             else dp_shard_layout(model, layout, coords[2], coords[0])).numel
-        return cls(model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device))
+        n = (
+            shard_layout(model, layout, coords[2])
+            if layout.dp_shard == "none"
+            else dp_shard_layout(model, layout, coords[2], coords[0])
+        ).numel
+        return cls(
+            model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device)
+        )
 
     @classmethod
-    def from_full(cls, model: ModelSpec, layout: Layout, rank: int,
-                  state_dict: Mapping[str, torch.Tensor], device="cpu") -> "ModelShard":
+    def from_full(
+        cls,
+        model: ModelSpec,
+        layout: Layout,
+        rank: int,
+        state_dict: Mapping[str, torch.Tensor],
+        device="cpu",
+    ) -> ModelShard:
         """Slice full tensors (name -> global tensor) into this rank's shard."""
         shard = cls.empty(model, layout, rank, device)
         for e in shard.shard_layout.entries:
@@ -114,29 +152,35 @@ class ModelShard:
             local = tp_slice(p, full.to(shard.flat.dtype), layout.tp, shard.tp_rank)
             if shard.dp_layout is not None:
                 piece = shard.dp_layout.piece(p.name)
-                local = local.reshape(-1)[piece.lo:piece.hi].view(piece.shape)
+                local = local.reshape(-1)[piece.lo : piece.hi].view(piece.shape)
             shard.view(p.name).copy_(local)
         return shard
 
     def view(self, name: str) -> torch.Tensor:
         if self.dp_layout is not None:
             e = self.dp_layout.piece(name)
-            return self.flat[e.offset:e.offset + e.numel].view(e.shape)
+            return self.flat[e.offset : e.offset + e.numel].view(e.shape)
         e = self.shard_layout.entry(name)
-        return self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
+        return self.flat[e.offset : e.offset + e.numel].view(e.local_shape)
 
     def params(self) -> dict[str, torch.Tensor]:
         """name -> view into `flat` with the local (TP-sliced) shape, in forward key order (the
         held piece's shape in a dp-sharded layout)."""
         if self.dp_layout is not None:
-            return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.shape)
-                    for e in self.dp_layout.pieces}
-        return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
-                for e in self.shard_layout.entries}
+            return {
+                e.param.name: self.flat[e.offset : e.offset + e.numel].view(e.shape)
+                for e in self.dp_layout.pieces
+            }
+        return {
+            e.param.name: self.flat[e.offset : e.offset + e.numel].view(e.local_shape)
+            for e in self.shard_layout.entries
+        }
 
     def __repr__(self) -> str:
-        return (f"ModelShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
-                f"tp_rank={self.tp_rank}, numel={self.flat.numel()})")
+        return (
+            f"ModelShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
+            f"tp_rank={self.tp_rank}, numel={self.flat.numel()})"
+        )
 
 
 class ExpertShard:
@@ -152,16 +196,31 @@ class ExpertShard:
             raise ValueError(f"ExpertShard: {model.name} has no experts (num_experts=0)")
         coords = layout.expert_coords(rank)
         if coords is None:
-            raise ValueError(f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})")
+            raise ValueError(
+                f"rank {rank} is not in layout {layout} (ranks {list(layout.ranks)[:16]})"
+            )
         self.model, self.layout, self.rank = model, layout, rank
         self.edp_rank, self.ep_rank, self.etp_rank, self.stage = coords
-        self.shard_layout: ShardLayout = expert_shard_layout(model, layout, self.stage, self.ep_rank)
+        self.shard_layout: ShardLayout = expert_shard_layout(
+            model, layout, self.stage, self.ep_rank
+        )
         want = torch_dtype(model.dtype)
-        if (not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != self.shard_layout.numel
-                or flat.dtype != want or not flat.is_contiguous()):
-            got = (f"{tuple(flat.shape)} {flat.dtype}" if isinstance(flat, torch.Tensor) else type(flat).__name__)
-            raise ValueError(f"expert flat buffer for {model.name} {layout} rank {rank} must be a contiguous "
-                             f"1-D {want} tensor of {self.shard_layout.numel} elements, got {got}")
+        if (
+            not isinstance(flat, torch.Tensor)
+            or flat.dim() != 1
+            or flat.numel() != self.shard_layout.numel
+            or flat.dtype != want
+            or not flat.is_contiguous()
+        ):
+            got = (
+                f"{tuple(flat.shape)} {flat.dtype}"
+                if isinstance(flat, torch.Tensor)
+                else type(flat).__name__
+            )
+            raise ValueError(
+                f"expert flat buffer for {model.name} {layout} rank {rank} must be a contiguous "
+                f"1-D {want} tensor of {self.shard_layout.numel} elements, got {got}"
+            )
         self.flat = flat
 
     @property
@@ -170,36 +229,50 @@ class ExpertShard:
         return self.shard_layout.numel
 
     @classmethod
-    def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> "ExpertShard":
+    def empty(cls, model: ModelSpec, layout: Layout, rank: int, device="cpu") -> ExpertShard:
         check_fits(model, layout)
         coords = layout.expert_coords(rank)
         if coords is None:
             raise ValueError(f"rank {rank} is not in layout {layout}")
         n = expert_shard_layout(model, layout, coords[3], coords[1]).numel
-        return cls(model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device))
+        return cls(
+            model, layout, rank, torch.zeros(n, dtype=torch_dtype(model.dtype), device=device)
+        )
 
     @classmethod
-    def from_full(cls, model: ModelSpec, layout: Layout, rank: int,
-                  state_dict: Mapping[str, torch.Tensor], device="cpu") -> "ExpertShard":
+    def from_full(
+        cls,
+        model: ModelSpec,
+        layout: Layout,
+        rank: int,
+        state_dict: Mapping[str, torch.Tensor],
+        device="cpu",
+    ) -> ExpertShard:
         """Slice full expert tensors (spec names) into this rank's expert shard."""
         shard = cls.empty(model, layout, rank, device)
         for e in shard.shard_layout.entries:
             p = e.param
             full = _full_tensor(state_dict, p, layout, rank)
-            shard.view(p.name).copy_(tp_slice(p, full.to(shard.flat.dtype), layout.etp, shard.etp_rank))
+            shard.view(p.name).copy_(
+                tp_slice(p, full.to(shard.flat.dtype), layout.etp, shard.etp_rank)
+            )
         return shard
 
     def view(self, name: str) -> torch.Tensor:
         e = self.shard_layout.entry(name)
-        return self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
+        return self.flat[e.offset : e.offset + e.numel].view(e.local_shape)
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {e.param.name: self.flat[e.offset:e.offset + e.numel].view(e.local_shape)
-                for e in self.shard_layout.entries}
+        return {
+            e.param.name: self.flat[e.offset : e.offset + e.numel].view(e.local_shape)
+            for e in self.shard_layout.entries
+        }
 
     def __repr__(self) -> str:
-        return (f"ExpertShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
-                f"ep_rank={self.ep_rank}, etp_rank={self.etp_rank}, numel={self.flat.numel()})")
+        return (
+            f"ExpertShard({self.model.name}, {self.layout}, rank={self.rank}, stage={self.stage}, "
+            f"ep_rank={self.ep_rank}, etp_rank={self.etp_rank}, numel={self.flat.numel()})"
+        )
 
 
 def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, torch.Tensor]:
@@ -218,8 +291,10 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
     for p in model.params:
         pieces = by_param.get(p.name, {})
         if layout is None or len(pieces) != layout.tp:
-            raise ValueError(f"gather_full: {p.name} has pieces from tp ranks {sorted(pieces)}, "
-                             f"need all of range({layout.tp if layout else '?'})")
+            raise ValueError(
+                f"gather_full: {p.name} has pieces from tp ranks {sorted(pieces)}, "
+                f"need all of range({layout.tp if layout else '?'})"
+            )
         if p.tp.kind == "replicated":
             out[p.name] = pieces[0].clone()
             continue
@@ -230,15 +305,27 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
         elif p.tp.replicate_units:
             # A replicated block's unit u is read from the first of its tp / n holders.
             tp = layout.tp
-            split = [t.split([b // min(tp, n) for b, n in zip(p.blocks, _unit_counts(p))], d) for t in ordered]
-            out[p.name] = torch.cat([split[k][j] for j, n in enumerate(_unit_counts(p))
-                                     for k in (range(0, tp, tp // n) if n < tp else range(tp))], d)
+            split = [
+                t.split([b // min(tp, n) for b, n in zip(p.blocks, _unit_counts(p))], d)
+                for t in ordered
+            ]
+            out[p.name] = torch.cat(
+                [
+                    split[k][j]
+                    for j, n in enumerate(_unit_counts(p))
+                    for k in (range(0, tp, tp // n) if n < tp else range(tp))
+                ],
+                d,
+            )
         else:
             groups = p.tp.groups or layout.tp
             nb = len(p.blocks)
             # pieces[g * nb + j]: group g's share of block j (ranks hold consecutive groups).
-            pieces = [x for t in ordered
-                      for x in t.split([b // groups for b in p.blocks] * (groups // layout.tp), d)]
+            pieces = [
+                x
+                for t in ordered
+                for x in t.split([b // groups for b in p.blocks] * (groups // layout.tp), d)
+            ]
             blocks = [torch.cat([pieces[g * nb + j] for g in range(groups)], d) for j in range(nb)]
             out[p.name] = torch.cat(blocks, d)
     return out
@@ -250,14 +337,22 @@ def _undo_dp_sharding(model: ModelSpec, shards: list[ModelShard]) -> list[ModelS
     by_pos: dict[tuple[int, int], dict[int, ModelShard]] = {}
     for s in shards:
         by_pos.setdefault((s.stage, s.tp_rank), {})[s.dp_rank] = s
-    plain = Layout(tp=layout.tp, pp=layout.pp, layers_per_stage=layout.layers_per_stage,
-                   partition=layout.partition)
+    plain = Layout(
+        tp=layout.tp,
+        pp=layout.pp,
+        layers_per_stage=layout.layers_per_stage,
+        partition=layout.partition,
+    )
     out = []
     for (stage, k), reps in sorted(by_pos.items()):
         if sorted(reps) != list(range(layout.dp)):
-            raise ValueError(f"gather_full: stage {stage} tp rank {k} of {layout} has pieces from dp "
-                             f"ranks {sorted(reps)}, need all of range({layout.dp})")
-        whole = ModelShard.empty(model, plain, plain.rank(0, k, stage), device=shards[0].flat.device)
+            raise ValueError(
+                f"gather_full: stage {stage} tp rank {k} of {layout} has pieces from dp "
+                f"ranks {sorted(reps)}, need all of range({layout.dp})"
+            )
+        whole = ModelShard.empty(
+            model, plain, plain.rank(0, k, stage), device=shards[0].flat.device
+        )
         for name, v in whole.params().items():
             v.view(-1).copy_(torch.cat([reps[d].view(name).reshape(-1) for d in range(layout.dp)]))
         out.append(whole)

@@ -110,14 +110,21 @@ class SimResult:
         return self.seconds / self.lower_bound if self.lower_bound > 0 else 1.0
 
     def as_dict(self) -> dict:
-        return {"seconds": self.seconds, "lower_bound": self.lower_bound,
-                "nvlink_bound": self.nvlink_bound, "nic_bound": self.nic_bound,
-                "ratio": self.ratio, "bottleneck": self.bottleneck, "rounds": self.rounds,
-                "network_bytes": self.network_bytes}
+        return {
+            "seconds": self.seconds,
+            "lower_bound": self.lower_bound,
+            "nvlink_bound": self.nvlink_bound,
+            "nic_bound": self.nic_bound,
+            "ratio": self.ratio,
+            "bottleneck": self.bottleneck,
+            "rounds": self.rounds,
+            "network_bytes": self.network_bytes,
+        }
 
 
-def schedule_transfers(plan: ReallocPlan, round_elems: int | None = None,
-                       direct_min_elems: int = 0) -> Transfers:
+def schedule_transfers(
+    plan: ReallocPlan, round_elems: int | None = None, direct_min_elems: int = 0
+) -> Transfers:
     """Every chunk of the plan's schedule (sizes only, from C++; no descriptors). Defaults: the
     Reallocator's (256 MiB bucket, pipelined -> rounds of 64 MiB per rank and direction)."""
     es = plan.element_size
@@ -130,18 +137,28 @@ def schedule_transfers(plan: ReallocPlan, round_elems: int | None = None,
     ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     starts = rp[:-1][m]
     idx = np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1])
-    return Transfers(a["all_round"], a["msg_sender"][m], ptr, rc[idx], a["all_numel"] * es,
-                     label=f"real_py schedule ({plan.mode})")
+    return Transfers(
+        a["all_round"],
+        a["msg_sender"][m],
+        ptr,
+        rc[idx],
+        a["all_numel"] * es,
+        label=f"real_py schedule ({plan.mode})",
+    )
 
 
 def _hops(t: Transfers):
     """(round, u, v, bytes) per hop; a multi-receiver chunk is a chain in receiver order."""
     counts = np.diff(t.recv_ptr)
     single = counts == 1
-    rnd, u, v, b = [t.round[single]], [t.sender[single]], [t.receivers[t.recv_ptr[:-1][single]]], \
-        [t.nbytes[single]]
+    rnd, u, v, b = (
+        [t.round[single]],
+        [t.sender[single]],
+        [t.receivers[t.recv_ptr[:-1][single]]],
+        [t.nbytes[single]],
+    )
     for i in np.nonzero(~single)[0].tolist():
-        chain = [int(t.sender[i])] + t.receivers[t.recv_ptr[i]:t.recv_ptr[i + 1]].tolist()
+        chain = [int(t.sender[i])] + t.receivers[t.recv_ptr[i] : t.recv_ptr[i + 1]].tolist()
         rnd.append(np.full(len(chain) - 1, t.round[i]))
         u.append(np.array(chain[:-1]))
         v.append(np.array(chain[1:]))
@@ -169,24 +186,26 @@ def simulate(t: Transfers, cluster: Cluster) -> SimResult:
     rnd, u, v, nb = _hops(t)
     w = c.gpus
     if len(u) and max(int(u.max()), int(v.max())) >= w:
-        raise ValueError(f"transfers use rank {max(int(u.max()), int(v.max()))}, cluster "
-                         f"{c.name} has {w} GPUs ({c.nodes} nodes x {c.gpus_per_node})")
+        raise ValueError(
+            f"transfers use rank {max(int(u.max()), int(v.max()))}, cluster "
+            f"{c.name} has {w} GPUs ({c.nodes} nodes x {c.gpus_per_node})"
+        )
     if len(u) and (u == v).any():
         raise ValueError("a transfer from a rank to itself (local copies are not transfers)")
     nk = c.nodes * c.nics_per_node
     gpn = c.gpus_per_node
-    nic = lambda r: (r // gpn) * c.nics_per_node + (r % gpn) * c.nics_per_node // gpn  # noqa: E731
+    nic = lambda r: (r // gpn) * c.nics_per_node + (r % gpn) * c.nics_per_node // gpn
     inter = u // gpn != v // gpn
-    l1 = np.where(inter, 2 * w + nic(u), u)              # egress link
-    l2 = np.where(inter, 2 * w + nk + nic(v), w + v)     # ingress link
+    l1 = np.where(inter, 2 * w + nic(u), u)  # egress link
+    l2 = np.where(inter, 2 * w + nk + nic(v), w + v)  # ingress link
     bw = np.concatenate((np.full(2 * w, c.nvlink_GBps), np.full(2 * nk, c.nic_GBps))) * 1e9
     nlinks = len(bw)
     total = np.zeros(nlinks)
     np.add.at(total, l1, nb)
     np.add.at(total, l2, nb)
     per_link = total / bw
-    nvl = float(per_link[:2 * w].max()) if w else 0.0
-    nicb = float(per_link[2 * w:].max()) if nk else 0.0
+    nvl = float(per_link[: 2 * w].max()) if w else 0.0
+    nicb = float(per_link[2 * w :].max()) if nk else 0.0
     bound = max(nvl, nicb)
     bottleneck = _link_name(int(per_link.argmax()), c) if len(nb) else "none"
 
@@ -195,8 +214,12 @@ def simulate(t: Transfers, cluster: Cluster) -> SimResult:
     # The replay is sequential over rounds (each starts from the previous one's link and rank
     # times): C++ (csrc/planner/replay.cpp), ~0.1 ms per round in numpy, which the plan search
     # paid for every layout pair it priced.
-    bounds = np.searchsorted(rnd, np.arange(t.num_rounds + 1)) if len(rnd) else np.zeros(1, np.int64)
-    seconds = extension().replay_rounds(u, v, l1, l2, nb.astype(np.float64), bounds, bw, w, c.latency_s)
+    bounds = (
+        np.searchsorted(rnd, np.arange(t.num_rounds + 1)) if len(rnd) else np.zeros(1, np.int64)
+    )
+    seconds = extension().replay_rounds(
+        u, v, l1, l2, nb.astype(np.float64), bounds, bw, w, c.latency_s
+    )
     return SimResult(seconds, bound, nvl, nicb, bottleneck, t.num_rounds, int(nb.sum()))
 
 
@@ -232,9 +255,22 @@ def broadcast_per_node(plan: ReallocPlan, cluster: Cluster) -> Transfers:
         rows += [(1, h, r, sum(n for _, n in remote[r])) for r in members if r != h]
     rows.sort(key=lambda x: x[0])
     a = np.array(rows, np.int64).reshape(-1, 4)
-    return Transfers(a[:, 0], a[:, 1], np.arange(len(a) + 1, dtype=np.int64), a[:, 2], a[:, 3],
-                     label="broadcast per node")
+    return Transfers(
+        a[:, 0],
+        a[:, 1],
+        np.arange(len(a) + 1, dtype=np.int64),
+        a[:, 2],
+        a[:, 3],
+        label="broadcast per node",
+    )
 
 
-__all__ = ["Cluster", "CLUSTERS", "Transfers", "SimResult", "schedule_transfers", "simulate",
-           "broadcast_per_node"]
+__all__ = [
+    "Cluster",
+    "CLUSTERS",
+    "Transfers",
+    "SimResult",
+    "schedule_transfers",
+    "simulate",
+    "broadcast_per_node",
+]

@@ -45,11 +45,11 @@ from .rows import Store
 class AsyncState:
     def __init__(self, k: int, B: int, keep_versions: bool):
         self.k, self.B = k, B
-        self.queue: deque = deque()            # (batch step, Store, version that generated it)
-        self.version = 0                       # actor train steps applied
+        self.queue: deque = deque()  # (batch step, Store, version that generated it)
+        self.version = 0  # actor train steps applied
         self.generated = self.trained = self.dropped = 0
         self.keep_versions = keep_versions
-        self.snapshots: dict[int, torch.Tensor] = {}   # version -> this rank's home actor shard
+        self.snapshots: dict[int, torch.Tensor] = {}  # version -> this rank's home actor shard
 
     def snapshot(self, engine) -> None:
         """Keep this rank's actor home shard of the current version (async.check_versions)."""
@@ -62,30 +62,40 @@ class AsyncState:
     def state_dict(self) -> dict:
         """This rank's queue (the rows of each queued batch it holds: every key of its Store),
         versions and ledger, for the checkpoint's rank file (tensors and ints only)."""
-        return {"k": self.k, "queue": [{"batch": b, "version": v, "data": dict(st.data)}
-                                       for b, st, v in self.queue],
-                "counts": [self.generated, self.trained, self.dropped],
-                "snapshots": dict(self.snapshots)}
+        return {
+            "k": self.k,
+            "queue": [{"batch": b, "version": v, "data": dict(st.data)} for b, st, v in self.queue],
+            "counts": [self.generated, self.trained, self.dropped],
+            "snapshots": dict(self.snapshots),
+        }
 
     def load_state_dict(self, state: dict, schema: dict, where: str) -> None:
         if state["k"] != self.k:
-            raise ValueError(f"{where}: saved with async.max_staleness={state['k']}, the config has "
-                             f"{self.k}; resume with the same bound")
+            raise ValueError(
+                f"{where}: saved with async.max_staleness={state['k']}, the config has "
+                f"{self.k}; resume with the same bound"
+            )
         self.queue.clear()
         for q in state["queue"]:
             st = Store(schema, self.B)
             for key, t in q["data"].items():
                 if key not in st.data or st.data[key].shape != t.shape:
-                    raise ValueError(f"{where}: queued batch {q['batch']} key {key!r} of shape "
-                                     f"{tuple(t.shape)} does not match this run's rows")
+                    raise ValueError(
+                        f"{where}: queued batch {q['batch']} key {key!r} of shape "
+                        f"{tuple(t.shape)} does not match this run's rows"
+                    )
                 st.data[key].copy_(t)
             self.queue.append((int(q["batch"]), st, int(q["version"])))
         self.generated, self.trained, self.dropped = (int(x) for x in state["counts"])
         self.snapshots = {int(v): t.clone() for v, t in state["snapshots"].items()}
 
     def ledger(self) -> dict[str, float]:
-        return {"rows_generated": float(self.generated), "rows_trained": float(self.trained),
-                "rows_dropped": float(self.dropped), "rows_queued": float(len(self.queue) * self.B)}
+        return {
+            "rows_generated": float(self.generated),
+            "rows_trained": float(self.trained),
+            "rows_dropped": float(self.dropped),
+            "rows_queued": float(len(self.queue) * self.B),
+        }
 
 
 def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -103,15 +113,16 @@ def overlap_seconds(events, first, second) -> float:
     `second` (events: (rank, name, start, end), wall clock of one machine)."""
     u1 = _union([(a, b) for _, n, a, b in events if n in first])
     u2 = _union([(a, b) for _, n, a, b in events if n in second])
-    total, j = 0.0, 0
+    total = 0.0
     for a, b in u1:
         for c, d in u2:
             total += max(0.0, min(b, d) - max(a, c))
     return total
 
 
-def version_mask(versions: torch.Tensor, mask: torch.Tensor, current: int, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def version_mask(
+    versions: torch.Tensor, mask: torch.Tensor, current: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """versions, mask [b, N] -> (mask of the rows within the bound, [b] bool rows dropped): a row
     with any response token older than current - k is dropped as a whole."""
     old = ((versions < current - k) & (mask > 0)).any(1)
@@ -147,6 +158,7 @@ def prefetch_calls(graph, plan, home: dict[str, str]) -> list[str]:
 class SwapHook:
     """Prefetch.swap_hook's answer: the callback that lets one generate call switch to the next
     actor version mid-rollout, and what it did."""
+
     # engines.generate's `swap`: asked before each decode step; True when it has just replaced
     # the weights (at most once per call)
     swap: Callable[[int], bool]
@@ -163,16 +175,26 @@ class Prefetch:
     generation; the train ranks send that version after their train calls (send), which then
     joins the thread. The next step's rollout calls run on the moved weights (engine_for)."""
 
-    def __init__(self, calls: list[str], models: Models, plan, *, rank: int, device: torch.device,
-                 timeout_s: float):
+    def __init__(
+        self,
+        calls: list[str],
+        models: Models,
+        plan,
+        *,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+    ):
         self.calls, self.models, self.rank = calls, models, rank
         self.device, self.timeout_s = device, timeout_s
         self.receivers = set().union(*(plan.calls[n].ranks for n in calls))
         self.senders = set(plan.calls[models.home["actor"]].ranks)
-        self.ready: dict[str, Engine | None] = {}   # call -> engine (None off the receivers): moved ahead
-        self.used: list[str] = []                   # calls of this step that ran on moved-ahead weights
-        self.armed: int | None = None               # the step whose receive starts after calls[-1]
-        self.thread: tuple[threading.Thread, dict] | None = None   # the receive in flight, its box
+        self.ready: dict[
+            str, Engine | None
+        ] = {}  # call -> engine (None off the receivers): moved ahead
+        self.used: list[str] = []  # calls of this step that ran on moved-ahead weights
+        self.armed: int | None = None  # the step whose receive starts after calls[-1]
+        self.thread: tuple[threading.Thread, dict] | None = None  # the receive in flight, its box
 
     def engine_for(self, call: str) -> tuple[Engine | None, dict | None]:
         """Models.engine_for, or the weights moved ahead for `call` (no reallocation stats);
@@ -203,8 +225,9 @@ class Prefetch:
                     t0 = time.time()
                     eng, stats = self.models.engine_for(n)
                     box[n] = (eng, stats, t0, time.time())
-            except BaseException as e:   # re-raised by the main thread at the join
+            except BaseException as e:  # re-raised by the main thread at the join
                 box["error"] = e
+
         th = threading.Thread(target=recv, name=f"realloc-prefetch-{step}", daemon=True)
         th.start()
         self.thread = (th, box)
@@ -219,9 +242,13 @@ class Prefetch:
                 try:
                     _, stats = self.models.engine_for(n)
                 except Exception as e:
-                    raise RuntimeError(f"rank {self.rank}, step {step}: sending the next actor "
-                                       f"weights for {n}: {type(e).__name__}: {e}") from e
-                rec.reallocs.append(Realloc("actor", n, stats["start"], stats["end"], stats["sent_bytes"]))
+                    raise RuntimeError(
+                        f"rank {self.rank}, step {step}: sending the next actor "
+                        f"weights for {n}: {type(e).__name__}: {e}"
+                    ) from e
+                rec.reallocs.append(
+                    Realloc("actor", n, stats["start"], stats["end"], stats["sent_bytes"])
+                )
                 rec.events.append(Event(self.rank, "realloc:" + n, t0, time.time()))
             self.ready[n] = None
         if self.thread is not None:
@@ -232,12 +259,16 @@ class Prefetch:
         self.thread = None
         th.join(self.timeout_s)
         if th.is_alive():
-            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights "
-                               f"({self.calls}) did not finish within {self.timeout_s:.0f} s")
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}: receiving the next actor weights "
+                f"({self.calls}) did not finish within {self.timeout_s:.0f} s"
+            )
         if "error" in box:
             e = box["error"]
-            raise RuntimeError(f"rank {self.rank}, step {step}: receiving the next actor weights: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}: receiving the next actor weights: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         for n in self.calls:
             # The receive thread's interval includes waiting for the train step to end: kept as
             # its own event, not as reallocation time (the senders' interval is the transfer).
@@ -257,14 +288,16 @@ class Prefetch:
 
         def swap(step: int) -> bool:
             if hook.at is not None:
-                return False                   # one new version per step
+                return False  # one new version per step
             if ac.interrupt_wait_step is not None:
                 if step != ac.interrupt_wait_step:
                     return False
                 thread.join(timeout_s)
                 if thread.is_alive():
-                    raise RuntimeError(f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
-                                       f"the next weights did not arrive within {timeout_s:.0f} s")
+                    raise RuntimeError(
+                        f"rank {dist.get_rank()}: interrupt at decode step {step} of {call.name}: "
+                        f"the next weights did not arrive within {timeout_s:.0f} s"
+                    )
             ready = torch.tensor([1 if call.name in box else 0], device=device)
             for grp, size in ((g.tp_group, g.tp_size), (g.pp_group, g.pp_size)):
                 if size > 1:
@@ -275,28 +308,34 @@ class Prefetch:
             engine.shard.flat.copy_(box[call.name][0].shard.flat)
             hook.at = step
             return True
+
         hook = SwapHook(swap)
         return hook
 
 
-def async_report(events, rollout: set[str], train: set[str], prologue_s: float, wait_s: float
-                 ) -> dict[str, float]:
+def async_report(
+    events, rollout: set[str], train: set[str], prologue_s: float, wait_s: float
+) -> dict[str, float]:
     """The step's "async" figures from every rank's events: the prologue's and the wait for the
     new batch's rows' seconds, and overlaps of rollout calls, train calls and reallocations."""
     rea = {"realloc:" + n for n in rollout}
-    return {"prologue_seconds": prologue_s, "wait_rows_seconds": wait_s,
-            # seconds in which a rollout call ran while a train call ran (any ranks)
-            "overlap_seconds": overlap_seconds(events, rollout, train),
-            # seconds of rollout-side reallocation during which a rollout call ran
-            # (double buffer: the receive runs under generation; without it only
-            # the senders' wait for completion can overlap generation)
-            "realloc_hidden_seconds": overlap_seconds(events, rea, rollout),
-            # wall seconds in which some rank reallocated for a rollout call
-            "realloc_seconds": overlap_seconds(events, rea, rea)}
+    return {
+        "prologue_seconds": prologue_s,
+        "wait_rows_seconds": wait_s,
+        # seconds in which a rollout call ran while a train call ran (any ranks)
+        "overlap_seconds": overlap_seconds(events, rollout, train),
+        # seconds of rollout-side reallocation during which a rollout call ran
+        # (double buffer: the receive runs under generation; without it only
+        # the senders' wait for completion can overlap generation)
+        "realloc_hidden_seconds": overlap_seconds(events, rea, rollout),
+        # wall seconds in which some rank reallocated for a rollout call
+        "realloc_seconds": overlap_seconds(events, rea, rea),
+    }
 
 
-def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
-                   ) -> tuple[float, float, float]:
+def version_errors(
+    st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Tensor
+) -> tuple[float, float, float]:
     """Recompute the behaviour log-probs of the batch with the weights of each row's recorded
     version (this rank's kept shard of it, in the train layout) and with the newest weights.
     Returns (sum |old_logp - logp(recorded version)|, sum |old_logp - logp(newest)|, tokens).
@@ -305,8 +344,10 @@ def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Te
     err = torch.zeros_like(mask)
     for v in sorted(set(ver.unique().tolist()) - {-1}):
         if v not in st.snapshots:
-            raise RuntimeError(f"async.check_versions: no kept weights of version {v} (have "
-                               f"{sorted(st.snapshots)}) on rank {dist.get_rank()}")
+            raise RuntimeError(
+                f"async.check_versions: no kept weights of version {v} (have "
+                f"{sorted(st.snapshots)}) on rank {dist.get_rank()}"
+            )
         shard = ModelShard(spec, g.layout, dist.get_rank(), st.snapshots[v])
         eng = Engine(cfg, g.layout, g, shard)
         eng.logit_temperature = engine.logit_temperature
@@ -318,5 +359,13 @@ def version_errors(st: AsyncState, cfg, spec, g, engine, d: dict, mask: torch.Te
     return float(err.sum()), float(err_new.sum()), float(mask.sum())
 
 
-__all__ = ["AsyncState", "Prefetch", "prefetch_calls", "async_report", "overlap_seconds", "version_mask",
-           "staleness", "version_errors"]
+__all__ = [
+    "AsyncState",
+    "Prefetch",
+    "prefetch_calls",
+    "async_report",
+    "overlap_seconds",
+    "version_mask",
+    "staleness",
+    "version_errors",
+]

@@ -39,12 +39,20 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
         hook = None
         if call.kind == "generate" and ctx.prefetch is not None:
             hook = ctx.prefetch.swap_hook(call, g, engine, ctx.async_)
-        out = engine.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
-                              store.rows("seeds", rows), max_new_tokens=gc.max_new_tokens,
-                              min_new_tokens=gc.min_new_tokens,
-                              greedy=greedy, temperature=gc.temperature, top_p=gc.top_p,
-                              top_k=gc.top_k, eos_token_id=stop_ids(gc, ctx.tokenizer) or None, decode=gc.decode,
-                              swap=hook.swap if hook else None)
+        out = engine.generate(
+            store.rows("prompts", rows),
+            store.rows("prompt_lengths", rows),
+            store.rows("seeds", rows),
+            max_new_tokens=gc.max_new_tokens,
+            min_new_tokens=gc.min_new_tokens,
+            greedy=greedy,
+            temperature=gc.temperature,
+            top_p=gc.top_p,
+            top_k=gc.top_k,
+            eos_token_id=stop_ids(gc, ctx.tokenizer) or None,
+            decode=gc.decode,
+            swap=hook.swap if hook else None,
+        )
         at = hook.at if hook else None
         store.write(call.writes[0], rows, out["tokens"])
         store.write(call.writes[1], rows, out["lengths"])
@@ -55,7 +63,9 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
             pl = store.rows("prompt_lengths", rows)
             T1 = ctx.T - 1
             m = ppo.response_mask(pl, out["lengths"], T1 + 1)
-            j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(1)   # new-token index of each prediction
+            j = torch.arange(1, T1 + 1).unsqueeze(0) - pl.unsqueeze(
+                1
+            )  # new-token index of each prediction
             ver = torch.full_like(j, ctx.gen_version) + (0 if at is None else (j >= at).long())
             ver = torch.where(m > 0, ver, torch.full_like(ver, -1))
             store.write("versions", rows, ver)
@@ -67,7 +77,7 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
                 engine.shard.flat.copy_(hook.old)
                 lp_old = engine.inference(out["tokens"], out["lengths"])["logprobs"]
                 engine.shard.flat.copy_(new_w)
-                lp = torch.where(ver[:, :lp.shape[1]] == ctx.gen_version, lp_old, lp)
+                lp = torch.where(ver[:, : lp.shape[1]] == ctx.gen_version, lp_old, lp)
             store.write(call.writes[2], rows, lp)
         if hook and reporter:
             sums.add("interrupted", float(len(rows)) if at is not None else 0.0, float(len(rows)))
@@ -81,7 +91,9 @@ def run_call(ctx: CallContext, call, g, engine, store, sums: MetricSums, step: i
         # scores of (tokens, lengths); ReMax's reward call also scores (base_tokens, base_lengths).
         for j, key in enumerate(call.writes):
             tok_key, len_key = ("tokens", "lengths") if j == 0 else ("base_tokens", "base_lengths")
-            _reward(ctx, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0)
+            _reward(
+                ctx, engine, store, rows, step, key, tok_key, len_key, reporter and g.dp_rank == 0
+            )
     elif call.kind in ("train_ppo_actor", "train_grpo_actor", "train_critic"):
         _train(ctx, call, g, engine, store, sums, rows, reporter, step)
     else:
@@ -96,11 +108,21 @@ def _generate_vllm(ctx: CallContext, call, rollout, store, rows) -> None:
     from ..vllm.rollout import Sampling
 
     gc = ctx.generation
-    s = Sampling(max_new_tokens=gc.max_new_tokens, min_new_tokens=gc.min_new_tokens, greedy=gc.greedy,
-                 temperature=gc.temperature, top_p=gc.top_p, top_k=gc.top_k,
-                 stop_token_ids=tuple(stop_ids(gc, ctx.tokenizer)))
-    out = rollout.generate(store.rows("prompts", rows), store.rows("prompt_lengths", rows),
-                           store.rows("seeds", rows), s)
+    s = Sampling(
+        max_new_tokens=gc.max_new_tokens,
+        min_new_tokens=gc.min_new_tokens,
+        greedy=gc.greedy,
+        temperature=gc.temperature,
+        top_p=gc.top_p,
+        top_k=gc.top_k,
+        stop_token_ids=tuple(stop_ids(gc, ctx.tokenizer)),
+    )
+    out = rollout.generate(
+        store.rows("prompts", rows),
+        store.rows("prompt_lengths", rows),
+        store.rows("seeds", rows),
+        s,
+    )
     for key, value in zip(call.writes, (out["tokens"], out["lengths"], out["logprobs"])):
         store.write(key, rows, value)
 
@@ -111,7 +133,9 @@ def _reward(ctx: CallContext, engine, store, rows, step, key, tok_key, len_key, 
     if ctx.reward_fn is not None:
         texts = _texts(ctx, rows, tok, pl, ln)
         row = ctx.prompts.fields(ctx.batch_index[rows]) if ctx.prompts is not None else {}
-        with user_code(f"the reward function {ctx.reward_fn.spec}"):   # named if it hangs (launch.job)
+        with user_code(
+            f"the reward function {ctx.reward_fn.spec}"
+        ):  # named if it hangs (launch.job)
             score = ctx.reward_fn(texts[0], texts[1], row)
     elif engine is None:
         score = ppo.rule_reward(tok, pl, ln, ctx.reward.target_token)
@@ -147,8 +171,10 @@ def _texts(ctx: CallContext, rows: list[int], tok, pl, ln) -> tuple[list, list]:
     data-set rows are ctx.batch_index (as data.make_batch picks them, refilled rows of dynamic
     sampling included)."""
     if ctx.tokenizer is None:
-        return ([t[:p] for t, p in zip(tok.tolist(), pl.tolist())],
-                [t[p:n] for t, p, n in zip(tok.tolist(), pl.tolist(), ln.tolist())])
+        return (
+            [t[:p] for t, p in zip(tok.tolist(), pl.tolist())],
+            [t[p:n] for t, p, n in zip(tok.tolist(), pl.tolist(), ln.tolist())],
+        )
     # With a data set the prompts are its own values (not a decode of the truncated tokens).
     prompts, responses = decode(ctx.tokenizer, tok, pl, ln, prompts=ctx.prompts is None)
     if ctx.prompts is not None:
@@ -179,10 +205,17 @@ def kl_estimator(pc: PPOConfig, algo: str) -> str:
 
 def _shape(rc: RewardConfig, max_len: int, moments, scores, resp_len, trunc):
     """ppo.shape_scores with the config's reward options (moments: None without reward.normalize)."""
-    return ppo.shape_scores(scores, resp_len, trunc, max_len=max_len,
-                            moments=moments, overlong_buffer=rc.overlong_buffer,
-                            overlong_factor=rc.overlong_penalty, missing_eos_penalty=rc.missing_eos_penalty,
-                            clip=rc.clip)
+    return ppo.shape_scores(
+        scores,
+        resp_len,
+        trunc,
+        max_len=max_len,
+        moments=moments,
+        overlong_buffer=rc.overlong_buffer,
+        overlong_factor=rc.overlong_penalty,
+        missing_eos_penalty=rc.missing_eos_penalty,
+        clip=rc.clip,
+    )
 
 
 def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
@@ -196,25 +229,39 @@ def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
     trunc = ppo.truncated(d["tokens"], d["lengths"], d["prompt_lengths"], stops)
     d["raw_scores"] = d["scores"]
     moments = None
-    if rc.normalize:   # the previous steps' moments plus this batch's (summed over DP)
+    if rc.normalize:  # the previous steps' moments plus this batch's (summed over DP)
         cur = ppo.masked_moments(d["scores"], torch.ones_like(d["scores"]))
         moments = ctx.reward_moments + _allreduce_dp(cur, g, ctx.device)
-    d["scores"] = _shape(rc, max_len, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc)
-    if "base_scores" in d:   # ReMax's greedy baseline, shaped like the samples it is compared with
+    d["scores"] = _shape(
+        rc, max_len, moments, d["scores"], d["lengths"] - d["prompt_lengths"], trunc
+    )
+    if "base_scores" in d:  # ReMax's greedy baseline, shaped like the samples it is compared with
         bt = ppo.truncated(d["base_tokens"], d["base_lengths"], d["prompt_lengths"], stops)
-        d["base_scores"] = _shape(rc, max_len, moments, d["base_scores"],
-                                  d["base_lengths"] - d["prompt_lengths"], bt)
+        d["base_scores"] = _shape(
+            rc, max_len, moments, d["base_scores"], d["base_lengths"] - d["prompt_lengths"], bt
+        )
     if rc.mask_truncated:
         mask = mask * (~trunc).float().unsqueeze(1)
     d["mask"] = mask
     in_reward = kl_in(pc, algo) == "reward"
-    kl = ppo.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(pc, algo), pc.kl_clamp) if in_reward \
+    kl = (
+        ppo.kl_estimate(d["old_logp"], d["ref_logp"], mask, kl_estimator(pc, algo), pc.kl_clamp)
+        if in_reward
         else torch.zeros_like(mask)
+    )
     coef = ctx.kl_coef if in_reward else 0.0
     scores = d["scores"]
     if algo in ("grpo", "rloo"):
-        d["adv"] = ppo.grpo_advantages(scores, kl, mask, pc.group_size, coef, kl_in(pc, algo),
-                                       norm_by_std=pc.norm_adv_by_std, estimator=algo)
+        d["adv"] = ppo.grpo_advantages(
+            scores,
+            kl,
+            mask,
+            pc.group_size,
+            coef,
+            kl_in(pc, algo),
+            norm_by_std=pc.norm_adv_by_std,
+            estimator=algo,
+        )
         return d
     if algo in ("reinforce_pp", "reinforce_pp_baseline", "remax"):
         base = None
@@ -236,7 +283,9 @@ def _advantages(ctx: CallContext, call, g, d: dict) -> dict:
     return d
 
 
-def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, reporter, step: int) -> None:
+def _train(
+    ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, reporter, step: int
+) -> None:
     pc = ctx.ppo
     keys = [k for k in call.reads]
     d = {k: store.rows(k, rows) for k in keys}
@@ -251,8 +300,9 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
             s_sum, s_cnt = asyncrl.staleness(d["versions"], d["mask"], st.version)
             sums.add("staleness", s_sum, s_cnt)
         if ctx.async_.check_versions:
-            e_rec, e_new, ntok = asyncrl.version_errors(st, ctx.models.configs["actor"], ctx.models.specs["actor"],
-                                                        g, engine, d, d["mask"])
+            e_rec, e_new, ntok = asyncrl.version_errors(
+                st, ctx.models.configs["actor"], ctx.models.specs["actor"], g, engine, d, d["mask"]
+            )
             if reporter:
                 sums.add("version_err", e_rec, ntok)
                 sums.add("version_err_newest", e_new, ntok)
@@ -269,7 +319,9 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
             sums.add("rollout_logp_diff", diff, n)
             sums.add("rollout_kl", kl, n)
         if pc.tis_cap is not None:
-            tis, capped = ppo.truncated_is_weights(d["old_logp"], d["rollout_logp"], d["mask"], pc.tis_cap)
+            tis, capped = ppo.truncated_is_weights(
+                d["old_logp"], d["rollout_logp"], d["mask"], pc.tis_cap
+            )
             d["tis_w"] = tis
             if reporter:
                 sums.add("tis_capped_frac", capped, float(d["mask"].sum()))
@@ -282,7 +334,9 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
         sums.add("response_length", float(resp.sum()), len(rows))
     kl_loss = not critic and kl_in(pc, ctx.algo) == "loss"
     est, coef, max_len = kl_estimator(pc, ctx.algo), ctx.kl_coef, ctx.generation.max_new_tokens
-    fields = ["tokens", "lengths", "mask"] + (["old_values", "returns"] if critic else ["old_logp", "adv"])
+    fields = ["tokens", "lengths", "mask"] + (
+        ["old_values", "returns"] if critic else ["old_logp", "adv"]
+    )
     fields += ["ref_logp"] if kl_loss else []
     fields += ["prox_logp"] if decoupled else []
     fields += ["tis_w"] if tis is not None else []
@@ -291,7 +345,7 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
     total = ctx.steps * pc.ppo_epochs * pc.mini_batches
     for epoch in range(pc.ppo_epochs):
         for j, mb in enumerate(local.tensor_split(pc.mini_batches)):
-            k = (step * pc.ppo_epochs + epoch) * pc.mini_batches + j      # optimizer step of the run
+            k = (step * pc.ppo_epochs + epoch) * pc.mini_batches + j  # optimizer step of the run
             lr = ppo.lr_at(k, base_lr, total, pc.warmup_steps, pc.lr_decay, pc.min_lr_ratio)
             batch = {k: d[k][mb] for k in fields}
             # Tokens and rows of the GLOBAL mini-batch: every part's loss is its share of the
@@ -303,28 +357,50 @@ def _train(ctx: CallContext, call, g, engine, store, sums: MetricSums, rows, rep
             def loss_fn(out, data, n_tok=max(n_tok, 1.0), n_seq=n_seq, extra=extra):
                 m = data["mask"]
                 if critic:
-                    loss, nclip = ppo.value_loss(out["values"][:, :-1], data["old_values"], data["returns"],
-                                                 m, pc.value_clip)
+                    loss, nclip = ppo.value_loss(
+                        out["values"][:, :-1], data["old_values"], data["returns"], m, pc.value_clip
+                    )
                     extra.append((float(nclip), 0.0, float(m.sum())))
                     return loss / n_tok
                 if decoupled:
                     loss, clipped = ppo.decoupled_policy_loss_tokens(
-                        out["logprobs"], data["prox_logp"], data["old_logp"], data["adv"], m, pc.clip,
-                        pc.clip_high, pc.dual_clip, pc.ratio, pc.behav_imp_weight_cap)
+                        out["logprobs"],
+                        data["prox_logp"],
+                        data["old_logp"],
+                        data["adv"],
+                        m,
+                        pc.clip,
+                        pc.clip_high,
+                        pc.dual_clip,
+                        pc.ratio,
+                        pc.behav_imp_weight_cap,
+                    )
                 else:
-                    loss, clipped = ppo.policy_loss_tokens(out["logprobs"], data["old_logp"], data["adv"], m,
-                                                           pc.clip, pc.clip_high, pc.dual_clip, pc.ratio)
+                    loss, clipped = ppo.policy_loss_tokens(
+                        out["logprobs"],
+                        data["old_logp"],
+                        data["adv"],
+                        m,
+                        pc.clip,
+                        pc.clip_high,
+                        pc.dual_clip,
+                        pc.ratio,
+                    )
                 if "tis_w" in data:
                     loss = loss * data["tis_w"]
                 if kl_loss:
-                    loss = loss + coef * ppo.kl_estimate(out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp)
+                    loss = loss + coef * ppo.kl_estimate(
+                        out["logprobs"], data["ref_logp"], m, est, pc.kl_clamp
+                    )
                 ent_tok = out["entropy"] * m
                 if pc.entropy_coef:
                     loss = loss - pc.entropy_coef * ent_tok
                 extra.append((float(clipped.sum()), float(ent_tok.sum().detach()), float(m.sum())))
                 return ppo.aggregate(loss, m, pc.loss_agg, n_tok, n_seq, max_len)
-            res = engine.train_step(loss_fn, batch, micro_batches=pc.micro_batches,
-                                    with_entropy=not critic, lr=lr)
+
+            res = engine.train_step(
+                loss_fn, batch, micro_batches=pc.micro_batches, with_entropy=not critic, lr=lr
+            )
             if reporter:
                 ncl, ent, ntk = (sum(x[i] for x in extra) for i in range(3))
                 if critic:

@@ -43,14 +43,29 @@ from ..engines.train import Trainer
 
 def _meta(cfg) -> dict:
     # Through JSON so tuples (rope_scaling, window_layers) compare equal to what meta.json reads back.
-    models = json.loads(json.dumps({m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()}))
+    models = json.loads(
+        json.dumps({m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()})
+    )
     k = cfg.async_.max_staleness
     # Async mode: the rank files hold queued rollouts, whose shapes follow the batch and lengths.
-    rows = {"batch_size": cfg.data.batch_size, "max_prompt_len": cfg.data.max_prompt_len,
-            "max_new_tokens": cfg.generation.max_new_tokens} if k else {}
-    return {"algo": cfg.algo, "seed": cfg.seed, "models": models, "paths": cfg.model_paths(),
-            "plan": cfg.execution_plan().to_json(), "reward": cfg.reward.kind,
-            "async": {"max_staleness": k, **rows}}
+    rows = (
+        {
+            "batch_size": cfg.data.batch_size,
+            "max_prompt_len": cfg.data.max_prompt_len,
+            "max_new_tokens": cfg.generation.max_new_tokens,
+        }
+        if k
+        else {}
+    )
+    return {
+        "algo": cfg.algo,
+        "seed": cfg.seed,
+        "models": models,
+        "paths": cfg.model_paths(),
+        "plan": cfg.execution_plan().to_json(),
+        "reward": cfg.reward.kind,
+        "async": {"max_staleness": k, **rows},
+    }
 
 
 def _write_atomic(directory: str, name: str, data: bytes) -> None:
@@ -90,7 +105,7 @@ def _move_into_place(tmp: str, final: str) -> None:
     planted link: replaced, never followed) goes to an .old name first and is removed after."""
     old = None
     if os.path.lexists(final):
-        old = tmp[:-len(".tmp")] + ".old"
+        old = tmp[: -len(".tmp")] + ".old"
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final) or ".")
@@ -111,7 +126,7 @@ def save(rt, out_dir: str, step: int) -> str:
     path = where[0]
     # The adaptive KL coefficient and running reward moments carry across steps like the RNG.
     state = {"step": step, "rng": torch.get_rng_state(), "models": {}}
-    if hasattr(rt, "kl_coef"):          # a Runtime (tests may pass a bare holder of models)
+    if hasattr(rt, "kl_coef"):  # a Runtime (tests may pass a bare holder of models)
         state |= {"kl_coef": float(rt.kl_coef), "reward_moments": rt.reward_moments.clone()}
     if getattr(rt, "astate", None) is not None:
         # Async mode: the queued batches' rows this rank holds, their versions, the row ledger.
@@ -120,16 +135,24 @@ def save(rt, out_dir: str, step: int) -> str:
         if eng is None or eng.optim is None:
             continue
         tr = eng._trainer
-        state["models"][m] = {"flat": eng.shard.flat.clone(), "layout": str(eng.layout),
-                              "exp_avg": None if tr is None else tr.exp_avg,
-                              "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
-                              "num_steps": 0 if tr is None else tr.num_steps,
-                              "master": None if tr is None else tr.master}
-        if getattr(eng, "experts", None) is not None:  # MoE: the expert shard and its optimizer buffers
+        state["models"][m] = {
+            "flat": eng.shard.flat.clone(),
+            "layout": str(eng.layout),
+            "exp_avg": None if tr is None else tr.exp_avg,
+            "exp_avg_sq": None if tr is None else tr.exp_avg_sq,
+            "num_steps": 0 if tr is None else tr.num_steps,
+            "master": None if tr is None else tr.master,
+        }
+        if (
+            getattr(eng, "experts", None) is not None
+        ):  # MoE: the expert shard and its optimizer buffers
             ex = None if tr is None else tr.experts
             state["models"][m]["experts"] = {
-                "flat": eng.experts.flat.clone(), "exp_avg": None if ex is None else ex.exp_avg,
-                "exp_avg_sq": None if ex is None else ex.exp_avg_sq, "master": None if ex is None else ex.master}
+                "flat": eng.experts.flat.clone(),
+                "exp_avg": None if ex is None else ex.exp_avg,
+                "exp_avg_sq": None if ex is None else ex.exp_avg_sq,
+                "master": None if ex is None else ex.master,
+            }
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
@@ -189,10 +212,15 @@ def find(resume: str, out_dir: str) -> str:
         return resume
     if os.path.isfile(os.path.join(resume, "latest")):
         return latest(resume, f"--resume {resume}:")
-    why = "does not exist" if not os.path.exists(resume) else \
-        "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
-    raise ValueError(f"--resume {resume}: no checkpoint: {why}; give a step directory such as "
-                     f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}")
+    why = (
+        "does not exist"
+        if not os.path.exists(resume)
+        else "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
+    )
+    raise ValueError(
+        f"--resume {resume}: no checkpoint: {why}; give a step directory such as "
+        f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}"
+    )
 
 
 def latest(out_dir: str, what: str = "") -> str:
@@ -200,8 +228,10 @@ def latest(out_dir: str, what: str = "") -> str:
     marker is missing or names anything but a step directory of out_dir."""
     marker = os.path.join(out_dir, "latest")
     if not os.path.isfile(marker):
-        raise ValueError(f"{what} no {marker} (not a train run directory, or no checkpoint saved: "
-                         "set save_every)".strip())
+        raise ValueError(
+            f"{what} no {marker} (not a train run directory, or no checkpoint saved: "
+            "set save_every)".strip()
+        )
     with open(marker, "rb") as f:
         raw = f.read(4096)
     try:
@@ -221,12 +251,20 @@ def read_meta(path: str) -> dict:
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path}: no meta.json ({file})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint file {file} is not valid JSON ({e}); the checkpoint is "
-                         "corrupt, resume from another step") from None
+        raise ValueError(
+            f"checkpoint file {file} is not valid JSON ({e}); the checkpoint is "
+            "corrupt, resume from another step"
+        ) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
-        raise ValueError(f"checkpoint file {file} has no 'step' or no per-file checksums ('files'); "
-                         "it was not written by this version of real_py")
-    bad = [n for n in meta["files"] if not (n.startswith("rank") and n.endswith(".pt") and n[4:-3].isdigit())]
+        raise ValueError(
+            f"checkpoint file {file} has no 'step' or no per-file checksums ('files'); "
+            "it was not written by this version of real_py"
+        )
+    bad = [
+        n
+        for n in meta["files"]
+        if not (n.startswith("rank") and n.endswith(".pt") and n[4:-3].isdigit())
+    ]
     if bad:
         raise ValueError(f"checkpoint file {file} lists files {bad[:3]}; expected only rank<N>.pt")
     return meta
@@ -244,11 +282,15 @@ def _read_verified(path: str, name: str, meta: dict) -> bytes:
     except FileNotFoundError:
         raise ValueError(f"checkpoint file {file} is missing (listed in meta.json)") from None
     if len(data) != want.get("bytes"):
-        raise ValueError(f"checkpoint file {file} has {len(data)} bytes, meta.json says "
-                         f"{want.get('bytes')}: truncated or corrupt, resume from another step")
+        raise ValueError(
+            f"checkpoint file {file} has {len(data)} bytes, meta.json says "
+            f"{want.get('bytes')}: truncated or corrupt, resume from another step"
+        )
     if hashlib.sha256(data).hexdigest() != want["sha256"]:
-        raise ValueError(f"checkpoint file {file} fails its sha256 check against meta.json: "
-                         "corrupt, resume from another step")
+        raise ValueError(
+            f"checkpoint file {file} fails its sha256 check against meta.json: "
+            "corrupt, resume from another step"
+        )
     return data
 
 
@@ -263,14 +305,18 @@ def _load_safe(file: str, data: bytes | None = None, mmap: bool = False) -> dict
     """torch.load(weights_only=True) of `data` (the verified bytes of `file`) or of `file` itself;
     ValueError naming the file when it holds more than tensors and plain values."""
     try:
-        return torch.load(io.BytesIO(data) if data is not None else file, weights_only=True, mmap=mmap)
+        return torch.load(
+            io.BytesIO(data) if data is not None else file, weights_only=True, mmap=mmap
+        )
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
         # torch's text advises weights_only=False, which would run the file's code: name the cause only.
         why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0])
-        raise ValueError(f"checkpoint file {file} refused: it holds more than tensors and plain values "
-                         f"(torch.load weights_only=True: {why}); it was not written by real_py or was "
-                         "altered: resume from another step") from None
+        raise ValueError(
+            f"checkpoint file {file} refused: it holds more than tensors and plain values "
+            f"(torch.load weights_only=True: {why}); it was not written by real_py or was "
+            "altered: resume from another step"
+        ) from None
 
 
 _ABSENT = object()
@@ -279,8 +325,11 @@ _ABSENT = object()
 def _diff(a, b, key: str) -> list[tuple]:
     """(dotted key, checkpoint value, config value) for every leaf where a and b differ."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in list(b) + [k for k in a if k not in b]      # the config's order first
-                for d in _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{key}.{k}")]
+        return [
+            d
+            for k in list(b) + [k for k in a if k not in b]  # the config's order first
+            for d in _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{key}.{k}")
+        ]
     return [] if a == b else [(key, a, b)]
 
 
@@ -300,15 +349,25 @@ def check(cfg, path: str, *, verify_files: bool = True) -> int:
     # A synchronous checkpoint may be resumed in async mode (the queue starts empty); an async
     # one only with its own bound and row shapes (its queued rollouts).
     saved_async = isinstance(meta.get("async"), dict) and meta["async"].get("max_staleness")
-    keys = ("algo", "models", "paths", "plan", "seed", "reward") + (("async",) if saved_async else ())
+    keys = ("algo", "models", "paths", "plan", "seed", "reward") + (
+        ("async",) if saved_async else ()
+    )
     diffs = [d for k in keys for d in _diff(meta.get(k), mine[k], k)]
     if diffs:
-        more = f" (and {len(diffs) - 3} more: {', '.join(d[0] for d in diffs[3:8])}{', ...' if len(diffs) > 8 else ''})" \
-            if len(diffs) > 3 else ""
-        shown = "; ".join(f"{key} is {_short(a)} in the checkpoint, {_short(b)} in this config" for key, a, b in diffs[:3])
-        raise ValueError(f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
-                         "config that made it (same models, plan, algo, seed, reward kind and async), or start a "
-                         "new run (--out-dir DIR, without --resume)")
+        more = (
+            f" (and {len(diffs) - 3} more: {', '.join(d[0] for d in diffs[3:8])}{', ...' if len(diffs) > 8 else ''})"
+            if len(diffs) > 3
+            else ""
+        )
+        shown = "; ".join(
+            f"{key} is {_short(a)} in the checkpoint, {_short(b)} in this config"
+            for key, a, b in diffs[:3]
+        )
+        raise ValueError(
+            f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
+            "config that made it (same models, plan, algo, seed, reward kind and async), or start a "
+            "new run (--out-dir DIR, without --resume)"
+        )
     for name in meta["files"] if verify_files else ():
         _read_verified(path, name, meta)
         # The content too (pickle-free, as every rank reads it), memory-mapped: no tensor data read.
@@ -324,8 +383,9 @@ def load(rt, path: str) -> int:
             continue
         s = state["models"].get(m)
         if s is None or s["flat"].shape != eng.shard.flat.shape or s["layout"] != str(eng.layout):
-            raise ValueError(f"checkpoint {path} rank {dist.get_rank()}: no matching {m} shard for "
-                             f"{eng.layout}")
+            raise ValueError(
+                f"checkpoint {path} rank {dist.get_rank()}: no matching {m} shard for {eng.layout}"
+            )
         eng.shard.flat.copy_(s["flat"])
         if s["exp_avg"] is not None:
             # The engine builds its Trainer lazily; build it now to restore the moments.
@@ -338,8 +398,10 @@ def load(rt, path: str) -> int:
         if getattr(eng, "experts", None) is not None:
             e = s.get("experts")
             if e is None or e["flat"].shape != eng.experts.flat.shape:
-                raise ValueError(f"checkpoint {path} rank {dist.get_rank()}: no matching {m} expert shard "
-                                 f"for {eng.layout}")
+                raise ValueError(
+                    f"checkpoint {path} rank {dist.get_rank()}: no matching {m} expert shard "
+                    f"for {eng.layout}"
+                )
             eng.experts.flat.copy_(e["flat"])
             if e["exp_avg"] is not None:
                 eng._trainer = eng._trainer or Trainer(eng, eng.optim)
@@ -348,11 +410,13 @@ def load(rt, path: str) -> int:
                 if e.get("master") is not None:
                     eng._trainer.experts.master.copy_(e["master"])
     torch.set_rng_state(state["rng"])
-    if "kl_coef" in state:       # absent in checkpoints written before adaptive KL existed
+    if "kl_coef" in state:  # absent in checkpoints written before adaptive KL existed
         rt.kl_coef = float(state["kl_coef"])
         rt.reward_moments = state["reward_moments"].to(torch.float64).clone()
     if getattr(rt, "astate", None) is not None and "async" in state:
-        rt.astate.load_state_dict(state["async"], rt.schema, f"checkpoint {path} rank {dist.get_rank()}")
+        rt.astate.load_state_dict(
+            state["async"], rt.schema, f"checkpoint {path} rank {dist.get_rank()}"
+        )
     return int(state["step"])
 
 
@@ -371,20 +435,24 @@ def resume(rt, path: str, out_dir: str, say=_say) -> int:
     rank = dist.get_rank()
     try:
         step, err = load(rt, path), None
-    except Exception as e:  # noqa: BLE001 - any failure must reach the agreement below, not hang it
+    except Exception as e:
         step, err = -1, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     results = [None] * dist.get_world_size()
     dist.all_gather_object(results, (step, err))
     bad = [(r, e) for r, (_, e) in enumerate(results) if e is not None]
     steps = sorted({s for s, e in results if e is None})
     if not bad and len(steps) > 1:
-        bad = [(r, f"its file holds step {s}") for r, (s, _) in enumerate(results) if s != steps[-1]]
+        bad = [
+            (r, f"its file holds step {s}") for r, (s, _) in enumerate(results) if s != steps[-1]
+        ]
     if bad:
         r, e = bad[0]
         more = f" (and ranks {[b[0] for b in bad[1:]]})" if len(bad) > 1 else ""
-        raise ValueError(f"--resume {path}: rank {r}{more} could not load its checkpoint: {e}; nothing in "
-                         f"{out_dir} was changed (metrics.jsonl and samples.jsonl keep every step); resume "
-                         "from another step")
+        raise ValueError(
+            f"--resume {path}: rank {r}{more} could not load its checkpoint: {e}; nothing in "
+            f"{out_dir} was changed (metrics.jsonl and samples.jsonl keep every step); resume "
+            "from another step"
+        )
     if rank == 0:
         for name in ("metrics.jsonl", "samples.jsonl"):
             n = cut_after(os.path.join(out_dir, name), step)

@@ -28,28 +28,28 @@ class CallContext:
     rank: int
     device: torch.device
     algo: str
-    steps: int                          # iterations of the run (the LR schedule's length)
-    B: int                              # rows of a batch
-    T: int                              # token positions of a row (prompt + response)
-    mini_batches: dict[str, int]        # per train call
+    steps: int  # iterations of the run (the LR schedule's length)
+    B: int  # rows of a batch
+    T: int  # token positions of a row (prompt + response)
+    mini_batches: dict[str, int]  # per train call
     data: DataConfig
     generation: GenConfig
     ppo: PPOConfig
     reward: RewardConfig
     async_: AsyncConfig
     models: Models
-    prompts: PromptData | None          # the prompt data set (None: synthetic prompts)
-    tokenizer: Any                      # for decoding samples and responses (None: token ids)
-    reward_fn: FunctionReward | None    # reward.kind == "function"
-    samples_path: str | None = None     # where the reward call appends samples (set by the driver)
-    astate: AsyncState | None = None    # async mode: queue, versions, ledger
-    prefetch: Prefetch | None = None    # async.overlap_realloc: the double buffer
+    prompts: PromptData | None  # the prompt data set (None: synthetic prompts)
+    tokenizer: Any  # for decoding samples and responses (None: token ids)
+    reward_fn: FunctionReward | None  # reward.kind == "function"
+    samples_path: str | None = None  # where the reward call appends samples (set by the driver)
+    astate: AsyncState | None = None  # async mode: queue, versions, ledger
+    prefetch: Prefetch | None = None  # async.overlap_realloc: the double buffer
     # Run state.
-    kl_coef: float                      # this step's KL coefficient (adapted with ppo.kl_target)
-    reward_moments: torch.Tensor        # [sum, sum of squares, count] of earlier steps' scores
-    active_rows: set[int] | None = None         # a refill round's rows (None: all)
-    batch_index: torch.Tensor | None = None     # [B] data-set row of every batch row
-    gen_version: int = 0                # weight version the rollout calls in flight generate with
+    kl_coef: float  # this step's KL coefficient (adapted with ppo.kl_target)
+    reward_moments: torch.Tensor  # [sum, sum of squares, count] of earlier steps' scores
+    active_rows: set[int] | None = None  # a refill round's rows (None: all)
+    batch_index: torch.Tensor | None = None  # [B] data-set row of every batch row
+    gen_version: int = 0  # weight version the rollout calls in flight generate with
 
 
 __all__ = ["CallContext"]

@@ -34,8 +34,8 @@ from ..realloc.offload import HostOffload
 from ..realloc.plan import plan_realloc
 from ..realloc.reallocator import Reallocator
 from ..realloc.shard import ExpertShard, ModelShard
-from ..spec import ModelConfig, model_spec, torch_dtype
 from ..realloc.transports.dist import DistTransport
+from ..spec import ModelConfig, model_spec, torch_dtype
 
 
 def init_weights(config: ModelConfig, seed: int, device="cpu") -> dict[str, torch.Tensor]:
@@ -52,24 +52,41 @@ def init_weights(config: ModelConfig, seed: int, device="cpu") -> dict[str, torc
 
 
 class Models:
-    def __init__(self, graph, plan, configs: dict[str, ModelConfig], groups: dict, seed: int, *,
-                 lrs: dict[str, float], max_grad_norm: float, adam_eps: float, timeout_s: float, rule_reward: bool,
-                 paths: dict[str, str | None], verify: bool = False, offload_frozen: bool = False,
-                 critic_init: str = "checkpoint", device: torch.device | str = "cpu",
-                 temperature: float = 1.0, rollout_call: str | None = None):
+    def __init__(
+        self,
+        graph,
+        plan,
+        configs: dict[str, ModelConfig],
+        groups: dict,
+        seed: int,
+        *,
+        lrs: dict[str, float],
+        max_grad_norm: float,
+        adam_eps: float,
+        timeout_s: float,
+        rule_reward: bool,
+        paths: dict[str, str | None],
+        verify: bool = False,
+        offload_frozen: bool = False,
+        critic_init: str = "checkpoint",
+        device: torch.device | str = "cpu",
+        temperature: float = 1.0,
+        rollout_call: str | None = None,
+    ):
         self.graph, self.plan, self.configs, self.groups = graph, plan, configs, groups
         self.verify = verify
         self.temperature = temperature  # every engine's logit_temperature (generation.temperature)
         self.device = torch.device(device)
         self.rank = dist.get_rank()
-        self.transport = DistTransport(dist.new_group(list(range(dist.get_world_size()))),
-                                       timeout=timeout_s)
+        self.transport = DistTransport(
+            dist.new_group(list(range(dist.get_world_size()))), timeout=timeout_s
+        )
         self.specs = {m: model_spec(c, name=m) for m, c in configs.items()}
-        self.home: dict[str, str] = {}       # model -> call whose layout holds its weights
+        self.home: dict[str, str] = {}  # model -> call whose layout holds its weights
         self.engines: dict[str, Engine | None] = {}
         self._reallocators: dict = {}
-        self.rollout_call, self.rollout = rollout_call, None   # vLLM generation (attach_rollout)
-        self.offloads: dict[str, HostOffload] = {}   # frozen model -> its offloader (holding ranks)
+        self.rollout_call, self.rollout = rollout_call, None  # vLLM generation (attach_rollout)
+        self.offloads: dict[str, HostOffload] = {}  # frozen model -> its offloader (holding ranks)
         self.expert_offloads: dict[str, HostOffload] = {}  # MoE: the same for its expert shard
         inits = {"actor": seed + 1, "ref": seed + 1, "critic": seed + 2, "reward": seed + 3}
         for m, calls in graph.models().items():
@@ -77,8 +94,10 @@ class Models:
                 continue
             home = graph.train_call(m) or calls[0]
             if len(calls) > 1 and not graph.calls[home].trains:
-                raise ValueError(f"model {m} has several calls {calls} but none trains; give each "
-                                 "frozen model one call")
+                raise ValueError(
+                    f"model {m} has several calls {calls} but none trains; give each "
+                    "frozen model one call"
+                )
             self.home[m] = home
             layout, g = plan.calls[home], groups[home]
             if not g.member:
@@ -87,18 +106,38 @@ class Models:
             experts = None
             if paths.get(m):
                 fresh = critic_init if m == "critic" and critic_init != "checkpoint" else None
-                shard = load_hf_shard(paths[m], configs[m], layout, self.rank, self.device, name=m,
-                                      value_head_init=fresh, seed=inits[m])
+                shard = load_hf_shard(
+                    paths[m],
+                    configs[m],
+                    layout,
+                    self.rank,
+                    self.device,
+                    name=m,
+                    value_head_init=fresh,
+                    seed=inits[m],
+                )
                 if configs[m].num_experts:
-                    experts = load_hf_experts(paths[m], configs[m], layout, self.rank, self.device, name=m,
-                                              fresh_head=fresh is not None)
+                    experts = load_hf_experts(
+                        paths[m],
+                        configs[m],
+                        layout,
+                        self.rank,
+                        self.device,
+                        name=m,
+                        fresh_head=fresh is not None,
+                    )
             else:
                 full = init_weights(configs[m], inits[m], self.device)
                 shard = ModelShard.from_full(self.specs[m], layout, self.rank, full, self.device)
                 if configs[m].num_experts:
-                    experts = ExpertShard.from_full(self.specs[m], layout, self.rank, full, self.device)
-            optim = (OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
-                     if graph.calls[home].trains else None)
+                    experts = ExpertShard.from_full(
+                        self.specs[m], layout, self.rank, full, self.device
+                    )
+            optim = (
+                OptimConfig(lr=lrs[m], max_grad_norm=max_grad_norm, eps=adam_eps)
+                if graph.calls[home].trains
+                else None
+            )
             self.engines[m] = Engine(configs[m], layout, g, shard, optim=optim, experts=experts)
             self.engines[m].logit_temperature = temperature
             if offload_frozen and optim is None:
@@ -106,20 +145,32 @@ class Models:
                 self.offloads[m] = HostOffload(shard.flat, name=f"{m} shard on rank {self.rank}")
                 self.offloads[m].offload()
                 if experts is not None:
-                    self.expert_offloads[m] = HostOffload(experts.flat, name=f"{m} experts on rank {self.rank}")
+                    self.expert_offloads[m] = HostOffload(
+                        experts.flat, name=f"{m} experts on rank {self.rank}"
+                    )
                     self.expert_offloads[m].offload()
         for call in graph.order:
             m = graph.calls[call].model
             if call == rollout_call:
-                continue   # attach_rollout plans it into vLLM's live format
+                continue  # attach_rollout plans it into vLLM's live format
             if m in self.home and plan.calls[call] != plan.calls[self.home[m]]:
                 if self.specs[m].num_experts:  # dense part + one part per pair of ep groups
-                    mplan = plan_moe_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
-                                             ranks_per_node=plan.ranks_per_node)
-                    self._reallocators[(m, call)] = MoeReallocator(mplan, self.transport, verify=verify)
+                    mplan = plan_moe_realloc(
+                        self.specs[m],
+                        plan.calls[self.home[m]],
+                        plan.calls[call],
+                        ranks_per_node=plan.ranks_per_node,
+                    )
+                    self._reallocators[(m, call)] = MoeReallocator(
+                        mplan, self.transport, verify=verify
+                    )
                     continue
-                rplan = plan_realloc(self.specs[m], plan.calls[self.home[m]], plan.calls[call],
-                                     ranks_per_node=plan.ranks_per_node)
+                rplan = plan_realloc(
+                    self.specs[m],
+                    plan.calls[self.home[m]],
+                    plan.calls[call],
+                    ranks_per_node=plan.ranks_per_node,
+                )
                 self._reallocators[(m, call)] = Reallocator(rplan, self.transport, verify=verify)
 
     def attach_rollout(self, rollout) -> None:
@@ -128,18 +179,28 @@ class Models:
         generation call, with the same transport as every other reallocation. Collective."""
         call = self.rollout_call
         src, dst = self.plan.calls[self.home["actor"]], self.plan.calls[call]
-        rplan = plan_realloc(self.specs["actor"], src, dst, dst_model=rollout.spec,
-                             ranks_per_node=self.plan.ranks_per_node)
+        rplan = plan_realloc(
+            self.specs["actor"],
+            src,
+            dst,
+            dst_model=rollout.spec,
+            ranks_per_node=self.plan.ranks_per_node,
+        )
         self._reallocators[("actor", call)] = Reallocator(rplan, self.transport, verify=self.verify)
         self.rollout = rollout
 
     def _to_rollout(self, call: str) -> tuple[object, dict]:
-        src, dst = self.plan.calls[self.home["actor"]], self.plan.calls[call]
+        dst = self.plan.calls[call]
         home_engine = self.engines["actor"]
-        shard = (ModelShard.empty(self.rollout.spec, dst, self.rank, self.device)
-                 if self.rank in dst.ranks else None)
+        shard = (
+            ModelShard.empty(self.rollout.spec, dst, self.rank, self.device)
+            if self.rank in dst.ranks
+            else None
+        )
         t0, wall = time.perf_counter(), time.time()
-        stats = self._reallocators[("actor", call)].run(home_engine.shard if home_engine else None, shard)
+        stats = self._reallocators[("actor", call)].run(
+            home_engine.shard if home_engine else None, shard
+        )
         if shard is not None:
             self.rollout.write(shard)
         stats["seconds"] = time.perf_counter() - t0
@@ -158,8 +219,10 @@ class Models:
             return None, None
         off = self.offloads.get(c.model)
         if off is not None and off.offloaded:
-            raise RuntimeError(f"{c.model} weights are offloaded to host on rank {self.rank}; "
-                               f"call Models.reload({c.model!r}) before running {call}")
+            raise RuntimeError(
+                f"{c.model} weights are offloaded to host on rank {self.rank}; "
+                f"call Models.reload({c.model!r}) before running {call}"
+            )
         if call == self.rollout_call:
             return self._to_rollout(call)
         src, dst = self.plan.calls[home], self.plan.calls[call]
@@ -169,22 +232,34 @@ class Models:
             return None, None
         realloc = self._reallocators[(c.model, call)]
         home_engine = self.engines[c.model]
-        dst_shard = (ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
-                     if self.rank in dst.ranks else None)
+        dst_shard = (
+            ModelShard.empty(self.specs[c.model], dst, self.rank, self.device)
+            if self.rank in dst.ranks
+            else None
+        )
         dst_experts = None
         t0, wall = time.perf_counter(), time.time()
         if isinstance(realloc, MoeReallocator):
-            dst_experts = (ExpertShard.empty(self.specs[c.model], dst, self.rank, self.device)
-                           if dst_shard is not None else None)
-            stats = realloc.run(home_engine.shard if home_engine else None,
-                                home_engine.experts if home_engine else None, dst_shard, dst_experts)
+            dst_experts = (
+                ExpertShard.empty(self.specs[c.model], dst, self.rank, self.device)
+                if dst_shard is not None
+                else None
+            )
+            stats = realloc.run(
+                home_engine.shard if home_engine else None,
+                home_engine.experts if home_engine else None,
+                dst_shard,
+                dst_experts,
+            )
         else:
             stats = realloc.run(home_engine.shard if home_engine else None, dst_shard)
         stats["seconds"] = time.perf_counter() - t0
-        stats["start"], stats["end"] = wall, wall + stats["seconds"]   # for the span over ranks
+        stats["start"], stats["end"] = wall, wall + stats["seconds"]  # for the span over ranks
         if dst_shard is None:
             return None, stats
-        engine = Engine(self.configs[c.model], dst, self.groups[call], dst_shard, experts=dst_experts)
+        engine = Engine(
+            self.configs[c.model], dst, self.groups[call], dst_shard, experts=dst_experts
+        )
         engine.logit_temperature = self.temperature
         return engine, stats
 

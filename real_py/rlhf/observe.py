@@ -28,20 +28,34 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "samples.jsonl", "latest", "curves
 """Names a run writes into out_dir, besides step_* directories and events.out.tfevents.* files
 (logs: the ranks' logs and failure records of the last job, real_py/launch/job.py)."""
 
-METRICS = ("reward", "kl", "response_length", "policy_loss", "value_loss", "clip_frac",
-           "value_clip_frac", "entropy",
-           # async mode (async.max_staleness >= 1): token-mean staleness (train version minus the
-           # version that generated the token), rows dropped over the bound (a sum, see runtime),
-           # and with async.check_versions the mean |behaviour log-prob - recomputation| with the
-           # recorded version's weights / with the newest weights.
-           "staleness", "rows_dropped_step", "interrupted", "version_err", "version_err_newest",
-           # MoE models: the load-balancing aux loss of each train step (transformers' formula, in
-           # the actor's / critic's loss with the config's router_aux_loss_coef)
-           "moe_aux_loss",
-           # vLLM generation: the token mean of |old_logp - rollout_logp| (the trainer's recompute
-           # against vLLM's log-prob of each sampled token), the k3 estimate of KL(pi_vllm ||
-           # pi_train) per token, and with ppo.tis_cap the share of tokens whose weight was capped
-           "rollout_logp_diff", "rollout_kl", "tis_capped_frac")
+METRICS = (
+    "reward",
+    "kl",
+    "response_length",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "value_clip_frac",
+    "entropy",
+    # async mode (async.max_staleness >= 1): token-mean staleness (train version minus the
+    # version that generated the token), rows dropped over the bound (a sum, see runtime),
+    # and with async.check_versions the mean |behaviour log-prob - recomputation| with the
+    # recorded version's weights / with the newest weights.
+    "staleness",
+    "rows_dropped_step",
+    "interrupted",
+    "version_err",
+    "version_err_newest",
+    # MoE models: the load-balancing aux loss of each train step (transformers' formula, in
+    # the actor's / critic's loss with the config's router_aux_loss_coef)
+    "moe_aux_loss",
+    # vLLM generation: the token mean of |old_logp - rollout_logp| (the trainer's recompute
+    # against vLLM's log-prob of each sampled token), the k3 estimate of KL(pi_vllm ||
+    # pi_train) per token, and with ppo.tis_cap the share of tokens whose weight was capped
+    "rollout_logp_diff",
+    "rollout_kl",
+    "tis_capped_frac",
+)
 """Per-step metrics every call may add to (sum, count) rows of the step's MetricSums, in this order.
 Per iteration: reward, kl (sum over response tokens of log pi_old - log pi_ref) and
 response_length are means over sequences; policy_loss / value_loss means over optimizer steps
@@ -54,7 +68,10 @@ class MetricSums:
     """A step's (sum, count) of every METRICS entry, in that order, plus one row past them: the
     sum of squared raw scores (reward.normalize). Calls add to it on their reporter ranks; the
     runtime sums `t` over the world at the step's end."""
-    t: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64))
+
+    t: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(len(METRICS) + 1, 2, dtype=torch.float64)
+    )
 
     def add(self, name: str, value: float, count: float) -> None:
         self.t[METRICS.index(name), 0] += value
@@ -69,17 +86,22 @@ class MetricSums:
 
     def means(self) -> dict[str, float]:
         """Mean of every metric with a count."""
-        return {m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, self.t.tolist()) if c}
+        return {
+            m: (s / c if c else float("nan")) for m, (s, c) in zip(METRICS, self.t.tolist()) if c
+        }
 
     def reward_moments(self) -> torch.Tensor:
         """[sum, sum of squares, count] of the step's raw scores."""
         r = METRICS.index("reward")
-        return torch.tensor([self.t[r, 0], self.t[len(METRICS), 0], self.t[r, 1]], dtype=torch.float64)
+        return torch.tensor(
+            [self.t[r, 0], self.t[len(METRICS), 0], self.t[r, 1]], dtype=torch.float64
+        )
 
 
 class Event(NamedTuple):
     """An interval on one rank: a call's run (name: the call), a reallocation for a call
     ("realloc:<call>", async mode) or a weight receive thread ("recv_thread:<call>")."""
+
     rank: int
     name: str
     start: float
@@ -88,6 +110,7 @@ class Event(NamedTuple):
 
 class Realloc(NamedTuple):
     """One rank's part of a reallocation of `model` into the layout of `call`."""
+
     model: str
     call: str
     start: float
@@ -97,6 +120,7 @@ class Realloc(NamedTuple):
 
 class Offload(NamedTuple):
     """A frozen model's reload before its call and offload after it, on one rank."""
+
     model: str
     seconds: float
     nbytes: int
@@ -105,11 +129,12 @@ class Offload(NamedTuple):
 @dataclass(kw_only=True, slots=True)
 class StepRecord:
     """What one rank recorded of a step; the runtime gathers every rank's at the step's end."""
+
     events: list[Event] = field(default_factory=list)
     reallocs: list[Realloc] = field(default_factory=list)
     offloads: list[Offload] = field(default_factory=list)
-    peak_mem_mib: dict[str, float] = field(default_factory=dict)   # per call (CUDA only)
-    data_bytes: int = 0                                            # row pushes sent
+    peak_mem_mib: dict[str, float] = field(default_factory=dict)  # per call (CUDA only)
+    data_bytes: int = 0  # row pushes sent
 
 
 def step_summary(records: list[StepRecord], order: list[str], sync_free: set[str]) -> dict:
@@ -134,7 +159,7 @@ def step_summary(records: list[StepRecord], order: list[str], sync_free: set[str
         # reallocation of a model for a call: the same run on every rank that takes part.
         seen = Counter()
         for _, name, a, b in rec.events:
-            if b > a:   # not a rank's marker of a run it had no rows for
+            if b > a:  # not a rank's marker of a run it had no rows for
                 _span(spans, (name, seen[name]), a, b)
                 own[name, seen[name]] = max(own.get((name, seen[name]), 0.0), b - a)
             seen[name] += 1
@@ -148,13 +173,21 @@ def step_summary(records: list[StepRecord], order: list[str], sync_free: set[str
         d_bytes += rec.data_bytes
     calls, r_sec = {}, {}
     for (name, k), (a, b) in spans.items():
-        calls[name] = calls.get(name, 0.0) + (own[name, k] if name in sync_free else max(b - a, 0.0))
+        calls[name] = calls.get(name, 0.0) + (
+            own[name, k] if name in sync_free else max(b - a, 0.0)
+        )
     for (model, _, _), (a, b) in r_spans.items():
         r_sec[model] = r_sec.get(model, 0.0) + max(b - a, 0.0)
-    return {"calls": {n: calls[n] for n in order if n in calls}, "realloc_seconds": r_sec,
-            "realloc_bytes": r_bytes, "offload_seconds": o_sec, "offload_bytes": o_bytes,
-            "data_bytes": d_bytes, "peak_mem_mib": {n: peak[n] for n in order if n in peak},
-            "events": events}
+    return {
+        "calls": {n: calls[n] for n in order if n in calls},
+        "realloc_seconds": r_sec,
+        "realloc_bytes": r_bytes,
+        "offload_seconds": o_sec,
+        "offload_bytes": o_bytes,
+        "data_bytes": d_bytes,
+        "peak_mem_mib": {n: peak[n] for n in order if n in peak},
+        "events": events,
+    }
 
 
 def sync_free_calls(graph, plan) -> set[str]:
@@ -188,8 +221,10 @@ def open_nofollow(path: str, append: bool = False):
         fd = os.open(path, flags, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ValueError(f"{path} is a symbolic link; real_py writes its output files itself, "
-                             "never through a link: remove the link or choose another path") from None
+            raise ValueError(
+                f"{path} is a symbolic link; real_py writes its output files itself, "
+                "never through a link: remove the link or choose another path"
+            ) from None
         raise
     return os.fdopen(fd, "a" if append else "w")
 
@@ -202,16 +237,21 @@ def check_no_links(out_dir: str) -> None:
     for n in run_entries(out_dir):
         p = os.path.join(out_dir, n)
         if os.path.islink(p) and n not in ("hf", "curves.png"):
-            raise ValueError(f"{p} is a symbolic link; a run writes its files and step directories "
-                             "itself, never through a link: remove the link or choose another out_dir")
+            raise ValueError(
+                f"{p} is a symbolic link; a run writes its files and step directories "
+                "itself, never through a link: remove the link or choose another out_dir"
+            )
 
 
 def run_entries(out_dir: str) -> list[str]:
     """The entries of out_dir that a previous run wrote (empty if out_dir does not exist)."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted(n for n in os.listdir(out_dir)
-                  if n in RUN_FILES or n.startswith(("step_", "events.out.tfevents.")))
+    return sorted(
+        n
+        for n in os.listdir(out_dir)
+        if n in RUN_FILES or n.startswith(("step_", "events.out.tfevents."))
+    )
 
 
 def scalars(rec: dict) -> dict[str, float]:
@@ -279,13 +319,19 @@ def cut_after(path: str, step: int) -> int:
     if not os.path.lexists(path):
         return 0
     if os.path.islink(path):
-        raise ValueError(f"{path} is a symbolic link; a run never reads or writes its files through one")
+        raise ValueError(
+            f"{path} is a symbolic link; a run never reads or writes its files through one"
+        )
     keep, dropped = [], 0
     with open(path, "rb") as f:
         for line in f:
             try:
                 rec = json.loads(line)
-                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step
+                ok = (
+                    isinstance(rec, dict)
+                    and isinstance(rec.get("step"), int)
+                    and rec["step"] <= step
+                )
             except ValueError:  # not JSON / not UTF-8
                 ok = False
             if ok:
@@ -345,22 +391,46 @@ def summarize(recs: list[dict]) -> dict:
 
     secs = [r["seconds"] for r in recs]
     return {
-        "steps": [recs[0]["step"], recs[-1]["step"]], "window": w,
-        "reward_first": metric(first, "reward"), "reward_last": metric(last, "reward"),
-        "kl_first": metric(first, "kl"), "kl_last": metric(last, "kl"),
+        "steps": [recs[0]["step"], recs[-1]["step"]],
+        "window": w,
+        "reward_first": metric(first, "reward"),
+        "reward_last": metric(last, "reward"),
+        "kl_first": metric(first, "kl"),
+        "kl_last": metric(last, "kl"),
         "entropy_last": metric(last, "entropy"),
-        "seconds_per_step": _mean(secs), "seconds_per_step_after_first": _mean(secs[1:]) if n > 1 else secs[0],
+        "seconds_per_step": _mean(secs),
+        "seconds_per_step_after_first": _mean(secs[1:]) if n > 1 else secs[0],
         "realloc_share": _mean(sum(r["realloc_seconds"].values()) / r["seconds"] for r in recs),
         "realloc_bytes_per_step": _mean(r["realloc_bytes"] for r in recs),
     }
 
 
 def format_summary(s: dict) -> str:
-    return (f"summary (steps {s['steps'][0]}-{s['steps'][1]}, window {s['window']}): reward "
-            f"{s['reward_first']:.4g} -> {s['reward_last']:.4g}, kl {s['kl_first']:.4g} -> {s['kl_last']:.4g}, "
-            f"{s['seconds_per_step']:.3f} s/step ({s['seconds_per_step_after_first']:.3f} after the first), "
-            f"reallocation {100 * s['realloc_share']:.1f}% of the step")
+    return (
+        f"summary (steps {s['steps'][0]}-{s['steps'][1]}, window {s['window']}): reward "
+        f"{s['reward_first']:.4g} -> {s['reward_last']:.4g}, kl {s['kl_first']:.4g} -> {s['kl_last']:.4g}, "
+        f"{s['seconds_per_step']:.3f} s/step ({s['seconds_per_step_after_first']:.3f} after the first), "
+        f"reallocation {100 * s['realloc_share']:.1f}% of the step"
+    )
 
 
-__all__ = ["METRICS", "MetricSums", "Event", "Realloc", "Offload", "StepRecord", "step_summary",
-           "sync_free_calls", "RunLog", "read_metrics", "cut_after", "open_nofollow", "check_no_links", "summarize", "format_summary", "run_entries", "scalars", "RUN_FILES"]
+__all__ = [
+    "METRICS",
+    "MetricSums",
+    "Event",
+    "Realloc",
+    "Offload",
+    "StepRecord",
+    "step_summary",
+    "sync_free_calls",
+    "RunLog",
+    "read_metrics",
+    "cut_after",
+    "open_nofollow",
+    "check_no_links",
+    "summarize",
+    "format_summary",
+    "run_entries",
+    "scalars",
+    "RUN_FILES",
+]

@@ -22,8 +22,13 @@ def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor, T: int) -
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str = "k1",
-                clamp: float | None = None) -> torch.Tensor:
+def kl_estimate(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str = "k1",
+    clamp: float | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) [B, N] from log-probs of tokens sampled from pi, 0 off
     the mask (Schulman 2020, "Approximating KL divergence"), with d = logp - ref_logp:
 
@@ -47,7 +52,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, 
     return kl * mask
 
 
-def logprob_gap(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+def logprob_gap(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[float, float, float]:
     """How far the trainer's log-probs of the sampled tokens are from the generation engine's,
     over the mask: (sum of |train - rollout|, sum of the k3 estimate of KL(pi_rollout || pi_train),
     tokens). The tokens were drawn from pi_rollout, so k3 is taken at d = rollout - train."""
@@ -56,8 +63,9 @@ def logprob_gap(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torc
     return float(diff), float(kl), float(mask.sum())
 
 
-def truncated_is_weights(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> tuple[torch.Tensor, float]:
+def truncated_is_weights(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, float]:
     """Truncated importance sampling (Yao et al. 2025): per-token weights min(pi_train /
     pi_rollout, cap) on the mask, 0 off it, no gradient; and how many tokens were capped. They
     multiply the per-token policy loss, correcting for tokens sampled by an engine whose
@@ -74,8 +82,9 @@ def last_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return last, mask.sum(1) > 0
 
 
-def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
-                  kl_coef: float) -> torch.Tensor:
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
     """scores [B], kl [B, N] (any estimator) -> per-token rewards [B, N]: -kl_coef * kl on response
     predictions, plus the sequence score on the last one (InstructGPT; OpenRLHF / verl
     kl-in-reward). Empty responses get nothing."""
@@ -85,8 +94,9 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """rewards, values, mask [B, N] -> (advantages, returns) [B, N], zero outside the mask.
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where
@@ -111,7 +121,9 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(xd * md).sum(), (xd * xd * md).sum(), md.sum()])
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) on masked elements, 0 elsewhere; moments from masked_moments
     (summed over every DP rank holding part of the batch). Unbiased variance."""
     s, s2, n = moments.tolist()
@@ -123,9 +135,16 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, eps: floa
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def policy_loss_tokens(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                       clip_low: float, clip_high: float | None = None, dual_clip: float | None = None,
-                       ratio: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss_tokens(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate, all [B, N]. Returns (loss [B, N], clipped [B, N] 0/1), 0 off
     the mask; aggregate the loss with `aggregate`.
 
@@ -160,11 +179,18 @@ def policy_loss_tokens(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Te
     return loss * mask, clipped.float() * mask
 
 
-def decoupled_policy_loss_tokens(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                                 adv: torch.Tensor, mask: torch.Tensor, clip_low: float,
-                                 clip_high: float | None = None, dual_clip: float | None = None,
-                                 ratio: str = "token", imp_cap: float | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def decoupled_policy_loss_tokens(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio: str = "token",
+    imp_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoupled PPO (AReaL, Fu et al. 2025, eq. 5), all [B, N]: per token
 
         w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),  r = pi / pi_prox,
@@ -175,15 +201,23 @@ def decoupled_policy_loss_tokens(logp: torch.Tensor, prox_logp: torch.Tensor, be
     w > imp_cap get weight 0 (AReaL's behav_imp_weight_cap). dual_clip / ratio as in
     policy_loss_tokens (the ratio is always against pi_prox). With prox == behav it is
     policy_loss_tokens. Returns (loss [B, N], clipped [B, N] 0/1), 0 off the mask."""
-    loss, clipped = policy_loss_tokens(logp, prox_logp, adv, mask, clip_low, clip_high, dual_clip, ratio)
+    loss, clipped = policy_loss_tokens(
+        logp, prox_logp, adv, mask, clip_low, clip_high, dual_clip, ratio
+    )
     w = torch.exp((prox_logp - behav_logp).detach() * mask)
     if imp_cap is not None:
         w = torch.where(w > imp_cap, torch.zeros_like(w), w)
     return loss * w, clipped
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                clip: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped surrogate, all [B, N]. Returns (sum over masked tokens of the loss, number of
     masked tokens where the clipped branch was taken); divide both by the global token count.
     kw: clip_high, dual_clip, ratio of policy_loss_tokens."""
@@ -191,8 +225,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     return loss.sum(), clipped.sum().detach()
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, n_tok: float, n_seq: float,
-              max_len: int) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, n_tok: float, n_seq: float, max_len: int
+) -> torch.Tensor:
     """This part's share of the loss of a global mini-batch, for per-token losses [B, N] (0 off
     the mask) of some of its rows. n_tok / n_seq: response tokens / rows of the WHOLE global
     mini-batch (summed over DP ranks and micro-batches), so the shares of all parts add up to the
@@ -216,8 +251,13 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, n_tok: float, n
     raise ValueError(f"loss aggregation {mode!r}; allowed: {LOSS_AGG}")
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), all [B, N].
     Returns (masked sum, masked count of tokens where the clipped branch was taken)."""
     delta = values - old_values
@@ -234,14 +274,22 @@ def zero_variance_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """scores [B] (groups of group_size contiguous rows) -> [B] bool, True on every row of a group
     whose scores are all equal: such a group says nothing about which response is better."""
     if scores.numel() % group_size:
-        raise ValueError(f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}")
+        raise ValueError(
+            f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}"
+        )
     g = scores.view(-1, group_size)
     return (g.amax(1) == g.amin(1)).repeat_interleave(group_size)
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, *,
-                     norm_by_std: bool = True, leave_one_out: bool = False,
-                     skip: torch.Tensor | None = None) -> torch.Tensor:
+def group_advantages(
+    scores: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    *,
+    norm_by_std: bool = True,
+    leave_one_out: bool = False,
+    skip: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Outcome advantages of groups of group_size contiguous rows, scores [B] -> [B]:
 
         GRPO (Shao et al. 2024, eq. 3 outcome supervision):  (s_i - mean_g) / (std_g + eps), std unbiased
@@ -265,9 +313,17 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, *
 OUTCOME_ESTIMATORS = ("grpo", "rloo")
 
 
-def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, group_size: int,
-                    kl_coef: float, kl_in: str, *, norm_by_std: bool = True,
-                    estimator: str = "grpo") -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    kl_coef: float,
+    kl_in: str,
+    *,
+    norm_by_std: bool = True,
+    estimator: str = "grpo",
+) -> torch.Tensor:
     """Per-token outcome advantages [B, N] of GRPO / Dr.GRPO / RLOO (see group_advantages) from
     scores [B], a per-token KL estimate kl and mask [B, N]: the row's advantage on each of its
     response predictions.
@@ -287,8 +343,9 @@ def grpo_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, 
         raise ValueError(f"outcome estimator {estimator!r}; allowed: {OUTCOME_ESTIMATORS}")
     skip = zero_variance_groups(scores, group_size)
     s = scores - kl_coef * (kl * mask).sum(1) if kl_in == "reward" else scores
-    adv = group_advantages(s, group_size, norm_by_std=norm_by_std, leave_one_out=estimator == "rloo",
-                           skip=skip)
+    adv = group_advantages(
+        s, group_size, norm_by_std=norm_by_std, leave_one_out=estimator == "rloo", skip=skip
+    )
     return adv.unsqueeze(1) * mask
 
 
@@ -302,8 +359,14 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
     return out
 
 
-def reinforce_returns(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float,
-                      gamma: float = 1.0, baseline: torch.Tensor | None = None) -> torch.Tensor:
+def reinforce_returns(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+    baseline: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token returns [B, N] of the REINFORCE family: r_t = -kl_coef * kl_t plus (s - b) on
     the last response prediction, G_t = sum_{k >= t} gamma^(k-t) r_k.
 
@@ -319,12 +382,15 @@ def reinforce_returns(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor
 def group_mean(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """[B] -> [B]: each row's group mean (groups of group_size contiguous rows)."""
     if scores.numel() % group_size:
-        raise ValueError(f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}")
+        raise ValueError(
+            f"batch of {scores.numel()} rows is not a multiple of group_size={group_size}"
+        )
     return scores.view(-1, group_size).mean(1).repeat_interleave(group_size)
 
 
-def truncated(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
-              stop_ids) -> torch.Tensor:
+def truncated(
+    tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor, stop_ids
+) -> torch.Tensor:
     """[B] bool: the response does not end with one of stop_ids (cut at max_new_tokens), or is
     empty. No stop ids: every response counts as truncated."""
     last = tokens.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -332,7 +398,9 @@ def truncated(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch
     return ~ends | (lengths <= prompt_lengths)
 
 
-def overlong_penalty(resp_len: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+def overlong_penalty(
+    resp_len: torch.Tensor, max_len: int, buffer: int, factor: float
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), [B] -> [B]: 0 up to
     max_len - buffer tokens, then factor * ((max_len - buffer) - len) / buffer, -factor beyond."""
     if buffer <= 0:
@@ -341,10 +409,18 @@ def overlong_penalty(resp_len: torch.Tensor, max_len: int, buffer: int, factor: 
     return -factor * (over / buffer).clamp(max=1.0)
 
 
-def shape_scores(scores: torch.Tensor, resp_len: torch.Tensor, trunc: torch.Tensor, *, max_len: int,
-                 moments: torch.Tensor | None = None, overlong_buffer: int = 0,
-                 overlong_factor: float = 1.0, missing_eos_penalty: float | None = None,
-                 clip: float | None = None) -> torch.Tensor:
+def shape_scores(
+    scores: torch.Tensor,
+    resp_len: torch.Tensor,
+    trunc: torch.Tensor,
+    *,
+    max_len: int,
+    moments: torch.Tensor | None = None,
+    overlong_buffer: int = 0,
+    overlong_factor: float = 1.0,
+    missing_eos_penalty: float | None = None,
+    clip: float | None = None,
+) -> torch.Tensor:
     """Scores [B] as the advantage estimators see them: (s - mean) / (std + 1e-6) with the running
     moments [sum, sum of squares, count] (None: no normalisation), plus the overlong penalty, minus
     missing_eos_penalty on truncated responses, then clamped to [-clip, clip]."""
@@ -365,8 +441,14 @@ def shape_scores(scores: torch.Tensor, resp_len: torch.Tensor, trunc: torch.Tens
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
-def lr_at(k: int, base: float, total: int, warmup: int = 0, decay: str = "constant",
-          min_ratio: float = 0.0) -> float:
+def lr_at(
+    k: int,
+    base: float,
+    total: int,
+    warmup: int = 0,
+    decay: str = "constant",
+    min_ratio: float = 0.0,
+) -> float:
     """Learning rate of optimizer step k (0-based) of `total`: linear warmup base * (k + 1) / warmup
     over the first `warmup` steps, then with p = (k - warmup) / max(total - warmup, 1) in [0, 1]:
     constant base, linear base * (m + (1 - m)(1 - p)) or cosine base * (m + (1 - m)(1 + cos(pi p)) / 2),
@@ -384,8 +466,9 @@ def lr_at(k: int, base: float, total: int, warmup: int = 0, decay: str = "consta
     return base * (min_ratio + (1.0 - min_ratio) * f)
 
 
-def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor,
-                target_token: int) -> torch.Tensor:
+def rule_reward(
+    tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor, target_token: int
+) -> torch.Tensor:
     """Rule-based score [B]: fraction of response tokens equal to target_token."""
     T = tokens.shape[1]
     pos = torch.arange(T).unsqueeze(0)
@@ -394,9 +477,31 @@ def rule_reward(tokens: torch.Tensor, prompt_lengths: torch.Tensor, lengths: tor
     return hits / resp.sum(1).clamp(min=1).float()
 
 
-__all__ = ["response_mask", "kl_estimate", "token_rewards", "KL_ESTIMATORS",
-           "policy_loss_tokens", "aggregate", "LOSS_AGG", "returns_to_go", "reinforce_returns",
-           "group_mean", "OUTCOME_ESTIMATORS", "last_index", "truncated", "overlong_penalty",
-           "shape_scores", "lr_at", "LR_DECAYS", "gae", "masked_moments", "whiten", "policy_loss",
-           "value_loss", "group_advantages", "zero_variance_groups", "grpo_advantages",
-           "rule_reward"]
+__all__ = [
+    "response_mask",
+    "kl_estimate",
+    "token_rewards",
+    "KL_ESTIMATORS",
+    "policy_loss_tokens",
+    "aggregate",
+    "LOSS_AGG",
+    "returns_to_go",
+    "reinforce_returns",
+    "group_mean",
+    "OUTCOME_ESTIMATORS",
+    "last_index",
+    "truncated",
+    "overlong_penalty",
+    "shape_scores",
+    "lr_at",
+    "LR_DECAYS",
+    "gae",
+    "masked_moments",
+    "whiten",
+    "policy_loss",
+    "value_loss",
+    "group_advantages",
+    "zero_variance_groups",
+    "grpo_advantages",
+    "rule_reward",
+]

@@ -27,36 +27,44 @@ from .observe import open_nofollow
 
 
 def load_function(spec: str):
-    """"file.py:fn" (a path; a relative one in a config file was joined to the file's folder by
+    """ "file.py:fn" (a path; a relative one in a config file was joined to the file's folder by
     config.read_yaml, one given on the command line is relative to the working directory) or
     "package.module:fn"."""
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"config reward.path={spec!r}: expected 'path/to/file.py:function' or "
-                         "'package.module:function'")
+        raise ValueError(
+            f"config reward.path={spec!r}: expected 'path/to/file.py:function' or "
+            "'package.module:function'"
+        )
     where, name = spec.split(":")
     if where.endswith(".py"):
         if not os.path.isfile(where):
-            raise ValueError(f"config reward.path={spec!r}: no such file {where!r} (relative to "
-                             f"{os.getcwd()})")
+            raise ValueError(
+                f"config reward.path={spec!r}: no such file {where!r} (relative to {os.getcwd()})"
+            )
         mod_name = "real_py_reward_" + os.path.splitext(os.path.basename(where))[0]
         ms = importlib.util.spec_from_file_location(mod_name, where)
         module = importlib.util.module_from_spec(ms)
         try:
             ms.loader.exec_module(module)
         except Exception as e:
-            raise ValueError(f"config reward.path={spec!r}: importing {where} failed: "
-                             f"{type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"config reward.path={spec!r}: importing {where} failed: {type(e).__name__}: {e}"
+            ) from None
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise ValueError(f"config reward.path={spec!r}: cannot import module {where!r}: "
-                             f"{type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"config reward.path={spec!r}: cannot import module {where!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ValueError(f"config reward.path={spec!r}: {where} has no attribute {name!r}")
     if not callable(fn):
-        raise ValueError(f"config reward.path={spec!r}: {name} is a {type(fn).__name__}, not callable")
+        raise ValueError(
+            f"config reward.path={spec!r}: {name} is a {type(fn).__name__}, not callable"
+        )
     return fn
 
 
@@ -79,15 +87,21 @@ class FunctionReward:
             items = list(out)
             vals = [float(x) for x in items]
         except (TypeError, ValueError):
-            raise ValueError(f"reward function {self.spec} returned {type(out).__name__} "
-                             f"{str(out)[:80]}; expected a list of {n} floats") from None
+            raise ValueError(
+                f"reward function {self.spec} returned {type(out).__name__} "
+                f"{str(out)[:80]}; expected a list of {n} floats"
+            ) from None
         text = next((x for x in items if isinstance(x, (str, bytes))), None)
         if text is not None:  # "0.5" passes float(): a score must be a number, not its text
-            raise ValueError(f"reward function {self.spec} returned the string {text!r} as a score; "
-                             f"expected a list of {n} floats (numbers, not strings)")
+            raise ValueError(
+                f"reward function {self.spec} returned the string {text!r} as a score; "
+                f"expected a list of {n} floats (numbers, not strings)"
+            )
         if len(vals) != n:
-            raise ValueError(f"reward function {self.spec} returned {len(vals)} scores for "
-                             f"{n} responses; expected one float per response")
+            raise ValueError(
+                f"reward function {self.spec} returned {len(vals)} scores for "
+                f"{n} responses; expected one float per response"
+            )
         bad = [v for v in vals if not math.isfinite(v)]
         if bad:
             raise ValueError(f"reward function {self.spec} returned a non-finite score {bad[0]}")
@@ -103,30 +117,36 @@ def check_signature(fr: FunctionReward, fields: list[str], where: str) -> None:
     try:
         sig = inspect.signature(fr.fn)
     except (TypeError, ValueError):
-        return                                   # a builtin without a signature: the call checks it
+        return  # a builtin without a signature: the call checks it
     ps = list(sig.parameters.values())
     P = inspect.Parameter
     positional = [p for p in ps if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     star_args = any(p.kind == P.VAR_POSITIONAL for p in ps)
     call = "fn(prompts, responses, **row)"
     if len(positional) < 2 and not star_args:
-        raise ValueError(f"reward function {fr.spec} takes {len(positional)} positional parameter(s) "
-                         f"({', '.join(p.name for p in positional) or 'none'}); it is called as {call}: give it "
-                         "two, e.g. def fn(prompts, responses, **row)")
+        raise ValueError(
+            f"reward function {fr.spec} takes {len(positional)} positional parameter(s) "
+            f"({', '.join(p.name for p in positional) or 'none'}); it is called as {call}: give it "
+            "two, e.g. def fn(prompts, responses, **row)"
+        )
     rest = positional[2:] + [p for p in ps if p.kind == P.KEYWORD_ONLY]
     missing = [p.name for p in rest if p.default is P.empty and p.name not in fields]
     if missing:
         have = f"the fields {sorted(fields)}" if fields else "no fields besides the prompt"
-        raise ValueError(f"reward function {fr.spec}: the data has no field {', '.join(repr(m) for m in missing)} "
-                         f"(a parameter of the function without a default; the data, {where}, has {have}); "
-                         "add the field to every row, give "
-                         f"the parameter a default (e.g. {missing[0]}=None), or rename it to a field")
+        raise ValueError(
+            f"reward function {fr.spec}: the data has no field {', '.join(repr(m) for m in missing)} "
+            f"(a parameter of the function without a default; the data, {where}, has {have}); "
+            "add the field to every row, give "
+            f"the parameter a default (e.g. {missing[0]}=None), or rename it to a field"
+        )
     if not any(p.kind == P.VAR_KEYWORD for p in ps):
         extra = sorted(set(fields) - {p.name for p in rest})
         if extra:
-            raise ValueError(f"reward function {fr.spec} is called with every field of the data as a keyword "
-                             f"({call}) but has no parameter for {extra} ({where}); add **row to its "
-                             "parameters (or a parameter per field)")
+            raise ValueError(
+                f"reward function {fr.spec} is called with every field of the data as a keyword "
+                f"({call}) but has no parameter for {extra} ({where}); add **row to its "
+                "parameters (or a parameter per field)"
+            )
 
 
 def check_call(fr: FunctionReward, data) -> None:
@@ -138,21 +158,29 @@ def check_call(fr: FunctionReward, data) -> None:
     try:
         out = fr.fn(prompts, [""] * len(idx), **row)
     except Exception as e:
-        raise ValueError(f"reward function {fr.spec} failed when called as fn(prompts, responses, "
-                         f"**row) with row fields {sorted(row)} of the data set's first {len(idx)} row(s) and "
-                         f"empty responses: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"reward function {fr.spec} failed when called as fn(prompts, responses, "
+            f"**row) with row fields {sorted(row)} of the data set's first {len(idx)} row(s) and "
+            f"empty responses: {type(e).__name__}: {e}"
+        ) from None
     fr.check(out, len(idx))
 
 
-def write_samples(path: str, step: int, prompts: list, responses: list, scores: torch.Tensor,
-                  rows: list[int]) -> None:
+def write_samples(
+    path: str, step: int, prompts: list, responses: list, scores: torch.Tensor, rows: list[int]
+) -> None:
     """Append one JSON line per sample: step (1-based, as metrics.jsonl), batch row, prompt,
     response, reward."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open_nofollow(path, append=True) as f:
         for r, p, s, v in zip(rows, prompts, responses, scores.tolist()):
-            f.write(json.dumps({"step": step + 1, "row": r, "prompt": p, "response": s, "reward": v},
-                               default=str) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": step + 1, "row": r, "prompt": p, "response": s, "reward": v},
+                    default=str,
+                )
+                + "\n"
+            )
 
 
 __all__ = ["load_function", "FunctionReward", "check_signature", "check_call", "write_samples"]

@@ -32,13 +32,23 @@ from ..liveness import PeerWatch, SilentPeer, wait_watched
 def key_schema(P: int, T: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """key -> (trailing shape, dtype) for prompts of at most P tokens and sequences of T tokens."""
     i64, f32 = torch.int64, torch.float32
-    return {"prompts": ((P,), i64), "prompt_lengths": ((), i64), "seeds": ((), i64),
-            "tokens": ((T,), i64), "lengths": ((), i64), "old_logp": ((T - 1,), f32),
-            "rollout_logp": ((T - 1,), f32),   # vLLM generation: the engine's own log-probs
-            "ref_logp": ((T - 1,), f32), "scores": ((), f32), "values": ((T,), f32),
-            "base_tokens": ((T,), i64), "base_lengths": ((), i64), "base_scores": ((), f32),
-            # async mode: actor weight version of every response token (-1 off the response)
-            "versions": ((T - 1,), i64)}
+    return {
+        "prompts": ((P,), i64),
+        "prompt_lengths": ((), i64),
+        "seeds": ((), i64),
+        "tokens": ((T,), i64),
+        "lengths": ((), i64),
+        "old_logp": ((T - 1,), f32),
+        "rollout_logp": ((T - 1,), f32),  # vLLM generation: the engine's own log-probs
+        "ref_logp": ((T - 1,), f32),
+        "scores": ((), f32),
+        "values": ((T,), f32),
+        "base_tokens": ((T,), i64),
+        "base_lengths": ((), i64),
+        "base_scores": ((), f32),
+        # async mode: actor weight version of every response token (-1 off the response)
+        "versions": ((T - 1,), i64),
+    }
 
 
 def dp_rows(layout, dp_rank: int, B: int, mini_batches: int = 1) -> list[int]:
@@ -53,8 +63,9 @@ def dp_rows(layout, dp_rank: int, B: int, mini_batches: int = 1) -> list[int]:
     return out
 
 
-def push_plan(graph, plan, call: str, B: int, mini_batches: dict[str, int]
-              ) -> dict[tuple[int, int], list[tuple[str, tuple[int, ...]]]]:
+def push_plan(
+    graph, plan, call: str, B: int, mini_batches: dict[str, int]
+) -> dict[tuple[int, int], list[tuple[str, tuple[int, ...]]]]:
     """(sender, receiver) -> [(key, rows)] for the keys `call` writes; deterministic order.
     mini_batches: call -> mini-batches of its row split (1 when absent)."""
     src = plan.calls[call]
@@ -100,8 +111,12 @@ class Store:
         return self.data[key][list(rows)]
 
     def pack(self, parts) -> torch.Tensor:
-        return torch.cat([self.data[k][list(rows)].contiguous().view(torch.uint8).reshape(-1)
-                          for k, rows in parts])
+        return torch.cat(
+            [
+                self.data[k][list(rows)].contiguous().view(torch.uint8).reshape(-1)
+                for k, rows in parts
+            ]
+        )
 
     def nbytes(self, parts) -> int:
         total = 0
@@ -118,7 +133,7 @@ class Store:
         for k, rows in parts:
             t = self.data[k]
             n = self.nbytes([(k, rows)])
-            raw = buf[off:off + n]
+            raw = buf[off : off + n]
             # Keys of different dtypes share one message: a piece after an odd number of int32
             # values starts misaligned for an 8-byte dtype, and view() needs aligned storage.
             if off % t.element_size():
@@ -131,8 +146,14 @@ class Store:
 class Pusher:
     """Posts the pushes of one iteration and waits for them with a timeout."""
 
-    def __init__(self, rank: int, timeout_s: float, device=None, batched: bool | None = None,
-                 watch: PeerWatch | None = None):
+    def __init__(
+        self,
+        rank: int,
+        timeout_s: float,
+        device=None,
+        batched: bool | None = None,
+        watch: PeerWatch | None = None,
+    ):
         """batched: hold receives back and post each call's pushes as one batch_isend_irecv
         (default: on CUDA, which NCCL needs; gloo runs it too, which is how it is tested).
         watch: a liveness.PeerWatch; a wait then fails within seconds, naming the peer, when the
@@ -143,7 +164,7 @@ class Pusher:
         self.batched = self.device.type == "cuda" if batched is None else batched
         self.recvs: list = []  # (work, buf, parts, sender, call)
         self.sends: list = []  # (work, buf, receiver, call)
-        self.held: list = []   # NCCL: (buf, parts, sender, call) waiting for the call's batch
+        self.held: list = []  # NCCL: (buf, parts, sender, call) waiting for the call's batch
         self.bytes_sent = 0
 
     def post(self, store: Store, msgs: dict, tag: int, call: str, sending: bool) -> None:
@@ -167,8 +188,9 @@ class Pusher:
                     self.sends.append((dist.isend(buf, r, tag=tag), buf, r, call))
         if nccl and sending:
             recvs, self.held = self.held, []
-            batch = ([dist.P2POp(dist.irecv, buf, s, tag=tag) for buf, _, s, _ in recvs]
-                     + [dist.P2POp(dist.isend, buf, r, tag=tag) for buf, r, _ in sends])
+            batch = [dist.P2POp(dist.irecv, buf, s, tag=tag) for buf, _, s, _ in recvs] + [
+                dist.P2POp(dist.isend, buf, r, tag=tag) for buf, r, _ in sends
+            ]
         if batch:
             work = _Batch(dist.batch_isend_irecv(batch))
             self.recvs += [(work, buf, parts, s, c) for buf, parts, s, c in recvs]
@@ -178,8 +200,10 @@ class Pusher:
         def check():
             silent = self.watch.silent([peer])
             if silent:
-                raise SilentPeer(f"rank {self.rank}, step {step}: {what}: peer rank {peer} "
-                                 f"{self.watch.describe(peer, silent[0][1])}")
+                raise SilentPeer(
+                    f"rank {self.rank}, step {step}: {what}: peer rank {peer} "
+                    f"{self.watch.describe(peer, silent[0][1])}"
+                )
 
         try:
             if self.watch is None:
@@ -189,15 +213,19 @@ class Pusher:
         except SilentPeer:
             raise
         except RuntimeError as e:
-            raise RuntimeError(f"rank {self.rank}, step {step}: {what} failed or timed out after "
-                               f"{self.timeout.total_seconds():.0f} s: {e}") from None
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}: {what} failed or timed out after "
+                f"{self.timeout.total_seconds():.0f} s: {e}"
+            ) from None
 
     def wait_for(self, store: Store, keys, step: int) -> None:
         """Complete every posted receive carrying any of `keys`."""
         keep = []
         for work, buf, parts, s, call in self.recvs:
             if any(k in keys for k, _ in parts):
-                self._wait(work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step, s)
+                self._wait(
+                    work, f"receiving {[k for k, _ in parts]} of {call} from rank {s}", step, s
+                )
                 store.unpack(parts, buf.cpu())
             else:
                 keep.append((work, buf, parts, s, call))

@@ -57,13 +57,15 @@ def adaptive_kl(coef: float, kl: float | None, pc: PPOConfig, batch_size: int) -
 
 def _context_field(name: str) -> property:
     """A Runtime attribute held in its CallContext (checkpoint.save / load and the driver use these)."""
-    return property(lambda self: getattr(self.ctx, name), lambda self, v: setattr(self.ctx, name, v))
+    return property(
+        lambda self: getattr(self.ctx, name), lambda self, v: setattr(self.ctx, name, v)
+    )
 
 
 class Runtime:
     kl_coef = _context_field("kl_coef")
     reward_moments = _context_field("reward_moments")
-    samples_path = _context_field("samples_path")    # the driver sets <out_dir>/samples.jsonl
+    samples_path = _context_field("samples_path")  # the driver sets <out_dir>/samples.jsonl
     astate = _context_field("astate")
 
     def __init__(self, cfg, plan, graph, configs, *, timeout_s: float = 300.0):
@@ -73,16 +75,20 @@ class Runtime:
         self.device = resolve_device(cfg.device)
         backend = dist.get_backend()
         if (backend == "nccl") != (self.device.type == "cuda"):
-            raise ValueError(f"config device={cfg.device!r} resolves to {self.device}, but the world's "
-                             f"backend is {backend}; init the process group with "
-                             f"{'nccl' if self.device.type == 'cuda' else 'gloo'}")
+            raise ValueError(
+                f"config device={cfg.device!r} resolves to {self.device}, but the world's "
+                f"backend is {backend}; init the process group with "
+                f"{'nccl' if self.device.type == 'cuda' else 'gloo'}"
+            )
         # new_group is collective over the world: every rank builds every call's groups, in order.
         by_layout, self.groups = {}, {}
         moe = any(c.num_experts for c in configs.values())
         ac = cfg.async_
         if moe and ac.max_staleness:
-            raise ValueError("async RL (async.max_staleness >= 1) with mixture-of-experts models is not "
-                             "implemented; use max_staleness: 0")
+            raise ValueError(
+                "async RL (async.max_staleness >= 1) with mixture-of-experts models is not "
+                "implemented; use max_staleness: 0"
+            )
         for n in graph.order:
             layout = plan.calls[n]
             if layout not in by_layout:
@@ -96,14 +102,25 @@ class Runtime:
         # Row pushes as one batch_isend_irecv per call (see rows.Pusher): required by NCCL.
         self.batched_pushes = self.device.type == "cuda"
         pc = cfg.ppo
-        self.models = Models(graph, plan, configs, self.groups, cfg.seed,
-                             lrs={"actor": pc.actor_lr, "critic": pc.critic_lr},
-                             max_grad_norm=pc.max_grad_norm, adam_eps=pc.adam_eps,
-                             timeout_s=timeout_s, rule_reward=cfg.reward.kind in ("rule", "function"),
-                             paths=cfg.model_paths(), verify=cfg.verify_realloc,
-                             offload_frozen=cfg.offload_frozen, critic_init=cfg.critic_init,
-                             device=self.device, temperature=cfg.generation.temperature,
-                             rollout_call=self._vllm_call(graph))
+        self.models = Models(
+            graph,
+            plan,
+            configs,
+            self.groups,
+            cfg.seed,
+            lrs={"actor": pc.actor_lr, "critic": pc.critic_lr},
+            max_grad_norm=pc.max_grad_norm,
+            adam_eps=pc.adam_eps,
+            timeout_s=timeout_s,
+            rule_reward=cfg.reward.kind in ("rule", "function"),
+            paths=cfg.model_paths(),
+            verify=cfg.verify_realloc,
+            offload_frozen=cfg.offload_frozen,
+            critic_init=cfg.critic_init,
+            device=self.device,
+            temperature=cfg.generation.temperature,
+            rollout_call=self._vllm_call(graph),
+        )
         if self.models.rollout_call is not None:
             self.models.attach_rollout(self._start_vllm(cfg, plan, configs["actor"]))
         # Row pushes watch their peer's heartbeat: a stopped rank is named within seconds.
@@ -114,7 +131,10 @@ class Runtime:
         self.dog = Watchdog(store) if store is not None else None
         with user_code(f"loading the data set {cfg.data.path}"):
             prompts = load_prompts(cfg, configs["actor"].vocab_size)
-        self.B, self.T = cfg.data.batch_size, cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        self.B, self.T = (
+            cfg.data.batch_size,
+            cfg.data.max_prompt_len + cfg.generation.max_new_tokens,
+        )
         self.schema = key_schema(cfg.data.max_prompt_len, self.T)
         self.mini_batches = {n: pc.mini_batches for n in graph.order if graph.calls[n].trains}
         self.pushes = {n: push_plan(graph, plan, n, self.B, self.mini_batches) for n in graph.order}
@@ -122,19 +142,44 @@ class Runtime:
         self.rollout = [(i, n) for i, n in self.order if not graph.calls[n].trains]
         self.train = [(i, n) for i, n in self.order if graph.calls[n].trains]
         # Async mode (async.max_staleness >= 1): queue, versions, ledger, double buffer (asyncrl.py).
-        astate = AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
-        pre = prefetch_calls(graph, plan, self.models.home) if astate is not None and ac.overlap_realloc else []
-        self.prefetch = Prefetch(pre, self.models, plan, rank=self.rank, device=self.device,
-                                 timeout_s=timeout_s) if pre else None
+        astate = (
+            AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
+        )
+        pre = (
+            prefetch_calls(graph, plan, self.models.home)
+            if astate is not None and ac.overlap_realloc
+            else []
+        )
+        self.prefetch = (
+            Prefetch(
+                pre, self.models, plan, rank=self.rank, device=self.device, timeout_s=timeout_s
+            )
+            if pre
+            else None
+        )
         self.sync_free = sync_free_calls(graph, plan) if astate is None else set()
         self.ctx = CallContext(
-            rank=self.rank, device=self.device, algo=cfg.algo, steps=cfg.steps, B=self.B, T=self.T,
-            mini_batches=self.mini_batches, data=cfg.data, generation=cfg.generation, ppo=pc,
-            reward=cfg.reward, async_=ac, models=self.models, prompts=prompts,
+            rank=self.rank,
+            device=self.device,
+            algo=cfg.algo,
+            steps=cfg.steps,
+            B=self.B,
+            T=self.T,
+            mini_batches=self.mini_batches,
+            data=cfg.data,
+            generation=cfg.generation,
+            ppo=pc,
+            reward=cfg.reward,
+            async_=ac,
+            models=self.models,
+            prompts=prompts,
             tokenizer=data_tokenizer(cfg, prompts),
             reward_fn=FunctionReward(cfg.reward.path) if cfg.reward.kind == "function" else None,
-            astate=astate, prefetch=self.prefetch, kl_coef=pc.kl_coef,
-            reward_moments=torch.zeros(3, dtype=torch.float64))
+            astate=astate,
+            prefetch=self.prefetch,
+            kl_coef=pc.kl_coef,
+            reward_moments=torch.zeros(3, dtype=torch.float64),
+        )
 
     def _vllm_call(self, graph) -> str | None:
         """The actor's sampling call when vLLM runs it (generation.engine: vllm), else None."""
@@ -148,10 +193,15 @@ class Runtime:
         from ..vllm.rollout import VLLMRollout
 
         gc = cfg.generation
-        return VLLMRollout(actor, plan.calls[self.models.rollout_call],
-                           max_model_len=cfg.data.max_prompt_len + gc.max_new_tokens, seed=cfg.seed,
-                           source=cfg.actor_path, kv_cache_gib=gc.vllm_kv_cache_gib,
-                           gpu_memory_utilization=gc.vllm_gpu_memory_utilization)
+        return VLLMRollout(
+            actor,
+            plan.calls[self.models.rollout_call],
+            max_model_len=cfg.data.max_prompt_len + gc.max_new_tokens,
+            seed=cfg.seed,
+            source=cfg.actor_path,
+            kv_cache_gib=gc.vllm_kv_cache_gib,
+            gpu_memory_utilization=gc.vllm_gpu_memory_utilization,
+        )
 
     def iteration(self, step: int) -> dict:
         """Run one iteration; returns, on every rank, {"metrics" (means, see observe.METRICS),
@@ -189,7 +239,9 @@ class Runtime:
             # New prompts: the batch of a "virtual" step past the run's last one, distinct for
             # every (step, round), so refills do not repeat this run's own batches (before the
             # data set wraps around) and their sampling seeds differ from every real step's.
-            self._write_batch(store, self.cfg.steps + step * (pc.max_gen_rounds - 1) + rounds - 1, rows)
+            self._write_batch(
+                store, self.cfg.steps + step * (pc.max_gen_rounds - 1) + rounds - 1, rows
+            )
             self.ctx.active_rows = set(rows)
             try:
                 self._run(self.rollout, step, store, pusher, sums, rec)
@@ -224,8 +276,10 @@ class Runtime:
             # the generation ranks generate; receives complete at pusher.finish.
             new = self._rollout(b, sums, rec)
         if not st.queue or st.queue[0][0] != step:
-            raise RuntimeError(f"rank {self.rank}, step {step}: async queue holds batches "
-                               f"{[q[0] for q in st.queue]}, expected batch {step} first")
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}: async queue holds batches "
+                f"{[q[0] for q in st.queue]}, expected batch {step} first"
+            )
         _, cur, gen_v = st.queue.popleft()
         tpush = self._pusher()
         self._run(self.train, step, cur, tpush, sums, rec)
@@ -240,11 +294,16 @@ class Runtime:
         dropped = int(sums.total("rows_dropped_step"))
         st.trained += self.B - dropped
         st.dropped += dropped
-        out["metrics"].update(st.ledger(), rows_dropped=float(dropped), version=float(step + 1),
-                              batch_version=float(gen_v),
-                              prefetched_calls=float(len(pf.used) if pf is not None else 0))
-        out["async"] = async_report(out["events"], {n for _, n in self.rollout},
-                                    {n for _, n in self.train}, t_pro, t_wait)
+        out["metrics"].update(
+            st.ledger(),
+            rows_dropped=float(dropped),
+            version=float(step + 1),
+            batch_version=float(gen_v),
+            prefetched_calls=float(len(pf.used) if pf is not None else 0),
+        )
+        out["async"] = async_report(
+            out["events"], {n for _, n in self.rollout}, {n for _, n in self.train}, t_pro, t_wait
+        )
         return out
 
     def _rollout(self, b: int, sums, rec) -> tuple[Store, Pusher]:
@@ -268,8 +327,14 @@ class Runtime:
         """Inputs (prompts, prompt_lengths, seeds) of `rows` from make_batch(step), and their data
         set rows in ctx.batch_index (every rank holds every input row)."""
         ctx, repeat = self.ctx, self.cfg.group_size()
-        batch = make_batch(self.cfg.data, step, self.configs["actor"].vocab_size, ctx.prompts,
-                           seed=self.cfg.seed, repeat=repeat)
+        batch = make_batch(
+            self.cfg.data,
+            step,
+            self.configs["actor"].vocab_size,
+            ctx.prompts,
+            seed=self.cfg.seed,
+            repeat=repeat,
+        )
         for k, v in batch.items():
             store.write(k, rows, v[rows])
         if ctx.prompts is not None:
@@ -293,10 +358,14 @@ class Runtime:
                 records = [None] * world
                 dist.all_gather_object(records, rec)
         except Exception as e:
-            raise RuntimeError(f"rank {self.rank}, step {step}, end of iteration: "
-                               f"{type(e).__name__}: {e}") from e
-        out = {"metrics": sums.means(), **step_summary(records, self.graph.order, self.sync_free),
-               "store": store}
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}, end of iteration: {type(e).__name__}: {e}"
+            ) from e
+        out = {
+            "metrics": sums.means(),
+            **step_summary(records, self.graph.order, self.sync_free),
+            "store": store,
+        }
         ctx.reward_moments += sums.reward_moments()
         if self.cfg.ppo.kl_target is not None:
             out["metrics"]["kl_coef"] = ctx.kl_coef
@@ -319,25 +388,31 @@ class Runtime:
             dist.all_reduce(buf)
             buf = buf.cpu()
         except Exception as e:
-            raise RuntimeError(f"rank {self.rank}, step {step}, dynamic sampling: gathering scores: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}, dynamic sampling: gathering scores: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if not bool((buf[1] == 1).all()):
-            raise RuntimeError(f"rank {self.rank}, step {step}: dynamic sampling got "
-                               f"{int((buf[1] != 1).sum())} rows without exactly one score")
+            raise RuntimeError(
+                f"rank {self.rank}, step {step}: dynamic sampling got "
+                f"{int((buf[1] != 1).sum())} rows without exactly one score"
+            )
         return buf[0].float()
 
     def _run(self, calls, step, store, pusher, sums, rec) -> None:
         for i, name in calls:
             try:
                 reset_peak_memory(self.device)
-                with self._watched(f"rank {self.rank}, step {step}, call {name}",
-                                   self.plan.calls[name].ranks):
+                with self._watched(
+                    f"rank {self.rank}, step {step}, call {name}", self.plan.calls[name].ranks
+                ):
                     self._call(i, name, step, store, pusher, sums, rec)
                 if self.device.type == "cuda":
                     rec.peak_mem_mib[name] = peak_memory_mib(self.device)
             except Exception as e:
-                raise RuntimeError(f"rank {self.rank}, step {step}, call {name}: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise RuntimeError(
+                    f"rank {self.rank}, step {step}, call {name}: {type(e).__name__}: {e}"
+                ) from e
 
     def _watched(self, what: str, peers):
         return self.dog.section(what, peers) if self.dog is not None else contextlib.nullcontext()
@@ -349,10 +424,14 @@ class Runtime:
             in_bytes, in_sec = self.models.reload(call.model)
         t_r = time.time()
         # Async double buffer: the weights may have moved during the previous step.
-        engine, rstats = (self.prefetch if self.prefetch is not None else self.models).engine_for(name)
+        engine, rstats = (self.prefetch if self.prefetch is not None else self.models).engine_for(
+            name
+        )
         if rstats is not None:
-            rec.reallocs.append(Realloc(call.model, name, rstats["start"], rstats["end"], rstats["sent_bytes"]))
-            if self.astate is not None:   # async mode: reallocation intervals, for the overlap
+            rec.reallocs.append(
+                Realloc(call.model, name, rstats["start"], rstats["end"], rstats["sent_bytes"])
+            )
+            if self.astate is not None:  # async mode: reallocation intervals, for the overlap
                 rec.events.append(Event(self.rank, "realloc:" + name, t_r, time.time()))
         g = self.groups[name]
         pusher.post(store, self.pushes[name], i + 1, name, sending=False)

@@ -71,7 +71,16 @@ class Workload:
     two differ by the pipeline bubble: (m + pp - 1) / m at the runtime's m (often 1)."""
 
     def __post_init__(self):
-        for f in ("batch_size", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs", "micro_tokens", "micro_batches", "group_size"):
+        for f in (
+            "batch_size",
+            "prompt_len",
+            "gen_len",
+            "ppo_minibatches",
+            "ppo_epochs",
+            "micro_tokens",
+            "micro_batches",
+            "group_size",
+        ):
             if getattr(self, f) < 1:
                 raise ValueError(f"Workload.{f}={getattr(self, f)} must be >= 1")
 
@@ -99,7 +108,9 @@ class Mesh:
         return tuple(range(self.start, self.start + self.size))
 
     def nodes(self, ranks_per_node: int) -> range:
-        return range(self.start // ranks_per_node, (self.start + self.size - 1) // ranks_per_node + 1)
+        return range(
+            self.start // ranks_per_node, (self.start + self.size - 1) // ranks_per_node + 1
+        )
 
 
 def _arch(model: ModelSpec):
@@ -112,14 +123,19 @@ def _arch(model: ModelSpec):
 def matmul_params(model: ModelSpec) -> int:
     """Parameters that take part in matmuls (the input embedding is a lookup)."""
     emb = model.param("embed_tokens.weight").numel
-    tied = model.config is not None and model.config.tie_word_embeddings and model.config.head == "lm"
+    tied = (
+        model.config is not None and model.config.tie_word_embeddings and model.config.head == "lm"
+    )
     return model.numel - (0 if tied else emb)
 
 
 def fwd_flops(model: ModelSpec, tokens: float, ctx: float) -> float:
     """Forward FLOPs of `tokens` tokens attending to `ctx` tokens each on average."""
     c = _arch(model)
-    return tokens * (2 * matmul_params(model) + 4 * c.num_hidden_layers * ctx * c.num_attention_heads * c.head_dim)
+    return tokens * (
+        2 * matmul_params(model)
+        + 4 * c.num_hidden_layers * ctx * c.num_attention_heads * c.head_dim
+    )
 
 
 def allreduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
@@ -154,8 +170,16 @@ def _pipeline(pp: int, tokens: float, micro_tokens: int) -> tuple[int, float]:
     return m, (m + pp - 1) / m
 
 
-def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int,
-              hw: HardwareProfile, wl: Workload) -> dict[str, float]:
+def call_time(
+    kind: str,
+    model: ModelSpec,
+    mesh: Mesh,
+    dp: int,
+    tp: int,
+    pp: int,
+    hw: HardwareProfile,
+    wl: Workload,
+) -> dict[str, float]:
     """Seconds per term and "total" for one call (all sequences of one iteration).
 
     Terms: roofline compute ("prefill", "decode", "score", "compute", "optimizer"), collectives
@@ -176,7 +200,11 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     pp_bw, pp_link_lat = group_link(hw, mesh, tp * dp, pp)
     pp_lat = pp_link_lat * hw.p2p_lat_ratio  # pipeline hops are point-to-point messages
     # A collective's latency over n ranks (HardwareProfile.coll_lat_growth: a ring's steps).
-    tp_lat, dp_lat, pp_coll_lat = hw.coll_lat(tp_lat, tp), hw.coll_lat(dp_lat, dp), hw.coll_lat(pp_link_lat, pp)
+    tp_lat, dp_lat, pp_coll_lat = (
+        hw.coll_lat(tp_lat, tp),
+        hw.coll_lat(dp_lat, dp),
+        hw.coll_lat(pp_link_lat, pp),
+    )
     # The last stage's broadcast of results (inference) or new tokens (decode steps) carries no
     # reduction: over a pair of stages it is one message, a hop's latency, grown for more stages.
     pp_bcast_lat = hw.coll_lat(pp_lat, pp)
@@ -185,7 +213,11 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     # stage finds its core taken). Measured with as many working stages as cores, it is added
     # after the core sharing's stretch below, not stretched by it; the stage groups' small
     # all-reduces after the flush (train) are not hand-overs: every rank is busy then.
-    wait = hw.pipe_wait_lat if dp > 1 and pp > 1 and hw.shared_cores and hw.shared_cores < mesh.size else 0.0
+    wait = (
+        hw.pipe_wait_lat
+        if dp > 1 and pp > 1 and hw.shared_cores and hw.shared_cores < mesh.size
+        else 0.0
+    )
     waited: dict[str, float] = {}  # term -> its seconds of pipe waits (added after the stretch)
     out: dict[str, float] = {}
     seqs = wl.batch_size / dp
@@ -227,16 +259,29 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         lm = c.head == "lm"
         head_host = (hw.tp_train_lat if train else hw.tp_head_lat) if lm else 0.0
         head_colls = HEAD_COLLS if lm else VALUE_HEAD_COLLS
-        tp_t = (k * 2 * L / pp * bubble * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
-                + m * (k * head_colls * tp_lat + head_host)) if tp > 1 else 0.0
+        tp_t = (
+            (
+                k
+                * 2
+                * L
+                / pp
+                * bubble
+                * (m * tp_lat + allreduce_time(tok * H * es, tp, tp_bw, 0.0))
+                + m * (k * head_colls * tp_lat + head_host)
+            )
+            if tp > 1
+            else 0.0
+        )
         hops = k * (m + pp - 2) if pp > 1 else 0
         layer = hw.train_layer_lat if train else hw.layer_lat
         head = hw.pass_lat(c.head, train)
-        return {"compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
-                "tp": tp_t,
-                "pp": hops * (pp_lat + tok / m * H * es / pp_bw),
-                "pp_wait": hops * wait,
-                "overhead": m * (bubble * L / pp * layer + head)}
+        return {
+            "compute": passes * fwd_flops(model, tok, ctx) / (tp * pp) / hw.flops * bubble,
+            "tp": tp_t,
+            "pp": hops * (pp_lat + tok / m * H * es / pp_bw),
+            "pp_wait": hops * wait,
+            "overhead": m * (bubble * L / pp * layer + head),
+        }
 
     if kind == "generate":
         P, G = wl.prompt_len, wl.gen_len
@@ -251,8 +296,13 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         # Per step: 2 all-reduces per layer and one logits all-gather (tp); an activation hop
         # between stages and the new tokens broadcast from the last stage (pp). Stages run one
         # after another.
-        step_tp = (2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat) + tp_lat + hw.tp_decode_lat
-                   if tp > 1 else 0.0)
+        step_tp = (
+            2 * L * allreduce_time(seqs / pp * H * es, tp, tp_bw, tp_lat)
+            + tp_lat
+            + hw.tp_decode_lat
+            if tp > 1
+            else 0.0
+        )
         step_pp = (pp - 1) * (pp_lat + seqs * H * es / pp_bw) + pp_bcast_lat if pp > 1 else 0.0
         out["decode"] = G * step
         out["decode_tp"] = G * step_tp
@@ -261,7 +311,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         waited["score_pp"] = score["pp_wait"]
         waited["decode_pp"] = G * pp * wait  # per step pp - 1 hops and the tokens' broadcast
         out["score"], out["score_tp"], out["score_pp"] = score["compute"], score["tp"], score["pp"]
-        out["overhead"] = pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
+        out["overhead"] = (
+            pre["overhead"] + score["overhead"] + G * (L * hw.decode_layer_lat + hw.decode_lat)
+        )
     else:
         steps = wl.ppo_epochs * wl.ppo_minibatches if kind == "train" else 1
         pass_m, f = forward(pass_tokens, S / 2, kind == "train")
@@ -271,8 +323,11 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
         if kind == "train":
             local = model.numel / (tp * pp)
             # Small collectives per optimizer step: grad-norm (tp, pp), loss and token count (dp).
-            small = ((tp_lat if tp > 1 else 0.0) + (2 * pp_coll_lat if pp > 1 else 0.0)
-                     + (2 * dp_lat if dp > 1 else 0.0))
+            small = (
+                (tp_lat if tp > 1 else 0.0)
+                + (2 * pp_coll_lat if pp > 1 else 0.0)
+                + (2 * dp_lat if dp > 1 else 0.0)
+            )
             out["dp"] = steps * (allreduce_time(local * es, dp, dp_bw, dp_lat) + small)
             out["optimizer"] = steps * local / dp * (24 + 3 * es) / hw.mem_bw
         elif pp > 1:
@@ -310,7 +365,9 @@ def call_time(kind: str, model: ModelSpec, mesh: Mesh, dp: int, tp: int, pp: int
     return out
 
 
-def call_memory(kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Workload) -> dict[str, float]:
+def call_memory(
+    kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Workload
+) -> dict[str, float]:
     """Bytes per device: "persist" (kept all iteration on this layout), "transient" (during the
     call), "weights" (one copy of the parameters in this layout, transient when reallocated here).
 
@@ -341,5 +398,9 @@ def call_memory(kind: str, model: ModelSpec, dp: int, tp: int, pp: int, wl: Work
         # Decoding holds the KV cache; the scoring pass after it (the old log-probs) holds a
         # forward pass's activations instead.
         kv = seqs * wl.seq_len * (L / pp) * 2 * c.num_key_value_heads * c.head_dim * es / tp
-        return {"persist": 0.0, "transient": max(kv + seqs * vocab_out * 4 / tp, forward), "weights": weights}
+        return {
+            "persist": 0.0,
+            "transient": max(kv + seqs * vocab_out * 4 / tp, forward),
+            "weights": weights,
+        }
     return {"persist": 0.0, "transient": forward, "weights": weights}

@@ -28,8 +28,13 @@ class CallSpec:
     """The call whose layout holds this model's weights (trainable models), else None."""
 
 
-_KINDS = {"generate": "generate", "generate_greedy": "generate", "logprobs": "inference",
-          "values": "inference", "reward": "inference"}
+_KINDS = {
+    "generate": "generate",
+    "generate_greedy": "generate",
+    "logprobs": "inference",
+    "values": "inference",
+    "reward": "inference",
+}
 
 
 ENGINES = ("builtin", "vllm")
@@ -52,8 +57,15 @@ def search_graph(algo: str = "ppo", engine: str = "builtin") -> tuple[CallSpec, 
         c = g.calls[n]
         deps = tuple(dict.fromkeys(p for k in c.reads if (p := g.producer(k)) is not None))
         home = g.train_call(c.model)
-        out.append(CallSpec(name=n, model=c.model, kind="train" if c.trains else _KINDS[c.kind],
-                            deps=deps, weight_src=home if home != n else None))
+        out.append(
+            CallSpec(
+                name=n,
+                model=c.model,
+                kind="train" if c.trains else _KINDS[c.kind],
+                deps=deps,
+                weight_src=home if home != n else None,
+            )
+        )
     return tuple(out)
 
 

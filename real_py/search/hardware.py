@@ -94,12 +94,35 @@ class HardwareProfile:
     is its own processor."""
 
     def __post_init__(self):
-        for f in ("peak_flops", "flops_eff", "hbm_bw", "hbm_eff", "intra_bw", "inter_bw", "mem_bytes"):
+        for f in (
+            "peak_flops",
+            "flops_eff",
+            "hbm_bw",
+            "hbm_eff",
+            "intra_bw",
+            "inter_bw",
+            "mem_bytes",
+        ):
             if not getattr(self, f) > 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be positive")
-        for f in ("layer_lat", "head_lat", "decode_layer_lat", "decode_lat", "train_layer_lat", "train_lat",
-                  "tp_head_lat", "tp_train_lat", "tp_decode_lat", "realloc_lat", "intra_lat", "inter_lat",
-                  "p2p_lat_ratio", "lat_contention", "coll_lat_growth", "pipe_wait_lat"):
+        for f in (
+            "layer_lat",
+            "head_lat",
+            "decode_layer_lat",
+            "decode_lat",
+            "train_layer_lat",
+            "train_lat",
+            "tp_head_lat",
+            "tp_train_lat",
+            "tp_decode_lat",
+            "realloc_lat",
+            "intra_lat",
+            "inter_lat",
+            "p2p_lat_ratio",
+            "lat_contention",
+            "coll_lat_growth",
+            "pipe_wait_lat",
+        ):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"HardwareProfile.{f}={getattr(self, f)} must be >= 0")
         for f in ("value_head_lat", "value_train_lat"):
@@ -124,8 +147,16 @@ class HardwareProfile:
         """Fixed seconds per forward pass (train: per optimizer step of one micro-batch) outside
         the layers, for a model with an `lm` or a `value` head."""
         if train:
-            return self.value_train_lat if head == "value" and self.value_train_lat is not None else self.train_lat
-        return self.value_head_lat if head == "value" and self.value_head_lat is not None else self.head_lat
+            return (
+                self.value_train_lat
+                if head == "value" and self.value_train_lat is not None
+                else self.train_lat
+            )
+        return (
+            self.value_head_lat
+            if head == "value" and self.value_head_lat is not None
+            else self.head_lat
+        )
 
     def contention(self, ranks: int) -> float:
         """Slow-down of processor work when `ranks` devices are busy on `shared_cores` cores."""
@@ -149,15 +180,39 @@ GB = 1e9
 PROFILES: dict[str, HardwareProfile] = {
     # A100-SXM4-80G: 312 TFLOP/s bf16, 2.04 TB/s HBM2e, NVLink3 300 GB/s/dir (NCCL ~230),
     # HDR InfiniBand 200 Gb/s per GPU (NCCL ~23 GB/s).
-    "a100": HardwareProfile(name="a100", peak_flops=312e12, flops_eff=0.5, hbm_bw=2.04e12, hbm_eff=0.8,
-                            intra_bw=230 * GB, inter_bw=23 * GB, mem_bytes=80e9),
+    "a100": HardwareProfile(
+        name="a100",
+        peak_flops=312e12,
+        flops_eff=0.5,
+        hbm_bw=2.04e12,
+        hbm_eff=0.8,
+        intra_bw=230 * GB,
+        inter_bw=23 * GB,
+        mem_bytes=80e9,
+    ),
     # H100-SXM5-80G: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink4 450 GB/s/dir (NCCL ~360),
     # NDR InfiniBand 400 Gb/s per GPU (NCCL 46-48 GB/s).
-    "h100": HardwareProfile(name="h100", peak_flops=989e12, flops_eff=0.5, hbm_bw=3.35e12, hbm_eff=0.8,
-                            intra_bw=360 * GB, inter_bw=46 * GB, mem_bytes=80e9),
+    "h100": HardwareProfile(
+        name="h100",
+        peak_flops=989e12,
+        flops_eff=0.5,
+        hbm_bw=3.35e12,
+        hbm_eff=0.8,
+        intra_bw=360 * GB,
+        inter_bw=46 * GB,
+        mem_bytes=80e9,
+    ),
     # H200-SXM 141G: H100 compute with 4.8 TB/s HBM3e and 141 GB.
-    "h200": HardwareProfile(name="h200", peak_flops=989e12, flops_eff=0.5, hbm_bw=4.8e12, hbm_eff=0.8,
-                            intra_bw=360 * GB, inter_bw=46 * GB, mem_bytes=141e9),
+    "h200": HardwareProfile(
+        name="h200",
+        peak_flops=989e12,
+        flops_eff=0.5,
+        hbm_bw=4.8e12,
+        hbm_eff=0.8,
+        intra_bw=360 * GB,
+        inter_bw=46 * GB,
+        mem_bytes=141e9,
+    ),
 }
 MEASURED = ("cpu",)
 """Profile names measured on this machine (real_py.calibrate.resolve_profile), not looked up."""
@@ -171,6 +226,8 @@ def get_profile(name: str) -> HardwareProfile:
     if key in PROFILES:
         return PROFILES[key]
     if key in MEASURED:
-        raise ValueError(f"hardware profile {name!r} is measured on this machine, not looked up: "
-                         f"resolve it with real_py.calibrate.resolve_profile({name!r}) and pass the profile")
+        raise ValueError(
+            f"hardware profile {name!r} is measured on this machine, not looked up: "
+            f"resolve it with real_py.calibrate.resolve_profile({name!r}) and pass the profile"
+        )
     raise ValueError(f"unknown hardware profile {name!r}; allowed: {', '.join(PROFILE_NAMES)}")

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-COLORS = {"actor_gen": "#4C72B0", "ref_inf": "#55A868", "rew_inf": "#C44E52", "critic_inf": "#8172B2",
-          "actor_train": "#CCB974", "critic_train": "#64B5CD", "actor_greedy": "#DA8BC3"}
+COLORS = {
+    "actor_gen": "#4C72B0",
+    "ref_inf": "#55A868",
+    "rew_inf": "#C44E52",
+    "critic_inf": "#8172B2",
+    "actor_train": "#CCB974",
+    "critic_train": "#64B5CD",
+    "actor_greedy": "#DA8BC3",
+}
 
 
 def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
@@ -20,13 +27,26 @@ def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
     for e in events:
         color = "#999999" if e.realloc else COLORS.get(e.call, "#333333")
         for lo, hi in e.ranks:
-            ax.broken_barh([(e.start, e.end - e.start)], (lo, hi - lo), facecolors=color,
-                           edgecolors="black", linewidth=0.4, hatch="//" if e.realloc else None)
+            ax.broken_barh(
+                [(e.start, e.end - e.start)],
+                (lo, hi - lo),
+                facecolors=color,
+                edgecolors="black",
+                linewidth=0.4,
+                hatch="//" if e.realloc else None,
+            )
             # Label only bars wide and tall enough to hold the text.
             if e.end - e.start > 0.045 * span and hi - lo >= max(1, num_gpus // 16):
                 short = ("R:" + e.label.split()[-1]) if e.realloc else e.call.replace("_", " ")
-                ax.text(e.start + (e.end - e.start) / 2, (lo + hi) / 2, short, ha="center", va="center",
-                        fontsize=7, clip_on=True)
+                ax.text(
+                    e.start + (e.end - e.start) / 2,
+                    (lo + hi) / 2,
+                    short,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    clip_on=True,
+                )
     ax.set_xlim(0, span * 1.01)
     ax.set_ylim(num_gpus, 0)
     step = max(1, num_gpus // 16)
@@ -35,7 +55,9 @@ def plot_timeline(events, num_gpus: int, path: str, title: str = "") -> None:
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
     present = {e.call for e in events if not e.realloc}
-    handles = [Patch(facecolor=c, edgecolor="black", label=n) for n, c in COLORS.items() if n in present]
+    handles = [
+        Patch(facecolor=c, edgecolor="black", label=n) for n, c in COLORS.items() if n in present
+    ]
     handles.append(Patch(facecolor="#999999", hatch="//", edgecolor="black", label="reallocation"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=7, fontsize=8)
     ax.set_title(title, fontsize=10)

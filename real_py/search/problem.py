@@ -58,11 +58,24 @@ class Option:
 
 
 class Problem:
-    def __init__(self, models: PPOModels, hw: HardwareProfile, num_gpus: int, wl: Workload, *,
-                 iters: int = 3, per_mesh: int | None = None, min_mesh_size: int = 1, extra: dict | None = None,
-                 fixed: dict | None = None, realloc: ReallocCost | None = None,
-                 graph: tuple | None = None, grouped: bool = False, staleness: int = 0,
-                 vllm_call: str | None = None):
+    def __init__(
+        self,
+        models: PPOModels,
+        hw: HardwareProfile,
+        num_gpus: int,
+        wl: Workload,
+        *,
+        iters: int = 3,
+        per_mesh: int | None = None,
+        min_mesh_size: int = 1,
+        extra: dict | None = None,
+        fixed: dict | None = None,
+        realloc: ReallocCost | None = None,
+        graph: tuple | None = None,
+        grouped: bool = False,
+        staleness: int = 0,
+        vllm_call: str | None = None,
+    ):
         if per_mesh is not None and per_mesh < 1:
             raise ValueError(f"per_mesh must be None (no pruning) or >= 1, got {per_mesh}")
         if staleness < 0:
@@ -88,13 +101,19 @@ class Problem:
         for call in self.calls:
             if fixed is not None:
                 if call.name not in fixed:
-                    raise ValueError(f"plan has no layout for call {call.name}; calls: {self.names}")
+                    raise ValueError(
+                        f"plan has no layout for call {call.name}; calls: {self.names}"
+                    )
                 errs = self._rule_errors(call, fixed[call.name][1], fixed[call.name])
-                if errs:  # a plan the trainer refuses has no meaningful estimate (dataflow/rules.py)
+                if (
+                    errs
+                ):  # a plan the trainer refuses has no meaningful estimate (dataflow/rules.py)
                     raise ValueError("plan breaks a batch rule: " + "; ".join(errs))
                 self.options.append([self._option(call, *fixed[call.name])])
                 continue
-            self.options.append(self._candidates(call, per_mesh, min_mesh_size, extra.get(call.name, ())))
+            self.options.append(
+                self._candidates(call, per_mesh, min_mesh_size, extra.get(call.name, ()))
+            )
         self.index = [{o.key: i for i, o in enumerate(opts)} for opts in self.options]
         self._evaluator = None
 
@@ -106,22 +125,40 @@ class Problem:
         if hit is None:
             t = call_time(call.kind, model, mesh, dp, tp, pp, self.hw, self.wl)
             m = call_memory(call.kind, model, dp, tp, pp, self.wl)
-            persist = m["persist"] + (m["weights"] if call.kind != "train" and call.weight_src is None else 0.0)
+            persist = m["persist"] + (
+                m["weights"] if call.kind != "train" and call.weight_src is None else 0.0
+            )
             hit = self._memo[key] = (t, persist, m["transient"], m["weights"])
         t, persist, transient, weights = hit
-        return Option(mesh, dp, tp, pp, t["total"], persist, transient, weights, t, t["busy"], t["working"])
+        return Option(
+            mesh, dp, tp, pp, t["total"], persist, transient, weights, t, t["busy"], t["working"]
+        )
 
     def _rule_errors(self, call, dp: int, layout: tuple | None = None) -> list[str]:
         """Why the trainer would refuse `call` at data-parallel degree dp; with layout (mesh, dp,
         tp, pp), also why vLLM could not run it when it is the vLLM call."""
         wl = self.wl
         grpo_actor = self.grouped and call.kind == "train" and call.model == "actor"
-        errs = call_rule_errors(call.name, call.kind == "train", grpo_actor, dp, wl.batch_size,
-                                wl.ppo_minibatches, wl.micro_batches, wl.group_size)
+        errs = call_rule_errors(
+            call.name,
+            call.kind == "train",
+            grpo_actor,
+            dp,
+            wl.batch_size,
+            wl.ppo_minibatches,
+            wl.micro_batches,
+            wl.group_size,
+        )
         if layout is not None and call.name == self.vllm_call:
             mesh, dp, tp, pp = layout
-            errs += [f"call {call.name} on vLLM: {e}" for e in vllm_layout_errors(
-                Layout(dp=dp, tp=tp, pp=pp, ranks=mesh.ranks), self.num_gpus, self.models.of(call.model).config)]
+            errs += [
+                f"call {call.name} on vLLM: {e}"
+                for e in vllm_layout_errors(
+                    Layout(dp=dp, tp=tp, pp=pp, ranks=mesh.ranks),
+                    self.num_gpus,
+                    self.models.of(call.model).config,
+                )
+            ]
         return errs
 
     def _candidates(self, call, per_mesh, min_mesh_size, extra) -> list[Option]:
@@ -145,10 +182,17 @@ class Problem:
                     least[mesh.size] = (need, o)
                 if need <= limit:
                     opts.append(o)
-            if not opts:  # why this mesh size has no candidate for this call (for the no-plan error)
-                self.excluded.setdefault(mesh.size, {}).setdefault(call.name, (
-                    f"memory, needs {least[mesh.size][0] / GiB:.1f} GiB ({least[mesh.size][1]})"
-                    if mesh.size in least else refused.get(mesh.size, "no strategy")))
+            if (
+                not opts
+            ):  # why this mesh size has no candidate for this call (for the no-plan error)
+                self.excluded.setdefault(mesh.size, {}).setdefault(
+                    call.name,
+                    (
+                        f"memory, needs {least[mesh.size][0] / GiB:.1f} GiB ({least[mesh.size][1]})"
+                        if mesh.size in least
+                        else refused.get(mesh.size, "no strategy")
+                    ),
+                )
             opts.sort(key=lambda o: o.time)
             out += opts if per_mesh is None else opts[:per_mesh]
         have = {o.key for o in out}
@@ -157,36 +201,71 @@ class Problem:
                 out.append(self._option(call, *key))
                 have.add(key)
         if not out and smallest is None and refused:
-            raise ValueError(f"no layout of call {call.name} meets the batch rules; per mesh size: "
-                             + "; ".join(f"{k} devices: {v}" for k, v in sorted(refused.items())))
+            raise ValueError(
+                f"no layout of call {call.name} meets the batch rules; per mesh size: "
+                + "; ".join(f"{k} devices: {v}" for k, v in sorted(refused.items()))
+            )
         if not out:
             need, o = smallest if smallest else (float("inf"), None)
             raise ValueError(
                 f"no layout of call {call.name} ({model.name}, {call.kind}) fits {self.hw.name} memory "
                 f"({limit / GiB:.1f} GiB usable per device) on {self.num_gpus} devices: the smallest "
                 f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile; "
-                f"per mesh size: " + "; ".join(
-                    f"{k} devices: " + (f"memory, needs {least[k][0] / GiB:.1f} GiB ({least[k][1]})" if k in least
-                                        else refused[k]) for k in sorted(set(least) | set(refused))))
+                f"per mesh size: "
+                + "; ".join(
+                    f"{k} devices: "
+                    + (
+                        f"memory, needs {least[k][0] / GiB:.1f} GiB ({least[k][1]})"
+                        if k in least
+                        else refused[k]
+                    )
+                    for k in sorted(set(least) | set(refused))
+                )
+            )
         return out
 
     # --- tables for C++ -------------------------------------------------------------------
     def graph_dict(self) -> dict:
         pos = {n: i for i, n in enumerate(self.names)}
         return {
-            "num_gpus": self.num_gpus, "ranks_per_node": self.rpn,
-            "options": [np.array([[o.mesh.start, o.mesh.size, o.dp, o.tp, o.pp, o.time, o.persist,
-                                   o.transient, o.weights] for o in opts], np.float64) for opts in self.options],
+            "num_gpus": self.num_gpus,
+            "ranks_per_node": self.rpn,
+            "options": [
+                np.array(
+                    [
+                        [
+                            o.mesh.start,
+                            o.mesh.size,
+                            o.dp,
+                            o.tp,
+                            o.pp,
+                            o.time,
+                            o.persist,
+                            o.transient,
+                            o.weights,
+                        ]
+                        for o in opts
+                    ],
+                    np.float64,
+                )
+                for opts in self.options
+            ],
             "weight_src": [pos[c.weight_src] if c.weight_src else -1 for c in self.calls],
             "deps": [[pos[d] for d in c.deps] for c in self.calls],
             "dep_bytes": [[dep_bytes(d, c.name, self.wl) for d in c.deps] for c in self.calls],
-            "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
-            "intra_lat": self.hw.intra_lat, "inter_lat": self.hw.inter_lat,
-            "mem_limit": self.hw.mem_limit, "iters": self.iters,
-            "staleness": getattr(self, "staleness", 0), "trains": [c.kind == "train" for c in self.calls],
+            "intra_bw": self.hw.intra_bw,
+            "inter_bw": self.hw.inter_bw,
+            "intra_lat": self.hw.intra_lat,
+            "inter_lat": self.hw.inter_lat,
+            "mem_limit": self.hw.mem_limit,
+            "iters": self.iters,
+            "staleness": getattr(self, "staleness", 0),
+            "trains": [c.kind == "train" for c in self.calls],
             "shared_cores": float(getattr(self.hw, "shared_cores", 0)),
-            "busy": [np.array([[o.busy, o.working] for o in opts], np.float64).reshape(-1, 2)
-                     for opts in self.options],
+            "busy": [
+                np.array([[o.busy, o.working] for o in opts], np.float64).reshape(-1, 2)
+                for opts in self.options
+            ],
         }
 
     def realloc_time(self, call: int, src: int, dst: int) -> float:
@@ -218,8 +297,13 @@ class Problem:
         return {name: self.options[i][o].key for i, (name, o) in enumerate(zip(self.names, choice))}
 
     def execution_plan(self, choice) -> ExecutionPlan:
-        return ExecutionPlan(world_size=self.num_gpus, ranks_per_node=self.rpn,
-                             calls={n: self.options[i][o].layout() for i, (n, o) in enumerate(zip(self.names, choice))})
+        return ExecutionPlan(
+            world_size=self.num_gpus,
+            ranks_per_node=self.rpn,
+            calls={
+                n: self.options[i][o].layout() for i, (n, o) in enumerate(zip(self.names, choice))
+            },
+        )
 
 
 def layouts_from_plan(plan: ExecutionPlan) -> dict:
@@ -228,7 +312,9 @@ def layouts_from_plan(plan: ExecutionPlan) -> dict:
     for name, l in plan.calls.items():
         r = l.ranks
         if list(r) != list(range(r[0], r[0] + len(r))):
-            raise ValueError(f"call {name}: ranks {list(r)[:8]}... are not one contiguous block; the "
-                             "estimator models contiguous meshes only")
+            raise ValueError(
+                f"call {name}: ranks {list(r)[:8]}... are not one contiguous block; the "
+                "estimator models contiguous meshes only"
+            )
         out[name] = (Mesh(r[0], len(r)), l.dp, l.tp, l.pp)
     return out

@@ -44,7 +44,9 @@ class ReallocCost:
         self._cache: dict[tuple, float] = {}
         self.planner_calls = 0
 
-    def time(self, model: ModelSpec, src: tuple[Mesh, int, int, int], dst: tuple[Mesh, int, int, int]) -> float:
+    def time(
+        self, model: ModelSpec, src: tuple[Mesh, int, int, int], dst: tuple[Mesh, int, int, int]
+    ) -> float:
         """src/dst: (mesh, dp, tp, pp). Zero when the layouts are identical."""
         if src == dst:
             return 0.0
@@ -75,8 +77,12 @@ def transfer_time(plan, hw: HardwareProfile) -> float:
     senders = np.repeat(plan.msg_sender, np.diff(plan.msg_recv_ptr))
     inter = (senders // rpn != plan.msg_receivers // rpn).any()
     lat = (hw.inter_lat if inter else hw.intra_lat) * hw.p2p_lat_ratio
-    cluster = Cluster(hw.name, -(-world // rpn), rpn, hw.intra_bw / 1e9, rpn, hw.inter_bw / 1e9, lat)
+    cluster = Cluster(
+        hw.name, -(-world // rpn), rpn, hw.intra_bw / 1e9, rpn, hw.inter_bw / 1e9, lat
+    )
     net = simulate(schedule_transfers(plan, DEFAULT_BUCKET_BYTES // es // 2), cluster).seconds
     local = np.zeros(world)
     np.add.at(local, plan.local_rank, plan.local_numel.astype(np.float64) * es)
-    return (net + float(2 * local.max()) / hw.mem_bw + hw.realloc_lat) * hw.contention(len(plan.ranks()))
+    return (net + float(2 * local.max()) / hw.mem_bw + hw.realloc_lat) * hw.contention(
+        len(plan.ranks())
+    )

@@ -116,17 +116,35 @@ def _excluded_text(prob: Problem) -> str:
         why = prob.excluded[size]
         name = next(n for n in prob.names if n in why)
         parts.append(f"{size} devices: call {name}: {why[name]}")
-    return "per mesh size: " + ("; ".join(parts) if parts else "every size has a layout for every call; "
-                                "their combination exceeds memory")
+    return "per mesh size: " + (
+        "; ".join(parts)
+        if parts
+        else "every size has a layout for every call; their combination exceeds memory"
+    )
 
 
-def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwareProfile = "h100",
-                workload: Workload | None = None, time_budget: float = 30.0, chains: int = 4,
-                seed: int = 0, max_steps: int = 0, t_start: float = 0.1, t_end: float = 0.001,
-                restart_steps: int = 100_000,
-                per_mesh: int | None = None, iters: int = 3, dtype: str = "bfloat16",
-                models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0,
-                engine: str = "builtin") -> SearchResult:
+def plan_search(
+    actor,
+    critic=None,
+    *,
+    num_gpus: int,
+    hardware: str | HardwareProfile = "h100",
+    workload: Workload | None = None,
+    time_budget: float = 30.0,
+    chains: int = 4,
+    seed: int = 0,
+    max_steps: int = 0,
+    t_start: float = 0.1,
+    t_end: float = 0.001,
+    restart_steps: int = 100_000,
+    per_mesh: int | None = None,
+    iters: int = 3,
+    dtype: str = "bfloat16",
+    models: PPOModels | None = None,
+    algo: str = "ppo",
+    max_staleness: int = 0,
+    engine: str = "builtin",
+) -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
     algorithms have no critic calls). time_budget: seconds for everything (tables included).
     per_mesh: keep only that many fastest strategies per (call, mesh) (default: every
@@ -151,23 +169,42 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
     graph = search_graph(algo, engine)
-    prob = Problem(models, hw, num_gpus, wl, iters=iters, per_mesh=per_mesh, graph=graph, grouped=algo in GROUPED,
-                   extra=baseline_layouts(models, hw, num_gpus, wl, graph), staleness=max_staleness,
-                   vllm_call=sampling_call(algo) if engine == "vllm" else None)
+    prob = Problem(
+        models,
+        hw,
+        num_gpus,
+        wl,
+        iters=iters,
+        per_mesh=per_mesh,
+        graph=graph,
+        grouped=algo in GROUPED,
+        extra=baseline_layouts(models, hw, num_gpus, wl, graph),
+        staleness=max_staleness,
+        vllm_call=sampling_call(algo) if engine == "vllm" else None,
+    )
     sym = symmetric_baseline(prob)
     heu = heuristic_baseline(prob, sym)
     t_tables = time.perf_counter() - t0
     init = [prob.choice(b.layouts) for b in (heu, sym) if b.layouts and math.isfinite(b.iter_time)]
     left = max(0.5, time_budget - t_tables)
     ev = prob.evaluator()
-    res = ev.anneal(chains=chains, time_budget=left, max_steps=max_steps, t_start=t_start,
-                    t_end=t_end, seed=seed, init=init, restart_steps=restart_steps)
+    res = ev.anneal(
+        chains=chains,
+        time_budget=left,
+        max_steps=max_steps,
+        t_start=t_start,
+        t_end=t_end,
+        seed=seed,
+        init=init,
+        restart_steps=restart_steps,
+    )
     if not math.isfinite(res["best_cost"]):
         raise ValueError(
             f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
             f"{hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the smallest per-device memory "
             f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB; "
-            + _excluded_text(prob))
+            + _excluded_text(prob)
+        )
     chains_out = res["chains"]
     for st in chains_out:
         st["acceptance"] = st["accepted"] / max(1, st["steps"])
@@ -175,21 +212,40 @@ def plan_search(actor, critic=None, *, num_gpus: int, hardware: str | HardwarePr
     # The mode: the smallest staleness at which the plan reaches its (async) time.
     times = [simulate(prob, best, staleness=k).iter_time for k in range(max_staleness + 1)]
     chosen = next(k for k, t in enumerate(times) if t <= res["best_cost"] * (1 + 1e-9) + 1e-12)
-    stats = {"seconds_total": time.perf_counter() - t0, "seconds_tables": t_tables,
-             "seconds_anneal": res["seconds"], "options": [len(o) for o in prob.options],
-             "planner_calls": prob.realloc_cost.planner_calls, "realloc_pairs": res["realloc_calls"],
-             "chains": chains_out, "sync_iter_time": times[0]}
+    stats = {
+        "seconds_total": time.perf_counter() - t0,
+        "seconds_tables": t_tables,
+        "seconds_anneal": res["seconds"],
+        "options": [len(o) for o in prob.options],
+        "planner_calls": prob.realloc_cost.planner_calls,
+        "realloc_pairs": res["realloc_calls"],
+        "chains": chains_out,
+        "sync_iter_time": times[0],
+    }
     plan = prob.execution_plan(best)
     # A plan may use fewer ranks than it was searched for (spreading its calls further did not
     # lower the estimate): it records them, so the trainer runs it as returned. It records the
     # batch settings too: the trainer refuses to run it for other batches.
-    searched_for = BatchSettings(batch_size=wl.batch_size, mini_batches=wl.ppo_minibatches,
-                                 micro_batches=wl.micro_batches, ppo_epochs=wl.ppo_epochs,
-                                 group_size=wl.group_size if algo in GROUPED else 1)
-    plan = dataclasses.replace(plan, idle_ranks=tuple(plan.uncovered_ranks()), searched_for=searched_for)
+    searched_for = BatchSettings(
+        batch_size=wl.batch_size,
+        mini_batches=wl.ppo_minibatches,
+        micro_batches=wl.micro_batches,
+        ppo_epochs=wl.ppo_epochs,
+        group_size=wl.group_size if algo in GROUPED else 1,
+    )
+    plan = dataclasses.replace(
+        plan, idle_ranks=tuple(plan.uncovered_ranks()), searched_for=searched_for
+    )
     stats["idle_ranks"] = list(plan.idle_ranks)
-    return SearchResult(plan, res["best_cost"], best, prob,
-                        {"symmetric": sym, "heuristic": heu}, stats, staleness=chosen)
+    return SearchResult(
+        plan,
+        res["best_cost"],
+        best,
+        prob,
+        {"symmetric": sym, "heuristic": heu},
+        stats,
+        staleness=chosen,
+    )
 
 
 def _idle_ranks_last(prob: Problem, best: list, cost: float, staleness: int) -> list:
@@ -206,10 +262,15 @@ def _idle_ranks_last(prob: Problem, best: list, cost: float, staleness: int) -> 
     def idle_after(c):
         return sorted((r ^ c for r in range(n) if r not in used), reverse=True)
 
-    for c in sorted((c for c in range(n) if all(r ^ c < n for r in range(n))), key=idle_after, reverse=True):
+    for c in sorted(
+        (c for c in range(n) if all(r ^ c < n for r in range(n))), key=idle_after, reverse=True
+    ):
         if c == 0:
             return best
-        moved = {name: (Mesh(min(r ^ c for r in k[0].ranks), k[0].size),) + tuple(k[1:]) for name, k in keys.items()}
+        moved = {
+            name: (Mesh(min(r ^ c for r in k[0].ranks), k[0].size),) + tuple(k[1:])
+            for name, k in keys.items()
+        }
         try:
             choice = prob.choice(moved)
         except ValueError:
@@ -219,10 +280,20 @@ def _idle_ranks_last(prob: Problem, best: list, cost: float, staleness: int) -> 
     return best
 
 
-def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | HardwareProfile = "h100",
-             workload: Workload | None = None, iters: int = 3, dtype: str = "bfloat16",
-             models: PPOModels | None = None, algo: str = "ppo", max_staleness: int = 0,
-             engine: str = "builtin") -> dict:
+def estimate(
+    plan: ExecutionPlan,
+    actor,
+    critic=None,
+    *,
+    hardware: str | HardwareProfile = "h100",
+    workload: Workload | None = None,
+    iters: int = 3,
+    dtype: str = "bfloat16",
+    models: PPOModels | None = None,
+    algo: str = "ppo",
+    max_staleness: int = 0,
+    engine: str = "builtin",
+) -> dict:
     """Estimated seconds per iteration of a given plan, with per-call and reallocation times;
     max_staleness >= 1: run in async mode with that bound (async.max_staleness).
 
@@ -235,18 +306,39 @@ def estimate(plan: ExecutionPlan, actor, critic=None, *, hardware: str | Hardwar
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
-    prob = Problem(models, hw, plan.world_size, wl, iters=iters, fixed=layouts_from_plan(plan),
-                   graph=search_graph(algo, engine), grouped=algo in GROUPED, staleness=max_staleness,
-                   vllm_call=sampling_call(algo) if engine == "vllm" else None)
+    prob = Problem(
+        models,
+        hw,
+        plan.world_size,
+        wl,
+        iters=iters,
+        fixed=layouts_from_plan(plan),
+        graph=search_graph(algo, engine),
+        grouped=algo in GROUPED,
+        staleness=max_staleness,
+        vllm_call=sampling_call(algo) if engine == "vllm" else None,
+    )
     r = simulate(prob, [0] * len(prob.calls))
     # A call's seconds in the timeline of the last simulated step: its own time, stretched by the
     # calls beside it when ranks share cores (simulate.py); "alone": without them.
     last = max((e.iter for e in r.events), default=0)
     span = {e.call: e.end - e.start for e in r.events if not e.realloc and e.iter == last}
-    calls = {name: {"seconds": span.get(name, prob.options[i][0].time), "alone": prob.options[i][0].time,
-                    "breakdown": prob.options[i][0].breakdown, "layout": str(prob.options[i][0])}
-             for i, name in enumerate(prob.names)}
+    calls = {
+        name: {
+            "seconds": span.get(name, prob.options[i][0].time),
+            "alone": prob.options[i][0].time,
+            "breakdown": prob.options[i][0].breakdown,
+            "layout": str(prob.options[i][0]),
+        }
+        for i, name in enumerate(prob.names)
+    }
     reallocs = {e.call: e.end - e.start for e in r.events if e.realloc and e.iter == 0}
-    return {"iter_time": r.iter_time, "makespan": r.makespan, "peak_mem_bytes": r.peak_mem,
-            "feasible": not r.infeasible, "calls": calls, "realloc_seconds": reallocs,
-            "events": r.events}
+    return {
+        "iter_time": r.iter_time,
+        "makespan": r.makespan,
+        "peak_mem_bytes": r.peak_mem,
+        "feasible": not r.infeasible,
+        "calls": calls,
+        "realloc_seconds": reallocs,
+        "events": r.events,
+    }

@@ -89,11 +89,11 @@ def simulate(prob, choice, iters: int | None = None, staleness: int | None = Non
     if peak > prob.hw.mem_limit:
         return SimResult(math.inf, math.inf, peak, "memory")
     free = [0.0] * prob.num_gpus
-    ends = [[0.0] * n for _ in range(iters + k)]     # batch -> end of every call
+    ends = [[0.0] * n for _ in range(iters + k)]  # batch -> end of every call
     initial = [0.0] * n
     events: list[Event] = []
     cores = getattr(prob.hw, "shared_cores", 0)  # 0: every device its own processor
-    placed: list[tuple[float, float, float]] = []   # (start, end, working ranks) of placed calls
+    placed: list[tuple[float, float, float]] = []  # (start, end, working ranks) of placed calls
 
     def stretched(o, start: float) -> float:
         """o's seconds from `start`, beside the calls already placed (shared cores)."""
@@ -104,10 +104,10 @@ def simulate(prob, choice, iters: int | None = None, staleness: int | None = Non
         return o.time * max(1.0, (o.busy + w) / cores) / max(1.0, o.busy / cores)
 
     def occupy(o, t):
-        return max([t] + free[o.mesh.start:o.mesh.start + o.mesh.size])
+        return max([t] + free[o.mesh.start : o.mesh.start + o.mesh.size])
 
     def release(o, t):
-        free[o.mesh.start:o.mesh.start + o.mesh.size] = [t] * o.mesh.size
+        free[o.mesh.start : o.mesh.start + o.mesh.size] = [t] * o.mesh.size
 
     def place(b: int, cs: list[int], wts: list[float], step: int) -> None:
         """Reallocations of `cs` (reading the weights `wts`), then the calls of `cs`, of batch b."""
@@ -120,33 +120,49 @@ def simulate(prob, choice, iters: int | None = None, staleness: int | None = Non
             rend[c] = start + prob.realloc_time(c, choice[w], choice[c])
             release(opts[w], rend[c])
             release(opts[c], rend[c])
-            ranks = tuple(sorted({(o.mesh.start, o.mesh.start + o.mesh.size) for o in (opts[w], opts[c])}))
-            events.append(Event(ranks, start, rend[c], f"realloc {calls[c].model}", calls[c].name, step, True))
+            ranks = tuple(
+                sorted({(o.mesh.start, o.mesh.start + o.mesh.size) for o in (opts[w], opts[c])})
+            )
+            events.append(
+                Event(ranks, start, rend[c], f"realloc {calls[c].model}", calls[c].name, step, True)
+            )
         for c in cs:
             o, w = opts[c], wsrc[c]
             ready = rend[c] if c in rend else (wts[w] if w >= 0 else 0.0)
             for d in calls[c].deps:
                 i = pos[d]
-                ready = max(ready, end[i] + _transfer(opts[i], o, dep_bytes(d, calls[c].name, prob.wl), prob))
+                ready = max(
+                    ready,
+                    end[i] + _transfer(opts[i], o, dep_bytes(d, calls[c].name, prob.wl), prob),
+                )
             start = occupy(o, ready)
             end[c] = start + stretched(o, start)
             placed.append((start, end[c], o.working))
             release(o, end[c])
-            events.append(Event(((o.mesh.start, o.mesh.start + o.mesh.size),), start, end[c],
-                                calls[c].name, calls[c].name, step, False))
+            events.append(
+                Event(
+                    ((o.mesh.start, o.mesh.start + o.mesh.size),),
+                    start,
+                    end[c],
+                    calls[c].name,
+                    calls[c].name,
+                    step,
+                    False,
+                )
+            )
 
     every = list(range(n))
     roll = [c for c in every if calls[c].kind != "train"]
     train = [c for c in every if calls[c].kind == "train"]
-    for b in range(k):                                   # async prologue: the initial weights
+    for b in range(k):  # async prologue: the initial weights
         place(b, roll, initial, -1)
     t0 = max((e.end for e in events), default=0.0)
     for s in range(iters):
-        wts = ends[s - 1] if s else initial              # weights trained by step s - 1
+        wts = ends[s - 1] if s else initial  # weights trained by step s - 1
         if k == 0:
             place(s, every, wts, s)
         else:
-            place(s + k, roll, wts, s)                   # batch s + k generates while ...
-            place(s, train, wts, s)                      # ... batch s trains
+            place(s + k, roll, wts, s)  # batch s + k generates while ...
+            place(s, train, wts, s)  # ... batch s trains
     makespan = max((e.end for e in events), default=0.0)
     return SimResult((makespan - t0) / iters, makespan, peak, "", events)

@@ -9,13 +9,35 @@ owner, TP rule and storage format) and the configurations they are built from.
 It imports nothing else from real_py.
 """
 
-from .config import (DTYPE_SIZES, GATE_UP_LAYOUTS, MODEL_TYPES, PRESETS, QKV_LAYOUTS, ROPE_SCALING_KEYS,
-                     ModelConfig, preset, torch_dtype)
+from .config import (
+    DTYPE_SIZES,
+    GATE_UP_LAYOUTS,
+    MODEL_TYPES,
+    PRESETS,
+    QKV_LAYOUTS,
+    ROPE_SCALING_KEYS,
+    ModelConfig,
+    preset,
+    torch_dtype,
+)
 from .formats import vllm_config
 from .params import ALIGN_BYTES, REPLICATED, ModelSpec, ParamSpec, TPRule, model_spec
 
 __all__ = [
-    "ALIGN_BYTES", "DTYPE_SIZES", "GATE_UP_LAYOUTS", "MODEL_TYPES", "PRESETS", "QKV_LAYOUTS",
-    "REPLICATED", "ROPE_SCALING_KEYS", "ModelConfig", "ModelSpec", "ParamSpec", "TPRule", "model_spec",
-    "preset", "torch_dtype", "vllm_config",
+    "ALIGN_BYTES",
+    "DTYPE_SIZES",
+    "GATE_UP_LAYOUTS",
+    "MODEL_TYPES",
+    "PRESETS",
+    "QKV_LAYOUTS",
+    "REPLICATED",
+    "ROPE_SCALING_KEYS",
+    "ModelConfig",
+    "ModelSpec",
+    "ParamSpec",
+    "TPRule",
+    "model_spec",
+    "preset",
+    "torch_dtype",
+    "vllm_config",
 ]

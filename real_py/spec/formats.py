@@ -12,7 +12,9 @@ from dataclasses import replace
 
 from .config import ModelConfig
 
-VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (pad_vocab_size, VocabParallelEmbedding)
+VLLM_VOCAB_PADDING = (
+    64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (pad_vocab_size, VocabParallelEmbedding)
+)
 
 
 def vllm_config(config: ModelConfig, tp: int) -> ModelConfig:
@@ -29,16 +31,27 @@ def vllm_config(config: ModelConfig, tp: int) -> ModelConfig:
         raise ValueError(f"vllm_config: tp={tp!r} must be a positive int")
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
     if VLLM_VOCAB_PADDING % tp:
-        raise ValueError(f"vllm_config: tp={tp} does not divide vLLM's vocab padding of "
-                         f"{VLLM_VOCAB_PADDING} rows (the padded vocab is split evenly over tp)")
+        raise ValueError(
+            f"vllm_config: tp={tp} does not divide vLLM's vocab padding of "
+            f"{VLLM_VOCAB_PADDING} rows (the padded vocab is split evenly over tp)"
+        )
     if nh % tp:
         raise ValueError(f"vllm_config: tp={tp} does not divide num_attention_heads={nh}")
     if tp > nkv and tp % nkv:
-        raise ValueError(f"vllm_config: tp={tp} is above num_key_value_heads={nkv} and not a multiple "
-                         f"of it (vLLM replicates each kv head over tp / {nkv} ranks)")
+        raise ValueError(
+            f"vllm_config: tp={tp} is above num_key_value_heads={nkv} and not a multiple "
+            f"of it (vLLM replicates each kv head over tp / {nkv} ranks)"
+        )
     if tp <= nkv and nkv % tp:
         raise ValueError(f"vllm_config: tp={tp} does not divide num_key_value_heads={nkv}")
     if config.intermediate_size % tp:
-        raise ValueError(f"vllm_config: tp={tp} does not divide intermediate_size={config.intermediate_size}")
-    return replace(config, qkv_layout="blocked", gate_up_layout="blocked",
-                   vocab_pad_multiple=VLLM_VOCAB_PADDING // tp, kv_head_replicas=True)
+        raise ValueError(
+            f"vllm_config: tp={tp} does not divide intermediate_size={config.intermediate_size}"
+        )
+    return replace(
+        config,
+        qkv_layout="blocked",
+        gate_up_layout="blocked",
+        vocab_pad_multiple=VLLM_VOCAB_PADDING // tp,
+        kv_head_replicas=True,
+    )

@@ -58,15 +58,23 @@ class TPRule:
         if self.kind not in ("replicated", "split", "vocab"):
             raise ValueError(f"TPRule.kind={self.kind!r}; allowed: 'replicated', 'split', 'vocab'")
         if self.groups < 0 or (self.groups and self.kind != "split"):
-            raise ValueError(f"TPRule.groups={self.groups} must be >= 0 and only set on a split rule")
+            raise ValueError(
+                f"TPRule.groups={self.groups} must be >= 0 and only set on a split rule"
+            )
         if self.vocab_multiple < 1 or (self.vocab_multiple > 1 and self.kind != "vocab"):
-            raise ValueError(f"TPRule.vocab_multiple={self.vocab_multiple} must be >= 1 and only "
-                             "set on a vocab rule")
+            raise ValueError(
+                f"TPRule.vocab_multiple={self.vocab_multiple} must be >= 1 and only "
+                "set on a vocab rule"
+            )
         if self.units and len(self.units) != len(self.blocks):
-            raise ValueError(f"TPRule.units has {len(self.units)} entries for {len(self.blocks)} blocks")
+            raise ValueError(
+                f"TPRule.units has {len(self.units)} entries for {len(self.blocks)} blocks"
+            )
         if self.replicate_units and (self.kind != "split" or not self.units or self.groups):
-            raise ValueError("TPRule.replicate_units needs a split rule with units and blocked storage "
-                             f"(groups=0); got kind={self.kind!r}, units={self.units}, groups={self.groups}")
+            raise ValueError(
+                "TPRule.replicate_units needs a split rule with units and blocked storage "
+                f"(groups=0); got kind={self.kind!r}, units={self.units}, groups={self.groups}"
+            )
 
 
 REPLICATED = TPRule()
@@ -90,21 +98,28 @@ class ParamSpec:
 
     def __post_init__(self):
         if self.owner not in ("embed", "layer", "final_norm", "head"):
-            raise ValueError(f"{self.name}: owner={self.owner!r}; allowed: embed, layer, final_norm, head")
+            raise ValueError(
+                f"{self.name}: owner={self.owner!r}; allowed: embed, layer, final_norm, head"
+            )
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"{self.name}: dtype={self.dtype!r}; allowed: {sorted(DTYPE_SIZES)}")
         if any(s <= 0 for s in self.shape):
             raise ValueError(f"{self.name}: shape {self.shape} has a non-positive dim")
         if self.tp.kind != "replicated":
             if not 0 <= self.tp.dim < len(self.shape):
-                raise ValueError(f"{self.name}: split dim {self.tp.dim} out of range for shape {self.shape}")
+                raise ValueError(
+                    f"{self.name}: split dim {self.tp.dim} out of range for shape {self.shape}"
+                )
             if self.tp.blocks and sum(self.tp.blocks) != self.shape[self.tp.dim]:
                 raise ValueError(
                     f"{self.name}: blocks {self.tp.blocks} sum to {sum(self.tp.blocks)}, "
-                    f"not shape[{self.tp.dim}]={self.shape[self.tp.dim]}")
+                    f"not shape[{self.tp.dim}]={self.shape[self.tp.dim]}"
+                )
             if self.tp.groups and any(b % self.tp.groups for b in self.blocks):
-                raise ValueError(f"{self.name}: groups={self.tp.groups} does not divide every "
-                                 f"block of {self.blocks}")
+                raise ValueError(
+                    f"{self.name}: groups={self.tp.groups} does not divide every "
+                    f"block of {self.blocks}"
+                )
 
     @property
     def numel(self) -> int:
@@ -119,7 +134,7 @@ class ParamSpec:
         if self.tp.kind == "replicated":
             return 1, self.numel, 1
         d = self.tp.dim
-        return math.prod(self.shape[:d]), self.shape[d], math.prod(self.shape[d + 1:])
+        return math.prod(self.shape[:d]), self.shape[d], math.prod(self.shape[d + 1 :])
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one TP rank's piece (identical on every TP rank; vocab includes padding)."""
@@ -133,7 +148,7 @@ class ParamSpec:
             local = sum(b // min(tp, n) for b, (_, n) in zip(self.blocks, self.tp.units))
         else:
             local = size // tp
-        return self.shape[:d] + (local,) + self.shape[d + 1:]
+        return self.shape[:d] + (local,) + self.shape[d + 1 :]
 
     def tp_error(self, tp: int) -> str | None:
         """Why `tp` cannot split this parameter, or None."""
@@ -146,8 +161,10 @@ class ParamSpec:
             if self.tp.replicate_units and units[i][1] < tp:
                 unit, count = units[i]
                 if tp % count or block % count:
-                    return (f"tp={tp} is above {unit}={count} and not a multiple of it (replicate_units: "
-                            f"each of the {count} units is held by tp / {count} TP ranks)")
+                    return (
+                        f"tp={tp} is above {unit}={count} and not a multiple of it (replicate_units: "
+                        f"each of the {count} units is held by tp / {count} TP ranks)"
+                    )
                 continue
             if block % tp or (units and units[i][1] % tp):
                 unit, count = units[i] if units else (f"{self.name}.shape[{self.tp.dim}]", block)
@@ -184,8 +201,10 @@ class ModelSpec:
                 raise ValueError(f"{p.name}: layer={p.layer} outside [0, {self.num_layers})")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
-            raise ValueError(f"ModelSpec {self.name}: mixed dtypes {sorted(dtypes)}; a shard's flat "
-                             "buffer holds one dtype, so cast the model to one dtype first")
+            raise ValueError(
+                f"ModelSpec {self.name}: mixed dtypes {sorted(dtypes)}; a shard's flat "
+                "buffer holds one dtype, so cast the model to one dtype first"
+            )
 
     @property
     def dtype(self) -> str:
@@ -212,19 +231,26 @@ class ModelSpec:
 
     def tp_choices(self, limit: int = 1024) -> list[int]:
         """Every tp in [1, limit] that splits all parameters."""
-        return [t for t in range(1, limit + 1)
-                if all(p.tp_error(t) is None for p in self.params if p.expert < 0)]
+        return [
+            t
+            for t in range(1, limit + 1)
+            if all(p.tp_error(t) is None for p in self.params if p.expert < 0)
+        ]
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError naming the first parameter that tp cannot split."""
         for p in self.params:
             why = p.tp_error(tp) if p.expert < 0 else None  # experts split by etp (check_experts)
             if why:
-                name = p.name if p.owner != "layer" else p.name.replace(f"layers.{p.layer}.", "layers.*.", 1)
+                name = (
+                    p.name
+                    if p.owner != "layer"
+                    else p.name.replace(f"layers.{p.layer}.", "layers.*.", 1)
+                )
                 choices = [t for t in self.tp_choices(limit=max(64, tp)) if t <= max(64, tp)]
                 raise ValueError(f"{why} of {name}; pick tp in {{{', '.join(map(str, choices))}}}")
 
-    def check_compatible(self, other: "ModelSpec", *, storage: bool = False) -> None:
+    def check_compatible(self, other: ModelSpec, *, storage: bool = False) -> None:
         """Raise ValueError if `other` disagrees on a parameter's name set, shape, dtype or rule.
 
         storage: let the two differ in storage format (TPRule.groups, vocab_multiple,
@@ -232,17 +258,24 @@ class ModelSpec:
         """
         mine, theirs = {p.name: p for p in self.params}, {p.name: p for p in other.params}
         if mine.keys() != theirs.keys():
-            only_a, only_b = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
-            raise ValueError(f"model specs disagree on parameter names: only in src {only_a[:5]}, "
-                             f"only in dst {only_b[:5]}")
+            only_a, only_b = (
+                sorted(mine.keys() - theirs.keys()),
+                sorted(theirs.keys() - mine.keys()),
+            )
+            raise ValueError(
+                f"model specs disagree on parameter names: only in src {only_a[:5]}, "
+                f"only in dst {only_b[:5]}"
+            )
         for name, a in mine.items():
             b = theirs[name]
             for attr in ("shape", "dtype", "tp", "owner", "layer", "tied_to_head", "expert"):
                 if storage and attr == "tp" and _logical(a.tp) == _logical(b.tp):
                     continue
                 if getattr(a, attr) != getattr(b, attr):
-                    raise ValueError(f"model specs disagree on {name}.{attr}: src {getattr(a, attr)} "
-                                     f"vs dst {getattr(b, attr)}")
+                    raise ValueError(
+                        f"model specs disagree on {name}.{attr}: src {getattr(a, attr)} "
+                        f"vs dst {getattr(b, attr)}"
+                    )
 
 
 def _logical(rule: TPRule) -> TPRule:
@@ -261,18 +294,35 @@ def _moe_params(c: ModelConfig, pre: str, lp: list) -> list:
     lp.append((pre + "mlp.gate.weight", (E, H), REPLICATED))  # router: replicated, fp32 compute
     Is = c.shared_expert_intermediate_size
     if Is:
-        lp += [(pre + "mlp.shared_expert.gate_up_proj.weight", (2 * Is, H),
-                TPRule(kind="split", dim=0, blocks=(Is, Is),
-                       units=(("shared_expert_intermediate_size", Is),) * 2)),
-               (pre + "mlp.shared_expert.down_proj.weight", (H, Is),
-                TPRule(kind="split", dim=1, blocks=(Is,),
-                       units=(("shared_expert_intermediate_size", Is),)))]
+        lp += [
+            (
+                pre + "mlp.shared_expert.gate_up_proj.weight",
+                (2 * Is, H),
+                TPRule(
+                    kind="split",
+                    dim=0,
+                    blocks=(Is, Is),
+                    units=(("shared_expert_intermediate_size", Is),) * 2,
+                ),
+            ),
+            (
+                pre + "mlp.shared_expert.down_proj.weight",
+                (H, Is),
+                TPRule(
+                    kind="split",
+                    dim=1,
+                    blocks=(Is,),
+                    units=(("shared_expert_intermediate_size", Is),),
+                ),
+            ),
+        ]
         if c.shared_expert_gate:
             lp.append((pre + "mlp.shared_expert_gate.weight", (1, H), REPLICATED))
     gu = TPRule(kind="split", dim=0, blocks=(Im, Im), units=(("moe_intermediate_size", Im),) * 2)
     down = TPRule(kind="split", dim=1, blocks=(Im,), units=(("moe_intermediate_size", Im),))
-    return ([(f"{pre}mlp.experts.{j}.gate_up_proj.weight", (2 * Im, H), gu, j) for j in range(E)]
-            + [(f"{pre}mlp.experts.{j}.down_proj.weight", (H, Im), down, j) for j in range(E)])
+    return [(f"{pre}mlp.experts.{j}.gate_up_proj.weight", (2 * Im, H), gu, j) for j in range(E)] + [
+        (f"{pre}mlp.experts.{j}.down_proj.weight", (H, Im), down, j) for j in range(E)
+    ]
 
 
 def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
@@ -313,16 +363,39 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         name = name or config
         config = preset(config)
     c, dt = config, config.dtype
-    H, I, hd, nh, nkv, V = (c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads,
-                            c.num_key_value_heads, c.vocab_size)
-    heads = (("num_attention_heads", nh), ("num_key_value_heads", nkv), ("num_key_value_heads", nkv))
-    qkv = TPRule(kind="split", dim=0, blocks=(nh * hd, nkv * hd, nkv * hd), units=heads,
-                 groups=nkv if c.qkv_layout == "megatron_grouped" else 0,
-                 replicate_units=c.kv_head_replicas)
+    H, I, hd, nh, nkv, V = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.head_dim,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+    )
+    heads = (
+        ("num_attention_heads", nh),
+        ("num_key_value_heads", nkv),
+        ("num_key_value_heads", nkv),
+    )
+    qkv = TPRule(
+        kind="split",
+        dim=0,
+        blocks=(nh * hd, nkv * hd, nkv * hd),
+        units=heads,
+        groups=nkv if c.qkv_layout == "megatron_grouped" else 0,
+        replicate_units=c.kv_head_replicas,
+    )
     vocab = TPRule(kind="vocab", dim=0, vocab_multiple=c.vocab_pad_multiple)
     tied = c.tie_word_embeddings and c.head == "lm"
-    params = [ParamSpec(name="embed_tokens.weight", shape=(V, H), dtype=dt, owner="embed",
-                        tp=vocab, tied_to_head=tied)]
+    params = [
+        ParamSpec(
+            name="embed_tokens.weight",
+            shape=(V, H),
+            dtype=dt,
+            owner="embed",
+            tp=vocab,
+            tied_to_head=tied,
+        )
+    ]
     for i in range(c.num_hidden_layers):
         pre = f"layers.{i}."
         lp = [] if c.norm_after else [(pre + "input_layernorm.weight", (H,), REPLICATED)]
@@ -330,18 +403,46 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
         if c.attention_bias:
             lp.append((pre + "self_attn.qkv_proj.bias", ((nh + 2 * nkv) * hd,), qkv))
         if c.qk_norm and c.qk_norm_whole:  # OLMo 2: one weight per projection row, split by heads
-            lp += [(pre + "self_attn.q_norm.weight", (nh * hd,),
-                    TPRule(kind="split", dim=0, blocks=(nh * hd,), units=(("num_attention_heads", nh),))),
-                   (pre + "self_attn.k_norm.weight", (nkv * hd,),
-                    TPRule(kind="split", dim=0, blocks=(nkv * hd,), units=(("num_key_value_heads", nkv),)))]
+            lp += [
+                (
+                    pre + "self_attn.q_norm.weight",
+                    (nh * hd,),
+                    TPRule(
+                        kind="split", dim=0, blocks=(nh * hd,), units=(("num_attention_heads", nh),)
+                    ),
+                ),
+                (
+                    pre + "self_attn.k_norm.weight",
+                    (nkv * hd,),
+                    TPRule(
+                        kind="split",
+                        dim=0,
+                        blocks=(nkv * hd,),
+                        units=(("num_key_value_heads", nkv),),
+                    ),
+                ),
+            ]
         elif c.qk_norm:  # per-head norms: every TP rank applies the same [hd] weight to its heads
-            lp += [(pre + "self_attn.q_norm.weight", (hd,), REPLICATED),
-                   (pre + "self_attn.k_norm.weight", (hd,), REPLICATED)]
-        gate_up = TPRule(kind="split", dim=0, blocks=(I, I),
-                         units=(("intermediate_size", I), ("intermediate_size", I)),
-                         groups=I if c.gate_up_layout == "interleaved" else 0)
-        lp.append((pre + "self_attn.o_proj.weight", (H, nh * hd),
-                   TPRule(kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),))))
+            lp += [
+                (pre + "self_attn.q_norm.weight", (hd,), REPLICATED),
+                (pre + "self_attn.k_norm.weight", (hd,), REPLICATED),
+            ]
+        gate_up = TPRule(
+            kind="split",
+            dim=0,
+            blocks=(I, I),
+            units=(("intermediate_size", I), ("intermediate_size", I)),
+            groups=I if c.gate_up_layout == "interleaved" else 0,
+        )
+        lp.append(
+            (
+                pre + "self_attn.o_proj.weight",
+                (H, nh * hd),
+                TPRule(
+                    kind="split", dim=1, blocks=(nh * hd,), units=(("num_attention_heads", nh),)
+                ),
+            )
+        )
         if c.o_proj_bias:  # added once, after the row-parallel all-reduce
             lp.append((pre + "self_attn.o_proj.bias", (H,), REPLICATED))
         lp.append((pre + "post_attention_layernorm.weight", (H,), REPLICATED))
@@ -354,19 +455,31 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
             lp.append((pre + "mlp.gate_up_proj.weight", (2 * I, H), gate_up))
             if c.mlp_bias:
                 lp.append((pre + "mlp.gate_up_proj.bias", (2 * I,), gate_up))
-            lp.append((pre + "mlp.down_proj.weight", (H, I),
-                       TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),))))
+            lp.append(
+                (
+                    pre + "mlp.down_proj.weight",
+                    (H, I),
+                    TPRule(kind="split", dim=1, blocks=(I,), units=(("intermediate_size", I),)),
+                )
+            )
             if c.mlp_bias:
                 lp.append((pre + "mlp.down_proj.bias", (H,), REPLICATED))
         if c.norm_after or c.sandwich_norm:
             lp.append((pre + "post_feedforward_layernorm.weight", (H,), REPLICATED))
-        params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp]
-        params += [ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r, expert=j)
-                   for n, s, r, j in experts]
+        params += [
+            ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r) for n, s, r in lp
+        ]
+        params += [
+            ParamSpec(name=n, shape=s, dtype=dt, owner="layer", layer=i, tp=r, expert=j)
+            for n, s, r, j in experts
+        ]
     params.append(ParamSpec(name="norm.weight", shape=(H,), dtype=dt, owner="final_norm"))
     if c.head == "value":
         params.append(ParamSpec(name="value_head.weight", shape=(1, H), dtype=dt, owner="head"))
     elif not tied:
-        params.append(ParamSpec(name="lm_head.weight", shape=(V, H), dtype=dt, owner="head",
-                                tp=vocab))
-    return ModelSpec(name=name or "model", params=tuple(params), num_layers=c.num_hidden_layers, config=c)
+        params.append(
+            ParamSpec(name="lm_head.weight", shape=(V, H), dtype=dt, owner="head", tp=vocab)
+        )
+    return ModelSpec(
+        name=name or "model", params=tuple(params), num_layers=c.num_hidden_layers, config=c
+    )

@@ -23,10 +23,25 @@ vLLM's plugin loading). Usage: docs/vllm.md, examples/vllm_offline.py.
 """
 
 from .plugin import register
-from .trainer import OfflineClient, RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource, reset_prefix_cache
+from .trainer import (
+    OfflineClient,
+    RealPyTrainerEngine,
+    RealPyTrainerInitInfo,
+    ShardSource,
+    reset_prefix_cache,
+)
 from .worker import RealPyInitInfo, RealPyWeightTransferEngine, vllm_plan
 
 register()
 
-__all__ = ["OfflineClient", "RealPyTrainerEngine", "RealPyTrainerInitInfo", "ShardSource", "RealPyInitInfo",
-           "RealPyWeightTransferEngine", "register", "reset_prefix_cache", "vllm_plan"]
+__all__ = [
+    "OfflineClient",
+    "RealPyTrainerEngine",
+    "RealPyTrainerInitInfo",
+    "ShardSource",
+    "RealPyInitInfo",
+    "RealPyWeightTransferEngine",
+    "register",
+    "reset_prefix_cache",
+    "vllm_plan",
+]

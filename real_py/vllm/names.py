@@ -21,9 +21,13 @@ from dataclasses import asdict
 from ..spec import ModelConfig, ModelSpec
 
 KNOWN_MODULES = {
-    "qkv_proj": "QKVParallelLinear", "o_proj": "RowParallelLinear",
-    "gate_up_proj": "MergedColumnParallelLinear", "down_proj": "RowParallelLinear",
-    "embed_tokens": "VocabParallelEmbedding", "lm_head": "ParallelLMHead", "gate": "GateLinear",
+    "qkv_proj": "QKVParallelLinear",
+    "o_proj": "RowParallelLinear",
+    "gate_up_proj": "MergedColumnParallelLinear",
+    "down_proj": "RowParallelLinear",
+    "embed_tokens": "VocabParallelEmbedding",
+    "lm_head": "ParallelLMHead",
+    "gate": "GateLinear",
     "routed_experts": "RoutedExperts",
 }
 """Module (last name part) -> the vLLM class whose loader real_py plans; every other module
@@ -64,8 +68,10 @@ def unknown_params(spec: ModelSpec, model) -> list[str]:
         if (expect or "RMSNorm") != kind:
             out.append(f"{name} ({kind})")
         elif kind == "RoutedExperts" and live[name].shape[0] != config.num_experts:
-            out.append(f"{name} (holds {live[name].shape[0]} of {config.num_experts} experts: expert "
-                       "parallelism)")
+            out.append(
+                f"{name} (holds {live[name].shape[0]} of {config.num_experts} experts: expert "
+                "parallelism)"
+            )
     return out
 
 

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
-                                                          WeightTransferTrainerFactory)
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
-    for factory, cls in ((WeightTransferEngineFactory, "RealPyWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "RealPyTrainerEngine")):
+    for factory, cls in (
+        (WeightTransferEngineFactory, "RealPyWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "RealPyTrainerEngine"),
+    ):
         try:
-            factory.register_engine("real_py", f"real_py.vllm.{'worker' if 'Weight' in cls else 'trainer'}",
-                                    cls)
+            factory.register_engine(
+                "real_py", f"real_py.vllm.{'worker' if 'Weight' in cls else 'trainer'}", cls
+            )
         except ValueError:  # registered already (vLLM calls plugins once per process part)
             pass

@@ -56,9 +56,19 @@ class Sampling:
 
 
 class VLLMRollout:
-    def __init__(self, config: ModelConfig, layout: Layout, *, max_model_len: int, seed: int,
-                 source: str | None = None, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3,
-                 enforce_eager: bool = True, block_size: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: Layout,
+        *,
+        max_model_len: int,
+        seed: int,
+        source: str | None = None,
+        kv_cache_gib: int = 1,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+        block_size: int | None = None,
+    ):
         """Start this rank's vLLM worker (collective over the world: every rank, same time).
 
         config: the actor's ModelConfig; source: its HF checkpoint directory, whose config.json
@@ -66,8 +76,10 @@ class VLLMRollout:
         the runtime writes the actor's before the first generation."""
         self.rank, world = dist.get_rank(), dist.get_world_size()
         if layout.pp != 1 or tuple(layout.ranks) != tuple(range(world)) or config.num_experts:
-            raise ValueError(f"vLLM generation on {layout} in a world of {world}: see "
-                             "real_py.dataflow.rules.vllm_layout_errors")
+            raise ValueError(
+                f"vLLM generation on {layout} in a world of {world}: see "
+                "real_py.dataflow.rules.vllm_layout_errors"
+            )
         self.layout, self.config = layout, config
         self.tp = layout.tp
         self.spec = model_spec(vllm_config(config, self.tp), name="actor")
@@ -94,30 +106,48 @@ class VLLMRollout:
 
         kw = {"block_size": block_size} if block_size else {}
         try:
-            self.llm = LLM(model=self._dir, tensor_parallel_size=self.tp,
-                           distributed_executor_backend="external_launcher", dtype=config.dtype,
-                           load_format="dummy", skip_tokenizer_init=True, enforce_eager=enforce_eager,
-                           max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
-                           gpu_memory_utilization=gpu_memory_utilization,
-                           logprobs_mode="processed_logprobs", **kw)
+            self.llm = LLM(
+                model=self._dir,
+                tensor_parallel_size=self.tp,
+                distributed_executor_backend="external_launcher",
+                dtype=config.dtype,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                enforce_eager=enforce_eager,
+                max_model_len=max_model_len,
+                seed=seed,
+                enable_prefix_caching=True,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                **kw,
+            )
         except Exception as e:
-            lines = [x.strip() for x in str(e).splitlines()
-                     if x.strip() and not x.strip().startswith("For further information")]
+            lines = [
+                x.strip()
+                for x in str(e).splitlines()
+                if x.strip() and not x.strip().startswith("For further information")
+            ]
             hint = ""
             if "create shm" in str(e):
-                hint = (" (a /dev/shm/*cpushm_* file of the same name exists: another vLLM job with "
-                        "tp > 1 is starting on this machine, or one was killed while starting; remove "
-                        "the file if none runs)")
-            raise RuntimeError(f"rank {self.rank}: vLLM did not start for the actor "
-                               f"({config.model_type}, tp={self.tp}, max_model_len={max_model_len}): "
-                               f"{type(e).__name__}: {' | '.join(lines)[:600]}{hint}") from e
+                hint = (
+                    " (a /dev/shm/*cpushm_* file of the same name exists: another vLLM job with "
+                    "tp > 1 is starting on this machine, or one was killed while starting; remove "
+                    "the file if none runs)"
+                )
+            raise RuntimeError(
+                f"rank {self.rank}: vLLM did not start for the actor "
+                f"({config.model_type}, tp={self.tp}, max_model_len={max_model_len}): "
+                f"{type(e).__name__}: {' | '.join(lines)[:600]}{hint}"
+            ) from e
         if not cuda:
             _unlink_cpu_shm()
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         unknown = unknown_params(self.spec, self.model)
         if unknown:
-            raise RuntimeError(f"rank {self.rank}: vLLM's {type(self.model).__name__} holds parameters "
-                               f"real_py does not plan: {unknown[:6]}")
+            raise RuntimeError(
+                f"rank {self.rank}: vLLM's {type(self.model).__name__} holds parameters "
+                f"real_py does not plan: {unknown[:6]}"
+            )
         check_live_shapes(self.model, self.spec, self.tp, f"rank {self.rank}")
 
     def write(self, shard) -> None:
@@ -127,8 +157,13 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
-    def generate(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, seeds: torch.Tensor,
-                 s: Sampling) -> dict:
+    def generate(
+        self,
+        prompt_tokens: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+        seeds: torch.Tensor,
+        s: Sampling,
+    ) -> dict:
         """prompt_tokens [B, P] right-padded, prompt_lengths [B], seeds [B]. Returns {"tokens":
         [B, P' + N] right-padded prompt + response, "lengths": [B], "logprobs": [B, P' + N - 1]
         (vLLM's log-prob of each response token at the position that predicts it, 0 elsewhere)}."""
@@ -136,13 +171,22 @@ class VLLMRollout:
 
         B = prompt_tokens.shape[0]
         pl = prompt_lengths.cpu().tolist()
-        prompts = [{"prompt_token_ids": prompt_tokens[b, :pl[b]].tolist()} for b in range(B)]
-        params = [SamplingParams(max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens,
-                                 temperature=0.0 if s.greedy else s.temperature, top_p=s.top_p,
-                                 top_k=s.top_k if s.top_k > 0 else 0, seed=int(seeds[b]),
-                                 stop_token_ids=list(s.stop_token_ids), ignore_eos=True, logprobs=0,
-                                 detokenize=False)
-                  for b in range(B)]
+        prompts = [{"prompt_token_ids": prompt_tokens[b, : pl[b]].tolist()} for b in range(B)]
+        params = [
+            SamplingParams(
+                max_tokens=s.max_new_tokens,
+                min_tokens=s.min_new_tokens,
+                temperature=0.0 if s.greedy else s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                seed=int(seeds[b]),
+                stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+            )
+            for b in range(B)
+        ]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         new = [list(o.outputs[0].token_ids) for o in outs]
         width = max(pl[b] + len(new[b]) for b in range(B))
@@ -151,12 +195,16 @@ class VLLMRollout:
         for b, o in enumerate(outs):
             n = pl[b]
             tokens[b, :n] = prompt_tokens[b, :n].cpu()
-            tokens[b, n:n + len(new[b])] = torch.tensor(new[b], dtype=torch.int64)
+            tokens[b, n : n + len(new[b])] = torch.tensor(new[b], dtype=torch.int64)
             for k, (tok, d) in enumerate(zip(new[b], o.outputs[0].logprobs or [])):
                 logp[b, n - 1 + k] = d[tok].logprob
         lengths = torch.tensor([pl[b] + len(new[b]) for b in range(B)], dtype=torch.int64)
         where = prompt_tokens.device
-        return {"tokens": tokens.to(where), "lengths": lengths.to(where), "logprobs": logp.to(where)}
+        return {
+            "tokens": tokens.to(where),
+            "lengths": lengths.to(where),
+            "logprobs": logp.to(where),
+        }
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -175,7 +223,11 @@ def _unlink_cpu_shm() -> None:
     barrier after the join), so the names can go now; the mappings live on until the process ends."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if "cpushm" in line and "/dev/shm/" in line}
+            paths = {
+                line.split(None, 5)[5].strip()
+                for line in f
+                if "cpushm" in line and "/dev/shm/" in line
+            }
     except OSError:
         return
     for path in paths:
@@ -183,4 +235,3 @@ def _unlink_cpu_shm() -> None:
             os.unlink(path.removesuffix(" (deleted)"))
         except OSError:
             pass  # a peer removed it first (every rank maps every segment of its group)
-

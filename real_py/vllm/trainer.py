@@ -25,16 +25,21 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
-                                                   WeightSource, WeightTransferInitRequest,
-                                                   WeightTransferUpdateRequest)
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
 
 from ..layout import Layout, shard_layout
 from ..realloc import DistTransport, ExpertShard, ModelShard, Reallocator
 from ..realloc.moe_exec import MoeReallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
-from ..spec import ModelConfig, model_spec, torch_dtype
 from ..realloc.transports.store_group import TransferGroup, publish_ready, refuse, wait_ready
+from ..spec import ModelConfig, model_spec, torch_dtype
 from .names import config_dict
 from .worker import fingerprint, trainers_disagree, vllm_plan
 
@@ -80,12 +85,16 @@ class ShardSource(WeightSource):
 
     def __init__(self, shard: ModelShard, experts: ExpertShard | None = None):
         if not isinstance(shard, ModelShard):
-            raise TypeError(f"ShardSource takes this rank's real_py ModelShard, got {type(shard).__name__}; "
-                            "a trainer's own name -> tensor dict becomes one with "
-                            "real_py.interop.shard_from_params (after the interop adapters)")
+            raise TypeError(
+                f"ShardSource takes this rank's real_py ModelShard, got {type(shard).__name__}; "
+                "a trainer's own name -> tensor dict becomes one with "
+                "real_py.interop.shard_from_params (after the interop adapters)"
+            )
         if (experts is not None) != bool(shard.model.num_experts):
-            raise ValueError(f"{shard.model.name}: an MoE model's source is its ModelShard and its "
-                             "ExpertShard (experts=), a dense model's the ModelShard alone")
+            raise ValueError(
+                f"{shard.model.name}: an MoE model's source is its ModelShard and its "
+                "ExpertShard (experts=), a dense model's the ModelShard alone"
+            )
         self.shard, self.experts = shard, experts
 
     def metadata(self) -> list[ParamMeta]:
@@ -99,7 +108,9 @@ class ShardSource(WeightSource):
 
     def held_names(self):
         stage = self.shard.layout.coords(self.shard.rank)[2]
-        held = [e.param.name for e in shard_layout(self.shard.model, self.shard.layout, stage).entries]
+        held = [
+            e.param.name for e in shard_layout(self.shard.model, self.shard.layout, stage).entries
+        ]
         return held + (list(self.experts.params()) if self.experts is not None else [])
 
 
@@ -130,18 +141,24 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
     init_info_cls = RealPyTrainerInitInfo
 
     @classmethod
-    def trainer_init(cls, init_info: RealPyTrainerInitInfo, *, client, source=None) -> "RealPyTrainerEngine":
+    def trainer_init(
+        cls, init_info: RealPyTrainerInitInfo, *, client, source=None
+    ) -> RealPyTrainerEngine:
         if isinstance(source, ModelShard):
             source = ShardSource(source)
         if not isinstance(source, ShardSource):
-            raise TypeError("the real_py trainer engine needs source=ShardSource(shard) (this rank's "
-                            f"ModelShard in the trainer layout), got {type(source).__name__}")
+            raise TypeError(
+                "the real_py trainer engine needs source=ShardSource(shard) (this rank's "
+                f"ModelShard in the trainer layout), got {type(source).__name__}"
+            )
         info = init_info
         layout, cfg, rank = info.layout, info.config, info.rank
         T = layout.world
         if tuple(layout.ranks) != tuple(range(T)):
-            raise ValueError(f"trainer layout {layout}: the real_py backend numbers trainer ranks 0..n-1; "
-                             f"got ranks {list(layout.ranks)[:8]}")
+            raise ValueError(
+                f"trainer layout {layout}: the real_py backend numbers trainer ranks 0..n-1; "
+                f"got ranks {list(layout.ranks)[:8]}"
+            )
         if info.transport not in ("gloo", "nccl"):
             raise ValueError(f"transport={info.transport!r}; allowed: 'gloo', 'nccl'")
         if info.num_workers < 1:
@@ -151,45 +168,74 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         engine.info, engine.rank = info, rank
         engine.side = f"trainer rank {rank} of {T}"
         engine.version = 0
-        group = TransferGroup.connect(info.master_address, info.master_port, rank, T + info.num_workers,
-                                      info.timeout_s)
+        group = TransferGroup.connect(
+            info.master_address, info.master_port, rank, T + info.num_workers, info.timeout_s
+        )
         # From here a refusal is published, so every member fails with it at once.
         try:
             engine.spec = spec = model_spec(cfg)
             engine.fingerprint = fingerprint(cfg, layout)
             shard = source.shard
             if shard.model != spec or shard.layout != layout or shard.rank != rank:
-                raise ValueError(f"trainer rank {rank}: the source shard is {shard!r}, the init info says "
-                                 f"{spec.name} on {layout} rank {rank}")
+                raise ValueError(
+                    f"trainer rank {rank}: the source shard is {shard!r}, the init info says "
+                    f"{spec.name} on {layout} rank {rank}"
+                )
             want = "cuda" if info.transport == "nccl" else "cpu"
             if shard.flat.device.type != want:
-                raise ValueError(f"trainer rank {rank}: transport={info.transport!r} sends from {want} "
-                                 f"shards, this one is on {shard.flat.device}")
-            if info.is_sender and not (callable(getattr(client, "reset_prefix_cache", None))
-                                       or getattr(client, "base_url", None)):
-                raise TypeError(f"client {type(client).__name__} can start, update and finish a weight "
-                                "update but not reset vLLM's prefix cache (reset_prefix_cache() or an "
-                                "HTTP base_url), so cached prompts would keep old-weight tokens; give it "
-                                "a reset_prefix_cache method")
+                raise ValueError(
+                    f"trainer rank {rank}: transport={info.transport!r} sends from {want} "
+                    f"shards, this one is on {shard.flat.device}"
+                )
+            if info.is_sender and not (
+                callable(getattr(client, "reset_prefix_cache", None))
+                or getattr(client, "base_url", None)
+            ):
+                raise TypeError(
+                    f"client {type(client).__name__} can start, update and finish a weight "
+                    "update but not reset vLLM's prefix cache (reset_prefix_cache() or an "
+                    "HTTP base_url), so cached prompts would keep old-weight tokens; give it "
+                    "a reset_prefix_cache method"
+                )
         except Exception as e:
             publish_ready(group, f"{type(e).__name__}: {e}")
             raise
-        worker_info = {"master_address": info.master_address, "master_port": info.master_port,
-                       "num_trainers": T, "config": config_dict(cfg), "layout": asdict(layout),
-                       "num_workers": info.num_workers, "bucket_bytes": info.bucket_bytes,
-                       "timeout_s": info.timeout_s, "full_tensors": info.full_tensors,
-                       "transport": info.transport}
-        settings = [engine.fingerprint, info.num_workers, info.bucket_bytes, info.timeout_s,
-                    info.full_tensors, info.transport]
+        worker_info = {
+            "master_address": info.master_address,
+            "master_port": info.master_port,
+            "num_trainers": T,
+            "config": config_dict(cfg),
+            "layout": asdict(layout),
+            "num_workers": info.num_workers,
+            "bucket_bytes": info.bucket_bytes,
+            "timeout_s": info.timeout_s,
+            "full_tensors": info.full_tensors,
+            "transport": info.transport,
+        }
+        settings = [
+            engine.fingerprint,
+            info.num_workers,
+            info.bucket_bytes,
+            info.timeout_s,
+            info.full_tensors,
+            info.transport,
+        ]
         # The workers block in init until every member joined: rank 0 asks them on the side, and
         # a failed call (no weight_transfer_config, a server without dev mode) fails every member.
         with ThreadPoolExecutor(max_workers=1) as pool:
             rpc = None
             if engine.is_sender:
                 rpc = pool.submit(client.init_weight_transfer_engine, worker_info)
-                rpc.add_done_callback(lambda f: f.exception() is not None and refuse(
-                    group, "vLLM's init_weight_transfer_engine call (trainer rank 0)",
-                    f"{type(f.exception()).__name__}: {str(f.exception())[:600]}"))
+                rpc.add_done_callback(
+                    lambda f: (
+                        f.exception() is not None
+                        and refuse(
+                            group,
+                            "vLLM's init_weight_transfer_engine call (trainer rank 0)",
+                            f"{type(f.exception()).__name__}: {str(f.exception())[:600]}",
+                        )
+                    )
+                )
             try:
                 publish_ready(group, None, extra={"settings": settings})
                 ready = wait_ready(group, engine.side)
@@ -205,18 +251,27 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         mode = ready[T]["extra"]
         engine.full = mode["full"]
         if mode["unknown"]:
-            log.warning("real_py: vLLM falls back to full tensors and load_weights for %s",
-                        ", ".join(mode["unknown"]))
+            log.warning(
+                "real_py: vLLM falls back to full tensors and load_weights for %s",
+                ", ".join(mode["unknown"]),
+            )
         engine.plan = vllm_plan(cfg, layout, T, mode["tp"], mode["dp"], engine.full)
-        engine.transport = DistTransport(engine.group.pg, timeout=info.timeout_s, store=engine.group.store)
+        engine.transport = DistTransport(
+            engine.group.pg, timeout=info.timeout_s, store=engine.group.store
+        )
         move = MoeReallocator if spec.num_experts else Reallocator
         engine.realloc = move(engine.plan, engine.transport, bucket_bytes=info.bucket_bytes)
         if engine.is_sender:
             s = engine.plan.summary()
-            log.info("real_py: %s -> vLLM %s: %d bytes over the network (minimum %d, %s), %s",
-                     layout, engine.plan.dst, s["network_bytes"], s["min_network_bytes"],
-                     "met" if s["network_bytes"] == s["min_network_bytes"] else "NOT met",
-                     "full tensors (load_weights)" if engine.full else "each worker its shard in place")
+            log.info(
+                "real_py: %s -> vLLM %s: %d bytes over the network (minimum %d, %s), %s",
+                layout,
+                engine.plan.dst,
+                s["network_bytes"],
+                s["min_network_bytes"],
+                "met" if s["network_bytes"] == s["min_network_bytes"] else "NOT met",
+                "full tensors (load_weights)" if engine.full else "each worker its shard in place",
+            )
         return engine
 
     def send_weights(self) -> dict:
@@ -227,8 +282,10 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         (vLLM then serves the previous weights on every worker, unless the error says a worker's
         weights are partly written)."""
         if self.realloc is None:
-            raise RuntimeError(f"real_py: {self.side}: an earlier update failed and broke the transfer "
-                               "group; call trainer_init again (a new master_port) before sending")
+            raise RuntimeError(
+                f"real_py: {self.side}: an earlier update failed and broke the transfer "
+                "group; call trainer_init again (a new master_port) before sending"
+            )
         self.version += 1
         step = f"update {self.version}"
         if not self.is_sender:
@@ -243,7 +300,9 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         try:
             stats = self._drive(step)
         except BaseException as e:
-            self._verdict(f"real_py: {step} failed (reported by trainer rank 0): {type(e).__name__}: {e}")
+            self._verdict(
+                f"real_py: {step} failed (reported by trainer rank 0): {type(e).__name__}: {e}"
+            )
             self._break()
             raise
         self._verdict("ok")
@@ -253,31 +312,39 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         """Rank 0: vLLM's start / update / finish around this rank's own move; the workers' reports."""
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
-        rpc = pool.submit(self.client.update_weights, {"version": self.version, "model": self.fingerprint})
+        rpc = pool.submit(
+            self.client.update_weights, {"version": self.version, "model": self.fingerprint}
+        )
 
-        def told(f):  # vLLM's call failed: every rank's waits end now, naming it, not at the timeout
+        def told(
+            f,
+        ):  # vLLM's call failed: every rank's waits end now, naming it, not at the timeout
             if f.exception() is not None:
-                self.transport.fail(step, f"vLLM's update_weights call failed: {type(f.exception()).__name__}: "
-                                          f"{str(f.exception())[:600]}", who="vLLM client (trainer rank 0)")
+                self.transport.fail(
+                    step,
+                    f"vLLM's update_weights call failed: {type(f.exception()).__name__}: "
+                    f"{str(f.exception())[:600]}",
+                    who="vLLM client (trainer rank 0)",
+                )
 
         rpc.add_done_callback(told)
         error = None
         try:
             stats = self._run(self.source.shard)
-        except BaseException as e:  # noqa: BLE001 - raised below, after vLLM's call ended
+        except BaseException as e:
             error = e
         # The workers end their call either way (done, or told of a failure through the store):
         # wait for it, bounded, then close vLLM's update session (else its next start refuses).
         try:
             rpc.result(timeout=self.info.timeout_s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = error or e
         finally:
             pool.shutdown(wait=False)
         if rpc.done():
             try:
                 self.client.finish_weight_update()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 error = error or e
         if error is not None:
             raise error
@@ -285,18 +352,23 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         failed = [w["error"] for w in stats["workers"] if "error" in w]
         if failed:
             partly = [w["worker"] for w in stats["workers"] if w.get("partly_written")]
-            raise RuntimeError(f"real_py: {step} failed on {len(failed)} vLLM worker(s): {failed[0]}"
-                               + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
-                               + (f"; workers {partly} have partly written weights: send a complete update "
-                                  "before generating" if partly else "; every worker keeps the previous "
-                                  "weights"))
+            raise RuntimeError(
+                f"real_py: {step} failed on {len(failed)} vLLM worker(s): {failed[0]}"
+                + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+                + (
+                    f"; workers {partly} have partly written weights: send a complete update "
+                    "before generating"
+                    if partly
+                    else "; every worker keeps the previous weights"
+                )
+            )
         reset_prefix_cache(self.client)
         return stats
 
     def _verdict(self, text: str) -> None:
         try:
             self.group.store.set(f"verdict/{self.version}", text)
-        except Exception:  # noqa: BLE001 - the other ranks then time out waiting, naming rank 0
+        except Exception:
             pass
 
     def _read_verdict(self) -> str:
@@ -305,11 +377,13 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         try:
             while not self.group.store.check([key]):
                 if time.monotonic() > deadline:
-                    return (f"real_py: {self.side}: no outcome of update {self.version} from trainer "
-                            f"rank 0 within {self.info.timeout_s:g} s (rank 0 gone or stuck)")
+                    return (
+                        f"real_py: {self.side}: no outcome of update {self.version} from trainer "
+                        f"rank 0 within {self.info.timeout_s:g} s (rank 0 gone or stuck)"
+                    )
                 time.sleep(0.02)
             return self.group.store.get(key).decode()
-        except Exception as e:  # noqa: BLE001 - the store went with rank 0
+        except Exception as e:
             return f"real_py: {self.side}: lost trainer rank 0's store reading update {self.version}'s outcome: {e}"
 
     def _worker_reports(self) -> list[dict]:
@@ -317,9 +391,11 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         keys = [f"stats/{self.version}/{i}" for i in range(self.info.num_workers)]
         missing = [k for k in keys if not self.group.store.check([k])]
         if missing:
-            raise RuntimeError(f"real_py: update {self.version}: vLLM workers "
-                               f"{[int(k.rsplit('/', 1)[1]) for k in missing]} answered without a report "
-                               "(their log says why)")
+            raise RuntimeError(
+                f"real_py: update {self.version}: vLLM workers "
+                f"{[int(k.rsplit('/', 1)[1]) for k in missing]} answered without a report "
+                "(their log says why)"
+            )
         return [json.loads(self.group.store.get(k)) for k in keys]
 
     def _run(self, shard) -> dict:
@@ -345,18 +421,26 @@ def reset_prefix_cache(client) -> None:
     reset = getattr(client, "reset_prefix_cache", None)
     if callable(reset):
         if reset() is False:
-            raise RuntimeError("vLLM refused to reset its prefix cache after the weight update "
-                               "(requests still running?); cached prompts would see old weights")
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache after the weight update "
+                "(requests still running?); cached prompts would see old weights"
+            )
         return
     base = getattr(client, "base_url", None)
     if base is None:
-        raise TypeError(f"{type(client).__name__} has neither reset_prefix_cache() nor a base_url: "
-                        "the prefix cache cannot be reset after the update")
+        raise TypeError(
+            f"{type(client).__name__} has neither reset_prefix_cache() nor a base_url: "
+            "the prefix cache cannot be reset after the update"
+        )
     import requests
 
     answer = requests.post(f"{base}/reset_prefix_cache", timeout=getattr(client, "timeout", 300))
     answer.raise_for_status()
-    if answer.headers.get("content-type", "").startswith("application/json") and \
-            answer.json().get("success") is False:  # vLLM answers 200 with success false when busy
-        raise RuntimeError(f"vLLM at {base} refused to reset its prefix cache after the weight update "
-                           "(requests still running?); cached prompts would see old weights")
+    if (
+        answer.headers.get("content-type", "").startswith("application/json")
+        and answer.json().get("success") is False
+    ):  # vLLM answers 200 with success false when busy
+        raise RuntimeError(
+            f"vLLM at {base} refused to reset its prefix cache after the weight update "
+            "(requests still running?); cached prompts would see old weights"
+        )

@@ -33,16 +33,25 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from ..layout import Layout
-from ..realloc import (DistTransport, ExpertShard, ModelShard, Reallocator, plan_moe_realloc,
-                       plan_realloc)
+from ..realloc import (
+    DistTransport,
+    ExpertShard,
+    ModelShard,
+    Reallocator,
+    plan_moe_realloc,
+    plan_realloc,
+)
 from ..realloc.moe_exec import MoeReallocator
 from ..realloc.reallocator import DEFAULT_BUCKET_BYTES
-from ..spec import ModelConfig, model_spec, torch_dtype, vllm_config
 from ..realloc.transports.store_group import TransferGroup, publish_ready, wait_ready
+from ..spec import ModelConfig, model_spec, torch_dtype, vllm_config
 from .names import EXPERTS_MODULE, config_from_dict, unknown_params, vllm_name
 
 log = logging.getLogger("real_py.vllm")
@@ -84,7 +93,9 @@ def vllm_plan(config: ModelConfig, src: Layout, num_trainers: int, tp: int, dp: 
     every worker in blocked storage (for load_weights)."""
     ranks = tuple(range(num_trainers, num_trainers + tp * dp))
     if full:
-        dst_cfg = replace(config, qkv_layout="blocked", gate_up_layout="blocked", vocab_pad_multiple=1)
+        dst_cfg = replace(
+            config, qkv_layout="blocked", gate_up_layout="blocked", vocab_pad_multiple=1
+        )
         dst = Layout(dp=tp * dp, ranks=ranks)
     else:  # MoE: every expert on every worker, each split by tp (vLLM without expert parallelism)
         dst_cfg = vllm_config(config, tp)
@@ -101,9 +112,11 @@ def trainers_disagree(ready: dict, num_trainers: int) -> str:
     first = ready[0]["extra"]["settings"]
     for r in range(1, num_trainers):
         if ready[r]["extra"]["settings"] != first:
-            return (f"trainer rank {r} was initialized with {ready[r]['extra']['settings']}, rank 0 with "
-                    f"{first} (fingerprint, num_workers, bucket_bytes, timeout_s, full_tensors, "
-                    "transport must agree)")
+            return (
+                f"trainer rank {r} was initialized with {ready[r]['extra']['settings']}, rank 0 with "
+                f"{first} (fingerprint, num_workers, bucket_bytes, timeout_s, full_tensors, "
+                "transport must agree)"
+            )
     return ""
 
 
@@ -118,12 +131,18 @@ def check_live_shapes(model: torch.nn.Module, spec, tp: int, side: str) -> None:
         name = vllm_name(p.name)
         shape = tuple(live[name].shape)
         owner = modules[name.rsplit(".", 1)[0]]
-        if not live[name].numel() and name.endswith(".weight") and hasattr(owner, "input_size_per_partition"):
+        if (
+            not live[name].numel()
+            and name.endswith(".weight")
+            and hasattr(owner, "input_size_per_partition")
+        ):
             shape = (owner.output_size_per_partition, owner.input_size_per_partition)  # prepacked
         if live[name].numel() or len(shape) == 2:
             if shape != p.local_shape(tp):
-                raise RuntimeError(f"{side}: vLLM holds {name} as {shape}, real_py planned "
-                                   f"{p.local_shape(tp)} for tp={tp}")
+                raise RuntimeError(
+                    f"{side}: vLLM holds {name} as {shape}, real_py planned "
+                    f"{p.local_shape(tp)} for tp={tp}"
+                )
 
 
 def write_dense(model: torch.nn.Module, spec, shard: ModelShard) -> None:
@@ -174,6 +193,7 @@ def write_dense(model: torch.nn.Module, spec, shard: ModelShard) -> None:
 def _holds_storage(module: torch.nn.Module, ptr: int) -> bool:
     """Whether the module keeps a tensor on the storage at ptr: as a parameter or buffer, an
     attribute, or captured by a callable attribute (vLLM's CPU GEMM dispatch stores closures)."""
+
     def tensors(value):
         if isinstance(value, torch.Tensor):
             yield value
@@ -190,8 +210,12 @@ def _holds_storage(module: torch.nn.Module, ptr: int) -> bool:
                     yield default
 
     values = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
-    return any(t.numel() and t.untyped_storage().data_ptr() == ptr
-               for v in values if v is not None for t in tensors(v))
+    return any(
+        t.numel() and t.untyped_storage().data_ptr() == ptr
+        for v in values
+        if v is not None
+        for t in tensors(v)
+    )
 
 
 def fingerprint(config: ModelConfig, layout: Layout) -> str:
@@ -227,20 +251,23 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         pc = self.parallel_config
         tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
         self.index = pc.data_parallel_index * pc.world_size + get_tensor_model_parallel_rank()
-        self.side = f"vLLM worker {self.index} (dp {pc.data_parallel_index}, tp rank " \
-                    f"{get_tensor_model_parallel_rank()} of {tp})"
+        self.side = (
+            f"vLLM worker {self.index} (dp {pc.data_parallel_index}, tp rank "
+            f"{get_tensor_model_parallel_rank()} of {tp})"
+        )
         T, W = int(info.num_trainers), tp * dp
         self.num_workers, self.timeout_s = W, float(info.timeout_s)
         try:
-            group = TransferGroup.connect(info.master_address, info.master_port, T + self.index, T + W,
-                                          info.timeout_s)
-        except Exception as e:  # noqa: BLE001 - the trainer times out naming this member
+            group = TransferGroup.connect(
+                info.master_address, info.master_port, T + self.index, T + W, info.timeout_s
+            )
+        except Exception as e:
             log.error("real_py: %s: %s", self.side, e)
             return
         self.store = group.store
         try:
             self._setup(info, T, W, tp, dp, pc.pipeline_parallel_size)
-        except Exception as e:  # noqa: BLE001 - refused: every member learns why from the store
+        except Exception as e:
             log.error("real_py: %s refuses the trainer: %s: %s", self.side, type(e).__name__, e)
             publish_ready(group, f"{type(e).__name__}: {e}")
             return
@@ -250,26 +277,40 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             if disagree:
                 raise RuntimeError(disagree)
             self.group = group.build(info.transport)
-            self.transport = DistTransport(self.group.pg, timeout=info.timeout_s, store=self.group.store)
+            self.transport = DistTransport(
+                self.group.pg, timeout=info.timeout_s, store=self.group.store
+            )
             move = MoeReallocator if self.experts is not None else Reallocator
             self.realloc = move(self.plan, self.transport, bucket_bytes=info.bucket_bytes)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.error("real_py: %s: %s", self.side, e)
             self._broken()
             return
-        log.info("real_py: %s receives %s from %d trainer ranks", self.side,
-                 "full tensors (load_weights)" if self.full else "its shard in place", T)
+        log.info(
+            "real_py: %s receives %s from %d trainer ranks",
+            self.side,
+            "full tensors (load_weights)" if self.full else "its shard in place",
+            T,
+        )
 
     def _setup(self, info: RealPyInitInfo, T: int, W: int, tp: int, dp: int, pp: int) -> None:
         if pp != 1:
-            raise ValueError(f"{self.side}: vLLM pipeline_parallel_size={pp}; the real_py backend "
-                             "writes tensor- and data-parallel workers (pipeline_parallel_size=1)")
-        if info.transport not in ("gloo", "nccl") or (info.transport == "nccl" and self.device.type != "cuda"):
-            raise ValueError(f"{self.side}: transport={info.transport!r} on a worker on {self.device}; "
-                             "allowed: 'gloo', or 'nccl' with vLLM on GPUs")
+            raise ValueError(
+                f"{self.side}: vLLM pipeline_parallel_size={pp}; the real_py backend "
+                "writes tensor- and data-parallel workers (pipeline_parallel_size=1)"
+            )
+        if info.transport not in ("gloo", "nccl") or (
+            info.transport == "nccl" and self.device.type != "cuda"
+        ):
+            raise ValueError(
+                f"{self.side}: transport={info.transport!r} on a worker on {self.device}; "
+                "allowed: 'gloo', or 'nccl' with vLLM on GPUs"
+            )
         if info.num_workers != W:
-            raise ValueError(f"{self.side}: the trainer expects {info.num_workers} vLLM workers, this "
-                             f"engine has {W} (tensor_parallel_size={tp} x data_parallel_size={dp})")
+            raise ValueError(
+                f"{self.side}: the trainer expects {info.num_workers} vLLM workers, this "
+                f"engine has {W} (tensor_parallel_size={tp} x data_parallel_size={dp})"
+            )
         cfg = config_from_dict(info.config)
         src = Layout(**info.layout)
         if tuple(src.ranks) != tuple(range(T)):
@@ -277,30 +318,43 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         own = self._own_config(cfg)
         want = torch_dtype(cfg.dtype)
         if self.model_config.dtype != want:
-            raise ValueError(f"{self.side}: the trainer sends {cfg.dtype}, vLLM runs {self.model_config.dtype}; "
-                             "cast the trainer's shards (reallocation moves raw bytes) or start vLLM "
-                             f"with dtype={cfg.dtype}")
+            raise ValueError(
+                f"{self.side}: the trainer sends {cfg.dtype}, vLLM runs {self.model_config.dtype}; "
+                "cast the trainer's shards (reallocation moves raw bytes) or start vLLM "
+                f"with dtype={cfg.dtype}"
+            )
         live = model_spec(vllm_config(own, tp))
         dst_spec = model_spec(vllm_config(cfg, tp))
         try:
             dst_spec.check_compatible(live)
         except ValueError as e:
-            raise ValueError(f"{self.side}: the trainer's model does not match vLLM's "
-                             f"({self.model_config.model}): {e}") from None
+            raise ValueError(
+                f"{self.side}: the trainer's model does not match vLLM's "
+                f"({self.model_config.model}): {e}"
+            ) from None
         unknown = unknown_params(dst_spec, self.model)
         if cfg.num_experts and (unknown or info.full_tensors):
             # vLLM's CPU reload re-packs no experts on a weight update (UnquantizedFusedMoEMethod
             # skips the kernel's prepack once set up): loading full tensors would serve garbage.
-            raise ValueError(f"{self.side}: {cfg.model_type} has experts and "
-                             + (f"real_py does not know the vLLM loader of {', '.join(unknown[:4])}"
-                                if unknown else "full_tensors=True was asked")
-                             + "; MoE models go in place only (vLLM's own reload does not re-pack "
-                             "experts on its CPU backend)")
+            raise ValueError(
+                f"{self.side}: {cfg.model_type} has experts and "
+                + (
+                    f"real_py does not know the vLLM loader of {', '.join(unknown[:4])}"
+                    if unknown
+                    else "full_tensors=True was asked"
+                )
+                + "; MoE models go in place only (vLLM's own reload does not re-pack "
+                "experts on its CPU backend)"
+            )
         self.full = bool(info.full_tensors or unknown)
         if unknown:
-            log.warning("real_py: %s falls back to full tensors and load_weights: real_py does not "
-                        "know the vLLM loader of %s", self.side, ", ".join(unknown[:8])
-                        + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+            log.warning(
+                "real_py: %s falls back to full tensors and load_weights: real_py does not "
+                "know the vLLM loader of %s",
+                self.side,
+                ", ".join(unknown[:8])
+                + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""),
+            )
         if not self.full:
             self._check_live_shapes(dst_spec, tp)
         self._mode = {"full": self.full, "unknown": unknown[:32], "tp": tp, "dp": dp}
@@ -309,15 +363,21 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         self.dst_spec, self.dst = self.plan.dst_model, self.plan.dst
         device = self.device if info.transport == "nccl" else "cpu"
         self.shard = ModelShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
-        self.experts = (ExpertShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
-                        if cfg.num_experts else None)
+        self.experts = (
+            ExpertShard.empty(self.dst_spec, self.dst, T + self.index, device=device)
+            if cfg.num_experts
+            else None
+        )
 
     def _own_config(self, cfg: ModelConfig) -> ModelConfig:
         """vLLM's model as a real_py ModelConfig (its checkpoint's config.json when vLLM loaded a
         local directory), in the trainer's dtype and storage so that only shapes are compared."""
         path = self.model_config.model
-        source = path if os.path.isfile(os.path.join(str(path), "config.json")) else \
-            self.model_config.hf_config.to_dict()
+        source = (
+            path
+            if os.path.isfile(os.path.join(str(path), "config.json"))
+            else self.model_config.hf_config.to_dict()
+        )
         own = ModelConfig.from_hf(source)
         return replace(own, dtype=cfg.dtype)
 
@@ -340,19 +400,28 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         received = False
         try:
             if self.realloc is None:
-                raise RuntimeError("no transfer group (init_weight_transfer_engine failed or was not "
-                                   "called, or an earlier update failed): initialize again")
+                raise RuntimeError(
+                    "no transfer group (init_weight_transfer_engine failed or was not "
+                    "called, or an earlier update failed): initialize again"
+                )
             if info.model != self.fingerprint:
-                why = (f"the trainer sends {info.model}, this engine was initialized for "
-                       f"{self.fingerprint}; initialize the engine again for a new model or layout")
+                why = (
+                    f"the trainer sends {info.model}, this engine was initialized for "
+                    f"{self.fingerprint}; initialize the engine again for a new model or layout"
+                )
                 self.transport.fail(step, why)
                 raise ValueError(why)
             t0 = time.perf_counter()
             try:
-                stats = (self.realloc.run(None, None, self.shard, self.experts) if self.experts is not None
-                         else self.realloc.run(None, self.shard))
+                stats = (
+                    self.realloc.run(None, None, self.shard, self.experts)
+                    if self.experts is not None
+                    else self.realloc.run(None, self.shard)
+                )
             except BaseException as e:
-                self.store.set(f"recv/{info.version}/{self.index}", f"{type(e).__name__}: {e}"[:1500])
+                self.store.set(
+                    f"recv/{info.version}/{self.index}", f"{type(e).__name__}: {e}"[:1500]
+                )
                 raise
             self.store.set(f"recv/{info.version}/{self.index}", "ok")
             peers = self._all_received(info.version)
@@ -361,21 +430,35 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             t1 = time.perf_counter()
             received = True
             self._apply()
-            report.update(received_bytes=stats["received_bytes"], local_bytes=stats["local_bytes"],
-                          receive_s=t1 - t0, apply_s=time.perf_counter() - t1)
-            log.info("real_py: %s %s: %d bytes in %.3f s, written and re-processed in %.3f s",
-                     self.side, step, stats["received_bytes"], t1 - t0, report["apply_s"])
-        except Exception as e:  # noqa: BLE001 - reported to the trainer, never raised into vLLM
+            report.update(
+                received_bytes=stats["received_bytes"],
+                local_bytes=stats["local_bytes"],
+                receive_s=t1 - t0,
+                apply_s=time.perf_counter() - t1,
+            )
+            log.info(
+                "real_py: %s %s: %d bytes in %.3f s, written and re-processed in %.3f s",
+                self.side,
+                step,
+                stats["received_bytes"],
+                t1 - t0,
+                report["apply_s"],
+            )
+        except Exception as e:
             report["error"] = f"{self.side}: {type(e).__name__}: {str(e)[:1500]}"
             report["partly_written"] = received
-            log.error("real_py: %s %s failed, %s: %s", self.side, step,
-                      "its weights are partly written" if received else "the previous weights stay",
-                      report["error"])
+            log.error(
+                "real_py: %s %s failed, %s: %s",
+                self.side,
+                step,
+                "its weights are partly written" if received else "the previous weights stay",
+                report["error"],
+            )
             self._broken()
         if self.store is not None:
             try:
                 self.store.set(f"stats/{info.version}/{self.index}", json.dumps(report))
-            except Exception as e:  # noqa: BLE001 - the trainer times out reading it, naming us
+            except Exception as e:
                 log.error("real_py: %s could not report %s: %s", self.side, step, e)
 
     def _all_received(self, version: int) -> str:
@@ -386,7 +469,9 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
         while not all(self.store.check([k]) for k in keys):
             if time.monotonic() > deadline:
                 missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-                return f"vLLM workers {missing} did not finish receiving within {self.timeout_s:g} s"
+                return (
+                    f"vLLM workers {missing} did not finish receiving within {self.timeout_s:g} s"
+                )
             time.sleep(0.01)
         bad = [(i, self.store.get(k).decode()) for i, k in enumerate(keys)]
         bad = [(i, why) for i, why in bad if why != "ok"]
@@ -428,8 +513,14 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
             pre = f"layers.{i}.mlp.experts."
             with torch.no_grad():
                 for attr, part in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
-                    stacked = torch.stack([views[f"{pre}{j}.{part}.weight"] for j in range(cfg.num_experts)])
-                    setattr(module, attr, torch.nn.Parameter(stacked.to(self.device), requires_grad=False))
+                    stacked = torch.stack(
+                        [views[f"{pre}{j}.{part}.weight"] for j in range(cfg.num_experts)]
+                    )
+                    setattr(
+                        module,
+                        attr,
+                        torch.nn.Parameter(stacked.to(self.device), requires_grad=False),
+                    )
             method = module.quant_method
             kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
             if current_platform.is_cpu() and kernel is not None:
@@ -438,8 +529,10 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
                 method.process_weights_after_loading(module)
 
     def _load_full(self) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
         from ..interop.hf import full_to_hf_state_dict
 

@@ -8,12 +8,16 @@ import torch
 
 from real_py import Layout, ModelShard, plan_realloc
 from real_py.realloc.reallocator import Reallocator
-
 from support.oracle import min_network_elems, oracle_flat, random_full, random_layout, tiny_spec
 
-SPECS = [tiny_spec(tied=True), tiny_spec(bias=True), tiny_spec(head="value"),
-         tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
-         tiny_spec(layers=2, vocab=53, dtype="float64"), tiny_spec(layers=2, dtype="float16")]
+SPECS = [
+    tiny_spec(tied=True),
+    tiny_spec(bias=True),
+    tiny_spec(head="value"),
+    tiny_spec(tied=True, layers=3, vocab=97, dtype="bfloat16"),
+    tiny_spec(layers=2, vocab=53, dtype="float64"),
+    tiny_spec(layers=2, dtype="float16"),
+]
 TIED, BIAS, VALUE, BF16_PAD = SPECS[:4]
 
 
@@ -37,16 +41,24 @@ def named_pairs(world: int) -> list[tuple[str, object, Layout, Layout]]:
             ("pp-only pp2->pp4 tied embeddings", TIED, L("pp2"), L("pp4")),
             ("dp-only dp2->dp4", VALUE, L("dp2"), L("dp4")),
             ("mixed dp2tp2->pp4", TIED, L("dp2,tp2"), L("pp4")),
-            ("mixed dp1tp2pp2->dp2tp1pp2 tp-pp-dp", BIAS, L("tp2,pp2"),
-             L("dp2,pp2", order="tp-pp-dp")),
+            (
+                "mixed dp1tp2pp2->dp2tp1pp2 tp-pp-dp",
+                BIAS,
+                L("tp2,pp2"),
+                L("dp2,pp2", order="tp-pp-dp"),
+            ),
             ("disjoint tp2@01->pp2@23", TIED, L("tp2"), L("pp2", (2, 3))),
             ("padded vocab bf16 tp1->tp3", BF16_PAD, L("tp1"), L("tp3", (1, 2, 3))),
             ("value head dp4->tp2pp2", VALUE, L("dp4"), L("tp2,pp2")),
         ]
     if world >= 8:
         pairs += [
-            ("non-dividing dp2tp3->dp3tp2 overlapping", BIAS, L("dp2,tp3"),
-             L("dp3,tp2", tuple(range(2, 8)))),
+            (
+                "non-dividing dp2tp3->dp3tp2 overlapping",
+                BIAS,
+                L("dp2,tp3"),
+                L("dp3,tp2", tuple(range(2, 8))),
+            ),
             ("tp6->dp2tp2pp2 fused gqa", BIAS, L("tp6"), L("dp2,tp2,pp2")),
             ("dp8->tp2pp4 tied", TIED, L("dp8"), L("tp2,pp4")),
             ("tp2pp4->dp4tp2", TIED, L("tp2,pp4"), L("dp4,tp2")),
@@ -72,9 +84,22 @@ def shards(model, layout: Layout, rank: int, full: dict, device="cpu") -> ModelS
     return ModelShard.from_full(model, layout, rank, full, device) if rank in layout.ranks else None
 
 
-def check_transfer(transport, rank: int, model, src: Layout, dst: Layout, full: dict, *,
-                   mode: str, bucket: int, verify: bool = False, src_shard=None, what: str = "",
-                   device="cpu", **realloc_kw):
+def check_transfer(
+    transport,
+    rank: int,
+    model,
+    src: Layout,
+    dst: Layout,
+    full: dict,
+    *,
+    mode: str,
+    bucket: int,
+    verify: bool = False,
+    src_shard=None,
+    what: str = "",
+    device="cpu",
+    **realloc_kw,
+):
     """Run one transfer on every rank; assert the oracle, source intact, bytes, staging bound.
 
     realloc_kw: more Reallocator arguments (direct_min_bytes). Returns this rank's destination
@@ -88,8 +113,9 @@ def check_transfer(transport, rank: int, model, src: Layout, dst: Layout, full: 
     r = Reallocator(plan, transport, bucket_bytes=bucket, verify=verify, **realloc_kw)
     r.run(s, d)
     if d is not None:
-        assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), \
+        assert torch.equal(d.flat.cpu(), oracle_flat(model, dst, rank, full)), (
             f"{tag}: differs from oracle"
+        )
     if s is not None:
         assert torch.equal(s.flat, before), f"{tag}: source shard modified"
     if r.staging is not None:
@@ -101,8 +127,9 @@ def check_transfer(transport, rank: int, model, src: Layout, dst: Layout, full: 
         assert got == (want["send"], want["recv"]), f"{tag}: network bytes {got} != plan {want}"
     if rank == 0:
         s_ = plan.summary()
-        assert s_["network_bytes"] == min_network_elems(model, src, dst) * model.element_size, \
+        assert s_["network_bytes"] == min_network_elems(model, src, dst) * model.element_size, (
             f"{tag}: plan moves {s_['network_bytes']} B over the network, minimum differs"
+        )
     return d
 
 

@@ -14,13 +14,26 @@ import transformers
 
 from real_py import Layout
 
-LAYOUTS = [Layout(dp=1, tp=1, pp=1), Layout(dp=1, tp=2, pp=1), Layout(dp=1, tp=1, pp=2),
-           Layout(dp=2, tp=2, pp=1), Layout(dp=1, tp=2, pp=2), Layout(dp=2, tp=1, pp=2),
-           # Permuted ranks and axis order, as the PPO runtime places models on rank subsets.
-           Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp")]
+LAYOUTS = [
+    Layout(dp=1, tp=1, pp=1),
+    Layout(dp=1, tp=2, pp=1),
+    Layout(dp=1, tp=1, pp=2),
+    Layout(dp=2, tp=2, pp=1),
+    Layout(dp=1, tp=2, pp=2),
+    Layout(dp=2, tp=1, pp=2),
+    # Permuted ranks and axis order, as the PPO runtime places models on rank subsets.
+    Layout(dp=1, tp=2, pp=2, ranks=(3, 1, 2, 0), order="pp-tp-dp"),
+]
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=97, num_hidden_layers=3, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    num_hidden_layers=3,
+    max_position_embeddings=64,
+)
 
 
 def make_checkpoint(path, model_type="llama", tied=False, head="lm", seed=0, **over):
@@ -30,8 +43,11 @@ def make_checkpoint(path, model_type="llama", tied=False, head="lm", seed=0, **o
     if head == "value":
         kw["num_labels"] = 1
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
-    cls = (transformers.AutoModelForCausalLM if head == "lm"
-           else transformers.AutoModelForSequenceClassification)
+    cls = (
+        transformers.AutoModelForCausalLM
+        if head == "lm"
+        else transformers.AutoModelForSequenceClassification
+    )
     model = cls.from_config(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -41,12 +57,17 @@ def make_checkpoint(path, model_type="llama", tied=False, head="lm", seed=0, **o
 
 
 def load_oracle(path, head="lm"):
-    cls = (transformers.AutoModelForCausalLM if head == "lm"
-           else transformers.AutoModelForSequenceClassification)
+    cls = (
+        transformers.AutoModelForCausalLM
+        if head == "lm"
+        else transformers.AutoModelForSequenceClassification
+    )
     # Gemma 2's soft-capping runs in eager attention only (SDPA ignores it)
     with open(os.path.join(path, "config.json")) as f:
         gemma = json.load(f).get("model_type") in ("gemma2", "gemma3_text")
-    return cls.from_pretrained(path, dtype=torch.float32, **({"attn_implementation": "eager"} if gemma else {})).eval()
+    return cls.from_pretrained(
+        path, dtype=torch.float32, **({"attn_implementation": "eager"} if gemma else {})
+    ).eval()
 
 
 def fused_state(model) -> dict[str, torch.Tensor]:
@@ -54,14 +75,17 @@ def fused_state(model) -> dict[str, torch.Tensor]:
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = {}
     for k, v in sd.items():
-        name = k[len("model."):] if k.startswith("model.") else k
+        name = k[len("model.") :] if k.startswith("model.") else k
         if ".k_proj." in k or ".v_proj." in k or ".up_proj." in k or "rotary" in k:
             continue
         if ".q_proj." in k:
             out[name.replace("q_proj", "qkv_proj")] = torch.cat(
-                [sd[k], sd[k.replace("q_proj", "k_proj")], sd[k.replace("q_proj", "v_proj")]])
+                [sd[k], sd[k.replace("q_proj", "k_proj")], sd[k.replace("q_proj", "v_proj")]]
+            )
         elif ".gate_proj." in k:
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([sd[k], sd[k.replace("gate_proj", "up_proj")]])
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [sd[k], sd[k.replace("gate_proj", "up_proj")]]
+            )
         elif name == "score.weight":
             out["value_head.weight"] = v
         else:
@@ -76,7 +100,7 @@ def batch(seed=1, B=6, T=10, V=97):
     tokens = torch.randint(0, V, (B, T), generator=g)
     lengths = torch.tensor([10, 7, 9, 4, 10, 6][:B])
     for b in range(B):
-        tokens[b, lengths[b]:] = 0
+        tokens[b, lengths[b] :] = 0
     return tokens, lengths
 
 
@@ -97,7 +121,11 @@ def oracle_train_step(model, tokens, lengths, head, lr, wd, max_norm, targets=No
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=wd, foreach=False)
     if head == "lm":
         logits = model(tokens).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        lp = (
+            torch.log_softmax(logits[:, :-1], -1)
+            .gather(-1, tokens[:, 1:].unsqueeze(-1))
+            .squeeze(-1)
+        )
         loss = nll_loss(lp, lengths, float((lengths - 1).sum()))
     else:
         h = model.model(tokens).last_hidden_state
@@ -113,7 +141,7 @@ def oracle_generate(model, tokens, lengths, max_new, pick=None, seeds=None):
     """Per-sequence decoding by full forward passes (no cache, no padding)."""
     out = []
     for b in range(tokens.shape[0]):
-        seq = tokens[b, :lengths[b]].tolist()
+        seq = tokens[b, : lengths[b]].tolist()
         gen = torch.Generator().manual_seed(int(seeds[b])) if seeds is not None else None
         new = []
         for _ in range(max_new):

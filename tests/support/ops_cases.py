@@ -17,7 +17,7 @@ def reference_copy(src: torch.Tensor, descs: np.ndarray, dst: torch.Tensor) -> N
     """The oracle: one slice assignment per run, in descriptor order."""
     for so, do, ln, n, ss, ds in descs.tolist():
         for i in range(n):
-            dst[do + i * ds: do + i * ds + ln] = src[so + i * ss: so + i * ss + ln]
+            dst[do + i * ds : do + i * ds + ln] = src[so + i * ss : so + i * ss + ln]
 
 
 def random_bytes(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -26,8 +26,9 @@ def random_bytes(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.
     return torch.randint(0, 256, (numel * es,), dtype=torch.uint8, generator=gen).view(dtype)
 
 
-def random_descs(rng: np.random.Generator, k: int, max_len: int, max_n: int,
-                 src_overlap: bool = True) -> tuple[np.ndarray, int, int]:
+def random_descs(
+    rng: np.random.Generator, k: int, max_len: int, max_n: int, src_overlap: bool = True
+) -> tuple[np.ndarray, int, int]:
     """k descriptors with disjoint destination runs (placed with gaps, shuffled) and sources at
     random offsets, strides in [0, 2*len] when src_overlap (overlapping reads). Returns
     (descs, src_numel, dst_numel)."""
@@ -63,7 +64,12 @@ def samples() -> list[tuple[str, np.ndarray, int, int]]:
         ("empty-runs", np.array([[0, 0, 0, 4, 1, 1], [3, 2, 5, 0, 0, 0]], np.int64), 8, 8),
         ("single", np.array([[3, 1, 17, 1, 0, 0]], np.int64), 40, 20),
         ("single-strided", np.array([[1, 2, 7, 9, 11, 8]], np.int64), 100, 80),
-        ("overlap-reads", np.array([[0, 0, 16, 12, 3, 16], [5, 200, 9, 4, 0, 9]], np.int64), 60, 240),
+        (
+            "overlap-reads",
+            np.array([[0, 0, 16, 12, 3, 16], [5, 200, 9, 4, 0, 9]], np.int64),
+            60,
+            240,
+        ),
         ("long-run", np.array([[7, 3, 300_001, 1, 0, 0]], np.int64), 300_010, 300_005),
         ("many-short", np.array([[1, 0, 5, 20_000, 6, 5]], np.int64), 120_010, 100_000),
     ]
@@ -73,7 +79,14 @@ def samples() -> list[tuple[str, np.ndarray, int, int]]:
     # The CUDA op passes up to 64 non-empty descriptors by value, more through a device buffer:
     # both sides of the boundary, and many.
     for k in (64, 65):
-        out.append((f"descs{k}", np.array([[3 * i, 2 * i, 2, 1, 0, 0] for i in range(k)], np.int64), 3 * k, 2 * k))
+        out.append(
+            (
+                f"descs{k}",
+                np.array([[3 * i, 2 * i, 2, 1, 0, 0] for i in range(k)], np.int64),
+                3 * k,
+                2 * k,
+            )
+        )
     # 70 descriptors of which 6 are empty: 64 non-empty ones, passed by value after the compaction
     d = np.array([[3 * i, 2 * i, 2 if i % 12 else 0, 1, 0, 0] for i in range(70)], np.int64)
     assert (d[:, 2] * d[:, 3] > 0).sum() == 64
@@ -105,4 +118,6 @@ def assert_rejected(op, src, descs, dst, match):
     with pytest.raises(ValueError, match=match):
         op(src, descs, dst)
     # Bytes, not values: random bytes hold NaNs, and NaN != NaN.
-    assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8)), "a rejected call wrote to its destination"
+    assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8)), (
+        "a rejected call wrote to its destination"
+    )

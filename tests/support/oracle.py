@@ -40,8 +40,12 @@ def held_indices(p, tp: int, k: int) -> torch.Tensor:
         return torch.where(valid.view(mask_shape), picked, torch.full_like(picked, -1)).reshape(-1)
     if p.tp.groups:
         G, starts = p.tp.groups, [sum(p.blocks[:j]) for j in range(len(p.blocks))]
-        memory = [st + g * (b // G) + r for g in range(G) for st, b in zip(starts, p.blocks)
-                  for r in range(b // G)]
+        memory = [
+            st + g * (b // G) + r
+            for g in range(G)
+            for st, b in zip(starts, p.blocks)
+            for r in range(b // G)
+        ]
         return gid.index_select(d, torch.tensor(memory).chunk(tp)[k]).reshape(-1)
     rows, start = [], 0
     for i, b in enumerate(p.blocks):
@@ -67,7 +71,7 @@ def oracle_flat(model: ModelSpec, layout: Layout, rank: int, full: dict) -> torc
         src = full[e.param.name].reshape(-1)
         vals = src.index_select(0, idx.clamp(min=0))
         vals[idx < 0] = 0
-        out[e.offset:e.offset + e.numel] = vals
+        out[e.offset : e.offset + e.numel] = vals
     return out
 
 
@@ -79,7 +83,7 @@ def data_mask(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
     sl = shard_layout(model, layout, stage)
     mask = torch.zeros(sl.numel, dtype=torch.bool)
     for e in sl.entries:
-        mask[e.offset:e.offset + e.numel] = held_indices(e.param, layout.tp, k) >= 0
+        mask[e.offset : e.offset + e.numel] = held_indices(e.param, layout.tp, k) >= 0
     return mask
 
 
@@ -112,12 +116,24 @@ def random_full(model: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
 
 # Small specs exercising every rule: fused GQA QKV (q 12 heads, kv 6), qkv bias, odd vocab
 # (padding), tied and untied embeddings, value head. tp choices: 1, 2, 3, 6.
-def tiny_spec(*, tied=False, bias=False, head="lm", layers=4, vocab=101, dtype="float32",
-              name=None, **storage) -> ModelSpec:
+def tiny_spec(
+    *, tied=False, bias=False, head="lm", layers=4, vocab=101, dtype="float32", name=None, **storage
+) -> ModelSpec:
     """storage: qkv_layout, gate_up_layout, vocab_pad_multiple (ModelConfig fields)."""
-    cfg = ModelConfig(hidden_size=24, intermediate_size=36, num_attention_heads=12,
-                      num_key_value_heads=6, head_dim=2, vocab_size=vocab, num_hidden_layers=layers,
-                      tie_word_embeddings=tied, attention_bias=bias, head=head, dtype=dtype, **storage)
+    cfg = ModelConfig(
+        hidden_size=24,
+        intermediate_size=36,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=2,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        head=head,
+        dtype=dtype,
+        **storage,
+    )
     return model_spec(cfg, name or f"tiny{'-tied' if tied else ''}{'-bias' if bias else ''}-{head}")
 
 
@@ -157,25 +173,27 @@ def index_buffer(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
     whole = torch.full((sl.numel,), -1, dtype=torch.int64)
     for e in sl.entries:
         h = held_indices(e.param, layout.tp, k)
-        whole[e.offset:e.offset + e.numel] = torch.where(h >= 0, (pid[e.param.name] << _PID_SHIFT) + h, -1)
+        whole[e.offset : e.offset + e.numel] = torch.where(
+            h >= 0, (pid[e.param.name] << _PID_SHIFT) + h, -1
+        )
     if layout.dp_shard == "none":
         return whole
     if layout.dp_shard == "flat":
         c = -(-sl.numel // layout.dp)
         out = torch.full((c,), -1, dtype=torch.int64)
-        piece = whole[d * c:(d + 1) * c]
-        out[:piece.numel()] = piece
+        piece = whole[d * c : (d + 1) * c]
+        out[: piece.numel()] = piece
         return out
     assert layout.dp_shard == "dim0", layout.dp_shard
     align = max(1, ALIGN_BYTES // model.element_size)
     parts = []
     for e in sl.entries:
-        local = whole[e.offset:e.offset + e.numel].view(e.local_shape)
+        local = whole[e.offset : e.offset + e.numel].view(e.local_shape)
         chunks = torch.chunk(local, layout.dp, 0)
         storage = chunks[0].numel()  # FSDP2 pads every piece to the first chunk's size
         piece = chunks[d].reshape(-1) if d < len(chunks) else local.new_empty(0)
         slot = torch.full((-(-storage // align) * align,), -1, dtype=torch.int64)
-        slot[:piece.numel()] = piece
+        slot[: piece.numel()] = piece
         parts.append(slot)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -207,8 +225,15 @@ def random_dp_layout(rng: random.Random, world: int, num_layers: int, max_ranks:
     """random_layout, dp-sharded (dim0 or flat) two times in three when dp > 1."""
     layout = random_layout(rng, world, num_layers, max_ranks)
     shard = rng.choice(["none", "dim0", "flat"])
-    return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, ranks=layout.ranks, order=layout.order,
-                  layers_per_stage=layout.layers_per_stage, dp_shard=shard)
+    return Layout(
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        ranks=layout.ranks,
+        order=layout.order,
+        layers_per_stage=layout.layers_per_stage,
+        dp_shard=shard,
+    )
 
 
 # Mixture of experts. A rank's expert pieces by index math, apart from real_py.layout's
@@ -231,21 +256,29 @@ def expert_held(model: ModelSpec, layout: Layout, rank: int):
         return []
     g, k, stage = pos
     per = model.num_experts // layout.ep
-    return [(p, held_indices(p, layout.etp, k)) for p in model.params
-            if p.expert >= 0 and g * per <= p.expert < (g + 1) * per
-            and stage in param_stages(model, layout, p)]
+    return [
+        (p, held_indices(p, layout.etp, k))
+        for p in model.params
+        if p.expert >= 0
+        and g * per <= p.expert < (g + 1) * per
+        and stage in param_stages(model, layout, p)
+    ]
 
 
 def expert_oracle(model: ModelSpec, layout: Layout, rank: int, full: dict) -> dict:
     """name -> the etp piece of that expert tensor `rank` must hold, sliced from full tensors."""
-    return {p.name: full[p.name].reshape(-1).index_select(0, idx).view(p.local_shape(layout.etp))
-            for p, idx in expert_held(model, layout, rank)}
+    return {
+        p.name: full[p.name].reshape(-1).index_select(0, idx).view(p.local_shape(layout.etp))
+        for p, idx in expert_held(model, layout, rank)
+    }
 
 
 def dense_only(model: ModelSpec) -> ModelSpec:
-    return ModelSpec(name=model.name + "-dense-oracle", params=tuple(p for p in model.params
-                                                                    if p.expert < 0),
-                     num_layers=model.num_layers)
+    return ModelSpec(
+        name=model.name + "-dense-oracle",
+        params=tuple(p for p in model.params if p.expert < 0),
+        num_layers=model.num_layers,
+    )
 
 
 def dense_layout(model: ModelSpec, layout: Layout) -> Layout:
@@ -265,12 +298,15 @@ def min_network_elems_moe(model: ModelSpec, src: Layout, dst: Layout) -> int:
     for r in dst.ranks:
         have = {p.name: idx for p, idx in expert_held(model, src, r)}
         for p, need in expert_held(model, dst, r):
-            total += (int((~torch.isin(need, have[p.name])).sum()) if p.name in have
-                      else need.numel())
+            total += (
+                int((~torch.isin(need, have[p.name])).sum()) if p.name in have else need.numel()
+            )
     return total
 
 
-def random_moe_layout(rng: random.Random, world: int, model: ModelSpec, max_ranks: int = 8) -> Layout:
+def random_moe_layout(
+    rng: random.Random, world: int, model: ModelSpec, max_ranks: int = 8
+) -> Layout:
     """A random MoE layout of `model` (tp in model.tp_choices, ep | experts, ep etp | dp tp)."""
     E = model.num_experts
     while True:
@@ -279,8 +315,12 @@ def random_moe_layout(rng: random.Random, world: int, model: ModelSpec, max_rank
         n = dp * tp * pp
         if n > min(world, max_ranks) or pp > model.num_layers:
             continue
-        combos = [(e, t) for e in range(1, E + 1) for t in (1, 2, 4, 8)
-                  if E % e == 0 and (dp * tp) % (e * t) == 0]
+        combos = [
+            (e, t)
+            for e in range(1, E + 1)
+            for t in (1, 2, 4, 8)
+            if E % e == 0 and (dp * tp) % (e * t) == 0
+        ]
         ep, etp = rng.choice(combos)
         break
     ranks = rng.sample(range(world), n)

@@ -83,8 +83,9 @@ class Schedule:
         chunks = []
         for m in range(plan.num_messages):
             sender, receivers = int(plan.msg_sender[m]), plan.receivers(m)
-            for part, numel in _split_message(plan.message_descs(m), int(plan.msg_numel[m]),
-                                              self.direct_min_elems, limit):
+            for part, numel in _split_message(
+                plan.message_descs(m), int(plan.msg_numel[m]), self.direct_min_elems, limit
+            ):
                 chunks.append(Chunk(m, sender, receivers, numel, part))
         # Earliest fit: a chunk goes to the earliest round where its sender can still send it
         # and every receiver can still receive it, each side holding at most half a bucket per
@@ -118,8 +119,10 @@ class Schedule:
                     by_rank.setdefault(c.sender, {}).setdefault(k, ([], []))[0].append(c)
                     for r in c.receivers:
                         by_rank.setdefault(r, {}).setdefault(k, ([], []))[1].append(c)
-            self._per_rank = {r: [_rank_round(k, tuple(s), tuple(v)) for k, (s, v) in rounds.items()]
-                              for r, rounds in by_rank.items()}
+            self._per_rank = {
+                r: [_rank_round(k, tuple(s), tuple(v)) for k, (s, v) in rounds.items()]
+                for r, rounds in by_rank.items()
+            }
         return self._per_rank.get(rank, [])
 
 
@@ -128,12 +131,15 @@ def _cut(descs: np.ndarray, total: int, limit: int) -> list[tuple[np.ndarray, in
     if total <= limit:
         return [(descs, total)]
     ends = np.cumsum(descs[:, 2] * descs[:, 3])
-    return [(split_descs(descs, lo, min(total, lo + limit), ends), min(total, lo + limit) - lo)
-            for lo in range(0, total, limit)]
+    return [
+        (split_descs(descs, lo, min(total, lo + limit), ends), min(total, lo + limit) - lo)
+        for lo in range(0, total, limit)
+    ]
 
 
-def _split_message(descs: np.ndarray, total: int, direct_min: int,
-                   limit: int) -> list[tuple[np.ndarray, int]]:
+def _split_message(
+    descs: np.ndarray, total: int, direct_min: int, limit: int
+) -> list[tuple[np.ndarray, int]]:
     """One message's chunk descriptors: big one-run descriptors alone (direct), the rest staged.
 
     Order: the staged remainder's chunks first, then the direct pieces in descriptor order; only
@@ -173,6 +179,13 @@ def _rank_round(k: int, sends: tuple[Chunk, ...], recvs: tuple[Chunk, ...]) -> R
     pack, send_slots, off = _place(sends, "pack", 0)
     unpack, recv_slots, off = _place(recvs, "unpack", off)
     empty = np.zeros((0, 6), np.int64)
-    return RankRound(k, sends, recvs, np.concatenate(pack) if pack else empty,
-                     np.concatenate(unpack) if unpack else empty, tuple(send_slots),
-                     tuple(recv_slots), off)
+    return RankRound(
+        k,
+        sends,
+        recvs,
+        np.concatenate(pack) if pack else empty,
+        np.concatenate(unpack) if unpack else empty,
+        tuple(send_slots),
+        tuple(recv_slots),
+        off,
+    )

@@ -13,14 +13,17 @@ import torch
 if os.environ.get("REAL_PY_REQUIRE_VLLM"):  # make test-vllm: a missing vLLM fails, never skips
     import vllm  # noqa: F401
 else:
-    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test-vllm` runs "
-                        "these tests in .venv-vllm")
+    pytest.importorskip(
+        "vllm",
+        reason="vLLM is not installed in this venv: `make test-vllm` runs "
+        "these tests in .venv-vllm",
+    )
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec  # noqa: E402
-from real_py.realloc.reallocator import run_ranks  # noqa: E402
-from real_py.interop.hf import load_hf_shard, save_hf  # noqa: E402
+from real_py import Layout, ModelConfig, ModelShard, gather_full, model_spec
+from real_py.interop.hf import load_hf_shard, save_hf
+from real_py.realloc.reallocator import run_ranks
 
 PROMPTS = [[1, 2, 3, 4, 5] * 8, [7, 8, 9], [11, 12, 13, 14] * 5]
 """Token-id prompts; the first is longer than one KV block of 32 tokens (start_llm's block_size: the
@@ -33,16 +36,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_checkpoint(path, *, model_type="qwen2", vocab=500, hidden=128, heads=4, kv_heads=2,
-                     layers=2, tie=False, seed=0) -> ModelConfig:
+def write_checkpoint(
+    path,
+    *,
+    model_type="qwen2",
+    vocab=500,
+    hidden=128,
+    heads=4,
+    kv_heads=2,
+    layers=2,
+    tie=False,
+    seed=0,
+) -> ModelConfig:
     """A random-init transformers checkpoint (fp32, head_dim 32: vLLM's CPU attention takes it)."""
     import transformers
 
-    cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[model_type]
-    cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
-                 max_position_embeddings=256, tie_word_embeddings=tie, torch_dtype="float32")
+    cls = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[model_type]
+    cfg = cls[0](
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     cls[1](cfg).save_pretrained(path)
     return ModelConfig.from_hf(str(path))
@@ -56,9 +79,18 @@ def perturbed(full: dict, seed: int, scale: float = 0.05) -> dict:
 def start_llm(path, tp: int):
     from vllm import LLM
 
-    return LLM(model=str(path), tensor_parallel_size=tp, gpu_memory_utilization=0.15,
-               skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
-               enable_prefix_caching=True, block_size=32, weight_transfer_config={"backend": "real_py"})
+    return LLM(
+        model=str(path),
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=0.15,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        block_size=32,
+        weight_transfer_config={"backend": "real_py"},
+    )
 
 
 def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
@@ -68,8 +100,13 @@ def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int],
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outs]
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+        )
+        for o in outs
+    ]
 
 
 def on_ranks(ranks, work) -> dict:
@@ -82,7 +119,9 @@ _LIVE: list = []
 threads and rank 0's store go with them)."""
 
 
-def trainer_engines(llm, cfg: ModelConfig, layout: Layout, shards: dict, *, timeout_s=60.0, **kw) -> dict:
+def trainer_engines(
+    llm, cfg: ModelConfig, layout: Layout, shards: dict, *, timeout_s=60.0, **kw
+) -> dict:
     from real_py.vllm import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource
 
     for engine in _LIVE:
@@ -93,8 +132,16 @@ def trainer_engines(llm, cfg: ModelConfig, layout: Layout, shards: dict, *, time
     workers = llm.llm_engine.vllm_config.parallel_config.world_size
 
     def init(r):
-        info = RealPyTrainerInitInfo(rank=r, master_address="127.0.0.1", master_port=port, config=cfg,
-                                     layout=layout, num_workers=workers, timeout_s=timeout_s, **kw)
+        info = RealPyTrainerInitInfo(
+            rank=r,
+            master_address="127.0.0.1",
+            master_port=port,
+            config=cfg,
+            layout=layout,
+            num_workers=workers,
+            timeout_s=timeout_s,
+            **kw,
+        )
         return RealPyTrainerEngine.trainer_init(info, client=llm, source=ShardSource(shards[r]))
 
     engines = on_ranks(range(layout.world), init)
@@ -144,7 +191,9 @@ def hf_greedy(path, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int
     return out
 
 
-def assert_matches_transformers(got, root, name: str, cfg: ModelConfig, full: dict, source, tol=1e-4):
+def assert_matches_transformers(
+    got, root, name: str, cfg: ModelConfig, full: dict, source, tol=1e-4
+):
     """vLLM's answer after an update against transformers on the same weights exported as an HF
     checkpoint: the same greedy tokens, logprobs within `tol` (fp32). Catches any parameter the
     backend does not write (its old value would change the answer far beyond tol)."""

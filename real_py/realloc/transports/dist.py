@@ -54,19 +54,24 @@ REPORT_GRACE_S = 0.5
 """Seconds a wait still gives its ops after a peer reported a failure: ops that do not depend on
 that peer (its data already arrived) complete, the rest are given up."""
 
+
 class DistTransport(Transport):
     name = "torch.distributed"
     asynchronous = True
 
-    def __init__(self, group, *, timeout: float = 60.0, store=None, stream_ordered: bool | None = None):
+    def __init__(
+        self, group, *, timeout: float = 60.0, store=None, stream_ordered: bool | None = None
+    ):
         """group: an initialized ProcessGroup (dist.group.WORLD for the default one).
 
         timeout: seconds any one round may take before TransferError. store: where failure
         reports go (default: the default process group's store; None disables them). Reports
         are read after a failure, to name the rank that failed first."""
         if group is None:
-            raise ValueError("DistTransport needs an explicit process group (dist.group.WORLD for "
-                             "the default one)")
+            raise ValueError(
+                "DistTransport needs an explicit process group (dist.group.WORLD for "
+                "the default one)"
+            )
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")
         self.group, self.timeout = group, float(timeout)
@@ -74,15 +79,22 @@ class DistTransport(Transport):
         # such as real_py.vllm's transfer group) is addressed through its own methods.
         self._bare = group not in dist.distributed_c10d._world.pg_map
         if self._bare and store is None:
-            raise ValueError("DistTransport over a process group that torch.distributed does not "
-                             "know (built on its own store) needs that store: pass store=")
+            raise ValueError(
+                "DistTransport over a process group that torch.distributed does not "
+                "know (built on its own store) needs that store: pass store="
+            )
         self.rank = group.rank() if self._bare else dist.get_rank(group)
         self.world = group.size() if self._bare else dist.get_world_size(group)
         self.backend = group.name() if self._bare else dist.get_backend(group)
-        self.stream_ordered = self.backend == "nccl" if stream_ordered is None else bool(stream_ordered)
+        self.stream_ordered = (
+            self.backend == "nccl" if stream_ordered is None else bool(stream_ordered)
+        )
         self.sent_bytes = self.received_bytes = 0
-        self._global = (list(range(self.world)) if self._bare else
-                        [dist.get_global_rank(group, r) for r in range(self.world)])
+        self._global = (
+            list(range(self.world))
+            if self._bare
+            else [dist.get_global_rank(group, r) for r in range(self.world)]
+        )
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._prefix = f"real_py/failures/{getattr(group, 'group_name', 'group')}"
         if store is None:
@@ -91,8 +103,11 @@ class DistTransport(Transport):
             except (RuntimeError, ValueError):
                 store = None
         self.store = store
-        self._watch = (PeerWatch(start_heartbeat(store, self.rank if self._bare else dist.get_rank()))
-                       if store is not None else None)
+        self._watch = (
+            PeerWatch(start_heartbeat(store, self.rank if self._bare else dist.get_rank()))
+            if store is not None
+            else None
+        )
         # Reports are filed per setup epoch: a report written by a rank that failed before a
         # peer's setup is still read by that peer (same epoch), and a later reallocation on the
         # group never reads an earlier one's reports (next epoch).
@@ -107,14 +122,23 @@ class DistTransport(Transport):
     def setup(self, plan) -> None:
         for r in plan.ranks():
             if not 0 <= r < self.world:
-                raise ValueError(f"plan uses rank {r}, but the group has {self.world} ranks; plan "
-                                 "ranks are ranks of the transport's group")
-        sets = sorted({(int(plan.msg_sender[m]),) + plan.receivers(m)
-                       for m in range(plan.num_messages) if len(plan.receivers(m)) > 1})
+                raise ValueError(
+                    f"plan uses rank {r}, but the group has {self.world} ranks; plan "
+                    "ranks are ranks of the transport's group"
+                )
+        sets = sorted(
+            {
+                (int(plan.msg_sender[m]),) + plan.receivers(m)
+                for m in range(plan.num_messages)
+                if len(plan.receivers(m)) > 1
+            }
+        )
         if self._bare:
             if sets:
-                raise ValueError("broadcast-mode plans need subgroups, which a group built on its "
-                                 "own store cannot make: plan with mode='p2p'")
+                raise ValueError(
+                    "broadcast-mode plans need subgroups, which a group built on its "
+                    "own store cannot make: plan with mode='p2p'"
+                )
             if self.backend == "nccl" and not self._warm:  # as below: every rank's first op
                 device = torch.device("cuda", torch.cuda.current_device())
                 self.group.allreduce([torch.zeros(1, device=device)]).wait()
@@ -130,12 +154,17 @@ class DistTransport(Transport):
             # With the whole world in `group` that is the plain new_group contract; for a
             # smaller group the non-members of `group` cannot join, so use local sync.
             self._subgroups[key] = dist.new_group(
-                [self._global[r] for r in key], timeout=datetime.timedelta(seconds=self.timeout),
-                backend=self.backend, use_local_synchronization=not whole)
+                [self._global[r] for r in key],
+                timeout=datetime.timedelta(seconds=self.timeout),
+                backend=self.backend,
+                use_local_synchronization=not whole,
+            )
         if self.backend == "nccl" and not self._warm:
             # NCCL: the first op on a communicator must involve every rank of the group.
-            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
-                            group=self.group)
+            dist.all_reduce(
+                torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                group=self.group,
+            )
         self._warm = True
         self._epoch = _EPOCHS[self._epoch_key] = _EPOCHS.get(self._epoch_key, 0) + 1
 
@@ -146,8 +175,10 @@ class DistTransport(Transport):
         bcast = []
         for i, (receivers, t) in enumerate(sends):
             if self.rank in receivers:
-                raise ValueError(f"rank {self.rank}: {step}: a chunk sent to itself; local copies "
-                                 "never go through the transport")
+                raise ValueError(
+                    f"rank {self.rank}: {step}: a chunk sent to itself; local copies "
+                    "never go through the transport"
+                )
             self.sent_bytes += t.numel() * t.element_size()
             if len(receivers) == 1:
                 ops.append((dist.isend, t, self._global[receivers[0]]))
@@ -166,8 +197,13 @@ class DistTransport(Transport):
             if ops:
                 # gloo matches a pair's messages in posting order, whichever way they are posted;
                 # posted one by one, a failed post names its peer (a dead one fails at once).
-                got = (self._post_each(ops, works, step) if self._bare else
-                       dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self.group) for fn, t, peer in ops]))
+                got = (
+                    self._post_each(ops, works, step)
+                    if self._bare
+                    else dist.batch_isend_irecv(
+                        [dist.P2POp(fn, t, peer, self.group) for fn, t, peer in ops]
+                    )
+                )
                 # NCCL coalesces the group into one work; gloo returns one per op.
                 if len(got) == len(ops):
                     pending += [(w, what, peers) for w, (what, peers) in zip(got, works)]
@@ -179,12 +215,19 @@ class DistTransport(Transport):
             for (sender, *receivers), _, _, t in bcast:
                 g = self._subgroups.get(tuple(sorted((sender, *receivers))))
                 if g is None:
-                    raise ValueError(f"rank {self.rank}: {step}: no subgroup for sender {sender} -> "
-                                     f"{receivers}; was transport.setup(plan) called?")
+                    raise ValueError(
+                        f"rank {self.rank}: {step}: no subgroup for sender {sender} -> "
+                        f"{receivers}; was transport.setup(plan) called?"
+                    )
                 w = dist.broadcast(t, src=self._global[sender], group=g, async_op=True)
-                pending.append((w, f"broadcast from rank {sender} to ranks {list(receivers)}"
-                                   + (" (peer rank %d)" % sender if sender != self.rank else ""),
-                                tuple(r for r in (sender, *receivers) if r != self.rank)))
+                pending.append(
+                    (
+                        w,
+                        f"broadcast from rank {sender} to ranks {list(receivers)}"
+                        + (f" (peer rank {sender})" if sender != self.rank else ""),
+                        tuple(r for r in (sender, *receivers) if r != self.rank),
+                    )
+                )
         except (TransferError, ValueError):
             raise
         except Exception as e:  # posting failed (peer gone): same error path as a failed wait
@@ -195,7 +238,11 @@ class DistTransport(Transport):
         got = []
         for (fn, t, peer), (what, _) in zip(ops, works):
             try:
-                got.append(self.group.send([t], peer, 0) if fn is dist.isend else self.group.recv([t], peer, 0))
+                got.append(
+                    self.group.send([t], peer, 0)
+                    if fn is dist.isend
+                    else self.group.recv([t], peer, 0)
+                )
             except Exception as e:
                 raise self._error(step, f"posting ({what})", e) from e
         return got
@@ -211,7 +258,7 @@ class DistTransport(Transport):
         try:
             n = self.store.add(self._key("n"), 1)
             self.store.set(self._key(n), line[:2000])
-        except Exception:  # noqa: BLE001 - reporting is best effort; the raise that follows is not
+        except Exception:
             pass
 
     def _key(self, what) -> str:
@@ -222,7 +269,7 @@ class DistTransport(Transport):
             return 0
         try:
             return int(self.store.add(self._key("n"), 0))
-        except Exception:  # noqa: BLE001
+        except Exception:
             return 0
 
     def reports(self) -> list[str]:
@@ -235,7 +282,7 @@ class DistTransport(Transport):
                     line = self.store.get(key).decode(errors="replace")
                     if not line.startswith(f"rank {self.rank} in "):
                         out.append(line)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         return out
 
@@ -247,16 +294,20 @@ class DistTransport(Transport):
             first = state.setdefault("reported", time.monotonic())
             if time.monotonic() - first >= REPORT_GRACE_S:
                 root = reports[0].replace(" in ", " failed in ", 1)
-                msg = (f"rank {self.rank}: {step}: stopped waiting ({state['what']}): {root[:600]}"
-                       + (f" (and {len(reports) - 1} more reports)" if len(reports) > 1 else ""))
+                msg = (
+                    f"rank {self.rank}: {step}: stopped waiting ({state['what']}): {root[:600]}"
+                    + (f" (and {len(reports) - 1} more reports)" if len(reports) > 1 else "")
+                )
                 self.fail(step, f"TransferError: {msg}")
                 raise _reported(TransferError(msg))
         silent = self._watch.silent([self._global[p] for p in peers])
         if silent:
             g, secs = silent[0]
             p = self._global.index(g)
-            msg = (f"rank {self.rank}: {step}: peer rank {p}{'' if p == g else f' (global rank {g})'} "
-                   f"{self._watch.describe(g, secs)}, while waiting to {state['what']}")
+            msg = (
+                f"rank {self.rank}: {step}: peer rank {p}{'' if p == g else f' (global rank {g})'} "
+                f"{self._watch.describe(g, secs)}, while waiting to {state['what']}"
+            )
             self.fail(step, f"TransferError: {msg}")
             raise _reported(TransferError(msg))
 
@@ -300,7 +351,7 @@ class _DistHandle(Handle):
         for work, what, _ in self.pending:
             try:
                 work.wait()  # no timeout: ProcessGroupNCCL only orders the current stream
-            except Exception as e:  # noqa: BLE001 - an error already known to NCCL
+            except Exception as e:
                 self.pending = []
                 raise self.t._error(self.step, what, e) from e
 
@@ -323,7 +374,7 @@ class _DistHandle(Handle):
                     if left <= 0:
                         raise TimeoutError("round deadline passed")
                     work.wait(datetime.timedelta(seconds=left))
-                except Exception as e:  # noqa: BLE001 - every failure becomes a TransferError
+                except Exception as e:
                     state["failed"] = (what, e, time.monotonic())
                     return
 
@@ -340,7 +391,9 @@ class _DistHandle(Handle):
         if state["failed"] is not None:
             what, e, when = state["failed"]
             if when >= deadline - 0.05:
-                raise t._error(self.step, f"timed out after {t.timeout:g} s waiting to {what}") from e
+                raise t._error(
+                    self.step, f"timed out after {t.timeout:g} s waiting to {what}"
+                ) from e
             raise t._error(self.step, what, e) from e
 
 

@@ -16,7 +16,6 @@ run_in_process` runs a plan on it; `InProcessMove` keeps the ranks' workers acro
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -41,7 +40,7 @@ class InProcessHub:
         self._waiting: dict[int, set] = {}
         self._seq: dict[tuple, int] = {}
 
-    def transport(self, rank: int) -> "InProcessTransport":
+    def transport(self, rank: int) -> InProcessTransport:
         return InProcessTransport(self, rank)
 
     def fail(self, rank: int, why: str) -> None:
@@ -75,16 +74,20 @@ class InProcessHub:
                 if not failed:
                     self._waiting.setdefault(peer, set()).add(s.event)
             if not failed and not s.event.wait(self.timeout):
-                raise TransferError(f"rank {rank}: timed out after {self.timeout:.0f} s in {step} "
-                                    f"waiting to {what} peer rank {peer}")
+                raise TransferError(
+                    f"rank {rank}: timed out after {self.timeout:.0f} s in {step} "
+                    f"waiting to {what} peer rank {peer}"
+                )
             with self._lock:
                 self._waiting.get(peer, set()).discard(s.event)
         with self._lock:
             if key not in self._slots or self._slots[key] is not s or s.left == 0:
                 # Woken by the peer's failure, not by its value.
                 why = self._failed.get(peer, "no value")
-                raise TransferError(f"rank {rank}: peer rank {peer} failed during {step} ({why}) "
-                                    f"while waiting to {what} it")
+                raise TransferError(
+                    f"rank {rank}: peer rank {peer} failed during {step} ({why}) "
+                    f"while waiting to {what} it"
+                )
             s.left -= 1
             if s.left == 0:
                 del self._slots[key]
@@ -115,14 +118,18 @@ class InProcessTransport(Transport):
         event recorded on this rank's current stream (readers' streams wait on it)."""
         seq = self.hub._next(tag, self.rank)
         if readers:
-            self.hub._put(("src", tag, seq, self.rank), (sources, _record(sources.values())), readers)
+            self.hub._put(
+                ("src", tag, seq, self.rank), (sources, _record(sources.values())), readers
+            )
         return seq
 
     def peer_sources(self, step: str, tag: str, seq: int, peers) -> dict:
         """{peer: its published buffers} for every rank in `peers` (waits for them)."""
         out = {}
         for p in peers:
-            bufs, event = self.hub._get(("src", tag, seq, p), self.rank, p, step, "read the source buffers of")
+            bufs, event = self.hub._get(
+                ("src", tag, seq, p), self.rank, p, step, "read the source buffers of"
+            )
             _wait(event)
             out[p] = bufs
         return out
@@ -137,7 +144,11 @@ class InProcessTransport(Transport):
         """Return once every rank in `readers` finished reading this rank's buffers (on a GPU:
         their completion ordered on this rank's current stream, no host wait on the device)."""
         for r in readers:
-            _wait(self.hub._get(("done", tag, seq, r), self.rank, r, step, "see the end of the reads of"))
+            _wait(
+                self.hub._get(
+                    ("done", tag, seq, r), self.rank, r, step, "see the end of the reads of"
+                )
+            )
 
     # ------------------------------------------------------------------ rounds
 
@@ -155,8 +166,10 @@ class InProcessTransport(Transport):
             key = (sender, self.rank, step, n)
             src = hub._get(("msg",) + key, self.rank, sender, step, "receive from")
             if src.numel() != buf.numel():
-                raise TransferError(f"rank {self.rank}: {step}: chunk from rank {sender} has "
-                                    f"{src.numel()} elements, expected {buf.numel()}")
+                raise TransferError(
+                    f"rank {self.rank}: {step}: chunk from rank {sender} has "
+                    f"{src.numel()} elements, expected {buf.numel()}"
+                )
             buf.copy_(src)
             hub._put(("ack",) + key, True)
         for key in posted:

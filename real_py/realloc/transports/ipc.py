@@ -53,7 +53,9 @@ class IpcTransport(Transport):
 
     def __init__(self, group, *, timeout: float = 60.0, store=None, prefix: str = "real_py/ipc"):
         if group is None:
-            raise ValueError("IpcTransport needs an explicit process group (dist.group.WORLD for the default one)")
+            raise ValueError(
+                "IpcTransport needs an explicit process group (dist.group.WORLD for the default one)"
+            )
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")
         self.group, self.timeout = group, float(timeout)
@@ -61,9 +63,9 @@ class IpcTransport(Transport):
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.prefix = f"{prefix}/{getattr(group, 'group_name', 'group')}"
         self._seq: dict[str, int] = {}
-        self._sent: dict[str, tuple] = {}      # tag -> data pointers of the last published buffers
-        self._mapped: dict[tuple, dict] = {}   # (tag, peer) -> its mapped buffers
-        self._events: dict[tuple, list] = {}   # (tag, move) -> events peers open by handle
+        self._sent: dict[str, tuple] = {}  # tag -> data pointers of the last published buffers
+        self._mapped: dict[tuple, dict] = {}  # (tag, peer) -> its mapped buffers
+        self._events: dict[tuple, list] = {}  # (tag, move) -> events peers open by handle
 
     def setup(self, plan) -> None:
         for r in plan.ranks():
@@ -71,8 +73,10 @@ class IpcTransport(Transport):
                 raise ValueError(f"plan uses rank {r}, but the group has {self.world} ranks")
 
     def exchange(self, sends: Sends, recvs: Recvs, step: str) -> None:
-        raise ValueError("IpcTransport moves in one pass only; verify=True and one_pass=False need "
-                         "a transport with a wire (DistTransport over NCCL)")
+        raise ValueError(
+            "IpcTransport moves in one pass only; verify=True and one_pass=False need "
+            "a transport with a wire (DistTransport over NCCL)"
+        )
 
     # ------------------------------------------------------------------ one pass
 
@@ -91,19 +95,25 @@ class IpcTransport(Transport):
         self._sent[tag] = ptrs
         device = next(iter(sources.values())).device
         event = self._event(tag, seq, device)
-        self.store.set(self._key(tag, seq, "src", self.rank), pickle.dumps((bufs, event.ipc_handle(), device.index)))
+        self.store.set(
+            self._key(tag, seq, "src", self.rank),
+            pickle.dumps((bufs, event.ipc_handle(), device.index)),
+        )
         return seq
 
     def peer_sources(self, step: str, tag: str, seq: int, peers) -> dict:
         out = {}
         device = torch.device("cuda", torch.cuda.current_device())
         for p in peers:
-            bufs, handle, index = pickle.loads(self._get(self._key(tag, seq, "src", p), step, p,
-                                                         "read the source buffers of"))
+            bufs, handle, index = pickle.loads(
+                self._get(self._key(tag, seq, "src", p), step, p, "read the source buffers of")
+            )
             if bufs is not None:  # new buffers: map them (torch caches the mapping per block)
                 self._mapped[(tag, p)] = {b: fn(*args) for b, (fn, args) in bufs.items()}
             elif (tag, p) not in self._mapped:
-                raise TransferError(f"rank {self.rank}: {step}: peer rank {p} reused buffers this rank never mapped")
+                raise TransferError(
+                    f"rank {self.rank}: {step}: peer rank {p} reused buffers this rank never mapped"
+                )
             # The event lives on the sender's GPU; this rank's stream waits on it (across GPUs).
             event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
             torch.cuda.current_stream(device).wait_event(event)
@@ -112,14 +122,19 @@ class IpcTransport(Transport):
 
     def finish_reads(self, step: str, tag: str, seq: int, used, peers) -> None:
         if peers:
-            device = next((t.device for t in used if t is not None), torch.device("cuda", torch.cuda.current_device()))
+            device = next(
+                (t.device for t in used if t is not None),
+                torch.device("cuda", torch.cuda.current_device()),
+            )
             done = (self._event(tag, seq, device).ipc_handle(), device.index)
             self.store.set(self._key(tag, seq, "done", self.rank), pickle.dumps(done))
 
     def wait_readers(self, step: str, tag: str, seq: int, readers) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         for r in readers:
-            handle, index = pickle.loads(self._get(self._key(tag, seq, "done", r), step, r, "see the end of the reads of"))
+            handle, index = pickle.loads(
+                self._get(self._key(tag, seq, "done", r), step, r, "see the end of the reads of")
+            )
             event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", index), handle)
             torch.cuda.current_stream(device).wait_event(event)
         if readers:  # every reader fetched it
@@ -129,8 +144,10 @@ class IpcTransport(Transport):
 
     def fail(self, step: str, why: str) -> None:
         try:
-            self.store.set(f"{self.prefix}/fail/{self.rank}", f"rank {self.rank} in {step}: {why}"[:2000])
-        except Exception:  # noqa: BLE001 - reporting is best effort; the raise that follows is not
+            self.store.set(
+                f"{self.prefix}/fail/{self.rank}", f"rank {self.rank} in {step}: {why}"[:2000]
+            )
+        except Exception:
             pass
 
     def _event(self, tag: str, seq: int, device) -> torch.cuda.Event:
@@ -155,11 +172,15 @@ class IpcTransport(Transport):
                 pass
             if self.store.check([fail_key]):
                 why = self.store.get(fail_key).decode(errors="replace")
-                raise TransferError(f"rank {self.rank}: peer rank {peer} failed during {step} ({why}) "
-                                    f"while waiting to {what} it")
+                raise TransferError(
+                    f"rank {self.rank}: peer rank {peer} failed during {step} ({why}) "
+                    f"while waiting to {what} it"
+                )
             if time.monotonic() > deadline:
-                raise TransferError(f"rank {self.rank}: timed out after {self.timeout:g} s in {step} "
-                                    f"waiting to {what} peer rank {peer}")
+                raise TransferError(
+                    f"rank {self.rank}: timed out after {self.timeout:g} s in {step} "
+                    f"waiting to {what} peer rank {peer}"
+                )
 
 
 __all__ = ["IpcTransport"]

@@ -38,8 +38,10 @@ def _nccl():
     try:
         from cupy.cuda import nccl
     except ImportError as e:
-        raise RuntimeError("CupyNcclTransport needs cupy with NCCL (pip install cupy-cuda13x, or "
-                           f"the cupy build matching your CUDA): {e}") from e
+        raise RuntimeError(
+            "CupyNcclTransport needs cupy with NCCL (pip install cupy-cuda13x, or "
+            f"the cupy build matching your CUDA): {e}"
+        ) from e
     return nccl
 
 
@@ -48,8 +50,16 @@ class CupyNcclTransport(Transport):
     asynchronous = True
     stream_ordered = True
 
-    def __init__(self, rank: int, world_size: int, store, *, timeout: float = 60.0,
-                 key: str = "real_py/nccl_unique_id", device: int | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store,
+        *,
+        timeout: float = 60.0,
+        key: str = "real_py/nccl_unique_id",
+        device: int | None = None,
+    ):
         """rank / world_size: this process's place in the new communicator. store: any
         torch.distributed Store every member can reach. key: the store key of the unique id
         (use a distinct key per communicator). device: CUDA device index (default: current)."""
@@ -77,7 +87,7 @@ class CupyNcclTransport(Transport):
             try:
                 with torch.cuda.device(self.device):
                     box["comm"] = nccl.NcclCommunicator(world_size, uid, rank)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
+            except BaseException as e:
                 box["error"] = e
 
         th = threading.Thread(target=init, daemon=True, name=f"nccl-init-rank{rank}")
@@ -85,26 +95,43 @@ class CupyNcclTransport(Transport):
         th.join(self.timeout)
         if "comm" not in box:
             why = box.get("error", f"not every rank joined within {self.timeout:g} s")
-            raise TransferError(f"rank {rank}: NCCL communicator init ({world_size} ranks, store "
-                                f"key {key!r}) failed: {why}")
+            raise TransferError(
+                f"rank {rank}: NCCL communicator init ({world_size} ranks, store "
+                f"key {key!r}) failed: {why}"
+            )
         self.comm = box["comm"]
         self.stream = torch.cuda.Stream(self.device)
         """The communication stream: rounds run here, ordered after the current stream."""
 
     @classmethod
-    def from_tcp(cls, rank: int, world_size: int, *, port: int, host: str = "127.0.0.1",
-                 timeout: float = 60.0, **kwargs) -> "CupyNcclTransport":
+    def from_tcp(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        port: int,
+        host: str = "127.0.0.1",
+        timeout: float = 60.0,
+        **kwargs,
+    ) -> CupyNcclTransport:
         """Rank 0 hosts a TCPStore on host:port (loopback by default) for the id exchange."""
         from torch.distributed import TCPStore
 
-        store = TCPStore(host, port, world_size, is_master=(rank == 0),
-                         timeout=datetime.timedelta(seconds=timeout))
+        store = TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=timeout),
+        )
         return cls(rank, world_size, store, timeout=timeout, **kwargs)
 
     def start(self, sends: Sends, recvs: Recvs, step: str) -> Handle:
         if self._broken:
-            raise TransferError(f"rank {self.rank}: {step}: communicator was aborted earlier "
-                                f"({self._broken}); build a new transport")
+            raise TransferError(
+                f"rank {self.rank}: {step}: communicator was aborted earlier "
+                f"({self._broken}); build a new transport"
+            )
         nccl, peers = self._lib, set()
         for _, t in sends:
             self._check(t, step)
@@ -138,14 +165,16 @@ class CupyNcclTransport(Transport):
 
     def _check(self, t: torch.Tensor, step: str) -> None:
         if not t.is_cuda or t.device.index != self.device or not t.is_contiguous():
-            raise ValueError(f"rank {self.rank}: {step}: NCCL needs contiguous tensors on cuda:"
-                             f"{self.device}, got {t.device} (contiguous={t.is_contiguous()})")
+            raise ValueError(
+                f"rank {self.rank}: {step}: NCCL needs contiguous tensors on cuda:"
+                f"{self.device}, got {t.device} (contiguous={t.is_contiguous()})"
+            )
 
     def _abort(self, why: str) -> None:
         self._broken = why
         try:
             self.comm.abort()
-        except Exception:  # noqa: BLE001 - already failing; the TransferError says why
+        except Exception:
             pass
 
     def close(self) -> None:
@@ -168,14 +197,17 @@ class _NcclHandle(Handle):
         while not self.event.query():
             try:
                 t.comm.check_async_error()
-            except Exception as e:  # noqa: BLE001 - an NCCL error on a peer's connection
+            except Exception as e:
                 t._abort(str(e))
-                raise TransferError(f"rank {t.rank}: {self.step}: NCCL error with peer ranks "
-                                    f"{self.peers}: {e}") from e
+                raise TransferError(
+                    f"rank {t.rank}: {self.step}: NCCL error with peer ranks {self.peers}: {e}"
+                ) from e
             if time.monotonic() > self.deadline:
                 t._abort("timeout")
-                raise TransferError(f"rank {t.rank}: {self.step}: timed out after {t.timeout:g} s "
-                                    f"waiting for peer ranks {self.peers}")
+                raise TransferError(
+                    f"rank {t.rank}: {self.step}: timed out after {t.timeout:g} s "
+                    f"waiting for peer ranks {self.peers}"
+                )
             sleep = min(0.002, sleep * 2 or 0.00005)
             time.sleep(sleep)
 

@@ -40,20 +40,30 @@ class TransferGroup:
     """The backend over all members (ProcessGroupGloo or ProcessGroupNCCL), once built."""
 
     @classmethod
-    def connect(cls, host: str, port: int, rank: int, world: int, timeout_s: float) -> "TransferGroup":
+    def connect(
+        cls, host: str, port: int, rank: int, world: int, timeout_s: float
+    ) -> TransferGroup:
         """Reach the group's store (rank 0 hosts it)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            tcp = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout,
-                                wait_for_workers=False)
-        except Exception as e:  # noqa: BLE001 - one line naming who waited for what
-            raise RuntimeError(f"real_py transfer group: member {rank} of {world} could not reach "
-                               f"the store at {host}:{port} within {timeout_s:g} s ({type(e).__name__}: "
-                               f"{str(e).strip().splitlines()[0][:200]})") from e
-        return cls(store=dist.PrefixStore(PREFIX, tcp), rank=rank, world=world, timeout_s=timeout_s,
-                   address=f"{host}:{port}")
+            tcp = dist.TCPStore(
+                host, int(port), world, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            )
+        except Exception as e:
+            raise RuntimeError(
+                f"real_py transfer group: member {rank} of {world} could not reach "
+                f"the store at {host}:{port} within {timeout_s:g} s ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0][:200]})"
+            ) from e
+        return cls(
+            store=dist.PrefixStore(PREFIX, tcp),
+            rank=rank,
+            world=world,
+            timeout_s=timeout_s,
+            address=f"{host}:{port}",
+        )
 
-    def build(self, backend: str = "gloo") -> "TransferGroup":
+    def build(self, backend: str = "gloo") -> TransferGroup:
         """The backend over all members: "gloo" (CPU shards, any machine) or "nccl" (shards on
         each member's current CUDA device)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -76,7 +86,7 @@ class TransferGroup:
         if self.pg is not None:
             try:
                 self.pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort: the group is unusable either way
+            except Exception:
                 pass
 
 
@@ -103,21 +113,26 @@ def wait_ready(group: TransferGroup, side: str, poll_s: float = 0.05) -> dict[in
         if group.store.check(["refused"]):
             other = json.loads(group.store.get("refused"))
             _linger(group)
-            raise RuntimeError(f"real_py transfer group ({side}): {other['who']} failed: {other['why']}")
+            raise RuntimeError(
+                f"real_py transfer group ({side}): {other['who']} failed: {other['why']}"
+            )
         for r, key in enumerate(keys):
             if r not in got and group.store.check([key]):
                 got[r] = json.loads(group.store.get(key))
                 if got[r]["error"]:
                     _linger(group)
-                    raise RuntimeError(f"real_py transfer group ({side}): member {r} refused: "
-                                       f"{got[r]['error']}")
+                    raise RuntimeError(
+                        f"real_py transfer group ({side}): member {r} refused: {got[r]['error']}"
+                    )
         if len(got) == group.world:
             return got
         if time.monotonic() > deadline:
             missing = [r for r in range(group.world) if r not in got]
-            raise RuntimeError(f"real_py transfer group ({side}): members {missing} of "
-                               f"{group.world} did not join at {group.address} within "
-                               f"{group.timeout_s:g} s ")
+            raise RuntimeError(
+                f"real_py transfer group ({side}): members {missing} of "
+                f"{group.world} did not join at {group.address} within "
+                f"{group.timeout_s:g} s "
+            )
         time.sleep(poll_s)
 
 
@@ -131,5 +146,5 @@ def _linger(group: TransferGroup, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + min(grace_s, group.timeout_s)
         while group.rank == 0 and not group.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
+    except Exception:
         pass

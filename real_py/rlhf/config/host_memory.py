@@ -23,7 +23,9 @@ def available_bytes() -> int | None:
     return None
 
 
-def host_memory_need(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> dict[str, int]:
+def host_memory_need(
+    cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict
+) -> dict[str, int]:
     """Bytes per model that a CPU job holds at once, summed over its ranks (all on this machine):
     the home layout's shards (a trained model's with its fp32 gradient and Adam moments, and the
     fp32 master copy under bf16) plus the largest other layout it is reallocated to. A lower bound
@@ -37,18 +39,22 @@ def host_memory_need(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models
         spec = model_spec(models[m], name=m)
         es = spec.element_size
 
-        def total(layout):
+        def total(layout, spec=spec):
             return sum(_shard_data_numel(spec, layout, r) for r in layout.ranks)
 
         home = graph.train_call(m) or calls[0]
         trained = graph.calls[home].trains
         per_elem = es + ((12 + (4 if es < 4 else 0)) if trained else 0)
         others = {plan.calls[c] for c in calls if plan.calls[c] != plan.calls[home]}
-        out[m] = total(plan.calls[home]) * per_elem + max((total(l) * es for l in others), default=0)
+        out[m] = total(plan.calls[home]) * per_elem + max(
+            (total(l) * es for l in others), default=0
+        )
         if m == "actor" and cfg.generation.engine == "vllm":
             # vLLM's live model on the generation ranks beside the received shard, and its KV cache
             gen = plan.calls[next(c for c in calls if graph.calls[c].kind == "generate")]
-            out["vllm"] = total(gen) * es + int(cfg.generation.vllm_kv_cache_gib * 2 ** 30) * gen.world
+            out["vllm"] = (
+                total(gen) * es + int(cfg.generation.vllm_kv_cache_gib * 2**30) * gen.world
+            )
     return out
 
 
@@ -64,9 +70,13 @@ def check_host_memory(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, model
         return
     need = host_memory_need(cfg, plan, graph, models)
     if sum(need.values()) > 0.9 * avail:
-        GiB = 2 ** 30
-        parts = ", ".join(f"{m} {b / GiB:.1f}" for m, b in sorted(need.items(), key=lambda x: -x[1]))
-        raise ValueError(f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on this "
-                         f"machine ({parts} GiB: every rank's shards, trained models with gradients and Adam "
-                         f"states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is available; use "
-                         "smaller models, fewer data-parallel replicas in the plan, or GPUs (device: cuda)")
+        GiB = 2**30
+        parts = ", ".join(
+            f"{m} {b / GiB:.1f}" for m, b in sorted(need.items(), key=lambda x: -x[1])
+        )
+        raise ValueError(
+            f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on this "
+            f"machine ({parts} GiB: every rank's shards, trained models with gradients and Adam "
+            f"states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is available; use "
+            "smaller models, fewer data-parallel replicas in the plan, or GPUs (device: cuda)"
+        )

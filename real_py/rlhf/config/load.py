@@ -28,8 +28,15 @@ def _describe(tp) -> str:
         return " or ".join(_describe(a) for a in args)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args)
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            dict: "a mapping", list: "a list", type(None): "null"}.get(origin or tp, str(tp))
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+        type(None): "null",
+    }.get(origin or tp, str(tp))
 
 
 def _coerce(value, tp, key: str):
@@ -114,8 +121,14 @@ def from_dict(d: dict | None) -> TrainConfig:
         if md:
             # Known ModelConfig fields get the same typing as the sections; unknown ones are
             # refused by model_configs() with the list of fields.
-            setattr(cfg, name, {k: _coerce(v, model_hints[k], f"{name}.{k}") if k in model_hints else v
-                                for k, v in md.items()})
+            setattr(
+                cfg,
+                name,
+                {
+                    k: _coerce(v, model_hints[k], f"{name}.{k}") if k in model_hints else v
+                    for k, v in md.items()
+                },
+            )
     check_values(cfg)
     return cfg
 
@@ -132,9 +145,13 @@ def _yaml_loader():
 
     Loader.yaml_implicit_resolvers = {
         k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                 list("tTfF"))
+        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool",
+        re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+        list("tTfF"),
+    )
     return Loader
 
 
@@ -151,7 +168,9 @@ def read_yaml(path: str | None) -> dict:
     except OSError as e:
         raise ValueError(f"config file {path}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ValueError(
+            f"config file {path} is not valid YAML: {' '.join(str(e).split())}"
+        ) from None
     if d is not None and not isinstance(d, dict):
         raise ValueError(f"config file {path}: expected a mapping of keys, got {type(d).__name__}")
     d = d or {}
@@ -173,13 +192,21 @@ def apply_overrides(d: dict, overrides) -> dict:
 
     d = copy.deepcopy(d)
     # The algorithm decides the default plan that plan.* overrides edit (an algo= override too).
-    algo = next((i.partition("=")[2].strip() for i in reversed(list(overrides))
-                 if i.partition("=")[0].strip() == "algo"), d.get("algo", "ppo"))
+    algo = next(
+        (
+            i.partition("=")[2].strip()
+            for i in reversed(list(overrides))
+            if i.partition("=")[0].strip() == "algo"
+        ),
+        d.get("algo", "ppo"),
+    )
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ValueError(f"override {item!r}: expected KEY=VALUE with a dotted KEY, e.g. ppo.actor_lr=1e-5")
+            raise ValueError(
+                f"override {item!r}: expected KEY=VALUE with a dotted KEY, e.g. ppo.actor_lr=1e-5"
+            )
         try:
             value = yaml.load(text, Loader=_yaml_loader()) if text.strip() else None
         except yaml.YAMLError:
@@ -193,7 +220,7 @@ def apply_overrides(d: dict, overrides) -> dict:
                 try:
                     d["plan"] = default_plan(algo)
                 except ValueError:
-                    pass                # an unknown algo is refused by check_values
+                    pass  # an unknown algo is refused by check_values
             elif f is not None and f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
                 if isinstance(default, dict):
@@ -202,7 +229,9 @@ def apply_overrides(d: dict, overrides) -> dict:
         for i, p in enumerate(parts[:-1]):
             if not isinstance(node.get(p), dict):
                 if node.get(p) is not None:
-                    raise ValueError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a mapping")
+                    raise ValueError(
+                        f"override {item!r}: {'.'.join(parts[: i + 1])} is not a mapping"
+                    )
                 node[p] = {}
             node = node[p]
         node[parts[-1]] = value

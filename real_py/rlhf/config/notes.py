@@ -8,12 +8,13 @@ import os
 
 from .schema import TrainConfig
 
-
-KL_LEGEND = ("kl = the k1 estimate of KL(actor || reference), sum over each response's tokens of "
-             "(log pi_old - log pi_ref), mean over the batch's sequences; k1 is unbiased only on "
-             "average over sampled responses, so a step's value can be negative (often while the actor is "
-             "still close to the reference, or when sampling with temperature / top_p / top_k differs from "
-             "the actor's own distribution)")
+KL_LEGEND = (
+    "kl = the k1 estimate of KL(actor || reference), sum over each response's tokens of "
+    "(log pi_old - log pi_ref), mean over the batch's sequences; k1 is unbiased only on "
+    "average over sampled responses, so a step's value can be negative (often while the actor is "
+    "still close to the reference, or when sampling with temperature / top_p / top_k differs from "
+    "the actor's own distribution)"
+)
 """The step line's `kl` in words (printed by the launcher; docs/running.md)."""
 
 
@@ -24,26 +25,39 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
     plan = cfg.execution_plan()
     idle = plan.uncovered_ranks()
     if idle:
-        why = ("recorded in the plan's idle_ranks: the search found no faster use for them"
-               if set(idle) <= set(plan.idle_ranks) else "allow_idle_ranks: true")
-        out.append(f"the execution plan leaves ranks {idle} of {plan.world_size} without a call ({why}); "
-                   "they only join the world's collectives")
+        why = (
+            "recorded in the plan's idle_ranks: the search found no faster use for them"
+            if set(idle) <= set(plan.idle_ranks)
+            else "allow_idle_ranks: true"
+        )
+        out.append(
+            f"the execution plan leaves ranks {idle} of {plan.world_size} without a call ({why}); "
+            "they only join the world's collectives"
+        )
     if cfg.reward.kind != "model" and cfg.reward_path:
-        out.append(f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
-                   "a reward model; remove reward_path, or set reward.kind: model to use it")
+        out.append(
+            f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
+            "a reward model; remove reward_path, or set reward.kind: model to use it"
+        )
     if cfg.reward.kind != "function" and cfg.reward.path:
-        out.append(f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function only "
-                   f"(reward.kind={cfg.reward.kind!r})")
+        out.append(
+            f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function only "
+            f"(reward.kind={cfg.reward.kind!r})"
+        )
     import torch
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = world_size - len(idle)                 # idle ranks wait in collectives, using no core
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    busy = world_size - len(idle)  # idle ranks wait in collectives, using no core
     if not cuda and busy > cores:
-        out.append(f"the plan has {busy} ranks with calls but this machine gives this process {cores} CPU "
-                   f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
-                   f"running side by side stretch by up to {busy / cores:g}x); for speed use a plan "
-                   f"of at most {cores} ranks "
-                   f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
-                   "with more cores")
+        out.append(
+            f"the plan has {busy} ranks with calls but this machine gives this process {cores} CPU "
+            f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
+            f"running side by side stretch by up to {busy / cores:g}x); for speed use a plan "
+            f"of at most {cores} ranks "
+            f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
+            "with more cores"
+        )
     return out

@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import os
 
-INPUT_PATHS = ("actor_path", "critic_path", "reward_path", "ref_path", "data.path", "data.tokenizer_path",
-               "reward.path", "plan.path")
+INPUT_PATHS = (
+    "actor_path",
+    "critic_path",
+    "reward_path",
+    "ref_path",
+    "data.path",
+    "data.tokenizer_path",
+    "reward.path",
+    "plan.path",
+)
 """Dotted keys whose values are input files or directories (reward.path: only its "file.py" part)."""
 
 _WRITTEN: dict = {}
@@ -34,7 +42,7 @@ def resolve_paths(d: dict, file: str) -> None:
         if key == "reward.path":
             where, sep, fn = v.rpartition(":")
             if not sep or not where.endswith(".py") or os.path.isabs(where):
-                continue              # package.module:fn, or an absolute file
+                continue  # package.module:fn, or an absolute file
             new = os.path.normpath(os.path.join(base, where)) + ":" + fn
         elif os.path.isabs(v):
             continue
@@ -48,9 +56,13 @@ def path_origin(key: str, value: str) -> str:
     """How `value` of the dotted `key` was resolved, in words, for a message about a missing path."""
     w = _WRITTEN.get((key, value))
     if w is not None:
-        return (f"written {w[0]!r} in {w[1]}: relative paths in a config file resolve against the "
-                f"file's folder, {os.path.abspath(os.path.dirname(w[1]))}")
+        return (
+            f"written {w[0]!r} in {w[1]}: relative paths in a config file resolve against the "
+            f"file's folder, {os.path.abspath(os.path.dirname(w[1]))}"
+        )
     if os.path.isabs(value.rpartition(":")[0] if key == "reward.path" and ":" in value else value):
         return "an absolute path"
-    return (f"resolved against the working directory {os.getcwd()}: paths given as KEY=VALUE on the "
-            "command line (or without a config file) resolve there")
+    return (
+        f"resolved against the working directory {os.getcwd()}: paths given as KEY=VALUE on the "
+        "command line (or without a config file) resolve there"
+    )

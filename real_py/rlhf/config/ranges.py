@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _COMPARE = {">": operator.gt, ">=": operator.ge}
 
@@ -29,15 +30,17 @@ def _test(allowed: str) -> Callable[[Any], bool]:
     rule = rule.removesuffix(" or null")
     if m := re.fullmatch(r"(>=?) (\S+)", rule):
         compare, bound = _COMPARE[m[1]], float(m[2])
-        inside = lambda v: compare(v, bound)  # noqa: E731
+        inside = lambda v: compare(v, bound)
     elif m := re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", rule):
         lo, hi = float(m[2]), float(m[3])
         above = operator.ge if m[1] == "[" else operator.gt
         below = operator.le if m[4] == "]" else operator.lt
-        inside = lambda v: above(v, lo) and below(v, hi)  # noqa: E731
+        inside = lambda v: above(v, lo) and below(v, hi)
     else:
-        raise ValueError(f"range {allowed!r}: expected '> x', '>= x', '[a, b]' or '(a, b]', "
-                         "optionally with ' or null' and a note in parentheses")
+        raise ValueError(
+            f"range {allowed!r}: expected '> x', '>= x', '[a, b]' or '(a, b]', "
+            "optionally with ' or null' and a note in parentheses"
+        )
     return lambda v: null if v is None else inside(v)
 
 
@@ -47,7 +50,9 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
     for f in dataclasses.fields(cfg):
         v, key = getattr(cfg, f.name), prefix + f.name
         if "ok" in f.metadata and not f.metadata["ok"](v):
-            raise ValueError(f"config {key.replace('async_', 'async')}={v!r} is out of range; allowed: "
-                             f"{f.metadata['allowed']}")
+            raise ValueError(
+                f"config {key.replace('async_', 'async')}={v!r} is out of range; allowed: "
+                f"{f.metadata['allowed']}"
+            )
         if dataclasses.is_dataclass(v):
             check_ranges(v, key + ".")

@@ -20,8 +20,15 @@ from ...dataflow.graph import ALGORITHMS, GROUPED, ROLLOUT_LOGP_CALL, Graph, wit
 from ...spec import ModelConfig
 from .ranges import ranged
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=64, num_hidden_layers=4, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    num_hidden_layers=4,
+    max_position_embeddings=64,
+)
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -50,8 +57,10 @@ def default_plan(algo: str) -> dict:
     if algo not in ALGORITHMS:
         raise ValueError(f"config algo={algo!r}; allowed: {sorted(ALGORITHMS)}")
     layouts = {**DEFAULT_PLAN["calls"], **_EXTRA_CALLS}
-    return {"world_size": DEFAULT_PLAN["world_size"],
-            "calls": {n: dict(layouts[n]) for n in Graph(ALGORITHMS[algo]).order}}
+    return {
+        "world_size": DEFAULT_PLAN["world_size"],
+        "calls": {n: dict(layouts[n]) for n in Graph(ALGORITHMS[algo]).order},
+    }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,8 +177,9 @@ class PPOConfig:
     ratio: Literal["token", "sequence"] = "token"
     """Importance ratio per token (PPO) or per sequence, the geometric mean over the response
     (GSPO, Zheng et al. 2025; use small clips, e.g. clip 3e-4, clip_high 4e-4)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     """How per-token losses (policy, KL, entropy) become the loss of a global mini-batch (all DP
     ranks and micro-batches together); see ppo.aggregate."""
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
@@ -330,50 +340,77 @@ class TrainConfig:
         out = {}
         tiny = {"actor": TINY, "critic": dict(TINY, num_hidden_layers=2)}
         dtype = PRECISION_DTYPES.get(self.precision)
-        for name, d, path, head in (("actor", self.actor, self.actor_path, "lm"),
-                                    ("critic", self.critic, self.critic_path, "value"),
-                                    ("reward", self.critic, self.reward_path, "value")):
+        for name, d, path, head in (
+            ("actor", self.actor, self.actor_path, "lm"),
+            ("critic", self.critic, self.critic_path, "value"),
+            ("reward", self.critic, self.reward_path, "value"),
+        ):
             if d and "dtype" in d and d["dtype"] != dtype:
-                raise ValueError(f"config {'actor' if name == 'actor' else 'critic'}.dtype="
-                                 f"{d['dtype']!r} conflicts with precision={self.precision!r} "
-                                 f"(dtype {dtype!r}); set precision instead")
+                raise ValueError(
+                    f"config {'actor' if name == 'actor' else 'critic'}.dtype="
+                    f"{d['dtype']!r} conflicts with precision={self.precision!r} "
+                    f"(dtype {dtype!r}); set precision instead"
+                )
             try:
                 if path:
-                    out[name] = ModelConfig.from_hf(path, **{**(d or {}), "head": head, "dtype": dtype})
+                    out[name] = ModelConfig.from_hf(
+                        path, **{**(d or {}), "head": head, "dtype": dtype}
+                    )
                 else:
-                    out[name] = ModelConfig(**{**tiny.get(name, tiny["critic"]), **(d or {}), "head": head,
-                                               "dtype": dtype})
+                    out[name] = ModelConfig(
+                        **{
+                            **tiny.get(name, tiny["critic"]),
+                            **(d or {}),
+                            "head": head,
+                            "dtype": dtype,
+                        }
+                    )
             except OSError as e:
-                key = {"actor": "actor_path", "critic": "critic_path", "reward": "reward_path"}[name]
-                raise ValueError(f"config {key}={path!r}: not an HF checkpoint directory ({e.strerror or e}: "
-                                 f"{getattr(e, 'filename', None) or path}); give the directory save_pretrained "
-                                 "wrote (config.json and *.safetensors)") from None
+                key = {"actor": "actor_path", "critic": "critic_path", "reward": "reward_path"}[
+                    name
+                ]
+                raise ValueError(
+                    f"config {key}={path!r}: not an HF checkpoint directory ({e.strerror or e}: "
+                    f"{getattr(e, 'filename', None) or path}); give the directory save_pretrained "
+                    "wrote (config.json and *.safetensors)"
+                ) from None
             except TypeError as e:
-                raise ValueError(f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
-                                 f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}") from None
+                raise ValueError(
+                    f"config {name}{' (' + path + ')' if path else ''}: {e}; allowed "
+                    f"fields: {[f.name for f in dataclasses.fields(ModelConfig)]}"
+                ) from None
         out["ref"] = out["actor"]
         if self.ref_path:
             try:
-                out["ref"] = ModelConfig.from_hf(self.ref_path, **{**(self.actor or {}), "head": "lm",
-                                                                  "dtype": dtype})
+                out["ref"] = ModelConfig.from_hf(
+                    self.ref_path, **{**(self.actor or {}), "head": "lm", "dtype": dtype}
+                )
             except OSError as e:
-                raise ValueError(f"config ref_path={self.ref_path!r}: not an HF checkpoint directory "
-                                 f"({e.strerror or e}: {getattr(e, 'filename', None) or self.ref_path}); give the "
-                                 "directory save_pretrained wrote (config.json and *.safetensors)") from None
+                raise ValueError(
+                    f"config ref_path={self.ref_path!r}: not an HF checkpoint directory "
+                    f"({e.strerror or e}: {getattr(e, 'filename', None) or self.ref_path}); give the "
+                    "directory save_pretrained wrote (config.json and *.safetensors)"
+                ) from None
             except TypeError as e:
                 raise ValueError(f"config ref ({self.ref_path}): {e}") from None
         return out
 
     def model_paths(self) -> dict[str, str | None]:
-        return {"actor": self.actor_path, "ref": self.ref_path or self.actor_path, "critic": self.critic_path,
-                "reward": self.reward_path}
+        return {
+            "actor": self.actor_path,
+            "ref": self.ref_path or self.actor_path,
+            "critic": self.critic_path,
+            "reward": self.reward_path,
+        }
 
     def execution_plan(self) -> ExecutionPlan:
         data = self.plan or default_plan(self.algo)
         if set(data) == {"path"}:
             if not isinstance(data["path"], str) or not data["path"]:
-                raise ValueError(f"config plan.path={data['path']!r}: expected the path of an execution-plan "
-                                 "JSON file (python -m real_py search --out plan.json)")
+                raise ValueError(
+                    f"config plan.path={data['path']!r}: expected the path of an execution-plan "
+                    "JSON file (python -m real_py search --out plan.json)"
+                )
             return self._with_engine_calls(ExecutionPlan.from_json(data["path"]))
         return self._with_engine_calls(ExecutionPlan.from_json(data))
 
@@ -384,7 +421,7 @@ class TrainConfig:
             return plan
         train = Graph(ALGORITHMS[self.algo]).train_call("actor")
         if train not in plan.calls:
-            return plan   # validate names the missing call
+            return plan  # validate names the missing call
         return dataclasses.replace(plan, calls={**plan.calls, ROLLOUT_LOGP_CALL: plan.calls[train]})
 
     def graph(self) -> Graph:
@@ -392,9 +429,14 @@ class TrainConfig:
         if self.async_.max_staleness > 0:
             # The actor's sampling call also writes the weight version of every response token,
             # and the actor's train call reads it (staleness, drop rule, version checks).
-            calls = tuple(dataclasses.replace(c, writes=c.writes + ("versions",)) if c.kind == "generate"
-                          else dataclasses.replace(c, reads=c.reads + ("versions",))
-                          if c.trains and c.model == "actor" else c for c in calls)
+            calls = tuple(
+                dataclasses.replace(c, writes=c.writes + ("versions",))
+                if c.kind == "generate"
+                else dataclasses.replace(c, reads=c.reads + ("versions",))
+                if c.trains and c.model == "actor"
+                else c
+                for c in calls
+            )
         if self.generation.engine == "vllm":
             calls = with_engine_logprobs(calls)
         return Graph(calls)
@@ -406,4 +448,7 @@ class TrainConfig:
 
 def single_process_plan(graph: Graph) -> dict:
     """Every call on (dp1, tp1, pp1) of rank 0: the reference run of the distributed tests."""
-    return {"world_size": 1, "calls": {n: {"ranks": [0], "dp": 1, "tp": 1, "pp": 1} for n in graph.order}}
+    return {
+        "world_size": 1,
+        "calls": {n: {"ranks": [0], "dp": 1, "tp": 1, "pp": 1} for n in graph.order},
+    }
