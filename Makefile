@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export MAX_JOBS ?= 2
 ARGS ?= train --overwrite
 
-.PHONY: venv build run test test-fast test-area test-bad-inputs lint test-cpp test-py cuda-build vllm-venv test-vllm bench bench-realloc bench-vllm trl-wheels clean
+.PHONY: venv build run test test-fast test-area test-bad-inputs lint format test-cpp test-py cuda-build vllm-venv test-vllm bench bench-realloc bench-vllm trl-wheels clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt
@@ -51,9 +51,17 @@ test-area: build
 test-bad-inputs: build
 	$(PY) tests/support/bad_inputs_sweep.py
 
-# Architecture contracts (.importlinter): layers and no import circles; names both modules on a break.
+# ruff (pyproject.toml: the formatter's layout and the linter's rules, 100 columns) over the whole
+# tree, and the architecture contracts (.importlinter): layers and no import circles, naming both
+# modules on a break. `make format` rewrites what `ruff format --check` refuses.
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 	$(VENV)/bin/lint-imports --no-cache
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test: lint test-cpp test-py
 
