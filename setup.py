@@ -77,9 +77,9 @@ def build_ext_cls():
 
 def check_shared_libstdcxx(so):
     """The extension must load libstdc++ as a shared library, the one torch uses. A compiler that
-    finds only libstdc++.a (e.g. a relocated gcc wrapper such as /opt/gcc/bin/g++ on the GPU machine,
-    set as CXX there) links a private copy into _C.so; the first error message then crashes the
-    process (SIGSEGV in std::ostream inside c10::str, seen on the H200 machine)."""
+    finds only libstdc++.a (e.g. a relocated gcc wrapper such as /opt/gcc/bin/g++ on the GPU
+    machine, set as CXX there) links a private copy into _C.so; the first error message then
+    crashes the process (SIGSEGV in std::ostream inside c10::str, seen on the H200 machine)."""
     if not sys.platform.startswith("linux") or shutil.which("readelf") is None:
         return
     res = subprocess.run(["readelf", "-d", so], capture_output=True, text=True)
@@ -87,9 +87,9 @@ def check_shared_libstdcxx(so):
         return
     if "libstdc++.so" not in res.stdout:
         raise RuntimeError(
-            f"{so} does not link libstdc++.so: the C++ compiler ({os.environ.get('CXX', 'c++')}) linked "
-            "libstdc++ statically, and torch's error paths would crash in it; rebuild with the system "
-            "compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ (remove build/ first)"
+            f"{so} does not link libstdc++.so: the C++ compiler ({os.environ.get('CXX', 'c++')}) "
+            "linked libstdc++ statically, and torch's error paths would crash in it; rebuild with "
+            "the system compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ (remove build/ first)"
         )
 
 

@@ -9,9 +9,9 @@ weights move to the other two ranks after every step), once synchronous and once
 async.max_staleness=k and the decoupled loss. Long responses make generation the slower side:
 generation.min_new_tokens (default: the whole budget) keeps the EOS from ending them early, as
 responses of long-reasoning RL run to thousands of tokens; the reward reads only the first
-response character. Writes bench/results/async_cpu2_<date>.{json,md,png}: seconds per step, reward per
-window and against wall-clock, the overlap of rollout calls with train calls, and the share of
-the actor's reallocation (train -> generation layout) hidden under generation.
+response character. Writes bench/results/async_cpu2_<date>.{json,md,png}: seconds per step,
+reward per window and against wall-clock, the overlap of rollout calls with train calls, and the
+share of the actor's reallocation (train -> generation layout) hidden under generation.
 """
 
 from __future__ import annotations
@@ -211,28 +211,31 @@ def main() -> None:
         hardware_tag("cpu"),
         rows,
         columns=cols,
-        title=f"Async RL (k={args.k}, decoupled GRPO) vs sync, copy task, gen ranks 2-3 / train ranks 0-1",
+        title=(
+            f"Async RL (k={args.k}, decoupled GRPO) vs sync, copy task, gen ranks 2-3 / "
+            "train ranks 0-1"
+        ),
         notes=(
-            f"Speed setting, sync / async median s/step: {speed:.2f}. Each mode of the speed setting "
-            f"{args.repeats} runs (alternating), medians over every step but each run's first; the "
-            "learning setting is the shipped copy-task config (2 new tokens), one run per mode. "
-            "Per-step reward and wall-clock of every run in the JSON (extra.curves). Same plan both "
-            "ways (rollout calls on ranks 2, 3 dp 2; actor_train on ranks 0, 1 dp 2); seed 1, batch 64; "
-            f"speed setting responses of {lo}-{args.max_new_tokens} tokens (generation.min_new_tokens), "
-            "so generation (with the reference inference on its ranks) is the slower side. "
-            "Sync: generation waits for the train step and vice versa. Async: the rollout of batch "
-            "s+k runs while batch s trains, the step costs about max(gen, train) + what of the "
-            "weight transfer is not hidden. 'realloc hidden share': share of the wall seconds of "
-            "rollout-side reallocation during which a rollout call ran (async.overlap_realloc: the "
-            "generation ranks receive version s+1 in a thread during generation). CPU: 2 shared "
-            "cores run 4 ranks (and other agents' jobs), so in async mode the two sides compete "
-            "for the same cores: overlap gains at most the core time sync mode leaves idle, call "
-            "times of the async rows are inflated by that contention, and the ratio moves with "
-            "the machine's load (it is no estimate of a GPU cluster's). What carries over to a GPU "
-            "cluster: the schedule (which calls overlap, that the transfer runs under generation, "
-            "staleness and row accounting); what does not: any ratio of times. On GPUs each side "
-            "has its own devices, so the step tends to max(gen, train) + unhidden transfer instead "
-            "of gen + train + transfer."
+            f"Speed setting, sync / async median s/step: {speed:.2f}. Each mode of the speed "
+            f"setting {args.repeats} runs (alternating), medians over every step but each run's "
+            "first; the learning setting is the shipped copy-task config (2 new tokens), one run "
+            "per mode. Per-step reward and wall-clock of every run in the JSON (extra.curves). "
+            "Same plan both ways (rollout calls on ranks 2, 3 dp 2; actor_train on ranks 0, 1 dp "
+            f"2); seed 1, batch 64; speed setting responses of {lo}-{args.max_new_tokens} tokens "
+            "(generation.min_new_tokens), so generation (with the reference inference on its "
+            "ranks) is the slower side. Sync: generation waits for the train step and vice versa. "
+            "Async: the rollout of batch s+k runs while batch s trains, the step costs about "
+            "max(gen, train) + what of the weight transfer is not hidden. 'realloc hidden share': "
+            "share of the wall seconds of rollout-side reallocation during which a rollout call "
+            "ran (async.overlap_realloc: the generation ranks receive version s+1 in a thread "
+            "during generation). CPU: 2 shared cores run 4 ranks (and other agents' jobs), so in "
+            "async mode the two sides compete for the same cores: overlap gains at most the core "
+            "time sync mode leaves idle, call times of the async rows are inflated by that "
+            "contention, and the ratio moves with the machine's load (it is no estimate of a GPU "
+            "cluster's). What carries over to a GPU cluster: the schedule (which calls overlap, "
+            "that the transfer runs under generation, staleness and row accounting); what does "
+            "not: any ratio of times. On GPUs each side has its own devices, so the step tends to "
+            "max(gen, train) + unhidden transfer instead of gen + train + transfer."
         ),
         extra={"curves": curves, "speedup_speed_setting": speed, "date": environment()["date_utc"]},
     )

@@ -110,8 +110,9 @@ def main():
         "fans out over NVLink. History (70B case, 256 MiB): the former frontier-fill rule (a "
         "chunk at or after its ranks' current round, send + receive sharing the bucket) "
         "simulated 2.59 s = 8.4x the bound; earliest fit with a shared budget 0.64 s = "
-        "2.09x; earliest fit with half a bucket per direction (now) below. Not captured: other jobs' traffic, NCCL chunking and "
-        "channels, PCIe, switch oversubscription, local copies, pack/unpack kernels.",
+        "2.09x; earliest fit with half a bucket per direction (now) below. Not captured: other "
+        "jobs' traffic, NCCL chunking and channels, PCIe, switch oversubscription, local copies, "
+        "pack/unpack kernels.",
     )
     print("wrote", *paths)
 

@@ -161,7 +161,8 @@ OTHER = {"job": "default", "default": "job", "shape": "default"}
 
 
 RAW: dict[int, dict[str, list]] = {}
-"""round -> calibration setup -> calibrate_cpu's raw repeats of that round (recorded in the JSON)."""
+"""round -> calibration setup -> calibrate_cpu's raw repeats of that round (recorded in the
+JSON)."""
 
 
 def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, object]:
@@ -280,9 +281,10 @@ def size_split(pairs: list[tuple[float, float]]) -> str:
     med = lambda xs: f"{statistics.median(xs):.3f} ({len(xs)} calls)" if xs else "-"
     rel = [(m, abs(e - m) / m) for m, e in pairs]
     return (
-        f"time-weighted |rel err| {sum(abs(e - m) for m, e in pairs) / sum(m for m, _ in pairs):.3f}; "
-        f"median |rel err| of calls >= {SHORT_S * 1e3:g} ms {med([r for m, r in rel if m >= SHORT_S])}, "
-        f"of shorter ones {med([r for m, r in rel if m < SHORT_S])}"
+        "time-weighted |rel err| "
+        f"{sum(abs(e - m) for m, e in pairs) / sum(m for m, _ in pairs):.3f}; median |rel err| of "
+        f"calls >= {SHORT_S * 1e3:g} ms {med([r for m, r in rel if m >= SHORT_S])}, of shorter "
+        f"ones {med([r for m, r in rel if m < SHORT_S])}"
     )
 
 
@@ -311,7 +313,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
         dropped = sorted({f for v in data["extra"]["profiles"].values() for f in v} - known)
         if dropped:
             print(
-                f"profile fields of a replaced model dropped (--refit fits today's): {', '.join(dropped)}"
+                "profile fields of a replaced model dropped (--refit fits today's): "
+                f"{', '.join(dropped)}"
             )
         return {
             int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
@@ -321,7 +324,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
     if not os.path.exists(cache):
         raise SystemExit(
             f"--rescore: the file records no whole profiles and there is no cached cpu profile "
-            f'({cache}) to fill them from; calibrate once: python -c "from real_py.calibrate import cpu_profile; cpu_profile()"'
+            f'({cache}) to fill them from; calibrate once: python -c "from real_py.calibrate '
+            'import cpu_profile; cpu_profile()"'
         )
     with open(cache) as f:
         base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
@@ -345,7 +349,8 @@ def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
 def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
     calibrated profiles: how a cost-model change scores on the same measurements, apart from the
-    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round (call ITERATION: the whole iteration).
+    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round
+    (call ITERATION: the whole iteration).
     refit: the profiles fitted anew by this code from the run's recorded raw calibrations (files
     that record calibration_raw; calibrate.profile_from_raw): a change of the fit scored on the
     same calibrations and measurements."""
@@ -357,7 +362,8 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
         raws = data["extra"].get("calibration_raw")
         if not raws:
             raise SystemExit(
-                "--refit: the file records no raw calibrations (older bench_estimator files do not; rerun the benchmark)"
+                "--refit: the file records no raw calibrations (older bench_estimator files do "
+                "not; rerun the benchmark)"
             )
         on = refit_on or data["extra"]["calibrate_on"]
         if any(on not in v for v in raws.values()):
@@ -391,14 +397,14 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
             pairs.append((m, e))
     print(
         f"{path} (measured at {data['environment'].get('git_commit')}), re-estimated with this "
-        f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over {len(it_errs)} rows, "
-        f"per call {statistics.median(call_errs):.3f} over {len(call_errs)} calls and reallocations; "
-        f"{size_split(pairs)}"
+        f"code: median |rel err| per iteration {statistics.median(it_errs):.3f} over "
+        f"{len(it_errs)} rows, per call {statistics.median(call_errs):.3f} over {len(call_errs)} "
+        f"calls and reallocations; {size_split(pairs)}"
     )
     if filled:
         print(
-            f"profile fields not recorded in the file, taken from this machine's cached cpu profile: "
-            f"{', '.join(filled)}"
+            "profile fields not recorded in the file, taken from this machine's cached cpu "
+            f"profile: {', '.join(filled)}"
         )
     for (plan, c), errs in sorted(per.items()):
         print(f"  {plan:14s} {c:13s} " + " ".join(f"{x:+.2f}" for x in errs))
@@ -411,7 +417,8 @@ def pool(paths: list[str]) -> None:
     what is left systematic, largest under-estimates first."""
     it_all, call_all, per = [], [], {}
     print(
-        "| run | commit | iterations | median iteration abs rel err | calls | median call abs rel err |"
+        "| run | commit | iterations | median iteration abs rel err | calls | "
+        "median call abs rel err |"
     )
     print("|---|---|---|---|---|---|")
     for path in paths:
@@ -425,7 +432,8 @@ def pool(paths: list[str]) -> None:
         }
         if missing:
             raise SystemExit(
-                f"--pool {path}: its rows lack {sorted(missing)} (older bench_estimator runs do not record them; --rescore re-estimates those)"
+                f"--pool {path}: its rows lack {sorted(missing)} (older bench_estimator runs do "
+                "not record them; --rescore re-estimates those)"
             )
         its, calls = [abs(r["rel err"]) for r in data["rows"]], []
         for r in data["rows"]:
@@ -446,7 +454,8 @@ def pool(paths: list[str]) -> None:
         f"{statistics.median(call_all):.3f} |"
     )
     print(
-        "\n| plan | call | n | median signed rel err (estimated - measured) / measured |\n|---|---|---|---|"
+        "\n| plan | call | n | median signed rel err (estimated - measured) / measured |\n"
+        "|---|---|---|---|"
     )
     for (plan, c), errs in sorted(per.items(), key=lambda kv: statistics.median(kv[1])):
         print(f"| {plan} | {c} | {len(errs)} | {statistics.median(errs):+.3f} |")
@@ -462,16 +471,16 @@ def main() -> None:
         "--calibrate-on",
         choices=SETUPS,
         default="default",
-        help="calibration engines: the job's own model shape and pass sizes (job), its shape with the "
-        "default rows (shape), or the small default model (default)",
+        help="calibration engines: the job's own model shape and pass sizes (job), its shape "
+        "with the default rows (shape), or the small default model (default)",
     )
     ap.add_argument(
         "--compare",
         nargs="?",
         const="auto",
         choices=SETUPS + ("auto",),
-        help="also calibrate this setup (without a value: job for default, default otherwise) each round "
-        "and estimate every plan with it too",
+        help="also calibrate this setup (without a value: job for default, default otherwise) "
+        "each round and estimate every plan with it too",
     )
     ap.add_argument(
         "--rescore",
@@ -502,14 +511,16 @@ def main() -> None:
     if args.pool:
         if args.rescore or args.refit or args.refit_on or args.compare:
             ap.error(
-                "--pool reads recorded runs as measured; it takes no --rescore / --refit / --compare"
+                "--pool reads recorded runs as measured; it takes no --rescore / --refit / "
+                "--compare"
             )
         return pool(args.pool)
     if (args.refit or args.refit_on) and not args.rescore:
         ap.error("--refit / --refit-on need --rescore JSON")
     if args.rescore and args.compare:
         ap.error(
-            "--compare measures; --rescore re-estimates a recorded run (use --refit-on for its other setup)"
+            "--compare measures; --rescore re-estimates a recorded run (use --refit-on for its "
+            "other setup)"
         )
     args.refit = args.refit or bool(args.refit_on)
     args.other = (OTHER[args.calibrate_on] if args.compare == "auto" else args.compare) or None
@@ -559,8 +570,8 @@ def main() -> None:
         o_call = [abs(x) for r in rows for x in r["other call rel errs"]]
         compared = (
             f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
-            f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, per call "
-            f"{med(o_call):.3f} (columns `other ...`)."
+            f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, "
+            f"per call {med(o_call):.3f} (columns `other ...`)."
         )
     write_results(
         "estimator",
@@ -569,14 +580,13 @@ def main() -> None:
         columns=cols + ["layouts"],
         title="Runtime estimator vs PPO runtime, 4 gloo ranks (cpu2)",
         notes=f"Measured: median over steps {args.warmup + 1}..{args.steps} of `python -m real_py "
-        f"train` (default config with each plan; a call's seconds run from its last rank's start to its last rank's end; "
-        f"a dp-only rollout call's, whose ranks never wait for each other, are its longest rank's own run). Estimated: "
-        f"`estimate()` with the `cpu` profile calibrated at the start of the same round "
-        f"(real_py/calibrate/measure.py) and Workload {wl}. Median |rel err| over all "
-        f"{len(rows)} rows (iterations) {med(errs):.3f} (target <= 0.10); median |rel err| per call over "
-        f"all {len(call_errs)} calls and reallocations {med(call_errs):.3f} (target <= 0.15); "
-        f"supplementary: {split}; "
-        f"iteration error per round "
+        "train` (default config with each plan; a call's seconds run from its last rank's start "
+        "to its last rank's end; a dp-only rollout call's, whose ranks never wait for each other, "
+        "are its longest rank's own run). Estimated: `estimate()` with the `cpu` profile "
+        "calibrated at the start of the same round (real_py/calibrate/measure.py) and Workload "
+        f"{wl}. Median |rel err| over all {len(rows)} rows (iterations) {med(errs):.3f} (target <= "
+        f"0.10); median |rel err| per call over all {len(call_errs)} calls and reallocations "
+        f"{med(call_errs):.3f} (target <= 0.15); supplementary: {split}; iteration error per round "
         + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "

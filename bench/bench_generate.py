@@ -13,8 +13,8 @@ EOS (every sequence runs to the end). Per mode:
   roofline %          the weight-read time of a step (every weight read once: parameter bytes
                       less the embedding table, of which a step reads `batch` rows) at the HBM
                       bandwidth of the device (table: H100 3.35 TB/s, H200 4.8 TB/s, ...; else the
-                      measured copy_ rate) / step ms; "KV %" the same with the step's average KV-cache
-                      read added
+                      measured copy_ rate) / step ms; "KV %" the same with the step's average
+                      KV-cache read added
   same / prefix       greedy tokens equal to the reference mode's (dynamic: the eager kernels of
                       the earlier code) for every row, and the mean fraction of each row equal
                       before the first difference (bf16 flips near-tied argmaxes between kernels);
@@ -284,8 +284,9 @@ def main(argv=None):
             weight_read_ms=weight_bytes / bw * 1e3,
         )
         print(
-            f"{spec.numel / 1e9:.2f}B params, weights {weight_bytes / 2**30:.2f} GiB, HBM {bw / 1e12:.2f} TB/s "
-            f"({bw_src}; copy_ {bw_measured / 1e12:.2f} TB/s): weight read {weight_bytes / bw * 1e3:.3f} ms",
+            f"{spec.numel / 1e9:.2f}B params, weights {weight_bytes / 2**30:.2f} GiB, HBM "
+            f"{bw / 1e12:.2f} TB/s ({bw_src}; copy_ {bw_measured / 1e12:.2f} TB/s): weight read "
+            f"{weight_bytes / bw * 1e3:.3f} ms",
             flush=True,
         )
         g = torch.Generator().manual_seed(1)
@@ -389,24 +390,27 @@ def write_report(args, rows: list[dict], extra: dict) -> None:
         cols.append("error")
     bw = extra["hbm_bytes_per_s"]
     notes = (
-        f"{extra['params'] / 1e9:.2f}B parameters; a step reads {extra['weight_bytes'] / 2**30:.2f} GiB of "
-        f"weights: {extra['weight_read_ms']:.3f} ms at {bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device "
-        f"copy_ measured {extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
-        "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token generate()) / "
-        "(new tokens - 1); roofline % = weight-read time / step ms (KV %: with the average step's KV-cache "
-        "read); first s: the warm-up call (compilation, graph capture). same / prefix: greedy tokens against "
-        "the dynamic (eager) mode's; same as hf / hf prefix: against transformers' (in bf16 different "
-        "kernels flip near-tied argmaxes, so a row can part after a while; the fp32 check below is "
-        "the exact comparison). graph = CUDA-graph decode with the torch.compile'd step; "
-        "graph-eager = the graph of the eager modules; hf-static = transformers' generate() with "
-        "cache_implementation='static' on the same checkpoint."
+        f"{extra['params'] / 1e9:.2f}B parameters; a step reads "
+        f"{extra['weight_bytes'] / 2**30:.2f} GiB of weights: {extra['weight_read_ms']:.3f} ms at "
+        f"{bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device copy_ measured "
+        f"{extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
+        "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token "
+        "generate()) / (new tokens - 1); roofline % = weight-read time / step ms (KV %: with the "
+        "average step's KV-cache read); first s: the warm-up call (compilation, graph capture). "
+        "same / prefix: greedy tokens against the dynamic (eager) mode's; same as hf / hf prefix: "
+        "against transformers' (in bf16 different kernels flip near-tied argmaxes, so a row can "
+        "part after a while; the fp32 check below is the exact comparison). graph = CUDA-graph "
+        "decode with the torch.compile'd step; graph-eager = the graph of the eager modules; "
+        "hf-static = transformers' generate() with cache_implementation='static' on the same "
+        "checkpoint."
     )
     if not extra.get("complete"):
         notes += "\n\nPARTIAL: the run stopped before every mode and check had run."
     if "speedup_vs_hf_static" in extra:
         notes += (
-            f"\n\nOurs against transformers' static-cache generate(): {extra['speedup_vs_hf_static']:.2f}x "
-            f"tokens/s, {extra['step_speedup_vs_hf_static']:.2f}x per decode step (goal 2x)."
+            "\n\nOurs against transformers' static-cache generate(): "
+            f"{extra['speedup_vs_hf_static']:.2f}x tokens/s, "
+            f"{extra['step_speedup_vs_hf_static']:.2f}x per decode step (goal 2x)."
         )
     if "fp32_check" in extra:
         notes += "\n\nfp32 greedy token check: " + ", ".join(

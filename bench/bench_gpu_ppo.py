@@ -1,4 +1,5 @@
-"""One PPO iteration of a 1.1B-parameter actor and critic on one device: seconds and peak memory per call.
+"""One PPO iteration of a 1.1B-parameter actor and critic on one device: seconds and peak memory
+per call.
 
 The real runtime (real_py.rlhf.runtime.Runtime) in a one-rank world (NCCL on CUDA, gloo on CPU),
 every call on dp1tp1pp1 (one GPU: nothing to reallocate), bf16 parameters with fp32 master weights
@@ -138,7 +139,8 @@ def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
     extra["median_call_abs_rel_err"] = errs
     return (
         (
-            "\n\nEstimator, last iteration (measured s / estimated s per profile; rel err = (est - meas) / meas):\n\n"
+            "\n\nEstimator, last iteration (measured s / estimated s per profile; "
+            "rel err = (est - meas) / meas):\n\n"
             + markdown_table(extra["estimator"], list(extra["estimator"][0]))
             if table
             else ""

@@ -24,8 +24,10 @@ move's own copy tables; not the reference's buffers) and computed on a CPU (copy
 baseline's largest gathered tensor). Host work: the one-thread row's wall time minus the time
 inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no sync inside).
 
-    python bench/bench_gpu_realloc.py --device cuda [--transport ipc]  -> realloc_<transport>_<gpu>_<date>
-    python bench/bench_gpu_realloc.py --device cpu                     -> realloc_inprocess_cpu<n>_<date>
+    python bench/bench_gpu_realloc.py --device cuda [--transport ipc]
+        -> realloc_<transport>_<gpu>_<date>
+    python bench/bench_gpu_realloc.py --device cpu
+        -> realloc_inprocess_cpu<n>_<date>
 """
 
 from __future__ import annotations
@@ -395,16 +397,18 @@ def main(argv=None):
         else "one numpy memcpy of min(bytes, 1 GiB)"
     )
     notes = (
-        f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a warm-up; "
-        f"the first call compiles, `compile s`; in process, the moves, the reference and gather-slice are timed "
-        f"round-robin within each repeat); ref = {ref_name}, same device; goal: vs ref >= {goal}. "
-        "vs gather-slice: against each tensor gathered whole and sliced (bench/onedevice.py). bit-exact: "
-        "every destination piece equals the slice of its full tensor. extra MiB: memory beyond the "
-        "source and destination shards. host ms: GPU, the host time to issue one replayed move (goal "
-        "<= 1 ms); CPU, a replayed move's wall time minus the time inside its copy calls (one at a time "
-        "per process), host / move its share of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one per receiving rank). "
-        "error: a pair that failed (out of memory, say) is one row with its error; the others still run. "
-        "The report is rewritten after every pair, so a run stopped by a time limit keeps the pairs done."
+        f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a "
+        "warm-up; the first call compiles, `compile s`; in process, the moves, the reference and "
+        f"gather-slice are timed round-robin within each repeat); ref = {ref_name}, same device; "
+        f"goal: vs ref >= {goal}. vs gather-slice: against each tensor gathered whole and sliced "
+        "(bench/onedevice.py). bit-exact: every destination piece equals the slice of its full "
+        "tensor. extra MiB: memory beyond the source and destination shards. host ms: GPU, the "
+        "host time to issue one replayed move (goal <= 1 ms); CPU, a replayed move's wall time "
+        "minus the time inside its copy calls (one at a time per process), host / move its share "
+        "of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per "
+        "move (one per receiving rank). error: a pair that failed (out of memory, say) is one row "
+        "with its error; the others still run. The report is rewritten after every pair, so a run "
+        "stopped by a time limit keeps the pairs done."
     )
     if not pairs:
         raise SystemExit(
@@ -431,7 +435,9 @@ def main(argv=None):
                     "model": model.name,
                     "goal": goal,
                     "met": "NO",
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                    "error": (
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    ),
                 }
             )
         finally:

@@ -89,12 +89,16 @@ def recipes(steps: int) -> None:
         hardware_tag("cpu"),
         rows,
         columns=cols,
-        title=f"Copy task, every recipe: mean reward of the first and last {WINDOW} steps, 4 gloo ranks",
+        title=(
+            f"Copy task, every recipe: mean reward of the first and last {WINDOW} steps, "
+            "4 gloo ranks"
+        ),
         notes=(
-            "Same task, actor and seed (1) for all; each recipe's own config (configs/recipes/<name>.yaml, "
-            "copy_task/{ppo,grpo}.yaml), steps overridden by --steps. 'best step >= 0.8': first step whose "
-            "batch reward reaches 0.8. s/step: median wall seconds per step on 2 shared CPU cores "
-            "(DAPO's includes its refill generation rounds; ReMax's its greedy generation)."
+            "Same task, actor and seed (1) for all; each recipe's own config "
+            "(configs/recipes/<name>.yaml, copy_task/{ppo,grpo}.yaml), steps overridden by "
+            "--steps. 'best step >= 0.8': first step whose batch reward reaches 0.8. s/step: "
+            "median wall seconds per step on 2 shared CPU cores (DAPO's includes its refill "
+            "generation rounds; ReMax's its greedy generation)."
         ),
         extra={"curves": curves},
     )

@@ -5,9 +5,9 @@
 Gloo rows: a small MoE model (8 experts) on the 4 gloo ranks of bench_realloc.py, four
 expert-layout pairs (ep / etp changes), real_py's MoeReallocator against Megatron-core's
 resharding (bench/realloc_mcore.py; `make bench-realloc` installs it), each verified bit for bit
-against slicing the full tensors (tests/support/oracle.py), timed interleaved. Simulated rows: the cluster
-simulator on Qwen3-235B-A22B (one 8-GPU node) and a Kimi-K2-shaped 1T model (256 GPUs) against
-the link lower bound and checkpoint-engine's published figures. Writes
+against slicing the full tensors (tests/support/oracle.py), timed interleaved. Simulated rows: the
+cluster simulator on Qwen3-235B-A22B (one 8-GPU node) and a Kimi-K2-shaped 1T model (256 GPUs)
+against the link lower bound and checkpoint-engine's published figures. Writes
 bench/results/moe_realloc_<hw>_<date>.{json,md}.
 """
 
@@ -66,7 +66,8 @@ MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's published seconds, wh
 
 
 def _mcore_moe_setup() -> dict | str:
-    """Megatron-core's resharding for the MoE rows: loaded module, groups, copy service; or why not."""
+    """Megatron-core's resharding for the MoE rows: loaded module, groups, copy service; or why
+    not."""
     try:
         import realloc_mcore
 
@@ -329,9 +330,9 @@ def main() -> None:
     notes = (
         f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
         f"median of {args.repeats} after a warmup that is the verification run (destination "
-        "dense buffer and every expert piece compared bit for bit with tests/support/oracle.py slicing "
-        "the full tensors); MoeReallocator runs all parts of the plan as one merged schedule "
-        "on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
+        "dense buffer and every expert piece compared bit for bit with tests/support/oracle.py "
+        "slicing the full tensors); MoeReallocator runs all parts of the plan as one merged "
+        "schedule on the rank's ModelShard + ExpertShard buffers (no copies). lb_seconds = the "
         "largest bytes one rank receives / the p2p gloo GB/s measured in the run "
         f"({out['links']['p2p_GBps']:.2f} GB/s). megatron-core rows: "
         "megatron.core.resharding (gloo copy service, CPU shim: bench/realloc_mcore.py) over "
@@ -364,7 +365,10 @@ def main() -> None:
         hardware_tag("cpu"),
         rows,
         columns=cols,
-        title="MoE reallocation: real_py vs Megatron-core on 4 gloo ranks; simulated Qwen3-235B-A22B and Kimi-K2-shaped",
+        title=(
+            "MoE reallocation: real_py vs Megatron-core on 4 gloo ranks; simulated "
+            "Qwen3-235B-A22B and Kimi-K2-shaped"
+        ),
         notes=notes,
         extra={"links": out["links"], "load_average": load, "repeats": args.repeats},
     )

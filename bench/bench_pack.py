@@ -243,7 +243,8 @@ def class_summary(rows: list[dict], device: str) -> list[str]:
             )
         )
         lines.append(
-            f"{name}: planned/copy_ {min(got):.3f} - {max(got):.3f} over {len(got)} rows ({verdict})"
+            f"{name}: planned/copy_ {min(got):.3f} - {max(got):.3f} over {len(got)} rows "
+            f"({verdict})"
         )
     return lines
 
@@ -298,9 +299,9 @@ def main(argv=None):
     print("\n".join(summary))
     hw = (args.hardware or hardware_tag(args.device)) + ("_small" if args.small else "")
     notes = (
-        "GB/s = (bytes read + bytes written) / median time. A case's class is that of its shortest run; "
-        "goals (GPU): planned/copy_ >= 0.90 for runs >= 16 KiB, >= 0.85 for runs of 2-16 KiB. Per class:\n\n"
-        + "\n".join(f"- {line}" for line in summary)
+        "GB/s = (bytes read + bytes written) / median time. A case's class is that of its shortest "
+        "run; goals (GPU): planned/copy_ >= 0.90 for runs >= 16 KiB, >= 0.85 for runs of 2-16 KiB. "
+        "Per class:\n\n" + "\n".join(f"- {line}" for line in summary)
     )
     paths = write_results(
         "pack",

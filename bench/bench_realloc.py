@@ -317,8 +317,8 @@ def _line(r: dict) -> str:
         return f"{head} {r.get('note', '')}"
     return (
         f"{head} {r['seconds']:7.3f} s  {r['GBps_aggregate']:5.2f} GB/s agg  "
-        f"{r['GBps_per_rank']:5.2f} GB/s/rank  net {r['network_GB']:.3f}/{r['min_network_GB']:.3f} GB  "
-        f"{100 * r['frac_of_lb']:4.0f}% of LB  verified={r['verified']}"
+        f"{r['GBps_per_rank']:5.2f} GB/s/rank  net {r['network_GB']:.3f}/{r['min_network_GB']:.3f} "
+        f"GB  {100 * r['frac_of_lb']:4.0f}% of LB  verified={r['verified']}"
     )
 
 

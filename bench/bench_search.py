@@ -1,4 +1,5 @@
-"""Estimated PPO iteration time: searched plan vs symmetric and heuristic baselines (same estimator).
+"""Estimated PPO iteration time: searched plan vs symmetric and heuristic baselines (same
+estimator).
 
 Settings follow the ReaL paper: LLaMA-2 7B/13B/70B and CodeLLaMA-34B actors with a critic of the
 same or smaller size, 8 to 128 H100, batch 512 prompts of 128 tokens, generation 128/384/896
@@ -177,9 +178,10 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"{theme:12s} {actor}+{critic} {n:3d} gpus gen {wl.gen_len:3d}: search {res.iter_time:7.2f} s, "
-            f"symmetric {sym.iter_time:7.2f} s ({row['speedup_vs_symmetric']:.2f}x), heuristic "
-            f"{heu.iter_time:7.2f} s ({row['speedup_vs_heuristic']:.2f}x), {took:.1f} s wall",
+            f"{theme:12s} {actor}+{critic} {n:3d} gpus gen {wl.gen_len:3d}: search "
+            f"{res.iter_time:7.2f} s, symmetric {sym.iter_time:7.2f} s "
+            f"({row['speedup_vs_symmetric']:.2f}x), heuristic {heu.iter_time:7.2f} s "
+            f"({row['speedup_vs_heuristic']:.2f}x), {took:.1f} s wall",
             flush=True,
         )
     write(args, rows)
@@ -219,28 +221,32 @@ def write(args, rows) -> None:
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}; machine: {meta['machine']}; "
-        f"python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}; commit {commit}.  ",
+        f"python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}; "
+        f"commit {commit}.  ",
         "All times are seconds per PPO iteration ESTIMATED by real_py.search (not measured).  ",
-        f"Machine load average (1, 5, 15 min) at start {tuple(round(x, 1) for x in args.load_start)}, at end "
-        f"{tuple(round(x, 1) for x in meta['loadavg_end'])}: the search is time-budgeted, so a loaded "
-        "machine explores fewer plans.",
+        "Machine load average (1, 5, 15 min) at start "
+        f"{tuple(round(x, 1) for x in args.load_start)}, at end "
+        f"{tuple(round(x, 1) for x in meta['loadavg_end'])}: the search is time-budgeted, so a "
+        "loaded machine explores fewer plans.",
         "",
-        "| setting | actor + critic | GPUs | prompt/gen | search s | symmetric s | heuristic s | vs sym | vs heur | search wall s | searched plan (gen / train) |",
+        "| setting | actor + critic | GPUs | prompt/gen | search s | symmetric s | heuristic s | "
+        "vs sym | vs heur | search wall s | searched plan (gen / train) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | {r['prompt_len']}/{r['gen_len']} | "
-                f"infeasible: {r['error']} | | | | | | |"
+                f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | "
+                f"{r['prompt_len']}/{r['gen_len']} | infeasible: {r['error']} | | | | | | |"
             )
             continue
         p = r["plan"]
         lines.append(
-            f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | {r['prompt_len']}/{r['gen_len']} | "
-            f"{r['search_s_per_iter']:.2f} | {r['symmetric_s_per_iter']:.2f} | {r['heuristic_s_per_iter']:.2f} | "
-            f"{r['speedup_vs_symmetric']:.2f}x | {r['speedup_vs_heuristic']:.2f}x | {r['search_wall_s']:.1f} | "
-            f"{p['actor_gen']} / {p['actor_train']} |"
+            f"| {r['theme']} | {r['actor']} + {r['critic']} | {r['gpus']} | "
+            f"{r['prompt_len']}/{r['gen_len']} | {r['search_s_per_iter']:.2f} | "
+            f"{r['symmetric_s_per_iter']:.2f} | {r['heuristic_s_per_iter']:.2f} | "
+            f"{r['speedup_vs_symmetric']:.2f}x | {r['speedup_vs_heuristic']:.2f}x | "
+            f"{r['search_wall_s']:.1f} | {p['actor_gen']} / {p['actor_train']} |"
         )
     lines.append("")
     for name, s in summary.items():
@@ -256,8 +262,8 @@ def write(args, rows) -> None:
     ]
     for r in long:
         lines += [
-            f"### Long context, {r['actor']} + {r['critic']} on {r['gpus']} GPUs: per call, estimated "
-            "seconds (searched vs heuristic) and the searched call's largest terms",
+            f"### Long context, {r['actor']} + {r['critic']} on {r['gpus']} GPUs: per call, "
+            "estimated seconds (searched vs heuristic) and the searched call's largest terms",
             "",
             "| call | searched | s | heuristic | s | searched terms (s) |",
             "|---|---|---|---|---|---|",

@@ -87,8 +87,8 @@ def main() -> None:
             }
         )
         print(
-            f"{algo} {actor} {n} gpus batch {wl.batch_size} gen {wl.gen_len}: sync {sync.iter_time:.3f} s, "
-            f"async {asy.iter_time:.3f} s (k={asy.staleness}), {gain:.2f}x",
+            f"{algo} {actor} {n} gpus batch {wl.batch_size} gen {wl.gen_len}: sync "
+            f"{sync.iter_time:.3f} s, async {asy.iter_time:.3f} s (k={asy.staleness}), {gain:.2f}x",
             flush=True,
         )
         if best is None or gain > best[0]:
@@ -112,8 +112,8 @@ def main() -> None:
         asy.simulate().events,
         n,
         str(png),
-        f"{algo} {actor}, {n} x h100, batch {wl.batch_size}, gen {wl.gen_len}: async k={asy.staleness} "
-        f"{asy.iter_time:.2f} s/step (sync search {asy.iter_time * gain:.2f})",
+        f"{algo} {actor}, {n} x h100, batch {wl.batch_size}, gen {wl.gen_len}: async "
+        f"k={asy.staleness} {asy.iter_time:.2f} s/step (sync search {asy.iter_time * gain:.2f})",
     )
 
 

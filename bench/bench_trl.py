@@ -110,7 +110,8 @@ def setup(
 
 
 def make_checkpoint(s: dict, path: str) -> str:
-    """Qwen2ForCausalLM with transformers' random init over the task tokenizer, fp32, + tokenizer."""
+    """Qwen2ForCausalLM with transformers' random init over the task tokenizer, fp32, +
+    tokenizer."""
     import torch
     import transformers
 
@@ -351,11 +352,13 @@ def install_trl(wheels: str | None) -> str | None:
             )
             if r2.returncode:
                 return (
-                    f"pip install --no-index --find-links {wheels} trl failed: {(r.stdout + r.stderr)[-400:]}; "
-                    f"the wheels with --no-deps: {(r2.stdout + r2.stderr)[-400:]}"
+                    f"pip install --no-index --find-links {wheels} trl failed: "
+                    f"{(r.stdout + r.stderr)[-400:]}; the wheels with --no-deps: "
+                    f"{(r2.stdout + r2.stderr)[-400:]}"
                 )
             print(
-                f"trl installed from {wheels} without its dependency check: {(r.stdout + r.stderr)[-300:]}"
+                f"trl installed from {wheels} without its dependency check: "
+                f"{(r.stdout + r.stderr)[-300:]}"
             )
     r = subprocess.run(
         [sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
@@ -616,7 +619,8 @@ def main(argv=None):
         ours = run_real_py(s, ckpt, work, args.device, args.real_timeout)
         extra["real_py"] = {k: v for k, v in ours.items() if k != "steps"}
         print(
-            f"real_py: exit {ours['rc']}, {len(ours['steps'])} steps in {ours['seconds_total']:.1f} s",
+            f"real_py: exit {ours['rc']}, {len(ours['steps'])} steps in "
+            f"{ours['seconds_total']:.1f} s",
             flush=True,
         )
         report(args, s, extra, ours, None)
@@ -626,7 +630,8 @@ def main(argv=None):
             theirs = run_trl(s, ckpt, work, args.device, args.trl_timeout)
             extra["trl"] = {k: v for k, v in theirs.items() if k != "steps"}
             print(
-                f"TRL {theirs.get('version')}: exit {theirs['rc']}{' (timed out)' if theirs['timed_out'] else ''}, "
+                f"TRL {theirs.get('version')}: exit "
+                f"{theirs['rc']}{' (timed out)' if theirs['timed_out'] else ''}, "
                 f"{len(theirs['steps'])} steps in {theirs['seconds_total']:.1f} s",
                 flush=True,
             )
@@ -650,23 +655,26 @@ def report(args, s: dict, extra: dict, ours: dict, theirs: dict | None) -> None:
         med["trl"] = _median_after_first(theirs["steps"])
     extra["median_step_seconds"] = med
     notes = (
-        f"Work: {s['prompts_per_step']} prompts x {s['group']} completions of {s['new_tokens']} tokens per step, "
-        f"{s['steps']} steps, lr {s['lr']}, KL {s['kl']} (k3 in the loss), {s['micro']} micro-batches, "
-        f"model {extra['params'] / 1e6:.1f}M parameters (Qwen2, random init). tokens/s: generated tokens of the "
-        "step / step seconds (one device); gen tokens/s: / the generation call alone (real_py). "
-        f"real_py: {len(ours['steps'])} steps, exit {ours['rc']}, {ours['seconds_total']:.0f} s with start-up."
+        f"Work: {s['prompts_per_step']} prompts x {s['group']} completions of {s['new_tokens']} "
+        f"tokens per step, {s['steps']} steps, lr {s['lr']}, KL {s['kl']} (k3 in the loss), "
+        f"{s['micro']} micro-batches, model {extra['params'] / 1e6:.1f}M parameters (Qwen2, random "
+        "init). tokens/s: generated tokens of the step / step seconds (one device); gen tokens/s: "
+        f"/ the generation call alone (real_py). real_py: {len(ours['steps'])} steps, exit "
+        f"{ours['rc']}, {ours['seconds_total']:.0f} s with start-up."
     )
     if theirs:
         notes += (
             f" TRL {theirs.get('version')}: {len(theirs['steps'])} steps, exit {theirs['rc']}"
-            f"{' (stopped at the time limit)' if theirs['timed_out'] else ''}, {theirs['seconds_total']:.0f} s "
-            f"with start-up ({theirs.get('init_seconds') or 0:.0f} s before training)."
+            f"{' (stopped at the time limit)' if theirs['timed_out'] else ''}, "
+            f"{theirs['seconds_total']:.0f} s with start-up ({theirs.get('init_seconds') or 0:.0f} "
+            "s before training)."
         )
         if med.get("trl") and med.get("real_py"):
             extra["step_rate_ratio"] = med["trl"] / med["real_py"]
             notes += (
-                f"\n\nMedian step seconds from step 2 on: real_py {med['real_py']:.3f}, TRL {med['trl']:.3f}: "
-                f"real_py runs {extra['step_rate_ratio']:.2f}x TRL's step rate (goal 3x)."
+                f"\n\nMedian step seconds from step 2 on: real_py {med['real_py']:.3f}, TRL "
+                f"{med['trl']:.3f}: real_py runs {extra['step_rate_ratio']:.2f}x TRL's step rate "
+                "(goal 3x)."
             )
         k = min(3, len(ours["steps"]), len(theirs["steps"]))
         if k:
@@ -706,7 +714,10 @@ def report(args, s: dict, extra: dict, ours: dict, theirs: dict | None) -> None:
         hardware_tag(args.device, args.small),
         rows,
         columns=cols,
-        title=f"GRPO on one {args.device} device: real_py against TRL's GRPOTrainer, same model and work",
+        title=(
+            f"GRPO on one {args.device} device: real_py against TRL's GRPOTrainer, "
+            "same model and work"
+        ),
         notes=notes,
         extra=extra,
         out_dir=args.out_dir,

@@ -1,4 +1,5 @@
-"""The runtime generating with vLLM against the built-in engine, on the copy task (CPU, 4 gloo ranks).
+"""The runtime generating with vLLM against the built-in engine, on the copy task (CPU, 4 gloo
+ranks).
 
     .venv-vllm/bin/python bench/bench_vllm_rollout.py [--seeds 1 2 3] [--steps 60]
 
@@ -142,18 +143,20 @@ def main() -> None:
             markdown_table(summary, scols),
             "Verdict: " + "; ".join(verdicts) + ".",
             (
-                f"Task: configs/copy_task/{{grpo,ppo}}_vllm.yaml (the copy task's actor with 2 heads of 32 dims, "
-                f"which vLLM's CPU attention runs; {args.steps} steps, batch 64, 2 new tokens, sampling at "
-                "temperature 1). Both engines generate on dp4 x tp1 from the same actor train layout (GRPO dp2,tp2; "
-                "PPO tp2,pp2): with vLLM the weights move into vLLM's live format every step and old_logp is "
-                "recomputed by actor_logp on the train layout; with the built-in engine they move into its "
-                "dp4 layout and old_logp comes from the generation call. The two engines draw their samples "
-                "from different random streams (vLLM's per-request generator, the built-in inverse-CDF "
-                "uniforms), so a seed gives each engine other samples: the comparison is over seeds, not "
-                "paired. rollout_logp_diff: mean over steps of the token mean |old_logp - rollout_logp| "
-                "(fp32 on CPU: both compute the same function, so it is rounding only); rollout_kl: k3 of "
-                "KL(pi_vllm || pi_train). s/step: median wall seconds per step on 2 shared CPU cores (vLLM's "
-                f"start-up is in run_s only). Whole benchmark {time.time() - t_all:.0f} s."
+                "Task: configs/copy_task/{grpo,ppo}_vllm.yaml (the copy task's actor with 2 "
+                f"heads of 32 dims, which vLLM's CPU attention runs; {args.steps} steps, batch 64, "
+                "2 new tokens, sampling at temperature 1). Both engines generate on dp4 x tp1 "
+                "from the same actor train layout (GRPO dp2,tp2; PPO tp2,pp2): with vLLM the "
+                "weights move into vLLM's live format every step and old_logp is recomputed by "
+                "actor_logp on the train layout; with the built-in engine they move into its dp4 "
+                "layout and old_logp comes from the generation call. The two engines draw their "
+                "samples from different random streams (vLLM's per-request generator, the "
+                "built-in inverse-CDF uniforms), so a seed gives each engine other samples: the "
+                "comparison is over seeds, not paired. rollout_logp_diff: mean over steps of the "
+                "token mean |old_logp - rollout_logp| (fp32 on CPU: both compute the same "
+                "function, so it is rounding only); rollout_kl: k3 of KL(pi_vllm || pi_train). "
+                "s/step: median wall seconds per step on 2 shared CPU cores (vLLM's start-up is "
+                f"in run_s only). Whole benchmark {time.time() - t_all:.0f} s."
             ),
         ]
     )

@@ -15,10 +15,10 @@ Cases: the copy task's vLLM configs (the toy: 2 new tokens) and a 0.51B Llama-sh
 (30 layers, hidden 1024; 32-token synthetic prompts, up to 32 new tokens) on 2 ranks, one per
 core: generation on tp2 (one vLLM engine over both ranks), training on pp2, so the weights move
 between the two every step with either engine; 4 ranks holding vLLM beside the trained actor
-were killed for memory here. PPO (16 prompts, fixed length: the plain decode of the first try in the issue,
-sampled) and GRPO (4 prompts x 4 samples, stop tokens on, so lengths are uneven). The PPO case's
-critic is a 2-layer model of the same width (a 0.51B critic with Adam does not fit 24 GiB beside
-the actor); it is the same for both engines.
+were killed for memory here. PPO (16 prompts, fixed length: the plain decode of the first try in
+the issue, sampled) and GRPO (4 prompts x 4 samples, stop tokens on, so lengths are uneven). The
+PPO case's critic is a 2-layer model of the same width (a 0.51B critic with Adam does not fit 24
+GiB beside the actor); it is the same for both engines.
 Writes bench/results/vllm_speed_cpu2_<date>.{json,md}.
 """
 
@@ -175,10 +175,10 @@ def main() -> None:
             runs_all[case] = per
     elapsed = time.time() - t_all
     note = (
-        f"Each case: `python -m real_py train` with generation.engine builtin and vllm, {args.steps} "
-        f"steps, {args.repeats} run(s) per engine, engines alternating; medians over steps 2.. "
-        "(step 1 holds vLLM's start-up and the first compile). gen_s / tokens_per_s: the "
-        "actor_gen call (new tokens = response_length x rows); step_s: the whole step; "
+        "Each case: `python -m real_py train` with generation.engine builtin and vllm, "
+        f"{args.steps} steps, {args.repeats} run(s) per engine, engines alternating; medians over "
+        "steps 2.. (step 1 holds vLLM's start-up and the first compile). gen_s / tokens_per_s: "
+        "the actor_gen call (new tokens = response_length x rows); step_s: the whole step; "
         "actor_logp_s: the recompute call vLLM generation adds (old_logp on the train "
         "layout); actor_realloc_s: the actor's move into the generation layout (vLLM's live "
         "format or the built-in engine's layout). 2 shared CPU cores, AVX2 (vLLM's CPU build "

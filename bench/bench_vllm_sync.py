@@ -2,7 +2,8 @@
 layerwise reload (what TRL, verl and OpenRLHF do today), same engine, same run.
 
     make bench-vllm                                     # .venv-vllm's python, the defaults below
-    .venv-vllm/bin/python bench/bench_vllm_sync.py [--rounds 3] [--layers 24] [--layouts tp2pp2,fsdp2]
+    .venv-vllm/bin/python bench/bench_vllm_sync.py [--rounds 3] [--layers 24] \
+        [--layouts tp2pp2,fsdp2]
     .venv-vllm/bin/python bench/bench_vllm_sync.py --small   # a tiny Qwen2, for development
 
 Model: a random-weight Qwen2 of Qwen2.5-0.5B's shape (hidden 896, intermediate 4864, 24 layers,
@@ -514,8 +515,8 @@ def main() -> None:
                     u = update()
                     rec["timed"].append(u)
                     print(
-                        f"[bench] {lname} {pname} round {rnd}: {u['update_s']:.3f} s (workers receive "
-                        f"{[round(w['receive_s'], 3) for w in u['workers']]}, apply "
+                        f"[bench] {lname} {pname} round {rnd}: {u['update_s']:.3f} s (workers "
+                        f"receive {[round(w['receive_s'], 3) for w in u['workers']]}, apply "
                         f"{[round(w['apply_s'], 3) for w in u['workers']]})",
                         flush=True,
                     )
@@ -687,7 +688,9 @@ def main() -> None:
         theme_hw,
         table_rows,
         columns=columns,
-        title="Weight sync into vLLM (CPU, tp=2): real_py backend vs full tensors + layerwise reload",
+        title=(
+            "Weight sync into vLLM (CPU, tp=2): real_py backend vs full tensors + layerwise reload"
+        ),
         notes=notes,
         out_dir=args.out_dir,
         extra={
@@ -739,93 +742,99 @@ def notes_text(
     lines = []
     add = lines.append
     add(
-        f"Versions: vLLM {vllm_version} (CPU build), transformers {tf_version}, torch {torch.__version__}. "
-        f"CPU: {cpu_model()}, {os.cpu_count()} cores (shared machine). Load average (1/5/15 min) "
-        f"before the run {load_before}, after {load_after} (the run's own load: 2 vLLM workers, the "
-        f"trainer threads). Host memory: least available during the run {mem_min_avail / 2**30:.1f} GiB of "
-        f"{mem_total / 2**30:.1f} GiB. vLLM start {llm_start_s:.0f} s; whole run {total_s:.0f} s."
+        f"Versions: vLLM {vllm_version} (CPU build), transformers {tf_version}, torch "
+        f"{torch.__version__}. CPU: {cpu_model()}, {os.cpu_count()} cores (shared machine). Load "
+        f"average (1/5/15 min) before the run {load_before}, after {load_after} (the run's own "
+        "load: 2 vLLM workers, the trainer threads). Host memory: least available during the run "
+        f"{mem_min_avail / 2**30:.1f} GiB of {mem_total / 2**30:.1f} GiB. vLLM start "
+        f"{llm_start_s:.0f} s; whole run {total_s:.0f} s."
     )
     add("")
     add(
-        f"Model: random-weight Qwen2 (transformers `Qwen2ForCausalLM(config)`, seed 0), vocab {shape['vocab']}, "
-        f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
-        f"{shape['heads']} heads / {shape['kv_heads']} kv heads (head_dim {shape['hidden'] // shape['heads']}), "
-        f"{'tied embeddings' if shape['tied'] else 'untied lm_head'}: {spec.numel / 1e6:.1f}M parameters, "
-        f"{spec.numel * 4 / 2**20:.0f} MiB in fp32"
+        "Model: random-weight Qwen2 (transformers `Qwen2ForCausalLM(config)`, seed 0), vocab "
+        f"{shape['vocab']}, hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+        f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv heads "
+        f"(head_dim {shape['hidden'] // shape['heads']}), "
+        f"{'tied embeddings' if shape['tied'] else 'untied lm_head'}: {spec.numel / 1e6:.1f}M "
+        f"parameters, {spec.numel * 4 / 2**20:.0f} MiB in fp32"
         + (" (Qwen2.5-0.5B's shape)." if shape == dict(FULL, tied=True) else ".")
     )
     add(
-        f"vLLM: one in-process `LLM`, tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), dtype float32, "
-        f"gpu_memory_utilization={args.gpu_memory_utilization}, max_model_len={args.max_model_len}, "
-        "enforce_eager, skip_tokenizer_init, prefix caching on, weight_transfer_config backend real_py. "
-        f"Trainer: 4 ranks as threads of the bench process ({', '.join(layouts)}: tp2pp2 = dp1,tp2,pp2; "
-        "fsdp2 = Layout(dp=4, dp_shard='dim0')), each its own RealPyTrainerEngine; their pack work "
-        "shares this process's GIL (the moves run in C++ and gloo), and everything shares the 2 cores "
-        "with vLLM's engine-core and 2 worker processes."
+        "vLLM: one in-process `LLM`, tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), "
+        f"dtype float32, gpu_memory_utilization={args.gpu_memory_utilization}, "
+        f"max_model_len={args.max_model_len}, enforce_eager, skip_tokenizer_init, prefix caching "
+        "on, weight_transfer_config backend real_py. Trainer: 4 ranks as threads of the bench "
+        f"process ({', '.join(layouts)}: tp2pp2 = dp1,tp2,pp2; fsdp2 = Layout(dp=4, "
+        "dp_shard='dim0')), each its own RealPyTrainerEngine; their pack work shares this "
+        "process's GIL (the moves run in C++ and gloo), and everything shares the 2 cores with "
+        "vLLM's engine-core and 2 worker processes."
     )
     add("")
     add(
-        "Paths: `real_py` = the backend's default (each trainer rank sends its pieces straight to the "
-        "workers that hold them, in vLLM's live per-rank format; the workers write them in place and "
-        "re-run process_weights_after_loading on touched layers). `full_tensors` = "
-        "RealPyTrainerInitInfo(full_tensors=True): every worker receives the full model and loads it "
-        "through vLLM's load_weights inside initialize_layerwise_reload / finalize_layerwise_reload, "
-        "what TRL, verl and OpenRLHF do. The baseline here omits the trainer-side gather of full "
-        "tensors those trainers add before sending (the full tensors go straight from the ranks' "
-        "shards), so it is favoured: a real TRL-style sync is slower than this row and needs a "
-        "full-model buffer on the trainer."
+        "Paths: `real_py` = the backend's default (each trainer rank sends its pieces straight to "
+        "the workers that hold them, in vLLM's live per-rank format; the workers write them in "
+        "place and re-run process_weights_after_loading on touched layers). `full_tensors` = "
+        "RealPyTrainerInitInfo(full_tensors=True): every worker receives the full model and loads "
+        "it through vLLM's load_weights inside initialize_layerwise_reload / "
+        "finalize_layerwise_reload, what TRL, verl and OpenRLHF do. The baseline here omits the "
+        "trainer-side gather of full tensors those trainers add before sending (the full tensors "
+        "go straight from the ranks' shards), so it is favoured: a real TRL-style sync is slower "
+        "than this row and needs a full-model buffer on the trainer."
     )
     if shape["tied"] and all(r["hf_dlogprob"] <= 1e-3 for r in rows if r["path"] == "full_tensors"):
         add(
-            "With tied embeddings the full_tensors path includes the backend's re-pack of the tied lm_head "
-            "after finalize_layerwise_reload (real_py/vllm/worker.py `_load_full`): vLLM's layerwise reload "
-            "alone leaves the ParallelLMHead's packed CPU copy of the old embedding in place (each worker "
-            "logs 'ParallelLMHead: Failed to load weights'), and an earlier run of this benchmark, before "
-            "that re-pack, answered up to 0.37 off transformers in logprob on W_check. A trainer that "
-            "reloads a tied model through vLLM's layerwise reload on a CPU, as TRL & co. do, serves that "
-            "stale lm_head."
+            "With tied embeddings the full_tensors path includes the backend's re-pack of the tied "
+            "lm_head after finalize_layerwise_reload (real_py/vllm/worker.py `_load_full`): vLLM's "
+            "layerwise reload alone leaves the ParallelLMHead's packed CPU copy of the old "
+            "embedding in place (each worker logs 'ParallelLMHead: Failed to load weights'), and "
+            "an earlier run of this benchmark, before that re-pack, answered up to 0.37 off "
+            "transformers in logprob on W_check. A trainer that reloads a tied model through "
+            "vLLM's layerwise reload on a CPU, as TRL & co. do, serves that stale lm_head."
         )
     add("")
     add(
-        f"Method: per layout, {args.rounds} rounds; each round runs real_py then full_tensors on the same "
-        "vLLM engine (A B A B ...): init the trainer engines (new master_port, a new transfer group), one "
-        f"untimed warm-up update, {args.per_init} timed update(s). Before every update (outside timing) "
-        "each parameter is scaled by its own factor within 1 +- 1e-3 of the checkpoint's, a new set per "
-        "update, so vLLM loads new weights each time. update_s: trainer rank 0's wall time of "
-        "send_weights (it drives vLLM's start / update / finish and the prefix-cache reset, so it spans "
-        "the workers' receive and apply: the slowest side), median, min and max over the timed updates. "
-        "worker_receive_s / worker_apply_s: the slower worker's receive and write/re-process seconds "
-        "(stats['workers']), medians; a worker writes only once every worker has received all of its "
-        "own, so receive_s includes that wait. apply_share = worker_apply_s / update_s: the share of "
-        "an update spent writing and re-processing layers (full_tensors: load_weights in the layerwise "
-        "reload). trainer_move_s: the slowest trainer rank's Reallocator.run seconds. init_s: "
-        "trainer_init on the 4 ranks (vLLM's init_weight_transfer_engine included), median over the "
-        "rounds; warmup_s: the first update after an init (untimed), median."
+        f"Method: per layout, {args.rounds} rounds; each round runs real_py then full_tensors on "
+        "the same vLLM engine (A B A B ...): init the trainer engines (new master_port, a new "
+        f"transfer group), one untimed warm-up update, {args.per_init} timed update(s). Before "
+        "every update (outside timing) each parameter is scaled by its own factor within 1 +- "
+        "1e-3 of the checkpoint's, a new set per update, so vLLM loads new weights each time. "
+        "update_s: trainer rank 0's wall time of send_weights (it drives vLLM's start / update / "
+        "finish and the prefix-cache reset, so it spans the workers' receive and apply: the "
+        "slowest side), median, min and max over the timed updates. worker_receive_s / "
+        "worker_apply_s: the slower worker's receive and write/re-process seconds "
+        "(stats['workers']), medians; a worker writes only once every worker has received all of "
+        "its own, so receive_s includes that wait. apply_share = worker_apply_s / update_s: the "
+        "share of an update spent writing and re-processing layers (full_tensors: load_weights in "
+        "the layerwise reload). trainer_move_s: the slowest trainer rank's Reallocator.run "
+        "seconds. init_s: trainer_init on the 4 ranks (vLLM's init_weight_transfer_engine "
+        "included), median over the rounds; warmup_s: the first update after an init (untimed), "
+        "median."
     )
     add("")
     add(
-        "Bytes: recv_MiB_per_worker / network_MiB are what the workers received (stats['workers']); "
-        "min_live_MiB is the plan's minimum for vLLM's live per-rank format (engine.plan.summary()"
-        "['min_network_bytes'] of the real_py plan; trainer and workers share no rank, so every byte "
-        "crosses the group); bytes_vs_min their ratio. full_tensors receives the full model per "
-        "worker. sent_eq_plan: the ranks' sent_bytes sum = the plan's network_bytes = what the "
-        "workers received. Memory: staging_MiB_max_rank = the largest stats['staging_bytes'] of a "
-        "trainer rank (its extra memory, bounded by bucket_bytes), against model_MiB; rss_growth_MiB = "
-        "the largest growth of this process's resident memory during an update (the 4 ranks together "
-        "plus the LLM front end, sampled every 5 ms, warm-up updates included): a full-model gather "
-        "would add model_MiB."
+        "Bytes: recv_MiB_per_worker / network_MiB are what the workers received "
+        "(stats['workers']); min_live_MiB is the plan's minimum for vLLM's live per-rank format "
+        "(engine.plan.summary()['min_network_bytes'] of the real_py plan; trainer and workers "
+        "share no rank, so every byte crosses the group); bytes_vs_min their ratio. full_tensors "
+        "receives the full model per worker. sent_eq_plan: the ranks' sent_bytes sum = the plan's "
+        "network_bytes = what the workers received. Memory: staging_MiB_max_rank = the largest "
+        "stats['staging_bytes'] of a trainer rank (its extra memory, bounded by bucket_bytes), "
+        "against model_MiB; rss_growth_MiB = the largest growth of this process's resident memory "
+        "during an update (the 4 ranks together plus the LLM front end, sampled every 5 ms, "
+        "warm-up updates included): a full-model gather would add model_MiB."
     )
     add("")
     add(
-        "Checks (outside timing; recorded, never asserted): the first round's warm-up of each row sends "
-        "W_check (every parameter scaled by its own factor in 0.5..1.5, the final norm negated), then "
-        f"greedy tokens of 3 prompts ({args.max_tokens} tokens each, with logprobs): tokens_changed = they "
-        "differ from the freshly started engine's (W0); check_vs_hf = against transformers' "
-        "Qwen2ForCausalLM on the same W_check (fp32, teacher-forced over vLLM's tokens; a spawned "
-        "process after the timed part): the largest logprob difference and whether every token is HF's "
-        "argmax; check_vs_other_path = the other path's answer for the same W_check, same layout "
-        "(`tokens differ` or the largest logprob difference); back_to_w0_vs_fresh = after the row's "
-        "last update back to W0, against the freshly started engine. Every pair of rows on W_check: "
+        "Checks (outside timing; recorded, never asserted): the first round's warm-up of each row "
+        "sends W_check (every parameter scaled by its own factor in 0.5..1.5, the final norm "
+        f"negated), then greedy tokens of 3 prompts ({args.max_tokens} tokens each, with "
+        "logprobs): tokens_changed = they differ from the freshly started engine's (W0); "
+        "check_vs_hf = against transformers' Qwen2ForCausalLM on the same W_check (fp32, "
+        "teacher-forced over vLLM's tokens; a spawned process after the timed part): the largest "
+        "logprob difference and whether every token is HF's argmax; check_vs_other_path = the "
+        "other path's answer for the same W_check, same layout (`tokens differ` or the largest "
+        "logprob difference); back_to_w0_vs_fresh = after the row's last update back to W0, "
+        "against the freshly started engine. Every pair of rows on W_check: "
         + "; ".join(
             f"{k}: {'tokens differ' if v is None else f'{v:.3g}'}" for k, v in cross.items()
         )
@@ -840,22 +849,23 @@ def notes_text(
             f"{max(r['hf_dlogprob'] for r in hf_full):.3g}; real_py rows "
             + (f"{max(r['hf_dlogprob'] for r in hf_ok):.3g}" if hf_ok else "also off")
             + "). The cause, with tied "
-            "embeddings: vLLM's layerwise reload loads embed_tokens.weight, but no checkpoint tensor names "
-            "lm_head.weight (tied), so finalize_layerwise_reload finds the ParallelLMHead with nothing loaded, "
-            "logs 'ParallelLMHead: Failed to load weights' in every worker and puts the layer's old kernel "
-            "tensors back without re-running process_weights_after_loading. On vLLM's CPU backend the "
-            "lm_head computes from a packed (oneDNN) copy of the embedding made there, so after a "
-            "full_tensors update the logits come from the lm_head packed at the previous real_py update "
-            "or at start-up, with the new embedding and layers. So this baseline also skips the lm_head's "
-            "repack, which real_py does (breakdown below): it favours the baseline's time. It affects the "
-            "backend's full-tensor fallback (real_py/vllm/worker.py `_load_full`) and anyone reloading a "
-            "tied model through vLLM's layerwise reload on a CPU. With an untied lm_head "
-            "(`--small --untied`) both paths equal HF."
+            "embeddings: vLLM's layerwise reload loads embed_tokens.weight, but no checkpoint "
+            "tensor names lm_head.weight (tied), so finalize_layerwise_reload finds the "
+            "ParallelLMHead with nothing loaded, logs 'ParallelLMHead: Failed to load weights' in "
+            "every worker and puts the layer's old kernel tensors back without re-running "
+            "process_weights_after_loading. On vLLM's CPU backend the lm_head computes from a "
+            "packed (oneDNN) copy of the embedding made there, so after a full_tensors update the "
+            "logits come from the lm_head packed at the previous real_py update or at start-up, "
+            "with the new embedding and layers. So this baseline also skips the lm_head's repack, "
+            "which real_py does (breakdown below): it favours the baseline's time. It affects the "
+            "backend's full-tensor fallback (real_py/vllm/worker.py `_load_full`) and anyone "
+            "reloading a tied model through vLLM's layerwise reload on a CPU. With an untied "
+            "lm_head (`--small --untied`) both paths equal HF."
         )
         add("")
     add(
-        "Goal (real_py rows): at least 1.5x faster per update than full_tensors, bytes = the minimum, "
-        "trainer extra memory within the bucket:"
+        "Goal (real_py rows): at least 1.5x faster per update than full_tensors, bytes = the "
+        "minimum, trainer extra memory within the bucket:"
     )
     for r in rows:
         if r["path"] == "real_py":
@@ -863,13 +873,16 @@ def notes_text(
             g = r["goals_met"]
             add(
                 f"- {r['layout']}: {r['update_s']:.3g} s against {fu['update_s']:.3g} s = "
-                f"{fu['update_s'] / r['update_s']:.2f}x ({'met' if g['speedup>=1.5'] else 'NOT met'}); "
-                f"bytes {r['network_MiB']:.1f} MiB = {r['bytes_vs_min']:.3f}x the minimum "
-                f"({'met' if g['bytes=min'] else 'NOT met'}; full_tensors {fu['bytes_vs_min']:.2f}x); "
-                f"staging {r['staging_MiB_max_rank']:.1f} MiB per rank <= bucket {r['bucket_MiB']:.0f} MiB "
+                f"{fu['update_s'] / r['update_s']:.2f}x "
+                f"({'met' if g['speedup>=1.5'] else 'NOT met'}); bytes {r['network_MiB']:.1f} MiB "
+                f"= {r['bytes_vs_min']:.3f}x the minimum "
+                f"({'met' if g['bytes=min'] else 'NOT met'}; full_tensors "
+                f"{fu['bytes_vs_min']:.2f}x); staging {r['staging_MiB_max_rank']:.1f} MiB per rank "
+                f"<= bucket {r['bucket_MiB']:.0f} MiB "
                 f"({'met' if g['staging<=bucket'] else 'NOT met'}), "
-                f"{r['staging_MiB_max_rank'] / r['model_MiB']:.3f} of the model; process RSS grew at most "
-                f"{r['rss_growth_MiB']:.0f} MiB during an update against {r['model_MiB']:.0f} MiB of model"
+                f"{r['staging_MiB_max_rank'] / r['model_MiB']:.3f} of the model; process RSS grew "
+                f"at most {r['rss_growth_MiB']:.0f} MiB during an update against "
+                f"{r['model_MiB']:.0f} MiB of model"
                 + (": no full-model gather." if r["rss_growth_MiB"] < r["model_MiB"] else ".")
             )
     add("")
@@ -877,12 +890,13 @@ def notes_text(
         if r["path"] == "real_py":
             fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
             add(
-                f"- {r['layout']}, where the time goes: receive {r['worker_receive_s']:.3g} s against "
-                f"{fu['worker_receive_s']:.3g} s (full_tensors / real_py "
+                f"- {r['layout']}, where the time goes: receive {r['worker_receive_s']:.3g} s "
+                f"against {fu['worker_receive_s']:.3g} s (full_tensors / real_py "
                 f"{fu['worker_receive_s'] / r['worker_receive_s']:.2f}, for "
                 f"{r['bytes_vs_min'] / fu['bytes_vs_min']:.2f} of the bytes), write + re-process "
-                f"{r['worker_apply_s']:.3g} s against {fu['worker_apply_s']:.3g} s ({r['apply_share']:.0%} "
-                f"of real_py's update, {fu['apply_share']:.0%} of full_tensors')."
+                f"{r['worker_apply_s']:.3g} s against {fu['worker_apply_s']:.3g} s "
+                f"({r['apply_share']:.0%} of real_py's update, {fu['apply_share']:.0%} of "
+                "full_tensors')."
             )
     if breakdown:
         add("")
@@ -894,13 +908,14 @@ def notes_text(
             )
             parts.append(
                 f"worker {i}: {b['apply_s']:.3f} s = write {b['write_s']:.3f} s (copy_ "
-                f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed to "
-                f"prepacked layers) + re-processing {proc}"
+                f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed "
+                f"to prepacked layers) + re-processing {proc}"
             )
         add(
             "Where a real_py apply goes (after the last real_py row: each worker's own apply step, "
-            "RealPyWeightTransferEngine._apply, run again on the shard it holds through collective_rpc, "
-            "the second of two runs, with vLLM's process_weights_after_loading timed per module class; "
+            "RealPyWeightTransferEngine._apply, run again on the shard it holds through "
+            "collective_rpc, the second of two runs, with vLLM's process_weights_after_loading "
+            "timed per module class; "
             "write = the rest): " + "; ".join(parts) + "."
         )
     return "\n".join(lines)

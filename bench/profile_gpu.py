@@ -3,9 +3,9 @@
 The first H200 check (bench/results/gpu_check_h200_20261204.md) left two questions for a GPU:
 pack / unpack reach 0.34-0.73x a device copy_ (the kernel alone ~0.71-0.84x, the rest per-call
 work outside it), and a decode step of the 1.1B model at batch 32 takes ~6.4 ms with the CUDA
-graph, about 14x what reading its 2.2 GB of weights takes at 4.8 TB/s. This script records, per scenario, the
-wall time of one iteration without the profiler and the top device kernels and host ops (self
-time per iteration) with it:
+graph, about 14x what reading its 2.2 GB of weights takes at 4.8 TB/s. This script records, per
+scenario, the wall time of one iteration without the profiler and the top device kernels and host
+ops (self time per iteration) with it:
 
   pack <case>   one real_py pack call (iterations back to back, one synchronize at the end),
                 and copy_ of the same bytes for reference
@@ -55,7 +55,8 @@ def _device_us(e) -> float:
 def profile_rows(
     scenario: str, fn, iters: int, dev: torch.device, per: str = "iteration"
 ) -> list[dict]:
-    """Wall time of one iteration without the profiler, then the top kernels and host ops with it."""
+    """Wall time of one iteration without the profiler, then the top kernels and host ops with
+    it."""
     fn()
     _sync(dev)
     t0 = time.perf_counter()

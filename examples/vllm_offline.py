@@ -261,8 +261,9 @@ def main(argv=None) -> int:
             if not ok:
                 show_mismatch(before, ref)
             print(
-                f"[rank 0] step 0: {'PASS' if ok else 'FAIL'}: vLLM as loaded vs transformers on the checkpoint: "
-                f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}",
+                f"[rank 0] step 0: {'PASS' if ok else 'FAIL'}: vLLM as loaded vs transformers on "
+                f"the checkpoint: tokens {'equal' if same else 'DIFFER'}, max |logprob diff| "
+                f"{diff:.2e}",
                 flush=True,
             )
             ok_all &= ok
@@ -306,10 +307,11 @@ def main(argv=None) -> int:
                     flush=True,
                 )
                 print(
-                    f"[rank 0] step {step}: {'PASS' if ok else 'FAIL'}: vLLM tp={args.tp} vs transformers on "
-                    f"the gathered weights: tokens {'equal' if same else 'DIFFER'} ({len(PROMPTS)} prompts x "
-                    f"{args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); output "
-                    f"{'changed' if changed else 'UNCHANGED'} since the last weights",
+                    f"[rank 0] step {step}: {'PASS' if ok else 'FAIL'}: vLLM tp={args.tp} vs "
+                    f"transformers on the gathered weights: tokens {'equal' if same else 'DIFFER'} "
+                    f"({len(PROMPTS)} prompts x {args.max_tokens}), max |logprob diff| {diff:.2e} "
+                    f"(tol {args.tol:g}); output {'changed' if changed else 'UNCHANGED'} since the "
+                    "last weights",
                     flush=True,
                 )
                 if not ok:
@@ -317,9 +319,11 @@ def main(argv=None) -> int:
                 ok_all &= ok and changed
         engine.shutdown()
         if rank == 0:
-            llm.shutdown_weight_transfer_engine()  # the workers leave the transfer group; vLLM serves on
+            # the workers leave the transfer group; vLLM serves on
+            llm.shutdown_weight_transfer_engine()
             print(
-                f"[rank 0] {'PASS' if ok_all else 'FAIL'}: {args.steps} updates through the real_py backend",
+                f"[rank 0] {'PASS' if ok_all else 'FAIL'}: {args.steps} updates through the "
+                "real_py backend",
                 flush=True,
             )
     finally:

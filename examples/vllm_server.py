@@ -253,8 +253,8 @@ def main(argv=None) -> int:
         if not ok:
             show_mismatch(before, ref)
         print(
-            f"step 0: {'PASS' if ok else 'FAIL'}: server as loaded vs transformers on the checkpoint: "
-            f"tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}",
+            f"step 0: {'PASS' if ok else 'FAIL'}: server as loaded vs transformers on the "
+            f"checkpoint: tokens {'equal' if same else 'DIFFER'}, max |logprob diff| {diff:.2e}",
             flush=True,
         )
         ok_all &= ok
@@ -291,15 +291,16 @@ def main(argv=None) -> int:
             changed = got != before
             before = got
             print(
-                f"step {step}: workers received {[w['received_bytes'] for w in stats['workers']]} bytes; "
-                f"update {stats['seconds'] * 1e3:.1f} ms on rank 0",
+                f"step {step}: workers received {[w['received_bytes'] for w in stats['workers']]} "
+                f"bytes; update {stats['seconds'] * 1e3:.1f} ms on rank 0",
                 flush=True,
             )
             print(
-                f"step {step}: {'PASS' if ok and changed else 'FAIL'}: /v1/completions (tp={args.tp}) vs "
-                f"transformers on the gathered weights: tokens {'equal' if same else 'DIFFER'} "
-                f"({len(PROMPTS)} prompts x {args.max_tokens}), max |logprob diff| {diff:.2e} (tol {args.tol:g}); "
-                f"answer {'changed' if changed else 'UNCHANGED'} since the last weights",
+                f"step {step}: {'PASS' if ok and changed else 'FAIL'}: /v1/completions "
+                f"(tp={args.tp}) vs transformers on the gathered weights: tokens "
+                f"{'equal' if same else 'DIFFER'} ({len(PROMPTS)} prompts x {args.max_tokens}), "
+                f"max |logprob diff| {diff:.2e} (tol {args.tol:g}); answer "
+                f"{'changed' if changed else 'UNCHANGED'} since the last weights",
                 flush=True,
             )
             if not ok:
@@ -309,7 +310,8 @@ def main(argv=None) -> int:
             e.shutdown()
         client.shutdown_weight_transfer_engine()
         print(
-            f"{'PASS' if ok_all else 'FAIL'}: {args.steps} updates of a vLLM server through the real_py backend",
+            f"{'PASS' if ok_all else 'FAIL'}: {args.steps} updates of a vLLM server through the "
+            "real_py backend",
             flush=True,
         )
     except BaseException:

@@ -38,7 +38,8 @@ def main(path: str) -> int:
     ]
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}); {path}")
     print(
-        f"ops: {', '.join(ops)}; pybind functions: {len([n for n in dir(module) if not n.startswith('_')])}"
+        f"ops: {', '.join(ops)}; pybind functions: "
+        f"{len([n for n in dir(module) if not n.startswith('_')])}"
     )
     if missing:
         print(

@@ -59,7 +59,8 @@ def _one(case: str) -> dict:
     del plan
     gc.collect()
     only_schedule = _status()
-    # Freed memory the allocator keeps for reuse stays resident: hand it back to measure what is live.
+    # Freed memory the allocator keeps for reuse stays resident: hand it back to measure what is
+    # live.
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")
@@ -130,8 +131,8 @@ def main() -> None:
         columns=cols,
         title="Resident memory of one rank's cold plan + own schedule (fresh process per row)",
         notes="peak_growth_MiB: VmHWM after the build minus VmRSS before it (peak reset with "
-        "/proc/self/clear_refs); kept_with_plan_MiB / kept_schedule_only_MiB: VmRSS growth with the plan "
-        "and schedule alive / with the schedule only (glibc keeps freed blocks resident); "
+        "/proc/self/clear_refs); kept_with_plan_MiB / kept_schedule_only_MiB: VmRSS growth with "
+        "the plan and schedule alive / with the schedule only (glibc keeps freed blocks resident); "
         "live_schedule_MiB: the same after malloc_trim(0), i.e. what the rank really keeps; "
         "after_all_freed_MiB: nothing kept, after malloc_trim (import-time caches). cpp_held_MiB: "
         "RankSchedule.held_bytes, the C++ side's own peak accounting that bench_plan.py reports "
@@ -139,14 +140,16 @@ def main() -> None:
     )
     print("wrote", *paths)
     print(
-        "| case | rank | peak RSS growth MiB | resident after (plan + schedule) MiB | resident, schedule only "
-        "MiB | schedule only, after malloc_trim MiB | all freed + trim MiB | C++ held MiB |"
+        "| case | rank | peak RSS growth MiB | resident after (plan + schedule) MiB | "
+        "resident, schedule only MiB | schedule only, after malloc_trim MiB | "
+        "all freed + trim MiB | C++ held MiB |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['case']} | {r['rank']} | {r['peak_growth_MiB']:.1f} | {r['kept_with_plan_MiB']:.1f} | "
-            f"{r['kept_schedule_only_MiB']:.1f} | {r['live_schedule_MiB']:.1f} | {r['after_all_freed_MiB']:.1f} | "
+            f"| {r['case']} | {r['rank']} | {r['peak_growth_MiB']:.1f} | "
+            f"{r['kept_with_plan_MiB']:.1f} | {r['kept_schedule_only_MiB']:.1f} | "
+            f"{r['live_schedule_MiB']:.1f} | {r['after_all_freed_MiB']:.1f} | "
             f"{r['cpp_held_MiB']:.2f} |"
         )
 
