@@ -144,6 +144,6 @@ class ParallelGroups:
         if not self.member:
             return f"ParallelGroups({self.layout}, rank={self.rank}, not a member)"
         return (
-            f"ParallelGroups({self.layout}, rank={self.rank}, dp={self.dp_rank}, tp={self.tp_rank}, "
-            f"stage={self.stage})"
+            f"ParallelGroups({self.layout}, rank={self.rank}, dp={self.dp_rank}, "
+            f"tp={self.tp_rank}, stage={self.stage})"
         )

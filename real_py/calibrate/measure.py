@@ -273,8 +273,9 @@ def calibrate_cpu(reps: int = 25, repeats: int = 3, setup: Setup = DEFAULT):
     median over the repeats (each fitted from one whole measurement), raw holds each repeat's
     measurements and the setup.
 
-    On a shared machine one calibration moves with the other tenants (a fitted latency moved 0.01-0.97 between
-    calibrations minutes apart; bench_estimator); the median of three is what the estimator uses."""
+    On a shared machine one calibration moves with the other tenants (a fitted latency moved
+    0.01-0.97 between calibrations minutes apart; bench_estimator); the median of three is what the
+    estimator uses."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     raws = [_calibrate_once(reps, setup) for _ in range(repeats)]

@@ -75,7 +75,8 @@ class Setup:
         cls, model: ModelConfig, batch_rows: int, train_rows: int, seq: int, prompt: int
     ) -> Setup:
         """The job's model shape (attention and MLP sizes, vocabulary) and dtype, with its per-rank
-        rows of an inference / generation pass and of a train step, its sequence and prompt lengths."""
+        rows of an inference / generation pass and of a train step, its sequence and prompt
+        lengths."""
         return cls(
             hidden_size=model.hidden_size,
             intermediate_size=model.intermediate_size,

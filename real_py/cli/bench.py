@@ -4,9 +4,9 @@
     python -m real_py bench --model llama2-7b --src dp2,tp4 --dst tp8 --device cuda --out r.json
     torchrun --nnodes 2 --nproc-per-node 8 ... -m real_py bench --model cfg.json --src tp8,pp2 ...
 
-Without RANK in the environment (not under torchrun) the command checks its arguments and
-re-invokes itself under torchrun --standalone (launch.torchrun.launch_torchrun) with as many local processes as the
-layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
+Without RANK in the environment (not under torchrun) the command checks its arguments and re-invokes
+itself under torchrun --standalone (launch.torchrun.launch_torchrun) with as many local processes as
+the layouts need (--nproc to change it); under torchrun every rank runs the pairs. Backend: gloo for
 --device cpu, NCCL for cuda. Per (src, dst) pair, after one untimed run that also verifies the
 result (chunk checksums on the wire, Reallocator(verify=True), and every destination tensor
 compared bit for bit with the values the source pattern implies):
@@ -55,7 +55,8 @@ DEFAULT_MODEL = dict(
 )
 """`bench` without --model: a 58M-parameter LLaMA shape, small enough for a laptop CPU."""
 DEFAULT_PAIRS = (("dp2,tp2", "dp4"), ("dp1,tp2,pp2", "dp2,tp2"), ("dp4,dim0", "dp1,tp2,pp2"))
-"""`bench` without --src/--dst: a TP -> DP move, a PP change, and an FSDP2-style dp-sharded source."""
+"""`bench` without --src/--dst: a TP -> DP move, a PP change, and an FSDP2-style dp-sharded
+source."""
 MAX_LOCAL_PROCS = 64
 """Local processes the command launches at most (several nodes: run it under torchrun)."""
 
@@ -543,7 +544,8 @@ def _spmd(args, model, pairs, need: int) -> int:
         transport = DistTransport(dist.group.WORLD, timeout=args.timeout)
         if rank == 0:
             print(
-                f"{model.name} ({model.dtype}, {sum(p.numel for p in model.params) / 1e6:.1f}M params) "
+                f"{model.name} ({model.dtype}, "
+                f"{sum(p.numel for p in model.params) / 1e6:.1f}M params) "
                 f"on {machine['label']}, {args.mode}, median of {args.repeats}",
                 flush=True,
             )

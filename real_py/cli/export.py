@@ -1,4 +1,5 @@
-"""`python -m real_py export --run runs/train [--step N] --out DIR`: trained models as HF checkpoints.
+"""`python -m real_py export --run runs/train [--step N] --out DIR`: trained models as HF
+checkpoints.
 
 Writes DIR/actor (LlamaForCausalLM layout) and DIR/critic (...ForSequenceClassification, PPO
 only) with model.safetensors + config.json, loadable by transformers' `from_pretrained`. The

@@ -34,7 +34,8 @@ def add_parser(sub):
     p.add_argument(
         "--hardware",
         default="h100",
-        help=f"profile: {', '.join(PROFILE_NAMES)} (cpu: calibrated on this machine on first use, then cached)",
+        help=f"profile: {', '.join(PROFILE_NAMES)} "
+        "(cpu: calibrated on this machine on first use, then cached)",
     )
     p.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -45,15 +46,15 @@ def add_parser(sub):
         "--micro-batches",
         type=int,
         default=1,
-        help="ppo.micro_batches: micro-batches per train mini-batch (every mini-batch of every DP rank "
-        "must hold at least this many rows); the estimate runs that many",
+        help="ppo.micro_batches: micro-batches per train mini-batch (every mini-batch of every DP "
+        "rank must hold at least this many rows); the estimate runs that many",
     )
     p.add_argument(
         "--free-micro-batches",
         action="store_true",
-        help="let each pass take its cheapest micro-batch count (from 16384 tokens per micro-batch up to "
-        "4 x pp, as ReaL's runtime does) instead of real_py's own counts (--micro-batches per "
-        "train mini-batch, forward-only passes whole): estimates for another runtime",
+        help="let each pass take its cheapest micro-batch count (from 16384 tokens per micro-batch "
+        "up to 4 x pp, as ReaL's runtime does) instead of real_py's own counts (--micro-batches "
+        "per train mini-batch, forward-only passes whole): estimates for another runtime",
     )
     p.add_argument(
         "--group-size",
@@ -68,15 +69,16 @@ def add_parser(sub):
         "--per-mesh",
         type=int,
         default=None,
-        help="prune to the K fastest strategies per (call, mesh); default: every memory-feasible one",
+        help="prune to the K fastest strategies per (call, mesh); "
+        "default: every memory-feasible one",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-staleness",
         type=int,
         default=0,
-        help="async RL bound the run allows (async.max_staleness); the search scores plans in async "
-        "mode and says whether running asynchronously pays (default 0: synchronous)",
+        help="async RL bound the run allows (async.max_staleness); the search scores plans in "
+        "async mode and says whether running asynchronously pays (default 0: synchronous)",
     )
     p.add_argument(
         "--engine",
@@ -161,10 +163,12 @@ def run(args) -> int:
 
         second = "critic" if args.algo == "ppo" else "reward model"
         title = (
-            f"{args.algo}: {args.model} actor + {args.critic or args.model} {second}, {args.gpus} x {args.hardware}, "
+            f"{args.algo}: {args.model} actor + {args.critic or args.model} {second}, "
+            f"{args.gpus} x {args.hardware}, "
             f"gen {args.gen_len}{f', async k={res.staleness}' if res.staleness else ''}: "
             f"{res.iter_time:.2f} s/iter (symmetric "
-            f"{res.baselines['symmetric'].iter_time:.2f}, heuristic {res.baselines['heuristic'].iter_time:.2f})"
+            f"{res.baselines['symmetric'].iter_time:.2f}, "
+            f"heuristic {res.baselines['heuristic'].iter_time:.2f})"
         )
         plot_timeline(sim.events, args.gpus, args.plot, title)
     out = {
@@ -186,18 +190,18 @@ def run(args) -> int:
         full = ", ".join(f"{k} {b.iter_time:.3f}" for k, b in res.baselines.items() if b.layouts)
         used = args.gpus - len(idle)
         print(
-            f"  ranks {idle} of {args.gpus} left idle: spreading the calls over them did not lower the "
-            f"estimate{f' (plans on all {args.gpus}: {full} s/iteration)' if full else ''}; the plan records "
-            f"them as idle_ranks, so train runs it as searched on {args.gpus} ranks (or search with "
-            f"--gpus {used} for a {used}-rank job)"
+            f"  ranks {idle} of {args.gpus} left idle: spreading the calls over them did not lower "
+            f"the estimate{f' (plans on all {args.gpus}: {full} s/iteration)' if full else ''}; "
+            f"the plan records them as idle_ranks, so train runs it as searched on {args.gpus} "
+            f"ranks (or search with --gpus {used} for a {used}-rank job)"
         )
     if args.max_staleness:
         sync = res.stats["sync_iter_time"]
         print(
             "  mode: "
             + (
-                f"asynchronous, set `async: {{max_staleness: {res.staleness}}}` in the train config "
-                f"({sync:.3f} s/iteration synchronously)"
+                f"asynchronous, set `async: {{max_staleness: {res.staleness}}}` in the train "
+                f"config ({sync:.3f} s/iteration synchronously)"
                 if res.staleness
                 else "synchronous (running this plan asynchronously gains nothing)"
             )
@@ -224,8 +228,8 @@ def run(args) -> int:
         print(
             f"plan written to {args.out}"
             + (f" (idle_ranks {idle})" if idle else "")
-            + f"; train it with plan: {{path: {args.out}}} and the batch settings it was searched for: "
-            f"data.batch_size: {args.batch_size}, ppo.mini_batches: {args.ppo_minibatches}, "
+            + f"; train it with plan: {{path: {args.out}}} and the batch settings it was searched "
+            f"for: data.batch_size: {args.batch_size}, ppo.mini_batches: {args.ppo_minibatches}, "
             f"ppo.micro_batches: {args.micro_batches}, ppo.ppo_epochs: {args.ppo_epochs}"
             + (f", ppo.group_size: {args.group_size}" if args.algo in GROUPED else "")
             + (", generation.engine: vllm" if args.engine == "vllm" else "")

@@ -245,7 +245,8 @@ def _line(step: int, out: dict) -> str:
         line += (
             f" | async staleness {m.get('staleness', 0):.2g} batch_v {m['batch_version']:.0f} "
             f"queued {m['rows_queued']:.0f} dropped {m['rows_dropped']:.0f} "
-            f"gen||train {a['overlap_seconds']:.2f}s realloc hidden {a['realloc_hidden_seconds']:.2f}s"
+            f"gen||train {a['overlap_seconds']:.2f}s "
+            f"realloc hidden {a['realloc_hidden_seconds']:.2f}s"
         )
     if out.get("peak_mem_mib"):  # CUDA only: peak GPU memory of each call, max over ranks
         line += " | peak " + " ".join(f"{k} {v:.0f}MiB" for k, v in out["peak_mem_mib"].items())
@@ -338,7 +339,8 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
                 print(f"exported {', '.join(written)}", flush=True)
         if rank == 0:
             print(
-                f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; metrics in "
+                f"done: {cfg.steps - start} steps in {time.perf_counter() - t_all:.1f} s; "
+                "metrics in "
                 f"{os.path.join(cfg.out_dir, 'metrics.jsonl')}",
                 flush=True,
             )

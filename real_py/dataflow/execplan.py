@@ -61,7 +61,8 @@ class ExecutionPlan:
     idle_ranks: tuple[int, ...] = ()
     """Ranks left without a call on purpose (the search's plan used fewer ranks than the world)."""
     searched_for: BatchSettings | None = None
-    """The batch settings the search placed the calls for; None: a plan not written by the search."""
+    """The batch settings the search placed the calls for; None: a plan not written by the
+    search."""
 
     def __post_init__(self):
         if self.world_size < 1:

@@ -1,7 +1,8 @@
 """torch.compile of the decoder layers, shared by the decode step (decode.py) and the train step
 (train.py).
 
-    layer_fn, norm_fn = compiled_calls("inductor")        # for StageModel.forward(..., run=(layer_fn, norm_fn))
+    # for StageModel.forward(..., run=(layer_fn, norm_fn))
+    layer_fn, norm_fn = compiled_calls("inductor")
     calls = TrainCalls("inductor"); model(x, pos, run=calls.run)
 
 One compiled function serves every layer of every engine of the process: the layer module, its

@@ -53,7 +53,8 @@ from .compiled import backend_of, compiled_calls
 BUCKET = 64
 """A decode step attends over the first ceil((slot + 1) / BUCKET) * BUCKET cache slots."""
 MAX_STATES = 2
-"""DecodeStates (KV cache + graphs) an engine keeps between generate() calls, least recent dropped."""
+"""DecodeStates (KV cache + graphs) an engine keeps between generate() calls, least recent
+dropped."""
 
 
 class StaticKVCache(KVCache):

@@ -1,17 +1,18 @@
 """Engine: one rank's view of a model under one layout (generate, inference, train_step).
 
-    groups = ParallelGroups(layout)                    # collective over the whole world
-    engine = Engine(config, layout, groups, shard)     # shard: this rank's ModelShard
-    engine.inference(tokens, lengths)                  # {"logprobs": [B, T-1]} or {"values": [B, T]}
+    groups = ParallelGroups(layout)                  # collective over the whole world
+    engine = Engine(config, layout, groups, shard)   # shard: this rank's ModelShard
+    engine.inference(tokens, lengths)                # {"logprobs": [B, T-1]} or {"values": [B, T]}
     engine.generate(prompt_tokens, prompt_lengths, seeds, max_new_tokens=...)
     engine.train_step(loss_fn, batch, micro_batches=2)
 
 Every rank of a DP replica (all its TP and PP ranks) calls with the same DP-local batch and gets
 the same result tensors back. The engine computes on the device of its shard (`engine.device`:
 the runtime puts shards on cuda:{local_rank} on a GPU); inputs may live anywhere and results
-come back on the device of the inputs (CPU tensors in, CPU tensors out). MoE models also take the rank's ExpertShard (`experts=`) and groups built with
-ParallelGroups(layout, moe=True). The model reads the shard's flat buffer directly, so writing new
-weights into `shard.flat` (a reallocation) takes effect on the next call without a copy.
+come back on the device of the inputs (CPU tensors in, CPU tensors out). MoE models also take the
+rank's ExpertShard (`experts=`) and groups built with ParallelGroups(layout, moe=True). The model
+reads the shard's flat buffer directly, so writing new weights into `shard.flat` (a reallocation)
+takes effect on the next call without a copy.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Engine:
                 f"rank {groups.rank} is not this shard's rank {shard.rank} in layout {layout}"
             )
         tied = any(p.tied_to_head for p in spec.params)
-        # Only the first and last stage hold a copy of a tied embedding; middle stages need no group.
+        # Only the first and last stage hold a copy of a tied embedding;
+        # middle stages need no group.
         if (
             tied
             and layout.pp > 1
@@ -113,7 +115,8 @@ class Engine:
 
     @contextlib.contextmanager
     def _context(self, op: str):
-        """Re-raise collective failures (gloo timeouts, peer crashes) naming rank, layout and call."""
+        """Re-raise collective failures (gloo timeouts, peer crashes) naming rank, layout and
+        call."""
         self._calls[op] += 1
         g = self.groups
         try:

@@ -157,9 +157,9 @@ def generate(
     mask = (mask | torch.eye(P, dtype=torch.bool)).to(dev)
     left, valid, pos, lengths_dev = left.to(dev), valid.to(dev), pos.to(dev), prompt_lengths.to(dev)
     # One uniform per sequence and step from the sequence's own generator, drawn up front: rand(n)
-    # of a CPU generator is n successive rand(1) (the oracle in tests/support/models_oracle.py draws them one
-    # by one), and one host-to-device copy replaces one per step, each of which waited for the
-    # device (a pageable copy synchronizes with the stream).
+    # of a CPU generator is n successive rand(1) (the oracle in tests/support/models_oracle.py draws
+    # them one by one), and one host-to-device copy replaces one per step, each of which waited for
+    # the device (a pageable copy synchronizes with the stream).
     draws = None
     if g.is_last_stage and not greedy:
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]

@@ -79,7 +79,8 @@ class RouterLosses:
         counts = expert_token_counts(recs, c.num_experts, mask).cpu()
         self.counts = counts if self.counts is None else self.counts + counts
         term = None
-        # every rank of the layout joins the count all-reduces, whether its stage has MoE layers or not
+        # every rank of the layout joins the count all-reduces,
+        # whether its stage has MoE layers or not
         aux = load_balancing_loss(recs, c.num_experts, c.num_experts_per_tok, mask, group)
         self.aux += float(aux.detach())
         if self.aux_coef:

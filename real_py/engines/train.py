@@ -3,8 +3,8 @@
 Gradients live in one flat buffer shaped like the shard (each Parameter's .grad is a view of it;
 autograd accumulates into an existing .grad in place), so the DP all-reduce is a few large
 bucketed collectives over that buffer, launched from post-accumulate-grad hooks during the last
-micro-batch's backward so they overlap the rest of it, and AdamW runs elementwise on flat buffers (param,
-grad, exp_avg, exp_avg_sq). On CUDA that is one pass of torch's fused AdamW kernel
+micro-batch's backward so they overlap the rest of it, and AdamW runs elementwise on flat buffers
+(param, grad, exp_avg, exp_avg_sq). On CUDA that is one pass of torch's fused AdamW kernel
 (torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs) over the flat buffers, with the
 clipping factor applied inside it (its grad_scale); on CPU torch.optim.AdamW's single-tensor
 update op by op (exactly, so the CPU tests compare with it). The global gradient norm is one

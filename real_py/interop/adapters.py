@@ -6,8 +6,8 @@
     Opt-in check against known full tensors:    check_against_full
 
 Every function maps ONE rank's dict: `layout` and `rank` say which TP slice and pipeline stage
-it holds (None: full tensors, one stage). Outputs feed real_py.interop.embed.reallocate_params and come
-back from it:
+it holds (None: full tensors, one stage). Outputs feed real_py.interop.embed.reallocate_params and
+come back from it:
 
     spec = model_spec(megatron_config(ModelConfig.from_hf(path)))          # trainer side
     gen = model_spec(ModelConfig.from_hf(path))                             # generation side

@@ -6,8 +6,8 @@ buffers, and build a Layout from a torch DeviceMesh.
     new_flat = reallocate_flat(realloc, src_flat)            # flat shard buffer, or None
     layout = layout_from_device_mesh(mesh)                   # mesh dims named dp / tp / pp
 
-`local_params` holds exactly the tensors real_py.realloc.shard.ModelShard.params() would hold for this
-rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
+`local_params` holds exactly the tensors real_py.realloc.shard.ModelShard.params() would hold for
+this rank in the plan's source layout (Megatron-style: TP-sliced local shapes, fused q|k|v and
 gate|up, vocab rows padded to a multiple of tp, this pipeline stage's parameters only, a tied
 embedding copy on the last stage). The result is the same for the destination layout, as views
 into one fresh flat buffer (so it can be handed to a model without copies). In a dp-sharded
@@ -132,8 +132,8 @@ def reallocate_params(
     if it holds no destination shard. Collective: every rank of the transport's group calls it.
     check: full reference tensors by project name (e.g. the checkpoint the trainer loaded);
     before anything moves, this rank's fused (q|k|v, gate|up) and vocab tensors are compared
-    with the slices the source spec says they are (real_py.interop.adapters.check_against_full), and a
-    storage-order mismatch raises ValueError naming the tensor (reported to the other ranks, which
+    with the slices the source spec says they are (real_py.interop.adapters.check_against_full), and
+    a storage-order mismatch raises ValueError naming the tensor (reported to the other ranks, which
     then fail at once naming this rank).
     """
     _require_realloc(realloc)
@@ -304,10 +304,10 @@ def _torch_rank_order(arr: torch.Tensor, names) -> tuple[int, ...]:
         if tuple(p) in at:
             raise ValueError(
                 f"DeviceMesh {arr.tolist()} (dims {list(names)}): torch numbers the ranks of each "
-                "mesh dim by process-group rank (the dim's ranks sorted), and FSDP2 / DTensor shard "
-                f"by that number; on this mesh it puts ranks {at[tuple(p)]} and {r} both at position "
-                f"{tuple(p)}, so the mesh describes no consistent layout. Build the mesh with each "
-                "dim's ranks in ascending order (e.g. init_device_mesh)"
+                "mesh dim by process-group rank (the dim's ranks sorted), and FSDP2 / DTensor "
+                f"shard by that number; on this mesh it puts ranks {at[tuple(p)]} and {r} both at "
+                f"position {tuple(p)}, so the mesh describes no consistent layout. Build the mesh "
+                "with each dim's ranks in ascending order (e.g. init_device_mesh)"
             )
         at[tuple(p)] = r
     return tuple(at[p] for p in itertools.product(*(range(n) for n in shape)))

@@ -1,8 +1,8 @@
 """transformers checkpoints (dense families and Qwen3-MoE / Qwen2-MoE / Mixtral) <-> shard buffers.
 
-    shard = load_hf_shard(path, config, layout, rank)   # reads only this rank's slices
-    full = gather_state_dict(shard, groups)             # collective; full tensors on layout.ranks[0]
-    save_hf(out_dir, config, full, hf_config=...)       # same HF names and format
+    shard = load_hf_shard(path, config, layout, rank)  # reads only this rank's slices
+    full = gather_state_dict(shard, groups)            # collective; full tensors on layout.ranks[0]
+    save_hf(out_dir, config, full, hf_config=...)      # same HF names and format
 
 HF names map onto the fused spec names: q_proj|k_proj|v_proj -> qkv_proj (blocks along dim 0),
 gate_proj|up_proj -> gate_up_proj, the rest one to one under "model."; a value head is stored as
@@ -328,8 +328,9 @@ def _check_checkpoint_config(path) -> None:
 def hf_config_dict(
     config: ModelConfig, model_type: str | None = None, source: dict | None = None
 ) -> dict:
-    """A complete transformers config for `config` (real_py.spec.hf_config.export_config); model_type
-    (llama, mistral, qwen2) defaults to config.model_type; `source` is the original config.json."""
+    """A complete transformers config for `config` (real_py.spec.hf_config.export_config);
+    model_type (llama, mistral, qwen2) defaults to config.model_type; `source` is the original
+    config.json."""
     if model_type is not None:
         if model_type not in ARCHITECTURES:
             raise ValueError(f"model_type={model_type!r}; allowed: {sorted(ARCHITECTURES)}")

@@ -2,7 +2,8 @@
 ranks, and the launcher process holds the run directory, watches the ranks, and ends them
 together.
 
-    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes (real_py/launch/lock.py)
+    fd = lock.lock_out_dir(out_dir)     # refuses a directory another job writes
+                                        # (real_py/launch/lock.py)
     code = launch(world, out_dir, target, fork=True)
     lock.unlock()                       # after the job (the ranks hold the lock until they exit)
 
@@ -82,7 +83,8 @@ def launch(
     job = _Job(nproc, out_dir, target, fork)
     mode = "forked from this process" if fork else "each a new python"
     print(
-        f"launching {nproc} local {what} under torchrun's elastic agent ({mode}); logs in {job.logs}",
+        f"launching {nproc} local {what} under torchrun's elastic agent ({mode}); "
+        f"logs in {job.logs}",
         flush=True,
     )
     return job.run()
@@ -144,7 +146,8 @@ class _Job:
         self.hello_pipes: dict[int, _Rank] = {}
         """Read end of a rank's hello pipe ("<pid> <store port>" when it starts) -> the rank."""
         self.rank_pipe_ends: list[int] = []
-        """The ranks' ends of the pipes and the go pipe's write end: closed here once all started."""
+        """The ranks' ends of the pipes and the go pipe's write end: closed here once all
+        started."""
         self.go_fd: int | None = None
         """The go pipe's read end (forked ranks only; see _pipes)."""
         self.failure_records: dict[int, dict] = {}
@@ -321,8 +324,9 @@ class _Job:
                 self.alive_after_end.append(rk.pid)
         if self.alive_after_end:
             print(
-                f"real_py: ranks with pids {self.alive_after_end} are still alive {timeout:.0f} s after being "
-                f"killed; the lock on the run directory stays until they are gone",
+                f"real_py: ranks with pids {self.alive_after_end} are still alive "
+                f"{timeout:.0f} s after being killed; "
+                f"the lock on the run directory stays until they are gone",
                 file=sys.stderr,
                 flush=True,
             )

@@ -100,14 +100,15 @@ def _orphan_lock(out_dir: str, path: str, pid: int | None, what: str, key: tuple
     openers = [p for p in (int(d) for d in os.listdir("/proc") if d.isdigit()) if _opens(p, key)]
     if not openers:
         return (
-            f"out_dir {out_dir} is locked, but by no running job: {job}, and no process visible here "
-            f"holds {path} (another user's, or on another machine); find it with `fuser -v {path}`, or "
-            "choose another --out-dir"
+            f"out_dir {out_dir} is locked, but by no running job: {job}, and no process visible "
+            f"here holds {path} (another user's, or on another machine); find it with "
+            f"`fuser -v {path}`, or choose another --out-dir"
         )
     them = "them" if len(openers) > 1 else "it"
     return (
-        f"out_dir {out_dir} is locked by {', '.join(map(_process, openers))}, not by a running job: "
-        f"{job}; stop {them} (kill {' '.join(map(str, openers))}), or choose another --out-dir"
+        f"out_dir {out_dir} is locked by {', '.join(map(_process, openers))}, "
+        f"not by a running job: {job}; stop {them} (kill {' '.join(map(str, openers))}), "
+        "or choose another --out-dir"
     )
 
 
@@ -149,8 +150,8 @@ def lock_out_dir(out_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
                 raise ValueError(_orphan_lock(out_dir, path, pid, what, key)) from None
             if not told:
                 print(
-                    f"out_dir {out_dir}: waiting for the processes that still hold the lock of a gone job"
-                    f"{f' (pid {pid})' if pid else ''} to exit",
+                    f"out_dir {out_dir}: waiting for the processes that still hold the lock of a "
+                    f"gone job{f' (pid {pid})' if pid else ''} to exit",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -8,12 +8,13 @@ the launcher's pipes become its stdout and stderr (the launcher's other fds a fo
 closed, each only while its number still holds the launcher's file, or, a file in logs/ the agent's
 logging still writes, replaced by /dev/null; the run directory's lock stays, close-on-exec, at fd 3
 or above, and closed in any process the rank forks),
-it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a thread that waits on a pidfd of the launcher;
-a rank never writes after its launcher is gone. A forked rank runs the job only once the launcher
-has heard every rank start (the go pipe's end): no rank talks to the store while the agent still
-forks ranks from its threaded process (`_after_start`). A rank that fails writes logs/failed_rank<r>.json
-(`failure_record`: rank, where, exception, message, user code, whether the error is a
-consequence of a peer's failure) with its traceback in its log, then waits to be ended.
+it tells the launcher its pid, and it dies with the launcher: PR_SET_PDEATHSIG (SIGKILL) and a
+thread that waits on a pidfd of the launcher; a rank never writes after its launcher is gone. A
+forked rank runs the job only once the launcher has heard every rank start (the go pipe's end): no
+rank talks to the store while the agent still forks ranks from its threaded process
+(`_after_start`). A rank that fails writes logs/failed_rank<r>.json (`failure_record`: rank, where,
+exception, message, user code, whether the error is a consequence of a peer's failure) with its
+traceback in its log, then waits to be ended.
 
 Under an outside torchrun (several nodes) there is no launcher: each rank watches its parent (the
 torchrun agent) and ends when it is gone, and a failing rank writes its failure record and one
@@ -79,7 +80,8 @@ class Plumbing:
 
 
 def fd_key(fd: int) -> tuple[int, int, int]:
-    """(fd, st_dev, st_ino): an fd with the identity of the file it holds now (see close_if_same)."""
+    """(fd, st_dev, st_ino): an fd with the identity of the file it holds now (see
+    close_if_same)."""
     st = os.fstat(fd)
     return fd, st.st_dev, st.st_ino
 
@@ -381,7 +383,8 @@ _COMM = (
 )
 _SILENT = re.compile(r"peer rank (\d+)(?: \(global rank (\d+)\))? (is silent|has finished)")
 _WRAPPER = re.compile(r"^rank \d+, (step \d+|dynamic sampling)")
-"""The runtime's RuntimeError around a call's error ("rank 2, step 0, call rew_inf: ValueError: ...")."""
+"""The runtime's RuntimeError around a call's error
+("rank 2, step 0, call rew_inf: ValueError: ...")."""
 
 
 def failure_record(e: BaseException, rank: int) -> dict:

@@ -1,7 +1,7 @@
 """The end of a launched job in one line: its root cause among the ranks' failure records and
 ends, and what the watcher says about a rank while the job runs.
 
-    code = report(job)          # 0, or prints "train failed: ..." / "interrupted (...)" and 1 / 128+n
+    code = report(job)  # 0, or prints "train failed: ..." / "interrupted (...)" and 1 / 128+n
 
 The root cause is, in this order: an error raised by the job's own code (a failure record that is
 no consequence of a peer's failure), a rank that died (the first; not one that torchrun's agent
@@ -31,8 +31,8 @@ def report(job) -> int:
         name = signal.Signals(job.ended_by_signal).name
         where = doing(job.ranks[0].heartbeat or {}, user=False)
         print(
-            f"interrupted ({name}): ended the job's {job.num_ranks} ranks (rank 0 was at {where}); logs in "
-            f"{job.logs}",
+            f"interrupted ({name}): ended the job's {job.num_ranks} ranks "
+            f"(rank 0 was at {where}); logs in {job.logs}",
             file=sys.stderr,
             flush=True,
         )

@@ -1,4 +1,5 @@
-"""Parallel layouts (dp, tp, pp over an explicit list of global ranks) and shard flat-buffer layouts.
+"""Parallel layouts (dp, tp, pp over an explicit list of global ranks) and shard flat-buffer
+layouts.
 
   grid.py      `Layout`: the axes, ranks and their order, pipeline partition rule, dp sharding;
                rank <-> coordinates

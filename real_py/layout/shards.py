@@ -32,7 +32,8 @@ class ShardEntry:
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """Flat-buffer layout of one (pp stage, tp rank) shard; identical for every tp rank of a stage."""
+    """Flat-buffer layout of one (pp stage, tp rank) shard; identical for every tp rank of a
+    stage."""
 
     entries: tuple[ShardEntry, ...]
     numel: int

@@ -3,7 +3,8 @@ every expert to the rows of its whole etp group (Megatron-core's etp all-gather 
 around the expert all-to-all).
 
     rows, sizes = gather_etp_rows(x, group)     # every etp rank's rows, in group-rank order
-    y = reduce_scatter_etp_rows(partial, sizes, group)   # sum of the pieces' partial outputs, own rows
+    y = reduce_scatter_etp_rows(partial, sizes, group)   # sum of the pieces' partial outputs,
+                                                         # own rows
 
 An expert's output is a sum over its intermediate dim, so the pieces' partial outputs add up to it:
 each etp rank computes its partial for all gathered rows and the sums come back to the rows'

@@ -1,4 +1,5 @@
-"""The mixture-of-experts block of Qwen3-MoE, Qwen2-MoE and Mixtral, with dropless expert parallelism.
+"""The mixture-of-experts block of Qwen3-MoE, Qwen2-MoE and Mixtral, with dropless expert
+parallelism.
 
     block = MoEBlock(config, dense_params, expert_params, "layers.3.mlp.", tp_group, ep)
     y = block(x)                          # x, y [B, T, H]; block.router: this forward's routing
@@ -56,7 +57,8 @@ class EPInfo:
     group: object = None
     group_ep: tuple[int, ...] = (0,)
     etp_group: object = None
-    """etp > 1: the ranks holding the other pieces of this rank's experts (same expert-dp, ep, stage)."""
+    """etp > 1: the ranks holding the other pieces of this rank's experts
+    (same expert-dp, ep, stage)."""
 
 
 @dataclass
@@ -272,8 +274,8 @@ def router_z_loss(
 def expert_token_counts(
     records: list[RouterRecord], num_experts: int, token_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """[moe layers, E] int64: (token, slot) routings to each expert in this rank's rows (for logging;
-    sum over the ranks of a batch for its totals)."""
+    """[moe layers, E] int64: (token, slot) routings to each expert in this rank's rows (for
+    logging; sum over the ranks of a batch for its totals)."""
     rows = []
     for rec in records:
         keep = _token_weights(rec, token_mask) > 0

@@ -5,8 +5,8 @@
     keep = window_mask(q_slots, k_slots, window)            # bool [Tq, Tk], True = attend
 
 The frequency formulas reproduce transformers 4.57.6 `modeling_rope_utils` (default, linear,
-dynamic, yarn, llama3, longrope) operation for operation, so the fp32 results are bit-identical to the
-oracle's `inv_freq` and `attention_scaling` (yarn multiplies cos and sin by it). Dynamic NTK
+dynamic, yarn, llama3, longrope) operation for operation, so the fp32 results are bit-identical to
+the oracle's `inv_freq` and `attention_scaling` (yarn multiplies cos and sin by it). Dynamic NTK
 recomputes the frequencies from the forward's sequence length, seq_len = max(positions) + 1,
 whenever it exceeds max_position_embeddings. transformers does the same, but statefully (a grown
 inv_freq persists until a call shorter than max_position_embeddings resets it); here every

@@ -156,7 +156,8 @@ def _rows_of(n: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def _all_gather_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
-    """The group ranks' row blocks (rank order, each at most ceil(n / size) rows) as one [n, ...]."""
+    """The group ranks' row blocks (rank order, each at most ceil(n / size) rows) as one
+    [n, ...]."""
     size = dist.get_world_size(group)
     c = -(-n // size)
     pad = x.new_zeros((c,) + tuple(x.shape[1:]))

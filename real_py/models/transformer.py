@@ -183,7 +183,8 @@ class Attention(nn.Module):
 def _softcapped_attention(q, k, v, mask, scale, cap):
     """transformers' eager attention with Gemma 2's logit soft-capping: scores * scale, then
     cap * tanh(scores / cap), masked, softmax in fp32, back to q's dtype. q [B, n, T, hd],
-    k/v [B, n, T_kv, hd]; mask None (causal, queries at the last T slots) or bool (True = attend)."""
+    k/v [B, n, T_kv, hd]; mask None (causal, queries at the last T slots) or bool
+    (True = attend)."""
     T, Tk = q.shape[2], k.shape[2]
     scores = torch.matmul(q, k.transpose(2, 3)) * (
         scale if scale is not None else q.shape[-1] ** -0.5

@@ -9,7 +9,8 @@ autograd Function:
   forward   per chunk and token, on this rank's vocab slice: the max m, A = sum exp(z - m),
             B = sum exp(z - m) (z - m) (entropy only) and the target's z; then two small
             all-reduces over TP (the max, then the rescaled sums and the target logit) give the
-            global lse = M + log A_g, log p(target) = z_t - lse and the entropy H = log A_g - B_g / A_g
+            global lse = M + log A_g, log p(target) = z_t - lse and the entropy
+            H = log A_g - B_g / A_g
   backward  per chunk, recomputed from the saved logits (the model dtype) and the per-token lse
             and H: d/dz_i = g_lp (1[i = t] - p_i) - g_H p_i (z_i - lse + H), with global lse and H,
             so no collective is needed (every TP rank holds the same upstream gradients)

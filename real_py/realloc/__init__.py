@@ -1,7 +1,8 @@
 """The reallocation path: plan -> schedule -> copy plans (one pass, or pack rows -> transport ->
 unpack rows per round), on shard buffers.
 
-  shard.py        ModelShard: one rank's flat buffer with named views; ExpertShard (MoE experts); tp_slice, gather_full
+  shard.py        ModelShard: one rank's flat buffer with named views; ExpertShard (MoE experts);
+                  tp_slice, gather_full
   plan.py         plan_realloc -> ReallocPlan (the C++ planner's exact transfer plan)
   moe_plan.py     plan_moe_realloc -> MoePlan: MoE layouts (ep, etp) as a dense part + expert parts
   rank_schedule.py one rank's rounds of the bucket schedule (chunks in rounds of bounded size, the
@@ -10,7 +11,8 @@ unpack rows per round), on shard buffers.
   executor.py     Executor: one rank's move of a ReallocPlan or MoePlan, one lane per part;
                   run_in_process for all ranks at once
   reallocator.py  Reallocator: the executor for a ReallocPlan, run(src, dst)
-  moe_exec.py     MoeReallocator: the executor for a MoePlan, run(src, src_experts, dst, dst_experts)
+  moe_exec.py     MoeReallocator: the executor for a MoePlan,
+                  run(src, src_experts, dst, dst_experts)
   expert_readdress.py expert parts' descriptors moved into the ExpertShard buffers
   direct.py       one pass (addressable transports): one compiled copy per rank and move
   rounds.py       the round loop (pack rows, transport, unpack rows, verify) over lanes

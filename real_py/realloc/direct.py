@@ -66,7 +66,9 @@ def schedule_readers(schedule: RankSchedule) -> set[int]:
 def plan_tag(plan) -> str:
     """Names a plan's moves alike on every rank (the transports number the moves of a tag)."""
     mode = getattr(plan, "mode", "moe")  # a MoePlan has parts, not one mode
-    return f"{plan.model.name}:{plan.src}{list(plan.src.ranks)}->{plan.dst}{list(plan.dst.ranks)}:{mode}"
+    src = f"{plan.src}{list(plan.src.ranks)}"
+    dst = f"{plan.dst}{list(plan.dst.ranks)}"
+    return f"{plan.model.name}:{src}->{dst}:{mode}"
 
 
 class DirectRunner:

@@ -39,7 +39,8 @@ class InProcessMove:
         self.reallocs = {r: Executor(plan, hub.transport(r), **knobs) for r in self.ranks}
         if not threads and not all(x.one_pass for x in self.reallocs.values()):
             raise ValueError(
-                "InProcessMove(threads=False) runs one-pass moves only (no verify, no one_pass=False)"
+                "InProcessMove(threads=False) runs one-pass moves only "
+                "(no verify, no one_pass=False)"
             )
         self._jobs: dict[int, queue.SimpleQueue] = {}
         self._workers: list[threading.Thread] = []

@@ -32,8 +32,9 @@ pieces, one expert after the other; `expert_views`), so choosing a form per side
 
 Execution (executor.Executor; moe_exec.MoeReallocator): the parts run as one schedule, merged
 round r = round r of each part (rotated by round_shift), each part with rounds of
-part_round_elems, so a merged round holds at most one round's budget per rank and direction. MoePlan.transfers() is that schedule for
-the cluster simulator; sequential_transfers() the parts one after the other (the comparison).
+part_round_elems, so a merged round holds at most one round's budget per rank and direction.
+MoePlan.transfers() is that schedule for the cluster simulator; sequential_transfers() the parts one
+after the other (the comparison).
 """
 
 from __future__ import annotations

@@ -256,12 +256,16 @@ class ReallocPlan:
                 lines.append(f"  ... {len(s['per_rank']) - max_ranks} more ranks")
                 break
             lines.append(
-                f"  {r:4d}  {v['send'] / gib:10.3f} {v['recv'] / gib:10.3f} {v['local'] / gib:10.3f}"
+                f"  {r:4d}  {v['send'] / gib:10.3f} {v['recv'] / gib:10.3f} "
+                f"{v['local'] / gib:10.3f}"
             )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"ReallocPlan({self.model.name}, {self.src} -> {self.dst}, {self.mode}, {self.num_messages} msgs)"
+        return (
+            f"ReallocPlan({self.model.name}, {self.src} -> {self.dst}, {self.mode}, "
+            f"{self.num_messages} msgs)"
+        )
 
 
 def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:

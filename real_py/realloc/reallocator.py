@@ -49,7 +49,8 @@ class Reallocator(Executor):
             )
         super().__init__(plan, transport, options=options, **knobs)
         self.schedule: RankSchedule = self.schedules[0]
-        """This rank's rounds only (C++; tests/support/schedule_oracle.py derives every rank's at once)."""
+        """This rank's rounds only (C++; tests/support/schedule_oracle.py derives every rank's at
+        once)."""
         self.rounds = self.schedule.rounds
 
     @property

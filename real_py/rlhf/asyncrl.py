@@ -1,7 +1,8 @@
 """Asynchronous RL state: the bounded queue of generated batches, weight versions, row ledger,
 and the per-version check of behaviour log-probs (async.check_versions).
 
-Execution (runtime.Runtime.iteration in async mode), with k = async.max_staleness >= 1 and s the step:
+Execution (runtime.Runtime.iteration in async mode), with k = async.max_staleness >= 1 and s
+the step:
 
     version of the actor weights = train steps applied so far = s at the start of step s
     rollout calls of batch s + k   (weights of version s, reallocated train -> gen layout)
@@ -15,8 +16,9 @@ metrics all-reduce). A batch's rows enter the queue when their pushes completed;
 at most k batches, so a batch is trained exactly once, at most k versions after the weights that
 generated it. The first step fills the queue synchronously with the current weights (prologue);
 a checkpoint saves every rank's queued rows, versions and ledger, so a resume continues with the
-same queue (a checkpoint without them refills it by a prologue). Rows over the bound (none by construction; the rule guards a plan change or
-a resume) are masked out of the loss and counted as dropped.
+same queue (a checkpoint without them refills it by a prologue). Rows over the bound (none by
+construction; the rule guards a plan change or a resume) are masked out of the loss and counted as
+dropped.
 
 With async.overlap_realloc, `Prefetch` double-buffers the actor's weights: the next version
 moves to the generation layout in a receive thread while this step generates (async.interrupt:

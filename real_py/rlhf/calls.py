@@ -204,7 +204,8 @@ def kl_estimator(pc: PPOConfig, algo: str) -> str:
 
 
 def _shape(rc: RewardConfig, max_len: int, moments, scores, resp_len, trunc):
-    """ppo.shape_scores with the config's reward options (moments: None without reward.normalize)."""
+    """ppo.shape_scores with the config's reward options (moments: None without
+    reward.normalize)."""
     return ppo.shape_scores(
         scores,
         resp_len,

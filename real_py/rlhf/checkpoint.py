@@ -2,7 +2,8 @@
 
     <out_dir>/step_<k>/meta.json      algo, model configs, execution plan, step, and the sha256
                                       and size of every rank file (rank 0)
-    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps", "master"}},
+    <out_dir>/step_<k>/rank<r>.pt     {model: {"flat", "exp_avg", "exp_avg_sq", "num_steps",
+                                               "master"}},
                                       step, torch RNG state (every rank that holds a trained shard)
     <out_dir>/latest                  name of the newest complete step directory
 
@@ -42,7 +43,8 @@ from ..engines.train import Trainer
 
 
 def _meta(cfg) -> dict:
-    # Through JSON so tuples (rope_scaling, window_layers) compare equal to what meta.json reads back.
+    # Through JSON so tuples (rope_scaling, window_layers) compare equal to what meta.json reads
+    # back.
     models = json.loads(
         json.dumps({m: dataclasses.asdict(c) for m, c in cfg.model_configs().items()})
     )
@@ -69,7 +71,8 @@ def _meta(cfg) -> dict:
 
 
 def _write_atomic(directory: str, name: str, data: bytes) -> None:
-    """Write `data` to directory/name via a new temporary file and os.replace (no fixed temp name)."""
+    """Write `data` to directory/name via a new temporary file and os.replace (no fixed temp
+    name)."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes 0600; checkpoints are read by other tools too
@@ -215,11 +218,13 @@ def find(resume: str, out_dir: str) -> str:
     why = (
         "does not exist"
         if not os.path.exists(resume)
-        else "has no meta.json (not a complete checkpoint step) and no latest marker (not a run directory)"
+        else "has no meta.json (not a complete checkpoint step) and no latest marker "
+        "(not a run directory)"
     )
     raise ValueError(
         f"--resume {resume}: no checkpoint: {why}; give a step directory such as "
-        f"{os.path.join(out_dir, 'step_3')}, or --resume alone for {os.path.join(out_dir, 'latest')}"
+        f"{os.path.join(out_dir, 'step_3')}, or --resume alone for "
+        f"{os.path.join(out_dir, 'latest')}"
     )
 
 
@@ -310,7 +315,8 @@ def _load_safe(file: str, data: bytes | None = None, mmap: bool = False) -> dict
         )
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        # torch's text advises weights_only=False, which would run the file's code: name the cause only.
+        # torch's text advises weights_only=False, which would run the file's code:
+        # name the cause only.
         why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0])
         raise ValueError(
             f"checkpoint file {file} refused: it holds more than tensors and plain values "
@@ -355,7 +361,8 @@ def check(cfg, path: str, *, verify_files: bool = True) -> int:
     diffs = [d for k in keys for d in _diff(meta.get(k), mine[k], k)]
     if diffs:
         more = (
-            f" (and {len(diffs) - 3} more: {', '.join(d[0] for d in diffs[3:8])}{', ...' if len(diffs) > 8 else ''})"
+            f" (and {len(diffs) - 3} more: {', '.join(d[0] for d in diffs[3:8])}"
+            f"{', ...' if len(diffs) > 8 else ''})"
             if len(diffs) > 3
             else ""
         )
@@ -365,8 +372,8 @@ def check(cfg, path: str, *, verify_files: bool = True) -> int:
         )
         raise ValueError(
             f"checkpoint {path} was made with another config: {shown}{more}; resume with the "
-            "config that made it (same models, plan, algo, seed, reward kind and async), or start a "
-            "new run (--out-dir DIR, without --resume)"
+            "config that made it (same models, plan, algo, seed, reward kind and async), or start "
+            "a new run (--out-dir DIR, without --resume)"
         )
     for name in meta["files"] if verify_files else ():
         _read_verified(path, name, meta)

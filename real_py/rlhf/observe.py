@@ -2,7 +2,8 @@
 optional W&B run, summary.json.
 
     <out_dir>/metrics.jsonl                one JSON record per step (rank 0)
-    <out_dir>/events.out.tfevents.*        the same scalars for TensorBoard (`tensorboard --logdir <out_dir>`)
+    <out_dir>/events.out.tfevents.*        the same scalars for TensorBoard
+                                           (`tensorboard --logdir <out_dir>`)
     <out_dir>/summary.json                 end-of-run summary (`summarize`), also printed
 
 W&B is used only when the config has `wandb: {project: ..., ...}` (passed to `wandb.init`); the
@@ -408,8 +409,10 @@ def summarize(recs: list[dict]) -> dict:
 def format_summary(s: dict) -> str:
     return (
         f"summary (steps {s['steps'][0]}-{s['steps'][1]}, window {s['window']}): reward "
-        f"{s['reward_first']:.4g} -> {s['reward_last']:.4g}, kl {s['kl_first']:.4g} -> {s['kl_last']:.4g}, "
-        f"{s['seconds_per_step']:.3f} s/step ({s['seconds_per_step_after_first']:.3f} after the first), "
+        f"{s['reward_first']:.4g} -> {s['reward_last']:.4g}, "
+        f"kl {s['kl_first']:.4g} -> {s['kl_last']:.4g}, "
+        f"{s['seconds_per_step']:.3f} s/step "
+        f"({s['seconds_per_step_after_first']:.3f} after the first), "
         f"reallocation {100 * s['realloc_share']:.1f}% of the step"
     )
 

@@ -14,7 +14,8 @@ import torch
 
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor, T: int) -> torch.Tensor:
-    """prompt_lengths, lengths [B] int64 -> [B, T-1] float32, 1 on predictions of response tokens."""
+    """prompt_lengths, lengths [B] int64 -> [B, T-1] float32, 1 on predictions of response
+    tokens."""
     pos = torch.arange(1, T, device=lengths.device).unsqueeze(0)
     return ((pos >= prompt_lengths.unsqueeze(1)) & (pos < lengths.unsqueeze(1))).float()
 
@@ -233,10 +234,10 @@ def aggregate(
     mini-batch (summed over DP ranks and micro-batches), so the shares of all parts add up to the
     loss of the whole, whatever the DP / micro-batch split (gradients are summed over both):
 
-        token-mean               sum_{i,t} l_it / n_tok                    (DAPO eq. 8; PPO here)
-        seq-mean-token-mean      sum_i (sum_t l_it / |y_i|) / n_seq        (GRPO paper eq. 3)
+        token-mean               sum_{i,t} l_it / n_tok                   (DAPO eq. 8; PPO here)
+        seq-mean-token-mean      sum_i (sum_t l_it / |y_i|) / n_seq       (GRPO paper eq. 3)
         seq-mean-token-sum       sum_{i,t} l_it / n_seq
-        seq-mean-token-sum-norm  sum_{i,t} l_it / (n_seq * max_len)        (Dr.GRPO, Liu et al. 2025:
+        seq-mean-token-sum-norm  sum_{i,t} l_it / (n_seq * max_len)       (Dr.GRPO, Liu et al. 2025:
                                  a constant normaliser, max_len = generation.max_new_tokens)
 
     An empty response contributes 0 and counts as a row (n_seq counts every row)."""
@@ -292,9 +293,11 @@ def group_advantages(
 ) -> torch.Tensor:
     """Outcome advantages of groups of group_size contiguous rows, scores [B] -> [B]:
 
-        GRPO (Shao et al. 2024, eq. 3 outcome supervision):  (s_i - mean_g) / (std_g + eps), std unbiased
+        GRPO (Shao et al. 2024, eq. 3 outcome supervision):  (s_i - mean_g) / (std_g + eps),
+                                                             std unbiased
         Dr.GRPO (Liu et al. 2025, norm_by_std=False):        s_i - mean_g
-        RLOO (Ahmadian et al. 2024, leave_one_out=True):      s_i - mean_{j != i} s_j = G / (G - 1) (s_i - mean_g)
+        RLOO (Ahmadian et al. 2024, leave_one_out=True):     s_i - mean_{j != i} s_j
+                                                             = G / (G - 1) (s_i - mean_g)
 
     Exactly 0 on the rows flagged by skip (default: zero_variance_groups(scores), which includes
     every group of one: no baseline); the mean of equal float32 scores can differ from them by an
@@ -451,8 +454,9 @@ def lr_at(
 ) -> float:
     """Learning rate of optimizer step k (0-based) of `total`: linear warmup base * (k + 1) / warmup
     over the first `warmup` steps, then with p = (k - warmup) / max(total - warmup, 1) in [0, 1]:
-    constant base, linear base * (m + (1 - m)(1 - p)) or cosine base * (m + (1 - m)(1 + cos(pi p)) / 2),
-    m = min_ratio (the schedules of HF transformers' get_scheduler, with a floor)."""
+    constant base, linear base * (m + (1 - m)(1 - p)) or cosine
+    base * (m + (1 - m)(1 + cos(pi p)) / 2), m = min_ratio (the schedules of HF transformers'
+    get_scheduler, with a floor)."""
     import math
 
     if decay not in LR_DECAYS:

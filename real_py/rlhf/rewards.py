@@ -1,6 +1,7 @@
 """Reward functions written by the user, and the samples file of a run.
 
-    reward: {kind: function, path: "reward.py:copy_last"}   # beside the config file; or "pkg.module:fn"
+    reward: {kind: function, path: "reward.py:copy_last"}   # beside the config file;
+                                                            # or "pkg.module:fn"
 
     fn(prompts: list[str], responses: list[str], **row) -> list[float]
 
@@ -134,7 +135,8 @@ def check_signature(fr: FunctionReward, fields: list[str], where: str) -> None:
     if missing:
         have = f"the fields {sorted(fields)}" if fields else "no fields besides the prompt"
         raise ValueError(
-            f"reward function {fr.spec}: the data has no field {', '.join(repr(m) for m in missing)} "
+            f"reward function {fr.spec}: the data has no field "
+            f"{', '.join(repr(m) for m in missing)} "
             f"(a parameter of the function without a default; the data, {where}, has {have}); "
             "add the field to every row, give "
             f"the parameter a default (e.g. {missing[0]}=None), or rename it to a field"

@@ -45,10 +45,10 @@ from .rows import Pusher, Store, dp_rows, key_schema, push_plan
 
 
 def adaptive_kl(coef: float, kl: float | None, pc: PPOConfig, batch_size: int) -> float:
-    """The adaptive KL controller of Ziegler et al. 2019 (sec. 2.2): beta <- beta * (1 + K_beta * e),
-    e = clip(KL / target - 1, -0.2, 0.2), K_beta = n / horizon with n the samples of the step.
-    Unchanged without ppo.kl_target or a KL measurement. Every rank sees the same all-reduced KL,
-    so the coefficient stays identical everywhere."""
+    """The adaptive KL controller of Ziegler et al. 2019 (sec. 2.2):
+    beta <- beta * (1 + K_beta * e), e = clip(KL / target - 1, -0.2, 0.2), K_beta = n / horizon
+    with n the samples of the step. Unchanged without ppo.kl_target or a KL measurement. Every rank
+    sees the same all-reduced KL, so the coefficient stays identical everywhere."""
     if pc.kl_target is None or kl is None or math.isnan(kl):
         return coef
     e = min(max(kl / pc.kl_target - 1.0, -0.2), 0.2)
@@ -56,7 +56,8 @@ def adaptive_kl(coef: float, kl: float | None, pc: PPOConfig, batch_size: int) -
 
 
 def _context_field(name: str) -> property:
-    """A Runtime attribute held in its CallContext (checkpoint.save / load and the driver use these)."""
+    """A Runtime attribute held in its CallContext (checkpoint.save / load and the driver use
+    these)."""
     return property(
         lambda self: getattr(self.ctx, name), lambda self, v: setattr(self.ctx, name, v)
     )
@@ -141,7 +142,8 @@ class Runtime:
         self.order = list(enumerate(graph.order))
         self.rollout = [(i, n) for i, n in self.order if not graph.calls[n].trains]
         self.train = [(i, n) for i, n in self.order if graph.calls[n].trains]
-        # Async mode (async.max_staleness >= 1): queue, versions, ledger, double buffer (asyncrl.py).
+        # Async mode (async.max_staleness >= 1): queue, versions, ledger, double buffer
+        # (asyncrl.py).
         astate = (
             AsyncState(ac.max_staleness, self.B, ac.check_versions) if ac.max_staleness else None
         )

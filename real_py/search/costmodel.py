@@ -22,10 +22,10 @@ Each formula is a sum of roofline terms (time = work / achieved rate):
   overhead   fixed seconds per layer and per pass of one micro-batch (host-side op dispatch);
              measured for the `cpu` profile, zero for GPUs (launches overlap device work).
   sharing    ranks sharing cores (`cpu` profile): processor terms x busy ranks / cores, message
-             waits x HardwareProfile.lat_slowdown (see calibrate/measure.py); an inference call without
-             collectives (dp only) counts one busy rank (its ranks run their shares apart);
-             dp > 1 replicas of a pipeline on more ranks than cores: + pipe_wait_lat per
-             message between stages (their stages hand over out of step).
+             waits x HardwareProfile.lat_slowdown (see calibrate/measure.py); an inference call
+             without collectives (dp only) counts one busy rank (its ranks run their shares apart);
+             dp > 1 replicas of a pipeline on more ranks than cores: + pipe_wait_lat per message
+             between stages (their stages hand over out of step).
              Calls on disjoint ranks share the cores too: the simulators stretch a call by the
              working ranks of the calls it overlaps (simulate.py).
 The collective's bandwidth is intra-node when the group's ranks share a node, else inter-node.
@@ -98,7 +98,8 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
-    """A contiguous block of global ranks: an aligned power-of-two block inside one node, or whole nodes."""
+    """A contiguous block of global ranks: an aligned power-of-two block inside one node, or whole
+    nodes."""
 
     start: int
     size: int

@@ -85,8 +85,8 @@ class HardwareProfile:
     each replica's stages hand over at their own times, so a woken stage often finds its core
     taken by another replica's working stage, although no more ranks work at once than there
     are cores. A wait per hand-over, not a stretch of the stages' work: a pass with more work
-    between hand-overs loses a smaller share. The `cpu` profile measures it (calibrate/measure.py: pp=2
-    engines on every pair of ranks at once, as many working stages as cores, against phase A's
+    between hand-overs loses a smaller share. The `cpu` profile measures it (calibrate/measure.py:
+    pp=2 engines on every pair of ranks at once, as many working stages as cores, against phase A's
     pairs, half as many); 0: each device is its own processor (the GPU profiles)."""
     shared_cores: int = 0
     """CPU runtime: the ranks share this many cores, so a call on n > shared_cores ranks runs

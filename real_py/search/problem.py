@@ -5,9 +5,9 @@ indexes: per call a [num_options, 9] float64 array (start, size, dp, tp, pp, sec
 persistent bytes, transient bytes, weight-copy bytes), the graph (deps, bytes per edge, which
 layout holds each trainable model's weights) and a reallocation-cost callback (exact planner,
 cached). Every memory-feasible strategy of each (call, mesh) is a candidate unless `per_mesh`
-prunes them to that many fastest; layouts
-given in `extra` are always kept (memory permitting or not: the plan-level check decides),
-meshes smaller than `min_mesh_size` are skipped, and `fixed` replaces the candidates by exactly one layout per call.
+prunes them to that many fastest; layouts given in `extra` are always kept (memory permitting or
+not: the plan-level check decides), meshes smaller than `min_mesh_size` are skipped, and `fixed`
+replaces the candidates by exactly one layout per call.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Option:
         return Layout(dp=self.dp, tp=self.tp, pp=self.pp, ranks=self.mesh.ranks)
 
     def __str__(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}@[{self.mesh.start},{self.mesh.start + self.mesh.size})"
+        start, end = self.mesh.start, self.mesh.start + self.mesh.size
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}@[{start},{end})"
 
 
 class Problem:
@@ -89,7 +90,8 @@ class Problem:
         """The call that generates on vLLM (generation.engine: vllm), else None: its candidates are
         the layouts vLLM can run (dataflow.rules.vllm_layout_errors); its cost is the built-in
         engine's (no vLLM cost model)."""
-        """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole groups)."""
+        """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole
+        groups)."""
         self.names = [c.name for c in self.calls]
         self.rpn = min(hw.ranks_per_node, num_gpus)
         self.realloc_cost = realloc or ReallocCost(hw)
@@ -208,10 +210,10 @@ class Problem:
         if not out:
             need, o = smallest if smallest else (float("inf"), None)
             raise ValueError(
-                f"no layout of call {call.name} ({model.name}, {call.kind}) fits {self.hw.name} memory "
-                f"({limit / GiB:.1f} GiB usable per device) on {self.num_gpus} devices: the smallest "
-                f"per-device need is {need / GiB:.1f} GiB ({o}); use more devices or a larger-memory profile; "
-                f"per mesh size: "
+                f"no layout of call {call.name} ({model.name}, {call.kind}) fits {self.hw.name} "
+                f"memory ({limit / GiB:.1f} GiB usable per device) on {self.num_gpus} devices: "
+                f"the smallest per-device need is {need / GiB:.1f} GiB ({o}); use more devices "
+                "or a larger-memory profile; per mesh size: "
                 + "; ".join(
                     f"{k} devices: "
                     + (

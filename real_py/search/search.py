@@ -200,10 +200,10 @@ def plan_search(
     )
     if not math.isfinite(res["best_cost"]):
         raise ValueError(
-            f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on {num_gpus} "
-            f"{hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the smallest per-device memory "
-            f"need of a plan spreading every call over all devices is {sym.peak_mem / GiB:.1f} GiB; "
-            + _excluded_text(prob)
+            f"no feasible plan for {models.actor.name} actor + {models.critic.name} critic on "
+            f"{num_gpus} {hw.name} devices ({hw.mem_limit / GiB:.1f} GiB usable each): the "
+            f"smallest per-device memory need of a plan spreading every call over all devices is "
+            f"{sym.peak_mem / GiB:.1f} GiB; " + _excluded_text(prob)
         )
     chains_out = res["chains"]
     for st in chains_out:

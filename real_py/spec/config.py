@@ -71,7 +71,8 @@ class ModelConfig:
     ranks (TPRule.replicate_units on qkv_proj; tp must then be a multiple of nkv). Storage only:
     blocked qkv_layout."""
     model_type: str = "llama"
-    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2" or "gemma3_text"."""
+    """HF model_type it came from and exports to: "llama", "mistral", "qwen2", "qwen3", "olmo2",
+    "phi3", "gemma2" or "gemma3_text"."""
     rope_scaling: dict | tuple | None = None
     """HF rope_scaling as sorted (key, value) pairs (a dict is accepted and frozen); rope_type one
     of "linear", "dynamic", "yarn", "llama3" (transformers' formulas); None: plain RoPE."""
@@ -80,7 +81,8 @@ class ModelConfig:
     window_layers: tuple[int, ...] | None = None
     """Layers that use the sliding window; None: every layer (Mistral). Qwen2: its layer_types."""
     o_proj_bias: bool = False
-    """Bias on o_proj ([H], replicated; added after the TP all-reduce): LLaMA / Qwen3 attention_bias."""
+    """Bias on o_proj ([H], replicated; added after the TP all-reduce): LLaMA / Qwen3
+    attention_bias."""
     mlp_bias: bool = False
     """LLaMA mlp_bias: biases on gate|up (split like the weight) and down_proj ([H], replicated)."""
     hidden_act: str = "silu"
@@ -127,13 +129,16 @@ class ModelConfig:
     """Gemma 2/3: lm logits become cap * tanh(logits / cap); 0: off. A value head is never capped
     (transformers' Gemma2/Gemma3Text ForSequenceClassification apply score.weight uncapped)."""
     query_pre_attn_scalar: float = 0.0
-    """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; 0: head_dim."""
+    """Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5;
+    0: head_dim."""
     original_max_position_embeddings: int = 0
-    """longrope only: the pre-training length (transformers reads the top-level config field, Phi-3's
-    default 4096); it sets factor = max_position_embeddings / it and the short/long switch. 0: unset."""
+    """longrope only: the pre-training length (transformers reads the top-level config field,
+    Phi-3's default 4096); it sets factor = max_position_embeddings / it and the short/long switch.
+    0: unset."""
     rope_local_base_freq: float = 0.0
     """Gemma 3: the sliding-window layers (window_layers) use plain RoPE with this base; rope_theta
-    and rope_scaling apply to the global layers only. 0: every layer uses rope_theta/rope_scaling."""
+    and rope_scaling apply to the global layers only. 0: every layer uses
+    rope_theta/rope_scaling."""
     pad_token_id: int | None = None
     """The embedding row whose lookups get no gradient (transformers' nn.Embedding(padding_idx):
     the row still embeds, but training leaves it to the tied head, if any); negative counts from
@@ -454,7 +459,8 @@ def _check_longrope(c: ModelConfig, rs: dict) -> None:
             or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)
         ):
             raise ValueError(
-                f"rope_scaling (longrope) {k} must be {c.head_dim // 2} numbers (head_dim / 2), got {v!r}"
+                f"rope_scaling (longrope) {k} must be {c.head_dim // 2} numbers (head_dim / 2), "
+                f"got {v!r}"
             )
     if not c.original_max_position_embeddings and not isinstance(rs.get("factor"), (int, float)):
         raise ValueError(
@@ -506,7 +512,8 @@ PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=126,
         rope_theta=500000.0,
     ),
-    # Mixture of experts (shapes for planning and simulation; the MoE forward is not in real_py yet).
+    # Mixture of experts (shapes for planning and simulation; the MoE forward is not in real_py
+    # yet).
     "moe-tiny": ModelConfig(
         hidden_size=32,
         intermediate_size=64,

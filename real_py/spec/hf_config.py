@@ -1,31 +1,57 @@
 """HF config.json <-> ModelConfig: the supported architectures and fields, refusals, export.
 
-    kwargs = config_kwargs(hf_dict, where)    # ModelConfig fields; ValueError on anything unsupported
-    d = export_config(config)                 # a complete transformers config dict for `config`
+    kwargs = config_kwargs(hf_dict, where)  # ModelConfig fields; ValueError on anything unsupported
+    d = export_config(config)               # a complete transformers config dict for `config`
 
 Supported (each covered by a transformers parity test, tests/test_models_hf_coverage.py):
 
-| model_type | architectures | fields beyond the shape |
-|---|---|---|
-| llama   | LlamaForCausalLM, LlamaForSequenceClassification     | head_dim, rope_scaling, tie_word_embeddings, attention_bias (q/k/v/o), mlp_bias, hidden_act |
-| mistral | MistralForCausalLM, MistralForSequenceClassification | head_dim, rope_scaling, sliding_window (all layers) |
-| qwen2   | Qwen2ForCausalLM, Qwen2ForSequenceClassification     | q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or layer_types), tied |
-| olmo2   | Olmo2ForCausalLM                                     | norms after attention / MLP, whole-projection q/k norms, attention_bias, rope_scaling, tied |
-| phi3    | Phi3ForCausalLM, Phi3ForSequenceClassification       | fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), longrope, tied |
-| qwen3   | Qwen3ForCausalLM, Qwen3ForSequenceClassification     | per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding window as qwen2, tied |
-| gemma3_text | Gemma3ForCausalLM, Gemma3TextForSequenceClassification | as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers, rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 (also its Gemma3ForSequenceClassification) refused |
-| gemma2  | Gemma2ForCausalLM, Gemma2ForSequenceClassification   | (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation, attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows, attention_bias, rope_scaling, tied |
-| qwen3_moe | Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification | as qwen3 (no sliding window) plus routed experts: num_experts (transformers >= 5: num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers, router_aux_loss_coef |
-| qwen2_moe | Qwen2MoeForCausalLM, Qwen2MoeForSequenceClassification | qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared expert with its sigmoid gate); no sliding window |
-| mixtral | MixtralForCausalLM, MixtralForSequenceClassification | num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must be 0 |
+  model_type   architectures
+               fields beyond the shape
+
+  llama        LlamaForCausalLM, LlamaForSequenceClassification
+               head_dim, rope_scaling, tie_word_embeddings, attention_bias (q/k/v/o), mlp_bias,
+               hidden_act
+  mistral      MistralForCausalLM, MistralForSequenceClassification
+               head_dim, rope_scaling, sliding_window (all layers)
+  qwen2        Qwen2ForCausalLM, Qwen2ForSequenceClassification
+               q/k/v bias, rope_scaling, use_sliding_window + sliding_window + max_window_layers (or
+               layer_types), tied
+  olmo2        Olmo2ForCausalLM
+               norms after attention / MLP, whole-projection q/k norms, attention_bias,
+               rope_scaling, tied
+  phi3         Phi3ForCausalLM, Phi3ForSequenceClassification
+               fused qkv_proj / gate_up_proj tensors, sliding_window (all layers), longrope, tied
+  qwen3        Qwen3ForCausalLM, Qwen3ForSequenceClassification
+               per-head q/k RMSNorm, head_dim, attention_bias (q/k/v/o), rope_scaling, sliding
+               window as qwen2, tied
+  gemma3_text  Gemma3ForCausalLM, Gemma3TextForSequenceClassification
+               as gemma2 plus per-head (1 + w) q/k norms, rope_local_base_freq on sliding layers,
+               rope_scaling on global layers only, sliding_window_pattern; multimodal gemma3 (also
+               its Gemma3ForSequenceClassification) refused
+  gemma2       Gemma2ForCausalLM, Gemma2ForSequenceClassification
+               (1 + w) RMSNorms, sqrt(H) embedding scale, sandwich norms, hidden_activation,
+               attn/final logit soft-capping, query_pre_attn_scalar, layer_types sliding windows,
+               attention_bias, rope_scaling, tied
+  qwen3_moe    Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification
+               as qwen3 (no sliding window) plus routed experts: num_experts (transformers >= 5:
+               num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+               decoder_sparse_step, mlp_only_layers, router_aux_loss_coef
+  qwen2_moe    Qwen2MoeForCausalLM, Qwen2MoeForSequenceClassification
+               qkv_bias, the qwen3_moe expert fields plus shared_expert_intermediate_size (shared
+               expert with its sigmoid gate); no sliding window
+  mixtral      MixtralForCausalLM, MixtralForSequenceClassification
+               num_local_experts, num_experts_per_tok (top-k renormalised), intermediate_size per
+               expert, sliding_window (all layers), router_aux_loss_coef; router_jitter_noise must
+               be 0
 
 rope_scaling rope_type: linear, dynamic, yarn, llama3 (and default); longrope for llama and phi3
 (short/long factors switched per forward at original_max_position_embeddings, attention factor);
-transformers >= 5's `rope_parameters` is read as rope_theta + rope_scaling (per layer type for gemma3_text). Refused, naming the field:
-any other model_type or architecture, hidden_act outside _HIDDEN_ACTS (gelu_new, gelu_fast: rounding
-differs), mlp_bias outside llama, attention_dropout > 0 (changes training), partial_rotary_factor != 1,
-longrope outside llama / phi3, pruned_heads, quantization_config, custom code (auto_map), and any field not
-listed below that is set (softcapping, qk norms, ...).
+transformers >= 5's `rope_parameters` is read as rope_theta + rope_scaling (per layer type for
+gemma3_text). Refused, naming the field: any other model_type or architecture, hidden_act outside
+_HIDDEN_ACTS (gelu_new, gelu_fast: rounding differs), mlp_bias outside llama, attention_dropout > 0
+(changes training), partial_rotary_factor != 1, longrope outside llama / phi3, pruned_heads,
+quantization_config, custom code (auto_map), and any field not listed below that is set
+(softcapping, qk norms, ...).
 
 One file past 400 lines: config_kwargs (read) and export_config (write) are the two directions of
 one mapping and go by the same tables (ARCHITECTURES, MOE_TYPES, the fields read per model type),
@@ -59,11 +85,14 @@ ARCHITECTURES = {
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 # mixture-of-experts families whose attention or routing real_py does not implement, refused by name
 _UNSUPPORTED_MOE = {
-    "deepseek_v2": "DeepSeek-V2: multi-head latent attention (MLA) and grouped top-k routing are not implemented",
-    "deepseek_v3": "DeepSeek-V3: multi-head latent attention (MLA), grouped top-k routing and the expert "
-    "score-correction bias are not implemented",
-    "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture): MLA, grouped routing and expert bias are not implemented",
-    "glm4_moe": "GLM-4.5 MoE: sigmoid routing with expert bias (e_score_correction_bias) is not implemented",
+    "deepseek_v2": "DeepSeek-V2: multi-head latent attention (MLA) and grouped top-k routing are "
+    "not implemented",
+    "deepseek_v3": "DeepSeek-V3: multi-head latent attention (MLA), grouped top-k routing and the "
+    "expert score-correction bias are not implemented",
+    "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture): MLA, grouped routing and expert bias are not "
+    "implemented",
+    "glm4_moe": "GLM-4.5 MoE: sigmoid routing with expert bias (e_score_correction_bias) is not "
+    "implemented",
     "dots1": "dots.llm1: grouped routing with expert bias is not implemented",
     "olmoe": "OLMoE: whole-projection q/k norms with routed experts are not implemented",
     "phimoe": "PhiMoE: sparsemixer routing is not implemented",
@@ -73,9 +102,9 @@ _UNSUPPORTED_MOE = {
 }
 # multimodal wrappers refused by name (their text stack is gemma3_text)
 _MULTIMODAL = {
-    "gemma3": "Gemma 3 multimodal (vision tower; Gemma3ForSequenceClassification wraps it too); use a "
-    "text-only gemma3_text checkpoint: Gemma3ForCausalLM, or Gemma3TextForSequenceClassification "
-    "for a value head"
+    "gemma3": "Gemma 3 multimodal (vision tower; Gemma3ForSequenceClassification wraps it too); "
+    "use a text-only gemma3_text checkpoint: Gemma3ForCausalLM, or "
+    "Gemma3TextForSequenceClassification for a value head"
 }
 
 _SHAPE = (
@@ -205,7 +234,8 @@ _MOE_FIELDS = {
 }
 # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts (read as num_experts)
 _PER_TYPE["qwen3_moe"] = _MOE_FIELDS | {"num_local_experts"}
-# max_window_layers is read by nothing in transformers' Qwen2MoE without use_sliding_window (refused)
+# max_window_layers is read by nothing in transformers' Qwen2MoE without use_sliding_window
+# (refused)
 _PER_TYPE["qwen2_moe"] = _MOE_FIELDS | {
     "shared_expert_intermediate_size",
     "qkv_bias",
@@ -448,19 +478,22 @@ def config_kwargs(config: dict, where: str = "config") -> dict:
             continue
         if k in ("quantization_config", "auto_map"):
             _refuse(where, k, v, "quantized or custom-code checkpoints are not supported")
+        supported = sorted(
+            set(_SHAPE) | set(_READ) | _PER_TYPE[mt] | {"rope_scaling", "num_key_value_heads"}
+        )
         _refuse(
             where,
             k,
             v,
-            f"not a field real_py implements for {mt}; supported {mt} fields: "
-            f"{sorted(set(_SHAPE) | set(_READ) | _PER_TYPE[mt] | {'rope_scaling', 'num_key_value_heads'})}",
+            f"not a field real_py implements for {mt}; supported {mt} fields: {supported}",
         )
     return kw
 
 
 def _moe_kwargs(config: dict, kw: dict, where: str, mt: str) -> None:
     """Routed-expert fields of qwen3_moe / qwen2_moe / mixtral, with their transformers config
-    defaults (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig) for the ones a config.json leaves out."""
+    defaults (Qwen3MoeConfig, Qwen2MoeConfig, MixtralConfig) for the ones a config.json leaves
+    out."""
     if mt == "mixtral":
         kw.update(
             num_experts=config.get("num_local_experts", 8),
@@ -671,7 +704,8 @@ def export_config(config, source: dict | None = None) -> dict:
             rs = kw["rope_scaling"]
             if set(rs) != {"rope_type", "short_factor", "long_factor"}:
                 raise ValueError(
-                    f"phi3 exports rope_scaling longrope with short/long factors only, got {sorted(rs)}"
+                    "phi3 exports rope_scaling longrope with short/long factors only, "
+                    f"got {sorted(rs)}"
                 )
             kw["rope_scaling"] = {"type": rs.pop("rope_type"), **rs}
         kw.pop("head_dim")  # Phi3Config has none: hidden_size // num_attention_heads

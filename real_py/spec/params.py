@@ -17,7 +17,8 @@ gate|up concatenated as HF concatenates them:
   groups=0    blocked: a TP rank's local tensor is its piece of every block, in block order.
   groups=G    interleaved: the blocks are cut into G groups, group j holding the j-th 1/G of every
               block in block order; a TP rank holds G/tp consecutive groups. Megatron-core's fused
-              linear_qkv is G = num_key_value_heads ([q heads of group 0, k0, v0, q of group 1, ...]).
+              linear_qkv is G = num_key_value_heads
+              ([q heads of group 0, k0, v0, q of group 1, ...]).
   Megatron-core's linear_fc1 (swiglu) holds [gate piece; up piece] per TP rank: that is blocked.
   replicate_units  blocked, but a block whose unit count (TPRule.units) is smaller than tp is not
               split: each unit is held whole by tp / units consecutive TP ranks (vLLM's
@@ -130,7 +131,8 @@ class ParamSpec:
         return self.tp.blocks or (self.shape[self.tp.dim],)
 
     def geometry(self) -> tuple[int, int, int]:
-        """(A, D, B): the tensor viewed as [A, D, B] around its split dim (D = numel if replicated)."""
+        """(A, D, B): the tensor viewed as [A, D, B] around its split dim (D = numel if
+        replicated)."""
         if self.tp.kind == "replicated":
             return 1, self.numel, 1
         d = self.tp.dim
@@ -162,8 +164,9 @@ class ParamSpec:
                 unit, count = units[i]
                 if tp % count or block % count:
                     return (
-                        f"tp={tp} is above {unit}={count} and not a multiple of it (replicate_units: "
-                        f"each of the {count} units is held by tp / {count} TP ranks)"
+                        f"tp={tp} is above {unit}={count} and not a multiple of it "
+                        f"(replicate_units: each of the {count} units is held by "
+                        f"tp / {count} TP ranks)"
                     )
                 continue
             if block % tp or (units and units[i][1] % tp):
@@ -344,10 +347,12 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
       layers.i.mlp.down_proj.weight         [H, I]            split dim 1
       layers.i.mlp.down_proj.bias           [H]               replicated (mlp_bias)
       layers.i.pre_feedforward_layernorm.w  [H]               replicated (sandwich_norm, Gemma)
-      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2; sandwich_norm)
+      layers.i.post_feedforward_layernorm.w [H]               replicated (norm_after, OLMo 2;
+                                                              sandwich_norm)
     MoE layers (ModelConfig.is_moe_layer; Im = moe_intermediate_size, E experts) instead of mlp.*:
       layers.i.mlp.gate.weight              [E, H]            replicated (router)
-      layers.i.mlp.shared_expert.gate_up_proj.weight / down_proj.weight  (shared expert, dense rules)
+      layers.i.mlp.shared_expert.gate_up_proj.weight / down_proj.weight
+                                                              (shared expert, dense rules)
       layers.i.mlp.shared_expert_gate.weight [1, H]           replicated (Qwen2-MoE)
       layers.i.mlp.experts.j.gate_up_proj.w [2Im, H]          expert j; etp split dim 0, gate|up
       layers.i.mlp.experts.j.down_proj.w    [H, Im]           expert j; etp split dim 1

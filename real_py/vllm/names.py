@@ -46,7 +46,8 @@ def vllm_name(name: str) -> str:
     layer's stacked tensor, indexed by the expert number in the real_py name)."""
     m = _EXPERT.match(name)
     if m:
-        return f"model.layers.{m[1]}.{EXPERTS_MODULE}.{'w13_weight' if m[3] == 'gate_up_proj' else 'w2_weight'}"
+        weight = "w13_weight" if m[3] == "gate_up_proj" else "w2_weight"
+        return f"model.layers.{m[1]}.{EXPERTS_MODULE}.{weight}"
     return name if name.startswith("lm_head.") else "model." + name
 
 

@@ -220,7 +220,8 @@ def _unlink_cpu_shm() -> None:
     the worker derives them from the init method, "env://"), and vLLM never unlinks them, so the
     next job with tp > 1 on the machine failed to start ("create shm in SHMManager failed. errno:
     17"). Every rank of a group has mapped every segment of it by the time LLM() returns (vLLM's
-    barrier after the join), so the names can go now; the mappings live on until the process ends."""
+    barrier after the join), so the names can go now; the mappings live on until the process
+    ends."""
     try:
         with open("/proc/self/maps") as f:
             paths = {

@@ -309,7 +309,8 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
         return stats
 
     def _drive(self, step: str) -> dict:
-        """Rank 0: vLLM's start / update / finish around this rank's own move; the workers' reports."""
+        """Rank 0: vLLM's start / update / finish around this rank's own move; the workers'
+        reports."""
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         rpc = pool.submit(
@@ -384,7 +385,10 @@ class RealPyTrainerEngine(TrainerWeightTransferEngine[RealPyTrainerInitInfo]):
                 time.sleep(0.02)
             return self.group.store.get(key).decode()
         except Exception as e:
-            return f"real_py: {self.side}: lost trainer rank 0's store reading update {self.version}'s outcome: {e}"
+            return (
+                f"real_py: {self.side}: lost trainer rank 0's store reading update "
+                f"{self.version}'s outcome: {e}"
+            )
 
     def _worker_reports(self) -> list[dict]:
         """Each worker's outcome of this update (written before its call returned)."""

@@ -113,9 +113,9 @@ def trainers_disagree(ready: dict, num_trainers: int) -> str:
     for r in range(1, num_trainers):
         if ready[r]["extra"]["settings"] != first:
             return (
-                f"trainer rank {r} was initialized with {ready[r]['extra']['settings']}, rank 0 with "
-                f"{first} (fingerprint, num_workers, bucket_bytes, timeout_s, full_tensors, "
-                "transport must agree)"
+                f"trainer rank {r} was initialized with {ready[r]['extra']['settings']}, "
+                f"rank 0 with {first} (fingerprint, num_workers, bucket_bytes, timeout_s, "
+                "full_tensors, transport must agree)"
             )
     return ""
 
@@ -223,7 +223,8 @@ def fingerprint(config: ModelConfig, layout: Layout) -> str:
     string that every process computes alike (no salted hash())."""
     spec = model_spec(config)
     text = repr([(p.name, p.shape, p.tp) for p in spec.params]) + config.dtype + repr(layout)
-    return f"{config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}:{config.dtype}:{layout}"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    return f"{config.model_type}:{digest}:{config.dtype}:{layout}"
 
 
 class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpdateInfo]):
@@ -391,10 +392,11 @@ class RealPyWeightTransferEngine(WeightTransferEngine[RealPyInitInfo, RealPyUpda
 
     def receive_weights(self, info: RealPyUpdateInfo) -> None:
         """Receive the whole update into this worker's shard buffer; write it into the live
-        parameters only once every worker has received all of its own (a worker that writes while
-        a peer failed would serve tensor-parallel halves of two models). On any failure before the
+        parameters only once every worker has received all of its own (a worker that writes while a
+        peer failed would serve tensor-parallel halves of two models). On any failure before the
         write every worker keeps the previous weights. The outcome goes to the store under
-        stats/<version>/<worker> ("error" on failure; "partly_written" if the write itself failed)."""
+        stats/<version>/<worker> ("error" on failure; "partly_written" if the write itself
+        failed)."""
         step = f"update {info.version}"
         report = {"worker": self.index, "full": getattr(self, "full", None)}
         received = False

@@ -54,7 +54,8 @@ class IpcTransport(Transport):
     def __init__(self, group, *, timeout: float = 60.0, store=None, prefix: str = "real_py/ipc"):
         if group is None:
             raise ValueError(
-                "IpcTransport needs an explicit process group (dist.group.WORLD for the default one)"
+                "IpcTransport needs an explicit process group "
+                "(dist.group.WORLD for the default one)"
             )
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0 seconds")

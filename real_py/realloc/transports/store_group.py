@@ -10,9 +10,9 @@ Neither side can put the other in its default process group (torchrun made the t
 made the workers'), so the members meet through a TCPStore that member 0 hosts and build a
 backend on it that is registered nowhere (as vLLM's own stateless groups are). real_py.vllm
 numbers trainer rank t as t and vLLM worker i (dp * tp_size + tp_rank) as num_trainers + i.
-DistTransport takes such a group as it is (gloo, or NCCL on GPUs). A member that rejects its inputs (another model, a
-dtype, a worker count) says so in the store before the backend is built, so every member fails
-at once with that member's reason instead of waiting for a peer that never joins.
+DistTransport takes such a group as it is (gloo, or NCCL on GPUs). A member that rejects its inputs
+(another model, a dtype, a worker count) says so in the store before the backend is built, so every
+member fails at once with that member's reason instead of waiting for a peer that never joins.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ schema.py       the keys: one dataclass per section with a docstring under each 
 load.py         YAML and KEY=VALUE overrides -> typed TrainConfig (unknown keys and types refused)
 paths.py        relative input paths of a config file resolve against its folder
 ranges.py       the allowed range of a field, declared beside it in schema.py (`ranged`)
-checks.py       `check_values` (ranges, paths, rules between fields), then `validate`: plan vs graph,
-                world and models; vocabularies
+checks.py       `check_values` (ranges, paths, rules between fields), then `validate`: plan vs
+                graph, world and models; vocabularies
 files.py        the checks that read the disk: paths, tokenizers, checkpoint headers, data, reward
 host_memory.py  what a CPU job holds in host memory, refused before launch if it cannot fit
 notes.py        warnings printed before launch, the step line's kl legend

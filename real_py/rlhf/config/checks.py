@@ -22,7 +22,8 @@ __all__ = ["check_values", "validate", "host_memory_need", "notes", "KL_LEGEND"]
 
 
 def check_values(cfg: TrainConfig) -> None:
-    """The checks of one config on its own (no plan): ranges, paths, then the rules between fields."""
+    """The checks of one config on its own (no plan): ranges, paths, then the rules between
+    fields."""
     check_ranges(cfg)
     check_paths(cfg)
     if cfg.wandb is not None:
@@ -250,8 +251,8 @@ def _check_runtime_support(
             if getattr(c, key) != "blocked":
                 raise ValueError(
                     f"config {section}.{key}={getattr(c, key)!r}: the train engines compute on "
-                    f"blocked fused tensors; remove {key} from `{section}` (other storage layouts are "
-                    "for reallocating between trainers, real_py.interop)"
+                    f"blocked fused tensors; remove {key} from `{section}` (other storage layouts "
+                    "are for reallocating between trainers, real_py.interop)"
                 )
     moe = sorted(m for m, c in models.items() if c.num_experts)
     k = cfg.async_.max_staleness
@@ -352,7 +353,7 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head_dim not in sizes:
             raise ValueError(
-                f"config generation.engine: vllm on CPU: the actor's head_dim={head_dim} is not one "
-                f"vLLM's CPU attention runs ({sizes}); change the actor's hidden_size / "
+                f"config generation.engine: vllm on CPU: the actor's head_dim={head_dim} is not "
+                f"one vLLM's CPU attention runs ({sizes}); change the actor's hidden_size / "
                 "num_attention_heads (or head_dim), or use the built-in engine"
             )

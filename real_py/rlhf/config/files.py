@@ -17,8 +17,8 @@ from .schema import TrainConfig
 
 
 def check_paths(cfg: TrainConfig) -> None:
-    """out_dir is not a file; the checkpoints, prompt file, tokenizer directory, reward file and plan
-    file the config names exist."""
+    """out_dir is not a file; the checkpoints, prompt file, tokenizer directory, reward file and
+    plan file the config names exist."""
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ValueError(
             f"config out_dir={cfg.out_dir!r} is a file, not a directory; pick another out_dir"
@@ -31,7 +31,8 @@ def check_paths(cfg: TrainConfig) -> None:
     ):
         if path and not os.path.exists(path):
             raise ValueError(
-                f"config {key}={path!r}: no such local file or directory ({path_origin(key, path)}); "
+                f"config {key}={path!r}: no such local file or directory "
+                f"({path_origin(key, path)}); "
                 "only local HF checkpoint directories are read (nothing is downloaded from the "
                 "Hub: download it first, e.g. huggingface-cli download, and give its directory)"
             )
@@ -75,7 +76,8 @@ def check_input_files(cfg: TrainConfig) -> None:
 
 
 def tokenizer_vocab(path: str):
-    """token -> id of a checkpoint's tokenizer.json (vocab and added tokens), or None without one."""
+    """token -> id of a checkpoint's tokenizer.json (vocab and added tokens), or None without
+    one."""
     f = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(f):
         return None
@@ -116,16 +118,17 @@ def check_checkpoints(cfg: TrainConfig, graph: Graph, models: dict) -> None:
                 raise ValueError(
                     f"config reward_path={paths[m]!r} is not a reward model: it has no value head "
                     "'score.weight' (a causal-LM checkpoint?). A reward model is a trained "
-                    "*ForSequenceClassification checkpoint with num_labels=1; critic_init gives only the "
-                    "critic a fresh head (it trains; a frozen reward model with a fresh head would score "
-                    "at random). Give reward_path such a checkpoint, or score the text with "
-                    "reward: {kind: function, path: 'file.py:fn'} and no reward_path"
+                    "*ForSequenceClassification checkpoint with num_labels=1; critic_init gives "
+                    "only the critic a fresh head (it trains; a frozen reward model with a fresh "
+                    "head would score at random). Give reward_path such a checkpoint, or score the "
+                    "text with reward: {kind: function, path: 'file.py:fn'} and no reward_path"
                 )
             if m == "critic" and not fresh and "score.weight" not in ck.shapes:
                 raise ValueError(
-                    f"config critic_path={paths[m]!r} has no value head 'score.weight' (a causal-LM "
-                    "checkpoint?); set critic_init: zero (or normal) to start a fresh value head on its "
-                    "body, or give a *ForSequenceClassification checkpoint with num_labels=1"
+                    f"config critic_path={paths[m]!r} has no value head 'score.weight' "
+                    "(a causal-LM checkpoint?); set critic_init: zero (or normal) to start a fresh "
+                    "value head on its body, or give a *ForSequenceClassification checkpoint "
+                    "with num_labels=1"
                 )
             ck.check(model_spec(models[m], name=m), fresh_head=fresh)
         except ValueError as e:

@@ -75,8 +75,9 @@ def check_host_memory(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, model
             f"{m} {b / GiB:.1f}" for m, b in sorted(need.items(), key=lambda x: -x[1])
         )
         raise ValueError(
-            f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on this "
-            f"machine ({parts} GiB: every rank's shards, trained models with gradients and Adam "
-            f"states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is available; use "
-            "smaller models, fewer data-parallel replicas in the plan, or GPUs (device: cuda)"
+            f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on "
+            f"this machine ({parts} GiB: every rank's shards, trained models with gradients and "
+            f"Adam states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is "
+            "available; use smaller models, fewer data-parallel replicas in the plan, or GPUs "
+            "(device: cuda)"
         )

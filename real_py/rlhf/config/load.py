@@ -4,8 +4,8 @@ Relative input paths written in a config file resolve against the file's folder 
 
 Every section rejects unknown keys (ValueError naming the section, the key and the allowed
 keys). Values are checked against the field annotations (`_coerce`: numeric strings become
-numbers, inf and nan are refused, anything else of the wrong type is refused naming the dotted key), then against the
-allowed ranges (ranges.py) and the other checks of one config (checks.py).
+numbers, inf and nan are refused, anything else of the wrong type is refused naming the dotted key),
+then against the allowed ranges (ranges.py) and the other checks of one config (checks.py).
 """
 
 from __future__ import annotations

@@ -36,13 +36,13 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
         )
     if cfg.reward.kind != "model" and cfg.reward_path:
         out.append(
-            f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores without "
-            "a reward model; remove reward_path, or set reward.kind: model to use it"
+            f"reward_path={cfg.reward_path!r} is ignored: reward.kind={cfg.reward.kind!r} scores "
+            "without a reward model; remove reward_path, or set reward.kind: model to use it"
         )
     if cfg.reward.kind != "function" and cfg.reward.path:
         out.append(
-            f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function only "
-            f"(reward.kind={cfg.reward.kind!r})"
+            f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function "
+            f"only (reward.kind={cfg.reward.kind!r})"
         )
     import torch
 
@@ -57,7 +57,7 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
             f"core{'s' if cores > 1 else ''}: ranks share cores and the run will be slow (calls "
             f"running side by side stretch by up to {busy / cores:g}x); for speed use a plan "
             f"of at most {cores} ranks "
-            f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a machine "
-            "with more cores"
+            f"(python -m real_py search --gpus {cores} --hardware cpu --out plan.json) or a "
+            "machine with more cores"
         )
     return out

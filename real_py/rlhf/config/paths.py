@@ -22,7 +22,8 @@ INPUT_PATHS = (
     "reward.path",
     "plan.path",
 )
-"""Dotted keys whose values are input files or directories (reward.path: only its "file.py" part)."""
+"""Dotted keys whose values are input files or directories (reward.path: only its "file.py"
+part)."""
 
 _WRITTEN: dict = {}
 """(dotted key, resolved value) -> (value as written, config file): for path_origin."""
@@ -53,7 +54,8 @@ def resolve_paths(d: dict, file: str) -> None:
 
 
 def path_origin(key: str, value: str) -> str:
-    """How `value` of the dotted `key` was resolved, in words, for a message about a missing path."""
+    """How `value` of the dotted `key` was resolved, in words, for a message about a missing
+    path."""
     w = _WRITTEN.get((key, value))
     if w is not None:
         return (

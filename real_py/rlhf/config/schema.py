@@ -183,19 +183,20 @@ class PPOConfig:
     """How per-token losses (policy, KL, entropy) become the loss of a global mini-batch (all DP
     ranks and micro-batches together); see ppo.aggregate."""
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
-    """Estimator of the per-token KL where it enters (kl_in); None: k1 in the reward, k3 in the loss."""
+    """Estimator of the per-token KL where it enters (kl_in); None: k1 in the reward, k3 in the
+    loss."""
     kl_clamp: float | None = ranged(None, "> 0 or null")
     """Clamp the per-token KL estimate to [-kl_clamp, kl_clamp]; None: no clamp."""
     kl_target: float | None = ranged(None, "> 0 or null")
-    """Adaptive KL controller (Ziegler et al. 2019): the coefficient starts at kl_coef and after each
-    step is multiplied by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon, KL the
-    step's mean per-sequence k1 sum. None: fixed kl_coef."""
+    """Adaptive KL controller (Ziegler et al. 2019): the coefficient starts at kl_coef and after
+    each step is multiplied by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon, KL
+    the step's mean per-sequence k1 sum. None: fixed kl_coef."""
     kl_horizon: int = ranged(10000, ">= 1")
     """Horizon (in samples) of the adaptive KL controller."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): after the reward call, groups whose
-    scores are all equal are dropped and their rows regenerated from new prompts (rollout calls
-    rerun on those rows only), up to max_gen_rounds generation rounds; groups still all-equal
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, eq. 11): after the reward call, groups
+    whose scores are all equal are dropped and their rows regenerated from new prompts (rollout
+    calls rerun on those rows only), up to max_gen_rounds generation rounds; groups still all-equal
     after the last round stay (advantage 0). Grouped algorithms only."""
     max_gen_rounds: int = ranged(3, ">= 1")
     """Generation rounds at most per step with dynamic_sampling (1: no refill)."""
@@ -210,7 +211,8 @@ class PPOConfig:
     """With decoupled: tokens whose w = pi_prox / pi_behav exceeds this cap get weight 0 (AReaL's
     behav_imp_weight_cap); None: no cap."""
     whiten_returns: bool = True
-    """reinforce_pp / reinforce_pp_baseline: whiten the returns over the global batch (REINFORCE++)."""
+    """reinforce_pp / reinforce_pp_baseline: whiten the returns over the global batch
+    (REINFORCE++)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,8 +222,8 @@ class RewardConfig:
     "function" (a user callable, `path`)."""
     target_token: int = 7
     path: str | None = None
-    """kind "function": "file.py:fn" or "package.module:fn", called as fn(prompts, responses,
-    **row) -> list[float] with decoded texts and the data set's other fields (see rlhf/rewards.py)."""
+    """kind "function": "file.py:fn" or "package.module:fn", called as fn(prompts, responses, **row)
+    -> list[float] with decoded texts and the data set's other fields (see rlhf/rewards.py)."""
     normalize: bool = False
     """Standardise scores with the running mean and std of every score seen so far, this step's
     included (moments summed over the whole batch, then over steps)."""
@@ -233,7 +235,8 @@ class RewardConfig:
     missing_eos_penalty: float | None = None
     """Subtracted from the score of a response that ended without a stop token (truncated)."""
     clip: float | None = ranged(None, "> 0 or null")
-    """Clamp the shaped score to [-clip, clip] (after normalisation and penalties); None: no clamp."""
+    """Clamp the shaped score to [-clip, clip] (after normalisation and penalties); None: no
+    clamp."""
     mask_truncated: bool = False
     """Leave truncated responses (no stop token) out of the policy and value losses (DAPO's
     overlong filtering): their tokens get mask 0. They still count in the reward metric."""
@@ -293,9 +296,9 @@ class TrainConfig:
     reward_path: str | None = None
     """HF checkpoint of the reward model; None: random init (or critic's shape)."""
     critic_init: Literal["checkpoint", "zero", "normal"] = "checkpoint"
-    """Value head of critic_path: "checkpoint" reads its score.weight; "zero" / "normal" (N(0, 0.02),
-    seeded) start a fresh head on the checkpoint's body, e.g. a causal-LM (SFT) checkpoint whose
-    lm_head is dropped."""
+    """Value head of critic_path: "checkpoint" reads its score.weight; "zero" / "normal"
+    (N(0, 0.02), seeded) start a fresh head on the checkpoint's body, e.g. a causal-LM (SFT)
+    checkpoint whose lm_head is dropped."""
     ref_path: str | None = None
     """HF checkpoint of the reference model; None: actor_path (or the actor's random init). Its
     vocab must cover the actor's (checked before ranks start)."""
@@ -388,8 +391,8 @@ class TrainConfig:
             except OSError as e:
                 raise ValueError(
                     f"config ref_path={self.ref_path!r}: not an HF checkpoint directory "
-                    f"({e.strerror or e}: {getattr(e, 'filename', None) or self.ref_path}); give the "
-                    "directory save_pretrained wrote (config.json and *.safetensors)"
+                    f"({e.strerror or e}: {getattr(e, 'filename', None) or self.ref_path}); "
+                    "give the directory save_pretrained wrote (config.json and *.safetensors)"
                 ) from None
             except TypeError as e:
                 raise ValueError(f"config ref ({self.ref_path}): {e}") from None
