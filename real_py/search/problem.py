@@ -86,12 +86,12 @@ class Problem:
         """Asynchronous RL bound k (async.max_staleness) the simulators place the steps with."""
         self.calls = PPO_GRAPH if graph is None else graph
         self.grouped = grouped
+        """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole
+        groups)."""
         self.vllm_call = vllm_call
         """The call that generates on vLLM (generation.engine: vllm), else None: its candidates are
         the layouts vLLM can run (dataflow.rules.vllm_layout_errors); its cost is the built-in
         engine's (no vLLM cost model)."""
-        """The algorithm samples ppo.group_size rows per prompt (its actor update needs whole
-        groups)."""
         self.names = [c.name for c in self.calls]
         self.rpn = min(hw.ranks_per_node, num_gpus)
         self.realloc_cost = realloc or ReallocCost(hw)
