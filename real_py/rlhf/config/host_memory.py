@@ -23,16 +23,25 @@ def available_bytes() -> int | None:
     return None
 
 
+RANK_PROCESS_BYTES = 300 << 20
+"""A rank's own memory before any model (interpreter, torch, real_py): 297-331 MB resident per
+rank of the copy-task job."""
+VLLM_PROCESS_BYTES = 250 << 20
+"""What vLLM adds to a rank beyond its weights and KV cache (its modules, scheduler, sampler):
+1,555 MB resident per rank of the copy-task job with a 1 GiB KV cache, 2,586 MB with 2 GiB."""
+
+
 def host_memory_need(
     cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict
 ) -> dict[str, int]:
     """Bytes per model that a CPU job holds at once, summed over its ranks (all on this machine):
     the home layout's shards (a trained model's with its fp32 gradient and Adam moments, and the
-    fp32 master copy under bf16) plus the largest other layout it is reallocated to. A lower bound
-    of the job's peak: activations, buffers and the processes themselves come on top."""
+    fp32 master copy under bf16) plus the largest other layout it is reallocated to; and the rank
+    processes themselves (with vLLM's share where it generates). A lower bound of the job's peak:
+    activations and buffers come on top."""
     from ...realloc.plan import _shard_data_numel
 
-    out = {}
+    out = {"processes": RANK_PROCESS_BYTES * plan.world_size}
     for m, calls in graph.models().items():
         if m == "reward" and cfg.reward.kind != "model":
             continue
@@ -52,9 +61,8 @@ def host_memory_need(
         if m == "actor" and cfg.generation.engine == "vllm":
             # vLLM's live model on the generation ranks beside the received shard, and its KV cache
             gen = plan.calls[next(c for c in calls if graph.calls[c].kind == "generate")]
-            out["vllm"] = (
-                total(gen) * es + int(cfg.generation.vllm_kv_cache_gib * 2**30) * gen.world
-            )
+            kv = int(cfg.generation.vllm_kv_cache_gib * 2**30)
+            out["vllm"] = total(gen) * es + (kv + VLLM_PROCESS_BYTES) * gen.world
     return out
 
 
@@ -77,7 +85,8 @@ def check_host_memory(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, model
         raise ValueError(
             f"config: the models need at least {sum(need.values()) / GiB:.1f} GiB of memory on "
             f"this machine ({parts} GiB: every rank's shards, trained models with gradients and "
-            f"Adam states, over {plan.world_size} local ranks) but {avail / GiB:.1f} GiB is "
+            f"Adam states, and the processes, over {plan.world_size} local ranks) but "
+            f"{avail / GiB:.1f} GiB is "
             "available; use smaller models, fewer data-parallel replicas in the plan, or GPUs "
             "(device: cuda)"
         )
