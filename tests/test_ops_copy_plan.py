@@ -1,9 +1,9 @@
 """Checks compiled copies (real_py.ops.CopyPlan, real_py::copy_planned) and the CUDA kernel's host
 twin (_C.copy_twin: the kernel's lane code run on the CPU) against a plain slicing reference.
 
-A failure in the twin points to csrc/ops/pack_kernel_impl.cuh (head / aligned / realigned / tail
+A failure in the twin points to csrc/ops/copy_kernel_impl.cuh (head / aligned / realigned / tail
 paths, grid-stride warp loop) or csrc/ops/copy_items.cpp (work items); in the CPU op to
-csrc/ops/pack_cpu.cpp; in the argument checks to csrc/ops/checks.h or csrc/ops/bind_ops.cpp.
+csrc/ops/copy_cpu.cpp; in the argument checks to csrc/ops/checks.h or csrc/ops/bind_ops.cpp.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 //     checked here once (a plan's calls only check buffers against `bounds`); item_bytes 0: the
 //     default for the plan's size (copy_items.h). items: CopyItem rows, bounds: bytes each source
 //     (row 0) and destination (row 1) buffer must hold.
-//   copy_twin(srcs, dsts, items, warps): the CUDA kernel's lane code (pack_kernel_impl.cuh) run on
+//   copy_twin(srcs, dsts, items, warps): the CUDA kernel's lane code (copy_kernel_impl.cuh) run on
 //     the host over uint8 numpy buffers, `warps` warps grid-stride, lanes one after another:
 //     the kernel's work split and realignment proven without a GPU (tests/test_ops_copy_plan.py).
 #include <pybind11/numpy.h>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "ops/copy_items.h"
-#include "ops/pack_kernel_impl.cuh"
+#include "ops/copy_kernel_impl.cuh"
 
 namespace py = pybind11;
 

@@ -120,7 +120,7 @@ inline void check_planned_args(at::TensorList srcs, at::TensorList dsts, const a
   const int64_t* b = bounds.const_data_ptr<int64_t>();
   // Destinations and items on one device. On a GPU a source may sit on another GPU of the node
   // (a peer's buffer mapped through CUDA IPC): the kernel, launched on the destinations' device,
-  // reads it over NVLink / PCIe once peer access is enabled (pack_cuda.cpp).
+  // reads it over NVLink / PCIe once peer access is enabled (copy_cuda.cpp).
   const c10::Device device = dsts[0].device();
   const bool cuda = device_type == c10::DeviceType::CUDA;
   for (int side = 0; side < 2; ++side) {

@@ -1,5 +1,5 @@
 // The one op library of real_py: schemas only. Backends register kernels with
-// TORCH_LIBRARY_IMPL in pack_cpu.cpp (CPU) and pack_cuda.cpp (CUDA); the fake (meta) kernels
+// TORCH_LIBRARY_IMPL in copy_cpu.cpp (CPU) and copy_cuda.cpp (CUDA); the fake (meta) kernels
 // live in real_py/ops.py. Only one TORCH_LIBRARY(real_py, ...) block may exist per process.
 //
 // All three ops are strided byte copies, destination-passing, returning ():

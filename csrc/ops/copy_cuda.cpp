@@ -1,5 +1,5 @@
 // CUDA kernels of real_py::pack / unpack / copy_planned: checks (checks.h), work items (by value
-// or in device memory), one launch of the torch-free kernel (pack_kernel.cu) on the current
+// or in device memory), one launch of the torch-free kernel (copy_kernel.cu) on the current
 // stream of the buffers' device.
 //
 // pack / unpack (per-call descriptors): the host converts the CPU descriptors to bytes and builds
@@ -27,7 +27,7 @@
 
 #include "ops/checks.h"
 #include "ops/copy_items.h"
-#include "ops/pack_kernel.h"
+#include "ops/copy_kernel.h"
 
 namespace real_py {
 namespace {

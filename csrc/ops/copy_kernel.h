@@ -1,5 +1,5 @@
 // Torch-free CUDA strided byte copy behind real_py::pack / unpack / copy_planned (launchers in
-// pack_kernel.cu, device code in pack_kernel_impl.cuh, torch glue in pack_cuda.cpp).
+// copy_kernel.cu, device code in copy_kernel_impl.cuh, torch glue in copy_cuda.cpp).
 //
 // Shapes and units (everything in BYTES):
 //   items        CopyItem table (copy_items.h): m items, each a slice of one run or a few short

@@ -1,9 +1,9 @@
-// Device code of the strided byte copy (shapes and units in pack_kernel.h, work items in
+// Device code of the strided byte copy (shapes and units in copy_kernel.h, work items in
 // copy_items.h). Everything except the __global__ kernels is REAL_PY_HD (host and device), so the
-// C++ tests (csrc/tests/test_pack_kernels.cpp) and the CPU extension's kernel twin
+// C++ tests (csrc/tests/test_copy_kernels.cpp) and the CPU extension's kernel twin
 // (pack_twin.cpp) run the same lane code on the host, lanes one after another, without a GPU.
 //
-// Work split: a grid sized to the device (SMs x resident blocks, pack_kernel.cu), each warp
+// Work split: a grid sized to the device (SMs x resident blocks, copy_kernel.cu), each warp
 // taking work items grid-stride: item i goes to global warp i mod (number of warps). An item
 // is a slice of at most 16 KiB of one run or a few whole short runs (copy_items.h), so a warp
 // copies one run (or one slice) at a time with all 32 lanes: a 2 KiB run is 128 16-byte words,

@@ -1,5 +1,5 @@
 // C++ tests of the torch-free strided copy: the work-item table (ops/copy_items.h) and the CUDA
-// kernel's lane code (ops/pack_kernel_impl.cuh, its host twin: the same functions compiled for
+// kernel's lane code (ops/copy_kernel_impl.cuh, its host twin: the same functions compiled for
 // the host) run here one lane after another, against a plain memcpy reference.
 // A failure points to copy_items.cpp (coverage, slicing, grouping) or to the kernel's head /
 // aligned / funnel-shift realigned / tail paths or its grid-stride warp loop; the kernel cannot
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "ops/copy_items.h"
-#include "ops/pack_kernel_impl.cuh"
+#include "ops/copy_kernel_impl.cuh"
 #include "tests/check.h"
 
 using real_py::CopyItem;
@@ -163,6 +163,6 @@ int main() {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
   }
-  std::printf("test_pack_kernels: all checks passed\n");
+  std::printf("test_copy_kernels: all checks passed\n");
   return 0;
 }

@@ -1,12 +1,12 @@
-// CUDA strided byte copy: the launchers (device code in pack_kernel_impl.cuh, shapes and units in
-// pack_kernel.h).
-#include "ops/pack_kernel.h"
+// CUDA strided byte copy: the launchers (device code in copy_kernel_impl.cuh, shapes and units in
+// copy_kernel.h).
+#include "ops/copy_kernel.h"
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 
-#include "ops/pack_kernel_impl.cuh"
+#include "ops/copy_kernel_impl.cuh"
 
 namespace real_py {
 namespace {
