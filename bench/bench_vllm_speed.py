@@ -135,6 +135,12 @@ def summarize(recs: list[dict], rows: int) -> dict:
         "actor_logp_s": med([r["calls"].get("actor_logp", 0.0) for r in steady]),
         "actor_realloc_s": med([r["realloc_seconds"].get("actor", 0.0) for r in steady]),
         "steps_timed": len(steady),
+        # every call's and every model's reallocation seconds (medians), in the JSON only
+        "calls_s": {c: med([r["calls"].get(c, 0.0) for r in steady]) for c in steady[0]["calls"]},
+        "realloc_s": {
+            m: med([r["realloc_seconds"].get(m, 0.0) for r in steady])
+            for m in steady[0]["realloc_seconds"]
+        },
     }
 
 
