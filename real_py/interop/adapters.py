@@ -23,6 +23,10 @@ gate_up_layout, per TP rank); Megatron-core fuses q|k|v per kv group (qkv_layout
 layer count (Layout.partition="layers") and names the last stage's tied embedding copy
 output_layer.weight. Vocab padding rows are not model data: they are never transferred and are
 zero in a destination.
+
+One file past 400 lines: the HF and Megatron-core adapters and check_against_full place one rank's
+tensors through the same private helpers (_position, _renumber, _split_desc, _check_shape); split
+per trainer, both files would import them.
 """
 
 from __future__ import annotations

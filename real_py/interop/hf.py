@@ -12,6 +12,10 @@ experts.j.gate_up_proj (Mixtral's block_sparse_moe.experts.j.w1|w3; w2 -> down_p
 rank's ExpertShard by load_hf_experts; the router (mlp.gate), shared expert and its gate load with
 the dense shard. Every tensor the config needs is checked (presence, shape) from the safetensors
 headers before anything is read; a mismatch raises ValueError naming the tensor and the cause.
+
+One file past 400 lines: loading (HFCheckpoint, load_hf_shard, load_hf_experts) and saving
+(full_to_hf_state_dict, save_hf, the gathers) are the two directions of one name mapping (hf_names,
+FUSED_CHECKPOINTS) and must agree tensor for tensor.
 """
 
 from __future__ import annotations

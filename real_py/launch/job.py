@@ -32,6 +32,10 @@ sees its workers gone, and instead of its ChildFailedError the launcher prints o
 root cause and the log with the full trace (real_py/launch/report.py). Ctrl-C (SIGINT, SIGTERM,
 SIGHUP) ends the ranks and prints one line. While the job runs, a rank inside user code (the
 reward function, data loading) for USER_WARN_S seconds or more is named on stderr.
+
+One file past 400 lines: nearly all of it is _Job, whose agent-side run, watcher thread, pipe pump,
+signal handlers and _kill_all share one job's _Rank records, pipes, store client and lock; split,
+each part would reach into that shared state.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ traceback in its log, then waits to be ended.
 Under an outside torchrun (several nodes) there is no launcher: each rank watches its parent (the
 torchrun agent) and ends when it is gone, and a failing rank writes its failure record and one
 line after its traceback.
+
+One file past 400 lines: it is everything a rank does between torchrun's entry and target()'s exit
+(fd plumbing, the death watches, the failure record), and job.py and report.py import their side of
+that hand-over (Fd, Plumbing, fd_key, record_line, silent_peer) from here.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ frequencies (rope_scaling as transformers, rope.py), repeat-interleaved KV heads
 lookups of pad_token_id add no gradient to its embedding row (nn.Embedding's padding_idx).
 MoE layers (config.is_moe_layer) run moe.MoEBlock instead of the MLP: StageModel(config, shard,
 tp_group, experts=ExpertShard, ep_group=...) with the expert Parameters in `expert_params`.
+
+One file past 400 lines: RMSNorm, Attention, DecoderLayer and StageModel are one forward pass whose
+numerics are checked against transformers as a whole, with every Parameter a view of shard.flat; the
+parts that stand alone are already in mlp.py, moe.py, rope.py and tp.py.
 """
 
 from __future__ import annotations

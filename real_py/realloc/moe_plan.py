@@ -35,6 +35,10 @@ round r = round r of each part (rotated by round_shift), each part with rounds o
 part_round_elems, so a merged round holds at most one round's budget per rank and direction.
 MoePlan.transfers() is that schedule for the cluster simulator; sequential_transfers() the parts one
 after the other (the comparison).
+
+One file past 400 lines: expert_spec / expert_layout, the stacked form, the layer windows and
+MoePlan's merged rounds are the steps of the one argument above that the parts' union is exact, and
+plan_moe_realloc chooses among them.
 """
 
 from __future__ import annotations

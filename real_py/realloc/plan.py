@@ -5,6 +5,10 @@ Descriptors are [num_descs, 6] int64 in elements: (src_off, dst_off, len, n, src
 dst_stride), n runs of len elements. A message's descriptors read the sender's source flat
 buffer and write every receiver's destination flat buffer; its packed form is the runs
 concatenated in descriptor order.
+
+One file past 400 lines: ReallocPlan (the descriptor arrays and their per-rank views) and
+plan_realloc's cached calls into the C++ planner (_plan_cached, the layout arrays) are the two sides
+of the descriptor format above and change with it.
 """
 
 from __future__ import annotations

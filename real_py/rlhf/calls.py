@@ -4,6 +4,10 @@ Every rank of a DP replica (all its TP and PP ranks) runs the same code on the s
 writes the same results. Metrics are added to `sums` (observe.MetricSums: sum, count) by one
 reporter rank per DP replica (TP rank 0 of the last stage), and summed over the world later.
 Everything else a call reads comes from its context.CallContext.
+
+One file past 400 lines: run_call and the call kinds it dispatches to (generation on the engine or
+vLLM, log-probs, values, reward, and the actor / critic updates in _advantages and _train) share the
+DP-local rows, CallContext and one-reporter-per-replica rule above.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ Safety: rank files hold only tensors, ints, strings and None and are read with
 meta.json first, so a flipped byte or a truncated file is refused naming the file. Every file is
 written to a fresh temporary name (tempfile: O_CREAT | O_EXCL, never follows a planted symlink)
 in its final directory and moved into place with os.replace.
+
+One file past 400 lines: save and sweep (writing) and read_meta, read_rank_file, check, load and
+resume (reading) are the two halves of the on-disk format and of the atomicity and safety rules
+above, so a change to the format is made and checked in one place.
 """
 
 from __future__ import annotations

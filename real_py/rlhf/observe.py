@@ -12,6 +12,10 @@ package is imported only then. All of this runs on rank 0 only.
 Every rank records each step as it runs: `MetricSums` (what the calls report, summed over the
 world) and a `StepRecord` (call, reallocation and offload intervals, bytes, memory peaks),
 gathered at the step's end and turned into the step's timings by `step_summary`.
+
+One file past 400 lines: a step's numbers go from every rank's MetricSums (over METRICS) and
+StepRecord, through step_summary, to the metrics.jsonl record that RunLog, scalars, read_metrics and
+summarize write and read back, so the record's keys are defined and consumed in one place.
 """
 
 from __future__ import annotations

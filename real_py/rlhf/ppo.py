@@ -6,6 +6,10 @@ predictions of response tokens (token positions prompt_length .. length-1). Valu
 head are per token position [B, T]; the value of the state before action t is values[:, t], so
 `values[:, :-1]` lies on the same [B, N] grid. Every function here is torch-only (no
 torch.distributed): the runtime passes global statistics in where a batch spans DP ranks.
+
+One file past 400 lines: every function here (KL estimators, GAE and the GRPO / REINFORCE
+advantages, the PPO, decoupled and value losses, score shaping) works on the [B, N] grid and
+response_mask above, and calls.py reads them together as one recipe.
 """
 
 from __future__ import annotations

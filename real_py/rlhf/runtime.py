@@ -16,6 +16,10 @@ buffers); the peak GPU memory of each call (torch.cuda.max_memory_allocated, res
 reload / reallocation) is reported as "peak_mem_mib". With cfg.offload_frozen, a frozen model
 (ref, reward) is reloaded from host memory before its call (before waiting for its rows, so the
 copy overlaps the wait) and offloaded right after it (after posting its pushes).
+
+One file past 400 lines: nearly all of it is Runtime, whose per-call steps (reallocation, waiting
+for rows, run_call, pushes, offload) and sync, async and dynamic-sampling iterations share its
+groups, Models, row pushes, CallContext and watchdog.
 """
 
 from __future__ import annotations

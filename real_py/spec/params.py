@@ -24,6 +24,10 @@ gate|up concatenated as HF concatenates them:
               split: each unit is held whole by tp / units consecutive TP ranks (vLLM's
               QKVParallelLinear when tp > num_key_value_heads: rank k holds kv head k // (tp / nkv)
               in both its k and its v block).
+
+One file past 400 lines: TPRule, ParamSpec and ModelSpec, whose __post_init__ checks enforce the
+rules above, and model_spec, which fills them from its parameter table for every supported
+architecture, are that single source of truth and change together.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ gathers a full tensor, and a rank's extra memory is its staging buffer (bucket_b
 also drives vLLM through the client (the offline LLM, HTTPVLLMWeightSyncClient, any object with
 vLLM's four weight-sync methods): init, start, update (while the ranks send), finish, and a
 prefix-cache reset, so no prompt cached before the update returns old-weight tokens.
+
+One file past 400 lines: most of it is RealPyTrainerEngine, whose send_weights and rank 0's _drive
+of the vLLM client share the transfer group, plan and Reallocator that trainer_init sets up, and the
+verdict every rank reads after an update (worker.py is the other side).
 """
 
 from __future__ import annotations
