@@ -1,5 +1,8 @@
-# Checks the CPU-testable logic of the GPU benches that scripts/gpu_check.sh runs: the estimator's datasheet profile follows the GPU (bench_gpu_ppo), timed() reports the median of the timed calls (bench_generate), and the fused AdamW path of the CUDA train step equals the CPU one. Never timed.
-# A failure points to bench/bench_gpu_ppo.py (datasheet_profile), bench/bench_generate.py (timed) or real_py/engines/train.py (_adamw_fused, _adamw_flat).
+# Checks the CPU-testable logic of the GPU benches that scripts/gpu_check.sh runs: the estimator's
+# datasheet profile follows the GPU (bench_gpu_ppo), timed() reports the median of the timed calls
+# (bench_generate), and the fused AdamW path of the CUDA train step equals the CPU one. Never timed.
+# A failure points to bench/bench_gpu_ppo.py (datasheet_profile), bench/bench_generate.py (timed) or
+# real_py/engines/train.py (_adamw_fused, _adamw_flat).
 import sys
 from pathlib import Path
 from types import SimpleNamespace

@@ -1,5 +1,9 @@
-# Checks bench/bench_trl.py: real_py's and TRL's sides are configured with the same work (prompts, group size, lengths, learning rate, steps, KL, clip, micro-batches), the shared reward function, and a tiny CPU run of the script (real_py's side through `python -m real_py train`; TRL's side only where trl is installed). Never timed.
-# A failure points to bench/bench_trl.py (setup, real_py_config, trl_args) or to the train CLI / GRPO config keys it writes (real_py/rlhf/config).
+# Checks bench/bench_trl.py: real_py's and TRL's sides are configured with the same work (prompts,
+# group size, lengths, learning rate, steps, KL, clip, micro-batches), the shared reward function,
+# and a tiny CPU run of the script (real_py's side through `python -m real_py train`; TRL's side
+# only where trl is installed). Never timed.
+# A failure points to bench/bench_trl.py (setup, real_py_config, trl_args) or to the train CLI /
+# GRPO config keys it writes (real_py/rlhf/config).
 import importlib.util
 import json
 from pathlib import Path

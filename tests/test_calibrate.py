@@ -1,6 +1,7 @@
 # Checks the hardware calibration (real_py/calibrate): the line and pipe-wait fits by hand, the cpu
-# profile measured on gloo ranks and cached, calibrate_gpu's dry run on the processor, job-shaped setups;
-# a failure points to real_py/calibrate/measure.py (timings), fit.py (fits), setup.py (Setup) or profiles.py (cache, resolve_profile).
+# profile measured on gloo ranks and cached, calibrate_gpu's dry run on the processor, job-shaped
+# setups; a failure points to real_py/calibrate/measure.py (timings), fit.py (fits), setup.py
+# (Setup) or profiles.py (cache, resolve_profile).
 import pytest
 
 from real_py.search import Workload
@@ -78,7 +79,8 @@ def test_cpu_profile_calibrates_and_caches(tmp_path, monkeypatch):
 @pytest.mark.dist
 def test_calibrate_gpu_keeps_the_datasheet_and_measures_launch_costs():
     """calibrate_gpu on the processor (its dry run; the H200 run is bench/bench_gpu_ppo.py): the
-    datasheet fields stay, the per-layer / per-pass fields are measured, bad arguments are refused."""
+    datasheet fields stay, the per-layer / per-pass fields are measured, bad arguments are
+    refused."""
     from real_py.calibrate import calibrate_gpu
     from real_py.search.hardware import PROFILES
 

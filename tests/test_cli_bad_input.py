@@ -1,5 +1,10 @@
-# Checks that bad input to the train / plan / search / export / plot commands and to train configs (YAML or KEY=VALUE) is refused before any rank starts, with one line naming the key/flag/file and what was expected, and that no input or existing checkpoint file changes; and that good-but-loose input (numeric strings, overrides) is typed right.
-# A failure points to real_py/rlhf/config/ (_coerce, ranged fields of schema.py / ranges.py, apply_overrides, read_yaml), real_py/cli/train.py (_config, _protect_run_dir), real_py/cli/common.py, real_py/dataflow/execplan.py (from_json messages) or the command modules.
+# Checks that bad input to the train / plan / search / export / plot commands and to train configs
+# (YAML or KEY=VALUE) is refused before any rank starts, with one line naming the key/flag/file and
+# what was expected, and that no input or existing checkpoint file changes; and that good-but-loose
+# input (numeric strings, overrides) is typed right.
+# A failure points to real_py/rlhf/config/ (_coerce, ranged fields of schema.py / ranges.py,
+# apply_overrides, read_yaml), real_py/cli/train.py (_config, _protect_run_dir),
+# real_py/cli/common.py, real_py/dataflow/execplan.py (from_json messages) or the command modules.
 """Every case runs `real_py.cli.main(argv)` in this process with the launcher replaced by a
 failing stub, so an input that wrongly passed validation fails the test instead of starting
 torchrun. Bad input must end in SystemExit(2) with a single `error: ...` line on stderr."""
@@ -20,8 +25,8 @@ from real_py.rlhf import config as CF
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MOE = (
-    "{model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 64, "
-    "norm_topk_prob: true}"
+    "{model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, "
+    "moe_intermediate_size: 64, norm_topk_prob: true}"
 )
 
 # (case id, YAML text of cfg.yaml, extra argv, phrase of the message). Every train case points
@@ -178,13 +183,15 @@ TRAIN = [
         "moe-async",
         f"algo: grpo\nactor: {MOE}\nasync: {{max_staleness: 1}}",
         [],
-        "async.max_staleness=1 with a mixture-of-experts model (actor, ref): asynchronous RL is not implemented",
+        "async.max_staleness=1 with a mixture-of-experts model (actor, ref): "
+        "asynchronous RL is not implemented",
     ),
     (
         "decode-graph-on-cpu",
         "device: cpu\ngeneration: {decode: graph}",
         [],
-        "generation.decode='graph' needs CUDA, tp=1 on the generation calls and a dense actor, but the device is CPU",
+        "generation.decode='graph' needs CUDA, tp=1 on the generation calls and a dense actor, "
+        "but the device is CPU",
     ),
     (
         "decode-static-window",
@@ -241,8 +248,9 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
     (
         "plan-unknown-preset",
         ["plan", "--model", "llama3", "--src", "dp2", "--dst", "tp2"],
-        "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b, llama3.1-405b, "
-        "moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b, kimi-k2-shaped) nor an existing HF config.json",
+        "--model 'llama3' is neither a preset (llama2-7b, llama2-13b, codellama-34b, llama2-70b, "
+        "llama3.1-405b, moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b, kimi-k2-shaped) "
+        "nor an existing HF config.json",
     ),
     (
         "plan-src-ranks",

@@ -1,7 +1,8 @@
-"""Checks `python -m real_py bench`: a real run on 2 self-launched gloo ranks (JSON fields, verification) and its refusals.
+"""Checks `python -m real_py bench`: a real run on 2 self-launched gloo ranks (JSON fields,
+verification) and its refusals.
 
-A failure points to real_py/cli/bench.py (argument checks, the torch.distributed.run re-launch, timing/JSON) or the
-`bench` entry in real_py/cli/bench.py.
+A failure points to real_py/cli/bench.py (argument checks, the torch.distributed.run re-launch,
+timing/JSON) or the `bench` entry in real_py/cli/bench.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,13 @@
-# Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write nothing after it, a run directory is locked by the job writing it (a second job or a resume is refused naming the holder's pid), a failure on one rank ends the job with one line naming rank, step, call and exception (and the log with the full trace), a rank stuck in the reward function is named within seconds, Ctrl-C ends the job with one line, and the job's store listens on the loopback only.
-# A failure points to real_py/launch/job.py (launcher, watcher), agent.py (launch config, loopback rendezvous), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure records), report.py (root cause), real_py/liveness.py (activity, record_failure) or real_py/cli/train.py (run, _spmd).
+# Checks that `python -m real_py train` runs as one unit: its ranks die with the launcher and write
+# nothing after it, a run directory is locked by the job writing it (a second job or a resume is
+# refused naming the holder's pid), a failure on one rank ends the job with one line naming rank,
+# step, call and exception (and the log with the full trace), a rank stuck in the reward function is
+# named within seconds, Ctrl-C ends the job with one line, and the job's store listens on the
+# loopback only.
+# A failure points to real_py/launch/job.py (launcher, watcher), agent.py (launch config, loopback
+# rendezvous), lock.py (out_dir lock), rank.py (inside a rank: death with the launcher, failure
+# records), report.py (root cause), real_py/liveness.py (activity, record_failure) or
+# real_py/cli/train.py (run, _spmd).
 """Each job runs in its own session (start_new_session) with a marker in its environment, so the
 test finds every process of the job (launcher and ranks) in /proc whatever the launcher does."""
 
@@ -48,7 +56,8 @@ def _job_pids(marker: str) -> list[int]:
 
 
 class Job:
-    """`python -m real_py train ARGS` in its own session; stdout read line by line, stderr to a file."""
+    """`python -m real_py train ARGS` in its own session; stdout read line by line, stderr to a
+    file."""
 
     def __init__(self, tmp_path, args, env=None):
         self.marker, self.err_path = f"{tmp_path}-{time.monotonic_ns()}", tmp_path / "stderr.txt"
@@ -70,7 +79,8 @@ class Job:
             if line.startswith(prefix):
                 return line
         raise AssertionError(
-            f"no line {prefix!r}; stdout:\n{''.join(self.out)[-3000:]}\nstderr:\n{self.stderr()[-3000:]}"
+            f"no line {prefix!r}; stdout:\n{''.join(self.out)[-3000:]}\n"
+            f"stderr:\n{self.stderr()[-3000:]}"
         )
 
     def finish(self, timeout=240) -> int:
@@ -315,8 +325,9 @@ def test_ranks_start_without_validating_again_and_exit_fast(tmp_path):
         checks = (tmp_path / "checks").read_text().split()
         assert checks == [str(job.p.pid)], f"the reward function's validation call ran in {checks}"
         # About 0.2 s idle (bench/results/startup_cpu2_20261206.md); the interpreter teardown this
-        # guards against took 6.4 s there (c77c110), so 5 s holds on a loaded machine and still fails
-        # on it. A torchrun command in a child (2.4 s) is caught above: job.json names this launcher.
+        # guards against took 6.4 s there (c77c110), so 5 s holds on a loaded machine and still
+        # fails on it. A torchrun command in a child (2.4 s) is caught above: job.json names this
+        # launcher.
         assert took < 5, f"the command took {took:.1f} s to exit after its summary"
     finally:
         job.kill()
@@ -434,8 +445,9 @@ def test_root_cause_is_no_rank_the_agent_ended(tmp_path, capsys):
         "time": t,
         "where": "rank 0, step 1, call actor_train",
         "exception": "SilentPeer",
-        "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for 9.0 s (process "
-        "stopped or hung); a blocked collective cannot be given up, so this process exits",
+        "message": "rank 0, step 1, call actor_train: peer rank 2 is silent: no heartbeat for "
+        "9.0 s (process stopped or hung); a blocked collective cannot be given up, so this "
+        "process exits",
         "consequent": True,
     }
     jb = _ended_job(tmp_path, {0: 75, 1: -15, 2: None, 3: -15}, {0: dog})
@@ -667,7 +679,8 @@ def test_ranks_hold_only_their_own_fds(tmp_path, monkeypatch, fork, lock_on_stdi
 
 
 def _tcp_listeners(pid: int) -> list[str]:
-    """ "address:port" of every TCP socket process `pid` listens on (from /proc/net/tcp and tcp6)."""
+    """ "address:port" of every TCP socket process `pid` listens on (from /proc/net/tcp and
+    tcp6)."""
     inodes = set()
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -739,9 +752,9 @@ def test_the_jobs_store_listens_on_the_loopback_only(tmp_path, fork):
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_launcher_output_into_the_logs_folder(tmp_path):
-    """The launcher's stdout and stderr are a file in <out_dir>/logs/ (`train ... > run/logs/console.log
-    2>&1`): one that --overwrite deletes under it, then a live one on --resume. The ranks write into
-    their own pipes, and the job trains."""
+    """The launcher's stdout and stderr are a file in <out_dir>/logs/
+    (`train ... > run/logs/console.log 2>&1`): one that --overwrite deletes under it, then a live
+    one on --resume. The ranks write into their own pipes, and the job trains."""
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
     for extra, steps in (["--overwrite"], "1"), (["--resume"], "2"):

@@ -1,7 +1,13 @@
-# Checks what `python -m real_py train` leaves behind on 4 gloo ranks (default plan: the actor trains on dp1tp2pp2 and generates on dp4tp1pp1, so weights move): HF export (end of run and `export` command) reloaded by transformers equals the saved shards bit for bit, TensorBoard events and summary.json match metrics.jsonl, `plot` writes the PNG, KEY=VALUE overrides reach the ranks, and an existing run directory is neither overwritten nor mixed into.
-# A failure points to real_py/cli/export.py (gather / HF names), real_py/rlhf/observe.py (RunLog, summarize), real_py/cli/plot.py, or real_py/cli/train.py (override pass-through, _protect_run_dir).
-"""The oracle for the export is tests/support/oracle.py: the reloaded full tensors are sliced into every
-rank's flat buffer of the train layout by index math and compared with torch.equal to the
+# Checks what `python -m real_py train` leaves behind on 4 gloo ranks (default plan: the actor
+# trains on dp1tp2pp2 and generates on dp4tp1pp1, so weights move): HF export (end of run and
+# `export` command) reloaded by transformers equals the saved shards bit for bit, TensorBoard events
+# and summary.json match metrics.jsonl, `plot` writes the PNG, KEY=VALUE overrides reach the ranks,
+# and an existing run directory is neither overwritten nor mixed into.
+# A failure points to real_py/cli/export.py (gather / HF names), real_py/rlhf/observe.py (RunLog,
+# summarize), real_py/cli/plot.py, or real_py/cli/train.py (override pass-through,
+# _protect_run_dir).
+"""The oracle for the export is tests/support/oracle.py: the reloaded full tensors are sliced into
+every rank's flat buffer of the train layout by index math and compared with torch.equal to the
 rank files the checkpoint wrote."""
 
 import json
@@ -32,7 +38,8 @@ def run(tmp_path_factory):
     # steps: 5 in the file, steps=2 on the command line: only an override that reached the ranks
     # stops the run after two steps.
     cfg.write_text(
-        "steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\nppo: {ppo_epochs: 1}\n"
+        "steps: 5\nsave_every: 1\nexport: hf\ngeneration: {max_new_tokens: 6}\n"
+        "ppo: {ppo_epochs: 1}\n"
     )
     out = str(tmp / "run")
     r = subprocess.run(

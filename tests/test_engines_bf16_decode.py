@@ -1,5 +1,10 @@
-# Checks the GPU-path code on CPU: bf16 train steps (fp32 master, fp32 reduction) against a plain-torch fp32-master AdamW on transformers' bf16 model, static-KV-cache decoding against the dynamic cache token for token on TP/PP layouts, one bf16 PPO iteration on 4 gloo ranks (also with NCCL-style batched row pushes), config / device errors.
-# A failure points to real_py/engines/train.py (master weights, bucket conversion, clipping), engines/decode.py / generate.py (static cache, slots, masks), or rlhf/config.py / models.py / runtime.py (precision, device plumbing).
+# Checks the GPU-path code on CPU: bf16 train steps (fp32 master, fp32 reduction) against a
+# plain-torch fp32-master AdamW on transformers' bf16 model, static-KV-cache decoding against the
+# dynamic cache token for token on TP/PP layouts, one bf16 PPO iteration on 4 gloo ranks (also with
+# NCCL-style batched row pushes), config / device errors.
+# A failure points to real_py/engines/train.py (master weights, bucket conversion, clipping),
+# engines/decode.py / generate.py (static cache, slots, masks), or rlhf/config.py / models.py /
+# runtime.py (precision, device plumbing).
 """One 4-rank gloo spawn runs every case. Layouts move weights for real: dp1tp2pp2 (TP + PP + tied
 embedding across stages), dp2tp1pp2 (DP buckets converted to fp32 from grad hooks, tied PP),
 dp2tp2pp1.

@@ -1,5 +1,9 @@
-# Checks the compiled train step (the layers' forward and backward through torch.compile, on by default on CUDA) on CPU with the aot_eager backend: the same losses, gradient norms, gradients and weights as the eager step on a PP and a DP layout of 2 gloo ranks, over micro-batches of different lengths with one compilation (dynamic batch and length), no graph break.
-# A failure points to real_py/engines/compiled.py (TrainCalls), real_py/engines/train.py (the run hook) or real_py/models/transformer.py (code dynamo cannot trace with symbolic shapes).
+# Checks the compiled train step (the layers' forward and backward through torch.compile, on by
+# default on CUDA) on CPU with the aot_eager backend: the same losses, gradient norms, gradients and
+# weights as the eager step on a PP and a DP layout of 2 gloo ranks, over micro-batches of different
+# lengths with one compilation (dynamic batch and length), no graph break.
+# A failure points to real_py/engines/compiled.py (TrainCalls), real_py/engines/train.py (the run
+# hook) or real_py/models/transformer.py (code dynamo cannot trace with symbolic shapes).
 """aot_eager runs the same aten ops as eager after dynamo and AOT autograd, so results are equal
 bit for bit; inductor's fused kernels (the CUDA default) only reorder reductions (checked on the
 GPU by tests/test_rlhf_cuda.py against transformers)."""

@@ -1,5 +1,12 @@
-# Checks the decode path's reuse and shortcuts on CPU: the static KV cache (bucketed key spans) kept across generate() calls gives the tokens of a fresh cache and of the dynamic one; stop tokens checked every few steps give the tokens and lengths of a check after every step; the compiled decode step (torch.compile, aot_eager here) gives the eager tokens with one compilation for every layer and span; unsorted inverse-CDF sampling; chunked vocab log-probs / entropy and their gradients against log_softmax; the train step's merged norm spans.
-# A failure points to real_py/engines/decode.py (DecodeState, spans, compile), real_py/engines/generate.py (pick_tokens, stop checks), real_py/models/vocab.py (chunked log-probs) or real_py/engines/train.py (_merge_spans).
+# Checks the decode path's reuse and shortcuts on CPU: the static KV cache (bucketed key spans) kept
+# across generate() calls gives the tokens of a fresh cache and of the dynamic one; stop tokens
+# checked every few steps give the tokens and lengths of a check after every step; the compiled
+# decode step (torch.compile, aot_eager here) gives the eager tokens with one compilation for every
+# layer and span; unsorted inverse-CDF sampling; chunked vocab log-probs / entropy and their
+# gradients against log_softmax; the train step's merged norm spans.
+# A failure points to real_py/engines/decode.py (DecodeState, spans, compile),
+# real_py/engines/generate.py (pick_tokens, stop checks), real_py/models/vocab.py (chunked
+# log-probs) or real_py/engines/train.py (_merge_spans).
 """The CUDA-graph side of the same code (capture per span, replay across calls, inductor) runs in
 tests/test_rlhf_cuda.py on a GPU."""
 

@@ -1,5 +1,8 @@
-# Checks the train step's global gradient norm against the fp64 norm of transformers' own gradients on a model of a few million parameters, at tp = 1 (one contiguous run of gradients) and tp = 2, and the loss against transformers' loss.
-# A failure points to real_py/engines/train.py (_global_norm, sum_of_squares) or real_py/engines/moe_train.py (squares).
+# Checks the train step's global gradient norm against the fp64 norm of transformers' own gradients
+# on a model of a few million parameters, at tp = 1 (one contiguous run of gradients) and tp = 2,
+# and the loss against transformers' loss.
+# A failure points to real_py/engines/train.py (_global_norm, sum_of_squares) or
+# real_py/engines/moe_train.py (squares).
 """A single fp32 norm over millions of elements (torch's CPU norm kernel accumulates in fp32)
 is off by 1e-5 to 1e-3 relative; at tp = 1 the whole flat gradient buffer is one run, at tp > 1
 each rank's runs are smaller, so the error showed on tp = 1 layouts only. The reference here is

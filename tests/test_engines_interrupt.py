@@ -1,5 +1,9 @@
-# Checks interruptible generation: weights swapped in place between decode steps with the KV cache recomputed (one prefill of prompt + tokens so far with the new weights). The tokens before the swap are those of the old weights, the tokens after it exactly those the new weights generate greedily from that prefix, on TP and PP layouts of 2 gloo ranks and both cache modes.
-# A failure points to real_py/engines/generate.py (the swap / recompute path) or real_py/engines/decode.py (prefill of a longer prefix).
+# Checks interruptible generation: weights swapped in place between decode steps with the KV cache
+# recomputed (one prefill of prompt + tokens so far with the new weights). The tokens before the
+# swap are those of the old weights, the tokens after it exactly those the new weights generate
+# greedily from that prefix, on TP and PP layouts of 2 gloo ranks and both cache modes.
+# A failure points to real_py/engines/generate.py (the swap / recompute path) or
+# real_py/engines/decode.py (prefill of a longer prefix).
 import io
 
 import pytest

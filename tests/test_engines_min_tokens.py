@@ -1,9 +1,11 @@
-# Checks generation.min_new_tokens (no response ends before N new tokens) against transformers' own generate().
+# Checks generation.min_new_tokens (no response ends before N new tokens) against transformers' own
+# generate().
 # A failure points to real_py/engines/generate.py (the stop tokens banned for the first N steps).
 """transformers' MinNewTokensLengthLogitsProcessor sets the EOS logits to -inf while fewer than
 min_new_tokens tokens were generated; greedy decoding of a tiny random LLaMA checkpoint must then
 give the same tokens and the same lengths on tp1, tp2 and pp2. The EOS is a token the model emits
-second for prompt 0 without the option (its response ends before MIN_NEW), so the option changes the result (checked too)."""
+second for prompt 0 without the option (its response ends before MIN_NEW), so the option changes the
+result (checked too)."""
 
 import os
 

@@ -1,7 +1,8 @@
 # Checks the engines on mixture-of-experts models (Engine with an ExpertShard): full logits, greedy
 # generation, and one AdamW train_step with the load-balancing aux loss, against transformers.
 # A failure points to real_py/engines/moe_train.py (expert gradients, reduction, router losses),
-# real_py/engines/train.py (1F1B with router-loss terms on every stage) or real_py/engines/generate.py.
+# real_py/engines/train.py (1F1B with router-loss terms on every stage) or
+# real_py/engines/generate.py.
 """Oracle: transformers' model, its aux_loss (output_router_logits, attention_mask), autograd,
 clip_grad_norm_ and torch.optim.AdamW on the whole batch (tests/test_models_moe.py builds the
 checkpoints). Layouts on 4 gloo ranks: dp2ep2 (tokens of two dp replicas meet in one ep group),

@@ -1,5 +1,10 @@
-# Checks that an engine's log-probs and entropy are those of the temperature-scaled distribution the sampler draws from (Engine.logit_temperature, set by the RL runtime to generation.temperature): on tp=2, logit_temperature=2 on the original weights equals logit_temperature=1 on weights whose lm_head was halved, bit for bit (halving is exact in floating point), and differs from the unscaled log-probs.
-# A failure points to Engine.head_outputs (real_py/engines/engine.py) or rlhf/models.py (temperature handed to the engines).
+# Checks that an engine's log-probs and entropy are those of the temperature-scaled distribution the
+# sampler draws from (Engine.logit_temperature, set by the RL runtime to generation.temperature): on
+# tp=2, logit_temperature=2 on the original weights equals logit_temperature=1 on weights whose
+# lm_head was halved, bit for bit (halving is exact in floating point), and differs from the
+# unscaled log-probs.
+# A failure points to Engine.head_outputs (real_py/engines/engine.py) or rlhf/models.py (temperature
+# handed to the engines).
 import io
 
 import pytest

@@ -1,8 +1,9 @@
-# Checks real_py.interop.adapters in one process: HF-named and Megatron-core-named per-rank dicts (built
-# by hand in examples/trainer_interop.py from a transformers LlamaForCausalLM) map to exactly the
-# local tensors tests/support/oracle.py says the rank holds, and back; bad dicts raise ValueError naming
-# the key and the expected shape / order / pipeline split, leaving the dict untouched. A failure
-# points to real_py/interop/adapters.py, the Megatron conventions in it, or Layout.partition.
+# Checks real_py.interop.adapters in one process: HF-named and Megatron-core-named per-rank dicts
+# (built by hand in examples/trainer_interop.py from a transformers LlamaForCausalLM) map to exactly
+# the local tensors tests/support/oracle.py says the rank holds, and back; bad dicts raise
+# ValueError naming the key and the expected shape / order / pipeline split, leaving the dict
+# untouched. A failure points to real_py/interop/adapters.py, the Megatron conventions in it, or
+# Layout.partition.
 import sys
 from pathlib import Path
 

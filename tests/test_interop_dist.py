@@ -2,8 +2,9 @@
 # hand (tp2 pp2, HF-named slices and Megatron-core local dicts with grouped q|k|v and 128 x tp
 # vocab padding, tied and untied) -> generation layout dp4 -> back, bit for bit against the full
 # transformers tensors and the trainer's own dicts; plus storage-format layout pairs over gloo
-# against tests/support/oracle.py. A failure points to real_py/interop/adapters.py, the planner's storage-format
-# conversion (csrc/planner/geometry.cpp, real_py/realloc/plan.py) or examples/trainer_interop.py.
+# against tests/support/oracle.py. A failure points to real_py/interop/adapters.py, the planner's
+# storage-format conversion (csrc/planner/geometry.cpp, real_py/realloc/plan.py) or
+# examples/trainer_interop.py.
 import sys
 from pathlib import Path
 

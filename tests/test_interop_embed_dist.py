@@ -1,7 +1,8 @@
 """Checks the trainer embedding API (dicts of local tensors, flat buffers) and the DeviceMesh ->
 Layout conversion, on 4 spawned gloo ranks with real DeviceMeshes, plus input validation.
 
-A failure points to real_py/interop/embed.py; reallocation results are compared with tests/support/oracle.py.
+A failure points to real_py/interop/embed.py; reallocation results are compared with
+tests/support/oracle.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-# Checks that bad configs, layouts, batches and generation arguments raise clear ValueErrors at construction or call time.
-# A failure points to the argument checks in real_py/parallel.py, real_py/engines/ (engine, pipeline, generate, train) or real_py/models/vocab.py.
+# Checks that bad configs, layouts, batches and generation arguments raise clear ValueErrors at
+# construction or call time.
+# A failure points to the argument checks in real_py/parallel.py, real_py/engines/ (engine,
+# pipeline, generate, train) or real_py/models/vocab.py.
 """Pure checks run in-process; the ones that need process groups share one 2-rank gloo spawn."""
 
 import pytest

@@ -1,5 +1,9 @@
-# Checks parameter GRADIENTS of every PPO/GRPO loss term (clipped policy loss on log-probs, entropy bonus, clipped value loss) and tied embeddings on pp = 2, 3, 4, against single-device torch autograd on transformers' own models, plus reallocating a trained pp=3 tied model bit for bit.
-# A failure points to real_py/models/vocab.py (vocab-parallel log-prob / entropy backward), real_py/models/tp.py, real_py/engines/train.py (tied / DP gradient sums) or real_py/parallel.py (tied groups).
+# Checks parameter GRADIENTS of every PPO/GRPO loss term (clipped policy loss on log-probs, entropy
+# bonus, clipped value loss) and tied embeddings on pp = 2, 3, 4, against single-device torch
+# autograd on transformers' own models, plus reallocating a trained pp=3 tied model bit for bit.
+# A failure points to real_py/models/vocab.py (vocab-parallel log-prob / entropy backward),
+# real_py/models/tp.py, real_py/engines/train.py (tied / DP gradient sums) or real_py/parallel.py
+# (tied groups).
 """One 4-rank gloo spawn runs every (model, layout, loss term) case; ranks outside a layout skip it
 (but still build its groups). The reference is transformers' LlamaForCausalLM / Qwen2ForCausalLM
 (/ *ForSequenceClassification) on the whole batch with full-vocab log_softmax, in the parent.
@@ -238,7 +242,8 @@ def _check_grads(got, want, tag):
         bound = RTOL * float(ref.abs().max()) + ATOL
         if not err <= bound:
             bad.append(
-                f"{n}: max err {err:.3g} > {bound:.3g} ({err / max(float(ref.abs().max()), 1e-30):.2%})"
+                f"{n}: max err {err:.3g} > {bound:.3g} "
+                f"({err / max(float(ref.abs().max()), 1e-30):.2%})"
             )
     assert not bad, f"{tag}:\n" + "\n".join(bad)
 

@@ -1,10 +1,12 @@
-# Checks HF checkpoint import/export: per-rank slice-on-read loading, logits parity with transformers, save round trip, bad checkpoints.
-# A failure points to real_py/interop/hf.py (name mapping, slicing, validation) or real_py/models/transformer.py (numerics vs transformers).
+# Checks HF checkpoint import/export: per-rank slice-on-read loading, logits parity with
+# transformers, save round trip, bad checkpoints.
+# A failure points to real_py/interop/hf.py (name mapping, slicing, validation) or
+# real_py/models/transformer.py (numerics vs transformers).
 """Single process, no torch.distributed: load_hf_shard and StageModel work on one rank's shard.
 
 Oracles: transformers' own forward (logits within 1e-4, the issue's bound; observed 0 for tp1pp1
-since the op sequence matches), and real_py.realloc.shard.tp_slice of the checkpoint's tensors for the
-per-rank shards (bit for bit).
+since the op sequence matches), and real_py.realloc.shard.tp_slice of the checkpoint's tensors for
+the per-rank shards (bit for bit).
 """
 
 import os

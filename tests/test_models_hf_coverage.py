@@ -1,5 +1,9 @@
-# Checks HF model coverage against transformers: rope_scaling (linear/dynamic/llama3/yarn), Mistral sliding_window, Qwen2 use_sliding_window + max_window_layers, biases, tied; refusals of unsupported architectures/fields; save_hf's exported config.
-# A failure points to real_py/models/rope.py (frequencies), real_py/models/transformer.py (window mask, KV cache slots), real_py/spec/hf_config.py (field parsing/refusals/export) or real_py/interop/hf.py.
+# Checks HF model coverage against transformers: rope_scaling (linear/dynamic/llama3/yarn), Mistral
+# sliding_window, Qwen2 use_sliding_window + max_window_layers, biases, tied; refusals of
+# unsupported architectures/fields; save_hf's exported config.
+# A failure points to real_py/models/rope.py (frequencies), real_py/models/transformer.py (window
+# mask, KV cache slots), real_py/spec/hf_config.py (field parsing/refusals/export) or
+# real_py/interop/hf.py.
 """Oracle: transformers 4.57 itself on random-init checkpoints it wrote. Sequences of 24 tokens
 (the window is 4; dynamic RoPE's max_position_embeddings is 16, so it rescales). Generation is
 compared with transformers' own KV-cache decoding (prefill, then one token per step), which is
@@ -104,8 +108,9 @@ CASES = {
         True,
         dict(attention_bias=True, mlp_bias=True, hidden_act="relu"),
     ),
-    # longrope: original_max_position_embeddings 16 < 24 tokens, so full forwards use long_factor and
-    # generation switches from short to long factors mid-decode (prompts of 6, up to 20 positions)
+    # longrope: original_max_position_embeddings 16 < 24 tokens, so full forwards use long_factor
+    # and generation switches from short to long factors mid-decode (prompts of 6, up to 20
+    # positions)
     "llama-longrope": (
         "llama",
         False,
@@ -131,8 +136,8 @@ CASES = {
             ),
         ),
     ),
-    # Gemma 2: caps low enough that tanh bends (scores ~ 1-10 with weights N(0, 0.2)); window 4 on the
-    # default sliding/global alternation; query_pre_attn_scalar != head_dim
+    # Gemma 2: caps low enough that tanh bends (scores ~ 1-10 with weights N(0, 0.2)); window 4 on
+    # the default sliding/global alternation; query_pre_attn_scalar != head_dim
     "gemma2-tied-tp4": (
         "gemma2",
         True,
@@ -157,7 +162,8 @@ CASES = {
             max_position_embeddings=64,
         ),
     ),
-    # Gemma 3 text: q/k norms, local RoPE base on sliding layers, linear scaling on the global one only
+    # Gemma 3 text: q/k norms, local RoPE base on sliding layers, linear scaling on the global one
+    # only
     "gemma3-tied-tp4": (
         "gemma3_text",
         True,
@@ -529,12 +535,14 @@ REFUSALS = [
     (
         "rope-su",
         lambda: _llama(rope_scaling={"rope_type": "su", "factor": 2.0}),
-        r"rope_type='su' is not supported; supported: \['dynamic', 'linear', 'llama3', 'longrope', 'yarn'\]",
+        r"rope_type='su' is not supported; supported: "
+        r"\['dynamic', 'linear', 'llama3', 'longrope', 'yarn'\]",
     ),
     (
         "llama3-missing-key",
         lambda: _llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-        r"rope_scaling \(llama3\): missing keys \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]",
+        r"rope_scaling \(llama3\): missing keys "
+        r"\['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]",
     ),
     (
         "attn_logit_softcapping",
@@ -651,8 +659,8 @@ def test_sequence_classification_checkpoint_builds_the_value_head(tmp_path):
 
 
 # Gemma 3 text value model (Gemma3TextForSequenceClassification): q/k norms, local RoPE base on the
-# sliding layers, linear scaling on the global one, window 4 < 12 tokens; final_logit_softcapping set
-# to show the value head is not capped (transformers' score head ignores it)
+# sliding layers, linear scaling on the global one, window 4 < 12 tokens; final_logit_softcapping
+# set to show the value head is not capped (transformers' score head ignores it)
 G3V = {
     "head_dim": 16,
     "sliding_window": 4,
@@ -982,7 +990,8 @@ def test_transformers5_rope_parameters_read_as_the_4x_fields():
     )  # no stale v5 copy beside the 4.x fields
     with pytest.raises(
         ValueError,
-        match=r"rope_parameters=.*it says rope_theta=500000.0 and the config says rope_theta=10000.0",
+        match=r"rope_parameters=.*it says rope_theta=500000.0 "
+        r"and the config says rope_theta=10000.0",
     ):
         ModelConfig.from_hf(
             dict(plain, rope_parameters={"rope_type": "default", "rope_theta": 5e5})

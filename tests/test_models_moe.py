@@ -1,14 +1,15 @@
-# Checks the mixture-of-experts forward (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers: logits,
-# KV-cache decode steps, greedy generation, the load-balancing aux loss and one step's gradients
-# (log-prob, entropy and aux-loss terms), on ep1 and on expert-parallel layouts (ep2 / ep4 with dp,
-# tp2 and pp2; experts split by etp2) over 4 gloo ranks.
+# Checks the mixture-of-experts forward (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers:
+# logits, KV-cache decode steps, greedy generation, the load-balancing aux loss and one step's
+# gradients (log-prob, entropy and aux-loss terms), on ep1 and on expert-parallel layouts (ep2 / ep4
+# with dp, tp2 and pp2; experts split by etp2) over 4 gloo ranks.
 # A failure points to real_py/models/moe.py (routing, dispatch, aux loss), real_py/models/tp.py (TP
 # row split), real_py/spec/hf_config.py (MoE fields) or real_py/interop/hf.py (expert tensor names).
-"""Oracle: transformers 4.57 itself on random-init checkpoints it wrote (models_oracle.make_checkpoint),
-with output_router_logits=True for its aux_loss (load_balancing_loss_func with the attention mask)
-and autograd for the gradients. Nothing here calls real_py to compute an expected value: HF
-gradients are mapped to real_py's fused names by plain renames in this file, and each rank's piece
-is compared with a slice of them. fp32; 1e-5 as the dense tests (TP/EP reorder sums by ulps).
+"""Oracle: transformers 4.57 itself on random-init checkpoints it wrote
+(models_oracle.make_checkpoint), with output_router_logits=True for its aux_loss
+(load_balancing_loss_func with the attention mask) and autograd for the gradients. Nothing here
+calls real_py to compute an expected value: HF gradients are mapped to real_py's fused names by
+plain renames in this file, and each rank's piece is compared with a slice of them. fp32; 1e-5 as
+the dense tests (TP/EP reorder sums by ulps).
 """
 
 import io
@@ -74,7 +75,8 @@ LAYOUTS = [  # 4 gloo ranks at most
     Layout(dp=2, tp=2, ep=4, ranks=(1, 2, 3, 0), order="dp-tp-pp"),
     Layout(dp=2, pp=2, ep=2),  # one ep group per pipeline stage
     Layout(tp=2, pp=2, ep=2),  # tp row blocks and stages together
-    # etp: each expert's intermediate dim split; rows gathered over the etp group, partial outputs summed
+    # etp: each expert's intermediate dim split; rows gathered over the etp group, partial outputs
+    # summed
     Layout(tp=2, etp=2),  # etp group = TP group (vLLM's TP experts)
     Layout(dp=2, etp=2),  # etp group across two dp replicas
     Layout(dp=2, tp=2, ep=2, etp=2),  # etp over tp, ep over dp
@@ -95,7 +97,8 @@ def ckpts(tmp_path_factory):
 
 
 def _hf_named(name: str) -> str:
-    """transformers parameter name -> real_py's unfused name (Mixtral's w1/w3/w2 as gate/up/down)."""
+    """transformers parameter name -> real_py's unfused name (Mixtral's w1/w3/w2 as
+    gate/up/down)."""
     name = name.removeprefix("model.").replace("block_sparse_moe", "mlp")
     return re.sub(
         r"\.w([123])\.",
@@ -136,7 +139,8 @@ def entropy_term(logp_all: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def oracle(path):
-    """transformers' logits, aux loss, router logits and gradients of nll - ENT entropy + coef aux."""
+    """transformers' logits, aux loss, router logits and gradients of nll - ENT entropy + coef
+    aux."""
     ref = O.load_oracle(path)
     out = ref(TOKENS, attention_mask=MASK, output_router_logits=True)
     logp = torch.log_softmax(out.logits[:, :-1], -1)

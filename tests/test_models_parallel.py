@@ -1,5 +1,7 @@
-# Checks the TP/PP/DP engines (logits, log-probs, values, one train step, generation) for six layouts against transformers' own models.
-# A failure points to real_py/models (TP collectives, vocab padding), real_py/engines (pipeline, 1F1B, DP/tied reduction, sampling) or real_py/interop/hf.py.
+# Checks the TP/PP/DP engines (logits, log-probs, values, one train step, generation) for six
+# layouts against transformers' own models.
+# A failure points to real_py/models (TP collectives, vocab padding), real_py/engines (pipeline,
+# 1F1B, DP/tied reduction, sampling) or real_py/interop/hf.py.
 """All six layouts of the issue run in ONE 4-rank gloo spawn (ranks outside a layout skip it,
 but still build its groups, as the PPO runtime will). Three checkpoints: Qwen2 (q/k/v bias,
 untied), LLaMA with tied embeddings, LLaMA value head (SequenceClassification, num_labels=1).

@@ -1,6 +1,7 @@
-# Checks real_py::pack / real_py::unpack on CPU (tests/test_ops_cuda.py: on a GPU) bit for bit against a per-run
-# slicing reference, under torch.library.opcheck, and their ValueErrors. A failure points to
-# csrc/ops/ (checks.h, tiles.cpp, copy_cpu.cpp, copy_kernel.cu, copy_cuda.cpp) or real_py/ops.py.
+# Checks real_py::pack / real_py::unpack on CPU (tests/test_ops_cuda.py: on a GPU) bit for bit
+# against a per-run slicing reference, under torch.library.opcheck, and their ValueErrors. A failure
+# points to csrc/ops/ (checks.h, tiles.cpp, copy_cpu.cpp, copy_kernel.cu, copy_cuda.cpp) or
+# real_py/ops.py.
 import numpy as np
 import pytest
 import torch

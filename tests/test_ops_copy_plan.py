@@ -192,8 +192,9 @@ def test_copy_plan_cuda_matches_cpu(dtype):
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
 )
 def test_copy_plan_cuda_reads_a_source_on_another_gpu():
-    """Destinations on cuda:0, a source on cuda:1 (as a CUDA IPC peer's buffer is): the kernel runs on
-    the destinations' device and reads the peer over NVLink / PCIe, or refuses naming both devices."""
+    """Destinations on cuda:0, a source on cuda:1 (as a CUDA IPC peer's buffer is): the kernel runs
+    on the destinations' device and reads the peer over NVLink / PCIe, or refuses naming both
+    devices."""
     rng = np.random.default_rng(5)
     descs, sn, dn = random_descs(rng, 2)
     srcs = [torch.randint(0, 250, (n,), dtype=torch.uint8) for n in sn]

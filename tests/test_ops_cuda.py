@@ -1,6 +1,7 @@
-# Checks real_py::pack / real_py::unpack on a GPU: the CPU tests' samples (tests/support/ops_cases.py) bit
-# for bit against the slicing reference, on the current stream, and the CUDA-only errors. A failure
-# points to csrc/ops/ (copy_kernel.cu, copy_cuda.cpp) or real_py/ops.py.
+# Checks real_py::pack / real_py::unpack on a GPU: the CPU tests' samples
+# (tests/support/ops_cases.py) bit for bit against the slicing reference, on the current stream, and
+# the CUDA-only errors. A failure points to csrc/ops/ (copy_kernel.cu, copy_cuda.cpp) or
+# real_py/ops.py.
 # Without a GPU the whole module is one skip (not one per sample: a marker skips case by case).
 import numpy as np
 import pytest

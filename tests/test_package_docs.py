@@ -1,5 +1,7 @@
-"""Docs integrity: every relative link and backticked repository path in README.md, docs/*.md and the package READMEs exists, and README.md stays short.
-A failure names the file, line and path: fix the reference (a file moved or was renamed) or restore the file."""
+"""Docs integrity: every relative link and backticked repository path in README.md, docs/*.md and
+the package READMEs exists, and README.md stays short.
+A failure names the file, line and path: fix the reference (a file moved or was renamed) or restore
+the file."""
 
 from __future__ import annotations
 
@@ -125,7 +127,8 @@ def _repo_paths(span: str):
 
 
 def references(path: Path):
-    """(line, kind, target, base directory) for every link and repository path in a markdown file."""
+    """(line, kind, target, base directory) for every link and repository path in a markdown
+    file."""
     text = path.read_text(encoding="utf-8")
     for n, line, fenced in _lines_outside_fences(text):
         if fenced:

@@ -1,5 +1,8 @@
-# Checks that bad inputs to the library API (Layout, plan_realloc, check_fits, ModelShard, Reallocator, reallocate_params/flat, shard_from_params, load_hf_shard, ParallelGroups) raise one clear TypeError/ValueError naming the argument or file, and leave their inputs untouched.
-# A failure points to the argument checks in real_py/layout/ (grid.py, fits.py), plan.py, shard.py, reallocator.py, embed.py, hf.py or parallel.py.
+# Checks that bad inputs to the library API (Layout, plan_realloc, check_fits, ModelShard,
+# Reallocator, reallocate_params/flat, shard_from_params, load_hf_shard, ParallelGroups) raise one
+# clear TypeError/ValueError naming the argument or file, and leave their inputs untouched.
+# A failure points to the argument checks in real_py/layout/ (grid.py, fits.py), plan.py, shard.py,
+# reallocator.py, embed.py, hf.py or parallel.py.
 """Table-driven: each case is (id, call, exception type, regex of the message, inputs to compare
 before/after). Everything runs in-process; no case reaches a collective (the meta-tensor case
 used to hang in the transfer until its timeout)."""
@@ -169,7 +172,8 @@ def _cases(tmp):
             "plan_realloc src str",
             lambda: plan_realloc(SPEC, "dp1", DST),
             TypeError,
-            r"src must be a real_py.Layout \(parse a string with real_py.Layout.parse\), got str 'dp1'",
+            r"src must be a real_py.Layout \(parse a string with real_py.Layout.parse\), "
+            r"got str 'dp1'",
             [],
         ),
         (
@@ -262,7 +266,8 @@ def _cases(tmp):
             "run shard of same-name model",
             lambda: _realloc().run(other, ModelShard.empty(SPEC, DST, 0)),
             ValueError,
-            rf"source shard's model {SPEC.name} is not the plan's source model of the same name: .*disagree",
+            rf"source shard's model {SPEC.name} is not the plan's source model of the same name: "
+            r".*disagree",
             [other.flat],
         ),
         (
@@ -276,15 +281,17 @@ def _cases(tmp):
             "run freed source",
             lambda: _realloc().run(freed, ModelShard.empty(SPEC, DST, 0)),
             ValueError,
-            r"source shard of rank 0 .* has 0 bytes of storage behind a \d+-byte buffer: it was freed",
+            r"source shard of rank 0 .* has 0 bytes of storage behind a \d+-byte buffer: "
+            r"it was freed",
             [],
         ),
         (
             "run float64 source",
             lambda: _realloc().run(_replaced(torch.float64), ModelShard.empty(SPEC, DST, 0)),
             ValueError,
-            rf"source shard of rank 0 \({SPEC.name}, dp1tp1pp1\): its flat buffer is \({flat.numel()},\) "
-            rf"torch.float64; the plan needs a 1-D contiguous torch.float32 buffer of {flat.numel()} elements "
+            rf"source shard of rank 0 \({SPEC.name}, dp1tp1pp1\): "
+            rf"its flat buffer is \({flat.numel()},\) torch.float64; "
+            rf"the plan needs a 1-D contiguous torch.float32 buffer of {flat.numel()} elements "
             rf"\({flat.numel() * 4} bytes\)",
             [],
         ),
@@ -292,8 +299,8 @@ def _cases(tmp):
             "run short source",
             lambda: _realloc().run(_replaced(torch.float32, -1), ModelShard.empty(SPEC, DST, 0)),
             ValueError,
-            rf"source shard of rank 0 .* is \({flat.numel() - 1},\) torch.float32; .* of {flat.numel()} "
-            "elements",
+            rf"source shard of rank 0 .* is \({flat.numel() - 1},\) torch.float32; "
+            rf".* of {flat.numel()} elements",
             [],
         ),
         (
@@ -303,7 +310,8 @@ def _cases(tmp):
                 _replaced(torch.float16, shard=ModelShard.empty(SPEC, DST, 0)),
             ),
             ValueError,
-            r"destination shard of rank 0 \(.*, dp1tp2pp1\): its flat buffer is \(\d+,\) torch.float16; "
+            r"destination shard of rank 0 \(.*, dp1tp2pp1\): "
+            r"its flat buffer is \(\d+,\) torch.float16; "
             r"the plan needs a 1-D contiguous torch.float32 buffer of \d+ elements",
             [],
         ),
@@ -369,7 +377,8 @@ def _cases(tmp):
             "load_hf_shard truncated",
             lambda: load_hf_shard(str(truncated), cfg_hf, SRC, 0),
             ValueError,
-            rf"{truncated}/model.safetensors is not a readable safetensors file \(truncated or corrupt",
+            rf"{truncated}/model.safetensors is not a readable safetensors file "
+            r"\(truncated or corrupt",
             [st],
         ),
         (

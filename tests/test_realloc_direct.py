@@ -1,9 +1,11 @@
 """Checks direct (unstaged) sends of big contiguous pieces inside mixed messages: which chunks go
-direct, staging shrinks, results bit for bit against tests/support/oracle.py, in-process and over gloo.
+direct, staging shrinks, results bit for bit against tests/support/oracle.py, in-process and over
+gloo.
 
-A failure points to the message splitting in the C++ per-rank schedule (real_py/realloc/rank_schedule.py,
-csrc/planner/rank_schedule.cpp) or its oracle tests/support/schedule_oracle.py (_split_message, Chunk.contiguous)
-or the direct-send slices in real_py/realloc/reallocator.py; byte counts point to the transports.
+A failure points to the message splitting in the C++ per-rank schedule
+(real_py/realloc/rank_schedule.py, csrc/planner/rank_schedule.cpp) or its oracle
+tests/support/schedule_oracle.py (_split_message, Chunk.contiguous) or the direct-send slices in
+real_py/realloc/reallocator.py; byte counts point to the transports.
 """
 
 from __future__ import annotations

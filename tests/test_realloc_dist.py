@@ -1,7 +1,8 @@
 """Checks distributed reallocation over gloo (DistTransport) on 2, 4 and 8 spawned ranks.
 
-A failure points to real_py/realloc/transports/dist.py (p2p batches, broadcast subgroups, byte counts) or
-the reallocator's pipelined rounds; results are compared with the index oracle (tests/support/oracle.py).
+A failure points to real_py/realloc/transports/dist.py (p2p batches, broadcast subgroups, byte
+counts) or the reallocator's pipelined rounds; results are compared with the index oracle
+(tests/support/oracle.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Checks dp-sharded layouts (FSDP2 dim-0 chunks, ZeRO-3 / FSDP1 flat split) as reallocation source and destination.
+"""Checks dp-sharded layouts (FSDP2 dim-0 chunks, ZeRO-3 / FSDP1 flat split) as reallocation source
+and destination.
 
-A failure points to real_py/layout/dp_shard.py (dp_shard_layout), real_py/realloc/shard.py (dp pieces), plan.py (entry ranges)
-or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is tests/support/oracle.py (index_buffer, torch.chunk).
+A failure points to real_py/layout/dp_shard.py (dp_shard_layout), real_py/realloc/shard.py (dp
+pieces), plan.py (entry ranges) or the C++ dp planner (csrc/planner/dp_shard.cpp); the oracle is
+tests/support/oracle.py (index_buffer, torch.chunk).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def test_named_pairs_plan(name, mode):
 
 
 def test_random_pairs_plan():
-    """100 seeded random pairs, dp-sharded (dim0 / flat / none) on either side, planner invariants."""
+    """100 seeded random pairs, dp-sharded (dim0 / flat / none) on either side, planner
+    invariants."""
     rng = random.Random(4242)
     for i in range(100):
         model = SPECS[i % len(SPECS)]
@@ -75,7 +78,8 @@ def test_random_pairs_plan():
 
 
 def test_random_pairs_reallocator():
-    """60 random pairs through the reallocator (in-process transport), sources untouched, bytes as planned."""
+    """60 random pairs through the reallocator (in-process transport), sources untouched, bytes as
+    planned."""
     rng = random.Random(77)
     for i in range(60):
         model = SPECS[i % len(SPECS)]
@@ -105,7 +109,8 @@ def test_random_pairs_reallocator():
 
 
 def test_round_trip_and_gather_full():
-    """dp-sharded -> other -> the same dp-sharded layout restores every buffer; gather_full rebuilds the model."""
+    """dp-sharded -> other -> the same dp-sharded layout restores every buffer; gather_full rebuilds
+    the model."""
     rng = random.Random(5)
     for i in range(20):
         model = SPECS[i % len(SPECS)]
@@ -134,7 +139,8 @@ def test_round_trip_and_gather_full():
 
 
 def test_dim0_pieces_follow_torch_chunk():
-    """FSDP2's rule: piece d of a local tensor is torch.chunk(t, dp, 0)[d] (empty past the last chunk), padded storage."""
+    """FSDP2's rule: piece d of a local tensor is torch.chunk(t, dp, 0)[d] (empty past the last
+    chunk), padded storage."""
     model = (
         TIED  # tp2 local tensors of 51 (vocab), 24, 18 and 12 rows: uneven and short last pieces
     )
@@ -168,7 +174,8 @@ def test_layout_parse_and_errors():
 
 
 def test_engines_and_runtime_refuse_dp_sharded():
-    """Engines / the PPO runtime run on whole shards: a dp-sharded layout is refused with the reason."""
+    """Engines / the PPO runtime run on whole shards: a dp-sharded layout is refused with the
+    reason."""
     with pytest.raises(ValueError, match="call actor_gen: layout dp2tp1pp1-dim0 is dp-sharded"):
         ExecutionPlan(world_size=2, calls={"actor_gen": L("dp2,dim0")})
     from real_py.engines.engine import Engine
@@ -215,8 +222,8 @@ def test_layout_from_fsdp_meshes():
         _Mesh(torch.arange(4).flip(0), ("fsdp",)), {"fsdp": "dp_shard"}, dp_shard="flat"
     )
     # torch numbers a mesh dim's ranks in sorted order and FSDP2 shards by that number, so the
-    # mesh [3, 2, 1, 0] holds dp pieces 0..3 on ranks 0..3 (tests/test_realloc_dp_shard_dist.py checks
-    # this against fully_shard).
+    # mesh [3, 2, 1, 0] holds dp pieces 0..3 on ranks 0..3 (tests/test_realloc_dp_shard_dist.py
+    # checks this against fully_shard).
     assert one == Layout(dp=4, dp_shard="flat", ranks=(0, 1, 2, 3)), one
     assert (
         layout_from_device_mesh(_Mesh(torch.arange(4).view(2, 2), ("dp", "tp"))).dp_shard == "none"
@@ -231,7 +238,8 @@ def test_layout_from_fsdp_meshes():
 
 
 def test_shard_from_params_takes_fsdp_local_pieces():
-    """A trainer's FSDP2 local tensors (dim-0 pieces) become a shard; wrong piece shapes are named."""
+    """A trainer's FSDP2 local tensors (dim-0 pieces) become a shard; wrong piece shapes are
+    named."""
     from real_py.interop.embed import shard_from_params
 
     layout, full = L("dp4,tp2,dim0"), random_full(TIED, 1)
@@ -281,8 +289,8 @@ def test_dp_sharded_layout_with_storage_format():
 
 
 def test_dp_sharding_with_layer_count_split():
-    """partition='layers' survives dp sharding (gather_full, reallocation vs the oracle) and plan JSON;
-    a failure points to a place that rebuilds a Layout without its partition."""
+    """partition='layers' survives dp sharding (gather_full, reallocation vs the oracle) and plan
+    JSON; a failure points to a place that rebuilds a Layout without its partition."""
     model = tiny_spec(layers=4, vocab=301, head="value")
     full = random_full(model, 7)
     a = Layout(dp=2, pp=2, dp_shard="dim0", partition="layers")
@@ -314,7 +322,8 @@ def test_dp_sharding_with_layer_count_split():
 
 
 def test_adapters_refuse_dp_sharded_layouts():
-    """The HF / Megatron adapters map whole TP-local tensors; a dp-sharded layout is refused by name."""
+    """The HF / Megatron adapters map whole TP-local tensors; a dp-sharded layout is refused by
+    name."""
     from real_py.interop.adapters import from_hf_state_dict
 
     with pytest.raises(ValueError, match="dp-sharded: the adapters map whole TP-local tensors"):

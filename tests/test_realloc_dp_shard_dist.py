@@ -1,7 +1,9 @@
-"""Checks dp-sharded layouts over 4 gloo ranks: DistTransport transfers, FSDP2 DTensor Shard(0) agreement, device meshes.
+"""Checks dp-sharded layouts over 4 gloo ranks: DistTransport transfers, FSDP2 DTensor Shard(0)
+agreement, device meshes.
 
-A failure points to the dp planner (csrc/planner/dp_shard.cpp), real_py/layout/dp_shard.py dp_shard_layout (if the DTensor
-comparison fails, our dim0 rule departs from FSDP2's), or real_py/interop/embed.py layout_from_device_mesh / shard_from_params.
+A failure points to the dp planner (csrc/planner/dp_shard.cpp), real_py/layout/dp_shard.py
+dp_shard_layout (if the DTensor comparison fails, our dim0 rule departs from FSDP2's), or
+real_py/interop/embed.py layout_from_device_mesh / shard_from_params.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Checks failure handling of distributed reallocation over gloo: a killed rank, a stalled rank,
 data corrupted in flight (verify=True), free_source, and the staging bound.
 
-A failure points to real_py/realloc/transports/dist.py (timeouts, error text, failure reports) or to the
-reallocator's verify / free_source / staging handling (real_py/realloc/reallocator.py).
+A failure points to real_py/realloc/transports/dist.py (timeouts, error text, failure reports) or to
+the reallocator's verify / free_source / staging handling (real_py/realloc/reallocator.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Checks the CUDA IPC transport (real_py/realloc/transports/ipc.py): 2-4 processes on ONE GPU, each
 rank's shards in its own process, moves in one pass from the mapped peers' buffers, bit for bit
-against tests/support/oracle.py, replayed with the same buffers (mapped once) and with new ones, a rank
-that fails named by its peers. GPU tests are marked cuda (tests/conftest.py skips them without a
-GPU); the rest runs anywhere.
+against tests/support/oracle.py, replayed with the same buffers (mapped once) and with new ones, a
+rank that fails named by its peers. GPU tests are marked cuda (tests/conftest.py skips them without
+a GPU); the rest runs anywhere.
 
 A failure points to ipc.py (handles, events, store keys) or the one-pass runner (direct.py).
 """

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layouts (ep, etp) and their reallocation, checked against tests/support/oracle.py.
+"""Mixture-of-experts layouts (ep, etp) and their reallocation, checked against
+tests/support/oracle.py.
 
 Every destination piece is compared bit for bit with the oracle's slice of the full tensors
 (expert pieces by the oracle's own folding math), and each plan's network bytes with the
@@ -398,7 +399,8 @@ def test_moe_merged_verify_names_rank_round_and_part():
     assert len(errors) > 1, f"only {sorted(errors)} failed: the peers of rank 2 must fail too"
     errors = {r: str(e) for r, e in errors.items()}
     assert re.match(
-        r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round \((dense|experts[^)]*\)), "
+        r"rank 2: merged round 3: checksum mismatch on chunk 0 of the round "
+        r"\((dense|experts[^)]*\)), "
         r"plan message \d+, \d+ elements\) from peer rank \d:",
         errors[2],
     ), errors[2]

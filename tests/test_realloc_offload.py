@@ -1,5 +1,9 @@
-# Checks frozen-model offload: HostOffload round trips bit for bit with views kept valid and the host buffer reused, misuse errors, and the PPO runtime with offload_frozen (same results as without, ref/reward freed outside their calls, bytes reported).
-# A failure points to real_py/realloc/offload.py (copy, storage resize, pinned buffer), real_py/rlhf/models.py (offloaders, engine_for check), runtime.py (reload/offload around the call, summary) or config.py / cli/train.py (the key, the step line).
+# Checks frozen-model offload: HostOffload round trips bit for bit with views kept valid and the
+# host buffer reused, misuse errors, and the PPO runtime with offload_frozen (same results as
+# without, ref/reward freed outside their calls, bytes reported).
+# A failure points to real_py/realloc/offload.py (copy, storage resize, pinned buffer),
+# real_py/rlhf/models.py (offloaders, engine_for check), runtime.py (reload/offload around the call,
+# summary) or config.py / cli/train.py (the key, the step line).
 """The runtime comparison is exact (torch.equal, ==): offloading copies bytes out and back, so the
 same 4-rank job with and without it must compute the same bits."""
 

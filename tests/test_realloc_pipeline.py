@@ -2,7 +2,8 @@
 (in-process transport): random pairs against the oracle, staging bound, a corrupted chunk.
 
 A failure points to the pipelined round loop, checksum exchange or staging halves in
-real_py/realloc/reallocator.py (the distributed transports run the same loop, see tests/test_dist_*.py).
+real_py/realloc/reallocator.py (the distributed transports run the same loop, see
+tests/test_dist_*.py).
 """
 
 from __future__ import annotations

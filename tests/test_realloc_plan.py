@@ -1,7 +1,8 @@
 """Checks the C++ transfer planner against an independent oracle (no process group).
 
-A failure points to the planner (csrc/planner/), the layout/shard offsets (real_py/layout/shards.py), or
-sender selection: a destination element uncovered, covered twice, or sent when held locally.
+A failure points to the planner (csrc/planner/), the layout/shard offsets
+(real_py/layout/shards.py), or sender selection: a destination element uncovered, covered twice, or
+sent when held locally.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Checks the reallocator end to end with the in-process transport (all ranks in one process).
 
-A failure points to the bucket schedule (real_py/realloc/rank_schedule.py; tests/support/schedule_oracle.py), staging/direct-send handling in
-real_py/realloc/reallocator.py, the ops, or the in-process transport; the oracle is tests/support/oracle.py.
+A failure points to the bucket schedule (real_py/realloc/rank_schedule.py;
+tests/support/schedule_oracle.py), staging/direct-send handling in real_py/realloc/reallocator.py,
+the ops, or the in-process transport; the oracle is tests/support/oracle.py.
 """
 
 from __future__ import annotations

@@ -122,9 +122,10 @@ def test_bad_input():
 
 
 def _replay_numpy(u, v, l1, l2, nb, bounds, bw, w, latency):
-    """Reference for the C++ round replay (the numpy loop that simulate() replaced): per round, links start at the latest of their free time and their hops' ranks'
-    ready times, carry their round's bytes over their bandwidth plus the latency, and a hop's
-    ranks are ready when its slower link is done."""
+    """Reference for the C++ round replay (the numpy loop that simulate() replaced): per round,
+    links start at the latest of their free time and their hops' ranks' ready times, carry their
+    round's bytes over their bandwidth plus the latency, and a hop's ranks are ready when its slower
+    link is done."""
     ready, link_free = np.zeros(w), np.zeros(len(bw))
     for k in range(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]

@@ -1,10 +1,11 @@
 # Checks fused-tensor storage formats (qkv_layout blocked | megatron_grouped, gate_up_layout
 # blocked | interleaved, vocab_pad_multiple) end to end in one process: the planner converts
-# between two sides' formats exactly (bit for bit against tests/support/oracle.py's independent index
-# math), shards / gather_full agree with the oracle, the opt-in check catches Megatron-ordered
+# between two sides' formats exactly (bit for bit against tests/support/oracle.py's independent
+# index math), shards / gather_full agree with the oracle, the opt-in check catches Megatron-ordered
 # q|k|v declared blocked, bad formats are refused. A failure points to csrc/planner/geometry.cpp
-# (segments with Format), real_py/realloc/plan.py (_layout_arrays, dst_model), real_py/spec/params.py (TPRule
-# groups / vocab_multiple), real_py/realloc/shard.py or real_py/interop/adapters.py (check_against_full).
+# (segments with Format), real_py/realloc/plan.py (_layout_arrays, dst_model),
+# real_py/spec/params.py (TPRule groups / vocab_multiple), real_py/realloc/shard.py or
+# real_py/interop/adapters.py (check_against_full).
 import json
 import random
 

@@ -1,8 +1,8 @@
 """Checks the round loop of stream-ordered transports (NCCL) on the code path gloo can run:
 DistTransport(stream_ordered=True) completes rounds with Handle.order() and watches them at the
 end, messages merged per peer and round (merge=True, direct pieces packed in), 1-3 rounds in
-flight; bit for bit against tests/support/oracle.py, the staging bound, a silent peer named within the
-timeout. The in-process tests count the merged messages.
+flight; bit for bit against tests/support/oracle.py, the staging bound, a silent peer named within
+the timeout. The in-process tests count the merged messages.
 
 A failure points to real_py/realloc/rounds.py (inflight slots, order / watch), round_layout.py
 (merged layouts: both ends must derive the same messages) or transports/dist.py (order()).

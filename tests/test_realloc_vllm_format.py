@@ -1,5 +1,9 @@
-# Checks reallocation into vLLM's live per-rank storage format (vllm_config: blocked q|k|v and gate|up, vocab padded to 64, kv heads replicated when tp > nkv) from trainer layouts, bit for bit against tests/support/oracle.py, at the minimum network bytes.
-# A failure points to csrc/planner/geometry.cpp (segments / source_segments with replicate_units), planner.cpp or dp_shard.cpp (formats on dp-sharded sides), real_py/spec (TPRule.replicate_units, vllm_config) or real_py/realloc/shard.py (tp_slice, gather_full).
+# Checks reallocation into vLLM's live per-rank storage format (vllm_config: blocked q|k|v and
+# gate|up, vocab padded to 64, kv heads replicated when tp > nkv) from trainer layouts, bit for bit
+# against tests/support/oracle.py, at the minimum network bytes.
+# A failure points to csrc/planner/geometry.cpp (segments / source_segments with replicate_units),
+# planner.cpp or dp_shard.cpp (formats on dp-sharded sides), real_py/spec (TPRule.replicate_units,
+# vllm_config) or real_py/realloc/shard.py (tp_slice, gather_full).
 from __future__ import annotations
 
 import dataclasses

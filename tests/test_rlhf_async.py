@@ -1,5 +1,12 @@
-# Checks async RL on 4 gloo ranks (kill and resume included: the resumed run equals the uninterrupted one) with generation (ranks 2, 3) and training (ranks 0, 1) on disjoint ranks, on the shipped copy task: async.max_staleness=0 equals the synchronous run bit for bit (metrics and actor weights); with k=1 and k=2 every trained row's behaviour log-probs are those of the weight version it recorded (recomputed with that version's kept weights) and not the newest, staleness is min(step, k), and every generated row is trained once or queued; GRPO with the decoupled loss learns the copy task in async mode.
-# A failure points to real_py/rlhf/runtime.py (_async_iteration, _rollout), real_py/rlhf/asyncrl.py (queue, versions, checks) or real_py/rlhf/calls.py (versions key, decoupled loss).
+# Checks async RL on 4 gloo ranks (kill and resume included: the resumed run equals the
+# uninterrupted one) with generation (ranks 2, 3) and training (ranks 0, 1) on disjoint ranks, on
+# the shipped copy task: async.max_staleness=0 equals the synchronous run bit for bit (metrics and
+# actor weights); with k=1 and k=2 every trained row's behaviour log-probs are those of the weight
+# version it recorded (recomputed with that version's kept weights) and not the newest, staleness is
+# min(step, k), and every generated row is trained once or queued; GRPO with the decoupled loss
+# learns the copy task in async mode.
+# A failure points to real_py/rlhf/runtime.py (_async_iteration, _rollout), real_py/rlhf/asyncrl.py
+# (queue, versions, checks) or real_py/rlhf/calls.py (versions key, decoupled loss).
 import io
 import os
 

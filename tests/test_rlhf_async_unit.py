@@ -1,5 +1,8 @@
-# Checks the pieces of async RL that need no ranks: the decoupled PPO objective against a hand computation per token (clip, importance weight, cap, gradients), and the `async` config section (parsing, overrides, validation, the graph's version key).
-# A failure points to real_py/rlhf/ppo.py (decoupled_policy_loss_tokens), real_py/rlhf/config/ (schema AsyncConfig, load, checks) or real_py/rlhf/asyncrl.py.
+# Checks the pieces of async RL that need no ranks: the decoupled PPO objective against a hand
+# computation per token (clip, importance weight, cap, gradients), and the `async` config section
+# (parsing, overrides, validation, the graph's version key).
+# A failure points to real_py/rlhf/ppo.py (decoupled_policy_loss_tokens), real_py/rlhf/config/
+# (schema AsyncConfig, load, checks) or real_py/rlhf/asyncrl.py.
 import math
 
 import pytest

@@ -1,4 +1,6 @@
-# Checks checkpoint safety and integrity: round trip (shards, Adam moments, RNG), pickle-free loading (a pickled callable is refused and never runs), sha256 per file (flipped byte, truncated shard, non-JSON meta.json name the file), and temp files that never follow a planted symlink.
+# Checks checkpoint safety and integrity: round trip (shards, Adam moments, RNG), pickle-free
+# loading (a pickled callable is refused and never runs), sha256 per file (flipped byte, truncated
+# shard, non-JSON meta.json name the file), and temp files that never follow a planted symlink.
 # A failure points to real_py/rlhf/checkpoint.py (save / check / load / find).
 """In-process: a 1-rank gloo world (file rendezvous) and a stand-in runtime holding one trained
 engine (flat buffer, Adam moments, step count) are enough for save(); the real kill/resume path
@@ -190,7 +192,8 @@ def test_bad_latest_is_named(saved):
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_cli_refuses_corrupt_checkpoint_before_launch(saved):
-    """`train --resume` verifies every file's sha256 in the launcher: exit 2, file named, no ranks."""
+    """`train --resume` verifies every file's sha256 in the launcher: exit 2, file named, no
+    ranks."""
     import subprocess
     import sys
 

@@ -1,5 +1,11 @@
-# Checks that configs which fail, or run other than their author expects, say so before launch with the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, a searched plan run with other batch settings than it was searched for, more ranks than cores or GPUs, and the legend of the step line's kl.
-# A failure points to real_py/rlhf/config/ (files.py check_checkpoints, checks.py _check_searched_for, notes.py, host_memory.py), real_py/dataflow/execplan.py (searched_for) or real_py/cli/train.py (_config, _before_launch).
+# Checks that configs which fail, or run other than their author expects, say so before launch with
+# the cause and a fix that works: a causal-LM reward_path or critic_path, keys the algorithm cannot
+# use (critic_path with a critic-free algorithm: refused), keys the reward kind ignores, a searched
+# plan run with other batch settings than it was searched for, more ranks than cores or GPUs, and
+# the legend of the step line's kl.
+# A failure points to real_py/rlhf/config/ (files.py check_checkpoints, checks.py
+# _check_searched_for, notes.py, host_memory.py), real_py/dataflow/execplan.py (searched_for) or
+# real_py/cli/train.py (_config, _before_launch).
 import os
 
 import pytest
@@ -94,8 +100,9 @@ def test_ignored_keys_and_ranks_over_cores_are_warned(lm, monkeypatch):
         f"reward_path='{lm}' is ignored: reward.kind='rule' scores without a reward model" in text
     )
     assert (
-        "the plan has 8 ranks with calls but this machine gives this process 2 CPU cores: ranks share cores and the "
-        "run will be slow (calls running side by side stretch by up to 4x)"
+        "the plan has 8 ranks with calls but this machine gives this process 2 CPU cores: "
+        "ranks share cores and the run will be slow "
+        "(calls running side by side stretch by up to 4x)"
     ) in text
     assert "python -m real_py search --gpus 2 --hardware cpu" in text
     assert CF.notes(CF.from_dict({"device": "cpu"}), 2) == []
@@ -172,8 +179,8 @@ def test_searched_plan_records_its_batch_settings_and_other_ones_are_refused(
             CF.validate(CF.from_dict(d), 4)
         msg = str(e.value)
         assert (
-            f"execution plan plan.path='{searched_plan}' was searched for other batch settings than the "
-            f"config's: {named}; "
+            f"execution plan plan.path='{searched_plan}' was searched for other batch settings "
+            f"than the config's: {named}; "
         ) in msg, msg
         assert f"Search again with {flag}, or set" in msg, msg
     # Inline in the config (the JSON pasted under plan:) it is checked the same way.
@@ -242,8 +249,8 @@ def test_launcher_prints_warnings_and_the_kl_legend(lm, tmp_path, capsys, no_lau
     out = capsys.readouterr().out
     assert f"warning: reward_path='{lm}' is ignored: reward.kind='rule'" in out, out
     assert (
-        "step lines: kl = the k1 estimate of KL(actor || reference), sum over each response's tokens"
-        in out
+        "step lines: kl = the k1 estimate of KL(actor || reference), "
+        "sum over each response's tokens" in out
     )
     assert "can be negative" in out
 
@@ -258,8 +265,8 @@ def test_local_cuda_job_with_more_ranks_than_gpus_is_refused(
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert (
-        "the execution plan has 4 ranks but this node has 2 GPUs: a local launch runs one rank per GPU"
-        in err
+        "the execution plan has 4 ranks but this node has 2 GPUs: "
+        "a local launch runs one rank per GPU" in err
     )
 
 
@@ -272,8 +279,8 @@ def test_models_over_host_memory_are_refused_before_launch(
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 16 << 30)
     big = (
-        "{hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, num_attention_heads: 32, "
-        "num_key_value_heads: 32, vocab_size: 32000}"
+        "{hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, "
+        "num_attention_heads: 32, num_key_value_heads: 32, vocab_size: 32000}"
     )
     (tmp_path / "c.yaml").write_text(f"actor: {big}\ncritic: {{vocab_size: 32000}}\n")
     with pytest.raises(SystemExit) as e:

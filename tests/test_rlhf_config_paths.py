@@ -1,5 +1,8 @@
-# Checks that relative input paths written in a config file resolve against the file's folder (the shipped configs run from any directory), that KEY=VALUE overrides resolve against the working directory, and that a missing path is named with the base it was resolved against.
-# A failure points to real_py/rlhf/config/paths.py (resolve_paths, path_origin), load.py (read_yaml) or files.py (check_input_files).
+# Checks that relative input paths written in a config file resolve against the file's folder (the
+# shipped configs run from any directory), that KEY=VALUE overrides resolve against the working
+# directory, and that a missing path is named with the base it was resolved against.
+# A failure points to real_py/rlhf/config/paths.py (resolve_paths, path_origin), load.py (read_yaml)
+# or files.py (check_input_files).
 import os
 
 import pytest

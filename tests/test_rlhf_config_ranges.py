@@ -1,5 +1,8 @@
-# Checks the allowed ranges of config values: every form of the range words (`> x`, `>= x`, `[a, b]`, `(a, b]`, `or null`, a note) tested at its bounds, a malformed one refused when declared, and a value out of range named with its dotted key and the words, section by section.
-# A failure points to real_py/rlhf/config/ranges.py (ranged, _test, check_ranges) or the ranged fields of schema.py.
+# Checks the allowed ranges of config values: every form of the range words (`> x`, `>= x`,
+# `[a, b]`, `(a, b]`, `or null`, a note) tested at its bounds, a malformed one refused when
+# declared, and a value out of range named with its dotted key and the words, section by section.
+# A failure points to real_py/rlhf/config/ranges.py (ranged, _test, check_ranges) or the ranged
+# fields of schema.py.
 import dataclasses
 
 import pytest
@@ -48,7 +51,8 @@ def test_malformed_range_words_are_refused_when_declared(allowed):
             "reward",
             "overlong_buffer",
             -1,
-            "config reward.overlong_buffer=-1 is out of range; allowed: >= 0 (0: no overlong penalty)",
+            "config reward.overlong_buffer=-1 is out of range; "
+            "allowed: >= 0 (0: no overlong penalty)",
         ),
         (
             "async_",

@@ -1,5 +1,9 @@
-# Checks the engines and the PPO runtime on CUDA with NCCL: logits / log-probs / a train step on the GPU against transformers, CUDA-graph decoding against eager decoding, a bf16 train step against the fp32-master oracle, one NCCL PPO iteration (1 GPU; 4 GPUs when present).
-# A failure points to device placement in real_py/engines (engine.py, train.py, generate.py, decode.py), real_py/device.py, or the NCCL paths of real_py/rlhf (runtime.py, rows.py Pusher, calls.py).
+# Checks the engines and the PPO runtime on CUDA with NCCL: logits / log-probs / a train step on the
+# GPU against transformers, CUDA-graph decoding against eager decoding, a bf16 train step against
+# the fp32-master oracle, one NCCL PPO iteration (1 GPU; 4 GPUs when present).
+# A failure points to device placement in real_py/engines (engine.py, train.py, generate.py,
+# decode.py), real_py/device.py, or the NCCL paths of real_py/rlhf (runtime.py, rows.py Pusher,
+# calls.py).
 """Skipped without a GPU (marker `cuda`; scripts/gpu_check.sh runs them). One H200 allows only
 world size 1 with NCCL (NCCL refuses two ranks on one GPU): every call then runs on dp1tp1pp1
 and nothing is reallocated; the 4-rank NCCL iteration runs only where 4 GPUs are visible.

@@ -1,5 +1,9 @@
-# Checks prompt data sets (jsonl, parquet, prompt key, chat template, truncation, padding), the local tokenizer, decoding, user reward functions, and that bad data/tokenizer/reward configs fail in config.validate before any rank starts.
-# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows, make_batch), real_py/rlhf/rewards.py (loading and checking reward functions) or the checks in real_py/rlhf/config/.
+# Checks prompt data sets (jsonl, parquet, prompt key, chat template, truncation, padding), the
+# local tokenizer, decoding, user reward functions, and that bad data/tokenizer/reward configs fail
+# in config.validate before any rank starts.
+# A failure points to real_py/rlhf/data.py (reading, tokenizing, batch rows, make_batch),
+# real_py/rlhf/rewards.py (loading and checking reward functions) or the checks in
+# real_py/rlhf/config/.
 """Single process, no torch.distributed. The tokenizer is the copy task's character-level one,
 built by configs/copy_task/make_task.py into a tmp dir (nothing downloaded); the expected token
 ids are the tokenizer's own encode()."""
@@ -33,7 +37,10 @@ ACTOR = {
     "num_hidden_layers": 2,
     "max_position_embeddings": 32,
 }
-TEMPLATE = "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}=a{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}=a{% endif %}"
+)
 
 
 def _make_task():
@@ -77,7 +84,8 @@ def env(tmp_path_factory):
         "def no_row(prompts, responses, answer):\n    return [0.0] * len(responses)\n"
         "def one_param(responses):\n    return [0.0] * len(responses)\n"
         "def fails(prompts, responses, **row):\n    return [1 / 0]\n"
-        "def default_solution(prompts, responses, solution=None, **row):\n    return [0.0] * len(responses)\n"
+        "def default_solution(prompts, responses, solution=None, **row):\n"
+        "    return [0.0] * len(responses)\n"
         "NOT_CALLABLE = 3\n"
     )
     return tmp
@@ -261,7 +269,8 @@ def test_bad_data_fails_before_ranks(env, tmp_path):
 
 
 def test_token_ids_outside_vocab(env, tmp_path):
-    """A tokenizer whose ids have gaps: 16 entries, but id 40 for "9" -> rejected by the id check."""
+    """A tokenizer whose ids have gaps: 16 entries, but id 40 for "9" -> rejected by the id
+    check."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

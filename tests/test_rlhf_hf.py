@@ -1,5 +1,8 @@
-# Checks PPO and GRPO iterations with actor, critic and reward loaded from transformers checkpoints on 4 gloo ranks whose calls use different layouts (weights reallocated), against the checkpoint tensors and a one-process run.
-# A failure points to real_py/interop/hf.py load_hf_shard (the spec name a loaded shard carries, slicing) or real_py/rlhf/models.py (loading models from paths, reallocation of loaded shards).
+# Checks PPO and GRPO iterations with actor, critic and reward loaded from transformers checkpoints
+# on 4 gloo ranks whose calls use different layouts (weights reallocated), against the checkpoint
+# tensors and a one-process run.
+# A failure points to real_py/interop/hf.py load_hf_shard (the spec name a loaded shard carries,
+# slicing) or real_py/rlhf/models.py (loading models from paths, reallocation of loaded shards).
 """Checkpoints are written by transformers' save_pretrained (LlamaForCausalLM, and
 LlamaForSequenceClassification with num_labels=1 for critic and reward). Oracle for the loaded
 and reallocated shards: tests/oracle.oracle_flat over the HF tensors fused by

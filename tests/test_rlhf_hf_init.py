@@ -1,5 +1,9 @@
-# Checks PPO model initialisation from HF checkpoints: a critic on the actor's causal-LM checkpoint with a fresh value head (critic_init), a reference from its own ref_path, and the vocab / tokenizer checks before ranks start.
-# A failure points to real_py/interop/hf.py load_hf_shard (fresh head, spec name), real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config/ (checks.py _check_vocab, files.py check_same_tokenizer, critic_init, ref_path).
+# Checks PPO model initialisation from HF checkpoints: a critic on the actor's causal-LM checkpoint
+# with a fresh value head (critic_init), a reference from its own ref_path, and the vocab /
+# tokenizer checks before ranks start.
+# A failure points to real_py/interop/hf.py load_hf_shard (fresh head, spec name),
+# real_py/rlhf/models.py (paths, critic_init) or real_py/rlhf/config/ (checks.py _check_vocab,
+# files.py check_same_tokenizer, critic_init, ref_path).
 """The 4-rank run uses the default execution plan: the critic lives on dp2tp2 (train) and is
 reallocated to pp2 for inference, the reference on dp2 ranks 0-1; the gathered weights are
 compared bit for bit with the checkpoints' tensors (transformers' own state dict)."""
@@ -223,9 +227,10 @@ if os.environ.get("FAMILY_CASES"):  # targeted runs: a substring of the model_ty
 def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
     """qwen3 (per-head q/k norms), olmo2 (norms after, whole-projection q/k norms), phi3 (fused
     checkpoint tensors), llama with biases / gelu / longrope, gemma2, gemma3_text: PPO and GRPO run
-    from the checkpoint (GRPO: the trained actor is finite and moved); after one iteration the critic's weights
-    (trained from a zero value head on the actor's body) are finite and moved. gemma3_text's PPO
-    reads its critic and reward from a Gemma3TextForSequenceClassification checkpoint instead."""
+    from the checkpoint (GRPO: the trained actor is finite and moved); after one iteration the
+    critic's weights (trained from a zero value head on the actor's body) are finite and moved.
+    gemma3_text's PPO reads its critic and reward from a Gemma3TextForSequenceClassification
+    checkpoint instead."""
     runs = []
     for mt, over in FAMILIES:
         a = O.make_checkpoint(str(tmp_path / mt), mt, seed=4, **over)
@@ -291,7 +296,8 @@ def test_new_families_run_ppo_and_grpo_from_hf_checkpoints(tmp_path):
                 mt,
                 "critic did not move",
             )
-            # read from the checkpoint (weights ~ N(0, 0.2)): two Adam steps of lr 1e-3 stay within 1e-2
+            # read from the checkpoint (weights ~ N(0, 0.2)): two Adam steps of lr 1e-3 stay
+            # within 1e-2
             assert all(float((crit[0][k] - w).abs().max()) < 1e-2 for k, w in want.items()), mt
             continue
         body = O.fused_state(O.load_oracle(d["actor_path"]))

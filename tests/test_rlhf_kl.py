@@ -1,5 +1,8 @@
-# Checks GRPO as published: the k3 KL estimator (values, gradient, unbiasedness), group advantages with zero-variance groups skipped, KL in the loss vs in the reward, and the ppo.kl_in config key.
-# A failure points to real_py/rlhf/ppo.py (kl_estimate, group_advantages, grpo_advantages, zero_variance_groups), real_py/rlhf/calls.py (kl_in default, the loss term) or real_py/rlhf/config/ (ppo.kl_in).
+# Checks GRPO as published: the k3 KL estimator (values, gradient, unbiasedness), group advantages
+# with zero-variance groups skipped, KL in the loss vs in the reward, and the ppo.kl_in config key.
+# A failure points to real_py/rlhf/ppo.py (kl_estimate, group_advantages, grpo_advantages,
+# zero_variance_groups), real_py/rlhf/calls.py (kl_in default, the loss term) or
+# real_py/rlhf/config/ (ppo.kl_in).
 import math
 
 import pytest

@@ -1,5 +1,9 @@
-# Checks that PPO and GRPO actually learn: on the shipped copy task (configs/copy_task: prompt file, local tokenizer, reward function) the mean reward rises by a stated margin within a bounded number of seeded steps on 4 gloo ranks (weights reallocated between calls), and samples are written.
-# A failure points to the policy-gradient path (real_py/rlhf/calls.py advantages and losses, ppo.py maths), the data path (real_py/rlhf/data.py tokenization, make_batch, decoding) or the reward function plumbing (real_py/rlhf/rewards.py).
+# Checks that PPO and GRPO actually learn: on the shipped copy task (configs/copy_task: prompt file,
+# local tokenizer, reward function) the mean reward rises by a stated margin within a bounded number
+# of seeded steps on 4 gloo ranks (weights reallocated between calls), and samples are written.
+# A failure points to the policy-gradient path (real_py/rlhf/calls.py advantages and losses, ppo.py
+# maths), the data path (real_py/rlhf/data.py tokenization, make_batch, decoding) or the reward
+# function plumbing (real_py/rlhf/rewards.py).
 """The task: a prompt of 3 to 8 digits; reward 1 when the response starts with its last digit.
 A random policy over the 16-token vocabulary scores about 0.1 to 0.2. Recorded with seed 1 (full
 runs in bench/results/learning_cpu2_20261203.md): PPO's mean reward is 0.21 over steps 1-5 and

@@ -1,5 +1,9 @@
-# Checks that one recipe of each critic-free family learns the copy task (configs/recipes on configs/copy_task): RLOO (group baseline), REINFORCE++-baseline (returns whitened over the batch), ReMax (greedy baseline from an extra generation call) and DAPO (clip-higher, token-mean, dynamic sampling); seeded, 4 gloo ranks.
-# A failure points to the estimator or loss path of real_py/rlhf/calls.py (`_advantages`, `_train`), real_py/rlhf/ppo.py, or dynamic sampling in real_py/rlhf/runtime.py.
+# Checks that one recipe of each critic-free family learns the copy task (configs/recipes on
+# configs/copy_task): RLOO (group baseline), REINFORCE++-baseline (returns whitened over the batch),
+# ReMax (greedy baseline from an extra generation call) and DAPO (clip-higher, token-mean, dynamic
+# sampling); seeded, 4 gloo ranks.
+# A failure points to the estimator or loss path of real_py/rlhf/calls.py (`_advantages`, `_train`),
+# real_py/rlhf/ppo.py, or dynamic sampling in real_py/rlhf/runtime.py.
 """Seed 1, the shipped recipes, mean reward of the first -> last 5 steps. With the sorted
 inverse-CDF sampler: RLOO 0.188 -> 0.722 in 30 steps, REINFORCE++-baseline 0.191 -> 0.847 (30),
 DAPO 0.237 -> 0.762 (30). ReMax with the index-order sampler (generate.pick_tokens without

@@ -63,9 +63,9 @@ def _worker(rank, world, runs, out_dir):
                 }
                 out[name][role + "_tp"] = eng.shard.tp_rank
         eng = rt.models.engines["actor"]
-        if (
-            name == "qwen3_moe"
-        ):  # HF export (actor and critic) of the live run and of a saved step; resume restores experts
+        if name == "qwen3_moe":
+            # HF export (actor and critic) of the live run and of a saved step; resume restores
+            # experts
             export_live(rt, f"{out_dir}/{name}-live")
             step = checkpoint.save(rt, f"{out_dir}/{name}-run", 1)
             if rank == 0:
@@ -183,9 +183,10 @@ def _learn(rank, world, tmp, steps):
 
 @pytest.mark.timeout(600)
 def test_grpo_moe_learns_copy_task(tmp_path):
-    """configs/copy_task/grpo_moe.yaml (4 experts, top-2, aux loss 0.01; trains on dp2tp2ep2, generates
-    on dp4ep4): the mean reward of steps 32-36 exceeds that of steps 1-5 by 0.4 (recorded in
-    bench/results/learning_moe_cpu2_20261204.md, seed 1: 0.20 over steps 1-5, 0.76 over steps 31-35)."""
+    """configs/copy_task/grpo_moe.yaml (4 experts, top-2, aux loss 0.01; trains on dp2tp2ep2,
+    generates on dp4ep4): the mean reward of steps 32-36 exceeds that of steps 1-5 by 0.4 (recorded
+    in bench/results/learning_moe_cpu2_20261204.md, seed 1: 0.20 over steps 1-5, 0.76 over steps
+    31-35)."""
     rewards = run_distributed(_learn, 4, str(tmp_path), 36, timeout=550)[0]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first > 0.4, rewards

@@ -1,5 +1,7 @@
-# Checks the PPO/GRPO maths against hand-computed values, the key-derived call graph, and that bad configs, plans and checkpoints fail before any work starts.
-# A failure points to real_py/rlhf/ppo.py (maths), real_py/dataflow/graph.py (dependencies, order) or real_py/rlhf/config/ / checkpoint.py (validation).
+# Checks the PPO/GRPO maths against hand-computed values, the key-derived call graph, and that bad
+# configs, plans and checkpoints fail before any work starts.
+# A failure points to real_py/rlhf/ppo.py (maths), real_py/dataflow/graph.py (dependencies, order)
+# or real_py/rlhf/config/ / checkpoint.py (validation).
 import json
 import math
 import os

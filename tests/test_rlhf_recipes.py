@@ -1,5 +1,10 @@
-# Checks the recipe options against hand-written references on ragged masks (empty responses, groups of one): KL estimators k1/k2/k3 and clamp, GRPO / Dr.GRPO / RLOO / REINFORCE++ / ReMax advantages, clip-higher, dual-clip, GSPO's sequence ratio, the four loss aggregations (values, gradients, invariance to the DP / micro-batch split), the adaptive KL controller and the per-algorithm default plans.
-# A failure points to real_py/rlhf/ppo.py (the maths), real_py/rlhf/runtime.py (adaptive_kl) or real_py/rlhf/config/ (default_plan, checks).
+# Checks the recipe options against hand-written references on ragged masks (empty responses, groups
+# of one): KL estimators k1/k2/k3 and clamp, GRPO / Dr.GRPO / RLOO / REINFORCE++ / ReMax advantages,
+# clip-higher, dual-clip, GSPO's sequence ratio, the four loss aggregations (values, gradients,
+# invariance to the DP / micro-batch split), the adaptive KL controller and the per-algorithm
+# default plans.
+# A failure points to real_py/rlhf/ppo.py (the maths), real_py/rlhf/runtime.py (adaptive_kl) or
+# real_py/rlhf/config/ (default_plan, checks).
 import math
 
 import pytest

@@ -1,11 +1,16 @@
-# Checks the distributed PPO/GRPO runtime: 4 gloo ranks with per-call layouts (actor trains on dp1tp2pp2, generates on dp4tp1pp1; critic, ref, reward elsewhere) against the same iterations in one process, overlap of calls on disjoint meshes, and kill/resume of the train command.
-# A failure points to real_py/rlhf/runtime.py / rows.py (row pushes, order), models.py (reallocation into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli/train.py (resume).
+# Checks the distributed PPO/GRPO runtime: 4 gloo ranks with per-call layouts (actor trains on
+# dp1tp2pp2, generates on dp4tp1pp1; critic, ref, reward elsewhere) against the same iterations in
+# one process, overlap of calls on disjoint meshes, and kill/resume of the train command.
+# A failure points to real_py/rlhf/runtime.py / rows.py (row pushes, order), models.py (reallocation
+# into and out of the train layout), calls.py (per-kind execution) or checkpoint.py / cli/train.py
+# (resume).
 """Tolerances: fp32. The 4-rank run splits matmuls over TP and sums the critic's gradients over
 DP in another order than the one-process run; after two iterations of AdamW (lr 1e-3) the
 parameters agree to a few 1e-7, so 1e-5 catches any wrong row, slice or stale weight (which
 moves parameters by ~lr). Adam eps is 1e-6, not 1e-8: a few weights get gradients of ~1e-9 (noise
 level), which Adam with eps 1e-8 would turn into layout-dependent updates of ~lr/10 (the same
-effect the models tests note for the k_proj bias). Generated tokens are compared exactly (per-sequence seeded sampling).
+effect the models tests note for the k_proj bias). Generated tokens are compared exactly
+(per-sequence seeded sampling).
 """
 
 import io
@@ -433,8 +438,8 @@ def test_stopped_rank_is_named_and_job_ends(tmp_path):
 def test_kill_and_resume_in_async_mode(tmp_path):
     """Async GRPO (k=2, decoupled loss, weights received during generation) on the copy task with
     generation and training on disjoint ranks: run A does 3 steps; run B is SIGKILLed after its
-    step-1 checkpoint (which holds the queued rollouts of later batches), run C resumes it. C's steps
-    2 and 3 (metrics, including staleness and dropped rows) and every rank's step-3 shards and
+    step-1 checkpoint (which holds the queued rollouts of later batches), run C resumes it. C's
+    steps 2 and 3 (metrics, including staleness and dropped rows) and every rank's step-3 shards and
     Adam moments must equal A's."""
     import yaml
 

@@ -1,6 +1,7 @@
 # Checks the search's cost model pieces (FLOPs, collectives, decode roofline, memory, reallocation
-# time, hardware profiles) against hand-computed values; a failure points to real_py/search/costmodel.py,
-# realloc_cost.py or hardware.py (formula or unit error: every time is in seconds).
+# time, hardware profiles) against hand-computed values; a failure points to
+# real_py/search/costmodel.py, realloc_cost.py or hardware.py (formula or unit error: every time is
+# in seconds).
 from dataclasses import replace
 
 import pytest
@@ -45,7 +46,8 @@ def tiny():
 
 def test_param_and_flop_counts():
     m = tiny()
-    # embed 6400; per layer norms 128 + qkv 12288 + o 4096 + gate_up 16384 + down 8192; norm 64; head 6400
+    # embed 6400; per layer norms 128 + qkv 12288 + o 4096 + gate_up 16384 + down 8192; norm 64;
+    # head 6400
     assert m.numel == 6400 + 2 * 41088 + 64 + 6400
     assert matmul_params(m) == m.numel - 6400
     assert fwd_flops(m, 10, 8) == 10 * (2 * 88640 + 4 * 2 * 8 * 64)
@@ -419,7 +421,8 @@ def test_memory_by_hand():
 
 
 def test_seconds_for_a_known_workload():
-    # 7B training, 512 x 512 tokens on 8 H100 at 50% MFU: 6 * 6.7e9 * 262144 / (8 * 494.5e12) ~ 2.7 s.
+    # 7B training, 512 x 512 tokens on 8 H100 at 50% MFU:
+    # 6 * 6.7e9 * 262144 / (8 * 494.5e12) ~ 2.7 s.
     m = model_spec(replace(preset("llama2-7b"), dtype="bfloat16"), "7b")
     t = call_time(
         "train", m, Mesh(0, 8), 8, 1, 1, get_profile("h100"), Workload(prompt_len=256, gen_len=256)

@@ -131,7 +131,8 @@ def test_estimate_refuses_a_plan_that_breaks_a_rule_naming_it():
 
     lay = Layout(dp=4, tp=1, pp=1, ranks=(0, 1, 2, 3))
     plan = ExecutionPlan(world_size=4, ranks_per_node=4, calls={c.name: lay for c in PPO_GRAPH})
-    # 6 rows over dp=4 breaks the divisibility rule for every call; the first named is the first call.
+    # 6 rows over dp=4 breaks the divisibility rule for every call; the first named is the first
+    # call.
     with pytest.raises(
         ValueError,
         match=r"breaks a batch rule: call actor_gen: dp=4 does not divide data.batch_size=6",
@@ -172,7 +173,8 @@ def test_no_plan_for_memory_names_the_need_per_mesh_size():
     # 70B actor + 70B critic on 2 H100s: no layout fits; each mesh size is named with its need.
     with pytest.raises(
         ValueError,
-        match=r"per mesh size: 1 devices: call actor_gen: memory, needs [0-9.]+ GiB .*; 2 devices: call \w+: memory, needs",
+        match=r"per mesh size: 1 devices: call actor_gen: memory, needs [0-9.]+ GiB .*; "
+        r"2 devices: call \w+: memory, needs",
     ):
         plan_search(
             "llama2-70b", "llama2-70b", num_gpus=2, hardware="h100", time_budget=1, chains=1

@@ -106,7 +106,8 @@ def test_faster_hardware_never_costs_more():
                     fast_t = call_time(kind, model, mesh, dp, tp, pp, fast, wl)["total"]
                     if fast_t > slow_t * (1 + 1e-9):
                         bad.append(
-                            f"{kind} {hw.name} dp{dp}tp{tp}pp{pp} 2x {fld} gen {g}: {slow_t} -> {fast_t}"
+                            f"{kind} {hw.name} dp{dp}tp{tp}pp{pp} 2x {fld} gen {g}: "
+                            f"{slow_t} -> {fast_t}"
                         )
     assert not bad, f"{len(bad)} increases, first: " + "; ".join(bad[:5])
 

@@ -1,5 +1,9 @@
-# Checks that the PPO runtime runs a plan found by plan_search: search a plan for the default train config's tiny models on 4 CPU ranks, write plan.json, run one training iteration with `plan: {path: plan.json}` on 4 gloo ranks, compare the runtime's per-call layouts with the searched plan's.
-# A failure points to real_py/search (a plan the runtime cannot run: meshes, strategies, JSON) or to real_py/rlhf/config/ / runtime.py (loading a plan from a file, building the call groups).
+# Checks that the PPO runtime runs a plan found by plan_search: search a plan for the default train
+# config's tiny models on 4 CPU ranks, write plan.json, run one training iteration with
+# `plan: {path: plan.json}` on 4 gloo ranks, compare the runtime's per-call layouts with the
+# searched plan's.
+# A failure points to real_py/search (a plan the runtime cannot run: meshes, strategies, JSON) or to
+# real_py/rlhf/config/ / runtime.py (loading a plan from a file, building the call groups).
 """The search uses fixed hand-written CPU profiles, not the calibrated `cpu` one: the test must
 not depend on this machine's speed or write the profile cache. Two profiles, two kinds of plan:
 with gloo-like latency (ms per message) the search puts every call on rank 0 and leaves ranks

@@ -187,7 +187,8 @@ def build_workspace(w: str) -> None:
     cfg = f"{w}/run2.yaml"
     with open(cfg, "w") as f:
         f.write(
-            "steps: 2\nsave_every: 1\nreward: {kind: rule}\ngeneration: {max_new_tokens: 4}\nplan: {path: plan2.json}\n"
+            "steps: 2\nsave_every: 1\nreward: {kind: rule}\ngeneration: {max_new_tokens: 4}\n"
+            "plan: {path: plan2.json}\n"
         )
     r = subprocess.run(
         [
@@ -758,15 +759,17 @@ CASES = [
         "a 7B-shaped actor on the 4-rank CPU plan",
         ["train"] + RUN,
         "GiB of memory on this machine",
-        "actor: {hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, num_attention_heads: 32, "
-        "num_key_value_heads: 32, vocab_size: 32000}\ncritic: {vocab_size: 32000}",
+        "actor: {hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, "
+        "num_attention_heads: 32, num_key_value_heads: 32, vocab_size: 32000}\n"
+        "critic: {vocab_size: 32000}",
     ),
     T(
         "moe-async",
         "a mixture-of-experts actor with async.max_staleness=1",
         ["train", "algo=grpo", "async.max_staleness=1"] + RUN,
         "asynchronous RL is not implemented for MoE models",
-        "actor: {model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 64}",
+        "actor: {model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, "
+        "moe_intermediate_size: 64}",
     ),
     T(
         "decode-graph-cpu",
@@ -779,7 +782,8 @@ CASES = [
         "export: hf of a random-init MoE actor",
         ["train", "algo=grpo", "export=hf"] + RUN,
         "export: hf with a random-init mixture-of-experts actor",
-        "actor: {model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 64}",
+        "actor: {model_type: qwen3_moe, qk_norm: true, num_experts: 4, num_experts_per_tok: 2, "
+        "moe_intermediate_size: 64}",
     ),
     T(
         "qkv-layout",
@@ -1038,8 +1042,8 @@ def main() -> int:
             rows.append(run_case(c, w, args.timeout))
             r = rows[-1]
             print(
-                f"{r['id']:30s} {r['outcome']:20s}{' LATE' if r['late'] else ''} {r['seconds']:6.1f}s exit "
-                f"{r['exit']}: {r['message'][:150]}",
+                f"{r['id']:30s} {r['outcome']:20s}{' LATE' if r['late'] else ''} "
+                f"{r['seconds']:6.1f}s exit {r['exit']}: {r['message'][:150]}",
                 flush=True,
             )
     finally:
@@ -1066,13 +1070,13 @@ def main() -> int:
         rows,
         columns=["id", "what", "outcome", "late", "seconds", "exit", "launched", "message"],
         title="Bad-input sweep: what a new user might give, through the real CLI",
-        notes=summary
-        + ". Each case is `python -m real_py ...` in a fresh subprocess (tests/support/bad_inputs_sweep.py "
-        "lists the cases and the phrase each message must hold); W is the scratch workspace. Classes: "
-        "clear-before-launch (exit 2, one `error:` line naming the cause, no ranks started), warned (ran, "
-        "with a `warning:` line before launch naming the cause), clear-after-launch (ranks started, the "
-        "error names the cause, no traceback), unclear, silent (ran without a word), ok (control: a good "
-        "input that must run), late (> 30 s, beside its class).",
+        notes=summary + ". Each case is `python -m real_py ...` in a fresh subprocess "
+        "(tests/support/bad_inputs_sweep.py lists the cases and the phrase each message must "
+        "hold); W is the scratch workspace. Classes: clear-before-launch (exit 2, one `error:` "
+        "line naming the cause, no ranks started), warned (ran, with a `warning:` line before "
+        "launch naming the cause), clear-after-launch (ranks started, the error names the cause, "
+        "no traceback), unclear, silent (ran without a word), ok (control: a good input that must "
+        "run), late (> 30 s, beside its class).",
         extra={"counts": dict(counts), "late": late},
     )
     print("wrote", *paths)

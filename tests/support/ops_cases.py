@@ -1,5 +1,5 @@
-"""Shared pieces of the pack / unpack op tests (tests/test_ops.py on CPU, tests/test_ops_cuda.py on a
-GPU): a per-run slicing reference, random bytes and descriptors, the named samples, one checked
+"""Shared pieces of the pack / unpack op tests (tests/test_ops.py on CPU, tests/test_ops_cuda.py on
+a GPU): a per-run slicing reference, random bytes and descriptors, the named samples, one checked
 call, and a rejected call that must leave its destination untouched."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Independent oracle for reallocation tests: which global elements a rank holds, by index math.
 
-Written apart from the planner and from real_py.realloc.shard.tp_slice: a rank's piece of a parameter is
-computed as a global index tensor (`held_indices`), and shards are assembled with index_select.
+Written apart from the planner and from real_py.realloc.shard.tp_slice: a rank's piece of a
+parameter is computed as a global index tensor (`held_indices`), and shards are assembled with
+index_select.
 Tests compare real shards bit for bit with `oracle_flat`, never with a second copy of the plan.
 """
 
@@ -166,7 +167,8 @@ _PID_SHIFT = 40
 
 
 def index_buffer(model: ModelSpec, layout: Layout, rank: int) -> torch.Tensor:
-    """int64 [numel]: which parameter element each flat-buffer element of `rank` holds (-1: none)."""
+    """int64 [numel]: which parameter element each flat-buffer element of `rank` holds (-1:
+    none)."""
     d, k, stage = layout.coords(rank)
     pid = {p.name: i for i, p in enumerate(model.params)}
     sl = shard_layout(model, layout, stage)

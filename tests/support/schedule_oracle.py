@@ -1,13 +1,13 @@
-"""The global bucket schedule, the oracle of tests/test_realloc_rank_schedule.py and the other schedule tests:
-cut a plan's messages into chunks and chunks into rounds of bounded size.
+"""The global bucket schedule, the oracle of tests/test_realloc_rank_schedule.py and the other
+schedule tests: cut a plan's messages into chunks and chunks into rounds of bounded size.
 
 Every rank replays the same schedule, so the two ends of a chunk agree on its round, its slot and
 its descriptors without talking; a chunk list is cut from the plan alone, by a deterministic rule,
 and each chunk, in the plan's message order, goes to the earliest round where its sender can
-send and all its receivers can receive it (half a bucket per rank, round and direction). The rule needs only every message's chunk sizes, which is how
-real_py/realloc/rank_schedule.py derives one rank's rounds in C++ without the other ranks'
-descriptors (what the Reallocator runs); this global version, every rank's rounds at once, is
-the reference the tests compare it with.
+send and all its receivers can receive it (half a bucket per rank, round and direction). The rule
+needs only every message's chunk sizes, which is how real_py/realloc/rank_schedule.py derives one
+rank's rounds in C++ without the other ranks' descriptors (what the Reallocator runs); this global
+version, every rank's rounds at once, is the reference the tests compare it with.
 
 Direct chunks: with `direct_min_elems` > 0, every descriptor of a message that is ONE contiguous
 run on both sides (n == 1, or src_stride == dst_stride == len) and holds at least
@@ -17,11 +17,12 @@ their order, are cut into staged chunks as before. A message that is one run as 
 goes direct (any size); 0 or None turns the splitting off.
 
 Bounds, per rank and round: the elements it sends stay within `bucket_elems // 2`, and so do
-those it receives (staged or direct), so together they stay within `bucket_elems` (so at most that much data is in flight per rank and round), hence its
-staging buffer (staged chunks only) never exceeds `bucket_elems` either. The NUMBER of chunks
-(messages) per round has no separate cap: a message with k direct pieces travels in at most k + 1
-more chunks than without splitting, and a direct chunk holds >= direct_min_elems elements unless
-it is the tail of a piece cut at the round limit.
+those it receives (staged or direct), so together they stay within `bucket_elems` (so at most that
+much data is in flight per rank and round), hence its staging buffer (staged chunks only) never
+exceeds `bucket_elems` either. The NUMBER of chunks (messages) per round has no separate cap: a
+message with k direct pieces travels in at most k + 1 more chunks than without splitting, and a
+direct chunk holds >= direct_min_elems elements unless it is the tail of a piece cut at the round
+limit.
 """
 
 from __future__ import annotations

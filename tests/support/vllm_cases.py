@@ -115,8 +115,8 @@ def on_ranks(ranks, work) -> dict:
 
 
 _LIVE: list = []
-"""The last trainer engines made here: shut down when the next ones are made (their groups, heartbeat
-threads and rank 0's store go with them)."""
+"""The last trainer engines made here: shut down when the next ones are made (their groups,
+heartbeat threads and rank 0's store go with them)."""
 
 
 def trainer_engines(
@@ -173,7 +173,8 @@ def load_full(path, cfg: ModelConfig) -> dict:
 
 
 def hf_greedy(path, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
-    """The independent reference: transformers' own forward on a checkpoint, greedy token by token."""
+    """The independent reference: transformers' own forward on a checkpoint, greedy token by
+    token."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
