@@ -138,11 +138,11 @@ def _frozen_bytes(models, rank):
 
 
 def _runtime_worker(rank, world):
-    from real_py.rlhf import calls as C
+    from real_py.rlhf import runtime
     from real_py.rlhf.runtime import Runtime
 
     seen = []  # (call, {frozen model: storage bytes of its shard on this rank}) during calls
-    run_call = C.run_call
+    run_call = runtime.run_call  # the name the runtime calls
 
     def probe(rt, call, *a, **k):
         seen.append(
@@ -157,7 +157,7 @@ def _runtime_worker(rank, world):
         )
         return run_call(rt, call, *a, **k)
 
-    C.run_call = probe
+    runtime.run_call = probe
     res = {}
     for on in (False, True):
         seen.clear()

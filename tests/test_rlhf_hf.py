@@ -72,8 +72,12 @@ def _cases(tmp, single: bool):
     paths = {m + "_path": os.path.join(tmp, m) for m in ("actor", "critic", "reward")}
     ppo, grpo = (
         dict(BASE, **paths),
-        dict(
-            BASE, algo="grpo", **paths, data={"batch_size": 16}, ppo=dict(BASE["ppo"], group_size=4)
+        dict(  # no critic_path: GRPO has no critic (refused before launch)
+            BASE,
+            algo="grpo",
+            **{k: v for k, v in paths.items() if k != "critic_path"},
+            data={"batch_size": 16},
+            ppo=dict(BASE["ppo"], group_size=4),
         ),
     )
     if single:
