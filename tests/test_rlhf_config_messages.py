@@ -288,7 +288,7 @@ def test_models_over_host_memory_are_refused_before_launch(
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert (
-        "the models need at least 252.3 GiB of memory on this machine (actor 200.8, ref 50.2" in err
+        "the models need at least 251.6 GiB of memory on this machine (actor 200.8, ref 50.2" in err
     ), err
     assert "but 16.0 GiB is available; use smaller models" in err, err
     CF.validate(CF.from_dict({}), 4)  # the default job fits

@@ -5,7 +5,7 @@
 # slicing) or real_py/rlhf/models.py (loading models from paths, reallocation of loaded shards).
 """Checkpoints are written by transformers' save_pretrained (LlamaForCausalLM, and
 LlamaForSequenceClassification with num_labels=1 for critic and reward). Oracle for the loaded
-and reallocated shards: tests/oracle.oracle_flat over the HF tensors fused by
+and reallocated shards: tests/support/oracle.py (oracle_flat) over the HF tensors fused by
 models_oracle.fused_state (bit for bit). The 4-rank iteration must produce the same tokens as the
 one-process iteration (per-sequence seeded sampling) and metrics within 1e-4.
 """

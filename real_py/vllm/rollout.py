@@ -26,8 +26,10 @@ top-k / top-p when set, i.e. the distribution the token was drawn from).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -128,11 +130,14 @@ class VLLMRollout:
                 if x.strip() and not x.strip().startswith("For further information")
             ]
             hint = ""
+            if not cuda:
+                _unlink_cpu_shm(self.rank)  # what this rank created before the failure
             if "create shm" in str(e):
+                names = " ".join(sorted(glob.glob("/dev/shm/*cpushm_*")))
                 hint = (
-                    " (a /dev/shm/*cpushm_* file of the same name exists: another vLLM job with "
-                    "tp > 1 is starting on this machine, or one was killed while starting; remove "
-                    "the file if none runs)"
+                    f" (shared-memory names of the same kind exist: {names or 'none now'}; another "
+                    "vLLM job with tp > 1 is starting on this machine, or one was killed while "
+                    "starting: if none runs, remove them with `rm -- <file>`)"
                 )
             raise RuntimeError(
                 f"rank {self.rank}: vLLM did not start for the actor "
@@ -140,7 +145,7 @@ class VLLMRollout:
                 f"{type(e).__name__}: {' | '.join(lines)[:600]}{hint}"
             ) from e
         if not cuda:
-            _unlink_cpu_shm()
+            _unlink_cpu_shm(self.rank)
         self.model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         unknown = unknown_params(self.spec, self.model)
         if unknown:
@@ -213,26 +218,30 @@ class VLLMRollout:
 __all__ = ["Sampling", "VLLMRollout"]
 
 
-def _unlink_cpu_shm() -> None:
-    """Remove the names of the shared-memory segments vLLM's CPU tp / pp groups just opened.
+def _unlink_cpu_shm(rank: int) -> None:
+    """Remove the names of the shared-memory segments this rank created for vLLM's CPU tp / pp
+    groups (each rank creates one per group, "-tp:0-[0-1]-cpushm_<i>", and maps its peers').
 
-    Under the external launcher every job's segments get the same names ("-tp:0-[0-1]-cpushm_<r>":
-    the worker derives them from the init method, "env://"), and vLLM never unlinks them, so the
-    next job with tp > 1 on the machine failed to start ("create shm in SHMManager failed. errno:
-    17"). Every rank of a group has mapped every segment of it by the time LLM() returns (vLLM's
-    barrier after the join), so the names can go now; the mappings live on until the process
-    ends."""
+    Under the external launcher every job's segments get the same names (the worker derives them
+    from the init method, "env://"), and vLLM never unlinks them, so the next job with tp > 1 on
+    the machine failed to start ("create shm in SHMManager failed. errno: 17"). Every rank of a
+    group has mapped every segment of it by the time LLM() returns (vLLM's barrier after the
+    join), so the names can go now; the mappings live on until the process ends. Only this rank's
+    own segments, and only while still named: a name already gone may have been taken again by a
+    job that started since."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {
-                line.split(None, 5)[5].strip()
-                for line in f
-                if "cpushm" in line and "/dev/shm/" in line
-            }
+            paths = {line.split(None, 5)[5].strip() for line in f if "cpushm" in line}
     except OSError:
         return
     for path in paths:
+        m = re.search(r"\[([\d-]+)\]-cpushm_(\d+)$", path)
+        if not path.startswith("/dev/shm/") or m is None:
+            continue  # " (deleted)": already unnamed
+        ranks, i = [int(r) for r in m.group(1).split("-")], int(m.group(2))
+        if (ranks[i] if i < len(ranks) else i) != rank:
+            continue  # a peer's segment: the peer removes its name
         try:
-            os.unlink(path.removesuffix(" (deleted)"))
+            os.unlink(path)
         except OSError:
-            pass  # a peer removed it first (every rank maps every segment of its group)
+            pass

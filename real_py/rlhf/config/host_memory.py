@@ -23,12 +23,17 @@ def available_bytes() -> int | None:
     return None
 
 
-RANK_PROCESS_BYTES = 300 << 20
-"""A rank's own memory before any model (interpreter, torch, real_py): 297-331 MB resident per
-rank of the copy-task job."""
+RANK_PROCESS_BYTES = 100 << 20
+"""A rank's own memory before any model (interpreter, torch, real_py), counted as its
+proportional share (PSS: a forked rank shares the launcher's pages): 93-150 MB per rank of the
+copy-task job."""
+LAUNCHER_BYTES = 150 << 20
+"""The launcher process (PSS 139 MB in the copy-task job)."""
 VLLM_PROCESS_BYTES = 250 << 20
-"""What vLLM adds to a rank beyond its weights and KV cache (its modules, scheduler, sampler):
-1,555 MB resident per rank of the copy-task job with a 1 GiB KV cache, 2,586 MB with 2 GiB."""
+"""What vLLM adds to a process beyond its weights and KV cache (its modules, scheduler,
+sampler): a rank of the copy-task job with vLLM holds 1,355 MB (PSS) with a 1 GiB KV cache
+against 93-150 MB without; the launcher, which imports vLLM to check the model, 405 MB against
+139 MB."""
 
 
 def host_memory_need(
@@ -41,7 +46,7 @@ def host_memory_need(
     activations and buffers come on top."""
     from ...realloc.plan import _shard_data_numel
 
-    out = {"processes": RANK_PROCESS_BYTES * plan.world_size}
+    out = {"processes": LAUNCHER_BYTES + RANK_PROCESS_BYTES * plan.world_size}
     for m, calls in graph.models().items():
         if m == "reward" and cfg.reward.kind != "model":
             continue
@@ -62,7 +67,7 @@ def host_memory_need(
             # vLLM's live model on the generation ranks beside the received shard, and its KV cache
             gen = plan.calls[next(c for c in calls if graph.calls[c].kind == "generate")]
             kv = int(cfg.generation.vllm_kv_cache_gib * 2**30)
-            out["vllm"] = total(gen) * es + (kv + VLLM_PROCESS_BYTES) * gen.world
+            out["vllm"] = total(gen) * es + kv * gen.world + VLLM_PROCESS_BYTES * (gen.world + 1)
     return out
 
 
