@@ -41,7 +41,7 @@ def _append(path: Path, line: str) -> None:
 def test_tree_keeps_the_contracts():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 kept, 0 broken" in r.stdout
+    assert "3 kept, 0 broken" in r.stdout
 
 
 def test_upward_import_is_refused_naming_both_modules(tmp_path):
@@ -51,6 +51,16 @@ def test_upward_import_is_refused_naming_both_modules(tmp_path):
     assert r.returncode != 0
     assert "real_py.realloc is not allowed to import real_py.rlhf" in r.stdout
     assert "real_py.realloc.shard -> real_py.rlhf.ppo" in r.stdout
+
+
+def test_package_code_importing_testing_is_refused(tmp_path):
+    """cli may import calibrate or launch (the layers allow it), never the test helpers."""
+    root = _copy(tmp_path)
+    _append(root / "real_py/cli/plot.py", "from .. import testing  # noqa: E402,F401")
+    r = _lint(root)
+    assert r.returncode != 0
+    assert "package code never imports real_py.testing" in r.stdout
+    assert "real_py.cli.plot -> real_py.testing" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(
