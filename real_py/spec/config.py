@@ -516,8 +516,8 @@ PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=126,
         rope_theta=500000.0,
     ),
-    # Mixture of experts (shapes for planning and simulation; the MoE forward is not in real_py
-    # yet).
+    # Mixture of experts: a tiny one for tests and the Qwen3 MoE shapes (real_py/models/moe.py
+    # runs their forward).
     "moe-tiny": ModelConfig(
         hidden_size=32,
         intermediate_size=64,
