@@ -389,6 +389,26 @@ def test_vllm_generation_adds_the_trainer_recompute_and_refuses_async_and_tis_wi
         CF.validate(CF.from_dict({"ppo": {"tis_cap": 2.0}, "reward": {"kind": "rule"}}), 4)
 
 
+def test_vllm_logp_rollout_drops_the_recompute_and_refuses_what_needs_it(tmp_path):
+    cfg = _vllm(generation={"vllm_logp": "rollout"})
+    g, plan = cfg.graph(), cfg.execution_plan()
+    assert "actor_logp" not in g.calls and "actor_logp" not in plan.calls
+    assert g.calls["actor_gen"].writes[-1] == "old_logp"  # vLLM's log-probs are old_logp
+    assert "rollout_logp" not in g.calls["actor_train"].reads
+    with pytest.raises(ValueError, match=r"ppo.tis_cap=2.0 with generation.vllm_logp: rollout"):
+        CF.validate(_vllm(generation={"vllm_logp": "rollout"}, ppo={"tis_cap": 2.0}), 4)
+    with pytest.raises(ValueError, match=r"vllm_logp='rollout' needs generation.engine: vllm"):
+        CF.validate(
+            CF.from_dict({"generation": {"vllm_logp": "rollout"}, "reward": {"kind": "rule"}}), 4
+        )
+    # a plan searched for the recompute (it places actor_logp) names the way out
+    _vllm().execution_plan().save(str(tmp_path / "plan.json"))
+    cfg = _vllm(generation={"vllm_logp": "rollout"})
+    cfg.plan = {"path": str(tmp_path / "plan.json")}
+    with pytest.raises(ValueError, match=r"unknown calls \['actor_logp'\].*--vllm-logp rollout"):
+        CF.validate(cfg, 4)
+
+
 def test_vllm_generation_without_vllm_names_the_venv():
     pytest.importorskip("torch")
     import importlib.util

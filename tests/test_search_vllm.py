@@ -57,3 +57,30 @@ def test_estimate_refuses_a_plan_vllm_cannot_run_naming_the_call():
         ValueError, match=r"call actor_gen on vLLM: pp=2: vLLM generation runs dp x tp"
     ):
         estimate(bad, "llama2-7b", workload=wl, algo="grpo", engine="vllm")
+
+
+def test_vllm_logp_rollout_searches_without_the_recompute_call():
+    # generation.vllm_logp: rollout (vLLM's log-probs are old_logp): the graph the run has
+    assert [c.name for c in search_graph("grpo", "vllm", "rollout")] == [
+        c.name for c in search_graph("grpo")
+    ]
+    res = plan_search(
+        "llama2-7b",
+        algo="grpo",
+        num_gpus=8,
+        hardware="h100",
+        workload=WL,
+        time_budget=1,
+        chains=1,
+        engine="vllm",
+        vllm_logp="rollout",
+    )
+    assert "actor_logp" not in res.plan.calls
+    assert (
+        vllm_layout_errors(res.plan.calls["actor_gen"], 8, ppo_models("llama2-7b").actor.config)
+        == []
+    )
+    with pytest.raises(ValueError, match=r"vllm_logp='rollout' needs engine='vllm'"):
+        search_graph("grpo", "builtin", "rollout")
+    with pytest.raises(ValueError, match=r"vllm_logp='sometimes'; allowed"):
+        search_graph("grpo", "vllm", "sometimes")

@@ -136,18 +136,19 @@ def test_vllm_generation_equals_the_builtin_engine_over_steps(ckpt):
 
 def test_vllm_sampling_is_seeded_per_row_and_tis_weights_apply(ckpt):
     """Sampling at temperature 1 (dp4 x tp1 replicas from a dp2,tp2 trainer): two runs with the
-    same seeds give the same tokens; tis_cap reports the capped share."""
+    same seeds give the same tokens; tis_cap reports the capped share. The second run takes
+    vLLM's log-probs as old_logp (generation.vllm_logp: rollout): no recompute, no gap metric,
+    and its old_logp are the first run's rollout_logp (the same weights at step 0)."""
     outs = []
-    for i in range(2):
-        d = _config(
-            ckpt / "actor",
-            ckpt / f"out_s{i}",
-            "vllm",
-            gen="dp4",
-            train="dp2,tp2",
-            ppo={"tis_cap": 2.0},
-        )
+    for i, extra in enumerate(
+        ({"ppo": {"tis_cap": 2.0}}, {"generation": {"vllm_logp": "rollout"}})
+    ):
+        d = _config(ckpt / "actor", ckpt / f"out_s{i}", "vllm", gen="dp4", train="dp2,tp2", **extra)
         outs.append(run_distributed(_job, 4, d, timeout=600, pg_timeout=300)[0][0])
     assert outs[0][0]["tokens"] == outs[1][0]["tokens"]
     m = outs[0][1]["metrics"]
     assert 0.0 <= m["tis_capped_frac"] <= 1.0 and m["rollout_logp_diff"] < 1e-3, m
+    recomputed, taken = outs[0][0], outs[1][0]
+    assert "rollout_logp" not in taken and "rollout_logp_diff" not in outs[1][1]["metrics"]
+    assert torch.equal(torch.tensor(taken["old_logp"]), torch.tensor(recomputed["rollout_logp"]))
+    assert torch.tensor(taken["old_logp"]).abs().sum() > 0

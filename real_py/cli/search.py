@@ -87,6 +87,13 @@ def add_parser(sub):
         help="generation.engine of the run: vllm places the actor's sampling call only on layouts "
         "vLLM can run (every rank, tp fastest, pp 1) and adds the recompute call actor_logp",
     )
+    p.add_argument(
+        "--vllm-logp",
+        default="recompute",
+        choices=("recompute", "rollout"),
+        help="generation.vllm_logp of the run (with --engine vllm): rollout takes vLLM's "
+        "log-probs as old_logp, so the plan has no recompute call actor_logp",
+    )
     p.add_argument("--out", help="write the ExecutionPlan JSON here")
     p.add_argument("--plot", help="write a timeline PNG here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -154,6 +161,7 @@ def run(args) -> int:
         algo=args.algo,
         max_staleness=args.max_staleness,
         engine=args.engine,
+        vllm_logp=args.vllm_logp,
     )
     sim = res.simulate()
     if args.out:
@@ -233,6 +241,11 @@ def run(args) -> int:
             f"ppo.micro_batches: {args.micro_batches}, ppo.ppo_epochs: {args.ppo_epochs}"
             + (f", ppo.group_size: {args.group_size}" if args.algo in GROUPED else "")
             + (", generation.engine: vllm" if args.engine == "vllm" else "")
+            + (
+                f", generation.vllm_logp: {args.vllm_logp}"
+                if args.engine == "vllm" and args.vllm_logp != "recompute"
+                else ""
+            )
         )
     if args.plot:
         print(f"timeline written to {args.plot}")

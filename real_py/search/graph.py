@@ -38,20 +38,29 @@ _KINDS = {
 
 
 ENGINES = ("builtin", "vllm")
+VLLM_LOGP = ("recompute", "rollout")  # generation.vllm_logp
 
 
-def search_graph(algo: str = "ppo", engine: str = "builtin") -> tuple[CallSpec, ...]:
+def search_graph(
+    algo: str = "ppo", engine: str = "builtin", vllm_logp: str = "recompute"
+) -> tuple[CallSpec, ...]:
     """The calls of `algo` as the search sees them, derived from the runtime's own dataflow graph
     (real_py.dataflow.graph): kind generate / inference / train, dependencies = the producers of the
     keys a call reads, weight_src = the call that trains the model (the weights' home layout).
     engine="vllm": the graph the runtime runs with generation.engine: vllm (the recompute call
-    actor_logp added, dataflow.graph.with_engine_logprobs)."""
+    actor_logp added, dataflow.graph.with_engine_logprobs); with vllm_logp="rollout"
+    (generation.vllm_logp: vLLM's log-probs are old_logp) the graph is the built-in engine's."""
     if algo not in ALGORITHMS:
         raise ValueError(f"algo={algo!r}; allowed: {sorted(ALGORITHMS)}")
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}; allowed: {list(ENGINES)}")
+    if vllm_logp not in VLLM_LOGP:
+        raise ValueError(f"vllm_logp={vllm_logp!r}; allowed: {list(VLLM_LOGP)}")
+    if vllm_logp != "recompute" and engine != "vllm":
+        raise ValueError(f"vllm_logp={vllm_logp!r} needs engine='vllm' (engine={engine!r})")
     calls = ALGORITHMS[algo]
-    g = Graph(with_engine_logprobs(calls) if engine == "vllm" else calls)
+    recompute = engine == "vllm" and vllm_logp == "recompute"
+    g = Graph(with_engine_logprobs(calls) if recompute else calls)
     out = []
     for n in g.order:
         c = g.calls[n]

@@ -144,6 +144,7 @@ def plan_search(
     algo: str = "ppo",
     max_staleness: int = 0,
     engine: str = "builtin",
+    vllm_logp: str = "recompute",
 ) -> SearchResult:
     """Search an execution plan for `algo`'s dataflow graph (PPO by default; the critic-free
     algorithms have no critic calls). time_budget: seconds for everything (tables included).
@@ -155,8 +156,9 @@ def plan_search(
 
     engine: the runtime's generation.engine. "vllm": the actor's sampling call gets only the
     layouts vLLM can run inside the ranks (every rank, tp fastest, pp 1, vLLM's head rule) and
-    the graph gains the recompute call actor_logp; the sampling call is costed as the built-in
-    engine (no vLLM cost model yet), and a mixture-of-experts actor has no candidate (refused).
+    the graph gains the recompute call actor_logp (not with vllm_logp="rollout": the run's
+    generation.vllm_logp); the sampling call is costed as the built-in engine (no vLLM cost model
+    yet), and a mixture-of-experts actor has no candidate (refused).
 
     max_staleness: the asynchronous RL bound k the run allows (async.max_staleness). With k >= 1
     plans are scored in async mode (a step costs about the slower of the rollout and train sides
@@ -168,7 +170,7 @@ def plan_search(
     hw = get_profile(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
     models = models or ppo_models(actor, critic, dtype)
-    graph = search_graph(algo, engine)
+    graph = search_graph(algo, engine, vllm_logp)
     prob = Problem(
         models,
         hw,
@@ -293,6 +295,7 @@ def estimate(
     algo: str = "ppo",
     max_staleness: int = 0,
     engine: str = "builtin",
+    vllm_logp: str = "recompute",
 ) -> dict:
     """Estimated seconds per iteration of a given plan, with per-call and reallocation times;
     max_staleness >= 1: run in async mode with that bound (async.max_staleness).
@@ -313,7 +316,7 @@ def estimate(
         wl,
         iters=iters,
         fixed=layouts_from_plan(plan),
-        graph=search_graph(algo, engine),
+        graph=search_graph(algo, engine, vllm_logp),
         grouped=algo in GROUPED,
         staleness=max_staleness,
         vllm_call=sampling_call(algo) if engine == "vllm" else None,

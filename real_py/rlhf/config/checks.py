@@ -7,7 +7,7 @@ host memory (host_memory.py), checkpoints, the prompt data and the reward functi
 from __future__ import annotations
 
 from ...dataflow.execplan import ExecutionPlan
-from ...dataflow.graph import ALGORITHMS, GROUPED, Graph
+from ...dataflow.graph import ALGORITHMS, GROUPED, ROLLOUT_LOGP_CALL, Graph
 from ...dataflow.rules import call_rule_errors, vllm_layout_errors
 from ...layout import check_fits
 from ...spec import model_spec
@@ -128,9 +128,16 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[ExecutionPlan, Graph, d
     missing = [n for n in graph.order if n not in plan.calls]
     extra = [n for n in plan.calls if n not in graph.calls]
     if missing or extra:
+        hint = (
+            f"; {ROLLOUT_LOGP_CALL} recomputes old_logp for vLLM generation, which "
+            "generation.vllm_logp: rollout skips: search with --vllm-logp rollout, or drop the "
+            "call from the plan"
+            if ROLLOUT_LOGP_CALL in extra
+            else ""
+        )
         raise ValueError(
             f"execution plan does not match the {cfg.algo} graph: missing calls {missing}, "
-            f"unknown calls {extra}; the graph's calls are {list(graph.order)}"
+            f"unknown calls {extra}; the graph's calls are {list(graph.order)}{hint}"
         )
     if plan.world_size != world_size:
         raise ValueError(
@@ -314,14 +321,26 @@ def _check_runtime_support(
 
 
 def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dict) -> None:
-    """generation.engine: vllm and ppo.tis_cap, refused before launch where they cannot run."""
+    """generation.engine: vllm, generation.vllm_logp and ppo.tis_cap, refused before launch where
+    they cannot run."""
     if cfg.generation.engine != "vllm":
         if cfg.ppo.tis_cap is not None:
             raise ValueError(
                 f"config ppo.tis_cap={cfg.ppo.tis_cap} needs generation.engine: vllm (the built-in "
                 "engine's rollout log-probs are the trainer's own: the weight would be 1)"
             )
+        if cfg.generation.vllm_logp != "recompute":
+            raise ValueError(
+                f"config generation.vllm_logp={cfg.generation.vllm_logp!r} needs "
+                "generation.engine: vllm (the built-in engine's log-probs are the trainer's own)"
+            )
         return
+    if cfg.generation.vllm_logp == "rollout" and cfg.ppo.tis_cap is not None:
+        raise ValueError(
+            f"config ppo.tis_cap={cfg.ppo.tis_cap} with generation.vllm_logp: rollout: truncated "
+            "importance sampling weighs vLLM's log-probs against the trainer's recompute, which "
+            "vllm_logp: rollout skips; use vllm_logp: recompute, or remove ppo.tis_cap"
+        )
     if cfg.async_.max_staleness:
         raise ValueError(
             f"config generation.engine: vllm with async.max_staleness={cfg.async_.max_staleness}: "

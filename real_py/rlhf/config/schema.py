@@ -119,6 +119,12 @@ class GenConfig:
     extra call, actor_logp (on the actor's train layout unless the plan places it), recomputes
     old_logp with the trainer's weights; the step logs their gap (rollout_logp_diff,
     rollout_kl). Needs vLLM (make vllm-venv; docs/vllm.md)."""
+    vllm_logp: Literal["recompute", "rollout"] = "recompute"
+    """With engine: vllm, where old_logp (the PPO ratio's denominator, the kl term) comes from:
+    "recompute" (the call actor_logp recomputes it with the trainer's weights; the step logs the
+    gap to vLLM's) or "rollout" (vLLM's own log-probs are old_logp: no recompute call, the gap
+    is not measured and ppo.tis_cap cannot apply; slime's --use-rollout-logprobs, AReaL's
+    recompute_logprob: false)."""
     vllm_kv_cache_gib: int = ranged(1, ">= 1")
     """vLLM on CPU: KV-cache memory per rank in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = ranged(0.3, "(0, 1]")
@@ -420,7 +426,7 @@ class TrainConfig:
     def _with_engine_calls(self, plan: ExecutionPlan) -> ExecutionPlan:
         """generation.engine: vllm adds the call actor_logp; a plan that does not place it runs it
         on the actor's train layout (no reallocation)."""
-        if self.generation.engine != "vllm" or ROLLOUT_LOGP_CALL in plan.calls:
+        if not self.recomputes_logp() or ROLLOUT_LOGP_CALL in plan.calls:
             return plan
         train = Graph(ALGORITHMS[self.algo]).train_call("actor")
         if train not in plan.calls:
@@ -440,9 +446,13 @@ class TrainConfig:
                 else c
                 for c in calls
             )
-        if self.generation.engine == "vllm":
+        if self.recomputes_logp():
             calls = with_engine_logprobs(calls)
         return Graph(calls)
+
+    def recomputes_logp(self) -> bool:
+        """The graph has the call actor_logp: vLLM generation, old_logp recomputed."""
+        return self.generation.engine == "vllm" and self.generation.vllm_logp == "recompute"
 
     def group_size(self) -> int:
         """Rows per prompt: ppo.group_size for the grouped algorithms, else 1."""
