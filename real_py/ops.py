@@ -174,10 +174,11 @@ def _copy_planned_fake(srcs, dsts, items, bounds):
 # The schemas live in C++ (csrc/ops/ops.cpp), which cannot carry docstrings; help() on the op
 # packets shows these instead.
 torch.ops.real_py.pack.__doc__ = (
-    "real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n" + pack.__doc__
+    "real_py::pack(Tensor src, Tensor descs, Tensor(a!) out) -> ()\n\n" + (pack.__doc__ or "")
 )
 torch.ops.real_py.unpack.__doc__ = (
-    "real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()\n\n" + unpack.__doc__
+    "real_py::unpack(Tensor packed, Tensor descs, Tensor(a!) dst) -> ()\n\n"
+    + (unpack.__doc__ or "")
 )
 
 __all__ = ["CopyPlan", "pack", "unpack", "descs_tensor", "extension"]

@@ -32,7 +32,7 @@ per trainer, both files would import them.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -134,7 +134,7 @@ def _unfuse(p: ParamSpec, local: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [torch.cat([pieces[g * nb + j] for g in range(per_rank)], d) for j in range(nb)]
 
 
-def _check_shape(key: str, t: torch.Tensor, want: tuple, why: str) -> None:
+def _check_shape(key: str, t: torch.Tensor, want: Sequence[int], why: str) -> None:
     if tuple(t.shape) != tuple(want):
         raise ValueError(f"{key}: shape {tuple(t.shape)}, expected {tuple(want)} ({why})")
 
@@ -237,7 +237,7 @@ def to_hf_state_dict(
     the last stage (and only there when pp > 1)."""
     layout, _, entries, (lo, _), stage = _position(model, layout, rank)
     last = stage == layout.pp - 1
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, t in params.items():
         if name not in entries:
             raise ValueError(

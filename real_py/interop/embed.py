@@ -239,11 +239,11 @@ def layout_from_device_mesh(
             "(e.g. ('pp', 'dp', 'tp')) so each maps to dp, tp or pp"
         )
     axes = dict(axes) if axes is not None else {n: n for n in names if n in _MESH_ROLES}
-    for dim, role in axes.items():
+    for dim, given in axes.items():
         if dim not in names:
             raise ValueError(f"axes names mesh dim {dim!r}, the mesh has dims {list(names)}")
-        if role not in _MESH_ROLES:
-            raise ValueError(f"axes[{dim!r}]={role!r}; allowed roles: {_MESH_ROLES}")
+        if given not in _MESH_ROLES:
+            raise ValueError(f"axes[{dim!r}]={given!r}; allowed roles: {_MESH_ROLES}")
     # A size-1 dim plays no role (e.g. dp_replicate=1 of an HSDP mesh that only shards).
     size_of = dict(zip(names, shape))
     axes = {d: r for d, r in axes.items() if size_of[d] > 1 or r not in ("dp", "dp_shard")}

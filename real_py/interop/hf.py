@@ -431,12 +431,12 @@ def gather_state_dict(shard: ModelShard, groups) -> dict[str, torch.Tensor] | No
             dist.recv(other.flat, src)
             shards.append(other)
     by_stage: dict[int, list[ModelShard]] = {}
-    for s in shards:
-        by_stage.setdefault(s.stage, []).append(s)
-    full = {}
+    for got in shards:
+        by_stage.setdefault(got.stage, []).append(got)
+    full: dict[str, torch.Tensor] = {}
     for stage_shards in by_stage.values():
-        for name, t in gather_full_stage(model, stage_shards).items():
-            full.setdefault(name, t)
+        for name, tensor in gather_full_stage(model, stage_shards).items():
+            full.setdefault(name, tensor)
     return full
 
 

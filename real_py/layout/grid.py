@@ -12,6 +12,7 @@ import functools
 import numbers
 import re
 from dataclasses import dataclass
+from typing import Any, cast
 
 _AXES = ("tp", "dp", "pp")
 DP_SHARD = ("none", "dim0", "flat")
@@ -36,7 +37,7 @@ def _check_ranks(ranks) -> None:
             raise ValueError(
                 f"Layout.ranks[{i}]={r!r} ({type(r).__name__}); every rank must be an int"
             )
-        if not 0 <= r < MAX_RANKS:
+        if not 0 <= int(r) < MAX_RANKS:
             raise ValueError(
                 f"Layout.ranks[{i}]={r} is outside [0, {MAX_RANKS}); global ranks are "
                 "non-negative and below 2**20"
@@ -51,8 +52,10 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    ranks: tuple[int, ...] | None = None
-    """Global ranks, walked in `order`; None means range(dp * tp * pp)."""
+    # Typed as the tuple it always is once built: __post_init__ replaces the None default (and
+    # any sequence passed) with a tuple, so readers of layout.ranks need no None check.
+    ranks: tuple[int, ...] = cast("tuple[int, ...]", None)
+    """Global ranks, walked in `order`; None (the default) means range(dp * tp * pp)."""
     order: str = "tp-dp-pp"
     """Axes from fastest- to slowest-varying along `ranks`, a permutation of tp, dp, pp."""
     layers_per_stage: tuple[int, ...] | None = None
@@ -155,7 +158,8 @@ class Layout:
             )
         if shard:
             kwargs.setdefault("dp_shard", shard[0])
-        return cls(**{k: int(v) for k, v in found.items()}, **kwargs)
+        sizes: dict[str, Any] = {k: int(v) for k, v in found.items()}  # axis sizes only
+        return cls(**sizes, **kwargs)
 
     @property
     def world(self) -> int:

@@ -79,12 +79,13 @@ class Executor:
             transport, plan.model.element_size, plan.model.dtype
         )
         self.one_pass = self.opts.one_pass
-        self.parts: tuple[MoePart, ...] = (
-            plan.parts if self.moe else (MoePart(label="", plan=plan, experts=None),)
-        )
-        sizes = (
-            plan.part_round_elems(self.opts.round_elems) if self.moe else [self.opts.round_elems]
-        )
+        self.parts: tuple[MoePart, ...]
+        if isinstance(plan, MoePlan):
+            self.parts = plan.parts
+            sizes = plan.part_round_elems(self.opts.round_elems)
+        else:
+            self.parts = (MoePart(label="", plan=plan, experts=None),)
+            sizes = [self.opts.round_elems]
         for part in self.parts:
             transport.setup(part.plan)  # collective: every rank, every part, in part order
         lanes, entries, readers = [], [], set()
@@ -109,7 +110,7 @@ class Executor:
                             for side, lay in ((0, part.plan.src), (1, part.plan.dst))
                         ),
                     )
-                shift = plan.round_shift(p, rs.num_rounds) if self.moe else 0
+                shift = plan.round_shift(p, rs.num_rounds) if isinstance(plan, MoePlan) else 0
                 lanes.append(Lane(rs, shift, part.label, direct_first=part.experts is None))
                 self.lane_parts.append(p)
         except Exception as e:
@@ -118,6 +119,7 @@ class Executor:
             )
             raise
         self.schedules: list[RankSchedule] = [lane.schedule for lane in lanes]
+        self.runner: DirectRunner | RoundRunner
         if self.one_pass:
             self.runner = DirectRunner(
                 transport,

@@ -210,8 +210,8 @@ def _windows(model: ModelSpec, src: Layout, dst: Layout, ranges) -> list[tuple[i
     cuts = {L}
     for x in (src, dst):
         cuts |= {lo for lo, _ in stage_layer_ranges(model, x.pp, x.layers_per_stage, x.partition)}
-    cuts = sorted(cuts)
-    return list(zip(cuts, cuts[1:]))
+    bounds = sorted(cuts)
+    return list(zip(bounds, bounds[1:]))
 
 
 def _dense_layout(model: ModelSpec, layout: Layout) -> Layout:
@@ -400,7 +400,6 @@ def plan_moe_realloc(
             check_fits(spec, layout)
         except ValueError as e:
             raise ValueError(f"{side} layout {layout}: {e}") from None
-    kw = dict(mode=mode, ranks_per_node=ranks_per_node)
     parts = [
         MoePart(
             "dense",
@@ -409,7 +408,8 @@ def plan_moe_realloc(
                 _dense_layout(model, src),
                 _dense_layout(dst_model, dst),
                 dst_model=dense_spec(dst_model),
-                **kw,
+                mode=mode,
+                ranks_per_node=ranks_per_node,
             ),
             None,
         )
@@ -420,7 +420,13 @@ def plan_moe_realloc(
         # Stages cross expert ranges on some side; whole experts (etp 1 on both sides) let one
         # plan move them all anyway, with ep as the tp of stacked tensors.
         spec, pieces = stacked_expert_spec(model)
-        plan = plan_realloc(spec, stacked_layout(model, src), stacked_layout(model, dst), **kw)
+        plan = plan_realloc(
+            spec,
+            stacked_layout(model, src),
+            stacked_layout(model, dst),
+            mode=mode,
+            ranks_per_node=ranks_per_node,
+        )
         parts.append(MoePart("experts stacked", plan, (0, model.num_experts), pieces))
         windows = []
     for wl, wh in windows:
@@ -431,7 +437,8 @@ def plan_moe_realloc(
             spec,
             expert_layout(model, src, ranges, (wl, wh)),
             expert_layout(model, dst, ranges, (wl, wh)),
-            **kw,
+            mode=mode,
+            ranks_per_node=ranks_per_node,
         )
         parts.append(MoePart(f"experts of layers [{wl}, {wh})", plan, (0, model.num_experts)))
     return MoePlan(model, src, dst, parts, dst_model=dst_model)
@@ -449,7 +456,10 @@ def expert_views(
     """
     if form not in ("per_expert", "mixtral", "stacked"):
         raise ValueError(f"form={form!r}; allowed: 'per_expert', 'mixtral', 'stacked'")
-    _, ep_rank, _, stage = layout.expert_coords(rank)
+    coords = layout.expert_coords(rank)
+    if coords is None:
+        raise ValueError(f"rank {rank} is not in the layout {layout}")
+    _, ep_rank, _, stage = coords
     sl = expert_shard_layout(model, layout, stage, ep_rank)
     out = {}
     if form != "stacked":

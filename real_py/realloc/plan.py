@@ -114,12 +114,18 @@ class ReallocPlan:
         """Whether the global arrays (every rank's descriptors) have been built."""
         return self._arrays is not None
 
-    def _global(self, name: str) -> np.ndarray:
-        if self._arrays is None:
+    def _global_arrays(self) -> dict:
+        arrays = self._arrays
+        if arrays is None:
             from ..ops import extension
 
-            self._set_arrays(extension().plan(*self._inputs))
-        return self._arrays[name]
+            assert self._inputs is not None, "__init__ needs arrays or inputs"
+            arrays = extension().plan(*self._inputs)
+            self._set_arrays(arrays)
+        return arrays
+
+    def _global(self, name: str) -> np.ndarray:
+        return self._global_arrays()[name]
 
     def _msg_table(self, name: str) -> np.ndarray:
         return self._table[name] if self._table is not None else self._global(name)
@@ -136,8 +142,7 @@ class ReallocPlan:
 
     def global_bytes(self) -> int:
         """Bytes of the global arrays (builds them): what every rank held before per-rank plans."""
-        self._global("descs")
-        return sum(a.nbytes for a in self._arrays.values())
+        return sum(a.nbytes for a in self._global_arrays().values())
 
     def rank_arrays(self, rank: int, round_elems: int, direct_min_elems: int) -> dict:
         """One rank's chunks, rounds, pack/unpack and local descriptors (C++, cached) and the
@@ -274,7 +279,9 @@ class ReallocPlan:
 
 def _shard_data_numel(model: ModelSpec, layout: Layout, rank: int) -> int:
     """Data elements of a rank's shard (vocab and alignment padding excluded)."""
-    d, k, stage = layout.coords(rank)
+    coords = layout.coords(rank)
+    assert coords is not None, f"rank {rank} is not in {layout}; callers pass its own ranks"
+    d, k, stage = coords
     total = 0
     entries = shard_layout(model, layout, stage).entries
     # Local flat range held of each entry: all of it, or this dp replica's piece (same order).

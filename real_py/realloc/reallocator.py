@@ -32,6 +32,9 @@ from .transports.base import Transport
 
 
 class Reallocator(Executor):
+    plan: ReallocPlan
+    """The dense plan __init__ accepts (Executor's plan, narrowed: no MoePlan here)."""
+
     def __init__(
         self,
         plan: ReallocPlan,

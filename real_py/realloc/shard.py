@@ -158,8 +158,8 @@ class ModelShard:
 
     def view(self, name: str) -> torch.Tensor:
         if self.dp_layout is not None:
-            e = self.dp_layout.piece(name)
-            return self.flat[e.offset : e.offset + e.numel].view(e.shape)
+            piece = self.dp_layout.piece(name)
+            return self.flat[piece.offset : piece.offset + piece.numel].view(piece.shape)
         e = self.shard_layout.entry(name)
         return self.flat[e.offset : e.offset + e.numel].view(e.local_shape)
 
@@ -320,13 +320,13 @@ def gather_full(model: ModelSpec, shards: Iterable[ModelShard]) -> dict[str, tor
         else:
             groups = p.tp.groups or layout.tp
             nb = len(p.blocks)
-            # pieces[g * nb + j]: group g's share of block j (ranks hold consecutive groups).
-            pieces = [
+            # shares[g * nb + j]: group g's share of block j (ranks hold consecutive groups).
+            shares = [
                 x
                 for t in ordered
                 for x in t.split([b // groups for b in p.blocks] * (groups // layout.tp), d)
             ]
-            blocks = [torch.cat([pieces[g * nb + j] for g in range(groups)], d) for j in range(nb)]
+            blocks = [torch.cat([shares[g * nb + j] for g in range(groups)], d) for j in range(nb)]
             out[p.name] = torch.cat(blocks, d)
     return out
 

@@ -237,18 +237,20 @@ class ModelConfig:
         Checks model_type / architectures and every field that changes the computation
         (real_py.spec.hf_config): unsupported ones raise ValueError naming the field."""
         where = "config"
-        if not isinstance(config, dict):
+        if isinstance(config, dict):
+            hf = config
+        else:
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             where = path
             with open(path) as f:
                 try:
-                    config = json.load(f)
+                    hf = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: not valid JSON ({e})") from None
-        kwargs = config_kwargs(config, where)
-        hf_dtype = config.get("torch_dtype") or config.get("dtype")  # transformers >= 4.56: "dtype"
+        kwargs = config_kwargs(hf, where)
+        hf_dtype = hf.get("torch_dtype") or hf.get("dtype")  # transformers >= 4.56: "dtype"
         if hf_dtype is not None:
             hf_dtype = str(hf_dtype).removeprefix("torch.")
             if hf_dtype not in DTYPE_SIZES:

@@ -407,7 +407,9 @@ def model_spec(config: ModelConfig | str, name: str | None = None) -> ModelSpec:
     ]
     for i in range(c.num_hidden_layers):
         pre = f"layers.{i}."
-        lp = [] if c.norm_after else [(pre + "input_layernorm.weight", (H,), REPLICATED)]
+        lp: list[tuple[str, tuple[int, ...], TPRule]] = (
+            [] if c.norm_after else [(pre + "input_layernorm.weight", (H,), REPLICATED)]
+        )
         lp.append((pre + "self_attn.qkv_proj.weight", ((nh + 2 * nkv) * hd, H), qkv))
         if c.attention_bias:
             lp.append((pre + "self_attn.qkv_proj.bias", ((nh + 2 * nkv) * hd,), qkv))
