@@ -79,24 +79,10 @@ def main():
                 flush=True,
             )
         del t0
-    cols = [
-        "model",
-        "src",
-        "dst",
-        "cluster",
-        "bucket_MiB",
-        "rounds",
-        "real_py_s",
-        "lower_bound_s",
-        "ratio",
-        "goal_ratio",
-        "nvlink_bound_s",
-        "nic_bound_s",
-        "bottleneck",
-        "bcast_per_node_s",
-        "speedup_vs_bcast",
-        "network_GB",
-    ]
+    cols = (
+        "model src dst cluster bucket_MiB rounds real_py_s lower_bound_s ratio goal_ratio "
+        "nvlink_bound_s nic_bound_s bottleneck bcast_per_node_s speedup_vs_bcast network_GB"
+    ).split()
     paths = write_results(
         "cluster_sim",
         hardware_tag("cpu"),

@@ -1,19 +1,14 @@
 """Runtime estimator vs the PPO runtime: measured and estimated seconds per iteration, per plan.
 
     python bench/bench_estimator.py [--steps 10] [--warmup 2] [--rounds 3] [--search-budget 10]
-    python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json   # no measurement
-    python bench/bench_estimator.py --rescore <...>.json --refit [--refit-on shape]  # fit anew
+    python bench/bench_estimator.py --rescore bench/results/estimator_<...>.json [--refit]
     python bench/bench_estimator.py --pool <run>.json [<run>.json ...]   # runs pooled as measured
 
-Per round: calibrates the `cpu` hardware profile (refresh=True; on the small calibration model,
-`--calibrate-on job` on the job's own actor shape and pass sizes, `shape` on its shape with the
-default rows; `--compare [SETUP]` a second setup too, each plan scored with both profiles on the
-same measurements), then for six execution
-plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8, prompts padded to
-8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches, 1 micro-batch) runs
-`python -m real_py train` (run_train: median over the steps after the warm-up) and
-asks `estimate()` for the same plan, models and workload. One of the plans is the one
-`plan_search(..., hardware=<that profile>, num_gpus=4)` finds for this job.
+Per round: calibrates the `cpu` hardware profile (refresh=True, the small calibration model), then
+for six execution plans of the default PPO job (tiny random-init models, 4 gloo ranks, batch 8,
+prompts padded to 8 tokens, 12 new tokens, 2 PPO epochs x 2 mini-batches) runs `python -m real_py
+train` (median over the steps after the warm-up) and asks `estimate()` for the same plan, models
+and workload. One plan is the one `plan_search(..., hardware=<that profile>, num_gpus=4)` finds.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +28,7 @@ sys.path.insert(0, ROOT)
 import yaml  # noqa: E402
 from timing import hardware_tag, write_results  # noqa: E402
 
-from real_py.calibrate import DEFAULT, Setup, cpu_profile, profile_from_raw  # noqa: E402
+from real_py.calibrate import DEFAULT, cpu_profile, profile_from_raw  # noqa: E402
 from real_py.calibrate import profiles as profiles_module  # noqa: E402
 from real_py.dataflow.execplan import ExecutionPlan  # noqa: E402
 from real_py.rlhf import config as CF  # noqa: E402
@@ -44,24 +38,10 @@ from real_py.search.hardware import HardwareProfile  # noqa: E402
 
 CALLS = ("actor_gen", "ref_inf", "rew_inf", "critic_inf", "actor_train", "critic_train")
 PROFILE_KEYS = (
-    "intra_lat",
-    "lat_contention",
-    "coll_lat_growth",
-    "p2p_lat_ratio",
-    "layer_lat",
-    "head_lat",
-    "value_head_lat",
-    "value_train_lat",
-    "decode_layer_lat",
-    "decode_lat",
-    "train_layer_lat",
-    "train_lat",
-    "tp_head_lat",
-    "tp_train_lat",
-    "tp_decode_lat",
-    "realloc_lat",
-    "pipe_wait_lat",
-)
+    "intra_lat lat_contention coll_lat_growth p2p_lat_ratio layer_lat head_lat value_head_lat "
+    "value_train_lat decode_layer_lat decode_lat train_layer_lat train_lat tp_head_lat "
+    "tp_train_lat tp_decode_lat realloc_lat pipe_wait_lat"
+).split()
 
 
 def _all(dp: int, tp: int, pp: int) -> dict:
@@ -133,53 +113,18 @@ def job():
     return cfg, models["actor"], models["critic"], wl
 
 
-SETUPS = ("default", "job", "shape")
-
-
-def calibration_setup(on: str, actor, wl: Workload) -> Setup:
-    """ "job": the calibration engines run the job's own actor shape and pass sizes (ReaL-style
-    profiling of the model planned for); "shape": the job's actor shape with the default
-    setup's rows and lengths (per-rank passes the size of a dp2-dp4 replica's, as most plans'
-    ranks run them); "default": the small calibration model."""
-    if on == "default":
-        return DEFAULT
-    if on == "shape":
-        return Setup.for_job(
-            actor,
-            batch_rows=DEFAULT.rows,
-            train_rows=DEFAULT.train_rows,
-            seq=DEFAULT.seq,
-            prompt=DEFAULT.prompt,
-        )
-    if on == "job":
-        return Setup.for_workload(actor, wl)
-    raise ValueError(f"calibration setup {on!r}; allowed: {SETUPS}")
-
-
-OTHER = {"job": "default", "default": "job", "shape": "default"}
-"""--compare without a value: the setup compared with --calibrate-on's."""
-
-
 RAW: dict[int, dict[str, list]] = {}
 """round -> calibration setup -> calibrate_cpu's raw repeats of that round (recorded in the
 JSON)."""
 
 
-def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, object]:
-    """Calibrate, search, then measure and estimate every plan; one row per plan. With
-    args.other (--compare), that calibration setup too (the two in alternating order by round, so
-    that a drift of the machine does not favour one), and its estimates beside the first's."""
+def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float]:
+    """Calibrate, search, then measure and estimate every plan; one row per plan."""
     cfg, actor, critic, wl = job()
     dtype = actor.dtype
-    order = [args.calibrate_on] + ([args.other] if args.other else [])
-    prof = {}
-    for on in order if rnd % 2 else order[::-1]:
-        prof[on] = cpu_profile(refresh=True, setup=calibration_setup(on, actor, wl))
-        with open(
-            profiles_module._cache_path()
-        ) as f:  # the raw measurements, for --rescore --refit
-            RAW.setdefault(rnd, {})[on] = json.load(f)["measured"]["repeats"]
-    hw, other = prof[args.calibrate_on], prof.get(args.other)
+    hw = cpu_profile(refresh=True, setup=DEFAULT)
+    with open(profiles_module._cache_path()) as f:  # the raw measurements, for --rescore --refit
+        RAW[rnd] = {"default": json.load(f)["measured"]["repeats"]}
     found = plan_search(
         actor,
         critic,
@@ -218,22 +163,6 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, 
         call_errs = [e for _, e in _call_errors(row, row["calls meas s"], est)]
         row["call rel errs"] = [round(x, 3) for x in call_errs]
         row["median call |rel err|"] = med([abs(x) for x in call_errs])
-        if other is not None:
-            e2 = estimate(
-                ExecutionPlan.from_json(plan),
-                actor,
-                critic,
-                hardware=other,
-                workload=wl,
-                dtype=dtype,
-            )
-            errs2 = [e for _, e in _call_errors(row, row["calls meas s"], e2)]
-            row["other est s"], row["other rel err"] = (
-                e2["iter_time"],
-                (e2["iter_time"] - meas) / meas,
-            )
-            row["other call rel errs"] = [round(x, 3) for x in errs2]
-            row["other median call |rel err|"] = med([abs(x) for x in errs2])
         # Which estimate terms carry the plan: processor work (FLOPs, memory reads, optimizer,
         # per-layer and per-pass overheads) vs waiting on messages (tp/dp/pp), over all calls.
         comp = sum(
@@ -251,7 +180,7 @@ def measure_round(rnd: int, args, tmp: str) -> tuple[list[dict], object, float, 
             f"round {rnd} {name}: measured {meas:.3f} s, estimated {est['iter_time']:.3f} s",
             flush=True,
         )
-    return rows, hw, found.iter_time, other
+    return rows, hw, found.iter_time
 
 
 def _call_pairs(row: dict, meas: dict, est: dict) -> list[tuple[str, float, float]]:
@@ -288,96 +217,26 @@ def size_split(pairs: list[tuple[float, float]]) -> str:
     )
 
 
-def _plan_of(row: dict) -> dict:
-    """A recorded row's plan: its JSON, or (older files) parsed from its layouts column."""
-    if "plan_json" in row:
-        return row["plan_json"]
-    calls = {}
-    for part in row["layouts"].split("; "):
-        c, lay = part.split("=")
-        dp, tp, pp, lo, hi = map(
-            int, re.fullmatch(r"dp(\d+)tp(\d+)pp(\d+)@\[(\d+),(\d+)\)", lay).groups()
-        )
-        calls[c] = {"ranks": list(range(lo, hi)), "dp": dp, "tp": tp, "pp": pp}
-    return {"world_size": 4, "calls": calls}
-
-
-def _profiles_of(data: dict) -> tuple[dict[int, HardwareProfile], list[str]]:
-    """Each round's calibrated profile of a recorded run: whole from its JSON (`extra.profiles`),
-    or (older files) the PROFILE_KEYS printed in its notes with every other field from this
-    machine's cached `cpu` profile (never calibrated here); returns the fields so filled in."""
-    known = {f.name for f in fields(HardwareProfile)}
-    if "profiles" in data.get("extra", {}):
-        # Fields of a replaced cost model (e.g. optim_param_s, pipe_contention) are dropped:
-        # --refit fits them anew.
-        dropped = sorted({f for v in data["extra"]["profiles"].values() for f in v} - known)
-        if dropped:
-            print(
-                "profile fields of a replaced model dropped (--refit fits today's): "
-                f"{', '.join(dropped)}"
-            )
-        return {
-            int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
-            for k, v in data["extra"]["profiles"].items()
-        }, []
-    cache = profiles_module._cache_path()
-    if not os.path.exists(cache):
-        raise SystemExit(
-            f"--rescore: the file records no whole profiles and there is no cached cpu profile "
-            f'({cache}) to fill them from; calibrate once: python -c "from real_py.calibrate '
-            'import cpu_profile; cpu_profile()"'
-        )
-    with open(cache) as f:
-        base = {k: v for k, v in json.load(f)["profile"].items() if k in known}
-    # Terms newer than these files are off, so that their rescore does not move with the cache.
-    base["pipe_wait_lat"] = 0.0
-    out, filled = {}, set()
-    for m in re.finditer(r"round (\d+): ([a-z_]+=[^;]*);", data["notes"]):
-        kw = dict(base)
-        given = dict(kv.split("=") for kv in m.group(2).split(", "))
-        kw |= {k: float(v) for k, v in given.items()}
-        kw["inter_lat"] = kw["intra_lat"]
-        filled |= known - set(given) - {"name", "inter_lat", "pipe_wait_lat"}
-        out[int(m.group(1))] = HardwareProfile(**kw)
-    if not out:
-        raise SystemExit(
-            "--rescore: no round profiles in the file (neither extra.profiles nor notes)"
-        )
-    return out, sorted(filled)
-
-
-def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None:
+def rescore(path: str, refit: bool = False) -> None:
     """Re-estimate a recorded run's plans with this code's cost model and the run's own
-    calibrated profiles: how a cost-model change scores on the same measurements, apart from the
-    machine's drift between runs. Prints the medians and each (plan, call)'s errors by round
-    (call ITERATION: the whole iteration).
-    refit: the profiles fitted anew by this code from the run's recorded raw calibrations (files
-    that record calibration_raw; calibrate.profile_from_raw): a change of the fit scored on the
-    same calibrations and measurements."""
+    calibrated profiles (refit: fitted anew by this code from the run's raw calibrations,
+    calibrate.profile_from_raw): a cost-model change scored on the same measurements. Prints the
+    medians and each (plan, call)'s errors by round (call ITERATION: the whole iteration)."""
     with open(path) as f:
         data = json.load(f)
     _, actor, critic, wl = job()
-    profiles, filled = _profiles_of(data)
+    known = {f.name for f in fields(HardwareProfile)}  # fields of a replaced cost model dropped
+    profiles = {
+        int(k): HardwareProfile(**{f: x for f, x in v.items() if f in known})
+        for k, v in data["extra"]["profiles"].items()
+    }
     if refit:
-        raws = data["extra"].get("calibration_raw")
-        if not raws:
-            raise SystemExit(
-                "--refit: the file records no raw calibrations (older bench_estimator files do "
-                "not; rerun the benchmark)"
-            )
-        on = refit_on or data["extra"]["calibrate_on"]
-        if any(on not in v for v in raws.values()):
-            raise SystemExit(
-                f"--refit-on {on}: the file records raw calibrations of "
-                f"{ {int(r): sorted(v) for r, v in raws.items()} } only"
-            )
-        setup = calibration_setup(on, actor, wl)
-        profiles = {int(r): profile_from_raw(v[on], setup) for r, v in raws.items()}
-        print(f"profiles refitted by this code from the recorded raw calibrations ({on} setup)")
+        raws = data["extra"]["calibration_raw"]
+        profiles = {int(r): profile_from_raw(v["default"], DEFAULT) for r, v in raws.items()}
     it_errs, call_errs, per, pairs = [], [], {}, []
     for r in data["rows"]:
         est = estimate(
-            ExecutionPlan.from_json(_plan_of(r)),
+            ExecutionPlan.from_json(r["plan_json"]),
             actor,
             critic,
             hardware=profiles[r["round"]],
@@ -388,10 +247,7 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
         per.setdefault((r["plan"], "ITERATION"), []).append(
             (est["iter_time"] - r["measured s"]) / r["measured s"]
         )
-        meas = r.get("calls meas s") or {
-            c: float(r[f"{c} meas/est s"].split("/")[0]) for c in CALLS
-        }
-        for c, m, e in _call_pairs(r, meas, est):
+        for c, m, e in _call_pairs(r, r["calls meas s"], est):
             call_errs.append(abs(e - m) / m)
             per.setdefault((r["plan"], c), []).append((e - m) / m)
             pairs.append((m, e))
@@ -401,11 +257,6 @@ def rescore(path: str, refit: bool = False, refit_on: str | None = None) -> None
         f"{len(it_errs)} rows, per call {statistics.median(call_errs):.3f} over {len(call_errs)} "
         f"calls and reallocations; {size_split(pairs)}"
     )
-    if filled:
-        print(
-            "profile fields not recorded in the file, taken from this machine's cached cpu "
-            f"profile: {', '.join(filled)}"
-        )
     for (plan, c), errs in sorted(per.items()):
         print(f"  {plan:14s} {c:13s} " + " ".join(f"{x:+.2f}" for x in errs))
 
@@ -468,21 +319,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-budget", type=float, default=10.0)
     ap.add_argument(
-        "--calibrate-on",
-        choices=SETUPS,
-        default="default",
-        help="calibration engines: the job's own model shape and pass sizes (job), its shape "
-        "with the default rows (shape), or the small default model (default)",
-    )
-    ap.add_argument(
-        "--compare",
-        nargs="?",
-        const="auto",
-        choices=SETUPS + ("auto",),
-        help="also calibrate this setup (without a value: job for default, default otherwise) "
-        "each round and estimate every plan with it too",
-    )
-    ap.add_argument(
         "--rescore",
         metavar="JSON",
         help="re-estimate a recorded estimator_*.json with this "
@@ -495,12 +331,6 @@ def main() -> None:
         "from the file's raw calibrations",
     )
     ap.add_argument(
-        "--refit-on",
-        choices=SETUPS,
-        help="with --rescore (implies --refit): the raw calibrations of this "
-        "setup (a --compare run records both), default: the run's --calibrate-on",
-    )
-    ap.add_argument(
         "--pool",
         nargs="+",
         metavar="JSON",
@@ -509,35 +339,17 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.pool:
-        if args.rescore or args.refit or args.refit_on or args.compare:
-            ap.error(
-                "--pool reads recorded runs as measured; it takes no --rescore / --refit / "
-                "--compare"
-            )
         return pool(args.pool)
-    if (args.refit or args.refit_on) and not args.rescore:
-        ap.error("--refit / --refit-on need --rescore JSON")
-    if args.rescore and args.compare:
-        ap.error(
-            "--compare measures; --rescore re-estimates a recorded run (use --refit-on for its "
-            "other setup)"
-        )
-    args.refit = args.refit or bool(args.refit_on)
-    args.other = (OTHER[args.calibrate_on] if args.compare == "auto" else args.compare) or None
-    if args.other == args.calibrate_on:
-        ap.error(f"--compare {args.other} is the --calibrate-on setup itself")
     if args.rescore:
-        return rescore(args.rescore, args.refit, args.refit_on)
+        return rescore(args.rescore, args.refit)
     rows, profiles, med = [], [], statistics.median
     _, actor, _, wl = job()
-    saved, saved_other = {}, {}
+    saved = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(1, args.rounds + 1):
-            r, hw, found, other = measure_round(rnd, args, tmp)
+            r, hw, found = measure_round(rnd, args, tmp)
             rows += r
             saved[rnd] = asdict(hw)
-            if other is not None:
-                saved_other[rnd] = asdict(other)
             profiles.append(
                 f"round {rnd}: "
                 + ", ".join(f"{k}={getattr(hw, k):.3g}" for k in PROFILE_KEYS)
@@ -561,18 +373,8 @@ def main() -> None:
             "plan_json",
             "calls meas s",
             "call meas/est pairs",
-            "other call rel errs",
         )
     ]
-    compared = ""
-    if args.other:
-        o_it = [abs(r["other rel err"]) for r in rows]
-        o_call = [abs(x) for r in rows for x in r["other call rel errs"]]
-        compared = (
-            f" Calibrated on `{args.other}` instead (same measurements; the two calibrations "
-            f"of a round in alternating order): median |rel err| per iteration {med(o_it):.3f}, "
-            f"per call {med(o_call):.3f} (columns `other ...`)."
-        )
     write_results(
         "estimator",
         hardware_tag("cpu"),
@@ -590,15 +392,13 @@ def main() -> None:
         + ", ".join(f"{k}: {v:.2f}" for k, v in per_round.items())
         + f"; max {max(errs):.2f}. Searched plan: plan_search time_budget {args.search_budget} "
         f"s on the round's profile. Profiles: " + " | ".join(profiles) + ". Per-call estimate "
-        "breakdowns are in the JSON." + compared,
+        "breakdowns are in the JSON.",
         extra={
             "profiles": saved,
-            "calibrate_on": args.calibrate_on,
-            "compare_on": args.other,
+            "calibrate_on": "default",
             "calibration_raw": RAW,
-            "setup": asdict(calibration_setup(args.calibrate_on, actor, wl)),
-        }
-        | ({"profiles_other": saved_other} if args.other else {}),
+            "setup": asdict(DEFAULT),
+        },
     )
 
 

@@ -303,30 +303,11 @@ def main() -> None:
     load = os.getloadavg()
     out = run_distributed(moe_worker, WORLD, args, timeout=args.timeout, pg_timeout=300)[0]
     rows = out["rows"] + moe_sim_rows()
-    cols = [
-        "case",
-        "model",
-        "params_M",
-        "src",
-        "dst",
-        "method",
-        "parts",
-        "seconds",
-        "seconds_parts_in_sequence",
-        "lb_seconds",
-        "ratio_to_lb",
-        "frac_of_lb",
-        "verified",
-        "network_GB",
-        "min_network_GB",
-        "vs_real_py",
-        "rounds",
-        "schedule_s",
-        "bottleneck",
-        "checkpoint_engine_s",
-        "frac_of_checkpoint_engine",
-        "note",
-    ]
+    cols = (
+        "case model params_M src dst method parts seconds seconds_parts_in_sequence lb_seconds "
+        "ratio_to_lb frac_of_lb verified network_GB min_network_GB vs_real_py rounds schedule_s "
+        "bottleneck checkpoint_engine_s frac_of_checkpoint_engine note"
+    ).split()
     notes = (
         f"gloo rows: {WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
         f"median of {args.repeats} after a warmup that is the verification run (destination "

@@ -153,28 +153,11 @@ def main():
             f"{r['global_arrays_MiB']:.1f} MiB; {r['num_messages']} msgs {r['num_descs']} descs",
             flush=True,
         )
-    cols = [
-        "model",
-        "ranks",
-        "src",
-        "dst",
-        "mode",
-        "ranks_per_node",
-        "worst_rank",
-        "rank_plan_ms",
-        "rank_schedule_ms",
-        "rank_total_ms",
-        "rank_cpu_ms",
-        "goal_ms",
-        "rank_cpp_MiB",
-        "rank_python_peak_MiB",
-        "global_arrays_MiB",
-        "global_plan_ms",
-        "num_messages",
-        "num_descs",
-        "rank_rounds",
-        "num_rounds",
-    ]
+    cols = (
+        "model ranks src dst mode ranks_per_node worst_rank rank_plan_ms rank_schedule_ms "
+        "rank_total_ms rank_cpu_ms goal_ms rank_cpp_MiB rank_python_peak_MiB global_arrays_MiB "
+        "global_plan_ms num_messages num_descs rank_rounds num_rounds"
+    ).split()
     paths = write_results(
         "plan",
         hardware_tag("cpu"),

@@ -402,26 +402,10 @@ def main():
         "inside mixed messages packed into staging, as before they were sent directly), "
         "timed interleaved in the same run."
     )
-    cols = [
-        "model",
-        "params_M",
-        "src",
-        "dst",
-        "method",
-        "seconds",
-        "min_s",
-        "max_s",
-        "verified",
-        "GBps_per_rank",
-        "GBps_aggregate",
-        "network_GB",
-        "min_network_GB",
-        "lb_seconds",
-        "frac_of_lb",
-        "frac_of_aggregate",
-        "realpy_speedup",
-        "note",
-    ]
+    cols = (
+        "model params_M src dst method seconds min_s max_s verified GBps_per_rank GBps_aggregate "
+        "network_GB min_network_GB lb_seconds frac_of_lb frac_of_aggregate realpy_speedup note"
+    ).split()
     from timing import hardware_tag, write_results
 
     write_results(

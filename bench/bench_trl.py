@@ -6,14 +6,14 @@ heads, intermediate 4864, tied embeddings) over the copy task's 16-token charact
 (configs/copy_task/tokenizer): 0.36B parameters, saved in fp32 (--small: a tiny one). Same work
 on both sides (setup() holds it; tests/test_bench_trl.py checks both configurations against it):
 
-  prompts     configs/copy_task/prompts.jsonl in file order (no shuffling), --prompts per step
-  group size  --group completions per prompt, advantages (s - mean_g) / std_g per group
-  lengths     exactly --new-tokens new tokens (the EOS banned until then: min_new_tokens on both)
+  prompts     configs/copy_task/prompts.jsonl in file order (no shuffling), 16 per step (small 4)
+  group size  8 completions per prompt (small 4), advantages (s - mean_g) / std_g per group
+  lengths     exactly 128 new tokens (small 8) (the EOS banned until then: min_new_tokens on both)
   reward      reward() below: the fraction of a completion's characters equal to the prompt's
               last digit (the data set's "answer"), the same function on both sides
   loss        clipped ratio (0.2), token mean over the step's tokens, k3 KL to the reference in
-              the loss (coefficient --kl), one optimizer step per iteration (ppo_epochs 1,
-              one mini-batch, --micro micro-batches: TRL's gradient accumulation), AdamW at --lr
+              the loss (coefficient 0.04), one optimizer step per iteration (ppo_epochs 1,
+              one mini-batch, 4 micro-batches: TRL's gradient accumulation), AdamW at 1e-5
               constant, max grad norm 1.0, temperature 1, no top-k / top-p
   precision   bf16 compute with fp32 master weights (real_py: precision bf16; TRL: fp32 weights
               under bf16 autocast); TRL without gradient checkpointing and with transformers'
@@ -78,31 +78,20 @@ def reward(prompts, completions, answer=None, **_):
     return out
 
 
-def setup(
-    small: bool,
-    *,
-    steps: int | None = None,
-    prompts: int | None = None,
-    group: int | None = None,
-    new_tokens: int | None = None,
-    micro: int | None = None,
-    lr: float = 1e-5,
-    kl: float = 0.04,
-    seed: int = 1,
-) -> dict:
+def setup(small: bool) -> dict:
     """The work both sides do (one dict, written to the workers as JSON)."""
     return {
         "model": TINY if small else QWEN_05B,
-        "steps": steps or (2 if small else 20),
-        "prompts_per_step": prompts or (4 if small else 16),
-        "group": group or (4 if small else 8),
-        "new_tokens": new_tokens or (8 if small else 128),
-        "micro": micro or (2 if small else 4),
-        "lr": lr,
-        "kl": kl,
+        "steps": 2 if small else 20,
+        "prompts_per_step": 4 if small else 16,
+        "group": 4 if small else 8,
+        "new_tokens": 8 if small else 128,
+        "micro": 2 if small else 4,
+        "lr": 1e-5,
+        "kl": 0.04,
         "clip": 0.2,
         "max_grad_norm": 1.0,
-        "seed": seed,
+        "seed": 1,
         "max_prompt_len": 8,
         "prompts_file": str(TASK / "prompts.jsonl"),
         "tokenizer": str(TASK / "tokenizer"),
@@ -568,18 +557,6 @@ def main(argv=None):
     ap.add_argument(
         "--small", action="store_true", help="tiny model and sizes (smoke run, the tests)"
     )
-    ap.add_argument("--steps", type=int, default=None, help="default 20 (small 2)")
-    ap.add_argument(
-        "--prompts", type=int, default=None, help="prompts per step (default 16; small 4)"
-    )
-    ap.add_argument(
-        "--group", type=int, default=None, help="completions per prompt (default 8; small 4)"
-    )
-    ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
-    ap.add_argument(
-        "--micro", type=int, default=None, help="micro-batches per step (default 4; small 2)"
-    )
-    ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument(
         "--wheels", default=None, help="folder of wheels to pip install trl from (--no-index)"
     )
@@ -596,15 +573,7 @@ def main(argv=None):
     sys.path.insert(0, str(HERE))
     sys.path.insert(1, str(ROOT))
 
-    s = setup(
-        args.small,
-        steps=args.steps,
-        prompts=args.prompts,
-        group=args.group,
-        new_tokens=args.new_tokens,
-        micro=args.micro,
-        lr=args.lr,
-    )
+    s = setup(args.small)
     extra = {"setup": s}
     with tempfile.TemporaryDirectory() as work:
         ckpt = make_checkpoint(s, os.path.join(work, "ckpt"))

@@ -1,41 +1,37 @@
 """Weight sync into vLLM on a CPU: the `real_py` backend against full HF tensors through vLLM's
-layerwise reload (what TRL, verl and OpenRLHF do today), same engine, same run.
+layerwise reload (what TRL, verl and OpenRLHF do), same engine, same run.
 
-    make bench-vllm                                     # .venv-vllm's python, the defaults below
-    .venv-vllm/bin/python bench/bench_vllm_sync.py [--rounds 3] [--layers 24] \
-        [--layouts tp2pp2,fsdp2]
+    make bench-vllm                                          # .venv-vllm's python, the defaults
+    .venv-vllm/bin/python bench/bench_vllm_sync.py [--rounds 4] [--layouts tp2pp2,fsdp2]
     .venv-vllm/bin/python bench/bench_vllm_sync.py --small   # a tiny Qwen2, for development
 
-Model: a random-weight Qwen2 of Qwen2.5-0.5B's shape (hidden 896, intermediate 4864, 24 layers,
-14 heads, 2 kv heads, head_dim 64, vocab 151936, tied embeddings; 494M parameters) in fp32,
-written once with transformers (`Qwen2ForCausalLM(config)`, seed 0) into bench/.cache/vllm_sync/.
-vLLM: one in-process `LLM` at tensor_parallel_size=2 started from that checkpoint, eager, no
-tokenizer, with weight_transfer_config={"backend": "real_py"}.
+Model: a random-weight Qwen2 of Qwen2.5-0.5B's shape in fp32 (transformers, seed 0, written once
+into bench/.cache/vllm_sync/). vLLM: one in-process `LLM`, tensor_parallel_size=2, eager, no
+tokenizer, weight_transfer_config={"backend": "real_py"}. Trainer: 4 ranks as threads of this
+process, each its own RealPyTrainerEngine, in tp2pp2 (dp1,tp2,pp2) or fsdp2 (Layout(dp=4,
+dp_shard="dim0")). Paths, through the same backend and engine: `real_py` (every rank sends its
+pieces straight to the workers that hold them, in vLLM's live per-rank format; the workers write
+them in place and re-process the touched layers) and `full_tensors` (RealPyTrainerInitInfo(
+full_tensors=True): every worker receives the full tensors and loads them with load_weights
+inside vLLM's layerwise reload; the trainer-side gather TRL & co. add is omitted, which favours
+this path).
 
-Trainer: 4 ranks as threads of this process beside the LLM (each its own RealPyTrainerEngine
-and transfer-group member, as tests/support/vllm_cases.py), holding the same weights in a layout:
-tp2pp2 (dp1,tp2,pp2) or fsdp2 (FSDP2-style dim-0 sharding over 4 ranks, Layout(dp=4,
-dp_shard="dim0")). Two paths per layout, through the same backend and the same vLLM engine:
-
-    real_py       every rank sends its pieces straight to the workers that hold them, in vLLM's
-                  live per-rank format; the workers write them in place and re-process the
-                  touched layers
-    full_tensors  RealPyTrainerInitInfo(full_tensors=True): every worker receives the full
-                  tensors (straight from the ranks' shards: the trainer-side gather TRL & co.
-                  add is omitted, which favours this path) and loads them with vLLM's
-                  load_weights inside initialize_layerwise_reload / finalize_layerwise_reload
-
-Per layout, `--rounds` rounds; each round runs both paths in turn (A B A B ...): init the
-trainer engines (a new master_port: a new transfer group), one untimed warm-up update, then
-`--per-init` timed updates. Each update first changes the weights slightly (every parameter
-scaled by its own factor near 1, outside timing), so vLLM really loads new weights. Seconds of an
-update: trainer rank 0's wall time of send_weights, which spans vLLM's start / update / finish
-calls and the prefix-cache reset (the slowest side). Checks, outside timing: the first round's
-warm-up sends W_check (every parameter scaled by a factor in 0.5..1.5): vLLM's greedy tokens and
-logprobs after it must differ from the start-up ones and equal those of the other path (and
-layout); the last round ends with an update back to the checkpoint's weights W0, whose tokens and
-logprobs must equal those of the freshly started engine. Benchmarks never assert: the checks
-are recorded in the report.
+Method: per layout, --rounds rounds, each running both paths in turn (A B A B ...): init the
+trainer engines (a new transfer group), one untimed warm-up update, --per-init timed updates.
+Before each update (outside timing) every parameter is scaled by its own factor within 1 +- 1e-3,
+so vLLM loads new weights. update_s: trainer rank 0's wall time of send_weights (it spans vLLM's
+start / update / finish and the prefix-cache reset), median, min, max. worker_receive_s /
+worker_apply_s: the slower worker's receive and write + re-process seconds, medians (receive
+includes waiting for the other worker); apply_share = worker_apply_s / update_s; trainer_move_s:
+the slowest rank's Reallocator.run. init_s, warmup_s: medians over the rounds. Bytes: what the
+workers received against min_live_MiB, the plan's minimum for vLLM's live format. Memory:
+staging_MiB_max_rank, a trainer rank's extra memory (bounded by the bucket); rss_growth_MiB, this
+process's largest resident growth during an update (sampled every 5 ms): a gather would add
+model_MiB. Checks (outside timing, recorded, never asserted): the first warm-up of each row sends
+W_check (factors in 0.5..1.5, the final norm negated), then greedy tokens with logprobs of 3
+prompts: tokens_changed against the fresh engine, check_vs_hf against transformers on W_check
+(teacher-forced, a spawned process), check_vs_other_path; back_to_w0_vs_fresh after the last
+update back to the checkpoint's weights.
 
 Writes bench/results/vllm_sync_<hw>_<date>.{json,md} (`_small` with --small).
 """
@@ -70,42 +66,18 @@ PROMPTS = [[(7 * i + 3) % 500 for i in range(40)], [11, 12, 13], [499, 250, 1, 6
 PATHS = ("real_py", "full_tensors")
 LAYOUTS = {"tp2pp2": "dp1,tp2,pp2", "fsdp2": "fsdp2"}
 GOAL_SPEEDUP = 1.5
+GPU_MEMORY_UTILIZATION = 0.12  # of host memory, per vLLM CPU worker (weights + KV)
+MAX_MODEL_LEN = 256
+MAX_TOKENS = 8  # greedy tokens per prompt in the checks
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--small", action="store_true", help="a tiny Qwen2 (development); report gets _small"
-    )
-    ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    ap.add_argument(
-        "--untied", action="store_true", help="an lm_head of its own (Qwen2.5-0.5B ties it)"
-    )
-    ap.add_argument(
-        "--layouts", default="tp2pp2,fsdp2", help=f"trainer layouts among {list(LAYOUTS)}"
-    )
-    ap.add_argument(
-        "--rounds", type=int, default=4, help="rounds per layout (each: both paths, one init each)"
-    )
-    ap.add_argument(
-        "--per-init", type=int, default=2, help="timed updates after each init's warm-up"
-    )
-    ap.add_argument(
-        "--bucket-mib", type=int, default=None, help="staging per trainer rank (default: real_py's)"
-    )
-    ap.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.12,
-        help="fraction of host memory each vLLM CPU worker reserves (weights + KV)",
-    )
-    ap.add_argument("--max-model-len", type=int, default=256)
-    ap.add_argument(
-        "--max-tokens", type=int, default=8, help="greedy tokens per prompt in the checks"
-    )
-    ap.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds any one transfer wait may take"
-    )
+    ap.add_argument("--small", action="store_true", help="a tiny Qwen2; report gets _small")
+    ap.add_argument("--untied", action="store_true", help="an lm_head of its own")
+    ap.add_argument("--layouts", default="tp2pp2,fsdp2", help=f"among {list(LAYOUTS)}")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per layout (both paths each)")
+    ap.add_argument("--per-init", type=int, default=2, help="timed updates after each warm-up")
     ap.add_argument("--out-dir", default=None, help="where the report goes (default bench/results)")
     return ap.parse_args(argv)
 
@@ -185,44 +157,29 @@ def meminfo(key: str) -> int:
     return 0
 
 
-class HostMemory:
-    """The least MemAvailable of the host while it runs (sampled every 0.5 s)."""
+class Sampler:
+    """The least (`low=True`) or largest value of read() while running, sampled every `every`
+    seconds: the host's MemAvailable, or this process's resident bytes (growth above entry)."""
 
-    def __init__(self):
-        self.min_available = meminfo("MemAvailable")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self):
-        while not self._stop.wait(0.5):
-            self.min_available = min(self.min_available, meminfo("MemAvailable"))
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
-
-
-class RssPeak:
-    """Peak resident memory of this process (the trainer ranks' threads and the LLM front end)
-    above its level at entry, sampled every 5 ms."""
+    def __init__(self, read, every: float, low: bool = False):
+        self.read, self.every, self.pick = read, every, min if low else max
+        self.base = self.value = read()
 
     def __enter__(self):
-        self.base = self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
+        while not self._stop.wait(self.every):
+            self.value = self.pick(self.value, self.read())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        self.growth = self.peak - self.base
+        self.value = self.pick(self.value, self.read())
+        self.growth = self.value - self.base
         return False
 
 
@@ -386,21 +343,20 @@ def main() -> None:
     from real_py.vllm.worker import vllm_plan
 
     shape = dict(SMALL if args.small else FULL, tied=not args.untied)
-    if args.layers:
-        shape["layers"] = args.layers
     layouts = [x for x in args.layouts.split(",") if x]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
         raise SystemExit(f"--layouts: unknown {bad}; allowed {list(LAYOUTS)}")
-    bucket = DEFAULT_BUCKET_BYTES if args.bucket_mib is None else args.bucket_mib << 20
+    bucket = DEFAULT_BUCKET_BYTES
     load_before = [round(x, 2) for x in os.getloadavg()]
     t_start = time.perf_counter()
-    mem, mem_total = HostMemory(), meminfo("MemTotal")
+    mem_total = meminfo("MemTotal")
+    mem = Sampler(lambda: meminfo("MemAvailable"), 0.5, low=True).__enter__()
     from real_py.benchmark import git_commit
 
     commit_at_start = git_commit()  # vLLM's workers import real_py.vllm when they start, below
 
-    path = checkpoint(shape, max_pos=max(args.max_model_len, 256))
+    path = checkpoint(shape, max_pos=MAX_MODEL_LEN)
     cfg = ModelConfig.from_hf(str(path))
     spec = model_spec(cfg)
     model_bytes = spec.numel * 4
@@ -416,17 +372,17 @@ def main() -> None:
     llm = LLM(
         model=str(path),
         tensor_parallel_size=2,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         skip_tokenizer_init=True,
         dtype="float32",
-        max_model_len=args.max_model_len,
+        max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         enable_prefix_caching=True,
         weight_transfer_config={"backend": "real_py"},
     )
     llm_start_s = time.perf_counter() - t0
     workers = llm.llm_engine.vllm_config.parallel_config.world_size
-    ref = generate(llm, args.max_tokens)  # the engine fresh from the checkpoint (W0)
+    ref = generate(llm, MAX_TOKENS)  # the engine fresh from the checkpoint (W0)
     print(
         f"[bench] vLLM tp=2 up in {llm_start_s:.0f} s; W0 tokens {[t for t, _ in ref]}", flush=True
     )
@@ -459,7 +415,7 @@ def main() -> None:
                     layout=layout,
                     num_workers=workers,
                     bucket_bytes=bucket,
-                    timeout_s=args.timeout,
+                    timeout_s=600.0,
                     full_tensors=full_tensors,
                 )
                 return RealPyTrainerEngine.trainer_init(
@@ -478,7 +434,7 @@ def main() -> None:
                 walls[r] = time.perf_counter() - t
                 return s
 
-            with RssPeak() as mem:
+            with Sampler(rss_bytes, 0.005) as mem:
                 stats = on_ranks(range(T), one)
             return {
                 "update_s": walls[0],
@@ -503,7 +459,7 @@ def main() -> None:
                 if rnd == 0:
                     set_weights(shards, bases, CHECK)
                     rec["warmup"].append(update())
-                    out = generate(llm, args.max_tokens)
+                    out = generate(llm, MAX_TOKENS)
                     check_out[(lname, pname)] = out
                 else:
                     k += 1
@@ -523,7 +479,7 @@ def main() -> None:
                 if rnd == args.rounds - 1:  # back to W0: must answer as the fresh engine
                     set_weights(shards, bases, None)
                     update()
-                    rec["back_to_w0"] = max_logprob_diff(generate(llm, args.max_tokens), ref)
+                    rec["back_to_w0"] = max_logprob_diff(generate(llm, MAX_TOKENS), ref)
                     if pname == "real_py" and lname == layouts[-1]:  # where a real_py apply goes
                         llm.collective_rpc(_apply_breakdown)  # (the first one warms up)
                         breakdown = llm.collective_rpc(_apply_breakdown)
@@ -608,7 +564,7 @@ def main() -> None:
     }
     load_after = [round(x, 2) for x in os.getloadavg()]
     total_s = time.perf_counter() - t_start
-    mem.stop()
+    mem.__exit__()
 
     # The reference for W_check: transformers on the same weights (a spawned process).
     import multiprocessing
@@ -629,33 +585,12 @@ def main() -> None:
     import transformers
     import vllm
 
-    columns = [
-        "layout",
-        "path",
-        "update_s",
-        "min_s",
-        "max_s",
-        "n",
-        "speedup_vs_full",
-        "worker_receive_s",
-        "worker_apply_s",
-        "apply_share",
-        "trainer_move_s",
-        "recv_MiB_per_worker",
-        "network_MiB",
-        "min_live_MiB",
-        "bytes_vs_min",
-        "staging_MiB_max_rank",
-        "bucket_MiB",
-        "model_MiB",
-        "rss_growth_MiB",
-        "init_s",
-        "warmup_s",
-        "tokens_changed",
-        "check_vs_hf",
-        "check_vs_other_path",
-        "back_to_w0_vs_fresh",
-    ]
+    columns = (
+        "layout path update_s min_s max_s n speedup_vs_full worker_receive_s worker_apply_s "
+        "apply_share trainer_move_s recv_MiB_per_worker network_MiB min_live_MiB bytes_vs_min "
+        "staging_MiB_max_rank bucket_MiB model_MiB rss_growth_MiB init_s warmup_s tokens_changed "
+        "check_vs_hf check_vs_other_path back_to_w0_vs_fresh"
+    ).split()
     table_rows = [{k: v for k, v in r.items() if k != "raw"} for r in rows]
     if git_commit() != commit_at_start:
         notes_extra = (
@@ -664,23 +599,17 @@ def main() -> None:
         )
     else:
         notes_extra = ""
-    notes = notes_text(
-        args,
-        shape,
-        spec,
-        layouts,
-        rows,
-        cross,
-        load_before,
-        load_after,
-        llm_start_s,
-        total_s,
-        vllm.__version__,
-        transformers.__version__,
-        breakdown,
-        mem_total,
-        mem.min_available,
+    run = dict(
+        vllm=vllm.__version__,
+        transformers=transformers.__version__,
+        load_before=load_before,
+        load_after=load_after,
+        llm_start_s=llm_start_s,
+        total_s=total_s,
+        mem_total=mem_total,
+        mem_min_available=mem.value,
     )
+    notes = notes_text(args, shape, spec, rows, cross, run, breakdown)
     notes = notes_extra + ("\n\n" if notes_extra else "") + notes
     theme_hw = hardware_tag("cpu", args.small) + ("_untied" if args.untied else "")
     jpath, mpath = write_results(
@@ -693,18 +622,12 @@ def main() -> None:
         ),
         notes=notes,
         out_dir=args.out_dir,
-        extra={
-            "versions": {"vllm": vllm.__version__, "transformers": transformers.__version__},
-            "load_avg_before": load_before,
-            "load_avg_after": load_after,
-            "llm_start_s": llm_start_s,
-            "total_s": total_s,
+        extra=run
+        | {
             "hf_reference_s": hf_s,
             "check_vs_hf": hf,
             "apply_breakdown": breakdown,
             "git_commit_at_start": commit_at_start,
-            "host_mem_total_bytes": mem_total,
-            "host_mem_min_available_bytes": mem.min_available,
             "shape": shape,
             "params": spec.numel,
             "checkpoint": str(path),
@@ -718,206 +641,78 @@ def main() -> None:
     print(f"[bench] wrote {mpath} and {jpath.name} ({total_s:.0f} s)", flush=True)
 
 
-def notes_text(
-    args,
-    shape,
-    spec,
-    layouts,
-    rows,
-    cross,
-    load_before,
-    load_after,
-    llm_start_s,
-    total_s,
-    vllm_version,
-    tf_version,
-    breakdown,
-    mem_total,
-    mem_min_avail,
-) -> str:
+def notes_text(args, shape, spec, rows, cross, run: dict, breakdown) -> str:
     import torch
 
     from real_py.benchmark import cpu_model
 
-    lines = []
-    add = lines.append
-    add(
-        f"Versions: vLLM {vllm_version} (CPU build), transformers {tf_version}, torch "
-        f"{torch.__version__}. CPU: {cpu_model()}, {os.cpu_count()} cores (shared machine). Load "
-        f"average (1/5/15 min) before the run {load_before}, after {load_after} (the run's own "
-        "load: 2 vLLM workers, the trainer threads). Host memory: least available during the run "
-        f"{mem_min_avail / 2**30:.1f} GiB of {mem_total / 2**30:.1f} GiB. vLLM start "
-        f"{llm_start_s:.0f} s; whole run {total_s:.0f} s."
-    )
-    add("")
-    add(
-        "Model: random-weight Qwen2 (transformers `Qwen2ForCausalLM(config)`, seed 0), vocab "
-        f"{shape['vocab']}, hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
-        f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv heads "
-        f"(head_dim {shape['hidden'] // shape['heads']}), "
-        f"{'tied embeddings' if shape['tied'] else 'untied lm_head'}: {spec.numel / 1e6:.1f}M "
-        f"parameters, {spec.numel * 4 / 2**20:.0f} MiB in fp32"
-        + (" (Qwen2.5-0.5B's shape)." if shape == dict(FULL, tied=True) else ".")
-    )
-    add(
-        "vLLM: one in-process `LLM`, tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND=0|1), "
-        f"dtype float32, gpu_memory_utilization={args.gpu_memory_utilization}, "
-        f"max_model_len={args.max_model_len}, enforce_eager, skip_tokenizer_init, prefix caching "
-        "on, weight_transfer_config backend real_py. Trainer: 4 ranks as threads of the bench "
-        f"process ({', '.join(layouts)}: tp2pp2 = dp1,tp2,pp2; fsdp2 = Layout(dp=4, "
-        "dp_shard='dim0')), each its own RealPyTrainerEngine; their pack work shares this "
-        "process's GIL (the moves run in C++ and gloo), and everything shares the 2 cores with "
-        "vLLM's engine-core and 2 worker processes."
-    )
-    add("")
-    add(
-        "Paths: `real_py` = the backend's default (each trainer rank sends its pieces straight to "
-        "the workers that hold them, in vLLM's live per-rank format; the workers write them in "
-        "place and re-run process_weights_after_loading on touched layers). `full_tensors` = "
-        "RealPyTrainerInitInfo(full_tensors=True): every worker receives the full model and loads "
-        "it through vLLM's load_weights inside initialize_layerwise_reload / "
-        "finalize_layerwise_reload, what TRL, verl and OpenRLHF do. The baseline here omits the "
-        "trainer-side gather of full tensors those trainers add before sending (the full tensors "
-        "go straight from the ranks' shards), so it is favoured: a real TRL-style sync is slower "
-        "than this row and needs a full-model buffer on the trainer."
-    )
-    if shape["tied"] and all(r["hf_dlogprob"] <= 1e-3 for r in rows if r["path"] == "full_tensors"):
-        add(
-            "With tied embeddings the full_tensors path includes the backend's re-pack of the tied "
-            "lm_head after finalize_layerwise_reload (real_py/vllm/worker.py `_load_full`): vLLM's "
-            "layerwise reload alone leaves the ParallelLMHead's packed CPU copy of the old "
-            "embedding in place (each worker logs 'ParallelLMHead: Failed to load weights'), and "
-            "an earlier run of this benchmark, before that re-pack, answered up to 0.37 off "
-            "transformers in logprob on W_check. A trainer that reloads a tied model through "
-            "vLLM's layerwise reload on a CPU, as TRL & co. do, serves that stale lm_head."
-        )
-    add("")
-    add(
-        f"Method: per layout, {args.rounds} rounds; each round runs real_py then full_tensors on "
-        "the same vLLM engine (A B A B ...): init the trainer engines (new master_port, a new "
-        f"transfer group), one untimed warm-up update, {args.per_init} timed update(s). Before "
-        "every update (outside timing) each parameter is scaled by its own factor within 1 +- "
-        "1e-3 of the checkpoint's, a new set per update, so vLLM loads new weights each time. "
-        "update_s: trainer rank 0's wall time of send_weights (it drives vLLM's start / update / "
-        "finish and the prefix-cache reset, so it spans the workers' receive and apply: the "
-        "slowest side), median, min and max over the timed updates. worker_receive_s / "
-        "worker_apply_s: the slower worker's receive and write/re-process seconds "
-        "(stats['workers']), medians; a worker writes only once every worker has received all of "
-        "its own, so receive_s includes that wait. apply_share = worker_apply_s / update_s: the "
-        "share of an update spent writing and re-processing layers (full_tensors: load_weights in "
-        "the layerwise reload). trainer_move_s: the slowest trainer rank's Reallocator.run "
-        "seconds. init_s: trainer_init on the 4 ranks (vLLM's init_weight_transfer_engine "
-        "included), median over the rounds; warmup_s: the first update after an init (untimed), "
-        "median."
-    )
-    add("")
-    add(
-        "Bytes: recv_MiB_per_worker / network_MiB are what the workers received "
-        "(stats['workers']); min_live_MiB is the plan's minimum for vLLM's live per-rank format "
-        "(engine.plan.summary()['min_network_bytes'] of the real_py plan; trainer and workers "
-        "share no rank, so every byte crosses the group); bytes_vs_min their ratio. full_tensors "
-        "receives the full model per worker. sent_eq_plan: the ranks' sent_bytes sum = the plan's "
-        "network_bytes = what the workers received. Memory: staging_MiB_max_rank = the largest "
-        "stats['staging_bytes'] of a trainer rank (its extra memory, bounded by bucket_bytes), "
-        "against model_MiB; rss_growth_MiB = the largest growth of this process's resident memory "
-        "during an update (the 4 ranks together plus the LLM front end, sampled every 5 ms, "
-        "warm-up updates included): a full-model gather would add model_MiB."
-    )
-    add("")
-    add(
-        "Checks (outside timing; recorded, never asserted): the first round's warm-up of each row "
-        "sends W_check (every parameter scaled by its own factor in 0.5..1.5, the final norm "
-        f"negated), then greedy tokens of 3 prompts ({args.max_tokens} tokens each, with "
-        "logprobs): tokens_changed = they differ from the freshly started engine's (W0); "
-        "check_vs_hf = against transformers' Qwen2ForCausalLM on the same W_check (fp32, "
-        "teacher-forced over vLLM's tokens; a spawned process after the timed part): the largest "
-        "logprob difference and whether every token is HF's argmax; check_vs_other_path = the "
-        "other path's answer for the same W_check, same layout (`tokens differ` or the largest "
-        "logprob difference); back_to_w0_vs_fresh = after the row's last update back to W0, "
-        "against the freshly started engine. Every pair of rows on W_check: "
+    lines = [
+        f"Versions: vLLM {run['vllm']} (CPU build), transformers {run['transformers']}, torch "
+        f"{torch.__version__}. CPU: {cpu_model()}, {os.cpu_count()} cores (shared). Load average "
+        f"before the run {run['load_before']}, after {run['load_after']} (its own load: 2 vLLM "
+        f"workers, the trainer threads). Host memory: least available "
+        f"{run['mem_min_available'] / 2**30:.1f} GiB of {run['mem_total'] / 2**30:.1f} GiB. "
+        f"vLLM start {run['llm_start_s']:.0f} s; whole run {run['total_s']:.0f} s.",
+        "",
+        f"Model: vocab {shape['vocab']}, hidden {shape['hidden']}, intermediate "
+        f"{shape['intermediate']}, {shape['layers']} layers, {shape['heads']} heads / "
+        f"{shape['kv_heads']} kv heads, {'tied' if shape['tied'] else 'untied'} lm_head: "
+        f"{spec.numel / 1e6:.1f}M parameters, {spec.numel * 4 / 2**20:.0f} MiB in fp32. vLLM: "
+        f"gpu_memory_utilization={GPU_MEMORY_UTILIZATION}, max_model_len={MAX_MODEL_LEN}, "
+        f"prefix caching on. {args.rounds} rounds x {args.per_init} timed updates per path.",
+        "",
+        __doc__.split("\n\n", 2)[2].rsplit("\n\n", 1)[0],
+        "",
+        "W_check across every pair of rows: "
         + "; ".join(
             f"{k}: {'tokens differ' if v is None else f'{v:.3g}'}" for k, v in cross.items()
         )
-        + "."
-    )
-    add("")
-    hf_full = [r for r in rows if r["path"] == "full_tensors" and r["hf_dlogprob"] > 1e-3]
-    hf_ok = [r for r in rows if r["path"] == "real_py" and r["hf_dlogprob"] <= 1e-3]
-    if hf_full and shape["tied"]:
-        add(
-            "The full_tensors rows do not answer as the reference (largest |dlogprob| against HF "
-            f"{max(r['hf_dlogprob'] for r in hf_full):.3g}; real_py rows "
-            + (f"{max(r['hf_dlogprob'] for r in hf_ok):.3g}" if hf_ok else "also off")
-            + "). The cause, with tied "
-            "embeddings: vLLM's layerwise reload loads embed_tokens.weight, but no checkpoint "
-            "tensor names lm_head.weight (tied), so finalize_layerwise_reload finds the "
-            "ParallelLMHead with nothing loaded, logs 'ParallelLMHead: Failed to load weights' in "
-            "every worker and puts the layer's old kernel tensors back without re-running "
-            "process_weights_after_loading. On vLLM's CPU backend the lm_head computes from a "
-            "packed (oneDNN) copy of the embedding made there, so after a full_tensors update the "
-            "logits come from the lm_head packed at the previous real_py update or at start-up, "
-            "with the new embedding and layers. So this baseline also skips the lm_head's repack, "
-            "which real_py does (breakdown below): it favours the baseline's time. It affects the "
-            "backend's full-tensor fallback (real_py/vllm/worker.py `_load_full`) and anyone "
-            "reloading a tied model through vLLM's layerwise reload on a CPU. With an untied "
-            "lm_head (`--small --untied`) both paths equal HF."
-        )
-        add("")
-    add(
-        "Goal (real_py rows): at least 1.5x faster per update than full_tensors, bytes = the "
-        "minimum, trainer extra memory within the bucket:"
-    )
+        + ".",
+    ]
+    if shape["tied"] and any(r["hf_dlogprob"] > 1e-3 for r in rows if r["path"] == "full_tensors"):
+        lines += [
+            "",
+            "The full_tensors rows do not answer as transformers: with tied embeddings vLLM's "
+            "layerwise reload leaves the CPU lm_head's packed copy of the old embedding in place "
+            "('ParallelLMHead: Failed to load weights'); real_py/vllm/worker.py `_load_full` "
+            "re-packs it. Check that re-pack.",
+        ]
+    lines += ["", "Goal (real_py rows): 1.5x faster, the minimum bytes, staging within the bucket:"]
     for r in rows:
-        if r["path"] == "real_py":
-            fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
-            g = r["goals_met"]
-            add(
-                f"- {r['layout']}: {r['update_s']:.3g} s against {fu['update_s']:.3g} s = "
-                f"{fu['update_s'] / r['update_s']:.2f}x "
-                f"({'met' if g['speedup>=1.5'] else 'NOT met'}); bytes {r['network_MiB']:.1f} MiB "
-                f"= {r['bytes_vs_min']:.3f}x the minimum "
-                f"({'met' if g['bytes=min'] else 'NOT met'}; full_tensors "
-                f"{fu['bytes_vs_min']:.2f}x); staging {r['staging_MiB_max_rank']:.1f} MiB per rank "
-                f"<= bucket {r['bucket_MiB']:.0f} MiB "
-                f"({'met' if g['staging<=bucket'] else 'NOT met'}), "
-                f"{r['staging_MiB_max_rank'] / r['model_MiB']:.3f} of the model; process RSS grew "
-                f"at most {r['rss_growth_MiB']:.0f} MiB during an update against "
-                f"{r['model_MiB']:.0f} MiB of model"
-                + (": no full-model gather." if r["rss_growth_MiB"] < r["model_MiB"] else ".")
-            )
-    add("")
-    for r in rows:
-        if r["path"] == "real_py":
-            fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
-            add(
-                f"- {r['layout']}, where the time goes: receive {r['worker_receive_s']:.3g} s "
-                f"against {fu['worker_receive_s']:.3g} s (full_tensors / real_py "
-                f"{fu['worker_receive_s'] / r['worker_receive_s']:.2f}, for "
-                f"{r['bytes_vs_min'] / fu['bytes_vs_min']:.2f} of the bytes), write + re-process "
-                f"{r['worker_apply_s']:.3g} s against {fu['worker_apply_s']:.3g} s "
-                f"({r['apply_share']:.0%} of real_py's update, {fu['apply_share']:.0%} of "
-                "full_tensors')."
-            )
-    if breakdown:
-        add("")
-        parts = []
-        for i, b in enumerate(breakdown):
-            proc = ", ".join(
-                f"{k} x{b['process_n'][k]} {v:.3f} s"
-                for k, v in sorted(b["process_s"].items(), key=lambda kv: -kv[1])
-            )
-            parts.append(
-                f"worker {i}: {b['apply_s']:.3f} s = write {b['write_s']:.3f} s (copy_ "
-                f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed "
-                f"to prepacked layers) + re-processing {proc}"
-            )
-        add(
-            "Where a real_py apply goes (after the last real_py row: each worker's own apply step, "
-            "RealPyWeightTransferEngine._apply, run again on the shard it holds through "
-            "collective_rpc, the second of two runs, with vLLM's process_weights_after_loading "
-            "timed per module class; "
-            "write = the rest): " + "; ".join(parts) + "."
+        if r["path"] != "real_py":
+            continue
+        fu = next(x for x in rows if x["layout"] == r["layout"] and x["path"] == "full_tensors")
+        g = {k: "met" if v else "NOT met" for k, v in r["goals_met"].items()}
+        lines.append(
+            f"- {r['layout']}: {r['update_s']:.3g} s against {fu['update_s']:.3g} s = "
+            f"{fu['update_s'] / r['update_s']:.2f}x ({g['speedup>=1.5']}); bytes "
+            f"{r['network_MiB']:.1f} MiB = {r['bytes_vs_min']:.3f}x the minimum ({g['bytes=min']}; "
+            f"full_tensors {fu['bytes_vs_min']:.2f}x); staging {r['staging_MiB_max_rank']:.1f} MiB "
+            f"per rank <= bucket {r['bucket_MiB']:.0f} MiB ({g['staging<=bucket']}); RSS grew at "
+            f"most {r['rss_growth_MiB']:.0f} MiB against {r['model_MiB']:.0f} MiB of model. Time: "
+            f"receive {r['worker_receive_s']:.3g} s against {fu['worker_receive_s']:.3g} s, write "
+            f"+ re-process {r['worker_apply_s']:.3g} s against {fu['worker_apply_s']:.3g} s "
+            f"({r['apply_share']:.0%} of real_py's update, {fu['apply_share']:.0%} of "
+            "full_tensors')."
         )
+    parts = []
+    for i, b in enumerate(breakdown):
+        proc = ", ".join(
+            f"{k} x{b['process_n'][k]} {v:.3f} s"
+            for k, v in sorted(b["process_s"].items(), key=lambda kv: -kv[1])
+        )
+        parts.append(
+            f"worker {i}: {b['apply_s']:.3f} s = write {b['write_s']:.3f} s (copy_ "
+            f"{b['copied_MiB']:.0f} MiB into live tensors, {b['emptied_MiB']:.0f} MiB handed to "
+            f"prepacked layers) + re-processing {proc}"
+        )
+    if parts:
+        lines += [
+            "",
+            "Where a real_py apply goes (each worker's RealPyWeightTransferEngine._apply run again "
+            "on its shard through collective_rpc, the second of two runs, "
+            "process_weights_after_loading timed per module class): " + "; ".join(parts) + ".",
+        ]
     return "\n".join(lines)
 
 

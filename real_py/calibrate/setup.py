@@ -33,7 +33,7 @@ class Setup:
     calibration model carries its own size into every estimate (its train step costs about twice
     the default job's shape per layer at the same rows and tokens:
     bench/results/calibration_shape_cpu2_20261204.md). Scored side by side on the same
-    measurements (`bench_estimator.py --calibrate-on job --compare`), the job's setup fits the
+    measurements (a one-off run of `bench/bench_estimator.py`), the job's setup fits the
     single-rank train steps but estimates the other calls worse: it has the rows of a one-replica
     call, so it charges the ranks of dp > 1 plans for rows they do not hold. The small model is
     the default."""
