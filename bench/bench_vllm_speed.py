@@ -2,9 +2,11 @@
 
     .venv-vllm/bin/python bench/bench_vllm_speed.py [--steps 4] [--cases toy-grpo ...]
 
-Each case runs `python -m real_py train` twice, generation.engine = builtin and vllm, with the
-same model, prompts, reward, plan and seed (the engines alternate, case by case), and reads the
-per-call seconds of steps 2.. from metrics.jsonl (step 1 holds the start-up):
+Each case runs `python -m real_py train` once per engine with the same model, prompts, reward,
+plan and seed (the engines rotate, case by case and repeat by repeat), and reads the per-call
+seconds of steps 2.. from metrics.jsonl (step 1 holds the start-up). Engines: builtin, vllm
+(old_logp recomputed by the trainer: the call actor_logp) and vllm-rollout
+(generation.vllm_logp: rollout, vLLM's log-probs are old_logp, no recompute call). Per run:
 
 - the generation call (actor_gen): seconds and new tokens per second (response_length x rows);
 - the whole step, and what vLLM adds to it: the actor_logp call (old_logp recomputed on the
@@ -100,6 +102,13 @@ def _write(tmp: str, name: str, cfg: dict) -> str:
     return path
 
 
+ENGINES = {
+    "builtin": ["generation.engine=builtin"],
+    "vllm": ["generation.engine=vllm", "generation.vllm_logp=recompute"],
+    "vllm-rollout": ["generation.engine=vllm", "generation.vllm_logp=rollout"],
+}
+
+
 def run(config: str, engine: str, steps: int, out: str) -> list[dict]:
     cmd = [
         sys.executable,
@@ -112,7 +121,7 @@ def run(config: str, engine: str, steps: int, out: str) -> list[dict]:
         out,
         "--no-progress",
         "--overwrite",
-        f"generation.engine={engine}",
+        *ENGINES[engine],
         f"steps={steps}",
     ]
     p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -155,60 +164,76 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--repeats", type=int, default=1, help="runs per engine and case (alternating)")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--repeats", type=int, default=1, help="runs per engine and case (rotating)")
     args = ap.parse_args()
     results, runs_all, t_all = [], {}, time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             config = CASES[case](tmp)
             rows = rows_of(config)
-            per = {"builtin": [], "vllm": []}
+            per = {e: [] for e in args.engines}
             for rep in range(args.repeats):
-                order = ("builtin", "vllm") if rep % 2 == 0 else ("vllm", "builtin")
-                for engine in order:
-                    recs = run(
-                        config, engine, args.steps, os.path.join(tmp, f"{case}_{engine}_{rep}")
-                    )
-                    per[engine].append(summarize(recs, rows))
+                k = rep % len(args.engines)
+                for engine in args.engines[k:] + args.engines[:k]:
+                    out = os.path.join(tmp, f"{case}_{engine}_{rep}")
+                    load = os.getloadavg()[0]  # the machine is shared: what ran beside the run
+                    per[engine].append(summarize(run(config, engine, args.steps, out), rows))
+                    per[engine][-1]["load_1min_before"] = load
                     print(case, engine, per[engine][-1], flush=True)
-            row = {"case": case, "rows": rows}
-            for engine, runs in per.items():
-                for key in ("gen_s", "tokens_per_s", "step_s", "actor_logp_s", "actor_realloc_s"):
-                    row[f"{engine} {key}"] = statistics.median(r[key] for r in runs)
-            row["tokens/s vllm / builtin"] = row["vllm tokens_per_s"] / row["builtin tokens_per_s"]
-            row["step builtin / vllm"] = row["builtin step_s"] / row["vllm step_s"]
-            results.append(row)
+            med = {
+                e: {k: statistics.median(r[k] for r in runs) for k in COLS}
+                for e, runs in per.items()
+            }
+            for engine in args.engines:
+                row = {"case": case, "engine": engine, "rows": rows, **med[engine]}
+                if "builtin" in med:
+                    row["tokens/s vs builtin"] = (
+                        row["tokens_per_s"] / med["builtin"]["tokens_per_s"]
+                    )
+                    row["step speed vs builtin"] = med["builtin"]["step_s"] / row["step_s"]
+                calls = per[engine][0]["calls_s"]
+                row["calls (s, first run)"] = ", ".join(f"{c} {v:.3g}" for c, v in calls.items())
+                results.append(row)
             runs_all[case] = per
     elapsed = time.time() - t_all
     note = (
-        "Each case: `python -m real_py train` with generation.engine builtin and vllm, "
-        f"{args.steps} steps, {args.repeats} run(s) per engine, engines alternating; medians over "
-        "steps 2.. (step 1 holds vLLM's start-up and the first compile). gen_s / tokens_per_s: "
-        "the actor_gen call (new tokens = response_length x rows); step_s: the whole step; "
-        "actor_logp_s: the recompute call vLLM generation adds (old_logp on the train "
-        "layout); actor_realloc_s: the actor's move into the generation layout (vLLM's live "
-        "format or the built-in engine's layout). 2 shared CPU cores, AVX2 (vLLM's CPU build "
-        "has no fast kernels for it). "
-        + __doc__.split("\n\n")[2].replace("\n", " ")
+        f"Each case: `python -m real_py train` per engine, {args.steps} steps, {args.repeats} "
+        "run(s) per engine, engines rotating; medians over steps 2.. (step 1 holds vLLM's "
+        "start-up and the first compile), then over runs. gen_s / tokens_per_s: the actor_gen "
+        "call (new tokens = response_length x rows); step_s: the whole step; actor_logp_s: the "
+        "recompute call (vllm only: old_logp on the train layout; vllm-rollout takes vLLM's "
+        "log-probs instead); actor_realloc_s: the actor's move into the generation layout "
+        "(vLLM's live format or the built-in engine's layout); step speed vs builtin: builtin "
+        "step_s / this step_s (> 1: faster); load_1min_before: the machine's 1-minute load "
+        "average when the run started (2 cores: above 2, something else ran beside it). 2 "
+        "shared CPU cores, AVX2 (vLLM's CPU build has no fast kernels for it). "
+        + __doc__.split("\n\n")[4].replace("\n", " ")
         + f" Whole benchmark {elapsed:.0f} s."
     )
-    cols = ["case", "rows"] + [
-        f"{e} {k}"
-        for e in ("builtin", "vllm")
-        for k in ("gen_s", "tokens_per_s", "step_s", "actor_logp_s", "actor_realloc_s")
-    ]
-    cols += ["tokens/s vllm / builtin", "step builtin / vllm"]
+    cols = ["case", "engine", "rows", *COLS, "tokens/s vs builtin", "step speed vs builtin"]
     jpath, mpath = write_results(
         "vllm_speed",
         hardware_tag("cpu"),
         results,
-        columns=cols,
+        columns=cols + ["calls (s, first run)"],
         notes=note,
         title="Generation with vLLM against the built-in engine, inside the "
         "runtime (gloo ranks, CPU)",
         extra={"runs": runs_all},
     )
     print(jpath, mpath)
+
+
+COLS = (
+    "gen_s",
+    "new_tokens",
+    "tokens_per_s",
+    "step_s",
+    "actor_logp_s",
+    "actor_realloc_s",
+    "load_1min_before",
+)
 
 
 if __name__ == "__main__":
