@@ -44,6 +44,9 @@ Recvs = Sequence[tuple[int, torch.Tensor, tuple[int, ...]]]
 class TransferError(RuntimeError):
     """A transfer step failed or timed out; the message names the rank, the peer and the step."""
 
+    reported: bool = False
+    """True once the transport reported it to its peers (the executor does not report it again)."""
+
 
 class Handle:
     """A round in flight; `wait()` returns when it completed or raises TransferError.

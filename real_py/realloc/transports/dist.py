@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,7 +97,7 @@ class DistTransport(Transport):
             if self._bare
             else [dist.get_global_rank(group, r) for r in range(self.world)]
         )
-        self._subgroups: dict[tuple[int, ...], object] = {}
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._prefix = f"real_py/failures/{getattr(group, 'group_name', 'group')}"
         if store is None:
             try:
@@ -171,8 +173,9 @@ class DistTransport(Transport):
     # ------------------------------------------------------------------ rounds
 
     def start(self, sends: Sends, recvs: Recvs, step: str) -> Handle:
-        ops, works = [], []
-        bcast = []
+        ops: list[tuple[Callable[..., Any], torch.Tensor, int]] = []  # (isend / irecv, t, peer)
+        works: list[tuple[str, tuple[int, ...]]] = []  # (what, peer ranks) per op
+        bcast: list[tuple[tuple[int, ...], int, int, torch.Tensor]] = []
         for i, (receivers, t) in enumerate(sends):
             if self.rank in receivers:
                 raise ValueError(
@@ -192,7 +195,7 @@ class DistTransport(Transport):
                 works.append((f"receive from peer rank {sender}", (sender,)))
             else:
                 bcast.append(((sender,) + tuple(receivers), 1, i, t))
-        pending = []
+        pending: list[tuple[Any, str, tuple[int, ...]]] = []  # (work, what, peer ranks)
         try:
             if ops:
                 # gloo matches a pair's messages in posting order, whichever way they are posted;
@@ -212,20 +215,20 @@ class DistTransport(Transport):
                     peers = tuple(sorted({p for _, ps in works for p in ps}))
                     pending += [(w, what, peers) for w in got]
             bcast.sort(key=lambda x: (x[0], x[1], x[2]))
-            for (sender, *receivers), _, _, t in bcast:
-                g = self._subgroups.get(tuple(sorted((sender, *receivers))))
+            for (sender, *to), _, _, t in bcast:
+                g = self._subgroups.get(tuple(sorted((sender, *to))))
                 if g is None:
                     raise ValueError(
                         f"rank {self.rank}: {step}: no subgroup for sender {sender} -> "
-                        f"{receivers}; was transport.setup(plan) called?"
+                        f"{to}; was transport.setup(plan) called?"
                     )
                 w = dist.broadcast(t, src=self._global[sender], group=g, async_op=True)
                 pending.append(
                     (
                         w,
-                        f"broadcast from rank {sender} to ranks {list(receivers)}"
+                        f"broadcast from rank {sender} to ranks {to}"
                         + (f" (peer rank {sender})" if sender != self.rank else ""),
-                        tuple(r for r in (sender, *receivers) if r != self.rank),
+                        tuple(r for r in (sender, *to) if r != self.rank),
                     )
                 )
         except (TransferError, ValueError):
@@ -300,13 +303,14 @@ class DistTransport(Transport):
                 )
                 self.fail(step, f"TransferError: {msg}")
                 raise _reported(TransferError(msg))
-        silent = self._watch.silent([self._global[p] for p in peers])
-        if silent:
+        watch = self._watch
+        silent = watch.silent([self._global[p] for p in peers]) if watch is not None else []
+        if watch is not None and silent:
             g, secs = silent[0]
             p = self._global.index(g)
             msg = (
                 f"rank {self.rank}: {step}: peer rank {p}{'' if p == g else f' (global rank {g})'} "
-                f"{self._watch.describe(g, secs)}, while waiting to {state['what']}"
+                f"{watch.describe(g, secs)}, while waiting to {state['what']}"
             )
             self.fail(step, f"TransferError: {msg}")
             raise _reported(TransferError(msg))
@@ -338,7 +342,7 @@ def _reported(e: TransferError) -> TransferError:
 class _DistHandle(Handle):
     def __init__(self, transport: DistTransport, pending: list, step: str):
         self.t, self.pending, self.step = transport, pending, step
-        self.deadline = None
+        self.deadline: float | None = None
         """Set when the round is first depended on (order or wait): timeout seconds later."""
 
     def order(self) -> None:
@@ -364,7 +368,7 @@ class _DistHandle(Handle):
         t = self.t
         # An ordered round counts from its order() call (the host watches it later).
         deadline = self.deadline or time.monotonic() + t.timeout
-        state = {"what": "", "failed": None}
+        state: dict[str, Any] = {"what": "", "failed": None}
 
         def run():
             for work, what, _ in self.pending:

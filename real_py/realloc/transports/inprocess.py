@@ -153,7 +153,8 @@ class InProcessTransport(Transport):
     # ------------------------------------------------------------------ rounds
 
     def exchange(self, sends: Sends, recvs: Recvs, step: str) -> None:
-        hub, seq = self.hub, {}
+        hub = self.hub
+        seq: dict[tuple[str, int], int] = {}  # (direction, peer) -> messages so far
         posted = []
         for receivers, t in sends:
             for r in receivers:

@@ -98,8 +98,8 @@ class IpcTransport(Transport):
         event = self._event(tag, seq, device)
         self.store.set(
             self._key(tag, seq, "src", self.rank),
-            pickle.dumps((bufs, event.ipc_handle(), device.index)),
-        )
+            pickle.dumps((bufs, event.ipc_handle(), device.index)),  # type: ignore[arg-type]
+        )  # Store.set takes bytes as well as str (torch's stub names str only)
         return seq
 
     def peer_sources(self, step: str, tag: str, seq: int, peers) -> dict:
@@ -128,7 +128,8 @@ class IpcTransport(Transport):
                 torch.device("cuda", torch.cuda.current_device()),
             )
             done = (self._event(tag, seq, device).ipc_handle(), device.index)
-            self.store.set(self._key(tag, seq, "done", self.rank), pickle.dumps(done))
+            # Store.set takes bytes as well as str (torch's stub names str only)
+            self.store.set(self._key(tag, seq, "done", self.rank), pickle.dumps(done))  # type: ignore[arg-type]
 
     def wait_readers(self, step: str, tag: str, seq: int, readers) -> None:
         device = torch.device("cuda", torch.cuda.current_device())

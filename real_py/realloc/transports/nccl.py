@@ -71,7 +71,7 @@ class CupyNcclTransport(Transport):
         self._lib, self.rank, self.world, self.timeout = nccl, rank, world_size, float(timeout)
         self.device = torch.cuda.current_device() if device is None else int(device)
         self.sent_bytes = self.received_bytes = 0
-        self._broken = None
+        self._broken: str | None = None
         if rank == 0:
             uid = nccl.get_unique_id()  # cupy >= 14: bytes; older: a tuple of signed chars
             store.set(key, json.dumps({"id": list(uid), "bytes": isinstance(uid, bytes)}))

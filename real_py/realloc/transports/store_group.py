@@ -21,6 +21,7 @@ import datetime
 import json
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch.distributed as dist
 
@@ -29,15 +30,16 @@ PREFIX = "real_py/group/"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferGroup:
-    store: object
+    store: dist.Store
     """The prefixed TCPStore of the group: readiness, the chosen format, failure reports,
     heartbeats and per-update stats."""
     rank: int
     world: int
     timeout_s: float
     address: str
-    pg: object = None
-    """The backend over all members (ProcessGroupGloo or ProcessGroupNCCL), once built."""
+    pg: Any = None
+    """The backend over all members (ProcessGroupGloo or ProcessGroupNCCL, whose torch stubs
+    share no base with shutdown()), once built."""
 
     @classmethod
     def connect(
@@ -68,6 +70,7 @@ class TransferGroup:
         each member's current CUDA device)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = dist.PrefixStore("pg", self.store)
+        pg: Any
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, self.rank, self.world, timeout)
         elif backend == "nccl":
