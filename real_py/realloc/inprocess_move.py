@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 
+from .direct import DirectRunner
 from .executor import Executor, plan_ranks, shards_of
 from .transports.inprocess import InProcessHub
 
@@ -77,7 +78,8 @@ class InProcessMove:
         for r in self.ranks:
             x, args = self.reallocs[r], shards_of(self.plan, srcs, dsts, r)
             self._jobs[r].put((r, lambda x=x, a=args: x.move(*a, free_source=free_source), out))
-        results, errors = {}, {}
+        results: dict[int, dict] = {}
+        errors: dict[int, BaseException] = {}
         for _ in self.ranks:
             r, ok, value = out.get()
             (results if ok else errors)[r] = value
@@ -87,13 +89,17 @@ class InProcessMove:
 
     def _run_phased(self, srcs, dsts, free_source) -> dict[int, dict]:
         t0 = time.perf_counter()
+        # threads=False is refused at construction unless every move is one pass (DirectRunner)
+        runners = {r: self.reallocs[r].runner for r in self.ranks}
+        direct = {r: x for r, x in runners.items() if isinstance(x, DirectRunner)}
+        assert len(direct) == len(runners), "phased run of a move that is not one pass"
         try:
             for r in self.ranks:
                 bufs, check = self.reallocs[r].inputs(*shards_of(self.plan, srcs, dsts, r))
-                self.reallocs[r].runner.begin(bufs, check)
+                direct[r].begin(bufs, check)
             for r in self.ranks:
-                self.reallocs[r].runner.copy()
-            stats = {r: self.reallocs[r].runner.end() for r in self.ranks}
+                direct[r].copy()
+            stats = {r: direct[r].end() for r in self.ranks}
         except BaseException as e:
             for r in self.ranks:
                 self.hub.fail(r, f"{type(e).__name__} in this thread's move: {e}")

@@ -85,6 +85,7 @@ class HostOffload:
                 f"HostOffload({self.name}): not offloaded (resident, "
                 f"{self.flat.untyped_storage().nbytes()} bytes); nothing to reload"
             )
+        assert self.host is not None  # offloaded implies a host copy
         t0 = time.perf_counter()
         self.flat.untyped_storage().resize_(self.nbytes)
         self.flat.copy_(self.host, non_blocking=self.flat.is_cuda)
