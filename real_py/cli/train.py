@@ -276,7 +276,7 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
     dist.init_process_group(
         backend_for(resolve_device(cfg.device)), timeout=datetime.timedelta(seconds=args.timeout)
     )
-    ok = False
+    ok, rt = False, None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         liveness.start_heartbeat()
@@ -358,5 +358,8 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
         if ok or not managed():
             liveness.stop_threads()  # before the group goes (liveness.stop_threads says why)
         if not managed():
-            dist.destroy_process_group()
+            if rt is not None:
+                rt.close()  # vLLM's teardown, while the groups live; it ends the default one
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0

@@ -187,6 +187,12 @@ class Runtime:
             reward_moments=torch.zeros(3, dtype=torch.float64),
         )
 
+    def close(self) -> None:
+        """End vLLM generation, if any (VLLMRollout.close: it ends torch.distributed's default
+        group too, so this comes last); nothing else needs closing."""
+        if self.models.rollout is not None:
+            self.models.rollout.close()
+
     def _vllm_call(self, graph) -> str | None:
         """The actor's sampling call when vLLM runs it (generation.engine: vllm), else None."""
         if self.cfg.generation.engine != "vllm":

@@ -212,6 +212,13 @@ class VLLMRollout:
         }
 
     def close(self) -> None:
+        """End this rank's vLLM now, while the process groups live: vLLM's own teardown (the one
+        it runs when the LLM is collected), which destroys its groups and, as its
+        cleanup_dist_env_and_memory does, torch.distributed's default group; so close last. Left
+        to interpreter exit it ran after the groups were gone and printed tracebacks."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
