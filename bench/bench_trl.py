@@ -308,18 +308,11 @@ def run_real_py(s: dict, ckpt: str, work: str, device: str, timeout: float) -> d
 # -- TRL's side ----------------------------------------------------------------------------
 def install_trl(wheels: str | None) -> str | None:
     """None when trl imports (after installing it from `wheels`), else why not."""
-    if wheels and trl_version() is None:  # an importable trl is used as it is
+    if wheels and import_trl().returncode:  # an importable trl is used as it is
         if not os.path.isdir(wheels):
             return f"--wheels {wheels}: no such directory"
-        pip = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-index",
-        ]
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        pip.append("--no-index")
         # A distribution's system Python (PEP 668, e.g. Ubuntu's python3.12) refuses pip installs
         # unless told otherwise (older pips ignore it); a venv needs no such override.
         env = dict(os.environ)
@@ -332,9 +325,8 @@ def install_trl(wheels: str | None) -> str | None:
             timeout=600,
             env=env,
         )
-        if (
-            r.returncode
-        ):  # a version bound the machine's packages miss: the wheels alone, then import decides
+        # a version bound the machine's packages miss: the wheels alone, then import decides
+        if r.returncode:
             whls = sorted(str(p) for p in Path(wheels).glob("*.whl"))
             r2 = subprocess.run(
                 pip + ["--no-deps", *whls], capture_output=True, text=True, timeout=600, env=env
@@ -349,25 +341,16 @@ def install_trl(wheels: str | None) -> str | None:
                 f"trl installed from {wheels} without its dependency check: "
                 f"{(r.stdout + r.stderr)[-300:]}"
             )
-    r = subprocess.run(
-        [sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = import_trl()
     if r.returncode:
         return "trl cannot be imported: " + (r.stderr.strip().splitlines() or ["?"])[-1]
     return None
 
 
-def trl_version() -> str | None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return r.stdout.strip() if r.returncode == 0 else None
+def import_trl() -> subprocess.CompletedProcess:
+    """`import trl` in a fresh interpreter (this one may have imported it before an install)."""
+    code = "import trl, sys; sys.stdout.write(trl.__version__)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 def run_trl(s: dict, ckpt: str, work: str, device: str, timeout: float) -> dict:
@@ -668,16 +651,7 @@ def report(args, s: dict, extra: dict, ours: dict, theirs: dict | None) -> None:
         notes += f"\n\nTRL's side did not run: {extra['trl_skipped']}"
     if not extra.get("complete"):
         notes += "\n\nPARTIAL: written after real_py's side; TRL's side had not finished."
-    cols = [
-        "side",
-        "step",
-        "seconds",
-        "tokens/s",
-        "gen tokens/s",
-        "peak GiB",
-        "reward",
-        "response_length",
-    ]
+    cols = "side|step|seconds|tokens/s|gen tokens/s|peak GiB|reward|response_length".split("|")
     paths = write_results(
         "trl",
         hardware_tag(args.device, args.small),
