@@ -156,12 +156,7 @@ def main(argv=None):
         # The graph mode first: the open question (a decode step ~14x its weight-read time).
         for mode in (["graph"] if dev.type == "cuda" else []) + ["dynamic", "static"]:
             fn = lambda mode=mode: eng.generate(
-                prompts,
-                lengths,
-                seeds,
-                max_new_tokens=N,
-                greedy=False,
-                decode=mode,
+                prompts, lengths, seeds, max_new_tokens=N, greedy=False, decode=mode
             )
             record(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 1, "generate()")
     print("done", flush=True)
