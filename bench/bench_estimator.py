@@ -72,22 +72,8 @@ def run_train(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
             f,
         )
     out = os.path.join(tmp, name)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "real_py",
-            "train",
-            "--config",
-            cfg,
-            "--out-dir",
-            out,
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, "-m", "real_py", "train", "--config", cfg, "--out-dir", out]
+    subprocess.run(cmd + ["--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
