@@ -259,6 +259,9 @@ def work_of_trl(a: dict, prompts_file: str) -> dict:
 
 
 def read_rows(path: str) -> list[dict]:
+    """A JSON-lines file's records ([] where a side stopped before writing it)."""
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -276,11 +279,7 @@ def run_real_py(s: dict, ckpt: str, work: str, device: str, timeout: float) -> d
     t0 = time.perf_counter()
     rc, log = _run(cmd, timeout, cwd=str(ROOT))
     total = time.perf_counter() - t0
-    recs = (
-        read_rows(os.path.join(out_dir, "metrics.jsonl"))
-        if os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
-        else []
-    )
+    recs = read_rows(os.path.join(out_dir, "metrics.jsonl"))
     per_step_tokens = s["prompts_per_step"] * s["group"] * s["new_tokens"]
     steps = []
     for r in recs:
@@ -371,7 +370,7 @@ def run_trl(s: dict, ckpt: str, work: str, device: str, timeout: float) -> dict:
         cwd=str(ROOT),
     )
     total = time.perf_counter() - t0
-    recs = read_rows(spec["records"]) if os.path.exists(spec["records"]) else []
+    recs = read_rows(spec["records"])
     head = next((r for r in recs if r.get("kind") == "init"), {})
     steps = []
     for r in (r for r in recs if r.get("kind") == "step"):
@@ -547,7 +546,6 @@ def main(argv=None):
     ap.add_argument(
         "--real-timeout", type=float, default=300.0, help="seconds for real_py's whole side"
     )
-    ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     ap.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -576,7 +574,7 @@ def main(argv=None):
             flush=True,
         )
         report(args, s, extra, ours, None)
-        why = "skipped (--skip-trl)" if args.skip_trl else install_trl(args.wheels)
+        why = install_trl(args.wheels)
         theirs = None
         if why is None:
             theirs = run_trl(s, ckpt, work, args.device, args.trl_timeout)
