@@ -100,11 +100,9 @@ def workload(cfg: CF.TrainConfig) -> Workload:
     )
 
 
-def estimator_rows(
-    cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None
-) -> list[dict]:
-    """One row per call: measured seconds (last iteration) and each profile's estimate; with the
-    measured `iteration` seconds, a last row "(iteration)" against the estimated iter_time."""
+def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration: float) -> list:
+    """One row per call: measured seconds (last iteration) and each profile's estimate, and a
+    last row "(iteration)": the measured `iteration` seconds against the estimated iter_time."""
     wl = workload(cfg)
     est = {
         name: estimate(
@@ -116,8 +114,7 @@ def estimator_rows(
         (call, m, {n: e["calls"][call]["seconds"] for n, e in est.items()})
         for call, m in measured.items()
     ]
-    if iteration is not None:
-        items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
+    items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
     rows = []
     for call, m, e in items:
         row = {"call": call, "measured s": m}
@@ -131,40 +128,31 @@ def estimator_rows(
 def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
     """The estimator table (unless `table` is False) and its median |rel err| per profile (also
     stored in extra)."""
-    errs = {
-        name: statistics.median(
-            abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)"
-        )
-        for name in extra["profiles"]
-    }
+    calls = [r for r in extra["estimator"] if r["call"] != "(iteration)"]
+    errs = {n: statistics.median(abs(r[f"{n} rel err"]) for r in calls) for n in extra["profiles"]}
     extra["median_call_abs_rel_err"] = errs
-    return (
-        (
-            "\n\nEstimator, last iteration (measured s / estimated s per profile; "
-            "rel err = (est - meas) / meas):\n\n"
-            + markdown_table(extra["estimator"], list(extra["estimator"][0]))
-            if table
+    cal = [
+        f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+        + (
+            f", FAILED: {extra[f'calibration_error_{k}']}"
+            if f"calibration_error_{k}" in extra
             else ""
         )
+        for k in ("cal", "caljob")
+        if f"calibration_seconds_{k}" in extra
+    ]
+    head = (
+        "\n\nEstimator, last iteration (measured s / estimated s per profile; "
+        "rel err = (est - meas) / meas):\n\n"
+        + markdown_table(extra["estimator"], list(extra["estimator"][0]))
+    )
+    return (
+        (head if table else "")
         + "\n\nmedian |rel err| per call (the iteration row aside): "
         + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
         + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
         "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
-        "with this job's actor shape, dtype and pass sizes ("
-        + (
-            "; ".join(
-                f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
-                + (
-                    f", FAILED: {extra[f'calibration_error_{k}']}"
-                    if f"calibration_error_{k}" in extra
-                    else ""
-                )
-                for k in ("cal", "caljob")
-                if f"calibration_seconds_{k}" in extra
-            )
-            or "not recorded"
-        )
-        + ")."
+        f"with this job's actor shape, dtype and pass sizes ({'; '.join(cal) or 'not recorded'})."
     )
 
 

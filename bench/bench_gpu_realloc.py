@@ -249,19 +249,8 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
                     "compile s": info[k]["compile s"],
                 }
             )
-        rows.append(
-            {
-                **base,
-                "method": "gather-slice",
-                "seconds": med["gather-slice"],
-                "GB/s": g_gbps,
-                "ref GB/s": ref,
-                "vs ref": g_gbps / ref,
-                "bit-exact": gs_ok,
-                "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
-                "extra how": "measured" if peak else "largest tensor (computed)",
-            }
-        )
+        extra = peak.get("gather-slice", gs.extra_bytes)
+        rows.append(gather_slice_row(base, med["gather-slice"], ref, gs_ok, extra, bool(peak)))
     finally:
         for m in moves.values():
             m.close()
@@ -286,6 +275,22 @@ def reference(nbytes: int, dev):
     return (lambda: np.copyto(b, a)), n
 
 
+def gather_slice_row(base: dict, seconds: float, ref: float, ok: bool, extra: int, measured):
+    """The gather-and-slice row of a pair (`base`: pair, model, GiB moved); extra: bytes."""
+    gbps = base["GiB moved"] * 2**30 / seconds / 1e9
+    return {
+        **base,
+        "method": "gather-slice",
+        "seconds": seconds,
+        "GB/s": gbps,
+        "ref GB/s": ref,
+        "vs ref": gbps / ref,
+        "bit-exact": ok,
+        "extra MiB": extra / 2**20,
+        "extra how": "measured" if measured else "largest tensor (computed)",
+    }
+
+
 def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
     """The gather-and-slice method on the same device (onedevice.GatherSlice), checked."""
     free(dev)
@@ -301,20 +306,8 @@ def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
         if dev.type == "cuda"
         else base_run.extra_bytes
     )
-    gbps = nbytes / med / 1e9
-    row = {
-        "pair": name,
-        "model": model.name,
-        "GiB moved": nbytes / 2**30,
-        "method": "gather-slice",
-        "seconds": med,
-        "GB/s": gbps,
-        "ref GB/s": ref,
-        "vs ref": gbps / ref,
-        "bit-exact": check(dsts),
-        "extra MiB": extra / 2**20,
-        "extra how": "measured" if dev.type == "cuda" else "largest tensor (computed)",
-    }
+    base = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30}
+    row = gather_slice_row(base, med, ref, check(dsts), extra, dev.type == "cuda")
     print(row, flush=True)
     del srcs, dsts, base_run
     free(dev)
