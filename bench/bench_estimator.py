@@ -72,22 +72,8 @@ def run_train(plan: dict | None, steps: int, tmp: str, name: str) -> list[dict]:
             f,
         )
     out = os.path.join(tmp, name)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "real_py",
-            "train",
-            "--config",
-            cfg,
-            "--out-dir",
-            out,
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, "-m", "real_py", "train", "--config", cfg, "--out-dir", out]
+    subprocess.run(cmd + ["--no-progress"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -235,14 +221,8 @@ def rescore(path: str, refit: bool = False) -> None:
         profiles = {int(r): profile_from_raw(v["default"], DEFAULT) for r, v in raws.items()}
     it_errs, call_errs, per, pairs = [], [], {}, []
     for r in data["rows"]:
-        est = estimate(
-            ExecutionPlan.from_json(r["plan_json"]),
-            actor,
-            critic,
-            hardware=profiles[r["round"]],
-            workload=wl,
-            dtype=actor.dtype,
-        )
+        plan, hw = ExecutionPlan.from_json(r["plan_json"]), profiles[r["round"]]
+        est = estimate(plan, actor, critic, hardware=hw, workload=wl, dtype=actor.dtype)
         it_errs.append(abs(est["iter_time"] - r["measured s"]) / r["measured s"])
         per.setdefault((r["plan"], "ITERATION"), []).append(
             (est["iter_time"] - r["measured s"]) / r["measured s"]
@@ -288,9 +268,8 @@ def pool(paths: list[str]) -> None:
             )
         its, calls = [abs(r["rel err"]) for r in data["rows"]], []
         for r in data["rows"]:
-            names = list(r["calls meas s"]) + [
-                "realloc"
-            ]  # _call_pairs' order; realloc only if measured
+            # _call_pairs' order; realloc only if measured
+            names = list(r["calls meas s"]) + ["realloc"]
             for c, x in zip(names, r["call rel errs"]):
                 calls.append(abs(x))
                 per.setdefault((r["plan"], c), []).append(x)
@@ -362,19 +341,8 @@ def main() -> None:
     errs = [abs(r["rel err"]) for r in rows]
     call_errs = [abs(x) for r in rows for x in r["call rel errs"]]
     split = size_split([tuple(p) for r in rows for p in r["call meas/est pairs"]])
-    cols = [
-        c
-        for c in rows[0]
-        if c
-        not in (
-            "breakdown",
-            "layouts",
-            "call rel errs",
-            "plan_json",
-            "calls meas s",
-            "call meas/est pairs",
-        )
-    ]
+    in_json_only = "breakdown|layouts|call rel errs|plan_json|calls meas s|call meas/est pairs"
+    cols = [c for c in rows[0] if c not in in_json_only.split("|")]
     write_results(
         "estimator",
         hardware_tag("cpu"),

@@ -3,7 +3,7 @@
 A random-init LLaMA-style model (the TinyLlama-1.1B shape, bf16; --small: a tiny one) made by
 transformers (LlamaForCausalLM, its own init), saved once as an HF checkpoint in a temporary
 folder and loaded by both sides: real_py (layout dp1tp1pp1, a one-rank world: NCCL on CUDA, gloo
-on CPU) and transformers. --batch prompts of --prompt-len tokens, --new-tokens greedy tokens, no
+on CPU) and transformers. 32 prompts of 128 tokens, 256 greedy new tokens (--small: 4, 8, 16), no
 EOS (every sequence runs to the end). Per mode:
 
   seconds, tokens/s   one generate() call (median of --repeats after a warm-up call, whose time
@@ -24,7 +24,7 @@ Modes on CUDA: graph (CUDA-graph decode with the compiled step: the default), gr
 graph without torch.compile), dynamic (eager, the reference), hf-static (transformers'
 generate() with cache_implementation="static": its own compiled decode step where transformers
 compiles one). On CPU: dynamic, static, hf-static. An fp32 check then runs the same greedy
-generation small (--check-batch prompts, --check-new tokens) in fp32 with ours (default mode and
+generation small (8 prompts, 32 new tokens) in fp32 with ours (default mode and
 dynamic) and transformers (dynamic cache) and reports whether the tokens are equal (not asserted).
 
     python bench/bench_generate.py --device cuda
@@ -34,7 +34,6 @@ Writes <out-dir>/generate_<hw>_<date>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import statistics
@@ -50,7 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from timing import hardware_tag, write_results
+from timing import bench_parser, hardware_tag, sync, write_results
 
 from real_py import Layout, ModelConfig, model_spec
 from real_py.device import backend_for, peak_memory_mib, reset_peak_memory, resolve_device
@@ -155,12 +154,12 @@ def hbm_bandwidth(device: torch.device) -> tuple[float, str, float]:
     b = torch.empty_like(a)
     for _ in range(2):
         b.copy_(a)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     reps = 10
     for _ in range(reps):
         b.copy_(a)
-    _sync(device)
+    sync(device)
     measured = 2 * a.numel() * 4 * reps / (time.perf_counter() - t0)
     del a, b
     if device.type == "cuda":
@@ -169,11 +168,6 @@ def hbm_bandwidth(device: torch.device) -> tuple[float, str, float]:
             if key in name.replace("-", " ").split():
                 return HBM_BYTES_PER_S[key], f"datasheet ({key})", measured
     return measured, "measured copy_", measured
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def prefix_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,16 +179,16 @@ def prefix_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def timed(fn, device, repeats: int) -> tuple[float, float, object]:
     """(first call s, median of `repeats` later calls s, last result)."""
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     first = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return first, (statistics.median(times) if times else first), out
 
@@ -219,9 +213,8 @@ def hf(model, prompts, n: int, static: bool):
     from transformers import GenerationConfig
 
     mask = torch.ones_like(prompts)
-    model.generation_config.eos_token_id = (
-        None  # a default filled in from the model would stop rows
-    )
+    # a default filled in from the model would stop rows
+    model.generation_config.eos_token_id = None
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=1)
     if static:
         kw["cache_implementation"] = "static"
@@ -239,25 +232,10 @@ def hf(model, prompts, n: int, static: bool):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--small", action="store_true", help="tiny model and sizes (smoke run)")
-    ap.add_argument("--batch", type=int, default=None, help="default 32 (small: 4)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (small: 8)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (small: 16)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate()")
-    ap.add_argument("--check-batch", type=int, default=8, help="fp32 token check: prompts")
-    ap.add_argument(
-        "--check-new", type=int, default=32, help="fp32 token check: new tokens (0: skip)"
-    )
-    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
-    B = args.batch or (4 if args.small else 32)
-    P = args.prompt_len or (8 if args.small else 128)
-    N = args.new_tokens or (16 if args.small else 256)
+    B, P, N = (4, 8, 16) if args.small else (32, 128, 256)
     dev = resolve_device(args.device)
     sizes = SMALL if args.small else BIG
     rows, extra = [], {"config": sizes}
@@ -301,32 +279,29 @@ def main(argv=None):
         else:
             modes = [("dynamic", "dynamic", False), ("static", "static", None)]
         runs = {name: ours(eng, prompts, lengths, N, mode, flag) for name, mode, flag in modes}
-        if not args.no_hf:
-            runs["hf-static"] = hf(hf_model, prompts, N, static=True)
+        runs["hf-static"] = hf(hf_model, prompts, N, static=True)
         ref, tokens = None, {}
         for name, run in runs.items():
             row = {"mode": name, "batch": B, "prompt": P, "new tokens": N}
             try:
                 reset_peak_memory(dev)
-                reps = (
-                    0 if name == "dynamic" and dev.type == "cuda" else args.repeats
-                )  # host-bound: slow
+                # dynamic on a GPU is host-bound (slow): its warm-up call alone
+                reps = 0 if name == "dynamic" and dev.type == "cuda" else args.repeats
                 first, sec, toks = timed(run, dev, reps)
                 tokens[name] = toks.cpu()
                 peak = peak_memory_mib(dev) / 1024
                 _, one, _ = timed(lambda: run(1), dev, 2)
                 step = (sec - one) / max(N - 1, 1)
                 ref = toks if ref is None else ref
+                pct = 100 / bw / step if step > 0 else float("nan")  # % of roofline per byte
                 row.update(
                     {
                         "first s": first,
                         "seconds": sec,
                         "tokens/s": B * N / sec,
                         "step ms": step * 1e3,
-                        "roofline %": 100 * weight_bytes / bw / step if step > 0 else float("nan"),
-                        "KV %": 100 * (weight_bytes + kv_bytes) / bw / step
-                        if step > 0
-                        else float("nan"),
+                        "roofline %": weight_bytes * pct,
+                        "KV %": (weight_bytes + kv_bytes) * pct,
                         "same": bool(
                             toks.shape == ref.shape and torch.equal(toks.cpu(), ref.cpu())
                         ),
@@ -357,11 +332,8 @@ def main(argv=None):
             extra["step_speedup_vs_hf_static"] = (
                 by["hf-static"]["step ms"] / by[ours_name]["step ms"]
             )
-        if args.check_new > 0:
-            extra["fp32_check"] = fp32_check(
-                hf_model, tmp, dev, args.check_batch, P, args.check_new
-            )
-            print("fp32 check", extra["fp32_check"], flush=True)
+        extra["fp32_check"] = fp32_check(hf_model, tmp, dev, 8, P, 32)
+        print("fp32 check", extra["fp32_check"], flush=True)
     extra["complete"] = True
     write_report(args, rows, extra)
 
@@ -369,23 +341,10 @@ def main(argv=None):
 def write_report(args, rows: list[dict], extra: dict) -> None:
     """The report of what has run so far (written after every mode: a step cut by its time cap
     still leaves one; extra["complete"] says whether every part ran)."""
-    cols = [
-        "mode",
-        "batch",
-        "prompt",
-        "new tokens",
-        "first s",
-        "seconds",
-        "tokens/s",
-        "step ms",
-        "roofline %",
-        "KV %",
-        "same",
-        "prefix",
-        "same as hf",
-        "hf prefix",
-        "peak GiB",
-    ]
+    cols = (
+        "mode|batch|prompt|new tokens|first s|seconds|tokens/s|step ms|roofline %|KV %|same|prefix"
+        "|same as hf|hf prefix|peak GiB"
+    ).split("|")
     if any("error" in r for r in rows):
         cols.append("error")
     bw = extra["hbm_bytes_per_s"]
@@ -393,16 +352,8 @@ def write_report(args, rows: list[dict], extra: dict) -> None:
         f"{extra['params'] / 1e9:.2f}B parameters; a step reads "
         f"{extra['weight_bytes'] / 2**30:.2f} GiB of weights: {extra['weight_read_ms']:.3f} ms at "
         f"{bw / 1e12:.2f} TB/s ({extra['hbm_source']}; a device copy_ measured "
-        f"{extra['copy_bytes_per_s'] / 1e12:.2f} TB/s). tokens/s = batch * new tokens / median "
-        "wall time of one greedy generate() (prefill included); step ms = (that - a 1-token "
-        "generate()) / (new tokens - 1); roofline % = weight-read time / step ms (KV %: with the "
-        "average step's KV-cache read); first s: the warm-up call (compilation, graph capture). "
-        "same / prefix: greedy tokens against the dynamic (eager) mode's; same as hf / hf prefix: "
-        "against transformers' (in bf16 different kernels flip near-tied argmaxes, so a row can "
-        "part after a while; the fp32 check below is the exact comparison). graph = CUDA-graph "
-        "decode with the torch.compile'd step; graph-eager = the graph of the eager modules; "
-        "hf-static = transformers' generate() with cache_implementation='static' on the same "
-        "checkpoint."
+        f"{extra['copy_bytes_per_s'] / 1e12:.2f} TB/s).\n\n"
+        + __doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0]  # the method and columns
     )
     if not extra.get("complete"):
         notes += "\n\nPARTIAL: the run stopped before every mode and check had run."

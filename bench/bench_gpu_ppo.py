@@ -8,17 +8,18 @@ reward model: the same shape with a value head). Runs --iters iterations and rep
 seconds per call (generate includes the old log-probs pass), peak GPU memory per call
 (torch.cuda.max_memory_allocated, reset before each call), iteration seconds and the metrics.
 The first iteration includes CUDA / cuBLAS warm-up and the decode step's compilation; the last is
-the steady state. Against an earlier report of the same hardware and sizes (--baseline; default:
-the newest earlier bench/results/ppo_<hw>_<date>.json) the last iteration's seconds and peak memory
+the steady state. Against an earlier report of the same hardware and sizes (the
+newest earlier bench/results/ppo_<hw>_<date>.json) the last iteration's seconds and peak memory
 per call are compared (speed-up = earlier seconds / these seconds; the train-step goal is >= 1.5x
-for actor_train and critic_train of the 1.1B iteration).
+for actor_train and critic_train of the 1.1B iteration). Sizes: 32 prompts of 128 tokens, 128 new
+tokens (--small: 4, 8, 8).
 
 Estimator check (on one GPU): the last iteration's seconds per call against
 real_py.search.estimate() for the same plan, models and workload, with the datasheet profile
-(--profile, default: this GPU's own, h100 / h200 / a100, else h200) and with that profile
-calibrated on this GPU by calibrate_gpu twice: <profile>_cal on the small calibration model
-(calibrate.DEFAULT), <profile>_caljob on this job's own actor shape, dtype and pass sizes
-(Setup.for_job, as ReaL profiles the model it plans for). Skip with --no-estimate.
+(this GPU's own, h100 / h200 / a100, else h200) and with that profile calibrated on this GPU by
+calibrate_gpu twice: <profile>_cal on the small calibration model (calibrate.DEFAULT),
+<profile>_caljob on this job's own actor shape, dtype and pass sizes (Setup.for_job, as ReaL
+profiles the model it plans for).
 
     python bench/bench_gpu_ppo.py --device cuda
     python bench/bench_gpu_ppo.py --device cpu --small
@@ -28,7 +29,6 @@ Writes <out-dir>/ppo_<hw>_<date>.{json,md}; --rescore <out-dir>/ppo_rescore_<hw>
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import BIG, SMALL, one_rank_world
-from timing import hardware_tag, markdown_table, write_results
+from timing import bench_parser, hardware_tag, markdown_table, write_results
 
 from real_py.calibrate import DEFAULT, Setup, calibrate_gpu
 from real_py.device import resolve_device
@@ -52,8 +52,9 @@ from real_py.search.hardware import PROFILES, HardwareProfile
 from real_py.spec import model_spec
 
 
-def train_config(device: str, small: bool, batch: int, prompt: int, new: int) -> CF.TrainConfig:
+def train_config(device: str, small: bool) -> CF.TrainConfig:
     model = SMALL if small else BIG
+    batch, prompt, new = (4, 8, 8) if small else (32, 128, 128)
     d = {
         "actor": dict(model),
         "critic": dict(model),
@@ -99,11 +100,9 @@ def workload(cfg: CF.TrainConfig) -> Workload:
     )
 
 
-def estimator_rows(
-    cfg, plan, models, measured: dict, profiles: dict, iteration: float | None = None
-) -> list[dict]:
-    """One row per call: measured seconds (last iteration) and each profile's estimate; with the
-    measured `iteration` seconds, a last row "(iteration)" against the estimated iter_time."""
+def estimator_rows(cfg, plan, models, measured: dict, profiles: dict, iteration: float) -> list:
+    """One row per call: measured seconds (last iteration) and each profile's estimate, and a
+    last row "(iteration)": the measured `iteration` seconds against the estimated iter_time."""
     wl = workload(cfg)
     est = {
         name: estimate(
@@ -115,8 +114,7 @@ def estimator_rows(
         (call, m, {n: e["calls"][call]["seconds"] for n, e in est.items()})
         for call, m in measured.items()
     ]
-    if iteration is not None:
-        items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
+    items.append(("(iteration)", iteration, {n: e["iter_time"] for n, e in est.items()}))
     rows = []
     for call, m, e in items:
         row = {"call": call, "measured s": m}
@@ -130,40 +128,31 @@ def estimator_rows(
 def estimator_notes(extra: dict, profile: str, table: bool = True) -> str:
     """The estimator table (unless `table` is False) and its median |rel err| per profile (also
     stored in extra)."""
-    errs = {
-        name: statistics.median(
-            abs(r[f"{name} rel err"]) for r in extra["estimator"] if r["call"] != "(iteration)"
-        )
-        for name in extra["profiles"]
-    }
+    calls = [r for r in extra["estimator"] if r["call"] != "(iteration)"]
+    errs = {n: statistics.median(abs(r[f"{n} rel err"]) for r in calls) for n in extra["profiles"]}
     extra["median_call_abs_rel_err"] = errs
-    return (
-        (
-            "\n\nEstimator, last iteration (measured s / estimated s per profile; "
-            "rel err = (est - meas) / meas):\n\n"
-            + markdown_table(extra["estimator"], list(extra["estimator"][0]))
-            if table
+    cal = [
+        f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
+        + (
+            f", FAILED: {extra[f'calibration_error_{k}']}"
+            if f"calibration_error_{k}" in extra
             else ""
         )
+        for k in ("cal", "caljob")
+        if f"calibration_seconds_{k}" in extra
+    ]
+    head = (
+        "\n\nEstimator, last iteration (measured s / estimated s per profile; "
+        "rel err = (est - meas) / meas):\n\n"
+        + markdown_table(extra["estimator"], list(extra["estimator"][0]))
+    )
+    return (
+        (head if table else "")
         + "\n\nmedian |rel err| per call (the iteration row aside): "
         + ", ".join(f"{k} {v:.3f}" for k, v in errs.items())
         + f". {profile}_cal / {profile}_caljob: the {profile} datasheet profile with "
         "per-layer / per-pass seconds calibrated on this device with the small calibration model / "
-        "with this job's actor shape, dtype and pass sizes ("
-        + (
-            "; ".join(
-                f"{k}: {extra[f'calibration_seconds_{k}']:.0f} s"
-                + (
-                    f", FAILED: {extra[f'calibration_error_{k}']}"
-                    if f"calibration_error_{k}" in extra
-                    else ""
-                )
-                for k in ("cal", "caljob")
-                if f"calibration_seconds_{k}" in extra
-            )
-            or "not recorded"
-        )
-        + ")."
+        f"with this job's actor shape, dtype and pass sizes ({'; '.join(cal) or 'not recorded'})."
     )
 
 
@@ -253,9 +242,8 @@ def rescore(path: str, out_dir: str | None) -> None:
     last = max(r["iteration"] for r in rec["rows"])
     measured = {r["call"]: r["seconds"] for r in rec["rows"] if r["iteration"] == last}
     iteration = measured.pop("(iteration)")
-    known = {
-        f.name for f in dataclasses.fields(HardwareProfile)
-    }  # fields of replaced models dropped
+    # fields of replaced models dropped
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}
     profiles = {
         k: HardwareProfile(**{f: x for f, x in v.items() if f in known})
         for k, v in extra["profiles"].items()
@@ -283,40 +271,10 @@ def rescore(path: str, out_dir: str | None) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--small", action="store_true", help="tiny models and sizes (smoke run)")
-    ap.add_argument(
-        "--batch", type=int, default=None, help="prompts per iteration (default 32; small 4)"
-    )
-    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (small 8)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (small 8)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
-    ap.add_argument(
-        "--profile",
-        default=None,
-        choices=sorted(PROFILES),
-        help="datasheet profile to check (default: this GPU's, else h200)",
-    )
-    ap.add_argument("--no-estimate", action="store_true", help="skip the estimator check")
-    ap.add_argument(
-        "--cal-reps",
-        type=int,
-        default=None,
-        help="timed runs per calibration function (default 10; small 2)",
-    )
     ap.add_argument(
         "--rescore", metavar="JSON", help="re-estimate a recorded ppo_*.json (no device; no run)"
-    )
-    ap.add_argument(
-        "--baseline",
-        metavar="JSON",
-        default=None,
-        help="earlier ppo_*.json to compare per call (default: the newest earlier report of "
-        "this hardware; 'none' to skip)",
     )
     args = ap.parse_args(argv)
     if args.rescore:
@@ -324,16 +282,9 @@ def main(argv=None):
     if args.iters < 1:
         ap.error(f"--iters {args.iters}: need at least 1")
     small = args.small
-    cal_reps = args.cal_reps or (2 if small else 10)
-    cfg = train_config(
-        args.device,
-        small,
-        args.batch or (4 if small else 32),
-        args.prompt_len or (8 if small else 128),
-        args.new_tokens or (8 if small else 128),
-    )
+    cfg = train_config(args.device, small)
     dev = resolve_device(args.device)
-    args.profile = args.profile or datasheet_profile(args.device)
+    profile = datasheet_profile(args.device)
     rows, extra = [], {}
     with one_rank_world(dev):
         plan, graph, models = CF.validate(cfg, 1)
@@ -345,23 +296,11 @@ def main(argv=None):
             t0 = time.perf_counter()
             out = rt.iteration(step)
             seconds = time.perf_counter() - t0
-            for call, sec in out["calls"].items():
-                rows.append(
-                    {
-                        "iteration": step,
-                        "call": call,
-                        "seconds": sec,
-                        "peak GiB": out["peak_mem_mib"].get(call, 0.0) / 1024,
-                    }
-                )
-            rows.append(
-                {
-                    "iteration": step,
-                    "call": "(iteration)",
-                    "seconds": seconds,
-                    "peak GiB": max(out["peak_mem_mib"].values(), default=0.0) / 1024,
-                }
-            )
+            peak = out["peak_mem_mib"]
+            peak_all = {**peak, "(iteration)": max(peak.values(), default=0.0)}
+            for call, sec in {**out["calls"], "(iteration)": seconds}.items():
+                gib = peak_all.get(call, 0.0) / 1024
+                rows.append({"iteration": step, "call": call, "seconds": sec, "peak GiB": gib})
             extra[f"metrics_{step}"] = out["metrics"]
             last = out["calls"]
             print(
@@ -373,60 +312,43 @@ def main(argv=None):
             )
         extra["compiled"] = compile_states(rt)
         print("compiled:", extra["compiled"], flush=True)
-        report(args, cfg, rows, extra, small)
-        if not args.no_estimate:
-            # In this one-rank world, after the job: the job's memory is still held, as in a
-            # run that calibrates beside its models.
-            profiles = {args.profile: PROFILES[args.profile]}
-            # caljob trains one runtime micro-batch (8 rows)
-            setups = {"cal": DEFAULT, "caljob": Setup.for_workload(models["actor"], workload(cfg))}
-            for suffix, setup in setups.items():
-                name, t0 = f"{args.profile}_{suffix}", time.perf_counter()
-                try:
-                    cal, raw = calibrate_gpu(
-                        args.profile,
-                        reps=cal_reps,
-                        repeats=1 if small else 3,
-                        device=dev,
-                        setup=setup,
-                    )
-                    profiles[name] = replace(cal, name=name)
-                    extra[f"calibration_raw_{suffix}"] = raw
-                except Exception as e:
-                    extra[f"calibration_error_{suffix}"] = f"{type(e).__name__}: {e}"
-                    print(
-                        f"calibration {name} failed:",
-                        extra[f"calibration_error_{suffix}"],
-                        flush=True,
-                    )
-                extra[f"calibration_seconds_{suffix}"] = time.perf_counter() - t0
-            extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
-            est_rows = estimator_rows(cfg, plan, models, last, profiles, seconds)
-            extra["estimator"] = est_rows
-            for r in est_rows:
-                print(
-                    "estimate",
-                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
-                    flush=True,
+        report(args, cfg, rows, extra, profile)
+        # In this one-rank world, after the job: the job's memory is still held, as in a run
+        # that calibrates beside its models. caljob trains one runtime micro-batch (8 rows).
+        profiles = {profile: PROFILES[profile]}
+        setups = {"cal": DEFAULT, "caljob": Setup.for_workload(models["actor"], workload(cfg))}
+        for suffix, setup in setups.items():
+            name, t0 = f"{profile}_{suffix}", time.perf_counter()
+            reps, repeats = (2, 1) if small else (10, 3)
+            try:
+                cal, raw = calibrate_gpu(
+                    profile, reps=reps, repeats=repeats, device=dev, setup=setup
                 )
+                profiles[name] = replace(cal, name=name)
+                extra[f"calibration_raw_{suffix}"] = raw
+            except Exception as e:
+                extra[f"calibration_error_{suffix}"] = f"{type(e).__name__}: {e}"
+                print(
+                    f"calibration {name} failed:", extra[f"calibration_error_{suffix}"], flush=True
+                )
+            extra[f"calibration_seconds_{suffix}"] = time.perf_counter() - t0
+        extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
+        extra["estimator"] = estimator_rows(cfg, plan, models, last, profiles, seconds)
+        for r in extra["estimator"]:
+            print("estimate", {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
     extra["complete"] = True
-    report(args, cfg, rows, extra, small)
+    report(args, cfg, rows, extra, profile)
 
 
-def report(args, cfg, rows: list[dict], extra: dict, small: bool) -> None:
+def report(args, cfg, rows: list[dict], extra: dict, profile: str) -> None:
     """Write the report: once after the iterations (so a step cut during the calibrations still
     leaves the per-call figures) and again with the estimator."""
     extra["config"] = CF.to_dict(cfg)
-    notes_est = estimator_notes(extra, args.profile) if "estimator" in extra else ""
+    notes_est = estimator_notes(extra, profile) if "estimator" in extra else ""
+    small = args.small
     hw = hardware_tag(args.device, small)
-    base = (
-        None
-        if args.baseline == "none"
-        else Path(args.baseline)
-        if args.baseline
-        else find_baseline(hw, args.out_dir)
-    )
-    if base is not None and base.exists():
+    base = find_baseline(hw, args.out_dir)
+    if base is not None:
         try:
             extra["baseline"], note = baseline_rows(base, cfg, rows)
             extra["baseline_file"] = base.name

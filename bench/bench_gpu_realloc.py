@@ -16,13 +16,19 @@ Methods (--transport):
               gathered whole, then every destination piece sliced out of it
 Reference: one contiguous copy of the same bytes on the same device (GPU: copy_ of min(bytes,
 4 GiB); CPU: one numpy memcpy of min(bytes, 1 GiB), single-threaded, as the goal states).
+Goals: vs ref >= 0.7 in process (0.6 through CUDA IPC).
 GB/s counts the bytes written into the destination shards (each once) over the median wall
-time of one move (synchronized on a GPU); every method's result is checked against slices of
-the full tensors (onedevice.check). Extra memory: beyond the source and destination shards,
-measured on a GPU (peak allocated during a call minus what was allocated before it, plus the
-move's own copy tables; not the reference's buffers) and computed on a CPU (copy tables; the
-baseline's largest gathered tensor). Host work: the one-thread row's wall time minus the time
-inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no sync inside).
+time of one move (synchronized on a GPU; --repeats after a warm-up, the first call compiles:
+`compile s`; in process the moves, the reference and gather-slice are timed round-robin within
+each repeat). bit-exact: every destination piece equals the slice of its full tensor
+(onedevice.check). extra MiB: memory beyond the source and destination shards, measured on a
+GPU (peak allocated during a call minus what was allocated before it, plus the move's own copy
+tables; not the reference's buffers) and computed on a CPU (copy tables; the baseline's largest
+gathered tensor). host ms: GPU, the host time to issue one replayed move (goal <= 1 ms); CPU,
+the one-thread row's wall time minus the time inside its copy calls, host / move its share of
+that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per move (one
+per receiving rank). A pair that fails (out of memory, say) is one row with its error; the
+others still run, and the report is rewritten after every pair.
 
     python bench/bench_gpu_realloc.py --device cuda [--transport ipc]
         -> realloc_<transport>_<gpu>_<date>
@@ -32,7 +38,6 @@ inside its copy calls (CPU), or the host time to issue a replayed move (GPU: no 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import statistics
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from onedevice import GatherSlice, Shards, check, fill
-from timing import hardware_tag, write_results
+from timing import bench_parser, hardware_tag, sync, write_results
 
 from real_py import Layout, ModelConfig, model_spec, plan_realloc, preset
 from real_py.realloc.inprocess_move import InProcessMove
@@ -104,13 +109,16 @@ def models(device: str, small: bool):
     return model_spec(dense, "llama-shape-0.9b"), model_spec(moe, "qwen3-moe-shape-0.4b")
 
 
-def sync(dev):
+def free(dev) -> None:
+    """Collect the garbage and give the freed device memory back (between pairs)."""
+    gc.collect()
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
 
 
-def timed(fn, dev, repeats: int) -> tuple[float, list[float]]:
-    fn()  # warm-up
+def timed(fn, dev, repeats: int) -> float:
+    """Median wall time of fn() (synchronized) over `repeats` calls after a warm-up call."""
+    fn()
     sync(dev)
     times = []
     for _ in range(repeats):
@@ -119,23 +127,7 @@ def timed(fn, dev, repeats: int) -> tuple[float, list[float]]:
         fn()
         sync(dev)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
-
-
-def reference_gbps(nbytes: int, dev, repeats: int) -> float:
-    """One contiguous copy of min(nbytes, cap) on the device; numpy's memcpy on a CPU."""
-    cap = (4 << 30) if dev.type == "cuda" else (1 << 30)
-    n = min(nbytes, cap)
-    if dev.type == "cuda":
-        a = torch.empty(n // 2, dtype=torch.int16, device=dev)
-        b = torch.empty_like(a)
-        fn = functools.partial(b.copy_, a)
-    else:
-        a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
-        fn = functools.partial(np.copyto, b, a)
-    med, _ = timed(fn, dev, repeats)
-    del a, b
-    return n / med / 1e9
+    return statistics.median(times)
 
 
 def make_plan(model, src: Layout, dst: Layout):
@@ -203,17 +195,13 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
             if dev.type == "cuda":
                 sync(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-                before = torch.cuda.memory_allocated(
-                    dev
-                )  # shards, reference buffers, every move's tables
+                # shards, reference buffers, every move's tables
+                before = torch.cuda.memory_allocated(dev)
             fn()
             sync(dev)
-            if (
-                dev.type == "cuda"
-            ):  # what the call allocated on top, plus the move's own copy tables
-                peak[k] = (
-                    torch.cuda.max_memory_allocated(dev) - before + info.get(k, {}).get("tables", 0)
-                )
+            if dev.type == "cuda":  # what the call allocated on top, plus the move's copy tables
+                tables = info.get(k, {}).get("tables", 0)
+                peak[k] = torch.cuda.max_memory_allocated(dev) - before + tables
         for _ in range(repeats):
             for k, fn in fns.items():
                 sync(dev)
@@ -222,9 +210,8 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
                 issued = time.perf_counter() - t0
                 sync(dev)
                 times[k].append(time.perf_counter() - t0)
-                if (
-                    k in moves
-                ):  # host work: GPU, the time to issue; CPU, the wall time outside the copies
+                # host work: GPU, the time to issue; CPU, the wall time outside the copies
+                if k in moves:
                     copy_s = sum(st["phases"]["unpack"] for st in out.values())
                     info[k]["host"].append(
                         (issued, issued if dev.type == "cuda" else max(0.0, issued - copy_s))
@@ -262,38 +249,16 @@ def inprocess_rows(name, model, src, dst, dev, repeats, goal) -> list[dict]:
                     "compile s": info[k]["compile s"],
                 }
             )
-        rows.append(
-            {
-                **base,
-                "method": "gather-slice",
-                "seconds": med["gather-slice"],
-                "GB/s": g_gbps,
-                "ref GB/s": ref,
-                "vs ref": g_gbps / ref,
-                "bit-exact": gs_ok,
-                "extra MiB": peak.get("gather-slice", gs.extra_bytes) / 2**20,
-                "extra how": "measured" if peak else "largest tensor (computed)",
-            }
-        )
+        extra = peak.get("gather-slice", gs.extra_bytes)
+        rows.append(gather_slice_row(base, med["gather-slice"], ref, gs_ok, extra, bool(peak)))
     finally:
         for m in moves.values():
             m.close()
     for r in rows:
         print(r, flush=True)
-    del (
-        srcs,
-        dsts,
-        moves,
-        gs,
-        sa,
-        da,
-        ref_fn,
-        fns,
-        fn,
-    )  # fns (and fn) hold the moves, gs.run, the reference
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    # fns (and fn) hold the moves, gs.run, the reference
+    del srcs, dsts, moves, gs, sa, da, ref_fn, fns, fn
+    free(dev)
     return rows
 
 
@@ -310,55 +275,49 @@ def reference(nbytes: int, dev):
     return (lambda: np.copyto(b, a)), n
 
 
+def gather_slice_row(base: dict, seconds: float, ref: float, ok: bool, extra: int, measured):
+    """The gather-and-slice row of a pair (`base`: pair, model, GiB moved); extra: bytes."""
+    gbps = base["GiB moved"] * 2**30 / seconds / 1e9
+    return {
+        **base,
+        "method": "gather-slice",
+        "seconds": seconds,
+        "GB/s": gbps,
+        "ref GB/s": ref,
+        "vs ref": gbps / ref,
+        "bit-exact": ok,
+        "extra MiB": extra / 2**20,
+        "extra how": "measured" if measured else "largest tensor (computed)",
+    }
+
+
 def gather_row(name, model, src, dst, dev, repeats, ref) -> dict:
     """The gather-and-slice method on the same device (onedevice.GatherSlice), checked."""
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    free(dev)
     srcs, dsts = Shards(model, src, dev), Shards(model, dst, dev)
     fill(srcs)
     nbytes, shard_bytes = dsts.nbytes(), srcs.nbytes() + dsts.nbytes()
     base_run = GatherSlice(srcs, dsts)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    med, _ = timed(base_run.run, dev, repeats)
+    med = timed(base_run.run, dev, repeats)
     extra = (
         (torch.cuda.max_memory_allocated(dev) - shard_bytes)
         if dev.type == "cuda"
         else base_run.extra_bytes
     )
-    gbps = nbytes / med / 1e9
-    row = {
-        "pair": name,
-        "model": model.name,
-        "GiB moved": nbytes / 2**30,
-        "method": "gather-slice",
-        "seconds": med,
-        "GB/s": gbps,
-        "ref GB/s": ref,
-        "vs ref": gbps / ref,
-        "bit-exact": check(dsts),
-        "extra MiB": extra / 2**20,
-        "extra how": "measured" if dev.type == "cuda" else "largest tensor (computed)",
-    }
+    base = {"pair": name, "model": model.name, "GiB moved": nbytes / 2**30}
+    row = gather_slice_row(base, med, ref, check(dsts), extra, dev.type == "cuda")
     print(row, flush=True)
     del srcs, dsts, base_run
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    free(dev)
     return row
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap = bench_parser(__doc__)
     ap.add_argument("--transport", choices=("inprocess", "ipc"), default="inprocess")
-    ap.add_argument("--small", action="store_true", help="tiny models (smoke run)")
-    ap.add_argument("--pairs", nargs="*", default=None, help="pair names to run (default: all)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible to torch")
@@ -368,59 +327,27 @@ def main(argv=None):
     dense, moe = models(args.device, args.small)
     pairs = [(n, dense, Layout.parse(s), Layout.parse(d)) for n, s, d in PAIRS]
     pairs.append((MOE_PAIR[0], moe, Layout.parse(MOE_PAIR[1]), Layout.parse(MOE_PAIR[2])))
-    pairs = [p for p in pairs if args.pairs is None or p[0] in args.pairs]
     goal = GOALS[(args.device, args.transport)]
-    cols = [
-        "pair",
-        "model",
-        "method",
-        "GiB moved",
-        "seconds",
-        "GB/s",
-        "ref GB/s",
-        "vs ref",
-        "goal",
-        "met",
-        "vs gather-slice",
-        "bit-exact",
-        "launches",
-        "extra MiB",
-        "extra how",
-        "host ms",
-        "host / move",
-        "compile s",
-        "error",
-    ]
+    cols = (
+        "pair|model|method|GiB moved|seconds|GB/s|ref GB/s|vs ref|goal|met|vs gather-slice"
+        "|bit-exact|launches|extra MiB|extra how|host ms|host / move|compile s|error"
+    ).split("|")
     ref_name = (
         "one device copy_ of min(bytes, 4 GiB)"
         if dev.type == "cuda"
         else "one numpy memcpy of min(bytes, 1 GiB)"
     )
-    notes = (
-        f"GB/s = destination bytes / median wall time of one move ({args.repeats} repeats after a "
-        "warm-up; the first call compiles, `compile s`; in process, the moves, the reference and "
-        f"gather-slice are timed round-robin within each repeat); ref = {ref_name}, same device; "
-        f"goal: vs ref >= {goal}. vs gather-slice: against each tensor gathered whole and sliced "
-        "(bench/onedevice.py). bit-exact: every destination piece equals the slice of its full "
-        "tensor. extra MiB: memory beyond the source and destination shards. host ms: GPU, the "
-        "host time to issue one replayed move (goal <= 1 ms); CPU, a replayed move's wall time "
-        "minus the time inside its copy calls (one at a time per process), host / move its share "
-        "of that move (goal <= 0.05); medians over the repeats. launches: compiled copy calls per "
-        "move (one per receiving rank). error: a pair that failed (out of memory, say) is one row "
-        "with its error; the others still run. The report is rewritten after every pair, so a run "
-        "stopped by a time limit keeps the pairs done."
-    )
-    if not pairs:
-        raise SystemExit(
-            f"--pairs {args.pairs}: no such pair; known: {[n for n, *_ in PAIRS] + [MOE_PAIR[0]]}"
-        )
+    # the ref and the goal of this run, then the method and columns (the docstring)
+    notes = f"ref = {ref_name}, same device; goal: vs ref >= {goal}.\n\n" + __doc__.split("\n\n")[1]
     rows = []
     for name, model, src, dst in pairs:
         try:
             if args.transport == "inprocess":
                 rows += inprocess_rows(name, model, src, dst, dev, args.repeats, goal)
             else:
-                ref = reference_gbps(_dst_bytes(model, dst), dev, args.repeats)
+                ref_fn, ref_bytes = reference(_dst_bytes(model, dst), dev)
+                ref = ref_bytes / timed(ref_fn, dev, args.repeats) / 1e9
+                del ref_fn
                 from ipc_bench import ipc_rows
 
                 got = ipc_rows(name, model, src, dst, args.repeats, goal, ref, args.small)
@@ -441,9 +368,7 @@ def main(argv=None):
                 }
             )
         finally:
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            free(dev)
         paths = write_results(
             f"realloc_{args.transport}",
             hardware_tag(args.device, args.small),

@@ -27,23 +27,10 @@ WINDOW = 5
 
 def run(algo: str, tmp: str, config: str | None = None, steps: int | None = None) -> list[dict]:
     out = os.path.join(tmp, algo)
-    cmd = [
-        sys.executable,
-        "-m",
-        "real_py",
-        "train",
-        "--config",
-        config or os.path.join("configs", "copy_task", f"{algo}.yaml"),
-        "--out-dir",
-        out,
-        "--no-progress",
-    ]
-    subprocess.run(
-        cmd + (["--steps", str(steps)] if steps else []),
-        cwd=ROOT,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    config = config or os.path.join("configs", "copy_task", f"{algo}.yaml")
+    cmd = [sys.executable, "-m", "real_py", "train", "--config", config, "--out-dir", out]
+    cmd += ["--no-progress"] + (["--steps", str(steps)] if steps else [])
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -50,18 +50,14 @@ MOE_PAIRS = [
     ("dp4,ep4", "dp2,tp2,etp2"),
     ("dp2,tp2,ep2", "dp2,tp2,ep4"),
 ]
-MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's published seconds, what it measured)
-    ("qwen3-235b-a22b", 8, "dp2,tp4,ep8", "dp2,tp4,etp8", 6.22, "8 H800, vLLM TP8, BF16"),
-    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,etp8", 6.22, "8 H800, vLLM TP8, BF16"),
-    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,ep8", 6.22, "8 H800, vLLM TP8, BF16"),
-    (
-        "kimi-k2-shaped",
-        256,
-        "dp4,tp8,pp8,ep32",
-        "dp16,tp16,etp16",
-        16.04,
-        "256 H20, 16 vLLM TP16 instances, FP8",
-    ),
+# checkpoint-engine's published seconds and what they measured, per model
+QWEN_CE = (6.22, "8 H800, vLLM TP8, BF16")
+KIMI_CE = (16.04, "256 H20, 16 vLLM TP16 instances, FP8")
+MOE_SIM = [  # (model, gpus, src, dst, checkpoint-engine's seconds, its setup)
+    ("qwen3-235b-a22b", 8, "dp2,tp4,ep8", "dp2,tp4,etp8", *QWEN_CE),
+    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,etp8", *QWEN_CE),
+    ("qwen3-235b-a22b", 8, "dp1,tp4,pp2,ep4", "dp2,tp4,ep8", *QWEN_CE),
+    ("kimi-k2-shaped", 256, "dp4,tp8,pp8,ep32", "dp16,tp16,etp16", *KIMI_CE),
 ]
 
 
@@ -163,19 +159,14 @@ def moe_worker(rank, world, args) -> dict | None:
         src, dst = Layout.parse(s), Layout.parse(d)
         plan = plan_moe_realloc(model, src, dst)
         r = MoeReallocator(plan, t)
-        a = (
-            (
+        a = b = (None, None)  # (ModelShard, ExpertShard) of the source and the destination
+        if rank in src.ranks:
+            a = (
                 ModelShard.from_full(model, src, rank, full),
                 ExpertShard.from_full(model, src, rank, full),
             )
-            if rank in src.ranks
-            else (None, None)
-        )
-        b = (
-            (ModelShard.empty(model, dst, rank), ExpertShard.empty(model, dst, rank))
-            if rank in dst.ranks
-            else (None, None)
-        )
+        if rank in dst.ranks:
+            b = ModelShard.empty(model, dst, rank), ExpertShard.empty(model, dst, rank)
 
         def run(r=r, a=a, b=b):
             r.run(*a, *b)

@@ -27,7 +27,6 @@ planned/copy_ (the kernel's speed; `ours` adds its per-call host work).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import hardware_tag, time_interleaved, write_results
+from timing import bench_parser, hardware_tag, time_interleaved, write_results
 
 from real_py import Layout, ModelSpec, model_spec, plan_realloc, preset, shard_layout
 from real_py.ops import CopyPlan, descs_tensor, pack, unpack
@@ -233,15 +232,12 @@ def class_summary(rows: list[dict], device: str) -> list[str]:
         got = [r["planned/copy_"] for r in rows if r["class"] == name]
         if not got:
             continue
-        verdict = (
-            "no goal"
-            if goal is None
-            else (
-                f"goal {goal}: {'met' if min(got) >= goal else 'NOT met'}"
-                if device == "cuda"
-                else f"GPU goal {goal}"
-            )
-        )
+        if goal is None:
+            verdict = "no goal"
+        elif device == "cuda":
+            verdict = f"goal {goal}: {'met' if min(got) >= goal else 'NOT met'}"
+        else:
+            verdict = f"GPU goal {goal}"
         lines.append(
             f"{name}: planned/copy_ {min(got):.3f} - {max(got):.3f} over {len(got)} rows "
             f"({verdict})"
@@ -250,19 +246,8 @@ def class_summary(rows: list[dict], device: str) -> list[str]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument(
-        "--hardware",
-        default=None,
-        help="results tag (default: cpu<cores> on cpu, the GPU's model on cuda)",
-    )
+    ap = bench_parser(__doc__, device="cpu")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--small", action="store_true", help="shrunken cases (smoke run)")
-    ap.add_argument("--no-plans", action="store_true", help="synthetic run-length cases only")
-    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU visible to torch")
@@ -270,34 +255,15 @@ def main(argv=None):
         SMALL.update(hidden_size=1024, intermediate_size=3584, vocab_size=4096)
     payload = (2 << 20) if args.small else (256 << 20) if args.device == "cuda" else (32 << 20)
     rows = synthetic_rows(args.device, args.repeats, payload)
-    if not args.no_plans:
-        for case in PLAN_CASES:
-            rows += plan_rows(*case, args.device, args.repeats)
-    cols = [
-        "case",
-        "class",
-        "op",
-        "MiB",
-        "runs",
-        "min run B",
-        "items",
-        "ours GB/s",
-        "planned GB/s",
-        "copy_ GB/s",
-    ]
-    cols += (["memcpy GB/s"] if args.device == "cpu" else []) + [
-        "torch_runs GB/s",
-        "ours/copy_",
-        "planned/copy_",
-    ]
-    cols += (["planned/memcpy"] if args.device == "cpu" else []) + [
-        "planned/torch_runs",
-        "goal",
-        "met",
-    ]
+    for case in PLAN_CASES:
+        rows += plan_rows(*case, args.device, args.repeats)
+    cpu = args.device == "cpu"
+    cols = "case|class|op|MiB|runs|min run B|items|ours GB/s|planned GB/s|copy_ GB/s".split("|")
+    cols += (["memcpy GB/s"] if cpu else []) + ["torch_runs GB/s", "ours/copy_", "planned/copy_"]
+    cols += (["planned/memcpy"] if cpu else []) + ["planned/torch_runs", "goal", "met"]
     summary = class_summary(rows, args.device)
     print("\n".join(summary))
-    hw = (args.hardware or hardware_tag(args.device)) + ("_small" if args.small else "")
+    hw = hardware_tag(args.device, args.small)
     notes = (
         "GB/s = (bytes read + bytes written) / median time. A case's class is that of its shortest "
         "run; goals (GPU): planned/copy_ >= 0.90 for runs >= 16 KiB, >= 0.85 for runs of 2-16 KiB. "

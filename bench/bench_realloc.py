@@ -6,19 +6,28 @@
 
 For each (model, src layout, dst layout) on 4 gloo ranks and each method (real_py, Megatron-core
 resharding, DTensor redistribute where it applies, naive all-gather + slice): seconds (median
-of --repeats, methods interleaved per repeat, after one untimed warmup run that is also the
-verification run), useful GB/s per rank and in aggregate, network bytes against the minimum,
-and the fraction of the lower bound achieved. Plans, groups and meshes are built before timing.
+of --repeats on the slowest rank, methods interleaved per repeat, after one untimed warmup run
+that is also the verification run: destination compared bit for bit with slicing the full
+tensors), useful GB/s (GBps_per_rank: the largest bytes one rank must receive, lb_rank_GB, /
+seconds; GBps_aggregate: the minimum network bytes / seconds), network_GB (what the method
+receives in total) against min_network_GB, and the fraction of the lower bound achieved
+(frac_of_lb; frac_of_aggregate against the aggregate bandwidth); realpy_speedup = the method's
+seconds / real_py's. Plans, groups and meshes are built before timing. A 'real_py staged' row is
+real_py with direct_min_bytes=0 (contiguous pieces inside mixed messages packed into staging),
+timed interleaved in the same run.
 A 'gloo floor' row per pair times the plan's messages alone (one batch_isend_irecv between
 preallocated buffers): what the minimum bytes cost over gloo here, which no method can beat; a
 'gloo floor + local copies' row adds each rank's elements that stay on it as one contiguous copy
-during the batch: the least an exact method keeping its source does on this machine.
+during the batch: the least an exact method keeping its source does on this machine, where gloo
+and memory copies share the same cores.
 
 Lower bound: the largest number of bytes any one rank must receive over the network (what it
 needs and does not hold) divided by the point-to-point gloo bandwidth between two ranks of this
 world, measured at the start of the same run (the other ranks idle). A second, looser reference
 divides the minimum total network bytes by the aggregate bandwidth of all ranks exchanging at
-once, also measured here. Writes bench/results/realloc_<hw>_<date>.{json,md}.
+once, also measured here.
+
+Writes bench/results/realloc_<hw>_<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from real_py import Layout, ModelConfig, model_spec, plan_realloc
 from real_py.benchmark import pattern, slowest_rank, timed_slowest
 from real_py.realloc.plan import _shard_data_numel
 from real_py.realloc.shard import ModelShard, tp_slice
+from real_py.realloc.transports.dist import DistTransport
 
 WORLD = 4
 CONFIGS = {
@@ -154,13 +164,11 @@ def build_methods(model, src, dst, src_shard, dst_shard, ctx) -> dict:
     """name -> method object, or name -> str (why it does not run)."""
     from realloc_methods import DTensorMethod, NaiveAllGather, RealPy
 
-    out = {}
-    transport = ctx.get("transport")
-    if isinstance(transport, str):
-        out["real_py"] = transport
-    else:
-        out["real_py"] = RealPy(model, src, dst, src_shard, dst_shard, transport)
-        out[STAGED] = RealPy(model, src, dst, src_shard, dst_shard, transport, direct_min_bytes=0)
+    t = ctx["transport"]
+    out = {
+        "real_py": RealPy(model, src, dst, src_shard, dst_shard, t),
+        STAGED: RealPy(model, src, dst, src_shard, dst_shard, t, direct_min_bytes=0),
+    }
     mc = ctx.get("mcore")
     if isinstance(mc, str):
         out["megatron-core"] = mc
@@ -277,7 +285,7 @@ def bench_pair(model_key, src, dst, ctx, repeats, links) -> list[dict]:
 
 def worker(rank, world, args) -> dict | None:
     torch.set_num_threads(1)
-    ctx = {"transport": _transport_or_reason()}
+    ctx = {"transport": DistTransport(dist.group.WORLD)}
     try:
         import realloc_mcore
 
@@ -300,15 +308,6 @@ def worker(rank, world, args) -> dict | None:
             for r in pair_rows:
                 print(_line(r), flush=True)
     return {"rows": rows, "links": links} if rank == 0 else None
-
-
-def _transport_or_reason():
-    """real_py's torch.distributed transport, or why the real_py column is pending."""
-    try:
-        from real_py.realloc.transports.dist import DistTransport
-    except ImportError:
-        return "pending: real_py has no torch.distributed transport yet (dist branch not merged)"
-    return DistTransport(dist.group.WORLD)
 
 
 def _line(r: dict) -> str:
@@ -378,29 +377,12 @@ def main():
 
         out = run_distributed(worker, WORLD, args, timeout=args.timeout, pg_timeout=300)[0]
     links = out["links"]
+    # this run's figures, then the method and columns (the docstring)
     notes = (
-        f"{WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}). Seconds: "
-        f"median of {args.repeats} repeats on the slowest rank, methods interleaved, after an "
-        "untimed warmup that is also the verification run (destination compared bit for bit "
-        "with slicing the full tensors). GB/s use the useful bytes: per rank = the largest "
-        "bytes one rank must receive (lb_rank_GB) / seconds, aggregate = minimum network "
-        "bytes / seconds; network_GB is what the method actually receives in total. "
-        f"Lower bound (lb_seconds) = lb_rank_GB / p2p link {links['p2p_GBps']:.2f} GB/s, "
-        "measured in this run with a plain gloo send/recv between two of its ranks; "
-        f"frac_of_aggregate uses the aggregate {links['aggregate_GBps']:.2f} GB/s of all "
-        "ranks exchanging at once. realpy_speedup = method seconds / real_py seconds. The "
-        "'gloo floor' row is not a method: real_py's plan messages posted as one "
-        "batch_isend_irecv between preallocated buffers (no copies, no rounds), i.e. what "
-        "moving exactly the minimum bytes over gloo costs here; no exact method can beat it. "
-        "The 'gloo floor + local copies' row adds, while the batch is in flight, each rank's "
-        "elements that stay on it (the plan's local copies) as one contiguous copy between "
-        "preallocated buffers: the least an exact method that keeps its source intact does "
-        "on this machine, where gloo and memory copies share the same cores. "
-        + _floor_summary(out["rows"])
-        + " "
-        "The 'real_py staged' row is real_py with direct_min_bytes=0 (contiguous pieces "
-        "inside mixed messages packed into staging, as before they were sent directly), "
-        "timed interleaved in the same run."
+        f"{WORLD} gloo ranks on this machine (load average at start {load[0]:.1f}), "
+        f"{args.repeats} repeats; measured links: p2p {links['p2p_GBps']:.2f} GB/s, aggregate "
+        f"{links['aggregate_GBps']:.2f} GB/s. {_floor_summary(out['rows'])}\n\n"
+        + __doc__.split("\n\n", 2)[2].rsplit("\n\n", 1)[0]
     )
     cols = (
         "model params_M src dst method seconds min_s max_s verified GBps_per_rank GBps_aggregate "

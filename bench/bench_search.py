@@ -112,6 +112,8 @@ def main() -> None:
     rows = []
     for theme, actor, critic, n, wl in settings(args.quick):
         budget = args.big_budget if n == 128 and critic == "llama2-70b" else args.budget
+        setting = {"theme": theme, "actor": actor, "critic": critic, "gpus": n}
+        setting |= {"prompt_len": wl.prompt_len, "gen_len": wl.gen_len, "batch_size": wl.batch_size}
         t0 = time.perf_counter()
         try:
             res = plan_search(
@@ -126,18 +128,7 @@ def main() -> None:
                 per_mesh=args.per_mesh,
             )
         except ValueError as e:
-            rows.append(
-                {
-                    "theme": theme,
-                    "actor": actor,
-                    "critic": critic,
-                    "gpus": n,
-                    "prompt_len": wl.prompt_len,
-                    "gen_len": wl.gen_len,
-                    "batch_size": wl.batch_size,
-                    "error": str(e),
-                }
-            )
+            rows.append({**setting, "error": str(e)})
             print(f"{theme:12s} {actor}+{critic} {n:3d} gpus: {e}", flush=True)
             continue
         took = time.perf_counter() - t0
@@ -145,13 +136,7 @@ def main() -> None:
         sim = res.simulate()
         realloc = sum(e.end - e.start for e in sim.events if e.realloc and e.iter == 0)
         row = {
-            "theme": theme,
-            "actor": actor,
-            "critic": critic,
-            "gpus": n,
-            "prompt_len": wl.prompt_len,
-            "gen_len": wl.gen_len,
-            "batch_size": wl.batch_size,
+            **setting,
             "budget_s": budget,
             "search_wall_s": took,
             "search_s_per_iter": res.iter_time,

@@ -259,6 +259,9 @@ def work_of_trl(a: dict, prompts_file: str) -> dict:
 
 
 def read_rows(path: str) -> list[dict]:
+    """A JSON-lines file's records ([] where a side stopped before writing it)."""
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -276,11 +279,7 @@ def run_real_py(s: dict, ckpt: str, work: str, device: str, timeout: float) -> d
     t0 = time.perf_counter()
     rc, log = _run(cmd, timeout, cwd=str(ROOT))
     total = time.perf_counter() - t0
-    recs = (
-        read_rows(os.path.join(out_dir, "metrics.jsonl"))
-        if os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
-        else []
-    )
+    recs = read_rows(os.path.join(out_dir, "metrics.jsonl"))
     per_step_tokens = s["prompts_per_step"] * s["group"] * s["new_tokens"]
     steps = []
     for r in recs:
@@ -308,18 +307,11 @@ def run_real_py(s: dict, ckpt: str, work: str, device: str, timeout: float) -> d
 # -- TRL's side ----------------------------------------------------------------------------
 def install_trl(wheels: str | None) -> str | None:
     """None when trl imports (after installing it from `wheels`), else why not."""
-    if wheels and trl_version() is None:  # an importable trl is used as it is
+    if wheels and import_trl().returncode:  # an importable trl is used as it is
         if not os.path.isdir(wheels):
             return f"--wheels {wheels}: no such directory"
-        pip = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-index",
-        ]
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        pip.append("--no-index")
         # A distribution's system Python (PEP 668, e.g. Ubuntu's python3.12) refuses pip installs
         # unless told otherwise (older pips ignore it); a venv needs no such override.
         env = dict(os.environ)
@@ -332,9 +324,8 @@ def install_trl(wheels: str | None) -> str | None:
             timeout=600,
             env=env,
         )
-        if (
-            r.returncode
-        ):  # a version bound the machine's packages miss: the wheels alone, then import decides
+        # a version bound the machine's packages miss: the wheels alone, then import decides
+        if r.returncode:
             whls = sorted(str(p) for p in Path(wheels).glob("*.whl"))
             r2 = subprocess.run(
                 pip + ["--no-deps", *whls], capture_output=True, text=True, timeout=600, env=env
@@ -349,25 +340,16 @@ def install_trl(wheels: str | None) -> str | None:
                 f"trl installed from {wheels} without its dependency check: "
                 f"{(r.stdout + r.stderr)[-300:]}"
             )
-    r = subprocess.run(
-        [sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = import_trl()
     if r.returncode:
         return "trl cannot be imported: " + (r.stderr.strip().splitlines() or ["?"])[-1]
     return None
 
 
-def trl_version() -> str | None:
-    r = subprocess.run(
-        [sys.executable, "-c", "import trl, sys; sys.stdout.write(trl.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return r.stdout.strip() if r.returncode == 0 else None
+def import_trl() -> subprocess.CompletedProcess:
+    """`import trl` in a fresh interpreter (this one may have imported it before an install)."""
+    code = "import trl, sys; sys.stdout.write(trl.__version__)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 def run_trl(s: dict, ckpt: str, work: str, device: str, timeout: float) -> dict:
@@ -388,7 +370,7 @@ def run_trl(s: dict, ckpt: str, work: str, device: str, timeout: float) -> dict:
         cwd=str(ROOT),
     )
     total = time.perf_counter() - t0
-    recs = read_rows(spec["records"]) if os.path.exists(spec["records"]) else []
+    recs = read_rows(spec["records"])
     head = next((r for r in recs if r.get("kind") == "init"), {})
     steps = []
     for r in (r for r in recs if r.get("kind") == "step"):
@@ -564,7 +546,6 @@ def main(argv=None):
     ap.add_argument(
         "--real-timeout", type=float, default=300.0, help="seconds for real_py's whole side"
     )
-    ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
     ap.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -593,7 +574,7 @@ def main(argv=None):
             flush=True,
         )
         report(args, s, extra, ours, None)
-        why = "skipped (--skip-trl)" if args.skip_trl else install_trl(args.wheels)
+        why = install_trl(args.wheels)
         theirs = None
         if why is None:
             theirs = run_trl(s, ckpt, work, args.device, args.trl_timeout)
@@ -668,16 +649,7 @@ def report(args, s: dict, extra: dict, ours: dict, theirs: dict | None) -> None:
         notes += f"\n\nTRL's side did not run: {extra['trl_skipped']}"
     if not extra.get("complete"):
         notes += "\n\nPARTIAL: written after real_py's side; TRL's side had not finished."
-    cols = [
-        "side",
-        "step",
-        "seconds",
-        "tokens/s",
-        "gen tokens/s",
-        "peak GiB",
-        "reward",
-        "response_length",
-    ]
+    cols = "side|step|seconds|tokens/s|gen tokens/s|peak GiB|reward|response_length".split("|")
     paths = write_results(
         "trl",
         hardware_tag(args.device, args.small),

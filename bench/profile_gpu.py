@@ -19,7 +19,6 @@ Writes <out-dir>/profile_<hw>_<date>.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -31,18 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from bench_generate import BIG, SMALL, engine, one_rank_world
-from timing import hardware_tag, write_results
+from timing import bench_parser, hardware_tag, sync, write_results
 
 from real_py import ModelConfig
 from real_py.device import resolve_device
 from real_py.ops import pack
 
 TOP = 12
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _device_us(e) -> float:
@@ -58,49 +52,29 @@ def profile_rows(
     """Wall time of one iteration without the profiler, then the top kernels and host ops with
     it."""
     fn()
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    _sync(dev)
+    sync(dev)
     wall = (time.perf_counter() - t0) / iters
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(iters):
             fn()
-        _sync(dev)
+        sync(dev)
     ev = list(prof.key_averages())
-    rows = [
-        {
-            "scenario": scenario,
-            "kind": "wall",
-            "name": f"one {per}, no profiler",
-            "calls": 1.0,
-            "us": wall * 1e6,
-        }
-    ]
-    if dev.type == "cuda":
-        for e in sorted(ev, key=_device_us, reverse=True)[:TOP]:
-            if _device_us(e) > 0:
-                rows.append(
-                    {
-                        "scenario": scenario,
-                        "kind": "device",
-                        "name": e.key[:90],
-                        "calls": e.count / iters,
-                        "us": _device_us(e) / iters,
-                    }
-                )
-    for e in sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP]:
-        rows.append(
-            {
-                "scenario": scenario,
-                "kind": "host",
-                "name": e.key[:90],
-                "calls": e.count / iters,
-                "us": e.self_cpu_time_total / iters,
-            }
-        )
+    rows = [{"kind": "wall", "name": f"one {per}, no profiler", "calls": 1.0, "us": wall * 1e6}]
+    # device: each kernel's self time (CUDA only); host: each op's self CPU time; top TOP of each
+    kinds = [("device", _device_us)] if dev.type == "cuda" else []
+    for kind, us in kinds + [("host", lambda e: e.self_cpu_time_total)]:
+        top = sorted(ev, key=us, reverse=True)[:TOP]
+        rows += [
+            {"kind": kind, "name": e.key[:90], "calls": e.count / iters, "us": us(e) / iters}
+            for e in top
+            if us(e) > 0 or kind == "host"
+        ]
+    return [{"scenario": scenario, **r} for r in rows]
     return rows
 
 
@@ -137,12 +111,7 @@ def pack_scenarios(dev: torch.device, small: bool) -> list[tuple[str, object]]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--small", action="store_true", help="tiny sizes (dry run)")
-    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    ap = bench_parser(__doc__)
     args = ap.parse_args(argv)
     dev = resolve_device(args.device)
     B, P, N = (4, 8, 8) if args.small else (32, 128, 32)
@@ -187,12 +156,7 @@ def main(argv=None):
         # The graph mode first: the open question (a decode step ~14x its weight-read time).
         for mode in (["graph"] if dev.type == "cuda" else []) + ["dynamic", "static"]:
             fn = lambda mode=mode: eng.generate(
-                prompts,
-                lengths,
-                seeds,
-                max_new_tokens=N,
-                greedy=False,
-                decode=mode,
+                prompts, lengths, seeds, max_new_tokens=N, greedy=False, decode=mode
             )
             record(f"generate {mode}, batch {B}, {P} + {N} tokens", fn, 1, "generate()")
     print("done", flush=True)

@@ -4,6 +4,8 @@
     time_interleaved({name: fn}, ...) -> {name: Timing}, variants timed round-robin
     environment() -> dict of versions, machine and date (real_py.benchmark.environment)
     hardware_tag(device, small) -> "cpu2", "h200", "h200_small", ...: <hardware> of a file name
+    sync(device)       wait for the device's queued work (CUDA; nothing on a CPU)
+    bench_parser(doc)  the options of the device benches: --device, --small, --out-dir
     write_results(theme, hardware, rows, columns=..., title=..., notes=..., extra=...) ->
         bench/results/<theme>_<hardware>_<yyyymmdd>.{json,md}
 
@@ -14,6 +16,7 @@ Benchmarks never assert: they report.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -95,6 +98,26 @@ def hardware_tag(device: str, small: bool = False) -> str:
     return tag + ("_small" if small else "")
 
 
+def sync(device) -> None:
+    """Wait for the work queued on `device` (a CUDA device); nothing on a CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_parser(doc: str, *, device: str = "cuda") -> argparse.ArgumentParser:
+    """A parser with the options every device bench takes (its docstring as the help):
+    --device cpu|cuda, --small (smoke-run sizes, "_small" reports) and --out-dir."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=device)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (smoke run)")
+    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results)")
+    return ap
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     """rows as a markdown table of `columns` (floats to 3 significant digits)."""
 
@@ -150,6 +173,8 @@ __all__ = [
     "time_interleaved",
     "environment",
     "hardware_tag",
+    "sync",
+    "bench_parser",
     "markdown_table",
     "write_results",
     "RESULTS",
