@@ -24,6 +24,7 @@ from support.vllm_cases import (
     send,
     shards_of,
     start_llm,
+    stop_llm,
     trainer_engines,
     write_checkpoint,
 )
@@ -50,7 +51,7 @@ def world(tmp_path_factory):
     llm = start_llm(root / "ref", tp=2)
     w = {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
     yield w
-    del llm
+    stop_llm(llm)
 
 
 def _layouts(cfg):

@@ -16,6 +16,7 @@ from support.vllm_cases import (
     send,
     shards_of,
     start_llm,
+    stop_llm,
     trainer_engines,
     write_checkpoint,
 )
@@ -35,7 +36,7 @@ def world(tmp_path_factory):
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
     yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
-    del llm
+    stop_llm(llm)
 
 
 @pytest.mark.parametrize("text", ["dp2,pp2", "dp4,dim0", "dp4,flat"])

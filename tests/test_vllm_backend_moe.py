@@ -17,6 +17,7 @@ from support.vllm_cases import (
     perturbed,
     send,
     start_llm,
+    stop_llm,
 )
 
 from real_py import Layout, ModelConfig, ModelShard, model_spec
@@ -69,7 +70,7 @@ def world(tmp_path_factory):
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=2)
     yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
-    del llm
+    stop_llm(llm)
 
 
 def _sources(cfg, layout, full):

@@ -14,6 +14,7 @@ from support.vllm_cases import (
     send,
     shards_of,
     start_llm,
+    stop_llm,
     trainer_engines,
     write_checkpoint,
 )
@@ -32,7 +33,7 @@ def world(tmp_path_factory):
     export(root / "ref", cfg, ref_full, source=root / "init")
     llm = start_llm(root / "ref", tp=1)
     yield {"llm": llm, "cfg": cfg, "ref_full": ref_full, "ref": generate(llm), "root": root}
-    del llm
+    stop_llm(llm)
 
 
 @pytest.mark.parametrize("name", ["tp2pp2", "fsdp2_dim0_dp4", "megatron_grouped_tp2"])

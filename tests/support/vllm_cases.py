@@ -93,6 +93,16 @@ def start_llm(path, tp: int):
     )
 
 
+def stop_llm(llm) -> None:
+    """End a module's engine at its teardown: the trainer engines made for it first (their
+    groups, heartbeats and store), then vLLM's workers. Left to interpreter exit, their
+    finalizers ran after pytest closed its streams ("Logging error", "Broken pipe")."""
+    for engine in _LIVE:
+        engine.shutdown()
+    _LIVE.clear()
+    llm.llm_engine.engine_core.shutdown()
+
+
 def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and the logprob of each, per prompt."""
     from vllm import SamplingParams
