@@ -401,6 +401,10 @@ def test_vllm_logp_rollout_drops_the_recompute_and_refuses_what_needs_it(tmp_pat
         CF.validate(
             CF.from_dict({"generation": {"vllm_logp": "rollout"}, "reward": {"kind": "rule"}}), 4
         )
+    # vLLM's log-probs of a truncated distribution as old_logp: said before launch
+    assert not [n for n in CF.notes(cfg, 4) if "vllm_logp" in n]
+    cut = _vllm(generation={"vllm_logp": "rollout", "top_p": 0.9})
+    assert [n for n in CF.notes(cut, 4) if "vllm_logp: rollout with top_p=0.9, top_k=0" in n]
     # a plan searched for the recompute (it places actor_logp) names the way out
     _vllm().execution_plan().save(str(tmp_path / "plan.json"))
     cfg = _vllm(generation={"vllm_logp": "rollout"})

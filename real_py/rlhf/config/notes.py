@@ -44,6 +44,15 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
             f"reward.path={cfg.reward.path!r} is ignored: it is read with reward.kind: function "
             f"only (reward.kind={cfg.reward.kind!r})"
         )
+    gc = cfg.generation
+    if gc.engine == "vllm" and gc.vllm_logp == "rollout" and (gc.top_p < 1 or gc.top_k > 0):
+        out.append(
+            f"generation.vllm_logp: rollout with top_p={gc.top_p:g}, top_k={gc.top_k}: vLLM's "
+            "log-probs (old_logp) are of the truncated distribution it sampled from, the trainer's "
+            "of the whole one, so the policy ratio starts below 1 on tokens where top-p / top-k "
+            "cut mass (and clips where it cut over ppo.clip); vllm_logp: recompute takes old_logp "
+            "from the trainer, as the built-in engine does"
+        )
     import torch
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
