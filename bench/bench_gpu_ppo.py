@@ -190,13 +190,21 @@ def find_baseline(hw: str, out_dir: str | None) -> Path | None:
     return found[-1] if found else None
 
 
+def _common(old, now) -> bool:
+    """Equal on the keys both sides have (dicts), else equal."""
+    if isinstance(old, dict) and isinstance(now, dict):
+        return all(old[k] == now[k] for k in old.keys() & now.keys())
+    return old == now
+
+
 def baseline_rows(path: Path, cfg, rows: list[dict]) -> tuple[list[dict], str]:
     """Per call of the last iteration: earlier / now seconds and peak GiB, and the speed-up."""
     rec = json.loads(Path(path).read_text())
     old_cfg = rec.get("extra", {}).get("config", {})
     now_cfg = CF.to_dict(cfg)
+    # the keys both configs have (a field added since leaves the earlier run comparable)
     same = all(
-        old_cfg.get(k) == now_cfg.get(k)
+        _common(old_cfg.get(k), now_cfg.get(k))
         for k in ("actor", "critic", "data", "generation", "ppo", "precision")
     )
     last_old = max(r["iteration"] for r in rec["rows"])
@@ -335,7 +343,8 @@ def main(argv=None):
         extra["profiles"] = {k: asdict(v) for k, v in profiles.items()}
         extra["estimator"] = estimator_rows(cfg, plan, models, last, profiles, seconds)
         for r in extra["estimator"]:
-            print("estimate", {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+            est = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+            print("estimate", est, flush=True)
     extra["complete"] = True
     report(args, cfg, rows, extra, profile)
 

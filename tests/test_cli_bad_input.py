@@ -275,6 +275,11 @@ OTHER = [  # (case id, argv, phrase); PLAN_BAD / HF_CFG / RUN are replaced by pa
     ("search-batch", ["search", "--gpus", "8", "--batch-size", "0"], "--batch-size=0 must be > 0"),
     ("search-unknown-preset", ["search", "--gpus", "8", "--model", "llama3"], "neither a preset"),
     (
+        "search-vllm-logp-without-vllm",
+        ["search", "--gpus", "8", "--vllm-logp", "rollout"],
+        "--vllm-logp rollout needs --engine vllm",
+    ),
+    (
         "search-bad-critic",
         ["search", "--gpus", "8", "--critic", "nope/x"],
         "--critic 'nope/x' is neither",

@@ -404,7 +404,13 @@ def test_vllm_logp_rollout_drops_the_recompute_and_refuses_what_needs_it(tmp_pat
     # vLLM's log-probs of a truncated distribution as old_logp: said before launch
     assert not [n for n in CF.notes(cfg, 4) if "vllm_logp" in n]
     cut = _vllm(generation={"vllm_logp": "rollout", "top_p": 0.9})
-    assert [n for n in CF.notes(cut, 4) if "vllm_logp: rollout with top_p=0.9, top_k=0" in n]
+    assert [n for n in CF.notes(cut, 4) if "vllm_logp: rollout with top_p=0.9: " in n]
+    floor = _vllm(generation={"vllm_logp": "rollout", "min_new_tokens": 2, "top_k": 5})
+    assert [n for n in CF.notes(floor, 4) if "rollout with top_k=5, min_new_tokens=2: " in n]
+    greedy = {"vllm_logp": "rollout", "greedy": True, "top_p": 0.9}  # vLLM drops top-p there
+    assert not [n for n in CF.notes(_vllm(generation=greedy), 4) if "vllm_logp" in n]
+    with pytest.raises(ValueError, match=r"greedy: true and temperature=0.7: greedy vLLM returns"):
+        CF.validate(_vllm(generation={**greedy, "temperature": 0.7}), 4)
     # a plan searched for the recompute (it places actor_logp) names the way out
     _vllm().execution_plan().save(str(tmp_path / "plan.json"))
     cfg = _vllm(generation={"vllm_logp": "rollout"})

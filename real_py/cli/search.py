@@ -140,6 +140,11 @@ def run(args) -> int:
         group_size=args.group_size,
         runtime_micro_batches=not args.free_micro_batches,
     )
+    if args.vllm_logp != "recompute" and args.engine != "vllm":
+        raise ValueError(
+            f"--vllm-logp {args.vllm_logp} needs --engine vllm (the built-in engine's log-probs "
+            "are the trainer's own)"
+        )
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness={args.max_staleness} must be >= 0 (0: synchronous)")
     if args.per_mesh is not None and args.per_mesh < 1:

@@ -359,7 +359,10 @@ def _spmd(args, cfg, ckpt, validated=None) -> int:
             liveness.stop_threads()  # before the group goes (liveness.stop_threads says why)
         if not managed():
             if rt is not None:
-                rt.close()  # vLLM's teardown, while the groups live; it ends the default one
+                try:  # vLLM's teardown, while the groups live; it ends the default one
+                    rt.close()
+                except Exception as e:  # never in place of the error that ended the run
+                    print(f"rank {dist.get_rank()}: vLLM teardown failed: {e}", flush=True)
             if dist.is_initialized():
                 dist.destroy_process_group()
     return 0

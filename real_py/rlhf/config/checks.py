@@ -335,6 +335,14 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
                 "generation.engine: vllm (the built-in engine's log-probs are the trainer's own)"
             )
         return
+    gc = cfg.generation
+    if gc.vllm_logp == "rollout" and gc.greedy and gc.temperature != 1:
+        raise ValueError(
+            f"config generation.vllm_logp: rollout with greedy: true and temperature="
+            f"{gc.temperature:g}: greedy vLLM returns log-probs at temperature 1 while the "
+            "trainer's divide by generation.temperature, so old_logp would not be the trainer's "
+            "policy; use vllm_logp: recompute, or temperature: 1"
+        )
     if cfg.generation.vllm_logp == "rollout" and cfg.ppo.tis_cap is not None:
         raise ValueError(
             f"config ppo.tis_cap={cfg.ppo.tis_cap} with generation.vllm_logp: rollout: truncated "

@@ -45,13 +45,27 @@ def notes(cfg: TrainConfig, world_size: int) -> list[str]:
             f"only (reward.kind={cfg.reward.kind!r})"
         )
     gc = cfg.generation
-    if gc.engine == "vllm" and gc.vllm_logp == "rollout" and (gc.top_p < 1 or gc.top_k > 0):
+    cut = []
+    if gc.engine == "vllm" and gc.vllm_logp == "rollout" and not gc.greedy:
+        vocab = cfg.model_configs()["actor"].vocab_size
+        cut = [
+            f"{k}={v:g}"
+            for k, v, on in (
+                ("top_p", gc.top_p, gc.top_p < 1),
+                ("top_k", gc.top_k, 0 < gc.top_k < vocab),
+                ("min_new_tokens", gc.min_new_tokens, gc.min_new_tokens > 0),
+            )
+            if on
+        ]
+    if cut:
         out.append(
-            f"generation.vllm_logp: rollout with top_p={gc.top_p:g}, top_k={gc.top_k}: vLLM's "
-            "log-probs (old_logp) are of the truncated distribution it sampled from, the trainer's "
-            "of the whole one, so the policy ratio starts below 1 on tokens where top-p / top-k "
-            "cut mass (and clips where it cut over ppo.clip); vllm_logp: recompute takes old_logp "
-            "from the trainer, as the built-in engine does"
+            f"generation.vllm_logp: rollout with {', '.join(cut)}: vLLM's log-probs (old_logp) "
+            "are of the distribution it sampled from, renormalised after top-p / top-k / the "
+            "stop tokens banned before min_new_tokens, the trainer's of the whole one: the policy "
+            "ratio starts at the kept mass Z (below 1) on those tokens, tokens with a negative "
+            "advantage lose their gradient where Z < 1 - ppo.clip, and the kl term rises by "
+            "-log Z; vllm_logp: recompute takes old_logp from the trainer, as the built-in "
+            "engine does"
         )
     import torch
 
