@@ -32,6 +32,10 @@ peers) on the host. On gloo `order()` is the blocking wait with its deadline.
 
 Counters: `sent_bytes` / `received_bytes` (network payload bytes; a broadcast counts once for
 its sender, as in ReallocPlan.per_rank_bytes()).
+
+One file (about 400 lines): posting a round, waiting on it and naming a failure share the
+transport's state (the subgroups, the store's reports, the peer watch), and a reader follows one
+round from post to error here.
 """
 
 from __future__ import annotations
