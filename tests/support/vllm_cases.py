@@ -94,13 +94,15 @@ def start_llm(path, tp: int):
 
 
 def stop_llm(llm) -> None:
-    """End a module's engine at its teardown: the trainer engines made for it first (their
-    groups, heartbeats and store), then vLLM's workers. Left to interpreter exit, their
-    finalizers ran after pytest closed its streams ("Logging error", "Broken pipe")."""
-    for engine in _LIVE:
+    """End a module's engine at its teardown: vLLM's workers first (they beat into the transfer
+    group's store, which trainer rank 0 hosts), then the trainer engines made for it (their
+    groups, heartbeats and store). Left to interpreter exit, their finalizers ran after pytest
+    closed its streams ("Logging error"), and workers still beating into a closed store printed
+    "Broken pipe"."""
+    llm.llm_engine.engine_core.shutdown()
+    for engine in reversed(_LIVE):  # rank 0 hosts the store: last
         engine.shutdown()
     _LIVE.clear()
-    llm.llm_engine.engine_core.shutdown()
 
 
 def generate(llm, prompts=PROMPTS, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
@@ -134,7 +136,7 @@ def trainer_engines(
 ) -> dict:
     from real_py.vllm import RealPyTrainerEngine, RealPyTrainerInitInfo, ShardSource
 
-    for engine in _LIVE:
+    for engine in reversed(_LIVE):  # rank 0 hosts the store: last
         engine.shutdown()
     _LIVE.clear()
 
