@@ -160,6 +160,18 @@ def rows_of(config: str) -> int:
         return int(yaml.safe_load(f)["data"]["batch_size"])
 
 
+COLS = (
+    "gen_s",
+    "new_tokens",
+    "tokens_per_s",
+    "step_s",
+    "actor_logp_s",
+    "actor_realloc_s",
+    "load_1min_before",
+)
+"""Per run, then the median over runs: one report row per case and engine."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -223,17 +235,6 @@ def main() -> None:
         extra={"runs": runs_all},
     )
     print(jpath, mpath)
-
-
-COLS = (
-    "gen_s",
-    "new_tokens",
-    "tokens_per_s",
-    "step_s",
-    "actor_logp_s",
-    "actor_realloc_s",
-    "load_1min_before",
-)
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def _check_vllm(cfg: TrainConfig, plan: ExecutionPlan, graph: Graph, models: dic
             "trainer's divide by generation.temperature, so old_logp would not be the trainer's "
             "policy; use vllm_logp: recompute, or temperature: 1"
         )
-    if cfg.generation.vllm_logp == "rollout" and cfg.ppo.tis_cap is not None:
+    if gc.vllm_logp == "rollout" and cfg.ppo.tis_cap is not None:
         raise ValueError(
             f"config ppo.tis_cap={cfg.ppo.tis_cap} with generation.vllm_logp: rollout: truncated "
             "importance sampling weighs vLLM's log-probs against the trainer's recompute, which "
